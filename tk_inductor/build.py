@@ -1,0 +1,199 @@
+"""JIT build of csrc/kernels/<family> with torch.utils.cpp_extension + ninja.
+
+One shared library per family. Each holds torch-free `*.cu` kernel files and a
+thin `binding.cpp` that registers raw CUDA ops in the `tk_cuda` namespace
+(`TORCH_LIBRARY_FRAGMENT(tk_cuda, m)`); the user-facing `tk::` ops in
+tk_inductor/ops call those. Builds are cached under a directory named by a
+hash of the sources, flags and torch/CUDA versions, so an edit rebuilds and an
+unchanged tree loads in well under a second.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("tk_inductor")
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+INCLUDE = CSRC / "include"
+KERNELS = CSRC / "kernels"
+
+NVCC_FLAGS = [
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-std=c++20",
+    "-O3",
+    "--expt-relaxed-constexpr",
+    "--expt-extended-lambda",
+    "-lineinfo",
+    "-DNDEBUG",
+]
+CXX_FLAGS = ["-O3", "-std=c++20", "-DNDEBUG"]
+
+_lock = threading.Lock()
+_loaded: dict[str, Path] = {}
+_failed: dict[str, str] = {}
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def families() -> list[str]:
+    """Families that have kernel sources."""
+    if not KERNELS.is_dir():
+        return []
+    return sorted(p.name for p in KERNELS.iterdir() if p.is_dir() and any(p.glob("*.cu")))
+
+
+def sources(family: str) -> list[Path]:
+    folder = KERNELS / family
+    return sorted([*folder.glob("*.cu"), *folder.glob("*.cpp")])
+
+
+def _headers(family: str) -> list[Path]:
+    return sorted([*INCLUDE.rglob("*.cuh"), *INCLUDE.rglob("*.h"), *(KERNELS / family).glob("*.cuh"), *(KERNELS / family).glob("*.h")])
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_home() -> str | None:
+    """The real CUDA toolkit (the folder with bin/nvcc and include/cuda.h).
+
+    `nvcc` on PATH may be a wrapper script, so torch's guess (two levels above
+    it) can lack the headers; look through the usual places instead."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(nvcc).resolve()
+        candidates.append(str(real.parent.parent))
+        try:  # a wrapper script: find the path it execs
+            text = real.read_text(errors="ignore")[:4096]
+            for word in text.split():
+                if word.endswith("/bin/nvcc"):
+                    candidates.append(str(Path(word).parent.parent))
+        except OSError:
+            pass
+    candidates += ["/usr/local/cuda", *sorted(map(str, Path("/usr/local").glob("cuda-*")), reverse=True)]
+    for c in candidates:
+        if c and (Path(c) / "bin" / "nvcc").exists() and (Path(c) / "include" / "cuda.h").exists():
+            return str(Path(c).resolve())
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TK_INDUCTOR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tk_inductor"
+    )
+    return Path(root)
+
+
+def source_hash(family: str) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for path in [*sources(family), *_headers(family)]:
+        h.update(str(path.relative_to(CSRC)).encode())
+        h.update(path.read_bytes())
+    h.update(" ".join(NVCC_FLAGS + CXX_FLAGS).encode())
+    h.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}".encode())
+    return h.hexdigest()[:16]
+
+
+def kernel_version() -> str:
+    """Hash over every family's sources: part of the pre-grad pass uuid."""
+    return hashlib.sha256("".join(source_hash(f) for f in families()).encode()).hexdigest()[:16]
+
+
+def build_dir(family: str) -> Path:
+    return cache_dir() / f"{family}-{source_hash(family)}"
+
+
+def _library_path(family: str) -> Path:
+    return build_dir(family) / f"tk_{family}.so"
+
+
+def is_built(family: str) -> bool:
+    """Built in the cache for the current sources (loaded or not)."""
+    return family in _loaded or (family in families() and _library_path(family).exists())
+
+
+def is_loaded(family: str) -> bool:
+    return family in _loaded
+
+
+def load(family: str, verbose: bool = False) -> Path:
+    """Build (if needed) and load a family's library; raises BuildError on failure."""
+    with _lock:
+        if family in _loaded:
+            return _loaded[family]
+        if family not in families():
+            raise BuildError(f"no kernel sources for family {family!r} under {KERNELS}")
+        import torch
+        from torch.utils import cpp_extension
+
+        home = cuda_home()
+        if home is None:
+            raise BuildError("no CUDA toolkit found (set CUDA_HOME to the folder holding bin/nvcc and include/cuda.h)")
+        os.environ["CUDA_HOME"] = home
+        cpp_extension.CUDA_HOME = home  # torch reads it once at import; the wrapper may have fooled it
+        out = build_dir(family)
+        out.mkdir(parents=True, exist_ok=True)
+        lib = _library_path(family)
+        if not lib.exists():
+            print(f"tk_inductor: building {family} kernels (first use; cached in {out}) ...", file=sys.stderr, flush=True)
+            start = time.time()
+            try:
+                cpp_extension.load(
+                    name=f"tk_{family}",
+                    sources=[str(s) for s in sources(family)],
+                    extra_include_paths=[str(INCLUDE), str(KERNELS / family)],
+                    extra_cflags=CXX_FLAGS,
+                    extra_cuda_cflags=NVCC_FLAGS,
+                    build_directory=str(out),
+                    is_python_module=False,
+                    verbose=verbose,
+                )
+            except Exception as exc:  # compiler errors arrive as RuntimeError/CalledProcessError
+                _failed[family] = str(exc)
+                raise BuildError(f"building {family} kernels failed: {exc}") from exc
+            print(f"tk_inductor: built {family} in {time.time() - start:.1f} s", file=sys.stderr, flush=True)
+        else:
+            torch.ops.load_library(str(lib))
+        _loaded[family] = lib
+        return lib
+
+
+def try_load(family: str) -> bool:
+    """Load if possible; never raises (a failed build is remembered and not retried)."""
+    if family in _loaded:
+        return True
+    if family in _failed:
+        return False
+    try:
+        load(family)
+        return True
+    except BuildError as exc:
+        _failed[family] = str(exc)
+        return False
+
+
+def failure(family: str) -> str | None:
+    return _failed.get(family)
+
+
+def build_all(verbose: bool = False) -> dict[str, str | None]:
+    """Build every family; returns family -> error (None when built)."""
+    results = {}
+    for family in families():
+        try:
+            load(family, verbose=verbose)
+            results[family] = None
+        except BuildError as exc:
+            results[family] = str(exc)
+    return results

@@ -1,0 +1,107 @@
+"""One Config, resolved as defaults < environment < per-compile options.
+
+The resolved config is hashed into cache keys (the pre-grad pass uuid), so
+every field that changes what the rewrite does must live here.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Iterator
+
+FAMILIES = ("attention", "linear_attention", "ssd", "layernorm", "rotary")
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _parse_ops(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    ops = tuple(dict.fromkeys(value))  # keep order, drop repeats
+    if "all" in ops:
+        return FAMILIES
+    unknown = [op for op in ops if op not in FAMILIES]
+    if unknown:
+        raise ValueError(f"tk_inductor: unknown op families {unknown}; choose from {list(FAMILIES)} or 'all'")
+    return ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    ops: tuple[str, ...] = FAMILIES  # allowlist of families the rewrite may replace
+    strict: bool = False  # raise instead of warning and passing through
+    reference: bool = False  # ops run their PyTorch reference (any device)
+    verbose: bool = False  # print a one-line summary per compiled graph
+    inner: str = "inductor"  # who compiles the rewritten graph: "inductor" or "aot_eager" (debugging)
+
+    def replace(self, **changes) -> "Config":
+        return _from_mapping(dataclasses.asdict(self) | changes)
+
+    def key(self) -> str:
+        """Stable hash of every field, for cache keys."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=list)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_OPTION_TYPES = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _from_mapping(values: dict) -> Config:
+    unknown = sorted(set(values) - set(_OPTION_TYPES))
+    if unknown:
+        raise ValueError(f"tk_inductor: unknown options {unknown}; known: {sorted(_OPTION_TYPES)}")
+    values = dict(values)
+    if "ops" in values:
+        values["ops"] = _parse_ops(values["ops"])
+    for flag in ("strict", "reference", "verbose"):
+        if flag in values:
+            values[flag] = bool(values[flag])
+    if values.get("inner", "inductor") not in ("inductor", "aot_eager"):
+        raise ValueError(f"tk_inductor: options['inner'] must be 'inductor' or 'aot_eager', not {values['inner']!r}")
+    return Config(**values)
+
+
+def from_environment(base: Config | None = None) -> Config:
+    values = dataclasses.asdict(base or Config())
+    if os.environ.get("TK_INDUCTOR_OPS"):
+        values["ops"] = os.environ["TK_INDUCTOR_OPS"]
+    for flag in ("strict", "reference", "verbose"):
+        env = _env_flag(f"TK_INDUCTOR_{flag.upper()}")
+        if env is not None:
+            values[flag] = env
+    return _from_mapping(values)
+
+
+# Process-wide settings that `patch` changes (explicit code beats the environment).
+_overrides: dict = {}
+
+
+def current(options: dict | None = None) -> Config:
+    """Defaults < environment < `patch` < options."""
+    cfg = from_environment()
+    if _overrides:
+        cfg = cfg.replace(**_overrides)
+    if options:
+        cfg = cfg.replace(**options)
+    return cfg
+
+
+@contextlib.contextmanager
+def patch(**changes) -> Iterator[Config]:
+    """Temporarily change process-wide settings, e.g. `with config.patch(ops=["rotary"])`."""
+    global _overrides
+    saved = _overrides
+    _from_mapping(dict(saved) | changes)  # validate before applying
+    _overrides = dict(saved) | changes
+    try:
+        yield current()
+    finally:
+        _overrides = saved
