@@ -1,0 +1,32 @@
+"""Where a `tk::` op runs: its CUDA kernel, or its PyTorch reference.
+
+Every family's compiled library registers raw ops `tk_cuda::<name>` with the
+same schema as the user-facing `tk::<name>`; the `tk::` op calls the raw op
+when the inputs are on CUDA, the family's kernels load, and reference mode is
+off. Everywhere else it runs the reference, so reference mode works on any
+device and CPU tests exercise the whole rewrite.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import build, config
+
+
+def use_kernel(family: str, *tensors: torch.Tensor | None) -> bool:
+    if not all(t is None or t.is_cuda for t in tensors):
+        return False
+    if config.current().reference:
+        return False
+    return build.try_load(family)
+
+
+def kernel(name: str):
+    """The raw CUDA op `tk_cuda::<name>` (after `use_kernel` said yes)."""
+    return getattr(torch.ops.tk_cuda, name)
+
+
+def check(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
+    """Input validation for ops called directly: a clear Python error, never a device crash."""
+    if not condition:
+        raise error(message)
