@@ -1,0 +1,138 @@
+"""python -m benchmarks [--ops attention,rotary] [--quick] [--e2e] [--models llama-sdpa,...] [--build]
+
+Runs every op benchmark (each module `benchmarks/<op>.py` exposes
+`run(quick: bool) -> list[Row]`), optionally whole models and build/compile
+times, prints one table (ours, each baseline, ratio) and writes JSON and PNG
+plots under benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+from .common import Row, progress
+
+OPS = ("attention", "layernorm", "rotary", "gemm")
+
+
+def _as_rows(items) -> list[Row]:
+    return [r if isinstance(r, Row) else Row(**r) for r in items]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def table(rows: list[Row]) -> str:
+    """One line per (op, case): ours, each other implementation, and ours/baseline as a speed ratio."""
+    by_case: dict[tuple[str, str], dict[str, Row]] = defaultdict(dict)
+    for r in rows:
+        by_case[(r.op, r.case)][r.impl] = r
+    lines = []
+    for (op, case), impls in by_case.items():
+        ours = impls.get("ours") or impls.get("thunderkittens")
+        parts = []
+        for name, r in impls.items():
+            if r.ms is None:
+                parts.append(f"{name}: {r.note or 'missing'}")
+                continue
+            fig = f" {r.figure:.0f} {r.unit}" if r.figure is not None else ""
+            ratio = ""
+            if ours is not None and ours.ms and r is not ours:
+                ratio = f" (ours {r.ms / ours.ms:.2f}x)"
+            parts.append(f"{name} {r.ms:.3f} ms{fig}{ratio}")
+        lines.append(f"{op:<10} {case:<40} " + " | ".join(parts))
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    groups: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        if r.x is not None and r.figure is not None:
+            groups[r.op].append(r)
+    for op, items in groups.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for r in items:
+            variant = r.case.split(" ", 1)[-1] if op == "attention" else ""
+            series[f"{r.impl} {variant}".strip()].append((r.x, r.figure))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length" if op == "attention" else "size")
+        ax.set_ylabel(items[0].unit)
+        ax.set_title(op)
+        ax.legend(fontsize=6)
+        path = out / f"{op}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated op benchmarks (default: all)")
+    p.add_argument("--quick", action="store_true", help="a small subset of cases")
+    p.add_argument("--e2e", action="store_true", help="also whole models (eager / torch.compile / thunderkittens)")
+    p.add_argument("--models", default=None, help="comma-separated e2e models (default: all)")
+    p.add_argument("--build", action="store_true", help="also cold build, cached load and compile times")
+    p.add_argument("--out", default=os.environ.get("TK_BENCH_OUT", "benchmarks/results"))
+    args = p.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    for op in [o for o in args.ops.split(",") if o]:
+        try:
+            module = importlib.import_module(f"benchmarks.{op}")
+        except ModuleNotFoundError as exc:
+            rows.append(Row(op, "-", "ours", None, note=f"no benchmark module ({exc})"))
+            continue
+        progress(f"{op}: starting")
+        rows += _as_rows(module.run(quick=args.quick))
+    if args.e2e:
+        from . import e2e
+
+        rows += e2e.run(quick=args.quick, models=args.models.split(",") if args.models else None)
+    if args.build:
+        from . import buildtime
+
+        rows += buildtime.run(quick=args.quick)
+
+    import torch
+
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    print(f"# {meta}")
+    print(table(rows))
+    for path in plot(rows, out):
+        progress(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

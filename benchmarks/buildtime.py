@@ -1,0 +1,60 @@
+"""Cold build of all kernels, cached load, and torch.compile wall time with and without the backend."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from .common import Row, progress
+
+_LOAD_ALL = (
+    "import time, torch; t = time.perf_counter(); from tk_inductor import build; "
+    "[build.load(f) for f in build.families()]; print(time.perf_counter() - t)"
+)
+
+
+def _timed(cmd: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    return time.perf_counter() - start, proc
+
+
+def compile_seconds(backend: str | None, quick: bool) -> float:
+    """Wall time of the first forward+backward of the Llama-style model (compilation dominates)."""
+    import torch
+
+    from .e2e import _llama
+
+    torch._dynamo.reset()
+    model, (batch, seq) = _llama("sdpa", quick)
+    model = model.to("cuda", torch.bfloat16)
+    compiled = torch.compile(model) if backend is None else torch.compile(model, backend=backend)
+    ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+    start = time.perf_counter()
+    compiled(ids).logits.float().mean().backward()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run(quick: bool = False) -> list[Row]:
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TK_INDUCTOR_CACHE_DIR=cache)
+        progress("cold build of all kernels")
+        seconds, proc = _timed([sys.executable, "-m", "tk_inductor", "build"], env)
+        ok = proc.returncode == 0
+        rows.append(Row("build", "cold build, all families", "ours", seconds * 1e3, seconds, "s",
+                        note="" if ok else f"failed: {proc.stderr[-300:]}"))
+        if ok:
+            progress("cached load")
+            _, proc = _timed([sys.executable, "-c", _LOAD_ALL], env)
+            load = float(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+            rows.append(Row("build", "cached load, all families", "ours", None if load is None else load * 1e3,
+                            load, "s", note="" if load is not None else proc.stderr[-300:]))
+    for backend, impl in ((None, "torch.compile"), ("thunderkittens", "thunderkittens")):
+        progress(f"compile time [{impl}]")
+        s = compile_seconds(backend, quick)
+        rows.append(Row("build", "llama-sdpa compile (first fwd+bwd)", impl, s * 1e3, s, "s"))
+    return rows

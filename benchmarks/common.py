@@ -1,0 +1,76 @@
+"""Shared measuring helpers (see the device METHOD: random bf16, warm-up, median, beyond L2).
+
+Every op benchmark returns a list of `Row`s; the driver prints them as one
+table and writes JSON and plots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+from typing import Callable
+
+import torch
+
+L2_BYTES = 60 * 2**20  # H200: 60 MiB; inputs in the benchmarks are far larger or rotated
+
+
+@dataclasses.dataclass
+class Row:
+    op: str  # family, e.g. "attention"
+    case: str  # shape and variant, e.g. "B16 H16 N4096 D128 causal fwd"
+    impl: str  # "ours", "cudnn", "torch.compile", ...
+    ms: float | None  # median milliseconds; None when the implementation is missing
+    figure: float | None = None  # TFLOPS or GB/s
+    unit: str = ""  # "TFLOPS" or "GB/s"
+    x: float | None = None  # abscissa for plots (sequence length, hidden size)
+    note: str = ""  # e.g. "not installed", "failed: ..."
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200) -> float:
+    """Median time of `fn` with CUDA events (triton's do_bench clears L2 between runs)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def median_ms_events(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median over `iters` event-timed calls, for long calls (whole models) where do_bench's budget is too small."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_ceiling_gbs(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> None:
+    """A case is timed only after its output matched the reference."""
+    if torch.isnan(out).any():
+        raise AssertionError(f"{name}: NaN in output")
+    err = rel_error(out, ref)
+    if err > tol:
+        raise AssertionError(f"{name}: relative error {err:.2e} > {tol:.0e}")
