@@ -1,0 +1,115 @@
+"""Train a Llama-style model compiled with the backend under DDP or FSDP2, one process per GPU.
+
+    torchrun --nproc-per-node 2 -m benchmarks.distributed --engine ddp
+    torchrun --nproc-per-node 2 -m benchmarks.distributed --engine fsdp2
+    python -m benchmarks.distributed --engine single --global-batch 4   # the single-GPU reference
+
+Prints per-step losses (rank 0), tokens/s per GPU for backend="thunderkittens"
+and for torch.compile default under the same engine, the report's replaced
+families and the number of recompilations, as one JSON line at the end.
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device README asks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
+def build_model(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=8,
+                      num_hidden_layers=layers, vocab_size=32000, attn_implementation="sdpa")
+    torch.manual_seed(0)  # same weights on every rank and in the single-GPU reference
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def batches(global_batch: int, seq: int, steps: int, rank: int, world: int, device):
+    """The same global batches whatever the world size; each rank takes its slice."""
+    gen = torch.Generator().manual_seed(1234)
+    per_rank = global_batch // world
+    for _ in range(steps):
+        ids = torch.randint(0, 32000, (global_batch, seq), generator=gen)
+        yield ids[rank * per_rank:(rank + 1) * per_rank].to(device)
+
+
+def train(engine: str, backend: str | None, args) -> dict:
+    import tk_inductor
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = build_model(args.layers).to(device)
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index])
+    elif engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        inner = model.model
+        for layer in inner.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    torch._dynamo.reset()
+    tk_inductor.reset()
+    compiled = torch.compile(model) if backend is None else torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses, times = [], []
+    tokens = args.global_batch // world * args.seq
+    for step, ids in enumerate(batches(args.global_batch, args.seq, args.steps, rank, world, device)):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = compiled(ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        mean_loss = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(mean_loss)
+            mean_loss /= world
+        losses.append(float(mean_loss))
+    steady = sorted(times[2:]) or times
+    from torch._dynamo.utils import counters
+
+    return {
+        "engine": engine, "backend": backend or "inductor", "world": world, "losses": losses,
+        "tokens_per_s_per_gpu": tokens / steady[len(steady) // 2],
+        "replaced": tk_inductor.report().replaced, "kept": tk_inductor.report().kept,
+        "frames_compiled": int(counters["stats"]["unique_graphs"]),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine", choices=["ddp", "fsdp2", "single"], default="ddp")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--baseline", action="store_true", help="also run torch.compile default under the same engine")
+    args = p.parse_args(argv)
+    if args.engine != "single":
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    results = [train(args.engine, "thunderkittens", args)]
+    if args.baseline:
+        results.append(train(args.engine, None, args))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps(results))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
