@@ -15,17 +15,34 @@ from typing import Iterator
 FAMILIES = ("attention", "linear_attention", "ssd", "layernorm", "rotary")
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _as_bool(value, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    # A typo such as TK_INDUCTOR_STRICT=ture must not silently mean "on" (or "off").
+    raise ValueError(f"tk_inductor: {name} must be a boolean (1/0, true/false, yes/no, on/off), not {value!r}")
+
+
 def _env_flag(name: str) -> bool | None:
     value = os.environ.get(name)
-    if value is None or value == "":
+    if value is None or value.strip() == "":
         return None
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    return _as_bool(value, name)
 
 
 def _parse_ops(value) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
-    ops = tuple(dict.fromkeys(value))  # keep order, drop repeats
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"tk_inductor: ops must be a list of family names or a comma-separated string, not {value!r}")
+    ops = tuple(dict.fromkeys(sorted(value) if isinstance(value, (set, frozenset)) else value))  # keep order, drop repeats
     if "all" in ops:
         return FAMILIES
     unknown = [op for op in ops if op not in FAMILIES]
@@ -63,7 +80,7 @@ def _from_mapping(values: dict) -> Config:
         values["ops"] = _parse_ops(values["ops"])
     for flag in ("strict", "reference", "verbose"):
         if flag in values:
-            values[flag] = bool(values[flag])
+            values[flag] = _as_bool(values[flag], f"options[{flag!r}]")
     if values.get("inner", "inductor") not in ("inductor", "aot_eager"):
         raise ValueError(f"tk_inductor: options['inner'] must be 'inductor' or 'aot_eager', not {values['inner']!r}")
     return Config(**values)

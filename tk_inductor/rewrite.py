@@ -10,13 +10,21 @@ op (padding mask, dropout p>0, unsupported dtype/head dim ...). This module
 adds the checks shared by all families (allowlist, device, kernel built,
 training without a backward kernel), replaces what passes, and records
 everything in the report.
+
+`apply` is the entry used by the backend and the pre-grad pass: it owns the
+failure policy (warn once and pass the graph through untouched; `strict`
+raises). `run` is the bare in-place pass underneath it.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import operator
+import sys
+import warnings
 from collections import Counter
 from typing import Any, Callable, Iterable
 
@@ -27,6 +35,10 @@ from . import build
 from .config import FAMILIES, Config
 
 log = logging.getLogger("tk_inductor")
+
+
+class RewriteError(RuntimeError):
+    """Raised in strict mode where the default policy would warn and pass through."""
 
 
 @dataclasses.dataclass
@@ -56,10 +68,15 @@ def example(node: Any):
 
 @dataclasses.dataclass
 class GraphReport:
-    replaced: Counter = dataclasses.field(default_factory=Counter)
-    kept: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """What the rewrite did to one compiled graph."""
+
+    replaced: Counter = dataclasses.field(default_factory=Counter)  # family -> count
+    kept: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (family, reason)
+    failed: str | None = None  # the rewrite raised; the graph went on unchanged
 
     def summary(self) -> str:
+        if self.failed is not None:
+            return f"tk_inductor: rewrite failed, graph passed through unchanged ({self.failed})"
         rep = ", ".join(f"{f}×{n}" for f, n in sorted(self.replaced.items())) or "nothing"
         kept = "; ".join(f"{f}: {r}" for f, r in self.kept)
         return f"tk_inductor: replaced {rep}" + (f"; kept {kept}" if kept else "")
@@ -82,6 +99,10 @@ class Report:
     def kept(self) -> list[tuple[str, str]]:
         return [k for g in self.graphs for k in g.kept]
 
+    @property
+    def failed(self) -> list[str]:
+        return [g.failed for g in self.graphs if g.failed is not None]
+
     def __str__(self) -> str:
         return "\n".join(g.summary() for g in self.graphs) or "tk_inductor: no graphs compiled"
 
@@ -90,10 +111,12 @@ _report = Report()
 
 
 def report() -> Report:
+    """Aggregate over every graph compiled since `reset()` (a live object)."""
     return _report
 
 
 def last_report() -> GraphReport | None:
+    """The most recently compiled graph's report, or None."""
     return _report.graphs[-1] if _report.graphs else None
 
 
@@ -101,42 +124,58 @@ def reset() -> None:
     _report.graphs.clear()
 
 
+def _record(graph_report: GraphReport, cfg: Config) -> None:
+    _report.graphs.append(graph_report)
+    line = graph_report.summary()
+    log.info("%s", line)
+    if cfg.verbose:
+        print(line, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- failure policy
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    # Python's own "once" filter keys on the call site, and pytest or user
+    # filters may reset it; keep our own set so each distinct reason shows once.
+    if message in _warned:
+        return
+    _warned.add(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 # ---------------------------------------------------------------------------- the pass
 
-def _shared_reason(m: Match, cfg: Config) -> str | None:
-    if m.family not in cfg.ops:
-        return "not in the ops allowlist"
-    if m.needs_grad and not m.has_backward_kernel and not cfg.reference:
-        return "training, and the op has no backward kernel yet"
-    if cfg.reference:
-        return None
-    if m.device is None or m.device.type != "cuda":
-        return f"device {m.device} (kernels are CUDA-only; reference mode runs anywhere)"
-    if torch.cuda.get_device_capability(m.device) != (9, 0):
-        return f"GPU capability {torch.cuda.get_device_capability(m.device)} (kernels need sm_90)"
-    if not build.try_load(m.family):
-        return f"kernel not built ({(build.failure(m.family) or 'no sources').splitlines()[0][:200]})"
-    return None
-
-
-def _replace(graph: fx.Graph, m: Match) -> None:
-    # Insert after the last output so every input is defined; users that came
-    # earlier are fixed by the topological re-sort at the end of the pass.
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    last = max(m.outputs, key=order.__getitem__)
-    with graph.inserting_after(last):
-        call = graph.call_function(m.target, m.args, m.kwargs)
-    if len(m.outputs) == 1 and not _returns_tuple(m.target):
-        m.outputs[0].replace_all_uses_with(call)
-        return
-    anchor = call
-    for i, out in enumerate(m.outputs):
-        if out is None:
+def _family_finders() -> dict[str, Callable[[fx.Graph], Iterable[Match]]]:
+    """`find` of every family whose matcher module exists (families land one by one)."""
+    finders = {}
+    for family in FAMILIES:
+        name = f"tk_inductor.patterns.{family}"
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
             continue
-        with graph.inserting_after(anchor):
-            item = graph.call_function(operator.getitem, (call, i))
-        out.replace_all_uses_with(item)
-        anchor = item
+        finders[family] = importlib.import_module(name).find
+    return finders
+
+
+def _shared_reason(m: Match, cfg: Config) -> tuple[str | None, bool]:
+    """(reason to keep, whether that reason is an environment failure to warn about)."""
+    if m.family not in cfg.ops:
+        return "not in the ops allowlist", False
+    if m.needs_grad and not m.has_backward_kernel and not cfg.reference:
+        return "training, and the op has no backward kernel yet", False
+    if cfg.reference:
+        return None, False
+    if m.device is None or m.device.type != "cuda":
+        return f"device {m.device} (kernels are CUDA-only; reference mode runs anywhere)", True
+    capability = torch.cuda.get_device_capability(m.device)
+    if capability != (9, 0):
+        return f"GPU capability {capability} (kernels need sm_90)", True
+    if not build.try_load(m.family):
+        why = (build.failure(m.family) or "no sources").strip().splitlines()
+        return f"kernel not built ({(why[0] if why else 'unknown')[:200]})", True
+    return None, False
 
 
 def _returns_tuple(target) -> bool:
@@ -144,27 +183,174 @@ def _returns_tuple(target) -> bool:
     return schema is not None and len(schema.returns) > 1
 
 
-def run(gm: fx.GraphModule, cfg: Config) -> GraphReport:
-    """Rewrite `gm` in place for every family; returns (and records) its report."""
-    from torch.fx.passes.tools_common import legalize_graph
+def _carried_meta(node: fx.Node) -> dict:
+    # The new node stands for `node`: later matchers read its example value,
+    # and stack traces keep Inductor's provenance and error messages useful.
+    return {k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")}
+
+
+def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[fx.Node]:
+    """Insert the op call and reroute the outputs' uses; returns the now-unused outputs.
+
+    `remap` records old output -> new node, so a later match of the same
+    family whose inputs were this match's outputs (layer i's residual feeding
+    layer i+1's norm) is pointed at the new nodes."""
+    # Insert after the last output so every input is defined; users that came
+    # earlier are fixed by the topological sort at the end of the pass.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    present = [o for o in m.outputs if o is not None]
+    last = max(present, key=order.__getitem__)
+    with graph.inserting_after(last):
+        call = graph.call_function(m.target, tuple(m.args), dict(m.kwargs))
+    if len(m.outputs) == 1 and not _returns_tuple(m.target):
+        call.meta.update(_carried_meta(m.outputs[0]))
+        m.outputs[0].replace_all_uses_with(call)
+        remap[m.outputs[0]] = call
+        return present
+    examples = [example(o) if o is not None else None for o in m.outputs]
+    if all(e is not None for e in examples):
+        call.meta["example_value"] = tuple(examples)
+    anchor = call
+    for i, out in enumerate(m.outputs):
+        if out is None:
+            continue
+        with graph.inserting_after(anchor):
+            item = graph.call_function(operator.getitem, (call, i))
+        item.meta.update(_carried_meta(out))
+        out.replace_all_uses_with(item)
+        remap[out] = item
+        anchor = item
+    return present
+
+
+def _resolve(m: Match, remap: dict[fx.Node, fx.Node]) -> bool:
+    """Point the match's inputs at replacements made before it; False if it overlaps one."""
+    if any(o in remap for o in m.outputs if o is not None):
+        return False
+
+    def current(node: fx.Node) -> fx.Node:
+        while node in remap:
+            node = remap[node]
+        return node
+
+    m.args = fx.map_arg(tuple(m.args), current)
+    m.kwargs = fx.map_arg(dict(m.kwargs), current)
+    nodes = [o for o in m.outputs if o is not None]
+    fx.map_arg((m.args, m.kwargs), nodes.append)
+    return not any(getattr(n, "_erased", False) for n in nodes)
+
+
+def _removable(node: fx.Node) -> bool:
+    if node.users or node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):  # in-place: a side effect on its input
+        return False
+    if "out" in node.kwargs:
+        return False
+    try:
+        # A dead random op (dropout p=0 inside a replaced attention) only
+        # consumes RNG state; dropping it is what Inductor does too.
+        return not node.is_impure(impure_random=False)
+    except TypeError:  # older torch without the keyword
+        return not node.is_impure()
+
+
+def _erase_dead(graph: fx.Graph, roots: list[fx.Node]) -> None:
+    """Erase the replaced subgraphs: walk back from the rerouted outputs.
+
+    A targeted walk rather than graph.eliminate_dead_code(), which would also
+    drop unrelated in-place call_method nodes of the user's program."""
+    work = list(roots)
+    while work:
+        node = work.pop()
+        if node.graph is not graph or not _removable(node):
+            continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        work.extend(inputs)
+
+
+def _graph_modules(gm: fx.GraphModule, recurse: bool) -> list[fx.GraphModule]:
+    """The graph and (for higher-order ops such as checkpoint) its subgraphs."""
+    mods = [gm]
+    if recurse:
+        mods += [m for _, m in gm.named_modules() if isinstance(m, fx.GraphModule) and m is not gm]
+    return mods
+
+
+def run(gm: fx.GraphModule, cfg: Config, *, recurse: bool = True) -> tuple[GraphReport, list[str]]:
+    """Rewrite `gm` in place for every family.
+
+    Returns the report and the environment failures met (device, capability,
+    kernel build), which `apply` turns into warnings or, in strict mode, an error.
+    Exceptions from matchers propagate; `apply` restores the graph."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
 
     graph_report = GraphReport()
-    for family in FAMILIES:
-        module = importlib.import_module(f"tk_inductor.patterns.{family}")
-        for m in list(module.find(gm.graph)):
-            reason = m.reason or _shared_reason(m, cfg)
-            if reason is not None:
-                graph_report.kept.append((family, reason))
-                continue
-            _replace(gm.graph, m)
-            graph_report.replaced[family] += 1
-        if graph_report.replaced.get(family):
-            legalize_graph(gm)
-            gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    _report.graphs.append(graph_report)
-    log.info("%s", graph_report.summary())
-    if cfg.verbose:
-        print(graph_report.summary(), flush=True)
+    failures: list[str] = []
+    finders = _family_finders()
+    for mod in _graph_modules(gm, recurse):
+        graph = mod.graph
+        changed = False
+        remap: dict[fx.Node, fx.Node] = {}
+        for family, find in finders.items():
+            for m in list(find(graph)):
+                if m.family != family:
+                    raise RewriteError(f"matcher of {family!r} returned a match for {m.family!r}")
+                reason, is_failure = (m.reason, False) if m.reason else _shared_reason(m, cfg)
+                if reason is not None:
+                    graph_report.kept.append((family, reason))
+                    if is_failure:
+                        failures.append(f"{family}: {reason}")
+                    continue
+                if m.target is None:
+                    raise RewriteError(f"{family} matcher returned a match without a target op")
+                if not _resolve(m, remap):
+                    graph_report.kept.append((family, "overlaps a subgraph replaced just before"))
+                    continue
+                dead = _replace(graph, m, remap)
+                graph_report.replaced[family] += 1
+                changed = True
+                _erase_dead(graph, dead)
+                # Sort before the next match, so matchers and lint see a valid
+                # order (uses of early outputs may precede the new call).
+                stable_topological_sort(graph)
+        if changed:
+            graph.lint()
+            mod.recompile()
+    return graph_report, failures
+
+
+def apply(gm: fx.GraphModule, cfg: Config, *, recurse: bool = True) -> GraphReport:
+    """`run` with the failure policy: the graph is either rewritten or left exactly as it was.
+
+    Any exception from the rewrite warns once per distinct reason and leaves
+    `gm` untouched; environment failures (no GPU, no compiler, failed kernel
+    build) warn once and keep those subgraphs. `cfg.strict` raises instead."""
+    saved = {mod: copy.deepcopy(mod.graph) for mod in _graph_modules(gm, recurse)}
+    try:
+        graph_report, failures = run(gm, cfg, recurse=recurse)
+    except Exception as exc:
+        for mod, graph in saved.items():
+            mod.graph = graph
+            mod.recompile()
+        if cfg.strict:
+            raise
+        reason = f"{type(exc).__name__}: {exc}"
+        _warn_once(f"tk_inductor: the rewrite failed and the graph is passed through unchanged: {reason}")
+        log.debug("tk_inductor: rewrite failure", exc_info=True)
+        graph_report = GraphReport(failed=reason)
+        _record(graph_report, cfg)
+        return graph_report
+    if failures and cfg.strict:
+        _record(graph_report, cfg)
+        # The graph is already rewritten for what passed; strict wants the error.
+        for mod, graph in saved.items():
+            mod.graph = graph
+            mod.recompile()
+        raise RewriteError("tk_inductor (strict): " + "; ".join(dict.fromkeys(failures)))
+    for failure in dict.fromkeys(failures):
+        _warn_once(f"tk_inductor: kept {failure}; passing it through to the inner compiler")
+    _record(graph_report, cfg)
     return graph_report

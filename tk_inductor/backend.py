@@ -1,0 +1,150 @@
+"""The `thunderkittens` torch.compile backend, and the same rewrite as Inductor's pre-grad pass.
+
+    torch.compile(model, backend="thunderkittens")                      # via the entry point
+    torch.compile(model, backend="thunderkittens", mode="max-autotune")
+    torch.compile(model, backend="thunderkittens", options={"ops": ["attention"], "max_autotune": True})
+
+torch.compile hands a non-Inductor backend `mode=` and `options=` only when
+they are set (torch/__init__.py `_TorchCompileWrapper`), and refuses both at
+once; so `options` may also carry "mode". Our keys (config.Config fields) are
+taken out of `options`; the rest are Inductor config patches, validated and
+combined with the mode by torch's own `_TorchCompileInductorWrapper`, exactly
+as `torch.compile(backend="inductor")` would.
+"""
+from __future__ import annotations
+
+import contextvars
+import hashlib
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from . import config, rewrite
+
+# Set while our backend compiles a graph, so the pre-grad pass (TK_INDUCTOR=1)
+# does not rewrite and report the same graph a second time.
+_in_backend: contextvars.ContextVar[bool] = contextvars.ContextVar("tk_inductor_in_backend", default=False)
+
+_OUR_KEYS = frozenset(config.Config.__dataclass_fields__)
+
+
+def split_options(options: dict | None) -> tuple[dict, str | None, dict]:
+    """options -> (our config options, mode, Inductor config patches)."""
+    ours, inductor = {}, {}
+    mode = None
+    for key, value in (options or {}).items():
+        if key in _OUR_KEYS:
+            ours[key] = value
+        elif key == "mode":
+            mode = value
+        else:
+            inductor[key] = value
+    return ours, mode, inductor
+
+
+def inductor_config_patches(mode: str | None, options: dict | None) -> dict[str, Any]:
+    """What `torch.compile(backend="inductor", mode=mode, options=options)` would patch.
+
+    Delegates to torch's wrapper so mode tables, option validation (unknown
+    keys, types) and side settings (CUPTI with cudagraphs) stay torch's."""
+    if mode is not None and not isinstance(mode, str):
+        raise TypeError(f"tk_inductor: mode must be a string, not {type(mode).__name__}")
+    wrapper = torch._TorchCompileInductorWrapper(mode, options or None, None)
+    return dict(wrapper.config)
+
+
+def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None):
+    """Rewrite the Dynamo graph's hot subgraphs into `torch.ops.tk.*`, then compile the rest with Inductor."""
+    ours, options_mode, inductor_options = split_options(options)
+    if mode is not None and options_mode is not None and mode != options_mode:
+        raise ValueError(f"tk_inductor: mode given twice ({mode!r} and options['mode']={options_mode!r})")
+    mode = mode or options_mode
+    cfg = config.current(ours)
+    # Validate Inductor's part before doing any work, whichever compiler runs it.
+    patches = inductor_config_patches(mode, inductor_options)
+    rewrite.apply(gm, cfg)
+    token = _in_backend.set(True)
+    try:
+        if cfg.inner == "aot_eager":
+            from torch._dynamo.backends.debugging import aot_eager
+
+            return aot_eager(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        # config_patches, not `with inductor_config.patch()`: the backward graph
+        # is compiled later, outside any context manager opened here.
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    finally:
+        _in_backend.reset(token)
+
+
+# ---------------------------------------------------------------------------- TK_INDUCTOR=1: pre-grad pass
+
+def _pass_sources() -> list[Path]:
+    """Python sources that decide what the rewrite does (matchers, ops, the pass, config)."""
+    here = Path(__file__).resolve().parent
+    from . import patterns
+
+    files = [here / "rewrite.py", here / "config.py", here / "backend.py"]
+    files += sorted((here / "ops").glob("*.py"))
+    for folder in {Path(p).resolve() for p in patterns.__path__}:
+        files += sorted(folder.glob("*.py"))
+    return files
+
+
+def pass_uuid() -> str:
+    """Cache identity of the pre-grad pass: pattern/op sources, config and kernel sources."""
+    from . import build
+
+    h = hashlib.sha256()
+    for path in _pass_sources():
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    h.update(config.current().key().encode())
+    h.update(build.kernel_version().encode())
+    return h.hexdigest()
+
+
+def _make_pass_class():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class ThunderKittensPreGradPass(CustomGraphPass):
+        """The backend's rewrite as Inductor's `pre_grad_custom_pass` (TK_INDUCTOR=1)."""
+
+        def __init__(self, chained=None):
+            self.chained = chained  # a pass the user had installed before us; runs after ours
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            if not _in_backend.get():
+                gm = graph.owning_module
+                # Inductor recurses into subgraphs itself and calls us for each.
+                rewrite.apply(gm, config.current(), recurse=False)
+            if self.chained is not None:
+                self.chained(graph)
+
+        def uuid(self) -> str | None:
+            chained = None
+            if self.chained is not None:
+                chained = self.chained.uuid() if hasattr(self.chained, "uuid") else None
+                if chained is None:  # an uncacheable user pass stays uncacheable
+                    return None
+            return pass_uuid() + (f"+{chained}" if chained is not None else "")
+
+    return ThunderKittensPreGradPass
+
+
+def install_pre_grad_pass(inductor_config=None) -> None:
+    """Make every Inductor compile (default torch.compile) run the rewrite first. Idempotent.
+
+    `inductor_config` is the `torch._inductor.config` module, passed in by the
+    autoload hook while that module is still being imported."""
+    if inductor_config is None:
+        from torch._inductor import config as inductor_config
+
+    current = inductor_config.pre_grad_custom_pass
+    if getattr(current, "_tk_inductor", False):
+        return
+    instance = _make_pass_class()(chained=current)
+    instance._tk_inductor = True
+    inductor_config.pre_grad_custom_pass = instance
