@@ -1,0 +1,406 @@
+// Attention backward on Hopper, FA3-style. One CTA per (batch, kv head, key
+// block of 128): two consumer warpgroups each own 64 keys and keep dK, dV in
+// registers while the producer warpgroup streams (Q, dO) tiles of 64 query
+// rows for every query head of the GQA group. Per tile, on wgmma:
+//   S^T = K Q^T, dP^T = V dO^T, P^T = exp2(S^T*scale*log2e - lse2),
+//   dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q,
+//   dQ += dS K   (dS^T goes through shared memory; fp32 atomics into dq_accum).
+// A preprocess kernel computes delta = rowsum(dO * O) and lse2 = lse*log2e
+// (padded: lse2 = +inf past N makes P = 0 there), a postprocess scales and
+// casts dq_accum.
+#include <cmath>
+
+#include "attention.h"
+#include "common.cuh"
+#include "tma.cuh"
+
+namespace tk_attn {
+namespace {
+
+constexpr int BWD_BM = 64;   // query rows per streamed tile
+constexpr int BWD_BN = 128;  // keys per CTA (64 per consumer warpgroup)
+constexpr int BWD_NC = 2;
+constexpr int BWD_STAGES = 2;
+
+template <typename T, int D>
+struct Bwd {
+  static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = BWD_STAGES;
+  static constexpr int PANELS = D / 64;
+  static constexpr int THREADS = (NC + 1) * 128;
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  static_assert(BN == 64 * NC, "each consumer owns 64 keys");
+  static constexpr int KV_BYTES = BN * D * 2;  // K or V
+  static constexpr int Q_BYTES = BM * D * 2;   // Q or dO tile
+  static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
+  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BYTES + 1024 + 256;
+  // dQ: D=128 splits the output columns between the two consumers (64 each,
+  // contracting over all 128 keys); D=64 has each consumer add its own keys'
+  // partial (fewer registers is not an issue there, and N=64 keeps one panel).
+  static constexpr bool DQ_SPLIT_COLS = (D == 128);
+  static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
+};
+
+struct BwdParams {
+  int B, Hq, Hkv, N, M, group, Npad;
+  float scale, scale_log2;
+  bool causal;
+  const float* lse2;   // (B*Hq, Npad)
+  const float* delta;  // (B*Hq, Npad)
+  float* dq_accum;     // (B*Hq, Npad, D)
+  void* dk;            // (B, Hkv, M, D)
+  void* dv;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
+    attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
+                         const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
+                         const BwdParams p) {
+  using K_ = Bwd<T, D>;
+  constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES, PANELS = K_::PANELS;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sK = smem;                          // [PANELS][BN][64]
+  uint8_t* sV = sK + K_::KV_BYTES;             // [PANELS][BN][64]
+  uint8_t* sQ = sV + K_::KV_BYTES;             // [STAGES][PANELS][BM][64]
+  uint8_t* sdO = sQ + STAGES * K_::Q_BYTES;    // [STAGES][PANELS][BM][64]
+  uint8_t* sdS = sdO + STAGES * K_::Q_BYTES;   // [BN][BM] (one 64-wide panel)
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sdS + K_::DS_BYTES);
+  uint64_t* kv_full = bars;
+  uint64_t* q_full = bars + 1;
+  uint64_t* q_empty = q_full + STAGES;
+
+  const int kb = blockIdx.x;
+  const int b = blockIdx.y / p.Hkv, hk = blockIdx.y % p.Hkv;
+  const int n0 = kb * BN;
+  // Causal (top-left): query row i sees keys j <= i, so rows below n0 see none of this block.
+  const int mb_start = p.causal ? n0 / BM : 0;
+  const int nqb = (p.N + BM - 1) / BM;
+  const int steps_per_head = max(0, nqb - mb_start);
+  const int steps = steps_per_head * p.group;
+
+  const int wg = threadIdx.x / 128;
+  const int tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    bar_init(kv_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(&q_full[s], 1);
+      bar_init(&q_empty[s], NC * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---------------- producer ----------------
+    reg_dealloc<24>();
+    if (tid == 0) {
+      bar_expect_tx(kv_full, 2 * K_::KV_BYTES);
+#pragma unroll
+      for (int pn = 0; pn < PANELS; ++pn) {
+        tma_load_4d(sK + pn * BN * 128, &kmap, kv_full, pn * 64, n0, hk, b);
+        tma_load_4d(sV + pn * BN * 128, &vmap, kv_full, pn * 64, n0, hk, b);
+      }
+      for (int it = 0; it < steps; ++it) {
+        const int g = it / steps_per_head;
+        const int mb = mb_start + it % steps_per_head;
+        const int h = hk * p.group + g;
+        const int s = it % STAGES;
+        bar_wait(&q_empty[s], ((it / STAGES) & 1) ^ 1);
+        bar_expect_tx(&q_full[s], 2 * K_::Q_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn) {
+          tma_load_4d(sQ + s * K_::Q_BYTES + pn * BM * 128, &qmap, &q_full[s], pn * 64, mb * BM, h, b);
+          tma_load_4d(sdO + s * K_::Q_BYTES + pn * BM * 128, &domap, &q_full[s], pn * 64, mb * BM, h, b);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  reg_alloc<240>();
+  const int c = wg - 1;
+  const int warp = tid / 32, lane = tid % 32;
+  const int row_in = 16 * warp + lane / 4;
+  const int col_in = 2 * (lane % 4);
+  const int j0 = n0 + 64 * c + row_in;  // this thread's keys: j0 and j0 + 8
+  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV), sQ_u = smem_u32(sQ), sdO_u = smem_u32(sdO);
+  const uint32_t sdS_u = smem_u32(sdS);
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  bar_wait(kv_full, 0);
+  for (int it = 0; it < steps; ++it) {
+    const int g = it / steps_per_head;
+    const int mb = mb_start + it % steps_per_head;
+    const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
+    const int i0 = mb * BM;
+    const int s = it % STAGES;
+    const uint32_t qs = sQ_u + s * K_::Q_BYTES, dos = sdO_u + s * K_::Q_BYTES;
+
+    float st[BM / 2], dpt[BM / 2];
+    bar_wait(&q_full[s], (it / STAGES) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t koff = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      const uint32_t qoff = (kk / 4) * BM * 128 + (kk % 4) * 32;
+      wgmma_op<T>::template ss<0, 0>(st, desc_kmajor(sK_u + koff), desc_kmajor(qs + qoff), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t voff = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      const uint32_t ooff = (kk / 4) * BM * 128 + (kk % 4) * 32;
+      wgmma_op<T>::template ss<0, 0>(dpt, desc_kmajor(sV_u + voff), desc_kmajor(dos + ooff), kk > 0);
+    }
+    wgmma_commit();
+
+    const float* lse_row = p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
+    const float* del_row = p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
+    wgmma_wait<1>();
+    fence_regs(st);
+    const bool need_mask = p.causal && i0 < n0 + 64 * c + 63;
+#pragma unroll
+    for (int ch = 0; ch < BM / 8; ++ch) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_row + 8 * ch + col_in);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pe = exp2f(st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x));
+        if (need_mask) {
+          const int i = i0 + 8 * ch + col_in + (e & 1);
+          const int j = j0 + 8 * (e >> 1);
+          if (i < j) pe = 0.f;
+        }
+        st[4 * ch + e] = pe;
+      }
+    }
+    uint32_t pa[BM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
+    wgmma_wait<0>();
+    fence_regs(dpt);
+    // dV += P^T dO (dO is [query][d]: MN-major B operand)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      wgmma_op<T>::template rs<1>(dv, pa[kk], desc_mnmajor(dos + kk * 16 * 128, BM * 128), 1);
+    wgmma_commit();
+#pragma unroll
+    for (int ch = 0; ch < BM / 8; ++ch) {
+      const float2 dl = *reinterpret_cast<const float2*>(del_row + 8 * ch + col_in);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[4 * ch + e] = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
+    }
+    uint32_t dsa[BM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(dsa[kk], dpt, kk);
+    // dK += dS^T Q (fence: the A registers were written after the last fence)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      wgmma_op<T>::template rs<1>(dk, dsa[kk], desc_mnmajor(qs + kk * 16 * 128, BM * 128), 1);
+    wgmma_commit();
+
+    // dS^T to shared memory for dQ = dS K. Wait until the previous dQ of both
+    // consumers has finished reading the buffer.
+    if constexpr (K_::DQ_SPLIT_COLS) named_bar_sync(1, NC * 128);
+#pragma unroll
+    for (int ch = 0; ch < BM / 8; ++ch) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int jr = 64 * c + row_in + 8 * h2;  // key row inside the block
+        const int ic = 8 * ch + col_in;           // query column
+        const uint32_t v = pack2<T>(dpt[4 * ch + 2 * h2], dpt[4 * ch + 2 * h2 + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + swz128(jr, ic, 2)) = v;
+      }
+    }
+    fence_async_smem();
+    if constexpr (K_::DQ_SPLIT_COLS)
+      named_bar_sync(2, NC * 128);
+    else
+      named_bar_sync(1 + c, 128);
+
+    float dq[K_::DQ_COLS / 2];
+    wgmma_fence();
+    if constexpr (K_::DQ_SPLIT_COLS) {
+      // columns [64c, 64c+64) of dQ, contracting over all BN keys
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(sdS_u + kk * 16 * 128, BN * 128),
+                                       desc_mnmajor(sK_u + c * BN * 128 + kk * 16 * 128, BN * 128), kk > 0);
+    } else {
+      // all D columns, contracting over this consumer's 64 keys
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(sdS_u + (64 * c + 16 * kk) * 128, BN * 128),
+                                       desc_mnmajor(sK_u + (64 * c + 16 * kk) * 128, BN * 128), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dq);
+    fence_regs(dk);
+    fence_regs(dv);
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+    __syncwarp();
+    if (lane == 0) bar_arrive(&q_empty[s]);
+    if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
+
+    // dQ accumulation (rows past N land in the padded part of dq_accum).
+    float* dqa = p.dq_accum + (static_cast<int64_t>(bh) * p.Npad + i0) * D + (K_::DQ_SPLIT_COLS ? 64 * c : 0);
+#pragma unroll
+    for (int ch = 0; ch < K_::DQ_COLS / 8; ++ch) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        float2* dst = reinterpret_cast<float2*>(dqa + (row_in + 8 * h2) * D + 8 * ch + col_in);
+        atomicAdd(dst, make_float2(dq[4 * ch + 2 * h2], dq[4 * ch + 2 * h2 + 1]));
+      }
+    }
+  }
+
+  // dK (scaled) and dV for this consumer's 64 keys.
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int j = j0 + 8 * h2;
+    if (j < p.M) {
+      const int64_t off = ((static_cast<int64_t>(b) * p.Hkv + hk) * p.M + j) * D;
+      T* dkr = static_cast<T*>(p.dk) + off;
+      T* dvr = static_cast<T*>(p.dv) + off;
+#pragma unroll
+      for (int ch = 0; ch < D / 8; ++ch) {
+        *reinterpret_cast<uint32_t*>(dkr + 8 * ch + col_in) =
+            pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvr + 8 * ch + col_in) = pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]);
+      }
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f(T x);
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+
+// One warp per (bh, row): delta = rowsum(dO * O), lse2 = lse * log2e; rows in
+// [N, Npad) get delta 0 and lse2 +inf so the main kernel needs no bounds.
+template <typename T, int D>
+__global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, float* lse2, float* delta, int Npad) {
+  const int lane = threadIdx.x % 32;
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t BH = o.B * o.H;
+  if (w >= BH * Npad) return;
+  const int64_t bh = w / Npad;
+  const int row = static_cast<int>(w % Npad);
+  if (row >= o.S) {
+    if (lane == 0) {
+      lse2[w] = INFINITY;
+      delta[w] = 0.f;
+    }
+    return;
+  }
+  const int64_t b = bh / o.H, h = bh % o.H;
+  const T* orow = static_cast<const T*>(o.ptr) + b * o.sb + h * o.sh + row * o.ss;
+  const T* drow = static_cast<const T*>(dout.ptr) + b * dout.sb + h * dout.sh + row * dout.ss;
+  float acc = 0.f;
+#pragma unroll
+  for (int d = lane * 2; d < D; d += 64) acc += to_f(orow[d]) * to_f(drow[d]) + to_f(orow[d + 1]) * to_f(drow[d + 1]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
+    delta[w] = acc;
+    lse2[w] = lse[bh * o.S + row] * 1.4426950408889634f;
+  }
+}
+
+template <typename T, int D>
+__global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t BH, int N, int Npad, float scale) {
+  const int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 2;  // two elements per thread
+  const int64_t total = BH * N * D;
+  if (idx >= total) return;
+  const int64_t bh = idx / (static_cast<int64_t>(N) * D);
+  const int64_t rem = idx - bh * N * D;
+  const float2 v = *reinterpret_cast<const float2*>(dq_accum + bh * Npad * D + rem);
+  *reinterpret_cast<uint32_t*>(dq + idx) = pack2<T>(v.x * scale, v.y * scale);
+}
+
+template <typename T, int D>
+const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v, const View4& o,
+                       const float* lse, void* dq, void* dk, void* dv, float* dq_accum, float* lse2, float* delta,
+                       bool causal, float scale, cudaStream_t stream) {
+  using K_ = Bwd<T, D>;
+  const int Npad = static_cast<int>((q.S + BWD_BM - 1) / BWD_BM * BWD_BM);
+  const int64_t BH = q.B * q.H;
+  {
+    const int64_t warps = BH * Npad;
+    const int threads = 256;
+    const int64_t blocks = (warps * 32 + threads - 1) / threads;
+    attention_bwd_pre_kernel<T, D><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(dout, o, lse, lse2, delta, Npad);
+  }
+  CUtensorMap qm, km, vm, dom;
+  if (const char* e = make_map(&qm, dt, q, BWD_BM)) return e;
+  if (const char* e = make_map(&km, dt, k, BWD_BN)) return e;
+  if (const char* e = make_map(&vm, dt, v, BWD_BN)) return e;
+  if (const char* e = make_map(&dom, dt, dout, BWD_BM)) return e;
+  BwdParams p;
+  p.B = q.B;
+  p.Hq = q.H;
+  p.Hkv = k.H;
+  p.N = q.S;
+  p.M = k.S;
+  p.group = q.H / k.H;
+  p.Npad = Npad;
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.causal = causal;
+  p.lse2 = lse2;
+  p.delta = delta;
+  p.dq_accum = dq_accum;
+  p.dk = dk;
+  p.dv = dv;
+  auto kern = attention_bwd_kernel<T, D>;
+  static bool attr_set = false;
+  if (!attr_set) {
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
+      return "cudaFuncSetAttribute failed for the attention backward kernel";
+    attr_set = true;
+  }
+  dim3 grid(static_cast<unsigned>((k.S + BWD_BN - 1) / BWD_BN), static_cast<unsigned>(k.B * k.H));
+  kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, dom, p);
+  if (cudaGetLastError() != cudaSuccess) return "attention backward launch failed";
+  {
+    const int64_t pairs = BH * q.S * D / 2;
+    const int threads = 256;
+    attention_bwd_post_kernel<T, D><<<static_cast<unsigned>((pairs + threads - 1) / threads), threads, 0, stream>>>(
+        dq_accum, static_cast<T*>(dq), BH, static_cast<int>(q.S), Npad, scale);
+  }
+  return cudaGetLastError() == cudaSuccess ? nullptr : "attention backward post-process launch failed";
+}
+
+}  // namespace
+
+BwdScratch attention_backward_scratch(const View4& q) {
+  const int64_t Npad = (q.S + BWD_BM - 1) / BWD_BM * BWD_BM;
+  const int64_t BH = q.B * q.H;
+  return {static_cast<size_t>(BH * Npad * q.D * 4), static_cast<size_t>(BH * Npad * 4),
+          static_cast<size_t>(BH * Npad * 4)};
+}
+
+const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
+                               const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
+                               float* lse2, float* delta, bool causal, float scale, cudaStream_t stream) {
+#define TK_ATTN_BWD(T, D) \
+  launch_bwd<T, D>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, scale, stream)
+  if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
+  if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
+#undef TK_ATTN_BWD
+  return "head dim must be 64 or 128";
+}
+
+}  // namespace tk_attn

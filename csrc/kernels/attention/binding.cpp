@@ -1,0 +1,121 @@
+// Registers tk_cuda::attention and tk_cuda::attention_backward (same schemas as
+// the tk:: ops in tk_inductor/ops/attention.py). Checks inputs, allocates
+// outputs and scratch, and calls the torch-free launchers on the current stream.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include "attention.h"
+
+namespace {
+
+using tk_attn::DType;
+using tk_attn::View4;
+
+// TMA needs 16-byte aligned base and strides: keep the caller's strides when
+// they qualify (any layout with a contiguous last dim), else copy.
+at::Tensor tma_ready(const at::Tensor& t) {
+  bool ok = t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3 && ok; ++d) ok = t.size(d) == 1 || t.stride(d) % 8 == 0;
+  return ok ? t : t.contiguous();
+}
+
+View4 view(const at::Tensor& t) {
+  return View4{t.data_ptr(), t.size(0), t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "tk_cuda::attention: q, k, v must be 4-D (B, H, N, D), got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "tk_cuda::attention: q, k, v must be CUDA tensors");
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "tk_cuda::attention: q, k, v on different devices");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "tk_cuda::attention: q, k, v must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "tk_cuda::attention: dtype must be bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(q.size(3) == 64 || q.size(3) == 128, "tk_cuda::attention: head dim must be 64 or 128, got ", q.size(3));
+  TORCH_CHECK(k.size(3) == q.size(3) && v.size(3) == q.size(3), "tk_cuda::attention: q, k, v head dims differ");
+  TORCH_CHECK(k.sizes() == v.sizes(), "tk_cuda::attention: k and v shapes differ: ", k.sizes(), " vs ", v.sizes());
+  TORCH_CHECK(k.size(0) == q.size(0), "tk_cuda::attention: batch sizes differ");
+  TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0,
+              "tk_cuda::attention: query heads (", q.size(1), ") must be a multiple of kv heads (", k.size(1), ")");
+  TORCH_CHECK(q.size(2) >= 1 && k.size(2) >= 1, "tk_cuda::attention: sequence lengths must be >= 1");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "tk_cuda::attention: the last dim of q, k, v must be contiguous");
+  TORCH_CHECK(q.size(2) < (1LL << 31) && k.size(2) < (1LL << 31), "tk_cuda::attention: sequence too long");
+  return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
+}
+
+int num_sms(const at::Tensor& t) {
+  int n = 0;
+  TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()) == cudaSuccess,
+              "tk_cuda::attention: cannot query the multiprocessor count");
+  return n;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                             bool causal, double scale) {
+  const DType dt = check_inputs(q_in, k_in, v_in);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  // (B, N, H, D) buffer viewed as (B, H, N, D), as FlashAttention returns it.
+  at::Tensor o = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
+  const char* err = tk_attn::attention_forward(dt, view(q), view(k), view(v), o.data_ptr(), lse.data_ptr<float>(),
+                                               causal, static_cast<float>(scale), num_sms(q),
+                                               c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, "tk_cuda::attention: ", err ? err : "");
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad_o, const at::Tensor& q_in,
+                                                                  const at::Tensor& k_in, const at::Tensor& v_in,
+                                                                  const at::Tensor& o_in, const at::Tensor& lse_in,
+                                                                  bool causal, double scale) {
+  const DType dt = check_inputs(q_in, k_in, v_in);
+  TORCH_CHECK(grad_o.sizes() == q_in.sizes() && o_in.sizes() == q_in.sizes(),
+              "tk_cuda::attention_backward: grad_o and o must have q's shape ", q_in.sizes());
+  TORCH_CHECK(grad_o.scalar_type() == q_in.scalar_type() && o_in.scalar_type() == q_in.scalar_type(),
+              "tk_cuda::attention_backward: grad_o and o must have q's dtype");
+  TORCH_CHECK(grad_o.device() == q_in.device() && o_in.device() == q_in.device() && lse_in.device() == q_in.device(),
+              "tk_cuda::attention_backward: all tensors must be on one device");
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.dim() == 3 && lse_in.size(0) == q_in.size(0) &&
+                  lse_in.size(1) == q_in.size(1) && lse_in.size(2) == q_in.size(2),
+              "tk_cuda::attention_backward: lse must be float32 (B, Hq, N)");
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
+  const at::Tensor dout = tma_ready(grad_o.stride(3) == 1 ? grad_o : grad_o.contiguous());
+  const at::Tensor o = o_in.stride(3) == 1 ? o_in : o_in.contiguous();
+  const at::Tensor lse = lse_in.contiguous();
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  const View4 qv = view(q);
+  const tk_attn::BwdScratch sz = tk_attn::attention_backward_scratch(qv);
+  at::Tensor dq_accum = at::zeros({static_cast<int64_t>(sz.dq_accum_bytes / 4)}, q.options().dtype(at::kFloat));
+  at::Tensor lse2 = at::empty({static_cast<int64_t>(sz.lse2_bytes / 4)}, q.options().dtype(at::kFloat));
+  at::Tensor delta = at::empty({static_cast<int64_t>(sz.delta_bytes / 4)}, q.options().dtype(at::kFloat));
+  const char* err = tk_attn::attention_backward(
+      dt, view(dout), qv, view(k), view(v), view(o), lse.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+      dq_accum.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), causal, static_cast<float>(scale),
+      c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, "tk_cuda::attention_backward: ", err ? err : "");
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor o, Tensor lse)");
+  m.def(
+      "attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {
+  m.impl("attention", &attention);
+  m.impl("attention_backward", &attention_backward);
+}

@@ -1,0 +1,160 @@
+// Low-level Hopper primitives for the attention kernels: mbarriers, TMA tile
+// loads, wgmma fences and shared-memory matrix descriptors, register-fragment
+// helpers. Torch-free. These mirror what csrc/include/tk provides; the kernels
+// keep their own copies so that they do not depend on the tile library's
+// in-progress API (see the family README in attention.cuh).
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "wgmma.cuh"
+
+namespace tk_attn {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier semaphores ---------------------------------------------------
+__device__ __forceinline__ void bar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Waits until the phase with the given parity has completed. A fresh barrier
+// is in phase 0, so waiting on parity 1 returns at once (used for "empty"
+// barriers that start out free).
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// ---- TMA -----------------------------------------------------------------------
+// 4-D tiled bulk copy global -> shared; rows outside the tensor read as zero.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+}
+
+// ---- wgmma -----------------------------------------------------------------------
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  static_assert(N >= 0 && N <= 7, "wgmma.wait_group takes 0..7");
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads/writes across an async wgmma.
+template <int K>
+__device__ __forceinline__ void fence_regs(float (&d)[K]) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared tiles are stored as column panels of 64 elements (128 bytes per row,
+// the TMA box width for 128-byte swizzle), each panel [rows][64], 1024-byte
+// aligned. Descriptor fields are in 16-byte units.
+__device__ __forceinline__ uint64_t desc_encode(uint64_t x) { return (x & 0x3FFFF) >> 4; }
+// K-major operand (the contraction dim is the contiguous one): 8-row groups
+// 1024 bytes apart; leading offset unused with 128-byte swizzle.
+__device__ __forceinline__ uint64_t desc_kmajor(uint32_t saddr) {
+  return desc_encode(saddr) | (desc_encode(16) << 16) | (desc_encode(1024) << 32) | (1ull << 62);
+}
+// MN-major operand (the output dim is contiguous): 64-wide panels `panel_bytes`
+// apart, 8-row groups of the contraction dim 1024 bytes apart.
+__device__ __forceinline__ uint64_t desc_mnmajor(uint32_t saddr, uint32_t panel_bytes) {
+  return desc_encode(saddr) | (desc_encode(panel_bytes) << 16) | (desc_encode(1024) << 32) | (1ull << 62);
+}
+
+template <typename T>
+struct wgmma_op;
+template <>
+struct wgmma_op<__nv_bfloat16> {
+  template <int TA, int TB, int K>
+  __device__ static void ss(float (&d)[K], uint64_t a, uint64_t b, int scale_d) {
+    wgmma_ss_bf16<TA, TB>(d, a, b, scale_d, Int<2 * K>{});
+  }
+  template <int TB, int K>
+  __device__ static void rs(float (&d)[K], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+    wgmma_rs_bf16<TB>(d, a, b, scale_d, Int<2 * K>{});
+  }
+};
+template <>
+struct wgmma_op<__half> {
+  template <int TA, int TB, int K>
+  __device__ static void ss(float (&d)[K], uint64_t a, uint64_t b, int scale_d) {
+    wgmma_ss_f16<TA, TB>(d, a, b, scale_d, Int<2 * K>{});
+  }
+  template <int TB, int K>
+  __device__ static void rs(float (&d)[K], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+    wgmma_rs_f16<TB>(d, a, b, scale_d, Int<2 * K>{});
+  }
+};
+
+// Two fp32 -> one packed 16-bit pair (low half = first element).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// The wgmma accumulator of a 64 x N tile: thread (warp w, lane l) holds rows
+// 16w + l/4 and +8; for each 8-column chunk c, d[4c+0..1] are row r0 columns
+// 8c + 2(l%4) + {0,1} and d[4c+2..3] the same columns of row r0 + 8. A
+// 64 x 16 A-operand slice kk is then chunks 2kk and 2kk+1 re-packed.
+template <typename T, int K>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&d)[K], int kk) {
+  const int c0 = 8 * kk, c1 = 8 * kk + 4;
+  a[0] = pack2<T>(d[c0 + 0], d[c0 + 1]);
+  a[1] = pack2<T>(d[c0 + 2], d[c0 + 3]);
+  a[2] = pack2<T>(d[c1 + 0], d[c1 + 1]);
+  a[3] = pack2<T>(d[c1 + 2], d[c1 + 3]);
+}
+
+// Byte offset of element (row, col) inside a [rows][64] 128-byte-swizzled panel
+// (16-byte chunk index XOR row % 8), the layout TMA writes and wgmma reads.
+__device__ __forceinline__ uint32_t swz128(int row, int col, int elem_bytes) {
+  const uint32_t byte = col * elem_bytes;
+  return row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
+}
+
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <int R>
+__device__ __forceinline__ void reg_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void reg_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+}  // namespace tk_attn
