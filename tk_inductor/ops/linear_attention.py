@@ -1,0 +1,204 @@
+"""`tk::linear_attention`: causal linear attention with the feature map as an op argument.
+
+Semantics (q, k: (B, H, N, dk); v: (B, H, N, dv); output (B, H, N, dv), contiguous, v's dtype):
+
+    o_i = Σ_{j≤i} κ(q_i, k_j) v_j                      (normalize=False)
+    o_i = Σ_{j≤i} κ(q_i, k_j) v_j / (Σ_{j≤i} κ(q_i, k_j) + eps)   (normalize=True)
+
+with the kernel κ fixed by `feature_map`:
+
+- "identity": κ = scale · q·k
+- "elu1":     κ = scale · φ(q)·φ(k),  φ(x) = elu(x) + 1
+- "hedgehog": κ = scale · φ_q(q)·φ_k(k),  φ_W(x) = cat(softmax(x W), softmax(-x W)) over the last dim;
+              W is `q_weight` / `k_weight`, per head (H, dk, f) or shared (dk, f)
+- "based":    κ = 1 + s + s²/2 with s = scale · q·k (2nd-order Taylor of exp), i.e.
+              φ(scale·q)·φ(k) with φ(x) = cat([1, x, vec(x⊗x)/√2]).
+
+How this lines up with flash-linear-attention (where they overlap the semantics are exactly theirs):
+- `fla.ops.based.parallel_based(q, k, v, scale, use_norm)` is "based" with the same `scale`
+  (default dk^-½) and eps=1e-6 (FLA layout is (B, N, H, d); ours is head-first).
+- The Based paper's `TaylorFeatureMap` spelling `cat([1, x/d^¼, vec(x⊗x)/(√2·√d)])` applied to q and k
+  gives 1 + q·k/√d + (q·k)²/(2d): "based" with scale = d^-½.
+- `fla.ops.linear_attn.chunk_linear_attn(q, k, v, scale, normalize)` on feature-mapped q, k is
+  "identity" with the same scale; its normaliser divides by (scale·q)·cumsum(k) + 1e-10, i.e. eps=1e-10.
+  `fla.layers.LinearAttention(feature_map="elu")` maps with elu(x)+1 first: "elu1".
+- FLA's `HedgehogFeatureMap` is *not* "hedgehog": it applies one softmax over cat([2xW+b, -(2xW+b)])
+  (a single normaliser, with a bias). Ours is the Hedgehog paper's two separate softmaxes without
+  bias; the matcher leaves FLA's spelling alone.
+
+Autograd: the forward saves its inputs; `tk::linear_attention_backward` returns (dq, dk, dv, dq_weight,
+dk_weight) (weight grads are empty tensors when there is no weight) and recomputes the forward
+inside, which is what a chunked kernel does too (the running state is rebuilt chunk by chunk).
+The reference is a chunked scan in fp32 (chunk 64): intra-chunk masked products plus an fp32 running
+state — the same algorithm a kernel with the state in registers runs, never an N×N matrix.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+import tk_inductor.config  # noqa: F401  (load before _dispatch: the package __getattr__ recurses on `from .. import config`)
+
+from . import _dispatch
+
+FAMILY = "linear_attention"
+FEATURE_MAPS = ("identity", "elu1", "based", "hedgehog")
+REFERENCE_CHUNK = 64
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: reference only (gradcheck)
+
+
+# ---------------------------------------------------------------------------- validation
+
+def _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps) -> None:
+    check = _dispatch.check
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check(isinstance(t, torch.Tensor), f"tk::linear_attention: {name} must be a tensor", TypeError)
+        check(t.dim() == 4, f"tk::linear_attention: {name} must be 4-D (B, H, N, d), got shape {tuple(t.shape)}")
+        check(t.dtype in _FLOATS, f"tk::linear_attention: {name} dtype {t.dtype} is not a float type", TypeError)
+    check(q.dtype == k.dtype == v.dtype, f"tk::linear_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})", TypeError)
+    check(q.device == k.device == v.device, f"tk::linear_attention: q, k, v devices differ ({q.device}, {k.device}, {v.device})")
+    check(q.shape == k.shape, f"tk::linear_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
+    check(v.shape[:3] == q.shape[:3], f"tk::linear_attention: v {tuple(v.shape)} must share (B, H, N) with q {tuple(q.shape)}")
+    check(feature_map in FEATURE_MAPS, f"tk::linear_attention: feature_map {feature_map!r} not in {FEATURE_MAPS}")
+    check(math.isfinite(scale), f"tk::linear_attention: scale must be finite, got {scale}")
+    check(eps >= 0 and math.isfinite(eps), f"tk::linear_attention: eps must be finite and >= 0, got {eps}")
+    if feature_map != "hedgehog":
+        check(q_weight is None and k_weight is None,
+              f"tk::linear_attention: feature map {feature_map!r} takes no weights (only 'hedgehog' does)")
+        return
+    H, dk = q.shape[1], q.shape[3]
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        check(isinstance(w, torch.Tensor), f"tk::linear_attention: 'hedgehog' needs {name} (a tensor)", TypeError)
+        check(w.dim() in (2, 3) and (w.dim() == 2 or w.shape[0] == H) and w.shape[-2] == dk,
+              f"tk::linear_attention: {name} must be (H={H}, dk={dk}, f) or (dk={dk}, f), got {tuple(w.shape)}")
+        check(w.dtype in _FLOATS, f"tk::linear_attention: {name} dtype {w.dtype} is not a float type", TypeError)
+        check(w.device == q.device, f"tk::linear_attention: {name} is on {w.device}, q on {q.device}")
+    check(q_weight.shape[-1] == k_weight.shape[-1],
+          f"tk::linear_attention: q_weight and k_weight feature sizes differ ({q_weight.shape[-1]} vs {k_weight.shape[-1]})")
+
+
+# ---------------------------------------------------------------------------- reference
+
+def _hedgehog(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    z = torch.einsum("bhnd,hdf->bhnf", x, w) if w.dim() == 3 else x @ w
+    return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
+
+
+def _taylor(x: torch.Tensor) -> torch.Tensor:
+    outer = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2.0)
+    return torch.cat([torch.ones_like(x[..., :1]), x, outer], dim=-1)
+
+
+def feature_maps(q, k, feature_map: str, q_weight=None, k_weight=None, scale: float = 1.0):
+    """(φ̃q, φk) in fp32 (fp64 for fp64 inputs) with κ(q_i, k_j) = φ̃q_i · φk_j (scale folded into q)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k = q.to(acc), k.to(acc)
+    if feature_map == "identity":
+        return q * scale, k
+    if feature_map == "elu1":
+        return (F.elu(q) + 1) * scale, F.elu(k) + 1
+    if feature_map == "hedgehog":
+        return _hedgehog(q, q_weight.to(acc)) * scale, _hedgehog(k, k_weight.to(acc))
+    return _taylor(q * scale), _taylor(k)
+
+
+def linear_attention_reference(q, k, v, feature_map, q_weight=None, k_weight=None, scale=1.0,
+                               normalize=False, eps=0.0, chunk: int = REFERENCE_CHUNK) -> torch.Tensor:
+    """Chunked causal scan in fp32 (differentiable; the backward reference is its autograd)."""
+    fq, fk = feature_maps(q, k, feature_map, q_weight, k_weight, scale)
+    v32 = v.to(fq.dtype)
+    if normalize:  # the denominator is the same scan with a column of ones as the value
+        v32 = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)
+    B, H, N, F_ = fq.shape
+    state = fq.new_zeros(B, H, F_, v32.shape[-1])
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    outs = []
+    for start in range(0, N, chunk):
+        qc, kc, vc = fq[:, :, start:start + chunk], fk[:, :, start:start + chunk], v32[:, :, start:start + chunk]
+        n = qc.shape[2]
+        scores = (qc @ kc.transpose(-1, -2)).masked_fill(~causal[:n, :n], 0.0)
+        outs.append(scores @ vc + qc @ state)
+        state = state + kc.transpose(-1, -2) @ vc
+    o = torch.cat(outs, dim=2) if outs else v32.new_zeros(B, H, 0, v32.shape[-1])
+    if normalize:
+        o = o[..., :-1] / (o[..., -1:] + eps)
+    return o.to(v.dtype).contiguous()
+
+
+# ---------------------------------------------------------------------------- the ops
+
+@torch.library.custom_op("tk::linear_attention", mutates_args=())
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
+                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                     scale: float = 1.0, normalize: bool = False, eps: float = 0.0) -> torch.Tensor:
+    _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
+    if q.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, q, k, v, q_weight, k_weight):
+        return _dispatch.kernel("linear_attention")(q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
+    return linear_attention_reference(q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
+
+
+@linear_attention.register_fake
+def _(q, k, v, feature_map, q_weight=None, k_weight=None, scale=1.0, normalize=False, eps=0.0):
+    _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
+    return v.new_empty(v.shape)  # contiguous (B, H, N, dv)
+
+
+@torch.library.custom_op("tk::linear_attention_backward", mutates_args=())
+def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              feature_map: str, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                              scale: float, normalize: bool, eps: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dq_weight, dk_weight); weight grads are empty tensors without weights."""
+    _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
+    if q.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, grad_o, q, k, v, q_weight, k_weight) \
+            and _has_kernel("linear_attention_backward"):
+        return _dispatch.kernel("linear_attention_backward")(grad_o, q, k, v, feature_map, q_weight, k_weight,
+                                                            scale, normalize, eps)
+    # torch.func.vjp, not torch.autograd: a custom op's body runs below the autograd dispatch key.
+    weights = (q_weight, k_weight)
+
+    def forward(q_, k_, v_, *ws):
+        ws = list(ws)
+        full = [ws.pop(0) if w is not None else None for w in weights]
+        return linear_attention_reference(q_, k_, v_, feature_map, *full, scale, normalize, eps)
+
+    o, vjp = torch.func.vjp(forward, q, k, v, *(w for w in weights if w is not None))
+    grads = [g.contiguous() for g in vjp(grad_o.to(o.dtype))]
+    dq, dk, dv, rest = grads[0], grads[1], grads[2], grads[3:]
+    dw = [rest.pop(0) if w is not None else q.new_empty(0) for w in weights]
+    return dq, dk, dv, dw[0], dw[1]
+
+
+@linear_attention_backward.register_fake
+def _(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps):
+    dw = [q.new_empty(0) if w is None else w.new_empty(w.shape) for w in (q_weight, k_weight)]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dw[0], dw[1]
+
+
+def _has_kernel(name: str) -> bool:
+    try:
+        getattr(torch.ops.tk_cuda, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps = inputs
+    ctx.save_for_backward(q, k, v, q_weight, k_weight)
+    ctx.options = (feature_map, scale, normalize, eps)
+
+
+def _backward(ctx, grad_o):
+    q, k, v, q_weight, k_weight = ctx.saved_tensors
+    feature_map, scale, normalize, eps = ctx.options
+    dq, dk, dv, dqw, dkw = torch.ops.tk.linear_attention_backward(
+        grad_o.contiguous(), q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
+    return (dq, dk, dv, None,
+            dqw if q_weight is not None else None, dkw if k_weight is not None else None,
+            None, None, None)
+
+
+linear_attention.register_autograd(_backward, setup_context=_setup_context)

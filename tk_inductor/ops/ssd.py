@@ -1,0 +1,211 @@
+"""`tk::ssd`: Mamba-2 state-space duality (SSD) scan.
+
+Per batch and head, with x (b, l, nh, p), dt (b, l, nh) (already biased / softplus-ed / clamped),
+A (nh,), B and C (b, l, ng, n) (head h reads group h // (nh / ng), as mamba_ssm and HF Mamba2),
+optional D (nh,) and optional initial state h_0 (b, nh, p, n):
+
+    h_t = exp(dt_t · A) h_{t-1} + dt_t · x_t B_tᵀ          (h_t is (p, n))
+    y_t = h_t C_t + D x_t
+
+Returns (y, final_state): y (b, l, nh, p) contiguous in x's dtype, final_state = h_l (b, nh, p, n)
+contiguous fp32 (fp64 for fp64 inputs, reference only). Everything is computed in fp32 (inputs are upcast), as HF's torch path and
+mamba_ssm's `ssd_minimal_discrete` do.
+
+The reference is the chunked SSD algorithm (chunk `chunk_size`, default 64): intra-chunk
+"attention" with the decay matrix exp(segsum(dt·A)), per-chunk states, a sequential inter-chunk
+recurrence of the states (the kernel keeps that state in registers) and the state→output term.
+`chunk_size` does not change the result beyond rounding; kernels may use their own.
+Autograd: `tk::ssd_backward` returns (dx, ddt, dA, dB, dC, dD, dinitial_state), the optional ones as
+empty tensors when absent; its reference recomputes the forward and differentiates it.
+"""
+from __future__ import annotations
+
+import torch
+
+import tk_inductor.config  # noqa: F401  (load before _dispatch: the package __getattr__ recurses on `from .. import config`)
+
+from . import _dispatch
+
+FAMILY = "ssd"
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: reference only (gradcheck)
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _validate(x, dt, A, B, C, D, initial_state, chunk_size) -> None:
+    check = _dispatch.check
+    named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("initial_state", initial_state)]
+    for name, t in named:
+        if t is None and name in ("D", "initial_state"):
+            continue
+        check(isinstance(t, torch.Tensor), f"tk::ssd: {name} must be a tensor", TypeError)
+        check(t.dtype in _FLOATS, f"tk::ssd: {name} dtype {t.dtype} is not a float type", TypeError)
+        check(t.device == x.device, f"tk::ssd: {name} is on {t.device}, x on {x.device}")
+    check(x.dim() == 4, f"tk::ssd: x must be (b, l, nh, p), got shape {tuple(x.shape)}")
+    b, l, nh, p = x.shape
+    check(dt.shape == (b, l, nh), f"tk::ssd: dt must be (b, l, nh) = {(b, l, nh)}, got {tuple(dt.shape)}")
+    check(A.shape == (nh,), f"tk::ssd: A must be (nh,) = ({nh},), got {tuple(A.shape)}")
+    check(B.dim() == 4 and B.shape[:2] == (b, l), f"tk::ssd: B must be (b, l, ng, n) with (b, l) = {(b, l)}, got {tuple(B.shape)}")
+    check(C.shape == B.shape, f"tk::ssd: C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
+    ng, n = B.shape[2], B.shape[3]
+    check(ng >= 1 and nh % ng == 0, f"tk::ssd: nh={nh} must be a multiple of the group count ng={ng}")
+    if D is not None:
+        check(D.shape == (nh,), f"tk::ssd: D must be (nh,) = ({nh},), got {tuple(D.shape)}")
+    if initial_state is not None:
+        check(initial_state.shape == (b, nh, p, n),
+              f"tk::ssd: initial_state must be (b, nh, p, n) = {(b, nh, p, n)}, got {tuple(initial_state.shape)}")
+    check(isinstance(chunk_size, int) and chunk_size >= 1, f"tk::ssd: chunk_size must be a positive int, got {chunk_size}")
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """[..., i, j] = Σ_{j<t≤i} a[..., t] for i ≥ j, -inf above the diagonal (masked cumsum, no
+    difference of large cumulative sums)."""
+    T = a.shape[-1]
+    lower = torch.ones(T, T, dtype=torch.bool, device=a.device).tril(-1)
+    seg = a.unsqueeze(-1).expand(*a.shape, T).masked_fill(~lower, 0.0).cumsum(dim=-2)
+    return seg.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=a.device).tril(), float("-inf"))
+
+
+def ssd_reference(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+    """Chunked SSD in fp32 (differentiable; the backward reference is its autograd)."""
+    b, l, nh, p = x.shape
+    ng, n = B.shape[2], B.shape[3]
+    heads_per_group = nh // ng
+    acc = _acc(x)
+    x32, dt32 = x.to(acc), dt.to(acc)
+    Bh = B.to(acc).repeat_interleave(heads_per_group, dim=2)
+    Ch = C.to(acc).repeat_interleave(heads_per_group, dim=2)
+    pad = (-l) % chunk_size  # zero padding at the end: no decay, no input, so h_l is unchanged
+    nc = (l + pad) // chunk_size
+
+    def chunks(t):
+        t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(b, nc, chunk_size, *t.shape[2:])
+
+    X = chunks(x32 * dt32.unsqueeze(-1))  # (b, c, l, h, p)
+    a = chunks(dt32 * A.to(acc)).permute(0, 3, 1, 2)  # (b, h, c, l)
+    Bc, Cc = chunks(Bh), chunks(Ch)  # (b, c, l, h, n)
+    a_cum = a.cumsum(dim=-1)
+
+    # 1. within each chunk: y = (C Bᵀ ∘ decay) X
+    decay = torch.exp(_segsum(a))  # (b, h, c, l, s)
+    y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, decay, X)
+    # 2. each chunk's own contribution to the state at its end
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # (b, h, c, l)
+    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, to_end, X)
+    # 3. inter-chunk recurrence, sequential over chunks like a kernel's register-resident state
+    state = x32.new_zeros(b, nh, p, n) if initial_state is None else initial_state.to(acc).clone()
+    chunk_decay = torch.exp(a_cum[..., -1])  # (b, h, c)
+    starts = []
+    for c in range(nc):
+        starts.append(state)
+        state = chunk_decay[:, :, c, None, None] * state + chunk_states[:, c]
+    starts = torch.stack(starts, dim=1) if starts else x32.new_zeros(b, 0, nh, p, n)  # (b, c, h, p, n)
+    # 4. the state at each chunk start, decayed to each position and read out through C
+    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, starts, torch.exp(a_cum))
+    y = y.reshape(b, nc * chunk_size, nh, p)[:, :l]
+    if D is not None:
+        y = y + D.to(acc)[:, None] * x32
+    return y.to(x.dtype).contiguous(), state.contiguous()
+
+
+def ssd_recurrence(x, dt, A, B, C, D=None, initial_state=None):
+    """The plain sequential recurrence, token by token in fp32 (the ground truth for tests)."""
+    b, l, nh, p = x.shape
+    ng, n = B.shape[2], B.shape[3]
+    acc = _acc(x)
+    Bh = B.to(acc).repeat_interleave(nh // ng, dim=2)
+    Ch = C.to(acc).repeat_interleave(nh // ng, dim=2)
+    x32, dt32, A32 = x.to(acc), dt.to(acc), A.to(acc)
+    h = x32.new_zeros(b, nh, p, n) if initial_state is None else initial_state.to(acc)
+    ys = []
+    for t in range(l):
+        dA = torch.exp(dt32[:, t] * A32)  # (b, h)
+        h = dA[..., None, None] * h + (dt32[:, t, :, None] * x32[:, t])[..., None] * Bh[:, t, :, None, :]
+        y = torch.einsum("bhpn,bhn->bhp", h, Ch[:, t])
+        if D is not None:
+            y = y + D.to(acc)[:, None] * x32[:, t]
+        ys.append(y)
+    y = torch.stack(ys, dim=1) if ys else x32.new_zeros(b, 0, nh, p)
+    return y.to(x.dtype), h
+
+
+# ---------------------------------------------------------------------------- the ops
+
+@torch.library.custom_op("tk::ssd", mutates_args=())
+def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+        D: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+        chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(x, dt, A, B, C, D, initial_state, chunk_size)
+    if x.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, x, dt, A, B, C, D, initial_state):
+        return _dispatch.kernel("ssd")(x, dt, A, B, C, D, initial_state, chunk_size)
+    return ssd_reference(x, dt, A, B, C, D, initial_state, chunk_size)
+
+
+@ssd.register_fake
+def _(x, dt, A, B, C, D=None, initial_state=None, chunk_size=64):
+    _validate(x, dt, A, B, C, D, initial_state, chunk_size)
+    b, l, nh, p = x.shape
+    return x.new_empty(x.shape), x.new_empty((b, nh, p, B.shape[3]), dtype=_acc(x))
+
+
+@torch.library.custom_op("tk::ssd_backward", mutates_args=())
+def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                 A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
+                 initial_state: torch.Tensor | None, chunk_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, ddt, dA, dB, dC, dD, dinitial_state); dD / dinitial_state are empty without D / initial_state."""
+    _validate(x, dt, A, B, C, D, initial_state, chunk_size)
+    if x.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
+            and _has_kernel("ssd_backward"):
+        return _dispatch.kernel("ssd_backward")(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
+    # torch.func.vjp, not torch.autograd: a custom op's body runs below the autograd dispatch key.
+    inputs = (x, dt, A, B, C, D, initial_state)
+    present = [i for i, t in enumerate(inputs) if t is not None]
+
+    def forward(*tensors):
+        full = list(inputs)
+        for i, t in zip(present, tensors):
+            full[i] = t
+        return ssd_reference(*full, chunk_size)
+
+    (y, state), vjp = torch.func.vjp(forward, *(inputs[i] for i in present))
+    grads = list(vjp((grad_y.to(y.dtype), grad_state.to(state.dtype))))
+    return tuple(grads.pop(0).contiguous() if t is not None else x.new_empty(0) for t in inputs)
+
+
+@ssd_backward.register_fake
+def _(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size):
+    return tuple(x.new_empty(0) if t is None else t.new_empty(t.shape) for t in (x, dt, A, B, C, D, initial_state))
+
+
+def _has_kernel(name: str) -> bool:
+    try:
+        getattr(torch.ops.tk_cuda, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _setup_context(ctx, inputs, output):
+    x, dt, A, B, C, D, initial_state, chunk_size = inputs
+    ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
+    ctx.chunk_size = chunk_size
+    ctx.state_shape = output[1].shape
+
+
+def _backward(ctx, grad_y, grad_state):
+    x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+    if grad_y is None:
+        grad_y = torch.zeros_like(x)
+    if grad_state is None:
+        grad_state = x.new_zeros(ctx.state_shape, dtype=_acc(x))
+    dx, ddt, dA, dB, dC, dD, dinit = torch.ops.tk.ssd_backward(
+        grad_y.contiguous(), grad_state.contiguous(), x, dt, A, B, C, D, initial_state, ctx.chunk_size)
+    return dx, ddt, dA, dB, dC, dD if D is not None else None, dinit if initial_state is not None else None, None
+
+
+ssd.register_autograd(_backward, setup_context=_setup_context)
