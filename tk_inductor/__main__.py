@@ -1,0 +1,108 @@
+"""Command line: `python -m tk_inductor doctor | build` (also installed as `tk-inductor`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+
+
+def _nvcc_version(nvcc: str) -> str:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot run ({exc})"
+    lines = [line for line in out.splitlines() if "release" in line]
+    return lines[-1].strip() if lines else (out.strip().splitlines() or ["unknown"])[-1]
+
+
+def doctor(_args) -> int:
+    import torch
+
+    from . import build, config
+
+    def row(name: str, value) -> None:
+        print(f"{name:<20}{value}")
+
+    row("python", f"{platform.python_version()} ({sys.executable})")
+    row("torch", f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(i)
+            note = "" if cap == (9, 0) else "  (kernels need sm_90: subgraphs stay with Inductor)"
+            row(f"gpu {i}", f"{torch.cuda.get_device_name(i)}, sm_{cap[0]}{cap[1]}{note}")
+        row("cuda runtime", torch.version.cuda)
+    else:
+        row("gpu", "none visible (kernels are CUDA-only; reference mode runs anywhere)")
+    home = build.cuda_home()
+    row("CUDA_HOME", home or "not found (set CUDA_HOME to the folder holding bin/nvcc and include/cuda.h)")
+    if home:
+        nvcc = os.path.join(home, "bin", "nvcc")
+        row("nvcc", f"{nvcc}: {_nvcc_version(nvcc)}")
+    try:
+        cfg = config.current()
+        row("config", f"ops={','.join(cfg.ops)} strict={cfg.strict} reference={cfg.reference} verbose={cfg.verbose}")
+    except (ValueError, TypeError) as exc:
+        row("config", f"INVALID: {exc}")
+    row("TK_INDUCTOR", "1: default torch.compile runs the rewrite" if os.environ.get("TK_INDUCTOR") not in (None, "", "0") else "unset: only backend='thunderkittens' rewrites")
+    row("cache dir", build.cache_dir())
+    families = build.families()
+    if not families:
+        row("kernels", f"no kernel sources under {build.KERNELS}")
+    for family in families:
+        state = "built" if build.is_built(family) else "not built (run: python -m tk_inductor build)"
+        row(f"kernel {family}", f"{state}  [{build.build_dir(family)}]")
+    return 0
+
+
+def build_command(args) -> int:
+    from . import build
+
+    available = build.families()
+    if args.families:
+        wanted = [f for f in (x.strip() for x in args.families.split(",")) if f]
+        missing = [f for f in wanted if f not in available]
+        if missing:
+            print(f"tk_inductor build: no kernel sources for {missing}; families with sources: {available}", file=sys.stderr)
+            return 1
+    else:
+        wanted = available
+    if not wanted:
+        print(f"tk_inductor build: no kernel sources under {build.KERNELS}")
+        return 0
+    print(f"building {len(wanted)} kernel famil{'y' if len(wanted) == 1 else 'ies'} into {build.cache_dir()}", flush=True)
+    failed = []
+    total = time.time()
+    for i, family in enumerate(wanted, 1):
+        prefix = f"[{i}/{len(wanted)}] {family:<17}"
+        print(f"{prefix}...", flush=True)
+        start = time.time()
+        cached = build.is_built(family)
+        try:
+            build.load(family, verbose=args.verbose)
+        except build.BuildError as exc:
+            failed.append(family)
+            detail = str(exc) if args.verbose else str(exc).strip().splitlines()[0][:300]
+            print(f"{prefix}FAILED after {time.time() - start:.1f} s: {detail}", flush=True)
+            continue
+        print(f"{prefix}ok ({'cached, ' if cached else ''}{time.time() - start:.1f} s)", flush=True)
+    print(f"done in {time.time() - total:.1f} s: {len(wanted) - len(failed)} built, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tk-inductor", description="tk_inductor: torch.compile backend with fused CUDA kernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="print GPU, CUDA, torch, compiler, cache and which kernels are built").set_defaults(func=doctor)
+    b = sub.add_parser("build", help="build the kernels ahead of time")
+    b.add_argument("--families", help="comma-separated families (default: every family with sources)")
+    b.add_argument("-v", "--verbose", action="store_true", help="show the compiler commands and full errors")
+    b.set_defaults(func=build_command)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
