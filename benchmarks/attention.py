@@ -1,0 +1,137 @@
+"""Attention benchmark: ours (tk_cuda::attention / attention_backward) vs
+F.scaled_dot_product_attention with the cuDNN and flash backends, in one run.
+
+Shapes: B*N = 65536 tokens, H*D = 2048, N in 1024..16384, D in {64, 128},
+causal and not; forward and forward+backward. TFLOPS count 4*B*H*N^2*D for the
+forward (halved for causal) and 2.5x that for the backward. Every case's
+output is checked against cuDNN before it is timed.
+
+    python -m benchmarks.attention [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .common import Row, check_close, median_ms, progress, rel_error
+
+TOKENS = 65536
+HIDDEN = 2048
+LENGTHS = (1024, 2048, 4096, 8192, 16384)
+
+
+def cases(quick: bool = False):
+    lengths = (2048, 4096) if quick else LENGTHS
+    for D in (128, 64):
+        for N in lengths:
+            for causal in (False, True):
+                yield TOKENS // N, HIDDEN // D, N, D, causal
+
+
+def _flops(B, H, N, D, causal, backward):
+    f = 4.0 * B * H * N * N * D * (0.5 if causal else 1.0)
+    return f * 3.5 if backward else f
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def fwd(q, k, v, causal, scale):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    return fwd
+
+
+def _ours_fwd(q, k, v, causal, scale):
+    return torch.ops.tk_cuda.attention(q, k, v, causal, scale)[0]
+
+
+def _ours_fwd_bwd(q, k, v, do, causal, scale):
+    o, lse = torch.ops.tk_cuda.attention(q, k, v, causal, scale)
+    return torch.ops.tk_cuda.attention_backward(do, q, k, v, o, lse, causal, scale)
+
+
+def run(quick: bool = False) -> list[Row]:
+    from torch.nn.attention import SDPBackend
+
+    from tk_inductor import build
+
+    build.load("attention")
+    baselines = {"cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "flash": _sdpa(SDPBackend.FLASH_ATTENTION)}
+    rows: list[Row] = []
+    for B, H, N, D, causal in cases(quick):
+        name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
+        progress(name)
+        scale = 1.0 / math.sqrt(D)
+        q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        ref = baselines["cudnn"](q, k, v, causal, scale)
+        check_close(f"attention {name}", _ours_fwd(q, k, v, causal, scale), ref)
+        del ref
+        # forward
+        for impl, fn in [("ours", lambda: _ours_fwd(q, k, v, causal, scale))] + [
+            (n, (lambda f=f: f(q, k, v, causal, scale))) for n, f in baselines.items()
+        ]:
+            try:
+                ms = median_ms(fn)
+                rows.append(Row("attention", f"{name} fwd", impl, ms, _flops(B, H, N, D, causal, False) / ms / 1e9, "TFLOPS", N))
+            except RuntimeError as exc:
+                rows.append(Row("attention", f"{name} fwd", impl, None, note=f"failed: {str(exc)[:80]}"))
+        # forward + backward
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        for impl, f in baselines.items():
+            def step(f=f):
+                qg.grad = kg.grad = vg.grad = None
+                f(qg, kg, vg, causal, scale).backward(do)
+
+            try:
+                ms = median_ms(step)
+                rows.append(Row("attention", f"{name} fwd+bwd", impl, ms, _flops(B, H, N, D, causal, True) / ms / 1e9, "TFLOPS", N))
+            except RuntimeError as exc:
+                rows.append(Row("attention", f"{name} fwd+bwd", impl, None, note=f"failed: {str(exc)[:80]}"))
+        ours_grads = _ours_fwd_bwd(q, k, v, do, causal, scale)
+        qg.grad = kg.grad = vg.grad = None
+        baselines["cudnn"](qg, kg, vg, causal, scale).backward(do)
+        errs = [rel_error(a, b.grad) for a, b in zip(ours_grads, (qg, kg, vg))]
+        note = "grads rel err vs cudnn " + "/".join(f"{e:.1e}" for e in errs)
+        if max(errs) > 2e-2:
+            rows.append(Row("attention", f"{name} fwd+bwd", "ours", None, note=f"wrong gradients: {note}"))
+        else:
+            ms = median_ms(lambda: _ours_fwd_bwd(q, k, v, do, causal, scale))
+            rows.append(Row("attention", f"{name} fwd+bwd", "ours", ms, _flops(B, H, N, D, causal, True) / ms / 1e9, "TFLOPS", N, note))
+        del q, k, v, do, qg, kg, vg, ours_grads
+        torch.cuda.empty_cache()
+    return rows
+
+
+def summary(rows: list[Row]) -> str:
+    """Markdown table: TFLOPS per implementation and ours / cuDNN."""
+    by_case: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        by_case.setdefault(r.case, {})[r.impl] = r
+    out = ["| case | ours TFLOPS | cuDNN TFLOPS | flash TFLOPS | ours/cuDNN | ours/flash |", "|---|---|---|---|---|---|"]
+
+    def fig(r):
+        return f"{r.figure:.0f}" if r is not None and r.figure is not None else (r.note if r is not None else "-")
+
+    for case, impls in by_case.items():
+        o, c, f = impls.get("ours"), impls.get("cudnn"), impls.get("flash")
+        rc = f"{c.ms / o.ms:.2f}" if o and c and o.ms and c.ms else "-"
+        rf = f"{f.ms / o.ms:.2f}" if o and f and o.ms and f.ms else "-"
+        out.append(f"| {case} | {fig(o)} | {fig(c)} | {fig(f)} | {rc} | {rf} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="N in {2048, 4096} only")
+    args = p.parse_args(argv)
+    print(summary(run(quick=args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""GPU tests of the attention kernels (tk_cuda::attention / attention_backward)
+against an fp32 PyTorch reference. Skipped without CUDA.
+
+Outputs are poisoned before every kernel call: blocks of the outputs' sizes are
+filled with NaN and freed just before the call, so the caching allocator hands
+them back to the op and any element the kernel fails to write shows as NaN.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+LENGTHS = (1, 17, 128, 1000, 4096)
+OUT_TOL = 1e-2  # relative (norm-wise) error vs fp32, bf16/fp16 outputs
+GRAD_TOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from tk_inductor import build
+
+    build.load("attention")
+    return torch.ops.tk_cuda
+
+
+def reference(q, k, v, causal, scale):
+    """fp32 attention with GQA by repeating K/V; returns (o, lse)."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
+    kf = kf.repeat_interleave(group, dim=1)
+    vf = vf.repeat_interleave(group, dim=1)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:  # top-left aligned: row i sees keys j <= i
+        n, m = s.shape[-2:]
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.softmax(s, dim=-1) @ vf, lse
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def poison(*shapes_dtypes):
+    junk = [torch.full(s, float("nan"), dtype=d, device="cuda") for s, d in shapes_dtypes]
+    del junk
+
+
+def make_inputs(B, Hq, Hkv, N, M, D, dtype, layout="bhnd", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(H, S):
+        if layout == "bnhd":  # HF style: (B, N, H, D) storage viewed as (B, H, N, D)
+            return torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+        return torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=g)
+
+    return rnd(Hq, N), rnd(Hkv, M), rnd(Hkv, M)
+
+
+def forward_cases():
+    """Every (N, M) pair, causal and not; batch, GQA, head dim and dtype rotate so each value is covered often."""
+    cases = []
+    for i, ((N, M), causal) in enumerate(itertools.product(itertools.product(LENGTHS, LENGTHS), (False, True))):
+        B = (1, 3)[i % 2]
+        heads = ((4, 4), (4, 2), (4, 1))[i % 3]
+        D = (64, 128)[(i // 2) % 2]
+        dtype = (torch.bfloat16, torch.float16)[(i // 4) % 2]
+        cases.append((B, *heads, N, M, D, dtype, causal))
+    # every (D, dtype, GQA, causal) combination at an odd length
+    for D, dtype, heads, causal in itertools.product((64, 128), (torch.bfloat16, torch.float16), ((4, 4), (8, 2)), (False, True)):
+        cases.append((3, *heads, 1000, 1000, D, dtype, causal))
+    return cases
+
+
+def _id(c):
+    B, Hq, Hkv, N, M, D, dtype, causal = c
+    return f"B{B}-H{Hq}:{Hkv}-N{N}-M{M}-D{D}-{str(dtype)[6:]}-{'causal' if causal else 'full'}"
+
+
+@pytest.mark.parametrize("case", forward_cases(), ids=_id)
+def test_forward(ops, case):
+    B, Hq, Hkv, N, M, D, dtype, causal = case
+    q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype)
+    scale = 1.0 / math.sqrt(D)
+    poison(((B, N, Hq, D), dtype), ((B, Hq, N), torch.float32))
+    o, lse = ops.attention(q, k, v, causal, scale)
+    torch.cuda.synchronize()
+    assert o.shape == (B, Hq, N, D) and o.dtype == dtype
+    assert o.stride() == (N * Hq * D, D, Hq * D, 1), "o must view a (B, N, Hq, D) buffer"
+    assert lse.shape == (B, Hq, N) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    o_ref, lse_ref = reference(q, k, v, causal, scale)
+    assert rel_err(o, o_ref) < OUT_TOL
+    torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_forward_strides_and_scale(ops, layout, scale):
+    q, k, v = make_inputs(2, 8, 2, 333, 517, 128, torch.bfloat16, layout=layout, seed=3)
+    for causal in (False, True):
+        o, lse = ops.attention(q, k, v, causal, scale)
+        o_ref, lse_ref = reference(q, k, v, causal, scale)
+        assert rel_err(o, o_ref) < OUT_TOL
+        torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+
+
+def backward_cases():
+    cases = []
+    pairs = [(1, 1), (17, 17), (128, 128), (1000, 1000), (17, 1000), (1000, 17), (128, 4096), (4096, 128), (1000, 4096)]
+    for i, ((N, M), causal) in enumerate(itertools.product(pairs, (False, True))):
+        B = (1, 3)[i % 2]
+        heads = ((4, 4), (4, 2), (6, 1))[i % 3]
+        D = (64, 128)[(i // 2) % 2]
+        dtype = (torch.bfloat16, torch.float16)[(i // 4) % 2]
+        cases.append((B, *heads, N, M, D, dtype, causal))
+    for D, dtype, heads, causal in itertools.product((64, 128), (torch.bfloat16, torch.float16), ((4, 4), (8, 2)), (False, True)):
+        cases.append((2, *heads, 777, 777, D, dtype, causal))
+    return cases
+
+
+@pytest.mark.parametrize("case", backward_cases(), ids=_id)
+def test_backward(ops, case):
+    B, Hq, Hkv, N, M, D, dtype, causal = case
+    q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, seed=1)
+    do = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
+    scale = 1.0 / math.sqrt(D)
+    o, lse = ops.attention(q, k, v, causal, scale)
+    poison(((B, Hq, N, D), dtype), ((B, Hkv, M, D), dtype), ((B, Hkv, M, D), dtype))
+    dq, dk, dv = ops.attention_backward(do, q, k, v, o, lse, causal, scale)
+    torch.cuda.synchronize()
+    for t, like in ((dq, q), (dk, k), (dv, v)):
+        assert t.shape == like.shape and t.dtype == dtype and t.is_contiguous()
+        assert not torch.isnan(t).any()
+
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, _ = reference(qr, kr, vr, causal, scale)
+    o_ref.backward(do.float())
+    for name, got, ref in (("dq", dq, qr.grad), ("dk", dk, kr.grad), ("dv", dv, vr.grad)):
+        assert rel_err(got, ref) < GRAD_TOL, f"{name}: relative error {rel_err(got, ref):.3e}"
+
+
+def test_backward_noncontiguous(ops):
+    q, k, v = make_inputs(2, 8, 4, 300, 300, 64, torch.bfloat16, layout="bnhd", seed=5)
+    do = torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    o, lse = ops.attention(q, k, v, True, 0.125)
+    dq, dk, dv = ops.attention_backward(do, q, k, v, o, lse, True, 0.125)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, _ = reference(qr, kr, vr, True, 0.125)
+    o_ref.backward(do.float())
+    for got, ref in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert rel_err(got, ref) < GRAD_TOL
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda q, k, v: (q.float(), k.float(), v.float()), "bfloat16 or float16"),
+        (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head dim"),
+        (lambda q, k, v: (q, k[:, :3], v[:, :3]), "multiple of kv heads"),
+        (lambda q, k, v: (q[0], k[0], v[0]), "4-D"),
+    ],
+)
+def test_bad_inputs(ops, bad, message):
+    q, k, v = make_inputs(1, 4, 2, 64, 64, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=message):
+        ops.attention(*bad(q, k, v), False, 0.125)
