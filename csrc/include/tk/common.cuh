@@ -1,0 +1,84 @@
+// Base types, thread-position helpers and scalar conversions shared by every header.
+#pragma once
+#include <cstdint>
+#include <type_traits>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define TK_DEVICE __device__ __forceinline__
+#define TK_HOST_DEVICE __host__ __device__ __forceinline__
+
+namespace tk {
+
+using bf16 = __nv_bfloat16;
+using half = __half;
+using bf16_2 = __nv_bfloat162;
+using half_2 = __half2;
+
+constexpr int WARP_THREADS = 32;
+constexpr int WARPGROUP_WARPS = 4;
+constexpr int WARPGROUP_THREADS = 128;
+constexpr int BASE = 16;  // register and shared tiles are made of 16x16 base tiles
+
+TK_DEVICE int laneid() { return threadIdx.x & 31; }
+TK_DEVICE int warpid() { return threadIdx.x >> 5; }
+TK_DEVICE int warpgroupid() { return threadIdx.x >> 7; }
+TK_DEVICE int warpid_in_group() { return (threadIdx.x >> 5) & 3; }
+
+// The packed pair each register of a base tile holds: two adjacent elements.
+template <class T> struct packed;
+template <> struct packed<float> { using type = float2; };
+template <> struct packed<bf16> { using type = bf16_2; };
+template <> struct packed<half> { using type = half_2; };
+template <class T> using packed_t = typename packed<T>::type;
+
+template <class T>
+concept tile_scalar = std::is_same_v<T, float> || std::is_same_v<T, bf16> || std::is_same_v<T, half>;
+template <class T>
+concept mma_scalar = std::is_same_v<T, bf16> || std::is_same_v<T, half>;
+
+// Scalar conversion between the three element types (fp32 <-> bf16/fp16).
+template <class To, class From> TK_HOST_DEVICE To convert(From x) {
+    if constexpr (std::is_same_v<To, From>) return x;
+    else if constexpr (std::is_same_v<From, float>) {
+        if constexpr (std::is_same_v<To, bf16>) return __float2bfloat16_rn(x);
+        else return __float2half_rn(x);
+    } else if constexpr (std::is_same_v<To, float>) {
+        if constexpr (std::is_same_v<From, bf16>) return __bfloat162float(x);
+        else return __half2float(x);
+    } else {
+        return convert<To>(convert<float>(x));  // bf16 <-> fp16 goes through fp32
+    }
+}
+
+template <class T> TK_DEVICE T first(packed_t<T> p) { return p.x; }
+template <class T> TK_DEVICE T second(packed_t<T> p) { return p.y; }
+template <class T> TK_DEVICE packed_t<T> make_packed(T a, T b) {
+    packed_t<T> p;
+    p.x = a;
+    p.y = b;
+    return p;
+}
+
+template <class T> TK_DEVICE uint32_t as_u32(const T& x) {
+    static_assert(sizeof(T) == 4);
+    uint32_t u;
+    __builtin_memcpy(&u, &x, 4);
+    return u;
+}
+
+TK_DEVICE uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// Named barrier among `threads` threads (bar 0 is __syncthreads).
+TK_DEVICE void named_sync(int id, int threads) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory"); }
+
+namespace warpgroup {
+// Synchronise the 128 threads of the calling warpgroup on named barrier `id` (1..15; callers pick distinct ids).
+TK_DEVICE void sync(int id) { named_sync(id, WARPGROUP_THREADS); }
+}  // namespace warpgroup
+
+// Make ordinary shared-memory writes visible to the async proxy (TMA, wgmma) before a barrier.
+TK_DEVICE void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+}  // namespace tk

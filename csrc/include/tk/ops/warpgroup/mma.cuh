@@ -1,0 +1,96 @@
+// Warpgroup-scope matrix multiply on wgmma. The warpgroup computes a 64 x N block: each warp
+// holds 16 rows of the fp32 accumulator as rt<float, 16, N>. A is a 64 x K shared tile (or, for
+// mma_AB / mma_ABt, each warp's 16 x K register tile); B is always a shared tile.
+//   mma_AB:   D += A   B     A: st<T,64,K> | rt<T,16,K>   B: st<T,K,N>
+//   mma_ABt:  D += A   Bᵀ    A: st<T,64,K> | rt<T,16,K>   B: st<T,N,K>
+//   mma_AtB:  D += Aᵀ  B     A: st<T,K,64>                B: st<T,K,N>
+//   mma_AtBt: D += Aᵀ  Bᵀ    A: st<T,K,64>                B: st<T,N,K>
+// With accumulate = 0 the old D is ignored (D = product). Each call fences, issues K/16 wgmmas
+// and commits them as one group; call mma_async_wait<n>(...) before reading D or reusing inputs.
+#pragma once
+#include "wgmma_ptx.cuh"
+#include "../../types/st.cuh"
+
+namespace tk {
+
+namespace detail::wgmma {
+TK_DEVICE uint64_t encode(uint64_t x) { return (x & 0x3FFFF) >> 4; }
+// Descriptor of the chunk-th 16-deep K slice of tile t. K-major: K runs along t's columns;
+// MN-major: K runs along t's rows. Strides follow the st layout (column blocks of one swizzle span).
+template <int MNMajor, shared_tile ST> TK_DEVICE uint64_t descriptor(const ST& t, int chunk) {
+    constexpr int sw = ST::swizzle_bytes;
+    static_assert(sw != 0, "wgmma operands must be swizzled shared tiles");
+    constexpr uint64_t mode = sw == 128 ? 1 : sw == 64 ? 2 : 3;
+    uint64_t addr = smem_addr(t.data), lbo;
+    if constexpr (MNMajor) {
+        addr += chunk * 16 * sw;  // 16 rows of one span
+        lbo = uint64_t(ST::rows) * sw;  // next column block along M/N
+    } else {
+        constexpr int per_span = sw / 32;  // 16 two-byte elements = 32 bytes per chunk
+        addr += (chunk % per_span) * 32 + (chunk / per_span) * ST::rows * sw;
+        lbo = 16;  // unused for swizzled K-major
+    }
+    return encode(addr) | encode(lbo) << 16 | encode(8 * sw) << 32 | mode << 62;
+}
+template <class D> TK_DEVICE void fence_operand(D& d) {
+#pragma unroll
+    for (int w = 0; w < D::width; ++w)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) asm volatile("" : "+f"(d.tiles[0][w].data[k].x), "+f"(d.tiles[0][w].data[k].y)::"memory");
+}
+template <class D> constexpr bool is_acc = std::is_same_v<typename D::T, float> && D::rows == 16 && D::is_row;
+
+// A from shared (TA/TB: 1 = that operand is MN-major) or registers.
+template <int TA, int TB, register_tile D, class A, shared_tile B> TK_DEVICE void mma(D& d, const A& a, const B& b, int accumulate) {
+    static_assert(is_acc<D>, "wgmma accumulator must be rt<float, 16, N> (row layout) per warp");
+    using T = typename B::T;
+    static_assert(mma_scalar<T> && std::is_same_v<T, typename A::T>, "wgmma inputs are bf16 or fp16, both the same");
+    constexpr int N = D::cols, K = TB ? B::rows : B::cols;
+    static_assert((TB ? B::cols : B::rows) == N, "B's N dimension does not match D");
+    fence_operand(d);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    if constexpr (register_tile<A>) {
+        static_assert(TA == 0 && A::rows == 16 && A::cols == K && A::is_row, "register A must be rt<T, 16, K> row layout");
+#pragma unroll
+        for (int c = 0; c < K / 16; ++c)
+            ptx<T, N>::template rs<TB>(d, reinterpret_cast<const uint32_t*>(a.tiles[0][c].data), descriptor<TB>(b, c),
+                                        c == 0 ? accumulate : 1);
+    } else {
+        static_assert((TA ? A::cols : A::rows) == 64 && (TA ? A::rows : A::cols) == K, "shared A must be 64 x K (or K x 64)");
+#pragma unroll
+        for (int c = 0; c < K / 16; ++c)
+            ptx<T, N>::template ss<TA, TB>(d, descriptor<TA>(a, c), descriptor<TB>(b, c), c == 0 ? accumulate : 1);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    fence_operand(d);
+}
+}  // namespace detail::wgmma
+
+namespace warpgroup {
+template <register_tile D, class A, shared_tile B> TK_DEVICE void mma_AB(D& d, const A& a, const B& b, int accumulate = 1) {
+    detail::wgmma::mma<0, 1>(d, a, b, accumulate);
+}
+template <register_tile D, class A, shared_tile B> TK_DEVICE void mma_ABt(D& d, const A& a, const B& b, int accumulate = 1) {
+    detail::wgmma::mma<0, 0>(d, a, b, accumulate);
+}
+template <register_tile D, shared_tile A, shared_tile B> TK_DEVICE void mma_AtB(D& d, const A& a, const B& b, int accumulate = 1) {
+    detail::wgmma::mma<1, 1>(d, a, b, accumulate);
+}
+template <register_tile D, shared_tile A, shared_tile B> TK_DEVICE void mma_AtBt(D& d, const A& a, const B& b, int accumulate = 1) {
+    detail::wgmma::mma<1, 0>(d, a, b, accumulate);
+}
+// Overwriting forms: D = product.
+template <register_tile D, class A, shared_tile B> TK_DEVICE void mm_AB(D& d, const A& a, const B& b) { mma_AB(d, a, b, 0); }
+template <register_tile D, class A, shared_tile B> TK_DEVICE void mm_ABt(D& d, const A& a, const B& b) { mma_ABt(d, a, b, 0); }
+template <register_tile D, shared_tile A, shared_tile B> TK_DEVICE void mm_AtB(D& d, const A& a, const B& b) { mma_AtB(d, a, b, 0); }
+template <register_tile D, shared_tile A, shared_tile B> TK_DEVICE void mm_AtBt(D& d, const A& a, const B& b) { mma_AtBt(d, a, b, 0); }
+
+// Wait until at most N committed wgmma groups are in flight; pass the accumulators about to be
+// read so the compiler cannot move their uses above the wait.
+template <int N = 0, class... Ds> TK_DEVICE void mma_async_wait(Ds&... ds) {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+    (detail::wgmma::fence_operand(ds), ...);
+}
+}  // namespace warpgroup
+
+}  // namespace tk

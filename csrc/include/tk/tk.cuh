@@ -1,0 +1,16 @@
+// The tile library, all of it. See /work/prompts/TILE_READY.md (and each header) for the API.
+#pragma once
+#include "common.cuh"
+#include "types/rt.cuh"
+#include "types/rv.cuh"
+#include "types/st.cuh"
+#include "types/gl.cuh"
+#include "sync/semaphore.cuh"
+#include "ops/thread/tma.cuh"
+#include "ops/warp/register.cuh"
+#include "ops/warp/shared.cuh"
+#include "ops/warp/global.cuh"
+#include "ops/warpgroup/shared.cuh"
+#include "ops/warpgroup/mma.cuh"
+#include "grid.cuh"
+#include "lcsf.cuh"
