@@ -1,0 +1,165 @@
+// Registers the layernorm kernels as raw ops tk_cuda::layernorm / tk_cuda::layernorm_backward, with the
+// schemas of the user-facing tk:: ops (tk_inductor/ops/layernorm.py validates inputs before calling here).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include "layernorm.h"
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+tk_layernorm::DType dtype_of(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return tk_layernorm::DType::f32;
+    case at::kHalf: return tk_layernorm::DType::f16;
+    case at::kBFloat16: return tk_layernorm::DType::bf16;
+    default: TORCH_CHECK(false, "tk_cuda::layernorm: unsupported dtype ", t.scalar_type());
+  }
+}
+
+const void* ptr_or_null(const OptTensor& t) { return t && t->defined() ? t->data_ptr() : nullptr; }
+
+void check_operand(const OptTensor& t, const Tensor& x, int64_t numel, const char* name) {
+  if (!t || !t->defined()) return;
+  TORCH_CHECK(t->is_cuda() && t->device() == x.device(), "tk_cuda::layernorm: ", name, " must be on ", x.device());
+  TORCH_CHECK(t->scalar_type() == x.scalar_type(), "tk_cuda::layernorm: ", name, " must have dtype ", x.scalar_type());
+  TORCH_CHECK(t->is_contiguous() && t->numel() == numel, "tk_cuda::layernorm: ", name, " must be contiguous with ", numel, " elements");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "tk_cuda::layernorm: ", name, " must be 16-byte aligned");
+}
+
+tk_layernorm::DropoutArgs dropout_args(double p, const OptTensor& rng) {
+  tk_layernorm::DropoutArgs d;
+  if (p <= 0.0) return d;
+  TORCH_CHECK(p < 1.0, "tk_cuda::layernorm: dropout p must be < 1");
+  TORCH_CHECK(rng && rng->defined() && rng->device().is_cpu() && rng->scalar_type() == at::kLong && rng->numel() == 2,
+              "tk_cuda::layernorm: dropout needs rng = CPU int64 tensor (seed, offset)");
+  const Tensor r = rng->contiguous();
+  const int64_t* v = r.data_ptr<int64_t>();
+  d.enabled = true;
+  d.seed = static_cast<uint64_t>(v[0]);
+  d.offset = static_cast<uint64_t>(v[1]);
+  // Same expression as tk_inductor/ops/philox.py: threshold(p) and dropout_scale(p).
+  const double t = std::floor(p * 4294967296.0);
+  d.threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+  d.scale = static_cast<float>(1.0 / (1.0 - p));
+  return d;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, const OptTensor& residual,
+                                                             const OptTensor& weight, const OptTensor& bias,
+                                                             const OptTensor& rng, double eps, double p, bool rms) {
+  TORCH_CHECK(x.is_cuda() && x.dim() >= 1 && x.is_contiguous(), "tk_cuda::layernorm: x must be a contiguous CUDA tensor");
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(hidden % 8 == 0 && hidden > 0 && hidden <= tk_layernorm::kMaxHidden,
+              "tk_cuda::layernorm: hidden size must be a multiple of 8 in [8, 16384], got ", hidden);
+  check_operand(x, x, x.numel(), "x");
+  check_operand(residual, x, x.numel(), "residual");
+  check_operand(weight, x, hidden, "weight");
+  check_operand(bias, x, hidden, "bias");
+  TORCH_CHECK(!(rms && bias && bias->defined()), "tk_cuda::layernorm: RMSNorm takes no bias");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.numel() / hidden;
+  const auto f32 = x.options().dtype(at::kFloat);
+  const bool store_h = (residual && residual->defined()) || p > 0.0;
+
+  Tensor y = at::empty(x.sizes(), x.options());
+  Tensor h = store_h ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
+  Tensor mean = at::empty({rms ? 0 : rows}, f32);
+  Tensor rstd = at::empty({rows}, f32);
+  Tensor rng_out = p > 0.0 ? rng->to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
+                           : at::zeros({2}, at::TensorOptions().dtype(at::kLong));
+
+  tk_layernorm::ForwardArgs a{};
+  a.y = y.data_ptr();
+  a.h = store_h ? h.data_ptr() : nullptr;
+  a.mean = rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.x = x.data_ptr();
+  a.residual = ptr_or_null(residual);
+  a.weight = ptr_or_null(weight);
+  a.bias = ptr_or_null(bias);
+  a.rows = rows;
+  a.hidden = static_cast<int>(hidden);
+  a.eps = static_cast<float>(eps);
+  a.rms = rms;
+  a.dropout = dropout_args(p, rng);
+  const cudaError_t err = tk_layernorm::forward(a, dtype_of(x), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "tk_cuda::layernorm: launch failed: ", cudaGetErrorString(err));
+  return {y, h, mean, rstd, rng_out};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, const OptTensor& dh, const Tensor& h,
+                                                              const OptTensor& weight, const Tensor& mean,
+                                                              const Tensor& rstd, const Tensor& rng, double p, bool rms,
+                                                              bool has_bias) {
+  TORCH_CHECK(h.is_cuda() && h.is_contiguous() && h.dim() >= 1, "tk_cuda::layernorm_backward: h must be a contiguous CUDA tensor");
+  const int64_t hidden = h.size(-1);
+  TORCH_CHECK(hidden % 8 == 0 && hidden > 0 && hidden <= tk_layernorm::kMaxHidden,
+              "tk_cuda::layernorm_backward: hidden size must be a multiple of 8 in [8, 16384], got ", hidden);
+  check_operand(h, h, h.numel(), "h");
+  check_operand(dy, h, h.numel(), "dy");
+  check_operand(dh, h, h.numel(), "dh");
+  check_operand(weight, h, hidden, "weight");
+  const int64_t rows = h.numel() / hidden;
+  TORCH_CHECK(rstd.is_cuda() && rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == rows,
+              "tk_cuda::layernorm_backward: rstd must be fp32 CUDA (rows,)");
+  TORCH_CHECK(rms || (mean.is_cuda() && mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == rows),
+              "tk_cuda::layernorm_backward: mean must be fp32 CUDA (rows,)");
+  TORCH_CHECK(!(rms && has_bias), "tk_cuda::layernorm_backward: RMSNorm takes no bias");
+  const c10::cuda::CUDAGuard guard(h.device());
+  const bool has_weight = weight && weight->defined();
+  const auto dtype = dtype_of(h);
+
+  Tensor dres = at::empty(h.sizes(), h.options());
+  Tensor dx = p > 0.0 ? at::empty(h.sizes(), h.options()) : at::empty({0}, h.options());
+  Tensor dw = at::empty({has_weight ? hidden : 0}, h.options());
+  Tensor db = at::empty({has_bias ? hidden : 0}, h.options());
+  const int blocks = tk_layernorm::backward_blocks(rows, static_cast<int>(hidden), dtype);
+  TORCH_CHECK(blocks > 0, "tk_cuda::layernorm_backward: no launch configuration");
+  Tensor partial = (has_weight || has_bias) ? at::empty({2, blocks, hidden}, h.options().dtype(at::kFloat))
+                                            : at::empty({0}, h.options().dtype(at::kFloat));
+
+  tk_layernorm::BackwardArgs a{};
+  a.dres = dres.data_ptr();
+  a.dx = p > 0.0 ? dx.data_ptr() : nullptr;
+  a.dw = has_weight ? dw.data_ptr() : nullptr;
+  a.db = has_bias ? db.data_ptr() : nullptr;
+  a.partial = partial.numel() ? partial.data_ptr<float>() : nullptr;
+  a.dy = dy.data_ptr();
+  a.dh = ptr_or_null(dh);
+  a.h = h.data_ptr();
+  a.weight = ptr_or_null(weight);
+  a.mean = rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.rows = rows;
+  a.hidden = static_cast<int>(hidden);
+  a.rms = rms;
+  a.dropout = dropout_args(p, rng);
+  const cudaError_t err = tk_layernorm::backward(a, dtype, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "tk_cuda::layernorm_backward: launch failed: ", cudaGetErrorString(err));
+  return {dres, dx, dw, db};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
+  m.def("layernorm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, Tensor? rng, float eps, float p, bool rms) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("layernorm_backward(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor mean, Tensor rstd, Tensor rng, "
+        "float p, bool rms, bool has_bias) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {
+  m.impl("layernorm", &layernorm);
+  m.impl("layernorm_backward", &layernorm_backward);
+}

@@ -1,0 +1,76 @@
+// Per-row work split by hidden size, shared by forward and backward.
+// Each thread owns VECS vectors of 8 elements at columns 8 * (v * TPR + lane): coalesced across the row's
+// threads. Small rows take one warp (several rows per block), large rows a whole block; the last
+// vectors of a row may be partly out of range (hidden is any multiple of 8) and are masked, never skipped.
+#pragma once
+#include "layernorm.h"
+#include "vec.cuh"
+
+namespace tk_layernorm {
+
+template <int TPR_, int VECS_>
+struct Split {
+  static constexpr int TPR = TPR_;                      // threads per row
+  static constexpr int VECS = VECS_;                    // 8-element vectors per thread
+  static constexpr int BLOCK = TPR < 256 ? 256 : TPR;   // threads per block
+  static constexpr int ROWS = BLOCK / TPR;              // rows per block
+  static constexpr int WARPS_PER_ROW = TPR / 32;
+  static constexpr int MAX_HIDDEN = TPR * VECS * 8;
+  static_assert(TPR % 32 == 0 && BLOCK % TPR == 0 && BLOCK <= 1024, "rows are whole warps of one block");
+};
+
+// Calls f(Split<...>{}) for the smallest split that covers `hidden`. The backward keeps more per
+// thread alive (dy, h and the dw/db accumulators), so it gives each thread one vector per row and
+// spreads a row over more threads.
+template <bool BACKWARD, typename F>
+cudaError_t with_split(int hidden, F&& f) {
+  if constexpr (BACKWARD) {
+    if (hidden <= 256) return f(Split<32, 1>{});
+    if (hidden <= 512) return f(Split<64, 1>{});
+    if (hidden <= 1024) return f(Split<128, 1>{});
+    if (hidden <= 2048) return f(Split<256, 1>{});
+    if (hidden <= 4096) return f(Split<512, 1>{});
+    if (hidden <= 8192) return f(Split<1024, 1>{});
+    if (hidden <= kMaxHidden) return f(Split<1024, 2>{});
+  } else {
+    if (hidden <= 256) return f(Split<32, 1>{});
+    if (hidden <= 512) return f(Split<32, 2>{});
+    if (hidden <= 1024) return f(Split<32, 4>{});
+    if (hidden <= 2048) return f(Split<128, 2>{});
+    if (hidden <= 4096) return f(Split<256, 2>{});
+    if (hidden <= 8192) return f(Split<512, 2>{});
+    if (hidden <= kMaxHidden) return f(Split<512, 4>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename F>
+cudaError_t with_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::f32: return f(float{});
+    case DType::f16: return f(__half{});
+    case DType::bf16: return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Sum of v over the TPR threads of each row; every thread of the block must call it (it syncs).
+// The cross-warp order is fixed, so results are deterministic.
+template <class S>
+__device__ __forceinline__ float row_sum(float v, float* smem /* [S::BLOCK / 32] */) {
+  v = warp_sum(v);
+  if constexpr (S::WARPS_PER_ROW == 1) {
+    return v;
+  } else {
+    __syncthreads();  // smem may still be read by a previous row_sum
+    if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = v;
+    __syncthreads();
+    const float* mine = smem + (threadIdx.x / S::TPR) * S::WARPS_PER_ROW;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < S::WARPS_PER_ROW; ++i) s += mine[i];
+    return s;
+  }
+}
+
+}  // namespace tk_layernorm

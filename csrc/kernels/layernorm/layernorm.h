@@ -1,0 +1,61 @@
+// Launch interface of the layernorm family (torch-free; the binding includes it).
+// h = residual + dropout(x); y = LayerNorm(h)·w + b, or RMSNorm y = h·rsqrt(mean(h²)+eps)·w.
+// All tensors are row-major (rows, hidden), 16-byte aligned; absent optional tensors are nullptr.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace tk_layernorm {
+
+enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
+constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
+
+struct DropoutArgs {
+  bool enabled = false;
+  uint64_t seed = 0, offset = 0;
+  uint32_t threshold = 0;  // min(floor(p * 2^32), 2^32 - 1)
+  float scale = 1.f;       // 1 / (1 - p) in fp32
+};
+
+struct ForwardArgs {
+  void* y;                 // (rows, hidden)
+  void* h;                 // (rows, hidden) or nullptr: not written (plain norm: h == x)
+  float* mean;             // (rows,) or nullptr (RMSNorm)
+  float* rstd;             // (rows,)
+  const void* x;
+  const void* residual;    // nullable
+  const void* weight;      // (hidden,) nullable
+  const void* bias;        // (hidden,) nullable
+  int64_t rows;
+  int hidden;
+  float eps;
+  bool rms;
+  DropoutArgs dropout;
+};
+
+struct BackwardArgs {
+  void* dres;              // (rows, hidden): d loss / d h (norm path + incoming dh)
+  void* dx;                // (rows, hidden) = dres · mask · scale, or nullptr when no dropout
+  void* dw;                // (hidden,) or nullptr
+  void* db;                // (hidden,) or nullptr
+  float* partial;          // workspace: (2, backward_blocks, hidden) fp32
+  const void* dy;
+  const void* dh;          // nullable: gradient arriving at h from its other uses
+  const void* h;           // the normalised input (x when h was not stored)
+  const void* weight;      // nullable
+  const float* mean;       // nullptr for RMSNorm
+  const float* rstd;
+  int64_t rows;
+  int hidden;
+  bool rms;
+  DropoutArgs dropout;
+};
+
+cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream);
+
+// Blocks of the backward's persistent grid; the workspace `partial` holds 2 * blocks * hidden floats.
+// Fixed for a given (rows, hidden, dtype, device), so the dw/db reduction order is deterministic.
+int backward_blocks(int64_t rows, int hidden, DType dtype);
+cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream);
+
+}  // namespace tk_layernorm
