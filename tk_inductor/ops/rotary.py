@@ -1,0 +1,158 @@
+"""tk::rotary — rotary position embedding of q (and k) in one launch.
+
+    y = x·cos + rot(x)·sin  on the first rotary_dim = cos.shape[-1] channels; the rest are copied.
+
+rot is NeoX's rotate_half, cat(-x2, x1) (interleaved=False), or GPT-J's pair rotation
+(-x[2i+1], x[2i]) (interleaved=True). cos/sin broadcast against x[..., :rotary_dim] (per position,
+shared over batch and heads: HF passes (B, N, rotary_dim) unsqueezed). x may be (B, H, N, D) or
+(B, N, H, D)-strided: only the last dim must have unit stride. backward=True applies the transposed
+map x·cos + rotᵀ(x·sin), the vector-Jacobian product, which reads the partner channel's sin.
+Outputs keep x's layout (empty_like), or are contiguous with contiguous=True (what a `cat` gives).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _dispatch
+
+FAMILY = "rotary"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(q, k, cos, sin, interleaved):
+    check = _dispatch.check
+    for name, t in (("q", q), ("cos", cos), ("sin", sin)) + ((("k", k),) if k is not None else ()):
+        check(isinstance(t, torch.Tensor), f"tk::rotary: {name} must be a tensor", TypeError)
+        check(t.dtype in DTYPES, f"tk::rotary: {name} dtype must be one of {DTYPES}, got {t.dtype}", TypeError)
+        check(t.dtype == q.dtype, f"tk::rotary: {name} dtype {t.dtype} must equal q dtype {q.dtype}", TypeError)
+        check(t.device == q.device, f"tk::rotary: {name} is on {t.device}, q on {q.device}")
+    check(1 <= q.dim() <= 4, f"tk::rotary: q must have 1 to 4 dimensions, got {q.dim()}")
+    check(cos.shape == sin.shape, f"tk::rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
+    rd, d = cos.shape[-1], q.shape[-1]
+    check(rd % 2 == 0 and 0 < rd <= d, f"tk::rotary: rotary_dim (cos.shape[-1] = {rd}) must be even and in [2, {d}]")
+    if interleaved:
+        check(d % 2 == 0, f"tk::rotary: interleaved rotation needs an even head dim, got {d}")
+    for name, x in (("q", q),) + ((("k", k),) if k is not None else ()):
+        check(x.dim() == q.dim() and x.shape[-1] == d, f"tk::rotary: {name} must have q's rank and head dim")
+        check(cos.dim() <= x.dim(), f"tk::rotary: cos has more dimensions than {name}")
+        target = tuple(x.shape[:-1]) + (rd,)
+        try:
+            torch.broadcast_shapes(tuple(cos.shape), target)
+            ok = torch.broadcast_shapes(tuple(cos.shape), target) == target
+        except RuntimeError:
+            ok = False
+        check(ok, f"tk::rotary: cos/sin {tuple(cos.shape)} do not broadcast to {name}[..., :rotary_dim] {target}")
+
+
+def _output(x: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device) if contiguous else torch.empty_like(x)
+
+
+# ---------------------------------------------------------------------------- reference
+
+def _rot(x: torch.Tensor, interleaved: bool, transpose: bool) -> torch.Tensor:
+    """rot(x), or rotᵀ(x) = -rot(x) for both rotations (rot is antisymmetric)."""
+    if interleaved:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        r = torch.stack((-odd, even), dim=-1).flatten(-2)
+    else:
+        h = x.shape[-1] // 2
+        r = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return -r if transpose else r
+
+
+def reference_one(x, cos, sin, interleaved: bool, backward: bool, contiguous: bool):
+    rd = cos.shape[-1]
+    xr = x[..., :rd].float()
+    c, s = cos.float(), sin.float()
+    y = xr * c + (_rot(xr * s, interleaved, True) if backward else _rot(xr, interleaved, False) * s)
+    out = _output(x, contiguous)
+    out[..., :rd] = y.to(x.dtype)
+    out[..., rd:] = x[..., rd:]
+    return out
+
+
+def reference(q, k, cos, sin, interleaved, backward, contiguous):
+    qo = reference_one(q, cos, sin, interleaved, backward, contiguous)
+    ko = reference_one(k, cos, sin, interleaved, backward, contiguous) if k is not None else q.new_empty(0)
+    return qo, ko
+
+
+# ---------------------------------------------------------------------------- the op
+
+def _kernel_operands(q, k, cos, sin):
+    """Unit last strides, cos/sin padded to q's rank and sharing strides (the kernel indexes both alike)."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k is None or k.stride(-1) == 1 else k.contiguous()
+    lead = (1,) * (q.dim() - cos.dim())
+    cos, sin = cos.reshape(lead + tuple(cos.shape)), sin.reshape(lead + tuple(sin.shape))
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return q, k, cos, sin
+
+
+@torch.library.custom_op("tk::rotary", mutates_args=())
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    backward: bool,
+    contiguous: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, k, cos, sin, interleaved)
+    if _dispatch.use_kernel(FAMILY, q, k, cos, sin):
+        qk, kk, ck, sk = _kernel_operands(q, k, cos, sin)
+        qo, ko = _dispatch.kernel("rotary")(qk, kk, ck, sk, interleaved, backward, contiguous)
+        if qk is not q:  # a copied input: give the layout the fake impl promised
+            qo = _output(q, contiguous).copy_(qo)
+        if k is not None and kk is not k:
+            ko = _output(k, contiguous).copy_(ko)
+        return qo, ko
+    return reference(q, k, cos, sin, interleaved, backward, contiguous)
+
+
+@rotary.register_fake
+def _(q, k, cos, sin, interleaved, backward, contiguous):
+    _check(q, k, cos, sin, interleaved)
+    return _output(q, contiguous), (_output(k, contiguous) if k is not None else q.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, interleaved, backward, contiguous = inputs
+    ctx.interleaved, ctx.backward, ctx.has_k = interleaved, backward, k is not None
+    # q/k are only needed for cos/sin gradients (rare: learned rotary tables).
+    keep_x = cos.requires_grad or sin.requires_grad
+    ctx.save_for_backward(cos, sin, q if keep_x else None, k if keep_x else None)
+
+
+def _backward(ctx, dq, dk):
+    cos, sin, q, k = ctx.saved_tensors
+    if dq is None:
+        dq = torch.zeros_like(q) if q is not None else None
+    has_dk = ctx.has_k and dk is not None and dk.numel() > 0
+    gq = gk = None
+    if dq is not None:
+        gq, gk = torch.ops.tk.rotary(dq, dk if has_dk else None, cos, sin, ctx.interleaved, not ctx.backward, False)
+        gk = gk if has_dk else None
+    dcos = dsin = None
+    if cos.requires_grad or sin.requires_grad:  # plain PyTorch: y = x·c + rot(x)·s is linear in c and s
+        rd = cos.shape[-1]
+        dcos = torch.zeros(cos.shape, dtype=torch.float32, device=cos.device)
+        dsin = torch.zeros_like(dcos)
+        for x, g in ((q, dq), (k, dk if has_dk else None)):
+            if x is None or g is None:
+                continue
+            xr, gr = x[..., :rd].float(), g[..., :rd].float()
+            if ctx.backward:  # y = x·c + rotᵀ(x·s): dL/ds = x · rot(g)
+                rs = xr * _rot(gr, ctx.interleaved, False)
+            else:
+                rs = _rot(xr, ctx.interleaved, False) * gr
+            dcos += (xr * gr).sum_to_size(cos.shape)
+            dsin += rs.sum_to_size(sin.shape)
+        dcos, dsin = dcos.to(cos.dtype), dsin.to(sin.dtype)
+    return gq, gk, dcos, dsin, None, None, None
+
+
+rotary.register_autograd(_backward, setup_context=_setup_context)
