@@ -1,0 +1,208 @@
+"""`tk::attention` and `tk::attention_backward`: softmax attention with fp32 statistics.
+
+Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops with the same schemas):
+
+    tk::attention(q, k, v, causal, scale) -> (o, lse)
+        q (B, Hq, N, D), k and v (B, Hkv, M, D), Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq/Hkv),
+        as `repeat_interleave` / SDPA `enable_gqa=True`), any strides with stride(-1) == 1.
+        s = scale · q kᵀ, masked to key j <= query i when `causal` (top-left aligned, SDPA `is_causal=True`,
+        also for N != M: every row sees key 0, so no row is empty);
+        lse = logsumexp(s) over keys, fp32 (B, Hq, N) contiguous, natural log;
+        o = softmax(s) v in q's dtype, shape (B, Hq, N, D), a view of a (B, N, Hq, D) contiguous buffer
+        (what FlashAttention returns: the usual `o.transpose(1, 2).reshape(B, N, Hq * D)` is then free).
+
+    tk::attention_backward(grad_o, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
+        contiguous, shapes and dtypes of q, k, v; dk/dv summed over the query heads of each GQA group.
+        Uses the forward's o and lse (FlashAttention's recipe: P = exp(s - lse), Δ = rowsum(do ∘ o)).
+
+Kernel or reference: the op calls `torch.ops.tk_cuda.attention` when `_dispatch.use_kernel` allows it (CUDA
+inputs, kernels built, not reference mode) *and* the kernel covers the inputs (bf16/fp16, head dim 64 or
+128, see `kernel_supports`); otherwise the fp32-accumulating PyTorch reference below, on any device and any
+float dtype. The matcher (patterns/attention.py) only routes supported shapes to the op in kernel mode, so the
+reference fallback there is for direct calls and reference mode.
+
+`lse` is an auxiliary output for the backward and is not differentiable (autograd marks it so).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import tk_inductor.config  # noqa: F401  (load before _dispatch: the package __getattr__ recurses on `from .. import config`)
+
+from . import _dispatch
+
+FAMILY = "attention"
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+KERNEL_HEAD_DIMS = (64, 128)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float32/64: reference only
+
+
+def kernel_supports(dtype: torch.dtype, head_dim) -> str | None:
+    """None if the CUDA kernels handle this dtype and head dim, else why not (also used by the matcher)."""
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype} (the attention kernels take bfloat16/float16)"
+    if not isinstance(head_dim, int) or head_dim not in KERNEL_HEAD_DIMS:
+        return f"head dim {head_dim} (the attention kernels take {' or '.join(map(str, KERNEL_HEAD_DIMS))})"
+    return None
+
+
+# ---------------------------------------------------------------------------- validation
+
+def _validate(q, k, v, scale, op: str = "tk::attention") -> None:
+    check = _dispatch.check
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
+        check(t.dim() == 4, f"{op}: {name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
+        check(t.dtype in _FLOATS, f"{op}: {name} dtype {t.dtype} is not a floating type", TypeError)
+    check(q.dtype == k.dtype == v.dtype, f"{op}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})", TypeError)
+    check(q.device == k.device == v.device, f"{op}: q, k, v devices differ ({q.device}, {k.device}, {v.device})")
+    check(k.shape == v.shape, f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    B, Hq, _, D = q.shape
+    check(k.shape[0] == B, f"{op}: batch of k/v ({k.shape[0]}) differs from q's ({B})")
+    check(k.shape[3] == D, f"{op}: head dim of k/v ({k.shape[3]}) differs from q's ({D})")
+    Hkv = k.shape[1]
+    check(Hkv >= 1 and Hq % Hkv == 0, f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    check(k.shape[2] >= 1 or q.shape[2] == 0 or B == 0 or Hq == 0,
+          f"{op}: keys must not be empty (softmax over zero keys is undefined), got k shape {tuple(k.shape)}")
+    check(isinstance(scale, (int, float)) and math.isfinite(scale), f"{op}: scale must be a finite float, got {scale!r}",
+          TypeError if not isinstance(scale, (int, float)) else ValueError)
+
+
+def _validate_backward(grad_o, q, k, v, o, lse, scale) -> None:
+    op = "tk::attention_backward"
+    _validate(q, k, v, scale, op)
+    check = _dispatch.check
+    for name, t in (("grad_o", grad_o), ("o", o), ("lse", lse)):
+        check(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
+        check(t.device == q.device, f"{op}: {name} is on {t.device}, q on {q.device}")
+    for name, t in (("grad_o", grad_o), ("o", o)):
+        check(t.shape == q.shape, f"{op}: {name} shape {tuple(t.shape)} must equal q's {tuple(q.shape)}")
+        check(t.dtype == q.dtype, f"{op}: {name} dtype {t.dtype} differs from q's {q.dtype}", TypeError)
+    check(lse.shape == q.shape[:3], f"{op}: lse shape {tuple(lse.shape)} must be (B, Hq, N) = {tuple(q.shape[:3])}")
+    check(lse.dtype == torch.float32, f"{op}: lse must be float32, got {lse.dtype}", TypeError)
+
+
+# ---------------------------------------------------------------------------- reference
+
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    """fp32 (fp64 for fp64 inputs) masked, scaled scores (B, Hq, N, M); GQA by indexing, as the kernel reads it."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(acc).repeat_interleave(group, dim=1) if group > 1 else k.to(acc)
+    s = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale
+    if causal:
+        N, M = q.shape[2], k.shape[2]
+        allowed = torch.ones(N, M, dtype=torch.bool, device=q.device).tril()  # top-left: key j <= query i
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+def _empty_out(q: torch.Tensor) -> torch.Tensor:
+    B, H, N, D = q.shape
+    return q.new_empty(B, N, H, D).transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) buffer
+
+
+def attention_reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) in the op's layout; accumulates in fp32."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    group = q.shape[1] // k.shape[1]
+    vf = v.to(s.dtype).repeat_interleave(group, dim=1) if group > 1 else v.to(s.dtype)
+    o = _empty_out(q)
+    o.copy_(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vf))
+    return o, lse.to(torch.float32).contiguous()
+
+
+def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float):
+    """(dq, dk, dv), contiguous, from the forward's o and lse; dk/dv summed over each GQA group."""
+    s = _scores(q, k, causal, scale)
+    acc = s.dtype
+    B, Hkv, M, D = k.shape
+    group = q.shape[1] // Hkv
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+    do = grad_o.to(acc)
+    kf = k.to(acc).repeat_interleave(group, dim=1) if group > 1 else k.to(acc)
+    vf = v.to(acc).repeat_interleave(group, dim=1) if group > 1 else v.to(acc)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    delta = (do * o.to(acc)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    dq = torch.matmul(ds, kf)
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
+    if group > 1:  # sum the query heads of each group onto their kv head
+        dk = dk.view(B, Hkv, group, M, D).sum(2)
+        dv = dv.view(B, Hkv, group, M, D).sum(2)
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous())
+
+
+# ---------------------------------------------------------------------------- the ops
+
+def _kernel_ok(*tensors) -> bool:
+    q = tensors[0]
+    return kernel_supports(q.dtype, q.shape[-1]) is None and _dispatch.use_kernel(FAMILY, *tensors)
+
+
+def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
+    # The kernels read rows with TMA: any strides, but the head dim must be packed.
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+@torch.library.custom_op("tk::attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor o, Tensor lse)")
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(q, k, v, scale)
+    if q.numel() == 0:
+        return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    if _kernel_ok(q, k, v):
+        q, k, v = map(_last_dim_unit, (q, k, v))
+        return _dispatch.kernel("attention")(q, k, v, causal, scale)
+    return attention_reference(q, k, v, causal, scale)
+
+
+@attention.register_fake
+def _(q, k, v, causal, scale):
+    _validate(q, k, v, scale)
+    return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("tk::attention_backward", mutates_args=(),
+                         schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
+                                "float scale) -> (Tensor dq, Tensor dk, Tensor dv)")
+def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, causal: bool, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _validate_backward(grad_o, q, k, v, o, lse, scale)
+    if q.numel() == 0 or k.numel() == 0:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    if _kernel_ok(q, k, v, grad_o, o, lse):
+        grad_o, q, k, v, o = map(_last_dim_unit, (grad_o, q, k, v, o))
+        return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale)
+    return attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale)
+
+
+@attention_backward.register_fake
+def _(grad_o, q, k, v, o, lse, causal, scale):
+    _validate_backward(grad_o, q, k, v, o, lse, scale)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_o, _grad_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if grad_o is None:
+        return None, None, None, None, None
+    dq, dk, dv = torch.ops.tk.attention_backward(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)
