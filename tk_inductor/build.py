@@ -39,6 +39,7 @@ CXX_FLAGS = ["-O3", "-std=c++20", "-DNDEBUG"]
 _lock = threading.Lock()
 _loaded: dict[str, Path] = {}
 _failed: dict[str, str] = {}
+_extra: dict[str, Path] = {}  # name -> folder built like a family but not one (see load_folder)
 
 
 class BuildError(RuntimeError):
@@ -52,13 +53,19 @@ def families() -> list[str]:
     return sorted(p.name for p in KERNELS.iterdir() if p.is_dir() and any(p.glob("*.cu")))
 
 
+def _folder(family: str) -> Path:
+    """A family's folder, or an extra folder registered with `load_folder` (unit-test kernels)."""
+    return _extra.get(family, KERNELS / family)
+
+
 def sources(family: str) -> list[Path]:
-    folder = KERNELS / family
+    folder = _folder(family)
     return sorted([*folder.glob("*.cu"), *folder.glob("*.cpp")])
 
 
 def _headers(family: str) -> list[Path]:
-    return sorted([*INCLUDE.rglob("*.cuh"), *INCLUDE.rglob("*.h"), *(KERNELS / family).glob("*.cuh"), *(KERNELS / family).glob("*.h")])
+    folder = _folder(family)
+    return sorted([*INCLUDE.rglob("*.cuh"), *INCLUDE.rglob("*.h"), *folder.glob("*.cuh"), *folder.glob("*.h")])
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +105,7 @@ def source_hash(family: str) -> str:
 
     h = hashlib.sha256()
     for path in [*sources(family), *_headers(family)]:
-        h.update(str(path.relative_to(CSRC)).encode())
+        h.update(str(path.relative_to(CSRC.parent)).encode())
         h.update(path.read_bytes())
     h.update(" ".join(NVCC_FLAGS + CXX_FLAGS).encode())
     h.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}".encode())
@@ -132,7 +139,7 @@ def load(family: str, verbose: bool = False) -> Path:
     with _lock:
         if family in _loaded:
             return _loaded[family]
-        if family not in families():
+        if family not in families() and family not in _extra:
             raise BuildError(f"no kernel sources for family {family!r} under {KERNELS}")
         import torch
         from torch.utils import cpp_extension
@@ -152,7 +159,7 @@ def load(family: str, verbose: bool = False) -> Path:
                 cpp_extension.load(
                     name=f"tk_{family}",
                     sources=[str(s) for s in sources(family)],
-                    extra_include_paths=[str(INCLUDE), str(KERNELS / family)],
+                    extra_include_paths=[str(INCLUDE), str(_folder(family))],
                     extra_cflags=CXX_FLAGS,
                     extra_cuda_cflags=NVCC_FLAGS,
                     build_directory=str(out),
@@ -167,6 +174,16 @@ def load(family: str, verbose: bool = False) -> Path:
             torch.ops.load_library(str(lib))
         _loaded[family] = lib
         return lib
+
+
+def load_folder(name: str, folder: str | Path, verbose: bool = False) -> Path:
+    """Build and load an extra folder of `.cu` / `.cpp` sources exactly like a family (same flags, cache
+    and tk include path) without making it one: used for the unit-test kernels in tests/csrc."""
+    folder = Path(folder).resolve()
+    if name in families() or not any(folder.glob("*.cu")):
+        raise BuildError(f"{name!r} is a family name, or {folder} holds no .cu sources")
+    _extra[name] = folder
+    return load(name, verbose=verbose)
 
 
 def try_load(family: str) -> bool:

@@ -1,0 +1,147 @@
+"""The kernel build system (tk_inductor/build.py) on the CPU: CUDA toolkit detection, the cache key,
+family listing, cache placement and extra (unit-test) folders. Nothing here compiles."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tk_inductor import build
+
+
+@pytest.fixture
+def fake_tree(tmp_path, monkeypatch):
+    """A csrc tree with two families and a header, swapped in for the real one."""
+    csrc = tmp_path / "csrc"
+    (csrc / "include" / "tk").mkdir(parents=True)
+    (csrc / "include" / "tk" / "tk.cuh").write_text("// tile library\n")
+    for fam in ("alpha", "beta"):
+        (csrc / "kernels" / fam).mkdir(parents=True)
+        (csrc / "kernels" / fam / "k.cu").write_text(f"// {fam} kernel\n")
+        (csrc / "kernels" / fam / "binding.cpp").write_text(f"// {fam} binding\n")
+    (csrc / "kernels" / "empty").mkdir()  # no .cu: not a family
+    (csrc / "kernels" / "empty" / "notes.txt").write_text("")
+    monkeypatch.setattr(build, "CSRC", csrc)
+    monkeypatch.setattr(build, "INCLUDE", csrc / "include")
+    monkeypatch.setattr(build, "KERNELS", csrc / "kernels")
+    monkeypatch.setenv("TK_INDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    return csrc
+
+
+def test_families_lists_folders_with_cuda_sources(fake_tree):
+    assert build.families() == ["alpha", "beta"]
+    assert [p.name for p in build.sources("alpha")] == ["binding.cpp", "k.cu"]
+
+
+def test_real_tree_has_gemm_family():
+    assert "gemm" in build.families()
+    names = {p.name for p in build.sources("gemm")}
+    assert {"gemm.cu", "binding.cpp"} <= names
+
+
+def test_cache_key_follows_sources_and_headers(fake_tree):
+    a0, b0 = build.source_hash("alpha"), build.source_hash("beta")
+    assert a0 == build.source_hash("alpha")  # stable
+    (fake_tree / "kernels" / "alpha" / "k.cu").write_text("// alpha kernel, edited\n")
+    a1 = build.source_hash("alpha")
+    assert a1 != a0 and build.source_hash("beta") == b0  # only the edited family changes
+    (fake_tree / "kernels" / "alpha" / "extra.cuh").write_text("// family header\n")
+    a2 = build.source_hash("alpha")
+    assert a2 != a1
+    (fake_tree / "include" / "tk" / "tk.cuh").write_text("// tile library, edited\n")
+    assert build.source_hash("alpha") != a2 and build.source_hash("beta") != b0  # shared headers affect every family
+    kv = build.kernel_version()
+    (fake_tree / "kernels" / "beta" / "k.cu").write_text("// beta, edited\n")
+    assert build.kernel_version() != kv
+
+
+def test_cache_key_follows_flags(fake_tree, monkeypatch):
+    h = build.source_hash("alpha")
+    monkeypatch.setattr(build, "NVCC_FLAGS", [*build.NVCC_FLAGS, "-DSOMETHING"])
+    assert build.source_hash("alpha") != h
+
+
+def test_cache_dir_and_build_dir(fake_tree, tmp_path):
+    assert build.cache_dir() == tmp_path / "cache"
+    d = build.build_dir("alpha")
+    assert d.parent == tmp_path / "cache" and d.name == f"alpha-{build.source_hash('alpha')}"
+    assert not build.is_built("alpha") and not build.is_loaded("alpha")
+
+
+def test_cache_dir_default(monkeypatch, tmp_path):
+    monkeypatch.delenv("TK_INDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert build.cache_dir() == tmp_path / "tk_inductor"
+
+
+def test_unknown_family_fails_cleanly(fake_tree):
+    with pytest.raises(build.BuildError):
+        build.load("no_such_family")
+    assert build.try_load("no_such_family") is False
+    assert "no kernel sources" in build.failure("no_such_family")
+    build._failed.pop("no_such_family", None)
+
+
+def test_load_folder_refuses_family_names_and_empty_folders(fake_tree, tmp_path):
+    with pytest.raises(build.BuildError):
+        build.load_folder("alpha", fake_tree / "kernels" / "alpha")
+    with pytest.raises(build.BuildError):
+        build.load_folder("nothing", tmp_path)
+
+
+def test_extra_folder_is_hashed_but_not_a_family(fake_tree, tmp_path, monkeypatch):
+    extra = tmp_path / "unit"
+    extra.mkdir()
+    (extra / "t.cu").write_text("// test kernel\n")
+    monkeypatch.setitem(build._extra, "unit", extra)
+    assert "unit" not in build.families()
+    h = build.source_hash("unit")
+    (extra / "t.cu").write_text("// test kernel, edited\n")
+    assert build.source_hash("unit") != h
+
+
+def _fake_toolkit(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    (root / "include" / "cuda.h").write_text("")
+    return root
+
+
+def test_cuda_home_from_environment(monkeypatch, tmp_path):
+    toolkit = _fake_toolkit(tmp_path / "cuda-x")
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    build.cuda_home.cache_clear()
+    try:
+        assert build.cuda_home() == str(toolkit.resolve())
+    finally:
+        build.cuda_home.cache_clear()
+
+
+def test_cuda_home_sees_through_a_wrapper_script(monkeypatch, tmp_path):
+    """nvcc on PATH may be a wrapper whose parent has no headers: follow the path it execs."""
+    toolkit = _fake_toolkit(tmp_path / "real-cuda")
+    wrapper_dir = tmp_path / "wrapper" / "bin"
+    wrapper_dir.mkdir(parents=True)
+    wrapper = wrapper_dir / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\nexec {toolkit / "bin" / "nvcc"} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", f"{wrapper_dir}{os.pathsep}{os.environ['PATH']}")
+    build.cuda_home.cache_clear()
+    try:
+        assert build.cuda_home() == str(toolkit.resolve())
+    finally:
+        build.cuda_home.cache_clear()
+
+
+def test_cuda_home_on_this_machine_has_headers():
+    home = build.cuda_home()
+    if home is None:
+        pytest.skip("no CUDA toolkit installed")
+    assert (Path(home) / "bin" / "nvcc").exists() and (Path(home) / "include" / "cuda.h").exists()

@@ -1,0 +1,82 @@
+"""`tk::gemm`: bf16 matrix product on the tile library's LCSF template (benchmarks only).
+
+    tk::gemm(a, b) -> c      a (M, K) @ b (K, N), bfloat16 in and out, fp32 accumulation; M, N, K >= 1.
+
+It proves the tile library (persistent grid, TMA ring, wgmma) against cuBLAS and is never swapped into
+graphs. The CUDA kernel (csrc/kernels/gemm, `tk_cuda::gemm`) runs for CUDA bf16 inputs when the kernels
+build; everything else (CPU, other float dtypes, reference mode) runs the reference `torch.matmul`.
+`stages(a, b, n)` runs the kernel with an n-deep input pipeline (1..4) for the ablation.
+"""
+from __future__ import annotations
+
+import torch
+
+import tk_inductor.config  # noqa: F401  (load before _dispatch, as the other op modules do)
+
+from . import _dispatch
+
+FAMILY = "gemm"
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _validate(a, b, op: str = "tk::gemm") -> None:
+    check = _dispatch.check
+    for name, t in (("a", a), ("b", b)):
+        check(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
+        check(t.dim() == 2, f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
+        check(t.dtype in _FLOATS, f"{op}: {name} dtype {t.dtype} is not a floating type", TypeError)
+    check(a.dtype == b.dtype, f"{op}: a and b dtypes differ ({a.dtype}, {b.dtype})", TypeError)
+    check(a.device == b.device, f"{op}: a and b devices differ ({a.device}, {b.device})")
+    check(a.shape[1] == b.shape[0], f"{op}: inner dims differ: {tuple(a.shape)} @ {tuple(b.shape)}")
+    check(min(a.shape[0], a.shape[1], b.shape[1]) >= 1, f"{op}: M, N, K must be >= 1, got {tuple(a.shape)} @ {tuple(b.shape)}")
+
+
+def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a, b)
+
+
+def _use_kernel(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == torch.bfloat16 and _dispatch.use_kernel(FAMILY, a, b)
+
+
+@torch.library.custom_op("tk::gemm", mutates_args=())
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _validate(a, b)
+    if _use_kernel(a, b):
+        return _dispatch.kernel("gemm")(a, b)
+    return reference(a, b)
+
+
+@gemm.register_fake
+def _(a, b):
+    _validate(a, b)
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    grad_a = gemm(grad, b.t().contiguous()) if ctx.needs_input_grad[0] else None
+    grad_b = gemm(a.t().contiguous(), grad) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+gemm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def stages(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
+    """The CUDA kernel with an n-stage input pipeline (1..4): the ablation. Needs CUDA bf16 inputs and built kernels."""
+    _validate(a, b, "tk::gemm stages")
+    _dispatch.check(isinstance(n, int) and 1 <= n <= 4, f"tk::gemm stages: n must be 1..4, got {n!r}")
+    _dispatch.check(a.dtype == torch.bfloat16 and a.is_cuda, "tk::gemm stages: needs CUDA bfloat16 inputs")
+    _dispatch.check(_dispatch.use_kernel(FAMILY, a, b), f"tk::gemm stages: kernels unavailable: {_failure()}", RuntimeError)
+    return torch.ops.tk_cuda.gemm_stages(a, b, n)
+
+
+def _failure() -> str:
+    from .. import build
+
+    return build.failure(FAMILY) or "reference mode is on"
