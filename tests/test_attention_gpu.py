@@ -46,8 +46,11 @@ def reference(q, k, v, causal, scale):
 
 
 def rel_err(out, ref):
+    """Norm-wise relative error; the floor (an RMS of 1e-3) keeps exactly-zero
+    references (e.g. dq, dk when every row attends to a single key) meaningful."""
     out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+    floor = 1e-3 * ref.numel() ** 0.5
+    return float((out - ref).norm() / ref.norm().clamp_min(floor))
 
 
 def poison(*shapes_dtypes):
@@ -166,7 +169,7 @@ def test_backward_noncontiguous(ops):
     [
         (lambda q, k, v: (q.float(), k.float(), v.float()), "bfloat16 or float16"),
         (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head dim"),
-        (lambda q, k, v: (q, k[:, :3], v[:, :3]), "multiple of kv heads"),
+        (lambda q, k, v: (q[:, :3], k, v), "multiple of kv heads"),
         (lambda q, k, v: (q[0], k[0], v[0]), "4-D"),
     ],
 )

@@ -4,7 +4,8 @@
 // rows for every query head of the GQA group. Per tile, on wgmma:
 //   S^T = K Q^T, dP^T = V dO^T, P^T = exp2(S^T*scale*log2e - lse2),
 //   dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q,
-//   dQ += dS K   (dS^T goes through shared memory; fp32 atomics into dq_accum).
+//   dQ += dS K   (dS^T goes through shared memory; dQ blocks are added into an
+//                 fp32 dq_accum by TMA bulk reduce-add).
 // A preprocess kernel computes delta = rowsum(dO * O) and lse2 = lse*log2e
 // (padded: lse2 = +inf past N makes P = 0 there), a postprocess scales and
 // casts dq_accum.
@@ -32,7 +33,8 @@ struct Bwd {
   static constexpr int KV_BYTES = BN * D * 2;  // K or V
   static constexpr int Q_BYTES = BM * D * 2;   // Q or dO tile
   static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
-  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BYTES + 1024 + 256;
+  static constexpr int DQ_STAGE_BYTES = 64 * 64 * 4;  // per consumer: 64 rows x 64 fp32 columns
+  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BYTES + NC * DQ_STAGE_BYTES + 1024 + 256;
   // dQ: D=128 splits the output columns between the two consumers (64 each,
   // contracting over all 128 keys); D=64 has each consumer add its own keys'
   // partial (fewer registers is not an issue there, and N=64 keeps one panel).
@@ -55,7 +57,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
-                         const BwdParams p) {
+                         const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
   using K_ = Bwd<T, D>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
@@ -65,7 +67,8 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
   uint8_t* sQ = sV + K_::KV_BYTES;             // [STAGES][PANELS][BM][64]
   uint8_t* sdO = sQ + STAGES * K_::Q_BYTES;    // [STAGES][PANELS][BM][64]
   uint8_t* sdS = sdO + STAGES * K_::Q_BYTES;   // [BN][BM] (one 64-wide panel)
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sdS + K_::DS_BYTES);
+  uint8_t* sdQ = sdS + K_::DS_BYTES;           // [NC][64 cols / 32][64 rows][32 fp32], 128-byte swizzle
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sdQ + NC * K_::DQ_STAGE_BYTES);
   uint64_t* kv_full = bars;
   uint64_t* q_full = bars + 1;
   uint64_t* q_empty = q_full + STAGES;
@@ -162,7 +165,9 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
     const float* del_row = p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
     wgmma_wait<1>();
     fence_regs(st);
-    const bool need_mask = p.causal && i0 < n0 + 64 * c + 63;
+    // Causal upper triangle, and keys past M (their zero-filled rows would
+    // otherwise give P = exp2(-lse2), which can overflow for extreme scales).
+    const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse_row + 8 * ch + col_in);
@@ -172,7 +177,7 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
         if (need_mask) {
           const int i = i0 + 8 * ch + col_in + (e & 1);
           const int j = j0 + 8 * (e >> 1);
-          if (i < j) pe = 0.f;
+          if ((p.causal && i < j) || j >= p.M) pe = 0.f;
         }
         st[4 * ch + e] = pe;
       }
@@ -251,17 +256,31 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
     if (lane == 0) bar_arrive(&q_empty[s]);
     if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
 
-    // dQ accumulation (rows past N land in the padded part of dq_accum).
-    float* dqa = p.dq_accum + (static_cast<int64_t>(bh) * p.Npad + i0) * D + (K_::DQ_SPLIT_COLS ? 64 * c : 0);
+    // dQ accumulation: stage this consumer's 64 x 64 fp32 block in shared
+    // memory and let the TMA unit add it into dq_accum (rows past N land in
+    // its padding), so no atomics sit on the consumers' critical path.
+    uint8_t* stage = sdQ + c * K_::DQ_STAGE_BYTES;
+    if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
+    named_bar_sync(3 + c, 128);
 #pragma unroll
     for (int ch = 0; ch < K_::DQ_COLS / 8; ++ch) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        float2* dst = reinterpret_cast<float2*>(dqa + (row_in + 8 * h2) * D + 8 * ch + col_in);
-        atomicAdd(dst, make_float2(dq[4 * ch + 2 * h2], dq[4 * ch + 2 * h2 + 1]));
+        const int col = 8 * ch + col_in;
+        float2* dst = reinterpret_cast<float2*>(stage + (col / 32) * 8192 + swz128(row_in + 8 * h2, col % 32, 4));
+        *dst = make_float2(dq[4 * ch + 2 * h2], dq[4 * ch + 2 * h2 + 1]);
       }
     }
+    fence_async_smem();
+    named_bar_sync(3 + c, 128);
+    if (tid == 0) {
+#pragma unroll
+      for (int bx = 0; bx < K_::DQ_COLS / 32; ++bx)
+        tma_reduce_add_3d(&dqmap, stage + bx * 8192, (K_::DQ_SPLIT_COLS ? 64 * c : 0) + 32 * bx, i0, bh);
+      bulk_commit();
+    }
   }
+  if (tid == 0) bulk_wait_all();
 
   // dK (scaled) and dV for this consumer's 64 keys.
 #pragma unroll
@@ -348,6 +367,8 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   if (const char* e = make_map(&km, dt, k, BWD_BN)) return e;
   if (const char* e = make_map(&vm, dt, v, BWD_BN)) return e;
   if (const char* e = make_map(&dom, dt, dout, BWD_BM)) return e;
+  CUtensorMap dqm;
+  if (const char* e = make_map_f32(&dqm, dq_accum, D, Npad, BH)) return e;
   BwdParams p;
   p.B = q.B;
   p.Hq = q.H;
@@ -365,14 +386,10 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.dk = dk;
   p.dv = dv;
   auto kern = attention_bwd_kernel<T, D>;
-  static bool attr_set = false;
-  if (!attr_set) {
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
-      return "cudaFuncSetAttribute failed for the attention backward kernel";
-    attr_set = true;
-  }
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
+    return "cudaFuncSetAttribute failed for the attention backward kernel";
   dim3 grid(static_cast<unsigned>((k.S + BWD_BN - 1) / BWD_BN), static_cast<unsigned>(k.B * k.H));
-  kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, dom, p);
+  kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, dom, dqm, p);
   if (cudaGetLastError() != cudaSuccess) return "attention backward launch failed";
   {
     const int64_t pairs = BH * q.S * D / 2;

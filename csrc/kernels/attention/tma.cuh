@@ -41,4 +41,18 @@ inline const char* make_map(CUtensorMap* map, DType dt, const View4& t, int box_
   return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled failed (pointer or strides not 16-byte aligned?)";
 }
 
+// fp32 (D, rows, BH) map with a (32 x 64) box, 128-byte swizzle: the dq
+// accumulator, written by bulk reduce-add.
+inline const char* make_map_f32(CUtensorMap* map, float* ptr, int64_t D, int64_t rows, int64_t BH) {
+  auto fn = encode_fn();
+  if (!fn) return "could not get cuTensorMapEncodeTiled from the driver";
+  cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)rows, (cuuint64_t)BH};
+  cuuint64_t strides[2] = {(cuuint64_t)(D * 4), (cuuint64_t)(rows * D * 4)};
+  cuuint32_t box[3] = {32, 64, 1};
+  cuuint32_t estr[3] = {1, 1, 1};
+  CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, ptr, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled failed for the dq accumulator";
+}
+
 }  // namespace tk_attn
