@@ -322,13 +322,34 @@ def run(gm: fx.GraphModule, cfg: Config, *, recurse: bool = True) -> tuple[Graph
     return graph_report, failures
 
 
+def _snapshot(graph: fx.Graph) -> fx.Graph:
+    """A copy to restore on failure, node attributes included.
+
+    Graph copies keep `meta` but not attributes set on nodes directly, such
+    as Dynamo's `_dynamo_source` on placeholders, which AOTAutograd needs."""
+    copied = fx.Graph(tracer_cls=graph._tracer_cls)
+    node_map: dict[fx.Node, fx.Node] = {}
+    output = copied.graph_copy(graph, node_map, return_output_node=True)
+    copied._codegen = copy.deepcopy(graph._codegen)
+    if output is not None:
+        value, old_output = output
+        new_output = copied.output(value, type_expr=getattr(old_output, "type", None))
+        new_output.meta = copy.copy(old_output.meta)
+        node_map[old_output] = new_output
+    for old, new in node_map.items():
+        for name, attr in vars(old).items():
+            if name not in vars(new):
+                setattr(new, name, attr)
+    return copied
+
+
 def apply(gm: fx.GraphModule, cfg: Config, *, recurse: bool = True) -> GraphReport:
     """`run` with the failure policy: the graph is either rewritten or left exactly as it was.
 
     Any exception from the rewrite warns once per distinct reason and leaves
     `gm` untouched; environment failures (no GPU, no compiler, failed kernel
     build) warn once and keep those subgraphs. `cfg.strict` raises instead."""
-    saved = {mod: copy.deepcopy(mod.graph) for mod in _graph_modules(gm, recurse)}
+    saved = {mod: _snapshot(mod.graph) for mod in _graph_modules(gm, recurse)}
     try:
         graph_report, failures = run(gm, cfg, recurse=recurse)
     except Exception as exc:
