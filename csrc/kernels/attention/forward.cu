@@ -144,8 +144,8 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
 
   // Scores of one key block -> probabilities, in place: scale to the log2
   // domain, mask key tails and the causal upper triangle, update the running
-  // row max and (thread-partial) row sum. Returns the rescale factor of the
-  // previous accumulator per row.
+  // row max and (thread-partial) row sum; alpha gets the per-row factor that
+  // rescales the previous accumulator.
   auto softmax_step = [&](float(&sc)[K_::S_REGS], int n0, int m0, int r0, float(&alpha)[2]) {
     const bool need_mask = (n0 + BN > p.M) || (p.causal && n0 + BN - 1 > m0 + 64 * c);
 #pragma unroll
