@@ -1,0 +1,316 @@
+"""Matcher for residual + dropout + LayerNorm / RMSNorm on the Dynamo (torch-IR) graph -> `tk::layernorm`.
+
+The norm (the anchor), then what feeds it:
+
+* LayerNorm: `F.layer_norm(h, (H,), w, b, eps)` / `torch.layer_norm` (nn.LayerNorm inlines to it),
+  with or without affine parameters.
+* RMSNorm: `F.rms_norm(h, (H,), w, eps)` / `torch.rms_norm`; and the written-out form of HF
+  LlamaRMSNorm / T5LayerNorm and friends: `a = h.to(float32)` (or `.float()`, or no cast),
+  `var = a.pow(2).mean(-1, keepdim=True)` (or `a * a`, `torch.square`, `torch.mean`),
+  `a * torch.rsqrt(var + eps)` (or h times it: T5), an optional cast back
+  (`.to(dtype)` / `.type_as`), then an optional `weight * ...` in either order.
+* What feeds h: `h = residual + dropout(x)` (either operand order, `operator.add`, `torch.add`,
+  `Tensor.add`; GPT-2's `attn_output + residual`, BERT's `LayerNorm(dropout(dense(x)) + input)`,
+  Llama's `residual + hidden_states`), `h = dropout(x)`, or a plain input. Dropout is
+  `F.dropout` / `torch.dropout` / `nn.Dropout`: p > 0 in training becomes the op's Philox dropout
+  (same distribution, mask regenerated in the backward; the RNG stream differs from torch's).
+
+Kept, with the reason: normalisation over several trailing dims, weight/bias not (H,) or of
+another dtype than h (an fp32 weight on bf16 activations promotes the output), outputs whose dtype
+differs from h's, hidden sizes the kernels do not take (multiple of 8 up to 16384), dtypes other
+than fp32/fp16/bf16, in-place dropout, p >= 1, and statistics whose form differs from the op's
+(mean over another dim, no keepdim, other powers). An add whose operands differ in shape or
+dtype (a broadcast bias) is not a residual: the norm is matched alone with h as its input.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from tk_inductor.ops import layernorm as layernorm_ops
+from tk_inductor.rewrite import Match, example
+
+FAMILY = "layernorm"
+
+_ADD = {operator.add, torch.add, operator.iadd}
+_MUL = {operator.mul, torch.mul}
+_LAYER_NORM = {F.layer_norm, torch.layer_norm}
+_RMS_NORM = {getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)} - {None}
+_DROPOUT = {F.dropout, torch.dropout}
+_RSQRT = {torch.rsqrt}
+_MEAN = {torch.mean}
+_POW = {torch.pow, operator.pow}
+_SQUARE = {torch.square}
+
+
+def _is(node: Any, fns: set, method: str | None = None) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function" and node.target in fns:
+        return True
+    return method is not None and node.op == "call_method" and node.target == method
+
+
+def _arg(node: fx.Node, i: int, key: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(key, default)
+
+
+def _tensor(node: Any) -> torch.Tensor | None:
+    v = example(node) if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return None
+
+
+def _last_dim(dim: Any, rank: int) -> bool:
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    return isinstance(dim, int) and dim in (-1, rank - 1)
+
+
+# ---------------------------------------------------------------------------- casts
+
+_FLOAT_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _cast_source(node: Any) -> fx.Node | None:
+    """`node` is a dtype cast (`.to(dtype)`, `.float()`, `.type_as(t)`, `.type(dtype)`): its input."""
+    if not isinstance(node, fx.Node) or node.op != "call_method":
+        return None
+    if node.target in ("to", "type", "type_as") or node.target in _FLOAT_METHODS:
+        src = node.args[0]
+        out, inp = _tensor(node), _tensor(src)
+        if out is None or inp is None or tuple(out.shape) != tuple(inp.shape) or out.device != inp.device:
+            return None
+        return src
+    return None
+
+
+def _strip_casts(node: Any) -> Any:
+    while (src := _cast_source(node)) is not None:
+        node = src
+    return node
+
+
+# ---------------------------------------------------------------------------- RMSNorm written out
+
+def _square_of(node: Any) -> fx.Node | None:
+    if _is(node, _POW, "pow") and _number(_arg(node, 1, "exponent")) == 2.0:
+        return node.args[0]
+    if _is(node, _SQUARE, "square"):
+        return node.args[0]
+    if _is(node, _MUL, "mul") and len(node.args) == 2 and node.args[0] is node.args[1]:
+        return node.args[0]
+    return None
+
+
+def _scalar_add(node: Any) -> tuple[fx.Node, float] | None:
+    """`t + eps` in either order: (t, eps)."""
+    if not _is(node, _ADD, "add") or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = node.args
+    if isinstance(a, fx.Node) and _number(b) is not None:
+        return a, _number(b)
+    if isinstance(b, fx.Node) and _number(a) is not None:
+        return b, _number(a)
+    return None
+
+
+def _rms_rsqrt(node: Any) -> tuple[fx.Node, float] | None:
+    """rsqrt(mean(a², -1, keepdim=True) + eps) -> (a, eps), a with its casts stripped."""
+    if not _is(node, _RSQRT, "rsqrt"):
+        return None
+    inner = _scalar_add(node.args[0])
+    if inner is None:
+        return None
+    mean, eps = inner
+    if not _is(mean, _MEAN, "mean"):
+        return None
+    a = _square_of(mean.args[0])
+    ta = _tensor(a)
+    if a is None or ta is None:
+        return None
+    if not _last_dim(_arg(mean, 1, "dim"), ta.dim()) or _arg(mean, 2, "keepdim", False) is not True:
+        return None
+    if _arg(mean, 3, "dtype") is not None:
+        return None
+    return _strip_casts(a), eps
+
+
+def _mul_operands(node: Any) -> tuple[Any, Any] | None:
+    if _is(node, _MUL, "mul") and len(node.args) == 2 and not node.kwargs:
+        return node.args[0], node.args[1]
+    return None
+
+
+# ---------------------------------------------------------------------------- the pass
+
+class _Norm:
+    """A recognised norm: input h, output node, parameters."""
+
+    def __init__(self, h, out, weight, bias, eps, rms):
+        self.h, self.out, self.weight, self.bias, self.eps, self.rms = h, out, weight, bias, eps, rms
+
+
+def _functional_norm(node: fx.Node) -> _Norm | None:
+    if _is(node, _LAYER_NORM):
+        h, shape = node.args[0], _arg(node, 1, "normalized_shape")
+        return _Norm(h, node, _arg(node, 2, "weight"), _arg(node, 3, "bias"), _arg(node, 4, "eps", 1e-5), False), shape
+    if _is(node, _RMS_NORM):
+        h, shape = node.args[0], _arg(node, 1, "normalized_shape")
+        eps = _arg(node, 3, "eps")
+        if eps is None:  # F.rms_norm's default: the input dtype's machine epsilon
+            th = _tensor(h)
+            eps = torch.finfo(th.dtype).eps if th is not None else None
+        return _Norm(h, node, _arg(node, 2, "weight"), None, eps, True), shape
+    return None
+
+
+def _written_rms(mul: fx.Node) -> _Norm | None:
+    """`b * rsqrt(...)` (b = a or the uncast h), then optional cast and weight multiply."""
+    ops = _mul_operands(mul)
+    if ops is None:
+        return None
+    for b, r in (ops, ops[::-1]):
+        found = _rms_rsqrt(r)
+        if found is None:
+            continue
+        h, eps = found
+        if _strip_casts(b) is not h:
+            continue
+        out, weight = mul, None
+        # Optional cast back, then optional weight multiply (a single user each, so the chain is ours).
+        nxt = _single_user(out)
+        if nxt is not None and _cast_source(nxt) is out:
+            out, nxt = nxt, _single_user(nxt)
+        wm = _mul_operands(nxt) if nxt is not None else None
+        if wm is not None:
+            other = wm[1] if wm[0] is out else wm[0]
+            tw, th = _tensor(other), _tensor(h)
+            if tw is not None and th is not None and tw.dim() == 1 and tw.shape[0] == th.shape[-1]:
+                weight, out = other, nxt
+        return _Norm(h, out, weight, None, eps, True)
+    return None
+
+
+def _single_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _dropout(node: Any) -> tuple[fx.Node, float, bool, str | None] | None:
+    """dropout(x, p, training) -> (x, p_effective, inplace, reason)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if _is(node, {F.dropout}):
+        p, training, inplace = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True), _arg(node, 3, "inplace", False)
+    elif _is(node, {torch.dropout}):
+        p, training, inplace = _arg(node, 1, "p"), _arg(node, 2, "train"), False
+    else:
+        return None
+    if not isinstance(training, bool) or _number(p) is None:
+        return node.args[0], 0.0, inplace, "dropout p/training not constant"
+    p = float(p) if training else 0.0
+    reason = None
+    if inplace:
+        reason = "in-place dropout"
+    elif p >= 1.0:
+        reason = "dropout p >= 1"
+    return node.args[0], p, inplace, reason
+
+
+def _same_tensor_kind(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and a.device == b.device
+
+
+def _feed(h: fx.Node) -> tuple[fx.Node, fx.Node | None, float, fx.Node | None, str | None]:
+    """Decompose h = residual + dropout(x): (x, residual, p, h_node_to_reroute, reason)."""
+    th = _tensor(h)
+    if _is(h, _ADD, "add") and len(h.args) == 2 and h.kwargs.get("alpha", 1) == 1 and h.target is not operator.iadd:
+        a, b = h.args
+        ta, tb = _tensor(a), _tensor(b)
+        if _same_tensor_kind(ta, th) and _same_tensor_kind(tb, th):
+            da, db = _dropout(a), _dropout(b)
+            if db is not None and da is None:
+                a, b, da = b, a, db
+            if da is not None:
+                x, p, _, reason = da
+                if _same_tensor_kind(_tensor(x), th):
+                    return x, b, p, h, reason
+            return a, b, 0.0, h, None
+    d = _dropout(h)
+    if d is not None:
+        x, p, _, reason = d
+        if _same_tensor_kind(_tensor(x), th):
+            return x, None, p, h, reason
+    return h, None, 0.0, None, None
+
+
+def _check(norm: _Norm, shape, x, residual, p) -> str | None:
+    th = _tensor(norm.h)
+    if th is None:
+        return "no example value for the norm input"
+    if shape is not None:
+        dims = list(shape) if isinstance(shape, (list, tuple, torch.Size)) else [shape]
+        if len(dims) != 1 or dims[0] != th.shape[-1]:
+            return f"normalised over {len(dims)} trailing dims (the op normalises the last one)"
+    if not isinstance(norm.eps, (int, float)):
+        return "eps is not a constant"
+    if th.dtype not in layernorm_ops.DTYPES:
+        return f"dtype {th.dtype}"
+    hidden = th.shape[-1]
+    if not isinstance(hidden, int) or hidden % 8 or hidden > layernorm_ops.MAX_HIDDEN:
+        return f"hidden size {hidden} (kernels take multiples of 8 up to {layernorm_ops.MAX_HIDDEN})"
+    for name, t in (("weight", norm.weight), ("bias", norm.bias)):
+        if t is None:
+            continue
+        tt = _tensor(t)
+        if tt is None or tuple(tt.shape) != (hidden,):
+            return f"{name} is not a ({hidden},) tensor"
+        if tt.dtype != th.dtype:
+            return f"{name} dtype {tt.dtype} differs from the activations' {th.dtype}"
+    out = _tensor(norm.out)
+    if out is None or out.dtype != th.dtype or tuple(out.shape) != tuple(th.shape):
+        return f"output dtype {getattr(out, 'dtype', None)} differs from the input's {th.dtype}"
+    return None
+
+
+def find(graph: fx.Graph) -> Iterable[Match]:
+    for node in list(graph.nodes):
+        shape = None
+        found = _functional_norm(node)
+        if found is not None:
+            norm, shape = found
+        else:
+            norm = _written_rms(node)
+        if norm is None:
+            continue
+        if not isinstance(norm.h, fx.Node):
+            continue
+        x, residual, p, h_node, reason = _feed(norm.h)
+        if residual is None and p == 0.0:
+            h_node = None  # the op returns no h then (h == x); an eval-mode dropout node stays for its other users
+        reason = reason or _check(norm, shape, x, residual, p)
+        tx = _tensor(x)
+        needs_grad = any(
+            (t := _tensor(n)) is not None and t.requires_grad for n in (x, residual, norm.weight, norm.bias) if n is not None
+        )
+        yield Match(
+            family=FAMILY,
+            outputs=[norm.out, h_node, None, None, None],
+            target=torch.ops.tk.layernorm.default,
+            args=(x, residual, norm.weight, norm.bias, None, float(norm.eps) if isinstance(norm.eps, (int, float)) else 0.0, p, norm.rms),
+            reason=reason,
+            needs_grad=needs_grad,
+            has_backward_kernel=True,
+            device=tx.device if tx is not None else None,
+        )

@@ -1,0 +1,342 @@
+"""Matcher for rotary position embeddings on the Dynamo (torch-IR) graph -> `tk::rotary`.
+
+The anchor is `x * cos + rot(x) * sin` (either operand order in each product and in the sum,
+`operator`/`torch`/method spellings), where rot is recognised structurally on the same x:
+
+* NeoX / Llama `rotate_half`: `cat((-x[..., h:], x[..., :h]), dim=-1)` with h = d/2 (slices written
+  with `...` or full leading slices, `torch.chunk(x, 2, -1)` halves, `-t` or `torch.neg`);
+* GPT-J `rotate_every_two` / Cohere interleaved: `stack((-x[..., 1::2], x[..., ::2]), dim=-1)
+  .flatten(-2)` (or `torch.flatten(t, -2)` / `start_dim=`).
+
+Partial rotary (GPT-NeoX `rotary_ndims`, Phi, GPT-J `rotary_dim`): when x is `X[..., :r]` and the
+sum is concatenated with `X[..., r:]` (`cat([rot_part, X[..., r:]], -1)`), the op takes X whole and
+copies the pass-through channels. rotary_dim = cos.shape[-1]; cos/sin are passed as they are (the
+op broadcasts them: HF's (B, N, r) unsqueezed at dim 1 or 2, GPT-J's repeat_interleave'd tables).
+Two matches with the same cos, sin and variant (q and k of one layer) become one launch.
+
+Kept, with the reason: cos/sin that require grad (learned tables), cos/sin of another dtype than
+x (fp32 tables on bf16 activations promote the result), outputs whose layout is neither x's nor
+contiguous, cos/sin that do not broadcast to x's rotary part, odd rotary dims.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from tk_inductor.ops import rotary as rotary_ops
+from tk_inductor.rewrite import Match, example
+
+FAMILY = "rotary"
+
+_ADD = {operator.add, torch.add}
+_MUL = {operator.mul, torch.mul}
+_NEG = {operator.neg, torch.neg}
+_CAT = {torch.cat, torch.concat, torch.concatenate} if hasattr(torch, "concatenate") else {torch.cat, torch.concat}
+_STACK = {torch.stack}
+
+
+def _is(node: Any, fns: set, method: str | None = None) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function" and node.target in fns:
+        return True
+    return method is not None and node.op == "call_method" and node.target == method
+
+
+def _arg(node: fx.Node, i: int, key: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(key, default)
+
+
+def _tensor(node: Any) -> torch.Tensor | None:
+    v = example(node) if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _binary(node: Any, fns: set, method: str) -> tuple[Any, Any] | None:
+    if _is(node, fns, method) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
+        return node.args[0], node.args[1]
+    return None
+
+
+def _dim_is_last(dim: Any, rank: int, offset: int = 0) -> bool:
+    """dim names axis rank-1-offset (the last, or the one before it for offset=1)."""
+    return isinstance(dim, int) and dim in (-1 - offset, rank - 1 - offset)
+
+
+# ---------------------------------------------------------------------------- last-dim slices
+
+def _last_slice(node: Any) -> tuple[fx.Node, int, int | None, int] | None:
+    """node = X[..., start:stop:step] slicing only the last dim -> (X, start, stop, step)."""
+    if not _is(node, {operator.getitem}):
+        return None
+    base, idx = node.args
+    tb = _tensor(base)
+    if tb is None or not isinstance(idx, tuple) or not idx:
+        return None
+    last = idx[-1]
+    lead = idx[:-1]
+    if not isinstance(last, slice):
+        return None
+    if lead == (Ellipsis,):
+        pass
+    elif len(lead) == tb.dim() - 1 and all(s == slice(None, None, None) for s in lead):
+        pass
+    else:
+        return None
+    d = tb.shape[-1]
+    try:
+        start, stop, step = last.indices(int(d))
+    except (TypeError, ValueError):
+        return None
+    return base, start, stop, step
+
+
+def _chunk_half(node: Any) -> tuple[fx.Node, int] | None:
+    """node = torch.chunk(X, 2, -1)[i] -> (X, i)."""
+    if not _is(node, {operator.getitem}) or not isinstance(node.args[1], int):
+        return None
+    ch = node.args[0]
+    if not _is(ch, {torch.chunk}, "chunk"):
+        return None
+    base = ch.args[0]
+    tb = _tensor(base)
+    if tb is None or _arg(ch, 1, "chunks") != 2 or not _dim_is_last(_arg(ch, 2, "dim", 0), tb.dim()):
+        return None
+    return base, node.args[1]
+
+
+def _half_of(node: Any) -> tuple[fx.Node, str] | None:
+    """node is X's first ("lo") or second ("hi") half along the last dim."""
+    s = _last_slice(node)
+    if s is not None:
+        base, start, stop, step = s
+        d = int(_tensor(base).shape[-1])
+        if step != 1 or d % 2:
+            return None
+        if (start, stop) == (0, d // 2):
+            return base, "lo"
+        if (start, stop) == (d // 2, d):
+            return base, "hi"
+        return None
+    c = _chunk_half(node)
+    if c is not None and int(_tensor(c[0]).shape[-1]) % 2 == 0:
+        return c[0], ("lo", "hi")[c[1]]
+    return None
+
+
+def _parity_of(node: Any) -> tuple[fx.Node, str] | None:
+    """node is X[..., 0::2] ("even") or X[..., 1::2] ("odd")."""
+    s = _last_slice(node)
+    if s is None:
+        return None
+    base, start, stop, step = s
+    d = int(_tensor(base).shape[-1])
+    if step != 2 or stop != d or d % 2:
+        return None
+    return (base, "even") if start == 0 else (base, "odd") if start == 1 else None
+
+
+def _negated(node: Any) -> Any:
+    if _is(node, _NEG, "neg"):
+        return node.args[0]
+    return None
+
+
+# ---------------------------------------------------------------------------- rot(x)
+
+def _rotate_half(node: Any) -> fx.Node | None:
+    """cat((-x_hi, x_lo), -1) -> x."""
+    if not _is(node, _CAT, "cat"):
+        return None
+    parts, dim = node.args[0], _arg(node, 1, "dim", 0)
+    tn = _tensor(node)
+    if tn is None or not isinstance(parts, (list, tuple)) or len(parts) != 2 or not _dim_is_last(dim, tn.dim()):
+        return None
+    hi = _half_of(_negated(parts[0]))
+    lo = _half_of(parts[1])
+    if hi is None or lo is None or hi != (lo[0], "hi") or lo[1] != "lo":
+        return None
+    return lo[0]
+
+
+def _rotate_pairs(node: Any) -> fx.Node | None:
+    """stack((-x_odd, x_even), -1).flatten(-2) -> x."""
+    if _is(node, {torch.flatten}, "flatten"):
+        src = node.args[0]
+        ts = _tensor(src)
+        if ts is None:
+            return None
+        start, end = _arg(node, 1, "start_dim", 0), _arg(node, 2, "end_dim", -1)
+        if not (_dim_is_last(start, ts.dim(), 1) and _dim_is_last(end, ts.dim())):
+            return None
+    else:
+        return None
+    if not _is(src, _STACK, "stack"):
+        return None
+    parts, dim = src.args[0], _arg(src, 1, "dim", 0)
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not _dim_is_last(dim, _tensor(src).dim()):
+        return None
+    odd = _parity_of(_negated(parts[0]))
+    even = _parity_of(parts[1])
+    if odd is None or even is None or odd != (even[0], "odd") or even[1] != "even":
+        return None
+    return even[0]
+
+
+def _rotation(node: Any) -> tuple[fx.Node, bool] | None:
+    """node = rot(x) -> (x, interleaved)."""
+    x = _rotate_half(node)
+    if x is not None:
+        return x, False
+    x = _rotate_pairs(node)
+    if x is not None:
+        return x, True
+    return None
+
+
+# ---------------------------------------------------------------------------- the anchor
+
+def _anchor(node: fx.Node):
+    """x*cos + rot(x)*sin -> (x, cos, sin, interleaved)."""
+    terms = _binary(node, _ADD, "add")
+    if terms is None:
+        return None
+    for t_plain, t_rot in (terms, terms[::-1]):
+        pm, rm = _binary(t_plain, _MUL, "mul"), _binary(t_rot, _MUL, "mul")
+        if pm is None or rm is None:
+            continue
+        for r, sin in (rm, rm[::-1]):
+            found = _rotation(r)
+            if found is None or not isinstance(sin, fx.Node):
+                continue
+            x, interleaved = found
+            for a, cos in (pm, pm[::-1]):
+                if a is x and isinstance(cos, fx.Node):
+                    return x, cos, sin, interleaved
+    return None
+
+
+def _partial_output(add: fx.Node, x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """x = X[..., :r] and cat([add, X[..., r:]], -1) uses the sum -> (X, cat)."""
+    s = _last_slice(x)
+    if s is None:
+        return None
+    base, start, stop, step = s
+    if start != 0 or step != 1:
+        return None
+    for user in add.users:
+        if not _is(user, _CAT, "cat"):
+            continue
+        parts, dim = user.args[0], _arg(user, 1, "dim", 0)
+        tu = _tensor(user)
+        if tu is None or not isinstance(parts, (list, tuple)) or len(parts) != 2 or parts[0] is not add:
+            continue
+        if not _dim_is_last(dim, tu.dim()):
+            continue
+        rest = _last_slice(parts[1])
+        if rest is not None and rest[0] is base and rest[1] == stop and rest[2] == int(_tensor(base).shape[-1]) and rest[3] == 1:
+            return base, user
+    return None
+
+
+def _reason(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor | None, interleaved: bool):
+    if cos is None or sin is None or out is None:
+        return "no example values", None
+    if cos.requires_grad or sin.requires_grad:
+        return "cos/sin require grad (learned rotary tables; the kernel has no cos/sin gradient)", None
+    if x.dtype not in rotary_ops.DTYPES:
+        return f"dtype {x.dtype}", None
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return f"cos/sin dtype {cos.dtype} differs from x's {x.dtype} (the result is promoted)", None
+    if out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape):
+        return f"output {out.dtype} {tuple(out.shape)} differs from x's {x.dtype} {tuple(x.shape)}", None
+    if tuple(cos.shape) != tuple(sin.shape):
+        return "cos and sin have different shapes", None
+    if not 1 <= x.dim() <= 4 or cos.dim() > x.dim():
+        return f"rank {x.dim()} input or cos of higher rank", None
+    rd = cos.shape[-1]
+    target = tuple(x.shape[:-1]) + (rd,)
+    try:
+        ok = torch.broadcast_shapes(tuple(cos.shape), target) == target
+    except RuntimeError:
+        ok = False
+    if not ok:
+        return f"cos/sin {tuple(cos.shape)} do not broadcast to the rotary part {target}", None
+    if rd % 2 or rd > x.shape[-1] or (interleaved and x.shape[-1] % 2):
+        return f"rotary dim {rd} of head dim {x.shape[-1]}", None
+    if out.stride() == torch.empty_like(x).stride():
+        return None, False
+    if out.is_contiguous():
+        return None, True
+    return f"output strides {out.stride()} are neither x's layout nor contiguous", None
+
+
+def _depends(node: fx.Node, on: fx.Node) -> bool:
+    """Whether `node` is computed from `on`."""
+    seen, work = set(), [node]
+    while work:
+        n = work.pop()
+        if n is on:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        work.extend(n.all_input_nodes)
+    return False
+
+
+def find(graph: fx.Graph) -> Iterable[Match]:
+    singles = []
+    for node in list(graph.nodes):
+        found = _anchor(node)
+        if found is None:
+            continue
+        x, cos, sin, interleaved = found
+        out = node
+        partial = _partial_output(node, x)
+        if partial is not None:
+            x, out = partial
+        tx, tc, ts, to = _tensor(x), _tensor(cos), _tensor(sin), _tensor(out)
+        if tx is None:
+            continue
+        reason, contiguous = _reason(tx, tc, ts, to, interleaved)
+        if reason is None and partial is None and tc.shape[-1] != tx.shape[-1]:
+            reason = "cos/sin cover fewer channels than x, without a pass-through concatenation"
+        singles.append((x, cos, sin, interleaved, contiguous, out, reason, tx))
+
+    # q and k of one layer share cos/sin: one launch for both.
+    used = set()
+    for i, (x, cos, sin, inter, contig, out, reason, tx) in enumerate(singles):
+        if i in used:
+            continue
+        used.add(i)
+        partner = None
+        if reason is None:
+            for j in range(i + 1, len(singles)):
+                y = singles[j]
+                if j in used or y[6] is not None or (y[1], y[2], y[3], y[4]) != (cos, sin, inter, contig):
+                    continue
+                ty = y[7]
+                if _depends(y[0], out) or _depends(x, y[5]):  # one launch for both would form a cycle
+                    continue
+                if ty.dtype == tx.dtype and ty.dim() == tx.dim() and ty.shape[-1] == tx.shape[-1] and ty.device == tx.device:
+                    partner = y
+                    used.add(j)
+                    break
+        k, k_out = (partner[0], partner[5]) if partner else (None, None)
+        needs_grad = tx.requires_grad or (partner is not None and partner[7].requires_grad)
+        yield Match(
+            family=FAMILY,
+            outputs=[out, k_out],
+            target=torch.ops.tk.rotary.default,
+            args=(x, k, cos, sin, inter, False, bool(contig)),
+            reason=reason,
+            needs_grad=needs_grad,
+            has_backward_kernel=True,
+            device=tx.device,
+        )
