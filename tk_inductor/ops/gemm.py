@@ -67,13 +67,15 @@ def _backward(ctx, grad):
 gemm.register_autograd(_backward, setup_context=_setup_context)
 
 
-def stages(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
-    """The CUDA kernel with an n-stage input pipeline (1..4): the ablation. Needs CUDA bf16 inputs and built kernels."""
+def stages(a: torch.Tensor, b: torch.Tensor, n: int, tma_store: bool = False) -> torch.Tensor:
+    """The CUDA kernel with an n-stage input pipeline (1..4; 1..3 with the TMA-store epilogue): the ablation.
+    Needs CUDA bf16 inputs and built kernels."""
     _validate(a, b, "tk::gemm stages")
-    _dispatch.check(isinstance(n, int) and 1 <= n <= 4, f"tk::gemm stages: n must be 1..4, got {n!r}")
+    _dispatch.check(isinstance(n, int) and 1 <= n <= (3 if tma_store else 4), f"tk::gemm stages: n must be 1..4 "
+                    f"(1..3 with tma_store), got {n!r}")
     _dispatch.check(a.dtype == torch.bfloat16 and a.is_cuda, "tk::gemm stages: needs CUDA bfloat16 inputs")
     _dispatch.check(_dispatch.use_kernel(FAMILY, a, b), f"tk::gemm stages: kernels unavailable: {_failure()}", RuntimeError)
-    return torch.ops.tk_cuda.gemm_stages(a, b, n)
+    return torch.ops.tk_cuda.gemm_stages(a, b, n, tma_store)
 
 
 def _failure() -> str:

@@ -74,11 +74,15 @@ template <shared_tile ST, class GL> const char* make_tma_map(tma_map<ST>& out, c
     auto encode = detail::encode_tiled();
     if (!encode) return "cuTensorMapEncodeTiled is unavailable (driver too old?)";
     if (reinterpret_cast<uintptr_t>(g.raw) % 16) return "TMA needs a 16-byte aligned base address";
-    for (int i = 0; i < 3; ++i)
-        if ((g.strides[i] * sizeof(T)) % 16) return "TMA needs strides that are multiples of 16 bytes";
     cuuint64_t dims[4] = {cuuint64_t(g.cols()), cuuint64_t(g.rows()), cuuint64_t(g.depth()), cuuint64_t(g.batch())};
-    cuuint64_t strides[3] = {cuuint64_t(g.strides[2] * sizeof(T)), cuuint64_t(g.strides[1] * sizeof(T)),
-                             cuuint64_t(g.strides[0] * sizeof(T))};
+    cuuint64_t strides[3];
+    for (int i = 0; i < 3; ++i) {
+        const cuuint64_t bytes = cuuint64_t(g.strides[2 - i]) * sizeof(T);
+        // The stride of a size-1 dim is never used: any multiple of 16 will do.
+        if (dims[i + 1] == 1) strides[i] = (bytes + 15) / 16 * 16;
+        else if (bytes % 16) return "TMA needs strides that are multiples of 16 bytes";
+        else strides[i] = bytes;
+    }
     cuuint32_t box[4] = {cuuint32_t(ST::block_cols), cuuint32_t(ST::rows), 1, 1};
     cuuint32_t elem_strides[4] = {1, 1, 1, 1};
     constexpr CUtensorMapSwizzle swizzle = ST::swizzle_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
