@@ -269,11 +269,41 @@ def _reason(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
         return f"cos/sin {tuple(cos.shape)} do not broadcast to the rotary part {target}", None
     if rd % 2 or rd > x.shape[-1] or (interleaved and x.shape[-1] % 2):
         return f"rotary dim {rd} of head dim {x.shape[-1]}", None
+    # The op's output layouts that equal the replaced output's: x's own (contiguous=False) and/or contiguous.
+    flags = set()
     if out.stride() == torch.empty_like(x).stride():
-        return None, False
+        flags.add(False)
     if out.is_contiguous():
-        return None, True
-    return f"output strides {out.stride()} are neither x's layout nor contiguous", None
+        flags.add(True)
+    if not flags:
+        return f"output strides {out.stride()} are neither x's layout nor contiguous", None
+    return None, flags
+
+
+def _same_value(a: Any, b: Any, depth: int = 6) -> bool:
+    """a and b compute the same value: the same node, or the same pure op on the same inputs
+    (GPT-J builds cos/sin once per q and once per k)."""
+    if a is b:
+        return True
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or depth == 0:
+        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and type(a) is type(b) and a == b
+    if a.op != b.op or a.target != b.target or a.op not in ("call_function", "call_method") or len(a.args) != len(b.args):
+        return False
+    if set(a.kwargs) != set(b.kwargs):
+        return False
+    try:
+        if a.is_impure():
+            return False
+    except TypeError:
+        pass
+    pairs = list(zip(a.args, b.args)) + [(a.kwargs[k], b.kwargs[k]) for k in a.kwargs]
+    for x, y in pairs:
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            if len(x) != len(y) or not all(_same_value(u, v, depth - 1) for u, v in zip(x, y)):
+                return False
+        elif not _same_value(x, y, depth - 1):
+            return False
+    return True
 
 
 def _depends(node: fx.Node, on: fx.Node) -> bool:
@@ -304,14 +334,14 @@ def find(graph: fx.Graph) -> Iterable[Match]:
         tx, tc, ts, to = _tensor(x), _tensor(cos), _tensor(sin), _tensor(out)
         if tx is None:
             continue
-        reason, contiguous = _reason(tx, tc, ts, to, interleaved)
+        reason, flags = _reason(tx, tc, ts, to, interleaved)
         if reason is None and partial is None and tc.shape[-1] != tx.shape[-1]:
             reason = "cos/sin cover fewer channels than x, without a pass-through concatenation"
-        singles.append((x, cos, sin, interleaved, contiguous, out, reason, tx))
+        singles.append((x, cos, sin, interleaved, flags or set(), out, reason, tx))
 
     # q and k of one layer share cos/sin: one launch for both.
     used = set()
-    for i, (x, cos, sin, inter, contig, out, reason, tx) in enumerate(singles):
+    for i, (x, cos, sin, inter, flags, out, reason, tx) in enumerate(singles):
         if i in used:
             continue
         used.add(i)
@@ -319,7 +349,9 @@ def find(graph: fx.Graph) -> Iterable[Match]:
         if reason is None:
             for j in range(i + 1, len(singles)):
                 y = singles[j]
-                if j in used or y[6] is not None or (y[1], y[2], y[3], y[4]) != (cos, sin, inter, contig):
+                if j in used or y[6] is not None or y[3] != inter or not (flags & y[4]):
+                    continue
+                if not (_same_value(y[1], cos) and _same_value(y[2], sin)):
                     continue
                 ty = y[7]
                 if _depends(y[0], out) or _depends(x, y[5]):  # one launch for both would form a cycle
@@ -329,12 +361,17 @@ def find(graph: fx.Graph) -> Iterable[Match]:
                     used.add(j)
                     break
         k, k_out = (partner[0], partner[5]) if partner else (None, None)
+        if flags:
+            common = flags & partner[4] if partner else flags
+            contiguous = min(common)  # prefer x's own layout
+        else:
+            contiguous = False
         needs_grad = tx.requires_grad or (partner is not None and partner[7].requires_grad)
         yield Match(
             family=FAMILY,
             outputs=[out, k_out],
             target=torch.ops.tk.rotary.default,
-            args=(x, k, cos, sin, inter, False, bool(contig)),
+            args=(x, k, cos, sin, inter, False, contiguous),
             reason=reason,
             needs_grad=needs_grad,
             has_backward_kernel=True,
