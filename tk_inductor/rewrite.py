@@ -224,9 +224,15 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
 
 
 def _resolve(m: Match, remap: dict[fx.Node, fx.Node]) -> bool:
-    """Point the match's inputs at replacements made before it; False if it overlaps one."""
-    if any(o in remap for o in m.outputs if o is not None):
+    """Point the match's inputs at replacements made before it; False if it overlaps one.
+
+    An output that an earlier op already produces (two norms of one residual
+    sum, as in GPT-NeoX's parallel residual) keeps that producer: it is the
+    same FX value, so this op's copy of it is simply left unused."""
+    outputs = [None if o in remap else o for o in m.outputs]
+    if all(o is None for o in outputs):
         return False
+    m.outputs = outputs
 
     def current(node: fx.Node) -> fx.Node:
         while node in remap:
@@ -264,7 +270,7 @@ def _erase_dead(graph: fx.Graph, roots: list[fx.Node]) -> None:
     work = list(roots)
     while work:
         node = work.pop()
-        if node.graph is not graph or not _removable(node):
+        if getattr(node, "_erased", False) or node.graph is not graph or not _removable(node):
             continue
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)

@@ -1,0 +1,229 @@
+"""Tiny Hugging Face models from random configs (no downloads), compiled with the backend.
+
+In reference mode every `tk::` op runs its PyTorch reference, so on a CPU the
+compiled model must equal eager in fp32 (forward and every parameter's
+gradient) and the report must show the expected families replaced. A family
+whose matcher (patterns/<family>.py) has not landed yet skips its models.
+The GPU test runs the real kernels in bf16.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Callable
+
+import pytest
+import torch
+
+import tk_inductor
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def _llama(attn: str, layers: int = 2):
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64,  # GQA 2:1
+        max_position_embeddings=128, attention_dropout=0.0, attn_implementation=attn,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=128, n_head=2, n_layer=2, n_positions=128,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _bert():
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=128, num_attention_heads=2, num_hidden_layers=2, intermediate_size=256,
+        max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertModel(cfg, add_pooling_layer=False)
+
+
+def _neox():
+    cfg = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=128, num_attention_heads=2, num_hidden_layers=2, intermediate_size=256,
+        rotary_pct=0.25,  # partial rotary: 16 of 64 channels rotate
+        max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    return transformers.GPTNeoXForCausalLM(cfg)
+
+
+def _mamba2():
+    cfg = transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=1,
+        expand=2, num_hidden_layers=2, chunk_size=8, conv_kernel=4,
+    )
+    return transformers.Mamba2ForCausalLM(cfg)
+
+
+def _padding_mask(batch: int, length: int) -> torch.Tensor:
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[1, length - 4:] = 0  # the second sequence is right-padded
+    return mask
+
+
+@dataclasses.dataclass
+class Case:
+    build: Callable[[], torch.nn.Module]
+    replaced: tuple[str, ...]  # families the report must show
+    attention_count: int | None = None  # exact, when attention is replaced: one per layer
+    kept: tuple[str, ...] = ()  # families that must not be replaced
+    padding_mask: bool = False
+
+
+CASES = {
+    "llama-sdpa": Case(lambda: _llama("sdpa"), ("attention", "rotary", "layernorm"), attention_count=2),
+    "llama-eager": Case(lambda: _llama("eager"), ("attention", "rotary", "layernorm"), attention_count=2),
+    "gpt2": Case(_gpt2, ("attention", "layernorm"), attention_count=2),
+    "bert-padding": Case(_bert, ("layernorm",), kept=("attention",), padding_mask=True),
+    "gpt-neox": Case(_neox, ("attention", "rotary", "layernorm"), attention_count=2),
+    "mamba2": Case(_mamba2, ("ssd",)),
+}
+
+
+def _skip_missing(families) -> None:
+    missing = [f for f in families if importlib.util.find_spec(f"tk_inductor.patterns.{f}") is None]
+    if missing:
+        pytest.skip(f"patterns/{missing[0]}.py has not landed yet")
+
+
+def _run(model, ids, mask):
+    out = model(input_ids=ids, attention_mask=mask) if mask is not None else model(input_ids=ids)
+    return out[0]
+
+
+def _forward_backward(model, run, ids, mask, weight):
+    """`run` is the model itself or its compiled wrapper; both share `model`'s parameters."""
+    model.zero_grad(set_to_none=True)
+    out = _run(run, ids, mask)
+    (out * weight).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+def _assert_equal_to_eager(model, compiled, ids, mask, rtol=1e-4, atol=1e-5):
+    torch.manual_seed(1)
+    weight = torch.randn(*ids.shape, model.config.vocab_size if hasattr(model, "lm_head") else model.config.hidden_size)
+    out_ref, grads_ref = _forward_backward(model, model, ids, mask, weight)
+    out, grads = _forward_backward(model, compiled, ids, mask, weight)
+    torch.testing.assert_close(out, out_ref, rtol=rtol, atol=atol)
+    assert grads.keys() == grads_ref.keys() and grads_ref
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_model_matches_eager_in_reference_mode(name):
+    case = CASES[name]
+    _skip_missing(case.replaced + case.kept)
+    torch.manual_seed(0)
+    model = case.build().train()  # training (dropout p=0): gradients must flow through the tk ops
+    ids = torch.randint(0, VOCAB, (2, 24))
+    mask = _padding_mask(2, 24) if case.padding_mask else None
+    compiled = torch.compile(model, backend="thunderkittens", options={"reference": True, "inner": "aot_eager"})
+    _assert_equal_to_eager(model, compiled, ids, mask)
+
+    rep = tk_inductor.report()
+    assert not rep.failed, rep.failed
+    for family in case.replaced:
+        assert rep.replaced.get(family, 0) >= 1, f"{family} not replaced in {name}: {rep}"
+    if case.attention_count is not None:
+        assert rep.replaced["attention"] == case.attention_count, str(rep)
+    for family in case.kept:
+        assert family not in rep.replaced, f"{family} must not be replaced in {name}: {rep}"
+        assert any(f == family for f, _ in rep.kept), str(rep)
+
+
+def test_bert_padding_mask_is_the_reason_attention_is_kept():
+    _skip_missing(("attention",))
+    model = _bert().eval()
+    ids = torch.randint(0, VOCAB, (2, 16))
+    compiled = torch.compile(model, backend="thunderkittens", options={"reference": True, "inner": "aot_eager"})
+    with torch.no_grad():
+        torch.testing.assert_close(_run(compiled, ids, _padding_mask(2, 16)), _run(model, ids, _padding_mask(2, 16)))
+    reasons = [r for f, r in tk_inductor.report().kept if f == "attention"]
+    assert len(reasons) == 2 and all("mask" in r for r in reasons), reasons
+
+
+def test_llama_through_inductor_and_new_sequence_length():
+    """Real Inductor on the rewritten graph; a second length recompiles with dynamic shapes."""
+    _skip_missing(("attention", "rotary", "layernorm"))
+    torch.manual_seed(0)
+    model = _llama("sdpa").train()
+    compiled = torch.compile(model, backend="thunderkittens", options={"reference": True})
+    # Inductor reorders fp32 reductions (the embedding gradient sums many
+    # rows), so allow what plain torch.compile would differ by too.
+    tol = {"rtol": 1e-3, "atol": 1e-4}
+    _assert_equal_to_eager(model, compiled, torch.randint(0, VOCAB, (2, 16)), None, **tol)
+    first = dict(tk_inductor.report().replaced)
+    _assert_equal_to_eager(model, compiled, torch.randint(0, VOCAB, (2, 11)), None, **tol)
+    assert first["attention"] == 2
+    assert tk_inductor.report().replaced["attention"] == 4, str(tk_inductor.report())
+
+
+def test_allowlist_on_a_model():
+    _skip_missing(("attention", "rotary", "layernorm"))
+    model = _llama("eager").eval()
+    ids = torch.randint(0, VOCAB, (1, 10))
+    compiled = torch.compile(model, backend="thunderkittens", options={"reference": True, "inner": "aot_eager", "ops": ["rotary"]})
+    with torch.no_grad():
+        torch.testing.assert_close(_run(compiled, ids, None), _run(model, ids, None), rtol=1e-4, atol=1e-5)
+    rep = tk_inductor.report()
+    assert set(rep.replaced) == {"rotary"}
+    assert {f for f, r in rep.kept if r == "not in the ops allowlist"} >= {"attention", "layernorm"}
+
+
+# ---------------------------------------------------------------------------- GPU: the real kernels
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.gpu
+def test_llama_bf16_cuda_kernels_forward_and_training_step():
+    from tk_inductor import build
+
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        pytest.skip("the kernels need sm_90")
+    _skip_missing(("attention", "rotary", "layernorm"))
+    torch.manual_seed(0)
+    eager = _llama("sdpa", layers=2).cuda().bfloat16().train()
+    ours = _llama("sdpa", layers=2).cuda().bfloat16().train()
+    ours.load_state_dict(eager.state_dict())
+    compiled = torch.compile(ours, backend="thunderkittens")
+    ids = torch.randint(0, VOCAB, (2, 200), device="cuda")  # not a tile multiple: tails are masked in-kernel
+    labels = torch.randint(0, VOCAB, (2, 200), device="cuda")
+
+    opt_eager = torch.optim.SGD(eager.parameters(), lr=1e-2)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=1e-2)
+    out_eager = eager(input_ids=ids, labels=labels)
+    out_ours = compiled(input_ids=ids, labels=labels)
+    assert torch.isfinite(out_ours.logits).all()
+    assert _rel_err(out_ours.logits, out_eager.logits) <= 1e-2
+    out_eager.loss.backward()
+    out_ours.loss.backward()
+    for (name, p_ref), p in zip(eager.named_parameters(), ours.parameters()):
+        assert torch.isfinite(p.grad).all(), name
+        assert _rel_err(p.grad, p_ref.grad) <= 3e-2, name
+    opt_eager.step()
+    opt_ours.step()
+    with torch.no_grad():
+        after = _rel_err(compiled(input_ids=ids).logits, eager(input_ids=ids).logits)
+    assert after <= 1e-2
+
+    rep = tk_inductor.report()
+    assert not rep.failed, rep.failed
+    for family in ("attention", "rotary", "layernorm"):
+        if family in build.families():  # a family with kernel sources must really run them
+            assert rep.replaced.get(family, 0) >= 1, f"{family}: {rep}"
