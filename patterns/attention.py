@@ -934,15 +934,13 @@ def _einsum_kind(node: fx.Node) -> str | None:
     if len(ins) != 2 or any(len(s) < 2 for s in ins + [out]):
         return None
     a, b = ins
-    if not (a[:-2] == b[:-2] == out[:-2]):
+    if not (a[:-2] == b[:-2] == out[:-2]) or set(a[:-2].replace(".", "")) & set(a[-2:] + b[-2:]):
         return None
-    letters = [a[-2], a[-1], b[-2]]
-    if len(set(letters)) != 3 or set(letters) & set(a[:-2].replace(".", "")):
-        return None
-    if b[-1] == a[-1] and out[-2:] == a[-2] + b[-2]:
-        return "qk"
-    if b[-2] == a[-1] and out[-2:] == a[-2] + b[-1] and b[-1] not in (a[-2], a[-1]):
-        return "pv"
+    n, x = a[-2], a[-1]
+    if b[-1] == x and len({n, x, b[-2]}) == 3 and out[-2:] == n + b[-2]:
+        return "qk"  # ...nd,...md->...nm
+    if b[-2] == x and len({n, x, b[-1]}) == 3 and out[-2:] == n + b[-1]:
+        return "pv"  # ...nm,...md->...nd
     return None
 
 
@@ -975,6 +973,13 @@ def _softmax_dtype(node: fx.Node):
     return _arg(node, 2, "dtype")
 
 
+def _same_scores(a: tuple, b: tuple) -> bool:
+    """Same (N, M) in the last two dims and the same number of (batch, head) rows before them."""
+    if len(a) < 2 or len(b) < 2 or not (_same(a[-1], b[-1]) and _same(a[-2], b[-2])):
+        return False
+    return _same(math.prod(a[:-2]), math.prod(b[:-2]))
+
+
 def _path_to(start: fx.Node, is_end, depth: int) -> list[fx.Node] | None:
     """The first forward path [start, ..., end] within `depth` steps whose inner nodes keep the
     scores' shape and are not products (so one layer's output never reaches the next layer's softmax)."""
@@ -988,7 +993,7 @@ def _path_to(start: fx.Node, is_end, depth: int) -> list[fx.Node] | None:
                     return path + [user]
                 s = _shape(user)
                 if (user.op in ("call_function", "call_method") and _name(user) not in _MATMULS + ("einsum", "sdpa")
-                        and len(s) == len(shape) and all(_same(a, b) for a, b in zip(s, shape))):
+                        and _same_scores(s, shape)):
                     nxt.append(path + [user])
         frontier = nxt
     return None
@@ -1198,8 +1203,8 @@ class _Finder:
         for n in chain:
             name = _name(n)
             others = [a for a in list(n.args) + list(n.kwargs.values()) if a is not prev]
-            if name in ("contiguous", "clone"):
-                pass
+            if name in ("contiguous", "clone", "view", "reshape"):
+                pass  # the path search already checked that views keep (rows, N, M)
             elif name in _CASTS:
                 self._cast_ok(n, q_dtype)
             elif name in ("mul", "div") and len(n.args) == 2 and not n.kwargs:
@@ -1240,7 +1245,7 @@ class _Finder:
                 raise _Keep(f"a tensor is combined with the scores by `{n.name}` (bias)")
             else:
                 raise _Keep(f"`{n.name}` ({name or n.target}) between the score product and the softmax")
-            if len(_shape(n)) != len(shape) or not all(_same(a, b) for a, b in zip(_shape(n), shape)):
+            if not _same_scores(_shape(n), shape):
                 raise _Keep(f"`{n.name}` broadcasts the scores to a larger shape")
             prev = n
         return scale, causal
@@ -1270,7 +1275,7 @@ class _Finder:
 
     def _probs_step(self, n: fx.Node, q_dtype) -> None:
         name = _name(n)
-        if name in ("contiguous", "clone"):
+        if name in ("contiguous", "clone", "view", "reshape"):
             return
         if name in _CASTS:
             self._cast_ok(n, q_dtype)
