@@ -1,0 +1,143 @@
+"""LayerNorm / RMSNorm (+ residual) benchmark: ours (tk_cuda::layernorm) vs torch.compile default and
+FLA's Triton layer norm, against the measured device-to-device copy ceiling, in one run.
+
+Shapes: rows 65536, hidden 1024/2048/4096/8192, bf16, `h = x + residual; y = LayerNorm(h)·w + b`
+returning (y, h) (pre-norm residual block); RMSNorm at 4096; our backward (dy, dh -> dres, dw, db).
+GB/s count minimal bytes: every input read once and every output written once
+(forward: x, residual, y, h and w, b; backward: dy, dh, h, dres and w, dw, db).
+Every implementation's output is checked against the fp32 reference before it is timed.
+
+    python -m benchmarks.layernorm [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from .common import Row, check_close, copy_ceiling_gbs, median_ms, progress
+
+ROWS = 65536
+HIDDEN = (1024, 2048, 4096, 8192)
+EPS = 1e-5
+
+
+def cases(quick: bool = False):
+    """(rows, hidden, rms) per case."""
+    sizes = (1024, 4096) if quick else HIDDEN
+    for h in sizes:
+        yield ROWS, h, False
+    yield ROWS, 4096, True
+
+
+def _eager(x, r, w, b, rms):
+    h = x + r
+    y = F.rms_norm(h, (h.shape[-1],), w, EPS) if rms else F.layer_norm(h, (h.shape[-1],), w, b, EPS)
+    return y, h
+
+
+def _fla():
+    try:
+        from fla.modules.norm.layernorm import layer_norm
+    except ImportError:
+        try:
+            from fla.modules.layernorm import layer_norm
+        except ImportError:
+            return None
+    return layer_norm
+
+
+def _fwd_bytes(rows, hidden, rms):
+    return (4 * rows * hidden + (1 if rms else 2) * hidden) * 2
+
+
+def run(quick: bool = False) -> list[Row]:
+    from tk_inductor import build
+    from tk_inductor.ops import layernorm as ln_ops
+
+    build.load("layernorm")
+    fla_ln = _fla()
+    rows_out: list[Row] = []
+    ceiling = copy_ceiling_gbs()
+    rows_out.append(Row("layernorm", "copy ceiling (2 GiB d2d)", "copy", 2 * 2**31 / ceiling / 1e6, ceiling, "GB/s"))
+    for rows, hidden, rms in cases(quick):
+        name = f"{rows}x{hidden} {'rms' if rms else 'ln'}+residual bf16"
+        progress(name)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+        x, r, w = mk(rows, hidden), mk(rows, hidden), mk(hidden)
+        b = None if rms else mk(hidden)
+        ref_y, ref_h = _eager(x.float(), r.float(), w.float(), None if b is None else b.float(), rms)
+        nbytes = _fwd_bytes(rows, hidden, rms)
+        impls = {
+            "ours": lambda: torch.ops.tk_cuda.layernorm(x, r, w, b, None, EPS, 0.0, rms)[:2],
+            "torch.compile": (lambda f=torch.compile(lambda *a: _eager(*a, rms), dynamic=False): f(x, r, w, b)),
+        }
+        if fla_ln is not None:
+            impls["fla"] = lambda: fla_ln(x, w, b, residual=r, eps=EPS, prenorm=True, is_rms_norm=rms)
+        else:
+            rows_out.append(Row("layernorm", f"{name} fwd", "fla", None, note="fla not installed"))
+        with torch.no_grad():
+            for impl, fn in impls.items():
+                try:
+                    y, h = fn()
+                    check_close(f"{impl} {name} y", y, ref_y)
+                    check_close(f"{impl} {name} h", h, ref_h)
+                    ms = median_ms(fn)
+                    rows_out.append(Row("layernorm", f"{name} fwd", impl, ms, nbytes / ms / 1e6, "GB/s", hidden))
+                except (RuntimeError, AssertionError) as exc:
+                    rows_out.append(Row("layernorm", f"{name} fwd", impl, None, note=f"failed: {str(exc)[:120]}"))
+            # our backward: dy and dh (the residual stream's gradient) in, dres (= dx, no dropout), dw, db out
+            y, h, mean, rstd, rng = torch.ops.tk_cuda.layernorm(x, r, w, b, None, EPS, 0.0, rms)
+            dy, dh = mk(rows, hidden), mk(rows, hidden)
+            bwd = lambda: torch.ops.tk_cuda.layernorm_backward(dy, dh, h, w, mean, rstd, rng, 0.0, rms, b is not None)
+            try:
+                out = bwd()
+                ref = ln_ops.reference_backward(dy.float(), dh.float(), h.float(), w.float(), mean, rstd, rng, 0.0, rms, b is not None)
+                for got, want in zip(out, ref):
+                    if want.numel():
+                        check_close(f"ours {name} backward", got, want)
+                ms = median_ms(bwd)
+                bwd_bytes = (4 * rows * hidden + (2 if rms else 3) * hidden) * 2
+                rows_out.append(Row("layernorm", f"{name} bwd", "ours", ms, bwd_bytes / ms / 1e6, "GB/s", hidden))
+            except (RuntimeError, AssertionError) as exc:
+                rows_out.append(Row("layernorm", f"{name} bwd", "ours", None, note=f"failed: {str(exc)[:120]}"))
+        del x, r, w, b, ref_y, ref_h
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def summary(rows: list[Row]) -> str:
+    ceiling = next((r.figure for r in rows if r.impl == "copy"), None)
+    by_case: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        if r.impl != "copy":
+            by_case.setdefault(r.case, {})[r.impl] = r
+    out = [f"copy ceiling: {ceiling:.0f} GB/s" if ceiling else "copy ceiling: -",
+           "| case | ours GB/s | % of copy | torch.compile GB/s | fla GB/s | ours/compile | ours/fla |",
+           "|---|---|---|---|---|---|---|"]
+
+    def fig(r):
+        return f"{r.figure:.0f}" if r is not None and r.figure is not None else (r.note if r is not None else "-")
+
+    def ratio(o, b):
+        return f"{b.ms / o.ms:.2f}" if o and b and o.ms and b.ms else "-"
+
+    for case, impls in by_case.items():
+        o, c, f = impls.get("ours"), impls.get("torch.compile"), impls.get("fla")
+        pct = f"{100 * o.figure / ceiling:.0f}%" if o and o.figure and ceiling else "-"
+        out.append(f"| {case} | {fig(o)} | {pct} | {fig(c)} | {fig(f)} | {ratio(o, c)} | {ratio(o, f)} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.layernorm", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="hidden 1024 and 4096 only")
+    args = p.parse_args(argv)
+    print(summary(run(quick=args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

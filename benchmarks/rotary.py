@@ -1,0 +1,126 @@
+"""Rotary benchmark: ours (tk_cuda::rotary, q and k in one launch) vs HF's apply_rotary_pos_emb under
+torch.compile default and eager, against the measured device-to-device copy ceiling, in one run.
+
+Shapes: B16 H16 N4096, D 128 and 64, bf16, q/k (B, H, N, D), cos/sin (B, N, D) unsqueezed at dim 1
+(HF Llama), full and NeoX-style partial (rotary_dim = D/4) rotation, forward and our backward.
+GB/s count minimal bytes: q, k read once, outputs written once, cos and sin read once.
+
+    python -m benchmarks.rotary [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .common import Row, check_close, copy_ceiling_gbs, median_ms, progress
+
+
+def cases(quick: bool = False):
+    """(B, H, N, D, rotary_dim) per case."""
+    yield 16, 16, 4096, 128, 128
+    yield 16, 16, 4096, 64, 64
+    if not quick:
+        yield 16, 16, 4096, 128, 32
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """HF transformers (Llama / GPT-NeoX partial) spelling."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rd = cos.shape[-1]
+    if rd == q.shape[-1]:
+        return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+    q_rot, q_pass = q[..., :rd], q[..., rd:]
+    k_rot, k_pass = k[..., :rd], k[..., rd:]
+    q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+    return q_embed, k_embed
+
+
+def run(quick: bool = False) -> list[Row]:
+    from tk_inductor import build
+
+    build.load("rotary")
+    out_rows: list[Row] = []
+    ceiling = copy_ceiling_gbs()
+    out_rows.append(Row("rotary", "copy ceiling (2 GiB d2d)", "copy", 2 * 2**31 / ceiling / 1e6, ceiling, "GB/s"))
+    for B, H, N, D, rd in cases(quick):
+        name = f"B{B} H{H} N{N} D{D}" + (f" rotary_dim {rd}" if rd < D else "")
+        progress(name)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        ang = torch.rand(B, N, rd // 2, generator=g, device="cuda") * 6.3
+        ang = torch.cat((ang, ang), -1)
+        cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+        c4, s4 = cos.unsqueeze(1), sin.unsqueeze(1)
+        nbytes = (4 * B * H * N * D + 2 * B * N * rd) * 2
+        ref = apply_rotary_pos_emb(q.float(), k.float(), cos.float(), sin.float())
+        impls = {
+            "ours": lambda: torch.ops.tk_cuda.rotary(q, k, c4, s4, False, False, False),
+            "torch.compile": (lambda f=torch.compile(apply_rotary_pos_emb, dynamic=False): f(q, k, cos, sin)),
+            "eager": lambda: apply_rotary_pos_emb(q, k, cos, sin),
+        }
+        for impl, fn in impls.items():
+            try:
+                qo, ko = fn()
+                check_close(f"{impl} {name} q", qo, ref[0])
+                check_close(f"{impl} {name} k", ko, ref[1])
+                ms = median_ms(fn)
+                out_rows.append(Row("rotary", f"{name} fwd", impl, ms, nbytes / ms / 1e6, "GB/s", D))
+            except (RuntimeError, AssertionError) as exc:
+                out_rows.append(Row("rotary", f"{name} fwd", impl, None, note=f"failed: {str(exc)[:120]}"))
+        # backward (the transposed rotation, same kernel) on incoming gradients
+        try:
+            from tk_inductor.ops import rotary as rot_ops
+
+            bwd = lambda: torch.ops.tk_cuda.rotary(q, k, c4, s4, False, True, False)
+            got = bwd()
+            want = rot_ops.reference(q.float(), k.float(), c4.float(), s4.float(), False, True, False)
+            check_close(f"ours {name} bwd", got[0], want[0])
+            ms = median_ms(bwd)
+            out_rows.append(Row("rotary", f"{name} bwd", "ours", ms, nbytes / ms / 1e6, "GB/s", D))
+        except (RuntimeError, AssertionError) as exc:
+            out_rows.append(Row("rotary", f"{name} bwd", "ours", None, note=f"failed: {str(exc)[:120]}"))
+        del q, k, ref
+        torch.cuda.empty_cache()
+    return out_rows
+
+
+def summary(rows: list[Row]) -> str:
+    ceiling = next((r.figure for r in rows if r.impl == "copy"), None)
+    by_case: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        if r.impl != "copy":
+            by_case.setdefault(r.case, {})[r.impl] = r
+    out = [f"copy ceiling: {ceiling:.0f} GB/s" if ceiling else "copy ceiling: -",
+           "| case | ours GB/s | % of copy | torch.compile GB/s | eager GB/s | ours/compile |", "|---|---|---|---|---|---|"]
+
+    def fig(r):
+        return f"{r.figure:.0f}" if r is not None and r.figure is not None else (r.note if r is not None else "-")
+
+    for case, impls in by_case.items():
+        o, c, e = impls.get("ours"), impls.get("torch.compile"), impls.get("eager")
+        pct = f"{100 * o.figure / ceiling:.0f}%" if o and o.figure and ceiling else "-"
+        rc = f"{c.ms / o.ms:.2f}" if o and c and o.ms and c.ms else "-"
+        out.append(f"| {case} | {fig(o)} | {pct} | {fig(c)} | {fig(e)} | {rc} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.rotary", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="full rotation only")
+    args = p.parse_args(argv)
+    print(summary(run(quick=args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,236 @@
+"""GPU tests of the layernorm and rotary kernels against their PyTorch references.
+
+Outputs are poisoned before each kernel call: NaN-filled blocks of the outputs' sizes are freed
+into the caching allocator right before the op allocates, so elements a kernel fails to write
+show up as NaN (and the comparisons reject NaN)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tk_inductor.ops.layernorm as ln_ops
+import tk_inductor.ops.rotary as rot_ops
+from tk_inductor import build
+from tk_inductor.ops import philox
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# every per-row work split, plus hidden sizes that leave part of the last vectors masked
+HIDDEN = [8, 136, 256, 520, 1024, 1032, 2048, 3000, 4096, 8192, 16384]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    for family in ("layernorm", "rotary"):
+        build.load(family)
+
+
+def poison(*like: tuple[tuple[int, ...], torch.dtype]) -> None:
+    """Leave NaN-filled free blocks of these sizes in the caching allocator."""
+    blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape, dtype in like]
+    del blocks
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "NaN in kernel output (unwritten or invalid)"
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _ln_inputs(rows, hidden, dtype, residual, weight, bias, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+    x = mk(rows, hidden)
+    r = mk(rows, hidden) if residual else None
+    w = mk(hidden) if weight else None
+    b = mk(hidden) if bias else None
+    return x, r, w, b
+
+
+def _ln_kernel(x, r, w, b, rng, eps, p, rms):
+    rows, hidden = x.shape
+    poison(((rows, hidden), x.dtype), ((rows, hidden), x.dtype), ((rows,), torch.float32), ((rows,), torch.float32))
+    return torch.ops.tk.layernorm(x, r, w, b, rng, eps, p, rms)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_layernorm_forward_backward(hidden, dtype, rms):
+    rows = 77  # odd: partial blocks of rows
+    for residual, weight, bias in ((True, True, not rms), (False, False, False), (True, False, False), (False, True, not rms)):
+        x, r, w, b = _ln_inputs(rows, hidden, dtype, residual, weight, bias)
+        y, h, mean, rstd, rng = _ln_kernel(x, r, w, b, None, 1e-5, 0.0, rms)
+        ye, he, me, re, _ = ln_ops.reference_forward(x, r, w, b, None, 1e-5, 0.0, rms)
+        assert rel_err(y, ye) < TOL[dtype], (residual, weight, bias)
+        assert rel_err(rstd, re) < 1e-5
+        if not rms:
+            assert (mean - me).abs().max().item() < 1e-4
+        if residual:
+            assert torch.equal(h, he)  # same fp32 add, same rounding
+        else:
+            assert h.numel() == 0
+        # backward
+        g = torch.Generator(device="cuda").manual_seed(1)
+        dy = torch.randn(rows, hidden, generator=g, device="cuda").to(dtype)
+        dh = torch.randn(rows, hidden, generator=g, device="cuda").to(dtype) if residual else None
+        hh = h if residual else x
+        poison(((rows, hidden), dtype), ((hidden,), dtype), ((hidden,), dtype))
+        out = torch.ops.tk.layernorm_backward(dy, dh, hh, w, mean, rstd, rng, 0.0, rms, b is not None)
+        ref = ln_ops.reference_backward(dy, dh, hh, w, mean, rstd, rng, 0.0, rms, b is not None)
+        for name, a, e in zip(("dres", "dx", "dw", "db"), out, ref):
+            assert a.shape == e.shape, name
+            if e.numel():
+                assert rel_err(a, e) < TOL[dtype] * (4 if name in ("dw", "db") else 1), (name, residual, weight, bias)
+
+
+def test_layernorm_backward_is_deterministic():
+    x, r, w, b = _ln_inputs(4099, 1024, torch.bfloat16, True, True, True)
+    y, h, mean, rstd, rng = torch.ops.tk.layernorm(x, r, w, b, None, 1e-5, 0.0, False)
+    dy = torch.randn_like(y)
+    a = torch.ops.tk.layernorm_backward(dy, None, h, w, mean, rstd, rng, 0.0, False, True)
+    c = torch.ops.tk.layernorm_backward(dy, None, h, w, mean, rstd, rng, 0.0, False, True)
+    for u, v in zip(a, c):
+        assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [264, 1024, 4096])
+@pytest.mark.parametrize("residual", [False, True])
+def test_dropout(dtype, hidden, residual):
+    p, rows = 0.2, 513
+    x, r, w, b = _ln_inputs(rows, hidden, dtype, residual, True, True)
+    rng = torch.tensor([0x0123456789ABCDEF, 977], dtype=torch.int64)
+    y, h, mean, rstd, rng_out = _ln_kernel(x, r, w, b, rng, 1e-5, p, False)
+    assert torch.equal(rng_out, rng)
+    # kernel mask == philox reference mask, bit for bit (h is the same fp32 arithmetic)
+    ye, he, *_ = ln_ops.reference_forward(x, r, w, b, rng, 1e-5, p, False)
+    assert torch.equal(h, he)
+    assert rel_err(y, ye) < TOL[dtype]
+    keep = philox.keep_mask(x.shape, *philox.unpack(rng), p, "cuda")
+    dropped = h - (r if residual else 0)
+    assert (dropped[~keep] == 0).all()
+    scale = philox.dropout_scale(p)
+    kept = (x.float() * scale).to(dtype) if not residual else None
+    if kept is not None:
+        assert torch.equal(dropped[keep], kept[keep])
+    # keep-rate within 4 sigma of 1 - p
+    n = keep.numel()
+    assert abs(keep.double().mean().item() - (1 - p)) < 4 * math.sqrt(p * (1 - p) / n)
+    # same seed -> same result; another seed -> another mask
+    assert torch.equal(_ln_kernel(x, r, w, b, rng, 1e-5, p, False)[1], h)
+    other = torch.tensor([0x0123456789ABCDEF, 978], dtype=torch.int64)
+    assert not torch.equal(_ln_kernel(x, r, w, b, other, 1e-5, p, False)[1], h)
+    # backward: dx follows the regenerated mask
+    dy = torch.randn_like(y)
+    out = torch.ops.tk.layernorm_backward(dy, None, h, w, mean, rstd, rng, p, False, True)
+    ref = ln_ops.reference_backward(dy, None, h, w, mean, rstd, rng, p, False, True)
+    assert (out[1][~keep] == 0).all()
+    for a, e in zip(out, ref):
+        assert rel_err(a, e) < TOL[dtype] * 4
+
+
+def test_dropout_autograd_end_to_end():
+    torch.manual_seed(0)
+    x = torch.randn(300, 512, device="cuda", requires_grad=True)
+    r = torch.randn(300, 512, device="cuda", requires_grad=True)
+    w = torch.randn(512, device="cuda", requires_grad=True)
+    torch.manual_seed(7)
+    y, h, *_ , rng = torch.ops.tk.layernorm(x, r, w, None, None, 1e-5, 0.1, False)
+    torch.manual_seed(7)
+    assert torch.equal(rng, philox.draw_seed())  # seeds come from the default generator
+    loss = (y * torch.linspace(-1, 1, y.numel(), device="cuda").reshape(y.shape)).sum() + h.sum()
+    gx, gr, gw = torch.autograd.grad(loss, (x, r, w))
+    keep = philox.keep_mask(x.shape, *philox.unpack(rng), 0.1, "cuda")
+    hf = torch.where(keep, x * philox.dropout_scale(0.1), 0) + r
+    ye = torch.nn.functional.layer_norm(hf, (512,), w, None, 1e-5)
+    loss_e = (ye * torch.linspace(-1, 1, y.numel(), device="cuda").reshape(y.shape)).sum() + hf.sum()
+    ex, er, ew = torch.autograd.grad(loss_e, (x, r, w))
+    for a, e in ((gx, ex), (gr, er), (gw, ew)):
+        assert rel_err(a, e) < 1e-4
+
+
+# ---------------------------------------------------------------------------- rotary
+
+def _rot_inputs(B, H, N, D, rd, dtype, layout, general, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda").to(dtype)
+    if layout == "BNHD":
+        q = mk(B, N, H, D).transpose(1, 2)
+        k = mk(B, N, max(1, H // 2), D).transpose(1, 2)
+    else:
+        q = mk(B, H, N, D)
+        k = mk(B, max(1, H // 2), N, D)
+    if general:
+        cos, sin = mk(B, N, rd), mk(B, N, rd)
+    else:
+        ang = torch.rand(B, N, rd // 2, generator=g, device="cuda") * 6.3
+        ang = torch.cat((ang, ang), -1)
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    return q, k, cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["BHND", "BNHD"])
+@pytest.mark.parametrize("D, rd", [(128, 128), (64, 64), (128, 32), (80, 40), (20, 12), (18, 10)])
+def test_rotary(dtype, interleaved, layout, D, rd):
+    B, H, N = 2, 4, 37
+    for general in (False, True):
+        q, k, cos, sin = _rot_inputs(B, H, N, D, rd, dtype, layout, general)
+        for backward in (False, True):
+            for contiguous in (False, True):
+                poison((tuple(q.shape), dtype), (tuple(k.shape), dtype))
+                qo, ko = torch.ops.tk.rotary(q, k, cos, sin, interleaved, backward, contiguous)
+                qe, ke = rot_ops.reference(q, k, cos, sin, interleaved, backward, contiguous)
+                assert qo.stride() == qe.stride() and ko.stride() == ke.stride()
+                assert rel_err(qo, qe) < TOL[dtype] and rel_err(ko, ke) < TOL[dtype]
+                # pass-through channels are copied exactly
+                assert torch.equal(qo[..., rd:], q[..., rd:])
+
+
+def test_rotary_single_and_autograd():
+    q, k, cos, sin = _rot_inputs(2, 8, 129, 128, 128, torch.bfloat16, "BNHD", False)
+    q = q.detach().requires_grad_()
+    k = k.detach().requires_grad_()
+    qo, ko = torch.ops.tk.rotary(q, k, cos, sin, False, False, False)
+    g1, g2 = torch.randn_like(qo), torch.randn_like(ko)
+    dq, dk = torch.autograd.grad((qo * g1).sum() + (ko * g2).sum(), (q, k))
+    eq, ek = rot_ops.reference(g1, g2, cos, sin, False, True, False)
+    assert rel_err(dq, eq) < 1e-2 and rel_err(dk, ek) < 1e-2
+    only_q = torch.ops.tk.rotary(q, None, cos, sin, False, False, False)
+    assert only_q[1].numel() == 0 and torch.equal(only_q[0], qo)
+
+
+def test_tiny_models_compiled_equal_eager():
+    transformers = pytest.importorskip("transformers")
+    import tk_inductor
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=512, vocab_size=256, max_position_embeddings=256)
+    gpt = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    for model, families in ((transformers.LlamaModel(cfg), ("layernorm", "rotary")), (transformers.GPT2Model(gpt), ("layernorm",))):
+        model = model.cuda().float()
+        ids = torch.randint(0, 256, (2, 100), device="cuda")
+        tk_inductor.reset()
+        torch._dynamo.reset()
+        c = torch.compile(model, backend="thunderkittens", options={"ops": ["layernorm", "rotary"], "inner": "aot_eager"})
+        out = c(input_ids=ids).last_hidden_state
+        ref = model(input_ids=ids).last_hidden_state
+        assert rel_err(out, ref) < 1e-4
+        rep = tk_inductor.report()
+        for f in families:
+            assert rep.replaced.get(f), str(rep)
+        params = [p for p in model.parameters() if p.requires_grad]
+        w = torch.randn_like(out)
+        ga = torch.autograd.grad((out * w).sum(), params, allow_unused=True)
+        gb = torch.autograd.grad((ref * w).sum(), params, allow_unused=True)
+        for a, b in zip(ga, gb):
+            if a is not None and b is not None and b.norm() > 0:
+                assert rel_err(a, b) < 1e-3
