@@ -243,14 +243,20 @@ def test_gemm(gemm_kernel, mnk):
     _check_gemm(torch.ops.tk.gemm(a, b), a, b)
 
 
+def _configs():
+    from tk_inductor.ops.gemm import CONFIGS
+
+    return CONFIGS
+
+
 @pytest.mark.parametrize("n", [900, 643])
-@pytest.mark.parametrize("stages,tma_store", [(1, False), (2, False), (3, False), (4, False), (1, True), (2, True), (3, True)])
-def test_gemm_stages(gemm_kernel, stages, tma_store, n):
+@pytest.mark.parametrize("cfg", _configs(), ids=lambda c: f"st{c[0]}{'_tma' if c[1] else ''}{'_overlap' if c[2] else ''}")
+def test_gemm_configs(gemm_kernel, cfg, n):
     from tk_inductor.ops import gemm
 
     a = torch.randn(700, 300, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(300, n, device="cuda", dtype=torch.bfloat16)
-    _check_gemm(gemm.stages(a, b, stages, tma_store), a, b)
+    _check_gemm(gemm.configured(a, b, *cfg), a, b)
 
 
 def test_gemm_strided_inputs(gemm_kernel):

@@ -5,7 +5,7 @@
 It proves the tile library (persistent grid, TMA ring, wgmma) against cuBLAS and is never swapped into
 graphs. The CUDA kernel (csrc/kernels/gemm, `tk_cuda::gemm`) runs for CUDA bf16 inputs when the kernels
 build; everything else (CPU, other float dtypes, reference mode) runs the reference `torch.matmul`.
-`stages(a, b, n)` runs the kernel with an n-deep input pipeline (1..4) for the ablation.
+`configured(a, b, stages, tma_store, overlap)` runs one kernel configuration, for the ablation.
 """
 from __future__ import annotations
 
@@ -67,15 +67,20 @@ def _backward(ctx, grad):
 gemm.register_autograd(_backward, setup_context=_setup_context)
 
 
-def stages(a: torch.Tensor, b: torch.Tensor, n: int, tma_store: bool = False) -> torch.Tensor:
-    """The CUDA kernel with an n-stage input pipeline (1..4; 1..3 with the TMA-store epilogue): the ablation.
-    Needs CUDA bf16 inputs and built kernels."""
-    _validate(a, b, "tk::gemm stages")
-    _dispatch.check(isinstance(n, int) and 1 <= n <= (3 if tma_store else 4), f"tk::gemm stages: n must be 1..4 "
-                    f"(1..3 with tma_store), got {n!r}")
-    _dispatch.check(a.dtype == torch.bfloat16 and a.is_cuda, "tk::gemm stages: needs CUDA bfloat16 inputs")
-    _dispatch.check(_dispatch.use_kernel(FAMILY, a, b), f"tk::gemm stages: kernels unavailable: {_failure()}", RuntimeError)
-    return torch.ops.tk_cuda.gemm_stages(a, b, n, tma_store)
+# Valid kernel configurations (stages, tma_store, overlap): the TMA-store epilogue leaves room for 3 stages,
+# overlap needs 2. The kernel's default is (3, True, False).
+CONFIGS = [(n, t, o) for t in (False, True) for o in (False, True) for n in (1, 2, 3, 4)
+           if not (t and n == 4) and not (o and n == 1)]
+
+
+def configured(a: torch.Tensor, b: torch.Tensor, stages: int, tma_store: bool, overlap: bool) -> torch.Tensor:
+    """The CUDA kernel in a given configuration (see CONFIGS): the ablation. Needs CUDA bf16 inputs and built kernels."""
+    _validate(a, b, "tk::gemm configured")
+    _dispatch.check((stages, bool(tma_store), bool(overlap)) in CONFIGS,
+                    f"tk::gemm configured: (stages, tma_store, overlap) must be one of {CONFIGS}")
+    _dispatch.check(a.dtype == torch.bfloat16 and a.is_cuda, "tk::gemm configured: needs CUDA bfloat16 inputs")
+    _dispatch.check(_dispatch.use_kernel(FAMILY, a, b), f"tk::gemm configured: kernels unavailable: {_failure()}", RuntimeError)
+    return torch.ops.tk_cuda.gemm_config(a, b, stages, bool(tma_store), bool(overlap))
 
 
 def _failure() -> str:

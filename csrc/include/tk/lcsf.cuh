@@ -18,10 +18,14 @@
 //        (e.g. mma_async_wait) before returning: the stage is handed back to the producer then
 //   static void store(state&, scratch_block&, const globals&, const task&)   consumers, after the last iteration
 //   static void finish(scratch_block&, const globals&)   optional: consumers, after the last task
+//   static constexpr int RELEASE_LAG = 1;   optional (default 0): compute may leave its last wgmma group
+//        in flight (mma_async_wait<1>); a stage is then handed back one iteration later, and after a
+//        task's last iteration the template waits for all wgmma groups before store. Needs >= 2 stages.
 #pragma once
 #include "common.cuh"
 #include "grid.cuh"
 #include "sync/semaphore.cuh"
+#include "ops/warpgroup/mma.cuh"
 
 namespace tk::lcsf {
 
@@ -38,9 +42,14 @@ template <class K> constexpr size_t shared_bytes =
     1024 /* alignment slack */ + sizeof(typename K::input_block) * K::INPUT_PIPE_STAGES + sizeof(typename K::scratch_block);
 
 template <class K> concept has_finish = requires(typename K::scratch_block& s, const typename K::globals& g) { K::finish(s, g); };
+template <class K> constexpr int release_lag() {
+    if constexpr (requires { K::RELEASE_LAG; }) return K::RELEASE_LAG;
+    else return 0;
+}
 
 template <class K> __global__ void __launch_bounds__(num_threads<K>, 1) kernel(const __grid_constant__ typename K::globals g) {
-    constexpr int STAGES = K::INPUT_PIPE_STAGES, CONSUMERS = K::CONSUMER_WARPGROUPS;
+    constexpr int STAGES = K::INPUT_PIPE_STAGES, CONSUMERS = K::CONSUMER_WARPGROUPS, LAG = release_lag<K>();
+    static_assert(LAG == 0 || (LAG == 1 && STAGES >= 2), "RELEASE_LAG is 0, or 1 with at least 2 stages");
     static_assert(STAGES >= 1 && CONSUMERS >= 1 && CONSUMERS <= 3, "1..3 consumer warpgroups, >= 1 stage");
     static_assert(K::PRODUCER_REGS % 8 == 0 && K::CONSUMER_REGS % 8 == 0 && K::PRODUCER_REGS >= 24 && K::CONSUMER_REGS <= 256,
                   "setmaxnreg counts are multiples of 8 in [24, 256]");
@@ -74,14 +83,23 @@ template <class K> __global__ void __launch_bounds__(num_threads<K>, 1) kernel(c
         }
     } else {  // consumers
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(K::CONSUMER_REGS));
-        int stage = 0, phase = 0;
+        int stage = 0, phase = 0, previous = 0;
         typename K::state s;
         for (task t{int(blockIdx.x)}; K::setup(t, g); t = task{t.id + int(gridDim.x)}) {
             for (int it = 0; it < t.iters; ++it) {
                 wait(arrived[stage], phase);
                 K::compute(s, inputs[stage], *scratch, g, t, it);
-                if (laneid() == 0) arrive(finished[stage]);
+                if constexpr (LAG == 0) {
+                    if (laneid() == 0) arrive(finished[stage]);
+                } else {  // compute(it) waited for the wgmmas of it - 1: that stage is free now
+                    if (it > 0 && laneid() == 0) arrive(finished[previous]);
+                    previous = stage;
+                }
                 if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+            if constexpr (LAG != 0) {
+                warpgroup::mma_async_wait<0>();
+                if (laneid() == 0) arrive(finished[previous]);
             }
             K::store(s, *scratch, g, t);
         }

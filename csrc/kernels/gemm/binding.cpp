@@ -1,5 +1,5 @@
 // Registers tk_cuda::gemm (same schema as tk::gemm in tk_inductor/ops/gemm.py) and
-// tk_cuda::gemm_stages (pipeline depth and epilogue choice for the ablation, benchmarks only).
+// tk_cuda::gemm_config (pipeline depth and epilogue choices for the ablation, benchmarks only).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -21,7 +21,7 @@ at::Tensor tma_ready(const at::Tensor& t) {
   return padded;
 }
 
-at::Tensor gemm_stages(const at::Tensor& a_in, const at::Tensor& b_in, int64_t stages, bool tma_store) {
+at::Tensor gemm_run(const at::Tensor& a_in, const at::Tensor& b_in, tk_kernels::gemm_config cfg) {
   TORCH_CHECK(a_in.dim() == 2 && b_in.dim() == 2, "tk_cuda::gemm: a and b must be 2-D, got ", a_in.sizes(), " and ",
               b_in.sizes());
   TORCH_CHECK(a_in.is_cuda() && b_in.is_cuda() && a_in.device() == b_in.device(),
@@ -32,32 +32,35 @@ at::Tensor gemm_stages(const at::Tensor& a_in, const at::Tensor& b_in, int64_t s
   TORCH_CHECK(a_in.size(0) >= 1 && a_in.size(1) >= 1 && b_in.size(1) >= 1, "tk_cuda::gemm: M, N, K must be >= 1");
   TORCH_CHECK(a_in.size(0) < (1LL << 31) && a_in.size(1) < (1LL << 31) && b_in.size(1) < (1LL << 31),
               "tk_cuda::gemm: dims must be < 2^31");
-  TORCH_CHECK(stages >= 1 && stages <= (tma_store ? 3 : 4), "tk_cuda::gemm: stages must be 1..4 (1..3 with tma_store)");
   c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = tma_ready(a_in), b = tma_ready(b_in);
   const int64_t M = a_in.size(0), K = a_in.size(1), N = b_in.size(1);
   // The TMA-store epilogue needs 16-byte rows: pad the output's row stride, return the M x N view.
-  const int64_t ldc = tma_store ? (N + 7) / 8 * 8 : N;
+  const int64_t ldc = cfg.tma_store ? (N + 7) / 8 * 8 : N;
   at::Tensor c = at::empty({M, ldc}, a_in.options()).narrow(1, 0, N);
   const char* err = tk_kernels::gemm_bf16(reinterpret_cast<const __nv_bfloat16*>(a.data_ptr()),
                                           reinterpret_cast<const __nv_bfloat16*>(b.data_ptr()),
                                           reinterpret_cast<__nv_bfloat16*>(c.data_ptr()), int(M), int(N), int(K), a.stride(0),
-                                          b.stride(0), c.stride(0), int(stages), tma_store,
-                                          c10::cuda::getCurrentCUDAStream().stream());
+                                          b.stride(0), c.stride(0), cfg, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "tk_cuda::gemm: ", err ? err : "");
   return c;
 }
 
-at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) { return gemm_stages(a, b, 4, false); }
+at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) { return gemm_run(a, b, tk_kernels::gemm_config{}); }
+
+at::Tensor gemm_config(const at::Tensor& a, const at::Tensor& b, int64_t stages, bool tma_store, bool overlap) {
+  TORCH_CHECK(stages >= 1 && stages <= 4, "tk_cuda::gemm_config: stages must be 1..4");
+  return gemm_run(a, b, tk_kernels::gemm_config{int(stages), tma_store, overlap});
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def("gemm(Tensor a, Tensor b) -> Tensor");
-  m.def("gemm_stages(Tensor a, Tensor b, int stages, bool tma_store=False) -> Tensor");
+  m.def("gemm_config(Tensor a, Tensor b, int stages, bool tma_store, bool overlap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {
   m.impl("gemm", &gemm);
-  m.impl("gemm_stages", &gemm_stages);
+  m.impl("gemm_config", &gemm_config);
 }

@@ -6,6 +6,7 @@
 // out-of-range rows/cols. Two epilogues: bounds-checked stores straight from registers (any N, no
 // shared memory, so 4 stages fit), or TMA_STORE: registers -> bf16 shared tile -> TMA store, which
 // frees the consumers as soon as the tile is in shared memory (64 KB more shared memory: <= 3 stages).
+// OVERLAP keeps one k-block of wgmmas in flight per consumer (LCSF RELEASE_LAG = 1).
 #include "gemm.cuh"
 #include <variant>
 #include <tk/tk.cuh>
@@ -15,8 +16,8 @@ namespace {
 
 using namespace tk;
 
-template <int STAGES, bool TMA_STORE> struct gemm_kernel {
-    static constexpr int CONSUMER_WARPGROUPS = 2, INPUT_PIPE_STAGES = STAGES;
+template <int STAGES, bool TMA_STORE, bool OVERLAP> struct gemm_kernel {
+    static constexpr int CONSUMER_WARPGROUPS = 2, INPUT_PIPE_STAGES = STAGES, RELEASE_LAG = OVERLAP;
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
     static constexpr int BM = 64 * CONSUMER_WARPGROUPS, BN = 256, BK = 64, SUPERGROUP = 8;
     using a_tile = st<bf16, 64, BK>;
@@ -57,7 +58,7 @@ template <int STAGES, bool TMA_STORE> struct gemm_kernel {
     }
     __device__ static void compute(state& s, input_block& in, scratch_block&, const globals&, const lcsf::task&, int it) {
         warpgroup::mma_AB(s.acc, in.a[lcsf::consumer_id()], in.b, it > 0);
-        warpgroup::mma_async_wait<0>(s.acc);
+        warpgroup::mma_async_wait<OVERLAP ? 1 : 0>(s.acc);  // OVERLAP: keep this block's wgmmas running
     }
     __device__ static void store(state& s, scratch_block& sc, const globals& g, const lcsf::task& t) {
         const int wg = lcsf::consumer_id();
@@ -84,10 +85,10 @@ template <int STAGES, bool TMA_STORE> struct gemm_kernel {
     }
 };
 
-template <int STAGES, bool TMA_STORE>
+template <int STAGES, bool TMA_STORE, bool OVERLAP>
 const char* run(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, long long lda, long long ldb, long long ldc,
                 cudaStream_t stream) {
-    using G = gemm_kernel<STAGES, TMA_STORE>;
+    using G = gemm_kernel<STAGES, TMA_STORE, OVERLAP>;
     typename G::globals g{{}, {}, {}, typename G::view(c, 1, 1, M, N, 0, 0, ldc), (M + G::BM - 1) / G::BM,
                           (N + G::BN - 1) / G::BN, (K + G::BK - 1) / G::BK};
     if (const char* e = make_tma_map(g.a, gl<bf16>(const_cast<bf16*>(a), 1, 1, M, K, 0, 0, lda))) return e;
@@ -98,26 +99,32 @@ const char* run(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, long
     return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 
+template <bool TMA_STORE, bool OVERLAP>
+const char* run_stages(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, long long lda, long long ldb,
+                       long long ldc, int stages, cudaStream_t stream) {
+    switch (stages) {
+        case 1:
+            if constexpr (!OVERLAP) return run<1, TMA_STORE, OVERLAP>(a, b, c, M, N, K, lda, ldb, ldc, stream);
+            else return "gemm: overlap needs >= 2 stages";
+        case 2: return run<2, TMA_STORE, OVERLAP>(a, b, c, M, N, K, lda, ldb, ldc, stream);
+        case 3: return run<3, TMA_STORE, OVERLAP>(a, b, c, M, N, K, lda, ldb, ldc, stream);
+        case 4:
+            if constexpr (!TMA_STORE) return run<4, TMA_STORE, OVERLAP>(a, b, c, M, N, K, lda, ldb, ldc, stream);
+            else return "gemm: the TMA-store epilogue fits 1..3 stages";
+        default: return "gemm: stages must be 1..4";
+    }
+}
+
 }  // namespace
 
 const char* gemm_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, __nv_bfloat16* c, int M, int N, int K, long long lda,
-                      long long ldb, long long ldc, int stages, bool tma_store, cudaStream_t stream) {
+                      long long ldb, long long ldc, gemm_config cfg, cudaStream_t stream) {
     if (M < 1 || N < 1 || K < 1) return "gemm: M, N, K must be >= 1";
-    if (tma_store) {
-        switch (stages) {
-            case 1: return run<1, true>(a, b, c, M, N, K, lda, ldb, ldc, stream);
-            case 2: return run<2, true>(a, b, c, M, N, K, lda, ldb, ldc, stream);
-            case 3: return run<3, true>(a, b, c, M, N, K, lda, ldb, ldc, stream);
-            default: return "gemm: the TMA-store epilogue fits 1..3 stages";
-        }
-    }
-    switch (stages) {
-        case 1: return run<1, false>(a, b, c, M, N, K, lda, ldb, ldc, stream);
-        case 2: return run<2, false>(a, b, c, M, N, K, lda, ldb, ldc, stream);
-        case 3: return run<3, false>(a, b, c, M, N, K, lda, ldb, ldc, stream);
-        case 4: return run<4, false>(a, b, c, M, N, K, lda, ldb, ldc, stream);
-        default: return "gemm: stages must be 1..4";
-    }
+    if (cfg.tma_store)
+        return cfg.overlap ? run_stages<true, true>(a, b, c, M, N, K, lda, ldb, ldc, cfg.stages, stream)
+                           : run_stages<true, false>(a, b, c, M, N, K, lda, ldb, ldc, cfg.stages, stream);
+    return cfg.overlap ? run_stages<false, true>(a, b, c, M, N, K, lda, ldb, ldc, cfg.stages, stream)
+                       : run_stages<false, false>(a, b, c, M, N, K, lda, ldb, ldc, cfg.stages, stream);
 }
 
 }  // namespace tk_kernels

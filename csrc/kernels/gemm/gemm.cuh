@@ -5,11 +5,17 @@
 
 namespace tk_kernels {
 
+// Pipeline depth and epilogue. The default is the fastest measured on an H200 (benchmarks/RESULTS.md).
+struct gemm_config {
+    int stages = 3;          // input ring depth: 1..4 (1..3 with tma_store; >= 2 with overlap)
+    bool tma_store = true;   // stage the output tile in shared memory and TMA-store it (else store from registers)
+    bool overlap = false;    // keep one k-block of wgmmas in flight per consumer
+};
+
 // c (M x N, row stride ldc) = a (M x K, row stride lda) @ b (K x N, row stride ldb), all bf16, fp32 accumulation.
-// TMA needs a, b 16-byte aligned with lda, ldb multiples of 8; c has no alignment needs.
-// stages: input pipeline depth 1..4. tma_store: stage the output in shared memory and TMA-store it
-// (needs c 16-byte aligned and ldc a multiple of 8; stages 1..3). Returns nullptr on success, else a message.
+// TMA needs a, b (and c with tma_store) 16-byte aligned with row strides that are multiples of 8 elements.
+// Returns nullptr on success, else a message.
 const char* gemm_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, __nv_bfloat16* c, int M, int N, int K,
-                      long long lda, long long ldb, long long ldc, int stages, bool tma_store, cudaStream_t stream);
+                      long long lda, long long ldb, long long ldc, gemm_config cfg, cudaStream_t stream);
 
 }  // namespace tk_kernels
