@@ -76,8 +76,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, co
   Tensor h = store_h ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
   Tensor mean = at::empty({rms ? 0 : rows}, f32);
   Tensor rstd = at::empty({rows}, f32);
-  Tensor rng_out = p > 0.0 ? rng->to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
-                           : at::zeros({2}, at::TensorOptions().dtype(at::kLong));
+  const tk_layernorm::DropoutArgs dropout = dropout_args(p, rng);  // validates rng before it is read
+  Tensor rng_out = p > 0.0 ? rng->clone() : at::zeros({2}, at::TensorOptions().dtype(at::kLong));
 
   tk_layernorm::ForwardArgs a{};
   a.y = y.data_ptr();
@@ -92,7 +92,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, co
   a.hidden = static_cast<int>(hidden);
   a.eps = static_cast<float>(eps);
   a.rms = rms;
-  a.dropout = dropout_args(p, rng);
+  a.dropout = dropout;
   const cudaError_t err = tk_layernorm::forward(a, dtype_of(x), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "tk_cuda::layernorm: launch failed: ", cudaGetErrorString(err));
   return {y, h, mean, rstd, rng_out};
