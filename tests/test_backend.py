@@ -393,6 +393,28 @@ def test_backend_does_not_rewrite_twice_with_pre_grad_pass(fake_family):
         inductor_config.pre_grad_custom_pass = saved
 
 
+def test_pre_grad_pass_failure_passes_through(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    def half_broken(graph):
+        yield from list(find_sin(graph))[:1]
+        raise RuntimeError("pre-grad matcher bug")
+
+    monkeypatch.setattr(rewrite, "_family_finders", lambda: {FAKE_FAMILY: half_broken})
+    monkeypatch.setenv("TK_INDUCTOR_REFERENCE", "1")
+    CALLS["sine"] = 0
+    saved = inductor_config.pre_grad_custom_pass
+    try:
+        inductor_config.pre_grad_custom_pass = None
+        backend.install_pre_grad_pass()
+        with pytest.warns(RuntimeWarning, match="pre-grad matcher bug"):
+            _check_same(f, torch.compile(f))
+        assert CALLS["sine"] == 0
+        assert tk_inductor.report().failed == ["RuntimeError: pre-grad matcher bug"]
+    finally:
+        inductor_config.pre_grad_custom_pass = saved
+
+
 # ---------------------------------------------------------------------------- fresh processes
 
 _FAKE_FAMILY_SRC = textwrap.dedent(

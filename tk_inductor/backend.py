@@ -106,6 +106,18 @@ def pass_uuid() -> str:
     return h.hexdigest()
 
 
+def _import_ops() -> None:
+    """Register every `tk::` op. A cached Inductor artifact calls them, and with
+    the pre-grad pass a cache hit runs no matcher that would import them."""
+    import importlib
+    import importlib.util
+
+    for family in config.FAMILIES:
+        name = f"tk_inductor.ops.{family}"
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+
+
 def _make_pass_class():
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -116,6 +128,7 @@ def _make_pass_class():
             self.chained = chained  # a pass the user had installed before us; runs after ours
 
         def __call__(self, graph: torch.fx.Graph) -> None:
+            _import_ops()
             if not _in_backend.get():
                 gm = graph.owning_module
                 # Inductor recurses into subgraphs itself and calls us for each.
@@ -124,6 +137,7 @@ def _make_pass_class():
                 self.chained(graph)
 
         def uuid(self) -> str | None:
+            _import_ops()  # asked before the cache lookup, so a hit finds the ops
             chained = None
             if self.chained is not None:
                 chained = self.chained.uuid() if hasattr(self.chained, "uuid") else None
