@@ -55,7 +55,7 @@ def _ours_fwd_bwd(q, k, v, do, causal, scale):
     return torch.ops.tk_cuda.attention_backward(do, q, k, v, o, lse, causal, scale)
 
 
-def run(quick: bool = False) -> list[Row]:
+def run(quick: bool = False, backward: bool = True) -> list[Row]:
     from torch.nn.attention import SDPBackend
 
     from tk_inductor import build
@@ -83,6 +83,10 @@ def run(quick: bool = False) -> list[Row]:
                 rows.append(Row("attention", f"{name} fwd", impl, ms, _flops(B, H, N, D, causal, False) / ms / 1e9, "TFLOPS", N))
             except RuntimeError as exc:
                 rows.append(Row("attention", f"{name} fwd", impl, None, note=f"failed: {str(exc)[:80]}"))
+        if not backward:
+            del q, k, v, do
+            torch.cuda.empty_cache()
+            continue
         # forward + backward
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         for impl, f in baselines.items():
@@ -131,8 +135,9 @@ def summary(rows: list[Row]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="N in {2048, 4096} only")
+    p.add_argument("--forward-only", action="store_true", help="skip forward+backward timings")
     args = p.parse_args(argv)
-    print(summary(run(quick=args.quick)))
+    print(summary(run(quick=args.quick, backward=not args.forward_only)))
     return 0
 
 

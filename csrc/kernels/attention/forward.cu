@@ -4,6 +4,7 @@
 // (exp2 domain, fp32 max and sum) in registers. Persistent grid; tasks are
 // (batch*head, query block) in an L2-friendly, heavy-first order.
 #include <cmath>
+#include <type_traits>
 
 #include "attention.h"
 #include "common.cuh"
@@ -143,20 +144,22 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
   float mx[2], sum[2];  // running row max (log2 domain) and thread-partial row sum
 
   // Scores of one key block -> probabilities, in place: scale to the log2
-  // domain, mask key tails and the causal upper triangle, update the running
-  // row max and (thread-partial) row sum; alpha gets the per-row factor that
-  // rescales the previous accumulator.
-  auto softmax_step = [&](float(&sc)[K_::S_REGS], int n0, int m0, int r0, float(&alpha)[2]) {
-    const bool need_mask = (n0 + BN > p.M) || (p.causal && n0 + BN - 1 > m0 + 64 * c);
+  // domain, mask (only when MASK: key tails and the causal upper triangle,
+  // branch-free), update the running row max and (thread-partial) row sum;
+  // alpha gets the per-row factor that rescales the previous accumulator.
+  // Runs while a wgmma is in flight, so it must not branch: ptxas would
+  // otherwise serialize the wgmmas (C7520).
+  auto softmax_step = [&](auto mask, float(&sc)[K_::S_REGS], int n0, int r0, float(&alpha)[2]) {
 #pragma unroll
     for (int ch = 0; ch < BN / 8; ++ch) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = sc[4 * ch + e] * p.scale_log2;
-        if (need_mask) {
+        if constexpr (decltype(mask)::value) {
           const int col = n0 + 8 * ch + col_in + (e & 1);
           const int row = r0 + 8 * (e >> 1);
-          if (col >= p.M || (p.causal && col > row)) x = -INFINITY;
+          const bool masked = (col >= p.M) | (p.causal & (col > row));
+          x = masked ? -INFINITY : x;
         }
         sc[4 * ch + e] = x;
       }
@@ -227,9 +230,16 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
     uint32_t pa[BN / 16][4];
     float alpha[2];
 
-    // Software pipeline (FA3's intra-warpgroup overlap): while the tensor
-    // cores run S_j = Q K_j^T and O += P_{j-1} V_{j-1}, the softmax of block j
-    // waits only for S_j; O is rescaled once P_{j-1} V_{j-1} has landed.
+    // Blocks from j_mask on need masking (the key tail, and for causal the
+    // blocks reaching past this warpgroup's first row); earlier ones do not.
+    const int j_tail = (p.M % BN) ? p.M / BN : nblk;
+    const int j_mask = p.causal ? min(j_tail, (m0 + 64 * c + 1) / BN) : j_tail;
+    using Masked = std::integral_constant<bool, true>;
+    using Unmasked = std::integral_constant<bool, false>;
+
+    // Software pipeline (FA3's intra-warpgroup overlap): S_j = Q K_j^T and
+    // O += P_{j-1} V_{j-1} are issued back to back; the softmax of block j
+    // waits only for S_j, and O is rescaled once P_{j-1} V_{j-1} has landed.
     bar_wait(q_full, ti & 1);
     {
       const int s = it % STAGES;
@@ -239,28 +249,31 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
       wgmma_wait<0>();
       fence_regs(sc);
       if (nblk_wg == 1) release(q_empty);
-      softmax_step(sc, 0, m0, r0, alpha);
+      if (j_mask == 0)
+        softmax_step(Masked{}, sc, 0, r0, alpha);
+      else
+        softmax_step(Unmasked{}, sc, 0, r0, alpha);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
     }
-    for (int j = 1; j < nblk_wg; ++j) {
+    auto step = [&](auto mask, int j) {
       const int sp = (it + j - 1) % STAGES;
       const int s = (it + j) % STAGES;
       bar_wait(&k_full[s], ((it + j) / STAGES) & 1);
+      bar_wait(&v_full[sp], ((it + j - 1) / STAGES) & 1);
       wgmma_fence();
       issue_qk(sc, s);
-      bar_wait(&v_full[sp], ((it + j - 1) / STAGES) & 1);
       issue_pv(o, pa, sp);
       wgmma_wait<1>();
       fence_regs(sc);
-      if (j == nblk_wg - 1) release(q_empty);
-      softmax_step(sc, j * BN, m0, r0, alpha);
+      softmax_step(mask, sc, j * BN, r0, alpha);
       wgmma_wait<0>();
       fence_regs(o);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e])::"memory");
+      if (j == nblk_wg - 1) release(q_empty);
       release(&kv_empty[sp]);
 #pragma unroll
       for (int ch = 0; ch < D / 8; ++ch) {
@@ -271,7 +284,10 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
       }
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
-    }
+    };
+    const int j_split = max(1, min(j_mask, nblk_wg));
+    for (int j = 1; j < j_split; ++j) step(Unmasked{}, j);
+    for (int j = j_split; j < nblk_wg; ++j) step(Masked{}, j);
     {
       const int sl = (it + nblk_wg - 1) % STAGES;
       bar_wait(&v_full[sl], ((it + nblk_wg - 1) / STAGES) & 1);
