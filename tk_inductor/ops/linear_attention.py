@@ -39,8 +39,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-import tk_inductor.config  # noqa: F401  (load before _dispatch: the package __getattr__ recurses on `from .. import config`)
-
 from . import _dispatch
 
 FAMILY = "linear_attention"

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import torch
 
-import tk_inductor.config  # noqa: F401  (load before _dispatch: the package __getattr__ recurses on `from .. import config`)
-
 from . import _dispatch
 
 FAMILY = "ssd"

@@ -1,0 +1,851 @@
+"""Match causal linear attention in a Dynamo (torch-IR) graph -> `tk::linear_attention`.
+
+Spellings recognised (B, H, N, d layout, the op's):
+- quadratic: `(φq @ φkᵀ)` (matmul/einsum, optionally scaled) made causal by `torch.tril`,
+  `masked_fill(~tril, 0)`, `* tril_mask` or `where(tril, A, 0)` — the mask must be built in the
+  graph from constants (ones/tril/triu/arange) so that it can be evaluated and proven lower-
+  triangular — then `@ v` (matmul/einsum).
+- state/cumsum: `kv = cumsum(φk ⊗ v, dim=N)` (einsum or broadcast product), `o = φq · kv`
+  (einsum or broadcast product + sum).
+- the Taylor kernel written on the scores, `1 + s + s²/2` with `s = (q·scale) kᵀ` (FLA's
+  naive_parallel_based).
+- optional normaliser: `o / (den + eps)` or `o * (1 / (den + eps))`, with `den` the row sum of the
+  same masked scores or `φq · cumsum(φk)` of the same feature-mapped tensors (Based's spelling).
+Feature maps: Based `TaylorExp` (`cat([1, x/d^¼, flatten(x⊗x)/(√2·√d)])`, ones as `x[..., :1]**0`
+or `ones_like`), Hedgehog (`cat(softmax(xW), softmax(-xW))`, W per head via einsum or shared via
+matmul), `elu(x) + 1`. Anything else is passed as already-mapped features with "identity", which
+is exactly equal (only slower when the features are wide).
+Left alone (not matched): masks that are inputs or not provably causal, scores without a mask,
+different q/k lengths, FLA's HedgehogFeatureMap (one softmax over both halves), in-place masking.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from tk_inductor.ops import linear_attention as _ops  # registers torch.ops.tk.linear_attention
+from tk_inductor.rewrite import Match, example
+
+FAMILY = "linear_attention"
+
+# ============================================================================ graph helpers
+# (shared with patterns/ssd.py)
+
+_FUNCTIONS = {
+    "matmul": (torch.matmul, operator.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm),
+    "mul": (operator.mul, torch.mul, torch.Tensor.mul),
+    "div": (operator.truediv, torch.div, torch.true_divide, torch.Tensor.div),
+    "add": (operator.add, torch.add, torch.Tensor.add),
+    "sub": (operator.sub, torch.sub, torch.Tensor.sub),
+    "neg": (operator.neg, torch.neg, torch.Tensor.neg),
+    "pow": (operator.pow, torch.pow, torch.Tensor.pow),
+    "invert": (operator.invert, torch.logical_not, torch.bitwise_not),
+    "getitem": (operator.getitem,),
+    "einsum": (torch.einsum,),
+    "exp": (torch.exp, torch.Tensor.exp),
+    "cumsum": (torch.cumsum, torch.Tensor.cumsum),
+    "sum": (torch.sum, torch.Tensor.sum),
+    "tril": (torch.tril, torch.Tensor.tril),
+    "masked_fill": (torch.masked_fill, torch.Tensor.masked_fill),
+    "where": (torch.where,),
+    "cat": (torch.cat, torch.concat, torch.concatenate),
+    "softmax": (torch.softmax, F.softmax, torch.Tensor.softmax),
+    "elu": (F.elu,),
+    "flatten": (torch.flatten, torch.Tensor.flatten),
+    "unsqueeze": (torch.unsqueeze, torch.Tensor.unsqueeze),
+    "transpose": (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.swapdims),
+    "permute": (torch.permute, torch.Tensor.permute),
+    "ones_like": (torch.ones_like,),
+    "reciprocal": (torch.reciprocal, torch.Tensor.reciprocal),
+    "reshape": (torch.reshape, torch.Tensor.reshape, torch.Tensor.view),
+    "pad": (F.pad, torch._C._nn.pad),
+    "repeat_interleave": (torch.repeat_interleave, torch.Tensor.repeat_interleave),
+    "zeros_like": (torch.zeros_like,),
+    "expand": (torch.Tensor.expand,),
+}
+_METHODS = {"matmul": ("matmul", "bmm", "__matmul__"), "mul": ("mul", "__mul__"), "div": ("div", "true_divide", "__truediv__"),
+            "add": ("add", "__add__"), "sub": ("sub", "__sub__"), "neg": ("neg", "__neg__"), "pow": ("pow", "__pow__"),
+            "invert": ("logical_not", "bitwise_not", "__invert__"), "reshape": ("reshape", "view"),
+            "transpose": ("transpose", "swapaxes", "swapdims")}
+_ATEN_ALIASES = {"transpose": ("mT",)}
+
+
+def kind(node) -> str | None:
+    """Canonical name of what a node computes (call_function and call_method alike)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        for name, methods in _METHODS.items():
+            if node.target in methods:
+                return name
+        return node.target if node.target in _FUNCTIONS or node.target in (
+            "float", "to", "type", "contiguous", "size", "expand", "new_zeros", "new_ones", "mT") else None
+    if node.op != "call_function":
+        return None
+    for name, fns in _FUNCTIONS.items():
+        if any(node.target is fn for fn in fns):
+            return name
+    target_name = getattr(node.target, "__name__", str(node.target))
+    if target_name in ("mT",) or str(node.target) == "aten.mT":
+        return "mT"
+    return None
+
+
+def arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def shape(node) -> tuple | None:
+    ex = example(node)
+    return tuple(ex.shape) if isinstance(ex, torch.Tensor) else None
+
+
+def dtype(node):
+    ex = example(node)
+    return ex.dtype if isinstance(ex, torch.Tensor) else None
+
+
+def is_tensor(node) -> bool:
+    return isinstance(example(node), torch.Tensor)
+
+
+def scalar(x) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def close(a: float | None, b: float, rel: float = 1e-6) -> bool:
+    return a is not None and math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def strip(node):
+    """See through nodes that do not change values: dtype/device-preserving `.to`/`.float()`,
+    `.contiguous()`, `.type(same)`."""
+    while kind(node) in ("to", "float", "type", "contiguous"):
+        src = node.args[0]
+        if not is_tensor(src) or dtype(src) != dtype(node) or shape(src) != shape(node):
+            break
+        node = src
+    return node
+
+
+def upcast_source(node):
+    """Through `.float()`/`.to(float32)` upcasts: the lower-precision source (exact to upcast)."""
+    node = strip(node)
+    while kind(node) in ("to", "float", "type"):
+        src = node.args[0]
+        if not is_tensor(src) or dtype(node) != torch.float32 or dtype(src) not in (torch.float32, torch.bfloat16, torch.float16):
+            break
+        node = strip(src)
+    return node
+
+
+def scaled(node):
+    """(base, factor) with node == base * factor for a python-scalar chain of mul/div/neg."""
+    factor = 1.0
+    while True:
+        node = strip(node)
+        k = kind(node)
+        if k in ("mul", "div") and len(node.args) >= 2 and not node.kwargs:
+            a, b = node.args[0], node.args[1]
+            if k == "mul" and scalar(a) is not None and is_tensor(b):
+                factor *= scalar(a)
+                node = b
+                continue
+            if scalar(b) is not None and is_tensor(a) and (k == "mul" or scalar(b) != 0):
+                factor = factor * scalar(b) if k == "mul" else factor / scalar(b)
+                node = a
+                continue
+        if k == "neg":
+            factor = -factor
+            node = node.args[0]
+            continue
+        return node, factor
+
+
+def evaluate_constant(node, _depth: int = 0):
+    """Run a subgraph built only from constants (a mask made by ones/tril/arange ...).
+
+    Returns the tensor, or None if it depends on any graph input, random op or unknown
+    size: only then is the mask's value a proof, not a guess."""
+    if _depth > 40:
+        return None
+    if isinstance(node, (list, tuple)):
+        vals = [evaluate_constant(a, _depth + 1) for a in node]
+        if any(v is None and a is not None for v, a in zip(vals, node)):
+            return None
+        return type(node)(vals)
+    if not isinstance(node, fx.Node):
+        if isinstance(node, torch.device):
+            return torch.device("cpu")
+        return node
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = str(getattr(node.target, "__name__", node.target))
+    if "rand" in name or "empty" in name or "normal" in name or "bernoulli" in name:
+        return None
+    args = [evaluate_constant(a, _depth + 1) for a in node.args]
+    if any(v is None and a is not None for v, a in zip(args, node.args)):
+        return None
+    kwargs = {}
+    for key, val in node.kwargs.items():
+        v = evaluate_constant(val, _depth + 1)
+        if v is None and val is not None:
+            return None
+        kwargs[key] = v
+    if any(isinstance(v, torch.SymInt) for v in [*args, *kwargs.values()]):
+        return None
+    try:
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------- index notation
+
+def view_letters(node, letters: str):
+    """Peel pure view ops (None-indexing, unsqueeze, permute, transpose, mT) off `node`, whose
+    positions carry `letters`: returns (base node, its letters), or None if not representable."""
+    chain = view_chain(node, letters)
+    return chain[-1] if chain else None
+
+
+def peel_to(node, letters: str, want: str):
+    """The view of `node` (positions named by `letters`) whose positions are exactly `want`,
+    e.g. peel_to(x[..., None], "abcz", "abc") -> x; None if there is none."""
+    for n, l in view_chain(node, letters) or ():
+        if l == want:
+            return n
+    return None
+
+
+def view_chain(node, letters: str):
+    """Every (node, letters) met while peeling views off `node`, outermost first (each holds the
+    same values under another index naming); None if some view is not representable."""
+    chain = []
+    while True:
+        node = strip(node)
+        if shape(node) is None:
+            return None
+        k = kind(node)
+        rank = len(letters)
+        if len(shape(node)) == rank:
+            chain.append((node, letters))
+        if k == "getitem" and isinstance(node.args[1], tuple):
+            idx = node.args[1]
+            if not all(i is None or i is Ellipsis or i == slice(None) for i in idx) or sum(i is Ellipsis for i in idx) > 1:
+                return chain or None
+            base_rank = len(shape(node.args[0]) or ())
+            n_ellipsis = base_rank - sum(i is not None and i is not Ellipsis for i in idx)
+            pos, kept = 0, []
+            for i in idx:
+                if i is Ellipsis:
+                    kept.extend(letters[pos:pos + n_ellipsis])
+                    pos += n_ellipsis
+                elif i is None:
+                    pos += 1
+                else:
+                    kept.append(letters[pos])
+                    pos += 1
+            kept.extend(letters[pos:])
+            letters, node = "".join(kept), node.args[0]
+        elif k == "unsqueeze":
+            d = arg(node, 1, "dim") % rank
+            letters, node = letters[:d] + letters[d + 1:], node.args[0]
+        elif k == "permute":
+            dims = node.args[1:] if len(node.args) > 2 else arg(node, 1, "dims")
+            dims = [d % rank for d in dims]
+            base = [""] * rank
+            for i, d in enumerate(dims):
+                base[d] = letters[i]
+            letters, node = "".join(base), node.args[0]
+        elif k in ("transpose", "mT"):
+            a, b = (-2, -1) if k == "mT" else (arg(node, 1, "dim0"), arg(node, 2, "dim1"))
+            lst = list(letters)
+            lst[a % rank], lst[b % rank] = lst[b % rank], lst[a % rank]
+            letters, node = "".join(lst), node.args[0]
+        else:
+            return chain or None
+
+
+class Contraction:
+    """Σ over the letters missing from `out` of Π factors[i][0][letters_i] (einsum semantics).
+
+    `chains[i]` lists the same factor before its view ops were peeled off (outermost first), so
+    a template can bind the tensor in the layout it expects."""
+
+    def __init__(self, factors, out, chains=None, scale=1.0):
+        self.factors, self.out, self.scale = factors, out, scale  # scale: python-scalar factors met
+        self.chains = chains if chains is not None else [[f] for f in factors]
+
+    def __repr__(self):
+        return f"Contraction({[(n.name, l) for n, l in self.factors]} -> {self.out})"
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def contraction(node, *, inline=True, _fresh=None) -> Contraction | None:
+    """Read einsum, broadcast products and sums of products as one contraction.
+
+    With `inline`, factors that are themselves contractions are expanded (so HF's mul/sum
+    chains and mamba's 4-operand einsum read the same)."""
+    fresh = _fresh if _fresh is not None else iter(_LETTERS)
+    node = strip(node)
+    k = kind(node)
+    if k == "einsum":
+        eq = node.args[0]
+        operands = list(node.args[1]) if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else list(node.args[1:])
+        if not isinstance(eq, str) or "->" not in eq:
+            return None
+        lhs, out = eq.replace(" ", "").split("->")
+        terms = lhs.split(",")
+        if len(terms) != len(operands):
+            return None
+        rename = {}
+
+        def ren(s, rank):
+            if "..." in s:
+                n_ell = rank - (len(s) - 3)
+                s = s.replace("...", "".join(f"#{i}" for i in range(n_ell)))
+                parts, i = [], 0
+                while i < len(s):
+                    if s[i] == "#":
+                        j = i + 1
+                        while j < len(s) and s[j].isdigit():
+                            j += 1
+                        parts.append(s[i:j])
+                        i = j
+                    else:
+                        parts.append(s[i])
+                        i += 1
+            else:
+                parts = list(s)
+            res = ""
+            for p in parts:
+                if p not in rename:
+                    rename[p] = next(fresh)
+                res += rename[p]
+            return res
+
+        factors = []
+        for t, op in zip(terms, operands):
+            if shape(op) is None:
+                return None
+            factors.append((op, ren(t, len(shape(op)))))
+        out_rank = len(shape(node) or ())
+        out_letters = ren(out, out_rank) if "..." in out else "".join(rename.get(c) or next(fresh) for c in out)
+    elif k == "matmul":
+        a, b = node.args[0], node.args[1]
+        sa, sb = shape(a), shape(b)
+        if sa is None or sb is None or len(sa) != len(sb) or len(sa) < 2 or sa[:-2] != sb[:-2]:
+            return None
+        batch = "".join(next(fresh) for _ in sa[:-2])
+        n, d, m = next(fresh), next(fresh), next(fresh)
+        factors = [(a, batch + n + d), (b, batch + d + m)]
+        out_letters = batch + n + m
+    elif k == "mul":
+        a, b = node.args[0], node.args[1]
+        if not (is_tensor(a) and is_tensor(b)) or node.kwargs:
+            return None
+        out_shape = shape(node)
+        out_letters = "".join(next(fresh) for _ in out_shape)
+        factors = []
+        for op in (a, b):
+            lead = len(out_shape) - len(shape(op))
+            factors.append((op, out_letters[lead:]))
+        sizes = dict(zip(out_letters, out_shape))
+    elif k == "sum":
+        dims = arg(node, 1, "dim")
+        keepdim = arg(node, 2, "keepdim", False)
+        if dims is None or node.kwargs.get("dtype") is not None:
+            return None
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        inner = contraction(node.args[0], inline=inline, _fresh=fresh)
+        if inner is None:
+            return None
+        rank = len(inner.out)
+        dims = {d % rank for d in dims}
+        if keepdim:
+            return None  # keepdim sums are read by callers as sum + unsqueeze
+        out = "".join(c for i, c in enumerate(inner.out) if i not in dims)
+        return Contraction(inner.factors, out, inner.chains, inner.scale)
+    else:
+        return None
+    # peel views off every factor; inline nested contractions
+    result, chains, total = [], [], 1.0
+    for op, letters in factors:
+        chain = view_chain(op, letters)
+        if chain is None:
+            return None
+        base, base_letters = chain[-1]
+        unscaled, factor = scaled(base)
+        if unscaled is not base:  # python-scalar factors are collected in Contraction.scale
+            chain = view_chain(unscaled, base_letters)
+            if chain is None:
+                return None
+            base, base_letters = chain[-1]
+            total *= factor
+        if k == "mul" and any(sizes[c] != n for c, n in zip(base_letters, shape(base))):
+            return None  # a real size-1 broadcast: not index notation we read
+        if inline and kind(base) in ("einsum", "mul", "sum", "matmul"):
+            inner = contraction(base, inline=True, _fresh=fresh)
+            if inner is not None:
+                mapping = dict(zip(inner.out, base_letters))
+                if len(mapping) != len(inner.out):
+                    return None
+                total *= inner.scale
+                for (ib, il), ichain in zip(inner.factors, inner.chains):
+                    result.append((ib, "".join(mapping.get(c, c) for c in il)))
+                    chains.append([(cn, "".join(mapping.get(c, c) for c in cl)) for cn, cl in ichain])
+                continue
+        result.append((base, base_letters))
+        chains.append(chain)
+    return Contraction(result, out_letters, chains, total)
+
+
+def unify(c: Contraction, template: list[tuple[str, str]], out: str, bound: dict | None = None) -> dict | None:
+    """Match a contraction against `template` [(variable, letters)] -> `out` up to letter renaming
+    and factor order. Variables bind to nodes (pre-bound ones must agree). Returns the bindings."""
+    if c is None or len(c.factors) != len(template) or len(c.out) != len(out):
+        return None
+    for perm in itertools.permutations(range(len(c.factors))):
+        bindings = dict(bound or {})
+        letter_map = dict(zip(out, c.out))
+        if len(set(letter_map.values())) != len(letter_map):
+            return None
+        ok = True
+        for (var, tletters), j in zip(template, perm):
+            for node, aletters in c.chains[j]:  # the first layout that agrees with the template
+                if len(tletters) != len(aletters) or bindings.get(var, node) is not node:
+                    continue
+                trial = dict(letter_map)
+                if all(trial.setdefault(t, a) == a for t, a in zip(tletters, aletters)) \
+                        and len(set(trial.values())) == len(trial):
+                    letter_map = trial
+                    bindings[var] = node
+                    break
+            else:
+                ok = False
+                break
+        if ok:
+            return bindings
+    return None
+
+
+def single_tensor_arg(node):
+    return node.args[0] if node.args else None
+
+
+# ============================================================================ feature maps
+
+def _ones_column(node, x) -> bool:
+    """`x[..., :1] ** 0`, `ones_like(x[..., :1])`, `torch.ones(..., 1)`-like: all ones, last dim 1."""
+    s = shape(node)
+    if s is None or s[-1] != 1 or s[:-1] != shape(x)[:-1]:
+        return False
+    node = strip(node)
+    k = kind(node)
+    if k == "pow" and scalar(node.args[1]) == 0.0 and is_tensor(node.args[0]):
+        return True  # x**0 == 1 for every x (also inf/nan)
+    if k == "ones_like" or kind(node) == "new_ones":
+        return True
+    value = evaluate_constant(node)
+    return isinstance(value, torch.Tensor) and bool((value == 1).all())
+
+
+def _outer_flat(node):
+    """flatten(x.unsqueeze(-1) * x.unsqueeze(-2), -2) (or einsum '...i,...j->...ij'): x."""
+    node = strip(node)
+    if kind(node) == "flatten":
+        start = arg(node, 1, "start_dim", 0)
+        end = arg(node, 2, "end_dim", -1)
+        rank = len(shape(node.args[0]) or ())
+        if start % max(rank, 1) != rank - 2 or end % max(rank, 1) != rank - 1:
+            return None
+        c = contraction(node.args[0], inline=False)
+        rank = len(shape(node.args[0]))
+        if c is None or len(c.factors) != 2 or c.factors[0][0] is not c.factors[1][0] or c.scale != 1.0:
+            return None
+        batch = c.out[:-2]
+        i, j = c.out[-2], c.out[-1]
+        if c.factors[0][1] == batch + i and c.factors[1][1] == batch + j:
+            return c.factors[0][0]
+        if c.factors[0][1] == batch + j and c.factors[1][1] == batch + i:
+            return c.factors[0][0]
+    return None
+
+
+def _taylor(node):
+    """Based's TaylorExp: cat([1, x/d^¼, flatten(x⊗x)/(√2·√d)], -1) -> x."""
+    parts = arg(node, 0, "tensors")
+    dim = arg(node, 1, "dim", 0)
+    rank = len(shape(node) or ())
+    if not isinstance(parts, (list, tuple)) or len(parts) != 3 or rank == 0 or dim % rank != rank - 1:
+        return None
+    lin, c1 = scaled(parts[1])
+    d = shape(lin)[-1] if shape(lin) else 0
+    quad, c2 = scaled(parts[2])
+    if not d or not close(c1, d ** -0.25) or not close(c2, 1 / (math.sqrt(2) * math.sqrt(d))):
+        return None
+    if _outer_flat(quad) is not lin or not _ones_column(parts[0], lin):
+        return None
+    return lin
+
+
+def _softmax_last(node):
+    node = strip(node)
+    if kind(node) != "softmax" or node.kwargs.get("dtype") is not None:
+        return None
+    dim = arg(node, 1, "dim")
+    rank = len(shape(node) or ())
+    if dim is None or rank == 0 or dim % rank != rank - 1 or (len(node.args) > 2 and node.args[2] is not None):
+        return None
+    return node.args[0]
+
+
+def _hedgehog(node):
+    """cat([softmax(z), softmax(-z)], -1), z = x W (per head einsum or shared matmul) -> (x, W)."""
+    parts = arg(node, 0, "tensors")
+    dim = arg(node, 1, "dim", 0)
+    rank = len(shape(node) or ())
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or rank != 4 or dim % rank != rank - 1:
+        return None
+    z = _softmax_last(parts[0])
+    neg = _softmax_last(parts[1])
+    if z is None or neg is None:
+        return None
+    base, factor = scaled(neg)
+    if strip(base) is not strip(z) or factor != -1.0:
+        return None
+    z = strip(z)
+    if kind(z) == "matmul" and shape(z.args[1]) is not None and len(shape(z.args[1])) == 2:
+        return z.args[0], z.args[1]
+    c = contraction(z, inline=False)
+    if c is not None and len(c.factors) == 2 and c.scale == 1.0:
+        for xi, wi in ((0, 1), (1, 0)):
+            b = unify(Contraction([c.factors[xi], c.factors[wi]], c.out), [("x", "bhnd"), ("w", "hdf")], "bhnf")
+            if b is not None:
+                return b["x"], b["w"]
+    return None
+
+
+def feature_map(node):
+    """(name, x, weight) such that node == φ_name(x); ("identity", node, None) otherwise."""
+    node = strip(node)
+    k = kind(node)
+    if k == "add":
+        a, b = node.args[0], node.args[1]
+        elu, one = (a, b) if is_tensor(a) else (b, a)
+        elu = strip(elu)
+        if scalar(one) == 1.0 and kind(elu) == "elu" and scalar(arg(elu, 1, "alpha", 1.0)) == 1.0 \
+                and not arg(elu, 2, "inplace", False):
+            return "elu1", elu.args[0], None
+    if k == "cat":
+        x = _taylor(node)
+        if x is not None:
+            return "based", x, None
+        hh = _hedgehog(node)
+        if hh is not None:
+            return "hedgehog", hh[0], hh[1]
+    return "identity", node, None
+
+
+# ============================================================================ the matcher
+
+class _Skip(Exception):
+    pass
+
+
+def _need(cond, why=""):
+    if not cond:
+        raise _Skip(why)
+
+
+def _causal(node):
+    """The scores A if node is A with the strictly-upper triangle zeroed (provably), else None."""
+    node = strip(node)
+    k = kind(node)
+    N = (shape(node) or (0, 0))[-1]
+    if len(shape(node) or ()) < 2 or shape(node)[-2] != N:
+        return None
+    lower = torch.ones(N, N, dtype=torch.bool).tril()
+
+    def mask_is(m, expected):
+        value = evaluate_constant(m)
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-2:] != (N, N):
+            return False
+        if any(s != 1 for s in value.shape[:-2]):
+            return False
+        v = value.reshape(N, N)
+        return bool(((v != 0) == expected).all())
+
+    if k == "tril" and (arg(node, 1, "diagonal", 0) == 0):
+        return node.args[0]
+    if k == "masked_fill" and scalar(arg(node, 2, "value")) == 0.0 and mask_is(node.args[1], ~lower):
+        return node.args[0]
+    if k == "mul" and is_tensor(node.args[0]) and is_tensor(node.args[1]) and shape(node) == shape(node.args[0]):
+        for a, m in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if shape(a) == shape(node) and mask_is(m, lower):
+                return a
+    if k == "where" and len(node.args) == 3 and scalar(node.args[2]) == 0.0 and mask_is(node.args[0], lower):
+        return node.args[1]
+    return None
+
+
+def _scores(A):
+    """A == scale * (fq · fk) over the last dims: (fq, fk, scale) with q-side/k-side scalars folded."""
+    base, c = scaled(A)
+    con = contraction(base, inline=False)
+    b = unify(con, [("q", "bhnd"), ("k", "bhmd")], "bhnm") if con is not None else None
+    if b is None:
+        return None
+    q, k = b["q"], b["k"]
+    q, cq = scaled(q)
+    k, ck = scaled(k)
+    if shape(q) is None or len(shape(q)) != 4 or shape(q) != shape(k):
+        return None
+    return q, k, c * cq * ck * con.scale
+
+
+def _taylor_scores(A):
+    """1 + s + s²/2 in any order of the sum: s."""
+    terms = []
+
+    def collect(n, sign=1.0):
+        n = strip(n)
+        if kind(n) == "add" and not n.kwargs:
+            collect(n.args[0], sign), collect(n.args[1], sign)
+        elif kind(n) == "sub" and not n.kwargs:
+            collect(n.args[0], sign), collect(n.args[1], -sign)
+        else:
+            terms.append((n, sign))
+
+    collect(A)
+    const, linear, square = 0.0, [], []
+    for t, sign in terms:
+        if scalar(t) is not None:
+            const += sign * scalar(t)
+            continue
+        base, c = scaled(t)
+        base = strip(base)
+        if kind(base) == "pow" and scalar(base.args[1]) == 2.0:
+            square.append((strip(base.args[0]), sign * c))
+        elif kind(base) == "mul" and strip(base.args[0]) is strip(base.args[1]) and is_tensor(base.args[0]):
+            square.append((strip(base.args[0]), sign * c))
+        else:
+            linear.append((base, sign * c))
+    if const != 1.0 or len(linear) != 1 or len(square) != 1:
+        return None
+    (s, c1), (s2, c2) = linear[0], square[0]
+    if s is not s2 or c1 != 1.0 or not close(c2, 0.5):
+        return None
+    return s
+
+
+def _numerator_quadratic(node):
+    """o = M v with M causal-masked scores: (M, A, v)."""
+    c = contraction(node, inline=False)
+    b = unify(c, [("m", "bhnm"), ("v", "bhme")], "bhne") if c is not None else None
+    if b is None or c.scale != 1.0:  # (M·s) v with M's row sum as denominator: not the op
+        return None
+    M, v = b["m"], b["v"]
+    A = _causal(M)
+    if A is None or shape(v) is None or len(shape(v)) != 4:
+        return None
+    return M, A, v
+
+
+def _numerator_state(node):
+    """o = scale · φq · cumsum(φk ⊗ v) (einsum or broadcast): (fq, fk, v, scale)."""
+    c = contraction(node, inline=False)
+    b = unify(c, [("q", "bhnd"), ("kv", "bhnde")], "bhne") if c is not None else None
+    if b is None:
+        return None
+    kv = strip(b["kv"])
+    if kind(kv) != "cumsum" or arg(kv, 1, "dim") % 5 != 2 or kv.kwargs.get("dtype") is not None:
+        return None
+    outer = contraction(kv.args[0], inline=False)
+    b2 = unify(outer, [("k", "bhnd"), ("v", "bhne")], "bhnde") if outer is not None else None
+    if b2 is None:
+        return None
+    return b["q"], b2["k"], b2["v"], c.scale * outer.scale
+
+
+def _den_of(node):
+    """Peel `[..., None]` / unsqueeze(-1) / keepdim: the (B, H, N) denominator expression and
+    whether the keep-dim form was a sum(keepdim=True) (returned as (node, keepdim_sum_args))."""
+    node = strip(node)
+    peeled = peel_to(node, "bhnx", "bhn") if len(shape(node) or ()) == 4 and shape(node)[-1] == 1 else None
+    return peeled if peeled is not None else node
+
+
+def _matches_den(den, M, fq, fk, scale):
+    """den == Σ_{j≤i} κ(i, j): the row sum of M, or φq·cumsum(φk) (same φ, same scale)."""
+    den = strip(den)
+    if kind(den) == "sum" and strip(den.args[0]) is strip(M) and M is not None:
+        dim = arg(den, 1, "dim")
+        dims = [dim] if isinstance(dim, int) else list(dim or [])
+        return len(dims) == 1 and dims[0] % 4 == 3 and den.kwargs.get("dtype") is None
+    if fq is None:
+        return False
+    base, c = scaled(den)
+    con = contraction(base, inline=False)
+    if con is None:
+        if kind(base) == "sum" and arg(base, 2, "keepdim", False):
+            inner = contraction(base.args[0], inline=False)
+            dim = arg(base, 1, "dim")
+            if inner is None or not isinstance(dim, int) or dim % 4 != 3:
+                return False
+            con = Contraction(inner.factors, inner.out[:3], inner.chains, inner.scale)
+        else:
+            return False
+    if len(con.factors) != 2:
+        return False
+    for order in ((0, 1), (1, 0)):
+        swapped = Contraction([con.factors[i] for i in order], con.out, [con.chains[i] for i in order], con.scale)
+        b = unify(swapped, [("q", "bhnd"), ("kc", "bhnd")], "bhn")
+        if b is None:
+            continue
+        q, cq = scaled(b["q"])
+        kc = strip(b["kc"])
+        if kind(kc) != "cumsum" or arg(kc, 1, "dim") % 4 != 2:
+            continue
+        k, ck = scaled(kc.args[0])
+        if strip(q) is strip(fq) and strip(k) is strip(fk) and close(c * cq * ck * con.scale, scale):
+            return True
+    return False
+
+
+def _normaliser(o, M, fq, fk, scale):
+    """The user of o that divides by (den + eps): (output node, eps) or (o, None)."""
+    for user in o.users:
+        k = kind(user)
+        if k == "div" and user.args[0] is o and is_tensor(user.args[1]):
+            den_eps = user.args[1]
+        elif k == "mul" and is_tensor(user.args[0]) and is_tensor(user.args[1]):
+            other = user.args[1] if user.args[0] is o else user.args[0]
+            other = _den_of(other)
+            other = strip(other)
+            if kind(other) == "div" and scalar(other.args[0]) == 1.0:
+                den_eps = other.args[1]
+            elif kind(other) == "reciprocal":
+                den_eps = other.args[0]
+            elif kind(other) == "pow" and scalar(other.args[1]) == -1.0:
+                den_eps = other.args[0]
+            else:
+                continue
+        else:
+            continue
+        den_eps = _den_of(den_eps)
+        den, eps = den_eps, 0.0
+        if kind(den_eps) == "add" and scalar(den_eps.args[1]) is not None:
+            den, eps = den_eps.args[0], scalar(den_eps.args[1])
+        elif kind(den_eps) == "add" and scalar(den_eps.args[0]) is not None:
+            den, eps = den_eps.args[1], scalar(den_eps.args[0])
+        den = _den_of(den)
+        if eps >= 0 and shape(user) == shape(o) and _matches_den(den, M, fq, fk, scale):
+            return user, eps
+    return o, None
+
+
+def _match(node) -> Match | None:
+    quad = _numerator_quadratic(node)
+    if quad is not None:
+        M, A, v = quad
+        s = _taylor_scores(strip(A))
+        if s is not None:  # the Taylor kernel written on raw scores
+            sc = _scores(s)
+            if sc is None:
+                return None
+            q, k, scale = sc
+            fm, fq_x, fk_x, qw, kw = "based", q, k, None, None
+            fq = fk = None  # only the row sum of M is this kernel's denominator
+            total = scale
+        else:
+            sc = _scores(A)
+            if sc is None:
+                return None
+            fq, fk, total = sc
+            fm, fq_x, fk_x, qw, kw, scale = _pair(fq, fk, total)
+    else:
+        st = _numerator_state(node)
+        if st is None:
+            return None
+        fq0, fk0, v, cs = st
+        fq, cq = scaled(fq0)
+        fk, ck = scaled(fk0)
+        M, total = None, cq * ck * cs
+        if shape(fq) != shape(fk) or len(shape(fq) or ()) != 4:
+            return None
+        fm, fq_x, fk_x, qw, kw, scale = _pair(fq, fk, total)
+    if shape(v)[:3] != shape(fq_x)[:3]:
+        return None
+    out, eps = _normaliser(node, M, fq, fk, total)
+    return _make(out, fm, fq_x, fk_x, v, qw, kw, scale, eps)
+
+
+def _pair(fq, fk, scale):
+    """The op's (feature_map, q, k, q_weight, k_weight, scale) for scores scale·φq·φk."""
+    nq, xq, wq = feature_map(fq)
+    nk, xk, wk = feature_map(fk)
+    if nq == nk and shape(xq) == shape(xk):
+        if nq == "based" and close(scale, 1.0):
+            return "based", xq, xk, None, None, 1.0 / math.sqrt(shape(xq)[-1])
+        if nq in ("elu1", "hedgehog"):
+            return nq, xq, xk, wq, wk, scale
+    return "identity", fq, fk, None, None, scale
+
+
+def _make(out, fm, q, k, v, qw, kw, scale, eps) -> Match:
+    normalize = eps is not None
+    tensors = [t for t in (q, k, v, qw, kw) if t is not None]
+    examples = [example(t) for t in tensors]
+    reason = None
+    dtypes = {e.dtype for e in examples[:3]}
+    if len(dtypes) != 1:
+        reason = f"q/k/v dtypes differ ({sorted(map(str, dtypes))})"
+    elif dtype(out) != examples[2].dtype:
+        reason = f"output dtype {dtype(out)} differs from the inputs' {examples[2].dtype}"
+    elif examples[2].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        reason = f"dtype {examples[2].dtype}"
+    elif shape(q)[:3] != shape(v)[:3] or shape(out) != shape(v):
+        reason = "q/k/v shapes disagree"
+    elif fm == "hedgehog" and (len(shape(qw)) not in (2, 3) or shape(qw)[-1] != shape(kw)[-1]):
+        reason = "hedgehog weights of different shapes"
+    return Match(
+        family=FAMILY,
+        outputs=[out],
+        target=torch.ops.tk.linear_attention.default,
+        args=(q, k, v, fm, qw, kw, float(scale), normalize, float(eps or 0.0)),
+        reason=reason,
+        # the output's example value knows whether grad mode was on (parameters' alone do not)
+        needs_grad=bool(getattr(example(out), "requires_grad", False)),
+        has_backward_kernel=False,
+        device=examples[0].device,
+    )
+
+
+def find(graph: fx.Graph) -> Iterable[Match]:
+    matches = []
+    for node in list(graph.nodes):
+        if kind(node) not in ("matmul", "einsum", "sum", "mul"):
+            continue
+        try:
+            m = _match(node)
+        except (_Skip, ZeroDivisionError, TypeError, IndexError, AttributeError, KeyError):
+            m = None
+        if m is not None:
+            matches.append(m)
+    return matches

@@ -1,0 +1,307 @@
+"""Match Mamba-2's chunked SSD in a Dynamo (torch-IR) graph -> `tk::ssd`.
+
+Anchored on the sum of the two output terms `Y_diag + Y_off`, then every piece of the chunked
+algorithm is checked by walking back to the inputs:
+- Y_diag = Σ_{s,n} C[b,c,l,h,n] B[b,c,s,h,n] L[b,h,c,l,s] X[b,c,s,h,p], L = exp(segsum(a))
+- Y_off  = Σ_n C[b,c,l,h,n] S[b,c,h,p,n] exp(cumsum(a))[b,h,c,l]
+- S = (Σ_z exp(segsum(pad(cumsum(a)[..., -1], (1, 0))))[b,h,c,z] T[b,z,h,p,n])[:, :-1], the last
+  chunk being the final state, T = cat([h0 or zeros, states], 1),
+  states = Σ_l B[b,c,l,h,n] exp(cumsum(a)[..., -1:] - cumsum(a))[b,h,c,l] X[b,c,l,h,p]
+- X, B, C, a: the inputs zero-padded at the end of the sequence and reshaped into chunks, with
+  X = x·dt, a = A·dt (the same dt), B/C repeat_interleave'd from groups to heads;
+- then reshape back to (b, l_padded, h, p), `+ D[..., None] * pad(x)` (the same x), `[:, :l]`.
+Contractions are read as index notation, so HF transformers' einsum chains (5.24), its
+broadcast-multiply-and-sum chains (5.17 and 4.x) and mamba_ssm's `ssd_minimal_discrete`
+(4-operand einsums) all match. Kept with a reason: unsupported dtypes, a padded output that is
+never sliced back, anything that does not check out once the anchor is recognised.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+from tk_inductor.ops import ssd as _ops  # registers torch.ops.tk.ssd
+from tk_inductor.patterns.linear_attention import (Contraction, arg, contraction, dtype, evaluate_constant, example,
+                                                   is_tensor, kind, peel_to, scalar, shape, strip, unify,
+                                                   upcast_source)
+from tk_inductor.rewrite import Match
+
+FAMILY = "ssd"
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _need(cond, why: str):
+    if not cond:
+        raise _NoMatch(why)
+
+
+def _single_user(node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+# ---------------------------------------------------------------------------- pieces
+
+def _segsum_input(node):
+    """exp(segsum(a)) in HF/mamba's masked-cumsum spelling -> a (the (..., T) tensor)."""
+    node = strip(node)
+    _need(kind(node) == "exp", "decay is not exp(segsum)")
+    fill2 = strip(node.args[0])
+    _need(kind(fill2) == "masked_fill" and scalar(arg(fill2, 2, "value")) == float("-inf"), "segsum: no -inf mask")
+    cs = strip(fill2.args[0])
+    _need(kind(cs) == "cumsum" and arg(cs, 1, "dim") is not None, "segsum: no cumsum")
+    fill1 = strip(cs.args[0])
+    _need(kind(fill1) == "masked_fill" and scalar(arg(fill1, 2, "value")) == 0.0, "segsum: no zero mask")
+    expanded = strip(fill1.args[0])
+    _need(kind(expanded) == "expand", "segsum: input not expanded")
+    T = shape(expanded)[-1]
+    rank = len(shape(expanded))
+    _need(arg(cs, 1, "dim") % rank == rank - 2, "segsum: cumsum over the wrong dim")
+    letters = "abcdefgh"[:rank - 1]
+    src = peel_to(expanded.args[0], letters + "z", letters)
+    _need(src is not None and shape(src)[-1] == T and shape(expanded)[:-1] == shape(src),
+          "segsum: not a[..., None].expand(..., T)")
+    ones = torch.ones(T, T, dtype=torch.bool)
+    for fill, diagonal in ((fill1, -1), (fill2, 0)):
+        mask = evaluate_constant(fill.args[1])
+        _need(isinstance(mask, torch.Tensor) and mask.shape[-2:] == (T, T) and mask.numel() == T * T
+              and bool(((mask.reshape(T, T) != 0) == ~ones.tril(diagonal)).all()), "segsum: masks not triangular")
+    return strip(src)
+
+
+def _padded_seq(node, pad_right: int):
+    """F.pad(t, ...) padding only dim 1 at its end with zeros, by `pad_right` -> t (or node if no pad)."""
+    node = strip(node)
+    if kind(node) != "pad":
+        _need(pad_right == 0, "chunks: no padding where the length needs it")
+        return node
+    src, pads = node.args[0], arg(node, 1, "pad")
+    mode, value = arg(node, 2, "mode", "constant"), arg(node, 3, "value", None)
+    _need(mode == "constant" and (value is None or scalar(value) == 0.0), "chunks: padding not with zeros")
+    rank = len(shape(src))
+    for i in range(len(pads) // 2):
+        dim = rank - 1 - i
+        left, right = pads[2 * i], pads[2 * i + 1]
+        _need(left == 0 and right == (pad_right if dim == 1 else 0), "chunks: padding other than the sequence end")
+    _need(shape(node)[1] == shape(src)[1] + pad_right, "chunks: padded length")
+    return src
+
+
+def _chunks(node, chunk: int, length: int):
+    """reshape(pad(t), (b, -1, chunk, ...)) -> t, the (b, length, ...) tensor."""
+    node = strip(node)
+    _need(kind(node) == "reshape", "chunks: not a reshape")
+    padded = node.args[0]
+    s = shape(padded)
+    _need(shape(node) == (s[0], s[1] // chunk, chunk, *s[2:]) and s[1] % chunk == 0, "chunks: reshape shape")
+    src = _padded_seq(padded, s[1] - length)
+    _need(shape(src)[1] == length, "chunks: source length")
+    return src
+
+
+def _discretised(node, what: str):
+    """t * dt (dt possibly [..., None] and upcast) -> (t, dt) with dt of shape (b, l, h)."""
+    node = strip(node)
+    _need(kind(node) == "mul" and is_tensor(node.args[0]) and is_tensor(node.args[1]), f"{what} is not a product with dt")
+    for t, d in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        d = upcast_source(d)
+        if kind(d) == "getitem" or kind(d) == "unsqueeze":
+            d = peel_to(d, "blhx", "blh")
+            if d is None:
+                continue
+            d = upcast_source(d)
+        if shape(d) is not None and len(shape(d)) == 3 and shape(t) is not None and (
+                len(shape(t)) == 4 or len(shape(t)) == 1):
+            return t, d
+    raise _NoMatch(f"{what}: no dt factor")
+
+
+def _heads_from_groups(node, heads: int):
+    """repeat_interleave(G, heads/groups, dim=2) (or G itself when groups == heads) -> G."""
+    node = upcast_source(node)
+    if kind(node) == "repeat_interleave":
+        src = upcast_source(node.args[0])
+        reps = arg(node, 1, "repeats")
+        _need(arg(node, 2, "dim") in (2, -2) and isinstance(reps, int) and shape(src)[2] * reps == heads,
+              "B/C: repeat_interleave over heads")
+        return src
+    _need(shape(node)[2] == heads, "B/C: group count")
+    return node
+
+
+# ---------------------------------------------------------------------------- the walk
+
+def _match(anchor) -> Match | None:
+    if kind(anchor) != "add" or not (is_tensor(anchor.args[0]) and is_tensor(anchor.args[1])) or len(shape(anchor) or ()) != 5:
+        return None
+    for yd_node, yo_node in ((anchor.args[0], anchor.args[1]), (anchor.args[1], anchor.args[0])):
+        diag = unify(contraction(yd_node), [("C", "bclhn"), ("B", "bcshn"), ("L", "bhcls"), ("X", "bcshp")], "bclhp")
+        if diag is not None and contraction(yd_node).scale == 1.0:
+            break
+    else:
+        return None
+    # The intra-chunk decay is the distinctive part: from here on a failure is a kept match.
+    try:
+        a = _segsum_input(diag["L"])
+    except _NoMatch:
+        return None
+    try:
+        return _verify(anchor, yo_node, diag, a)
+    except _NoMatch as why:
+        return Match(family=FAMILY, outputs=[anchor], reason=f"SSD-like subgraph not provably Mamba-2 SSD ({why})")
+
+
+def _verify(anchor, yo_node, diag, a) -> Match:
+    Cc, Bc, Xc = diag["C"], diag["B"], diag["X"]
+    b, nc, chunk, h, p = shape(Xc)
+    n = shape(Bc)[-1]
+    _need(shape(a) == (b, h, nc, chunk), "dt·A chunks shape")
+    off_c = contraction(yo_node)
+    off = unify(off_c, [("C", "bclhn"), ("S", "bchpn"), ("E", "bhcl")], "bclhp", bound={"C": Cc})
+    _need(off is not None and off_c.scale == 1.0, "Y_off is not C·states·exp(cumsum)")
+    acum = strip(off["E"])
+    _need(kind(acum) == "exp", "state decay is not exp(cumsum)")
+    acum = strip(acum.args[0])
+    _need(kind(acum) == "cumsum" and arg(acum, 1, "dim") % 4 == 3 and strip(acum.args[0]) is a, "cumsum of dt·A")
+
+    # chunk-start states: new_states[:, :-1], new_states = Σ_z decay_chunk · cat([h0, states])
+    starts = strip(off["S"])
+    _need(kind(starts) == "getitem" and starts.args[1] == (slice(None), slice(None, -1, None)), "chunk-start states")
+    new_states = strip(starts.args[0])
+    ns_c = contraction(new_states)
+    inter = unify(ns_c, [("DC", "bhts"), ("T", "bshpn")], "bthpn")
+    _need(inter is not None and ns_c.scale == 1.0, "inter-chunk recurrence")
+    padded_last = _segsum_input(inter["DC"])
+    _need(kind(padded_last) == "pad" and tuple(arg(padded_last, 1, "pad")) == (1, 0)
+          and scalar(arg(padded_last, 3, "value", 0) or 0) == 0.0, "chunk decays not padded by one")
+    last = strip(padded_last.args[0])
+    _need(kind(last) == "getitem" and last.args[1] == (slice(None), slice(None), slice(None), -1)
+          and strip(last.args[0]) is acum, "chunk decays are not cumsum[..., -1]")
+    cat = strip(inter["T"])
+    parts = arg(cat, 0, "tensors")
+    _need(kind(cat) == "cat" and arg(cat, 1, "dim", 0) in (1, -4) and len(parts) == 2, "states concatenation")
+    h0 = _initial_state(parts[0], (b, 1, h, p, n))
+    states = strip(parts[1])
+    st_c = contraction(states)
+    intra = unify(st_c, [("B", "bclhn"), ("DS", "bhcl"), ("X", "bclhp")], "bchpn", bound={"B": Bc, "X": Xc})
+    _need(intra is not None and st_c.scale == 1.0, "chunk states")
+    ds = strip(intra["DS"])
+    _need(kind(ds) == "exp" and kind(strip(ds.args[0])) == "sub", "decay to chunk end")
+    sub = strip(ds.args[0])
+    tail = strip(sub.args[0])
+    _need(strip(sub.args[1]) is acum and kind(tail) == "getitem" and strip(tail.args[0]) is acum
+          and tail.args[1] == (slice(None), slice(None), slice(None), slice(-1, None, None)), "decay to chunk end")
+
+    # the inputs
+    length = _output_length(anchor, b, nc * chunk, h, p)
+    x_dt, dt_x = _discretised(_chunks(Xc, chunk, length), "x")
+    a_src = strip(a)
+    _need(kind(a_src) == "permute" and tuple(a_src.args[1:] if len(a_src.args) > 2 else a_src.args[1]) == (0, 3, 1, 2),
+          "dt·A layout")
+    A_node, dt_a = _discretised(_chunks(a_src.args[0], chunk, length), "A")
+    _need(upcast_source(dt_a) is upcast_source(dt_x), "x and A discretised with different dt")
+    _need(shape(A_node) == (h,), "A per head")
+    B_src = _heads_from_groups(_chunks(Bc, chunk, length), h)
+    C_src = _heads_from_groups(_chunks(Cc, chunk, length), h)
+    _need(shape(B_src) == shape(C_src), "B and C groups differ")
+
+    y_node, D = _output(anchor, b, nc * chunk, length, h, p, x_dt)
+    final = next((u for u in new_states.users if kind(u) == "getitem" and u.args[1] == (slice(None), -1)), None)
+    x_arg = strip(x_dt)
+    tensors = [x_arg, upcast_source(dt_x), upcast_source(A_node), B_src, C_src, D, h0]
+    examples = [example(t) for t in tensors if t is not None]
+    reason = None
+    if any(e.dtype not in (torch.float32, torch.bfloat16, torch.float16) for e in examples):
+        reason = f"dtypes {sorted({str(e.dtype) for e in examples})}"
+    elif dtype(y_node) != dtype(x_arg):
+        reason = f"output dtype {dtype(y_node)} differs from x's {dtype(x_arg)}"
+    elif final is not None and dtype(final) != torch.float32:
+        reason = f"final state dtype {dtype(final)}"
+    return Match(
+        family=FAMILY,
+        outputs=[y_node, final],
+        target=torch.ops.tk.ssd.default,
+        args=(x_arg, upcast_source(dt_x), upcast_source(A_node), B_src, C_src, D, h0, int(chunk)),
+        reason=reason,
+        # the output's example value knows whether grad mode was on (parameters' alone do not)
+        needs_grad=bool(getattr(example(y_node), "requires_grad", False)),
+        has_backward_kernel=False,
+        device=examples[0].device,
+    )
+
+
+def _initial_state(node, expected_shape):
+    """zeros / zeros_like (no initial state) -> None; h0[:, None] (upcast) -> h0."""
+    node = strip(node)
+    _need(shape(node) == expected_shape, "initial state shape")
+    if kind(node) in ("zeros_like", "new_zeros") or (
+            isinstance(evaluate_constant(node), torch.Tensor) and not evaluate_constant(node).any()):
+        return None
+    node = upcast_source(node)
+    h0 = peel_to(node, "bxhpn", "bhpn")
+    _need(h0 is not None, "initial state is not h0[:, None]")
+    return upcast_source(h0)
+
+
+def _output_length(anchor, b, padded, h, p) -> int:
+    """The true sequence length: the [:, :l] slice after the reshape (or the padded length)."""
+    node = anchor
+    for _ in range(4):
+        user = _single_user(node)
+        if user is None:
+            break
+        if kind(user) == "getitem" and isinstance(user.args[1], tuple) and len(user.args[1]) == 2 \
+                and user.args[1][0] == slice(None) and isinstance(user.args[1][1], slice):
+            sl = user.args[1][1]
+            if sl.start in (None, 0) and sl.step in (None, 1) and isinstance(sl.stop, int):
+                return min(sl.stop, padded)
+        node = user
+    return padded
+
+
+def _output(anchor, b, padded, length, h, p, x_f):
+    """Walk Y_diag + Y_off forward: reshape to (b, l_pad, h, p), + D·x, [:, :l] -> (y node, D)."""
+    node = anchor
+    user = _single_user(node)
+    if user is not None and kind(user) == "contiguous":
+        node, user = user, _single_user(user)
+    _need(user is not None and kind(user) == "reshape" and shape(user) == (b, padded, h, p), "output reshape")
+    node, D = user, None
+    user = _single_user(node)
+    if user is not None and kind(user) == "add" and is_tensor(user.args[0]) and is_tensor(user.args[1]):
+        other = user.args[1] if user.args[0] is node else user.args[0]
+        other = strip(other)
+        if kind(other) == "mul":
+            for d, xp in ((other.args[0], other.args[1]), (other.args[1], other.args[0])):
+                if not (is_tensor(d) and is_tensor(xp)):
+                    continue
+                d = peel_to(d, "hp", "h")
+                if d is not None and strip(_padded_seq(xp, padded - length)) is strip(x_f) \
+                        and shape(user) == shape(node):
+                    D = upcast_source(d)
+                    node = user
+                    break
+    if length < padded:
+        user = _single_user(node)
+        _need(user is not None and kind(user) == "getitem" and shape(user) == (b, length, h, p), "padded output not sliced")
+        node = user
+    return node, D
+
+
+def find(graph: fx.Graph) -> Iterable[Match]:
+    matches = []
+    for node in list(graph.nodes):
+        if kind(node) != "add":
+            continue
+        try:
+            m = _match(node)
+        except (_NoMatch, TypeError, IndexError, AttributeError, KeyError, ValueError):
+            m = None
+        if m is not None:
+            matches.append(m)
+    return matches
