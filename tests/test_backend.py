@@ -351,7 +351,15 @@ def test_pre_grad_pass_uuid_tracks_config(monkeypatch):
     assert p.uuid() == first
 
 
-def test_pre_grad_pass_chains_a_user_pass():
+@pytest.fixture
+def no_inductor_caches(monkeypatch):
+    """With the pre-grad pass, a cache hit skips it (that is the point of its uuid);
+    tests that watch the pass run must not be served from an earlier run's cache."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+
+
+def test_pre_grad_pass_chains_a_user_pass(no_inductor_caches):
     from torch._inductor import config as inductor_config
 
     class UserPass:
@@ -379,7 +387,7 @@ def test_pre_grad_pass_chains_a_user_pass():
         inductor_config.pre_grad_custom_pass = saved
 
 
-def test_backend_does_not_rewrite_twice_with_pre_grad_pass(fake_family):
+def test_backend_does_not_rewrite_twice_with_pre_grad_pass(fake_family, no_inductor_caches):
     from torch._inductor import config as inductor_config
 
     saved = inductor_config.pre_grad_custom_pass
@@ -393,7 +401,7 @@ def test_backend_does_not_rewrite_twice_with_pre_grad_pass(fake_family):
         inductor_config.pre_grad_custom_pass = saved
 
 
-def test_pre_grad_pass_failure_passes_through(monkeypatch):
+def test_pre_grad_pass_failure_passes_through(monkeypatch, no_inductor_caches):
     from torch._inductor import config as inductor_config
 
     def half_broken(graph):
@@ -439,6 +447,7 @@ _FAKE_FAMILY_SRC = textwrap.dedent(
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TK_INDUCTOR") or k == "TK_INDUCTOR_CACHE_DIR"}
+    full_env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # see no_inductor_caches
     full_env.update(env)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=600)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
