@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+
+#include <string>
 #include <torch/library.h>
 
 #include "attention.h"
@@ -26,25 +28,37 @@ View4 view(const at::Tensor& t) {
   return View4{t.data_ptr(), t.size(0), t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
 }
 
+// Check messages are assembled with std::to_string: on the device image,
+// streaming integers through c10::str inside this library crashed (segfault
+// in the ostream number formatting) while string-only messages worked.
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "(";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + ")";
+}
+
+void check(bool ok, const std::string& message) {
+  TORCH_CHECK(ok, std::string("tk_cuda::attention: ") + message);
+}
+
 DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "tk_cuda::attention: q, k, v must be 4-D (B, H, N, D), got ",
-              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "tk_cuda::attention: q, k, v must be CUDA tensors");
-  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "tk_cuda::attention: q, k, v on different devices");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "tk_cuda::attention: q, k, v must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-              "tk_cuda::attention: dtype must be bfloat16 or float16, got ", q.scalar_type());
-  TORCH_CHECK(q.size(3) == 64 || q.size(3) == 128, "tk_cuda::attention: head dim must be 64 or 128, got ", q.size(3));
-  TORCH_CHECK(k.size(3) == q.size(3) && v.size(3) == q.size(3), "tk_cuda::attention: q, k, v head dims differ");
-  TORCH_CHECK(k.sizes() == v.sizes(), "tk_cuda::attention: k and v shapes differ: ", k.sizes(), " vs ", v.sizes());
-  TORCH_CHECK(k.size(0) == q.size(0), "tk_cuda::attention: batch sizes differ");
-  TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0,
-              "tk_cuda::attention: query heads (", q.size(1), ") must be a multiple of kv heads (", k.size(1), ")");
-  TORCH_CHECK(q.size(2) >= 1 && k.size(2) >= 1, "tk_cuda::attention: sequence lengths must be >= 1");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "tk_cuda::attention: the last dim of q, k, v must be contiguous");
-  TORCH_CHECK(q.size(2) < (1LL << 31) && k.size(2) < (1LL << 31), "tk_cuda::attention: sequence too long");
+  check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+        "q, k, v must be 4-D (B, H, N, D), got " + shape_str(q) + ", " + shape_str(k) + ", " + shape_str(v));
+  check(q.is_cuda() && k.is_cuda() && v.is_cuda(), "q, k, v must be CUDA tensors");
+  check(q.device() == k.device() && q.device() == v.device(), "q, k, v on different devices");
+  check(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v must share a dtype");
+  check(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+        std::string("dtype must be bfloat16 or float16, got ") + c10::toString(q.scalar_type()));
+  check(q.size(3) == 64 || q.size(3) == 128, "head dim must be 64 or 128, got " + std::to_string(q.size(3)));
+  check(k.size(3) == q.size(3) && v.size(3) == q.size(3), "q, k, v head dims differ");
+  check(k.sizes() == v.sizes(), "k and v shapes differ: " + shape_str(k) + " vs " + shape_str(v));
+  check(k.size(0) == q.size(0), "batch sizes differ");
+  check(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, "query heads (" + std::to_string(q.size(1)) +
+                                                           ") must be a multiple of kv heads (" +
+                                                           std::to_string(k.size(1)) + ")");
+  check(q.size(2) >= 1 && k.size(2) >= 1, "sequence lengths must be >= 1");
+  check(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "the last dim of q, k, v must be contiguous");
+  check(q.size(2) < (1LL << 31) && k.size(2) < (1LL << 31), "sequence too long");
   return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
 }
 
@@ -77,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                                                                   bool causal, double scale) {
   const DType dt = check_inputs(q_in, k_in, v_in);
   TORCH_CHECK(grad_o.sizes() == q_in.sizes() && o_in.sizes() == q_in.sizes(),
-              "tk_cuda::attention_backward: grad_o and o must have q's shape ", q_in.sizes());
+              "tk_cuda::attention_backward: grad_o and o must have q's shape " + shape_str(q_in));
   TORCH_CHECK(grad_o.scalar_type() == q_in.scalar_type() && o_in.scalar_type() == q_in.scalar_type(),
               "tk_cuda::attention_backward: grad_o and o must have q's dtype");
   TORCH_CHECK(grad_o.device() == q_in.device() && o_in.device() == q_in.device() && lse_in.device() == q_in.device(),

@@ -2,7 +2,7 @@
 // loads, wgmma fences and shared-memory matrix descriptors, register-fragment
 // helpers. Torch-free. These mirror what csrc/include/tk provides; the kernels
 // keep their own copies so that they do not depend on the tile library's
-// in-progress API (see the family README in attention.cuh).
+// in-progress API (see README.md here).
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>

@@ -4,7 +4,6 @@
 // (exp2 domain, fp32 max and sum) in registers. Persistent grid; tasks are
 // (batch*head, query block) in an L2-friendly, heavy-first order.
 #include <cmath>
-#include <type_traits>
 
 #include "attention.h"
 #include "common.cuh"
@@ -141,72 +140,6 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
   const int col_in = 2 * (lane % 4);        // first column inside each 8-column chunk
   const uint32_t sQ_u = smem_u32(sQ) + c * 64 * 128;
   const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV);
-  float mx[2], sum[2];  // running row max (log2 domain) and thread-partial row sum
-
-  // Scores of one key block -> probabilities, in place: scale to the log2
-  // domain, mask (only when MASK: key tails and the causal upper triangle,
-  // branch-free), update the running row max and (thread-partial) row sum;
-  // alpha gets the per-row factor that rescales the previous accumulator.
-  // Runs while a wgmma is in flight, so it must not branch: ptxas would
-  // otherwise serialize the wgmmas (C7520).
-  auto softmax_step = [&](auto mask, float(&sc)[K_::S_REGS], int n0, int r0, float(&alpha)[2]) {
-#pragma unroll
-    for (int ch = 0; ch < BN / 8; ++ch) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = sc[4 * ch + e] * p.scale_log2;
-        if constexpr (decltype(mask)::value) {
-          const int col = n0 + 8 * ch + col_in + (e & 1);
-          const int row = r0 + 8 * (e >> 1);
-          const bool masked = (col >= p.M) | (p.causal & (col > row));
-          x = masked ? -INFINITY : x;
-        }
-        sc[4 * ch + e] = x;
-      }
-    }
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      float m = mx[h2];
-#pragma unroll
-      for (int ch = 0; ch < BN / 8; ++ch) m = fmaxf(m, fmaxf(sc[4 * ch + 2 * h2], sc[4 * ch + 2 * h2 + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      // The first block of a row always holds key 0 (visible to every row), so m is finite here.
-      alpha[h2] = exp2f(mx[h2] - m);
-      mx[h2] = m;
-      sum[h2] *= alpha[h2];
-    }
-#pragma unroll
-    for (int ch = 0; ch < BN / 8; ++ch) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pe = exp2f(sc[4 * ch + e] - mx[e >> 1]);
-        sc[4 * ch + e] = pe;
-        sum[e >> 1] += pe;
-      }
-    }
-  };
-  auto issue_qk = [&](float(&sc)[K_::S_REGS], int s) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da = desc_kmajor(sQ_u + (kk / 4) * BM * 128 + (kk % 4) * 32);
-      const uint64_t db = desc_kmajor(sK_u + s * K_::KV_BYTES + (kk / 4) * BN * 128 + (kk % 4) * 32);
-      wgmma_op<T>::template ss<0, 0>(sc, da, db, kk > 0);
-    }
-    wgmma_commit();
-  };
-  auto issue_pv = [&](float(&o)[K_::O_REGS], const uint32_t(&pa)[BN / 16][4], int s) {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t db = desc_mnmajor(sV_u + s * K_::KV_BYTES + kk * 16 * 128, BN * 128);
-      wgmma_op<T>::template rs<1>(o, pa[kk], db, 1);
-    }
-    wgmma_commit();
-  };
-  auto release = [&](uint64_t* bar) {
-    __syncwarp();
-    if (lane == 0) bar_arrive(bar);
-  };
 
   int it = 0, ti = 0;
   for (int t = blockIdx.x; t < p.tasks; t += gridDim.x, ++ti) {
@@ -215,66 +148,71 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
     const int m0 = qb * BM;
     const int r0 = m0 + 64 * c + row_in;  // global rows r0 and r0 + 8
     const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
-    const int nblk = (kv_end + BN - 1) / BN;  // blocks the producer streams for the CTA
-    // Causal: this warpgroup's rows end earlier; blocks past its diagonal are
-    // fully masked, so it only waits for them and hands them back.
-    const int kv_end_wg = p.causal ? min(kv_end, m0 + 64 * (c + 1)) : kv_end;
-    const int nblk_wg = max(1, (kv_end_wg + BN - 1) / BN);
+    const int nblk = (kv_end + BN - 1) / BN;
 
     float o[K_::O_REGS];
 #pragma unroll
     for (int i = 0; i < K_::O_REGS; ++i) o[i] = 0.f;
-    mx[0] = mx[1] = -INFINITY;
-    sum[0] = sum[1] = 0.f;
-    float sc[K_::S_REGS];
-    uint32_t pa[BN / 16][4];
-    float alpha[2];
+    float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
 
-    // Blocks from j_mask on need masking (the key tail, and for causal the
-    // blocks reaching past this warpgroup's first row); earlier ones do not.
-    const int j_tail = (p.M % BN) ? p.M / BN : nblk;
-    const int j_mask = p.causal ? min(j_tail, (m0 + 64 * c + 1) / BN) : j_tail;
-    using Masked = std::integral_constant<bool, true>;
-    using Unmasked = std::integral_constant<bool, false>;
-
-    // Software pipeline (FA3's intra-warpgroup overlap): S_j = Q K_j^T and
-    // O += P_{j-1} V_{j-1} are issued back to back; the softmax of block j
-    // waits only for S_j, and O is rescaled once P_{j-1} V_{j-1} has landed.
     bar_wait(q_full, ti & 1);
-    {
+    for (int j = 0; j < nblk; ++j, ++it) {
       const int s = it % STAGES;
-      bar_wait(&k_full[s], (it / STAGES) & 1);
+      const uint32_t ph = (it / STAGES) & 1;
+      float sc[K_::S_REGS];
+      bar_wait(&k_full[s], ph);
       wgmma_fence();
-      issue_qk(sc, s);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t da = desc_kmajor(sQ_u + (kk / 4) * BM * 128 + (kk % 4) * 32);
+        const uint64_t db = desc_kmajor(sK_u + s * K_::KV_BYTES + (kk / 4) * BN * 128 + (kk % 4) * 32);
+        wgmma_op<T>::template ss<0, 0>(sc, da, db, kk > 0);
+      }
+      wgmma_commit();
       wgmma_wait<0>();
       fence_regs(sc);
-      if (nblk_wg == 1) release(q_empty);
-      if (j_mask == 0)
-        softmax_step(Masked{}, sc, 0, r0, alpha);
-      else
-        softmax_step(Unmasked{}, sc, 0, r0, alpha);
+      if (j == nblk - 1) {  // Q is no longer read by this warp for this task
+        __syncwarp();
+        if (lane == 0) bar_arrive(q_empty);
+      }
+
+      // Scores to the log2 domain; mask key tails and the causal upper triangle.
+      const int n0 = j * BN;
+      const bool need_mask = (n0 + BN > p.M) || (p.causal && n0 + BN - 1 > m0 + 64 * c);
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
-    }
-    auto step = [&](auto mask, int j) {
-      const int sp = (it + j - 1) % STAGES;
-      const int s = (it + j) % STAGES;
-      bar_wait(&k_full[s], ((it + j) / STAGES) & 1);
-      bar_wait(&v_full[sp], ((it + j - 1) / STAGES) & 1);
-      wgmma_fence();
-      issue_qk(sc, s);
-      issue_pv(o, pa, sp);
-      wgmma_wait<1>();
-      fence_regs(sc);
-      softmax_step(mask, sc, j * BN, r0, alpha);
-      wgmma_wait<0>();
-      fence_regs(o);
+      for (int ch = 0; ch < BN / 8; ++ch) {
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
+        for (int e = 0; e < 4; ++e) {
+          float x = sc[4 * ch + e] * p.scale_log2;
+          if (need_mask) {
+            const int col = n0 + 8 * ch + col_in + (e & 1);
+            const int row = r0 + 8 * (e >> 1);
+            if (col >= p.M || (p.causal && col > row)) x = -INFINITY;
+          }
+          sc[4 * ch + e] = x;
+        }
+      }
+      float alpha[2];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e])::"memory");
-      if (j == nblk_wg - 1) release(q_empty);
-      release(&kv_empty[sp]);
+      for (int h2 = 0; h2 < 2; ++h2) {
+        float m = mx[h2];
+#pragma unroll
+        for (int ch = 0; ch < BN / 8; ++ch) m = fmaxf(m, fmaxf(sc[4 * ch + 2 * h2], sc[4 * ch + 2 * h2 + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        alpha[h2] = exp2f(mx[h2] - m);  // first block: exp2(-inf) = 0
+        mx[h2] = m;
+        sum[h2] *= alpha[h2];
+      }
+#pragma unroll
+      for (int ch = 0; ch < BN / 8; ++ch) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pe = exp2f(sc[4 * ch + e] - mx[e >> 1]);
+          sc[4 * ch + e] = pe;
+          sum[e >> 1] += pe;
+        }
+      }
 #pragma unroll
       for (int ch = 0; ch < D / 8; ++ch) {
         o[4 * ch + 0] *= alpha[0];
@@ -282,33 +220,27 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
         o[4 * ch + 2] *= alpha[1];
         o[4 * ch + 3] *= alpha[1];
       }
+
+      uint32_t pa[BN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
-    };
-    const int j_split = max(1, min(j_mask, nblk_wg));
-    for (int j = 1; j < j_split; ++j) step(Unmasked{}, j);
-    for (int j = j_split; j < nblk_wg; ++j) step(Masked{}, j);
-    {
-      const int sl = (it + nblk_wg - 1) % STAGES;
-      bar_wait(&v_full[sl], ((it + nblk_wg - 1) / STAGES) & 1);
+      bar_wait(&v_full[s], ph);
       wgmma_fence();
-      issue_pv(o, pa, sl);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint64_t db = desc_mnmajor(sV_u + s * K_::KV_BYTES + kk * 16 * 128, BN * 128);
+        wgmma_op<T>::template rs<1>(o, pa[kk], db, 1);
+      }
+      wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e])::"memory");
-      release(&kv_empty[sl]);
+      __syncwarp();
+      if (lane == 0) bar_arrive(&kv_empty[s]);
     }
-    for (int j = nblk_wg; j < nblk; ++j) {  // fully masked for this warpgroup
-      const int s = (it + j) % STAGES;
-      const uint32_t ph = ((it + j) / STAGES) & 1;
-      bar_wait(&k_full[s], ph);
-      bar_wait(&v_full[s], ph);
-      release(&kv_empty[s]);
-    }
-    it += nblk;
 
     // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE.
     const int b = bh / p.Hq, h = bh % p.Hq;
