@@ -52,6 +52,7 @@ such subgraphs are kept, never wrongly replaced).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import operator
 from typing import Any, Iterable, Iterator
@@ -65,6 +66,7 @@ from tk_inductor.ops import attention as attention_ops
 from tk_inductor.rewrite import Match, example
 
 FAMILY = "attention"
+log = logging.getLogger("tk_inductor")
 _NEG_BIG = torch.finfo(torch.float16).min  # fill values at or below this vanish in softmax
 
 
@@ -1213,7 +1215,8 @@ class _Finder:
                     raise _Keep(f"the scores are scaled by a non-constant or non-positive `{n.name}`")
                 scale *= c if name == "mul" else 1.0 / c
             elif name in ("add",) and len(n.args) == 2 and not n.kwargs:
-                causal = causal or (_allowed_kind(self._additive(others[0]), shape), causal)
+                kind = _allowed_kind(self._additive(others[0]), shape)  # evaluated for every mask: each must be provable
+                causal = causal or kind
             elif name == "masked_fill" and n.args[0] is prev:
                 fill = _number(_arg(n, 2, "value"))
                 if fill is None:
@@ -1225,7 +1228,8 @@ class _Finder:
                 if not _fill_ok(fill):
                     raise _Keep(f"masked_fill value {_arg(n, 2, 'value')} does not vanish in softmax")
                 masked = self._bool_mask(_arg(n, 1, "mask"))
-                causal = causal or (_allowed_kind(_not(masked), shape), causal)
+                kind = _allowed_kind(_not(masked), shape)  # evaluated for every mask: each must be provable
+                causal = causal or kind
             elif name == "where" and len(n.args) == 3:
                 cond, a, b = n.args
                 if a is prev:
@@ -1238,7 +1242,8 @@ class _Finder:
                 if not _fill_ok(fv):
                     raise _Keep(f"where() fill value {fill} does not vanish in softmax")
                 p = self._bool_mask(cond)
-                causal = causal or (_allowed_kind(p if allowed else _not(p), shape), causal)
+                kind = _allowed_kind(p if allowed else _not(p), shape)  # evaluated for every mask: each must be provable
+                causal = causal or kind
             elif name == "tanh":
                 raise _Keep("softcapping (tanh) of the scores")
             elif name in ("add", "sub"):
@@ -1292,11 +1297,13 @@ def find(graph: fx.Graph) -> Iterator[Match]:
         if node.op not in ("call_function", "call_method"):
             continue
         name = _name(node)
-        if name == "sdpa":
-            yield finder.sdpa(node)
-        elif name in _MATMULS or (name == "einsum" and _einsum_kind(node) == "qk"):
-            if name in _MATMULS and not _is_product(node, "qk"):
-                continue
-            m = finder.eager(node)
-            if m is not None:
-                yield m
+        try:
+            if name == "sdpa":
+                yield finder.sdpa(node)
+            elif (name in _MATMULS and _is_product(node, "qk")) or (name == "einsum" and _einsum_kind(node) == "qk"):
+                m = finder.eager(node)
+                if m is not None:
+                    yield m
+        except Exception as exc:  # noqa: BLE001 - an odd graph must not stop the other families' rewrites
+            log.debug("tk_inductor: attention matcher failed on %s", node.format_node(), exc_info=True)
+            yield Match(FAMILY, [node], reason=f"matcher could not analyse `{node.name}` ({type(exc).__name__}: {exc})")

@@ -297,6 +297,11 @@ def _eager(product="matmul", scale="mul_scores", mask="masked_fill_tril", softma
             s = s + torch.full((N, M), float("-inf"), device=q.device).triu(1)
         elif mask == "additive_where":
             s = s + torch.where(allowed, 0.0, torch.finfo(s.dtype).min)[None, None]
+        elif mask == "all_visible":  # a provably empty mask: the attention is not causal
+            s = s.masked_fill(torch.zeros(N, M, dtype=torch.bool, device=q.device), float("-inf"))
+            s = s + torch.zeros(N, M, device=q.device)
+        elif mask == "twice":  # the same causal mask applied twice is still causal
+            s = s.masked_fill(~allowed, float("-inf")) + torch.where(allowed, 0.0, float("-inf"))
         elif mask == "none":
             pass
         if scale == "div_after_mask":
@@ -331,7 +336,8 @@ def test_eager_scales(scale):
 
 
 @pytest.mark.parametrize("mask", ["masked_fill_tril", "masked_fill_triu_finfo", "ones_tril_eq0", "where_arange",
-                                  "where_arange_gt", "additive_triu", "additive_where", "none"])
+                                  "where_arange_gt", "additive_triu", "additive_where", "all_visible", "twice",
+                                  "none"])
 @pytest.mark.parametrize("N, M", [(7, 7), (9, 5), (5, 9)])
 def test_eager_masks(mask, N, M):
     _check(Fn(_eager(mask=mask)), *_inputs(N=N, M=M))
@@ -392,6 +398,34 @@ def test_pretransposed_key_and_three_d_bmm():
     _check(Fn(single_head), q, k, v)
 
 
+def test_causal_flag_follows_the_mask():
+    """The op gets causal=True exactly when the mask is causal (an all-visible mask gives False)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(m.args[3] for m in P.find(gm.graph) if m.reason is None)
+        return gm
+
+    for mask, causal in [("all_visible", False), ("none", False), ("twice", True), ("where_arange", True)]:
+        seen.clear()
+        torch._dynamo.reset()
+        torch.compile(Fn(_eager(mask=mask)), backend=backend)(*_inputs(N=6, M=6))
+        assert seen == [causal], mask
+
+
+def test_causal_then_padding_mask_kept():
+    def fn(q, k, v, pad):  # every mask applied must be provable, not only the first
+        N = q.shape[-2]
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        s = s.masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), float("-inf"))
+        s = s + pad
+        return s.softmax(-1) @ v
+
+    pad = torch.zeros(2, 1, 1, 8)
+    pad[0, ..., 5:] = float("-inf")
+    assert "graph input" in _kept(Fn(fn), *_inputs(), pad)[0]
+
+
 def test_merged_heads_output_used_directly():
     def fn(q, k, v):
         B, H, N, D = q.shape
@@ -446,6 +480,21 @@ def test_hf_llama_inference_with_cache(impl):
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         _check(model, ids, replaced=2, grad=False)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_hf_llama_decode_step(impl):
+    """Prefill, then one token against the cache: q_len 1 sees every cached key (non-causal, N != M)."""
+    model = _llama(impl, cache=True).eval()
+    compiled = _compile(model)
+    ids, nxt = torch.randint(0, 64, (2, 9)), torch.randint(0, 64, (2, 1))
+    with torch.no_grad():
+        got, want = compiled(ids, use_cache=True), model(ids, use_cache=True)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        got = compiled(nxt, past_key_values=got.past_key_values, use_cache=True)
+        want = model(nxt, past_key_values=want.past_key_values, use_cache=True)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert tk_inductor.report().replaced["attention"] == 4, str(tk_inductor.report())
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
