@@ -475,15 +475,11 @@ def _outer_flat(node):
         if start % max(rank, 1) != rank - 2 or end % max(rank, 1) != rank - 1:
             return None
         c = contraction(node.args[0], inline=False)
-        rank = len(shape(node.args[0]))
-        if c is None or len(c.factors) != 2 or c.factors[0][0] is not c.factors[1][0] or c.scale != 1.0:
+        if c is None or c.scale != 1.0:
             return None
-        batch = c.out[:-2]
-        i, j = c.out[-2], c.out[-1]
-        if c.factors[0][1] == batch + i and c.factors[1][1] == batch + j:
-            return c.factors[0][0]
-        if c.factors[0][1] == batch + j and c.factors[1][1] == batch + i:
-            return c.factors[0][0]
+        batch = _LETTERS[:rank - 2]
+        b = unify(c, [("x", batch + "y"), ("x", batch + "z")], batch + "yz")
+        return b["x"] if b is not None else None
     return None
 
 
@@ -535,7 +531,8 @@ def _hedgehog(node):
     c = contraction(z, inline=False)
     if c is not None and len(c.factors) == 2 and c.scale == 1.0:
         for xi, wi in ((0, 1), (1, 0)):
-            b = unify(Contraction([c.factors[xi], c.factors[wi]], c.out), [("x", "bhnd"), ("w", "hdf")], "bhnf")
+            b = unify(Contraction([c.factors[xi], c.factors[wi]], c.out, [c.chains[xi], c.chains[wi]]),
+                      [("x", "bhnd"), ("w", "hdf")], "bhnf")
             if b is not None:
                 return b["x"], b["w"]
     return None
@@ -662,9 +659,33 @@ def _numerator_quadratic(node):
         return None
     M, v = b["m"], b["v"]
     A = _causal(M)
-    if A is None or shape(v) is None or len(shape(v)) != 4:
+    if shape(v) is None or len(shape(v)) != 4:
+        return None
+    if A is None:
+        masked = _masked_scores(M)
+        if masked is not None and _scores(masked) is not None:
+            raise _Kept("score mask not provably causal (a graph input, a band, an upper triangle, ...)")
         return None
     return M, A, v
+
+
+class _Kept(Exception):
+    """Recognised as (masked) linear attention, but not provably the op."""
+
+
+def _masked_scores(node):
+    """The scores under some mask (tril/triu with any diagonal, masked_fill, where, * mask)."""
+    node = strip(node)
+    k = kind(node)
+    if k in ("tril", "triu") or (node.op == "call_method" and node.target in ("triu",)) or node.target is torch.triu:
+        return node.args[0]
+    if k == "masked_fill":
+        return node.args[0]
+    if k == "where" and len(node.args) == 3:
+        return node.args[1] if scalar(node.args[2]) == 0.0 else None
+    if k == "mul" and is_tensor(node.args[0]) and is_tensor(node.args[1]):
+        return node.args[0] if shape(node.args[0]) == shape(node) else node.args[1]
+    return None
 
 
 def _numerator_state(node):
@@ -844,6 +865,8 @@ def find(graph: fx.Graph) -> Iterable[Match]:
             continue
         try:
             m = _match(node)
+        except _Kept as why:
+            m = Match(family=FAMILY, outputs=[node], reason=str(why))
         except (_Skip, ZeroDivisionError, TypeError, IndexError, AttributeError, KeyError):
             m = None
         if m is not None:
