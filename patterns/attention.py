@@ -435,11 +435,11 @@ class _MaskEval:
 
     # --- constants and index sources
     def _op_arange(self, node):
-        args = list(node.args)
-        if len(args) == 1:
-            start, step = 0, 1
+        args, kw = list(node.args), node.kwargs
+        if len(args) <= 1:  # arange(end) or arange(start=..., end=...)
+            start, step = kw.get("start", 0), kw.get("step", 1)
         else:
-            start, step = args[0], (args[2] if len(args) > 2 else node.kwargs.get("step", 1))
+            start, step = args[0], (args[2] if len(args) > 2 else kw.get("step", 1))
         start, step = _number(start), _number(step)
         if start is None or step is None or isinstance(start, bool):
             raise _Keep("mask uses arange with a symbolic start/step")
@@ -461,8 +461,8 @@ class _MaskEval:
 
     _op_zeros_like = _op_new_zeros = _op_zeros
 
-    def _op_full(self, node):
-        return self._const(_arg(node, 1, "fill_value"))
+    def _op_full(self, node):  # full(size, fill), full_like(x, fill), x.new_full(size, fill)
+        return self._const(_arg(node, 2 if _name(node) == "new_full" else 1, "fill_value"))
 
     _op_full_like = _op_new_full = _op_full
 
@@ -893,21 +893,22 @@ def _cat_single(node: fx.Node) -> fx.Node | None:
 
 # ---------------------------------------------------------------------------- the replacement call
 
-def attention_adapter(q, k, v, causal: bool, scale: float, transposed: tuple, heads: str):
+def attention_adapter(q, k, v, causal: bool, scale: float, transposed: tuple, heads: str, contiguous: bool = False):
     """tk::attention for operands that need a layout change first (3-D batches, pre-transposed k...).
 
     `transposed` says which of q, k, v must be transposed back (last two dims); `heads` is "4d"
     (as is), "merged" (inputs were (B, H, ...) tensors, the output must be (B*H, N, D)) or
-    "none" (3-D inputs without heads: a head axis of 1 is added and removed)."""
+    "none" (3-D inputs without heads: a head axis of 1 is added and removed); `contiguous` returns
+    a contiguous result, as the eager product was."""
     q, k, v = (t.transpose(-1, -2) if tr else t for t, tr in zip((q, k, v), transposed))
     if heads == "none":
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
     o = torch.ops.tk.attention(q, k, v, causal, scale)[0]
     if heads == "none":
-        return o.squeeze(1)
-    if heads == "merged":
-        return o.flatten(0, 1)
-    return o
+        o = o.squeeze(1)
+    elif heads == "merged":
+        o = o.flatten(0, 1)
+    return o.contiguous() if contiguous else o
 
 
 # ---------------------------------------------------------------------------- matching
@@ -1087,9 +1088,12 @@ class _Finder:
             back = self._merged_back(out, qs)
             if back is not None:
                 heads, out = "4d", back
-        if heads == "4d" and not any(transposed):
+        # The op's o is a transposed view of a (B, N, H, D) buffer; a later `.view` of the eager
+        # (contiguous) result may not be expressible on it, so those users get a contiguous copy.
+        contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
+        if heads == "4d" and not any(transposed) and not contiguous:
             return torch.ops.tk.attention.default, args, [out, None]
-        return attention_adapter, args + (transposed, heads), [out]
+        return attention_adapter, args + (transposed, heads, contiguous), [out]
 
     @staticmethod
     def _merged_back(out: fx.Node, q4) -> fx.Node | None:

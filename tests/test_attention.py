@@ -436,6 +436,16 @@ def test_merged_heads_output_used_directly():
     _check(Fn(fn), *_inputs(N=7, M=9))
 
 
+def test_output_viewed_after_attention():
+    """A `.view` of the eager (contiguous) result must keep working on the op's (B, N, H, D)-major output."""
+
+    def fn(q, k, v):
+        B, H, N, D = q.shape
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).view(B * H, N, D)
+
+    _check(Fn(fn), *_inputs())
+
+
 def test_dynamic_shapes():
     fn = Fn(_eager(mask="where_arange"))
     q, k, v = _inputs(N=8, M=8)
@@ -776,6 +786,8 @@ def _mask_graph(fn, *shapes):
     (lambda x: torch.arange(5)[:, None] >= torch.arange(7), True),
     (lambda x: torch.arange(7)[None, :] < torch.arange(5)[:, None] + 1, True),
     (lambda x: torch.ones(5, 7, dtype=torch.bool), False),
+    (lambda x: x.new_full((5, 7), -math.inf).triu(1) == 0, True),
+    (lambda x: torch.arange(start=0, end=7)[None, :] <= torch.arange(start=0, end=5)[:, None], True),
 ])
 def test_mask_proofs(fn, expect):
     node = _mask_graph(fn, (1,))
