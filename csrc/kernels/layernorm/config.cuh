@@ -38,7 +38,9 @@ cudaError_t with_split(int hidden, F&& f) {
     if (hidden <= 1024) return f(Split<32, 4>{});
     if (hidden <= 2048) return f(Split<128, 2>{});
     if (hidden <= 4096) return f(Split<256, 2>{});
-    if (hidden <= 8192) return f(Split<512, 2>{});
+    // Large rows: 4 vectors per thread and 256-thread blocks keep several rows in flight per SM
+    // (a block per row waits on its reductions; more resident blocks overlap those waits).
+    if (hidden <= 8192) return f(Split<256, 4>{});
     if (hidden <= kMaxHidden) return f(Split<512, 4>{});
   }
   return cudaErrorInvalidValue;

@@ -6,8 +6,10 @@
 namespace tk_layernorm {
 namespace {
 
+// At least 1024 resident threads per SM (registers <= 64; 512 for fp32 rows): enough rows in flight to
+// cover HBM latency.
 template <typename T, class S>
-__global__ void __launch_bounds__(S::BLOCK) forward_kernel(ForwardArgs a) {
+__global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::BLOCK) forward_kernel(ForwardArgs a) {
   __shared__ float smem[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
   const int64_t row = int64_t(blockIdx.x) * S::ROWS + threadIdx.x / S::TPR;
@@ -18,36 +20,49 @@ __global__ void __launch_bounds__(S::BLOCK) forward_kernel(ForwardArgs a) {
   const T* res = a.residual ? static_cast<const T*>(a.residual) + base : nullptr;
   const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
 
-  float h[S::VECS][8];
-  float sum = 0.f;
+  // Issue every load of the row before any store: stores to h could alias the inputs as far as the
+  // compiler knows, so interleaving them would serialise the loads (one vector in flight at a time).
+  Pack8<T> xr[S::VECS], rr[S::VECS];
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
     if (live && vi < nvec) {
-      load8(h[v], x + vi * 8);
+      xr[v] = load_pack(x + vi * 8);
+      if (res) rr[v] = load_pack(res + vi * 8);
+    }
+  }
+  // The row lives in registers as T (half the registers of fp32 for 16-bit types); h is rounded to T
+  // anyway, so unpacking it again below is exact.
+  Pack8<T> hp[S::VECS];
+  float sum = 0.f;
+#pragma unroll
+  for (int v = 0; v < S::VECS; ++v) {
+    const int vi = v * S::TPR + lane;
+    float h[8];
+    if (live && vi < nvec) {
+      unpack(h, xr[v]);
       if (a.dropout.enabled) {
         const uint32_t keep = drop.keep8(uint64_t(base) + uint64_t(vi) * 8);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) h[v][i] = (keep >> i & 1u) ? __fmul_rn(h[v][i], drop.scale) : 0.f;
+        for (int i = 0; i < 8; ++i) h[i] = (keep >> i & 1u) ? __fmul_rn(h[i], drop.scale) : 0.f;
       }
       if (res) {
         float r[8];
-        load8(r, res + vi * 8);
+        unpack(r, rr[v]);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) h[v][i] = __fadd_rn(r[i], h[v][i]);
+        for (int i = 0; i < 8; ++i) h[i] = __fadd_rn(r[i], h[i]);
       }
-      if (res || a.dropout.enabled) {
-        // Statistics of the h that is stored and that eager would normalise: rounded to T.
-#pragma unroll
-        for (int i = 0; i < 8; ++i) h[v][i] = round_to<T>(h[v][i]);
-        store8(static_cast<T*>(a.h) + base + vi * 8, h[v]);
-      }
+      // Statistics of the h that is stored and that eager would normalise: rounded to T.
+      hp[v] = pack<T>(h);
+      unpack(h, hp[v]);
+      if (res || a.dropout.enabled) store_pack(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
     } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) h[v][i] = 0.f;
+      for (int i = 0; i < 8; ++i) h[i] = 0.f;
+      hp[v] = pack<T>(h);
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum += h[v][i];
+    for (int i = 0; i < 8; ++i) sum += h[i];
   }
 
   const float inv_n = 1.f / float(a.hidden);
@@ -57,15 +72,20 @@ __global__ void __launch_bounds__(S::BLOCK) forward_kernel(ForwardArgs a) {
 #pragma unroll
     for (int v = 0; v < S::VECS; ++v) {
       if (v * S::TPR + lane < nvec) {
+        float h[8];
+        unpack(h, hp[v]);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sq += (h[v][i] - mean) * (h[v][i] - mean);
+        for (int i = 0; i < 8; ++i) sq += (h[i] - mean) * (h[i] - mean);
       }
     }
   } else {
 #pragma unroll
-    for (int v = 0; v < S::VECS; ++v)
+    for (int v = 0; v < S::VECS; ++v) {
+      float h[8];
+      unpack(h, hp[v]);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sq += h[v][i] * h[v][i];
+      for (int i = 0; i < 8; ++i) sq += h[i] * h[i];
+    }
   }
   const float rstd = rsqrtf(row_sum<S>(sq, smem) * inv_n + a.eps);
   if (!live) return;  // no block-wide sync below
@@ -77,22 +97,32 @@ __global__ void __launch_bounds__(S::BLOCK) forward_kernel(ForwardArgs a) {
   const T* w = static_cast<const T*>(a.weight);
   const T* b = static_cast<const T*>(a.bias);
   T* y = static_cast<T*>(a.y) + base;
+  Pack8<T> wr[S::VECS], br[S::VECS];
+#pragma unroll
+  for (int v = 0; v < S::VECS; ++v) {
+    const int vi = v * S::TPR + lane;
+    if (vi < nvec) {
+      if (w) wr[v] = load_pack(w + vi * 8);
+      if (b) br[v] = load_pack(b + vi * 8);
+    }
+  }
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
     if (vi >= nvec) continue;
     float out[8];
+    unpack(out, hp[v]);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = (h[v][i] - mean) * rstd;
+    for (int i = 0; i < 8; ++i) out[i] = (out[i] - mean) * rstd;
     if (w) {
       float wv[8];
-      load8(wv, w + vi * 8);
+      unpack(wv, wr[v]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) out[i] *= wv[i];
     }
     if (b) {
       float bv[8];
-      load8(bv, b + vi * 8);
+      unpack(bv, br[v]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) out[i] += bv[i];
     }

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 namespace tk_layernorm {
 
@@ -19,29 +20,69 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // Round through T and back: the value a T tensor would hold (identity for fp32).
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
 
+// 8 elements of T as raw 32-bit words (4 for 16-bit types, 8 for fp32). Raw words keep the
+// conversions to plain register moves/shifts (struct-of-bf16 copies made ptxas spill).
 template <typename T>
 struct alignas(8 * sizeof(T)) Pack8 {
   static_assert(sizeof(T) == 2 || sizeof(T) == 4, "Pack8 holds 16- or 32-bit elements");
-  T v[8];
+  uint32_t w[2 * sizeof(T)];
 };
 
 // Read-only data (inputs of a kernel) goes through the non-coherent path.
 template <typename T>
 __device__ __forceinline__ Pack8<T> load_pack(const T* src) {
   Pack8<T> p;
-  if constexpr (sizeof(T) == 2) {
-    *reinterpret_cast<uint4*>(&p) = __ldg(reinterpret_cast<const uint4*>(src));
-  } else {
-    reinterpret_cast<float4*>(&p)[0] = __ldg(reinterpret_cast<const float4*>(src));
-    reinterpret_cast<float4*>(&p)[1] = __ldg(reinterpret_cast<const float4*>(src) + 1);
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(T)) / 2; ++i) {
+    const uint4 q = __ldg(s + i);
+    p.w[4 * i] = q.x, p.w[4 * i + 1] = q.y, p.w[4 * i + 2] = q.z, p.w[4 * i + 3] = q.w;
   }
   return p;
 }
 
 template <typename T>
+__device__ __forceinline__ void store_pack(T* dst, const Pack8<T>& p) {
+  uint4* d = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(T)) / 2; ++i) d[i] = make_uint4(p.w[4 * i], p.w[4 * i + 1], p.w[4 * i + 2], p.w[4 * i + 3]);
+}
+
+template <typename T>
 __device__ __forceinline__ void unpack(float (&dst)[8], const Pack8<T>& p) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) dst[i] = to_float(p.v[i]);
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 4) {
+      dst[2 * i] = __uint_as_float(p.w[2 * i]);
+      dst[2 * i + 1] = __uint_as_float(p.w[2 * i + 1]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // bf16 -> fp32 is a shift
+      dst[2 * i] = __uint_as_float(p.w[i] << 16);
+      dst[2 * i + 1] = __uint_as_float(p.w[i] & 0xffff0000u);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&p.w[i]));
+      dst[2 * i] = f.x;
+      dst[2 * i + 1] = f.y;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ Pack8<T> pack(const float (&src)[8]) {
+  Pack8<T> p;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 4) {
+      p.w[2 * i] = __float_as_uint(src[2 * i]);
+      p.w[2 * i + 1] = __float_as_uint(src[2 * i + 1]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(src[2 * i], src[2 * i + 1]);
+      p.w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+      const __half2 h = __floats2half2_rn(src[2 * i], src[2 * i + 1]);
+      p.w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  }
+  return p;
 }
 
 template <typename T>
@@ -51,15 +92,7 @@ __device__ __forceinline__ void load8(float (&dst)[8], const T* src) {
 
 template <typename T>
 __device__ __forceinline__ void store8(T* dst, const float (&src)[8]) {
-  Pack8<T> p;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) p.v[i] = from_float<T>(src[i]);
-  if constexpr (sizeof(T) == 2) {
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&p);
-  } else {
-    reinterpret_cast<float4*>(dst)[0] = reinterpret_cast<const float4*>(&p)[0];
-    reinterpret_cast<float4*>(dst)[1] = reinterpret_cast<const float4*>(&p)[1];
-  }
+  store_pack(dst, pack<T>(src));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

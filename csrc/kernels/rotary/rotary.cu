@@ -1,9 +1,12 @@
-// Rotary embedding: one thread per unit of VEC channels (NeoX: VEC channels of each half, so the
-// partner is in registers; interleaved: VEC/2 pairs; pass-through: VEC channels copied). Loads and
+// Rotary embedding: one thread per (batch, position, unit of VEC channels), walking the heads (NeoX: VEC
+// channels of each half, so the partner is in registers; interleaved: VEC/2 pairs; pass-through: copied). Loads and
 // stores are VEC-wide (16 bytes for 16-bit types at VEC 8); VEC is the widest that every pointer,
 // stride and size allows, so odd layouts still run (narrower), never a skipped tail.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
 
 #include "rotary.h"
 
@@ -12,109 +15,171 @@ namespace {
 
 constexpr int kBlock = 256;
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// VEC elements of T as raw words (32-bit when they fill words, else one 16-bit element): element
+// access is then a shift or a register move (arrays of bf16 cost one register per element).
 template <typename T, int VEC>
 struct alignas(VEC * sizeof(T)) Pack {
-  T v[VEC];
+  static constexpr int BYTES = VEC * int(sizeof(T));
+  using Word = std::conditional_t<(BYTES % 4 == 0), uint32_t, uint16_t>;
+  static constexpr int WORDS = BYTES / int(sizeof(Word));
+  Word w[WORDS];
+
+  __device__ __forceinline__ float get(int e) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(w[e]);
+    } else if constexpr (sizeof(Word) == 2) {
+      return std::is_same_v<T, __nv_bfloat16> ? __uint_as_float(uint32_t(w[0]) << 16) : __half2float(__ushort_as_half(w[0]));
+    } else {
+      const uint32_t word = w[e / 2];
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(e % 2 ? word & 0xffff0000u : word << 16);
+      else return __half2float(__ushort_as_half(static_cast<unsigned short>(e % 2 ? word >> 16 : word & 0xffffu)));
+    }
+  }
+
+  __device__ __forceinline__ void set(const float (&src)[VEC]) {
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) w[e] = __float_as_uint(src[e]);
+    } else if constexpr (sizeof(Word) == 2) {
+      const T t = from_float<T>(src[0]);
+      w[0] = *reinterpret_cast<const uint16_t*>(&t);
+    } else {
+#pragma unroll
+      for (int i = 0; i < WORDS; ++i) {
+        const T lo = from_float<T>(src[2 * i]), hi = from_float<T>(src[2 * i + 1]);
+        w[i] = uint32_t(*reinterpret_cast<const uint16_t*>(&lo)) | uint32_t(*reinterpret_cast<const uint16_t*>(&hi)) << 16;
+      }
+    }
+  }
 };
 
 template <typename T, int VEC>
-__device__ __forceinline__ void load(float (&dst)[VEC], const T* src) {
-  const Pack<T, VEC> p = *reinterpret_cast<const Pack<T, VEC>*>(src);
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) dst[i] = to_float(p.v[i]);
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* src) {
+  return *reinterpret_cast<const Pack<T, VEC>*>(src);
 }
 
 template <typename T, int VEC>
 __device__ __forceinline__ void store(T* dst, const float (&src)[VEC]) {
   Pack<T, VEC> p;
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) p.v[i] = from_float<T>(src[i]);
+  p.set(src);
   *reinterpret_cast<Pack<T, VEC>*>(dst) = p;
 }
 
+// One thread per (b, n, unit); it walks the heads, so cos/sin (shared by the heads) are read once per
+// thread instead of once per head: otherwise their L2 traffic is twice the tensors' own. Heads go in
+// batches of HEADS whose loads are all issued before any store (stores could alias the inputs as far
+// as the compiler knows, which would serialise the loads).
+// 64 bytes of loads in flight per thread either way: NeoX loads both halves of each head.
+template <bool INTERLEAVED>
+constexpr int kHeads = INTERLEAVED ? 4 : 2;
+
+// 4 blocks per SM at least (<= 64 registers; 2 for fp32): 1024 threads, each with 64 bytes of loads in flight.
 template <typename T, int VEC, bool INTERLEAVED>
-__global__ void __launch_bounds__(kBlock) rotary_kernel(Args a, unsigned blocks0) {
+__global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(Args a, unsigned blocks0) {
   const Operand& op = blockIdx.x < blocks0 ? a.ops[0] : a.ops[1];
   const int64_t item = int64_t(blockIdx.x < blocks0 ? blockIdx.x : blockIdx.x - blocks0) * kBlock + threadIdx.x;
   const int rot_units = INTERLEAVED ? a.rotary_dim / VEC : a.rotary_dim / 2 / VEC;
   const int units = rot_units + (a.head_dim - a.rotary_dim) / VEC;
-  const int64_t rows = op.shape[0] * op.shape[1] * op.shape[2];
-  if (item >= rows * units) return;
-  // Index math in 32 bits when it fits (it almost always does): 64-bit division is a long software sequence.
-  int64_t n, h, b;
+  const int64_t B = op.shape[0], H = op.shape[1], N = op.shape[2];
+  if (item >= B * N * units) return;
+  // Index math in 32 bits when it fits (it almost always does): 64-bit division is a long sequence.
+  int64_t n, b;
   int u;
-  if (rows * units <= 0xffffffffLL) {
-    const uint32_t it = uint32_t(item), r = it / uint32_t(units), bh = r / uint32_t(op.shape[2]);
-    u = int(it - r * uint32_t(units));
-    n = r - bh * uint32_t(op.shape[2]);
-    b = bh / uint32_t(op.shape[1]);
-    h = bh - uint32_t(b) * uint32_t(op.shape[1]);
+  if (B * N * units <= 0xffffffffLL) {
+    const uint32_t it = uint32_t(item), bn = it / uint32_t(units);
+    u = int(it - bn * uint32_t(units));
+    b = bn / uint32_t(N);
+    n = bn - uint32_t(b) * uint32_t(N);
   } else {
-    const int64_t row = item / units;
-    u = int(item - row * units);
-    n = row % op.shape[2];
-    const int64_t bh = row / op.shape[2];
-    h = bh % op.shape[1];
-    b = bh / op.shape[1];
+    const int64_t bn = item / units;
+    u = int(item - bn * units);
+    b = bn / N;
+    n = bn - b * N;
   }
-  const T* in = static_cast<const T*>(op.in) + b * op.in_stride[0] + h * op.in_stride[1] + n * op.in_stride[2];
-  T* out = static_cast<T*>(op.out) + b * op.out_stride[0] + h * op.out_stride[1] + n * op.out_stride[2];
+  const T* in = static_cast<const T*>(op.in) + b * op.in_stride[0] + n * op.in_stride[2];
+  T* out = static_cast<T*>(op.out) + b * op.out_stride[0] + n * op.out_stride[2];
+  const int64_t ish = op.in_stride[1], osh = op.out_stride[1];
+  constexpr int HEADS = kHeads<INTERLEAVED>;
 
-  if (u >= rot_units) {  // pass-through channels
+  if (u >= rot_units) {  // pass-through channels: copied
     const int j = a.rotary_dim + (u - rot_units) * VEC;
-    float x[VEC];
-    load<T, VEC>(x, in + j);
-    store<T, VEC>(out + j, x);
+    for (int64_t h0 = 0; h0 < H; h0 += HEADS) {
+      Pack<T, VEC> x[HEADS];
+#pragma unroll
+      for (int i = 0; i < HEADS; ++i)
+        if (h0 + i < H) x[i] = load_pack<T, VEC>(in + (h0 + i) * ish + j);
+#pragma unroll
+      for (int i = 0; i < HEADS; ++i)
+        if (h0 + i < H) *reinterpret_cast<Pack<T, VEC>*>(out + (h0 + i) * osh + j) = x[i];
+    }
     return;
   }
-  const int64_t cs = b * op.cs_stride[0] + h * op.cs_stride[1] + n * op.cs_stride[2];
-  const T* cosp = static_cast<const T*>(op.cos) + cs;
-  const T* sinp = static_cast<const T*>(op.sin) + cs;
+  const T* cosp = static_cast<const T*>(op.cos) + b * op.cs_stride[0] + n * op.cs_stride[2];
+  const T* sinp = static_cast<const T*>(op.sin) + b * op.cs_stride[0] + n * op.cs_stride[2];
   // Forward:  y[j] = x[j]·c[j] + sgn[j]·x[p(j)]·s[j]
   // Backward: y[j] = x[j]·c[j] - sgn[j]·x[p(j)]·s[p(j)]   (the transposed rotation)
   // with partner p(j) and sgn[j] = -1 on the first of each pair (first half / even channel), +1 on the second.
   const float dir = a.backward ? -1.f : 1.f;
-  if constexpr (INTERLEAVED) {
-    const int j = u * VEC;
-    float x[VEC], c[VEC], s[VEC], y[VEC];
-    load<T, VEC>(x, in + j);
-    load<T, VEC>(c, cosp + j);
-    load<T, VEC>(s, sinp + j);
-#pragma unroll
-    for (int i = 0; i < VEC; i += 2) {
-      const float s0 = a.backward ? s[i + 1] : s[i];
-      const float s1 = a.backward ? s[i] : s[i + 1];
-      y[i] = x[i] * c[i] - dir * x[i + 1] * s0;
-      y[i + 1] = x[i + 1] * c[i + 1] + dir * x[i] * s1;
+  const int j = u * VEC;
+  const int partner = INTERLEAVED ? 0 : a.rotary_dim / 2;  // offset of the second operand of a pair
+  // Tables for this (b, n): loaded once unless they vary over heads (stride != 0).
+  Pack<T, VEC> c1, c2, s1, s2;
+  auto load_tables = [&](int64_t h) {
+    const int64_t o = h * op.cs_stride[1];
+    c1 = load_pack<T, VEC>(cosp + o + j);
+    s1 = load_pack<T, VEC>(sinp + o + j);
+    if constexpr (!INTERLEAVED) {
+      c2 = load_pack<T, VEC>(cosp + o + partner + j);
+      s2 = load_pack<T, VEC>(sinp + o + partner + j);
     }
-    store<T, VEC>(out + j, y);
-  } else {
-    const int half = a.rotary_dim / 2;
-    const int j = u * VEC;
-    float x1[VEC], x2[VEC], c1[VEC], c2[VEC], s1[VEC], s2[VEC], y1[VEC], y2[VEC];
-    load<T, VEC>(x1, in + j);
-    load<T, VEC>(x2, in + half + j);
-    load<T, VEC>(c1, cosp + j);
-    load<T, VEC>(c2, cosp + half + j);
-    load<T, VEC>(s1, sinp + j);
-    load<T, VEC>(s2, sinp + half + j);
+  };
+  const bool per_head_tables = op.cs_stride[1] != 0;
+  if (!per_head_tables) load_tables(0);
+  for (int64_t h0 = 0; h0 < H; h0 += HEADS) {
+    Pack<T, VEC> xa[HEADS], xb[HEADS];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const float sa = a.backward ? s2[i] : s1[i];
-      const float sb = a.backward ? s1[i] : s2[i];
-      y1[i] = x1[i] * c1[i] - dir * x2[i] * sa;
-      y2[i] = x2[i] * c2[i] + dir * x1[i] * sb;
+    for (int i = 0; i < HEADS; ++i) {
+      if (h0 + i < H) {
+        xa[i] = load_pack<T, VEC>(in + (h0 + i) * ish + j);
+        if constexpr (!INTERLEAVED) xb[i] = load_pack<T, VEC>(in + (h0 + i) * ish + partner + j);
+      }
     }
-    store<T, VEC>(out + j, y1);
-    store<T, VEC>(out + half + j, y2);
+#pragma unroll
+    for (int i = 0; i < HEADS; ++i) {
+      if (h0 + i >= H) continue;
+      if (per_head_tables) load_tables(h0 + i);
+      T* o = out + (h0 + i) * osh;
+      if constexpr (INTERLEAVED) {
+        float x[VEC], y[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) x[e] = xa[i].get(e);
+#pragma unroll
+        for (int e = 0; e < VEC; e += 2) {
+          const float se = s1.get(e), so = s1.get(e + 1);  // constant indices: registers, not local memory
+          const float s0 = a.backward ? so : se;
+          const float s_1 = a.backward ? se : so;
+          y[e] = x[e] * c1.get(e) - dir * x[e + 1] * s0;
+          y[e + 1] = x[e + 1] * c1.get(e + 1) + dir * x[e] * s_1;
+        }
+        store<T, VEC>(o + j, y);
+      } else {
+        float y1[VEC], y2[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float x1 = xa[i].get(e), x2 = xb[i].get(e);
+          const float sa = a.backward ? s2.get(e) : s1.get(e);
+          const float sb = a.backward ? s1.get(e) : s2.get(e);
+          y1[e] = x1 * c1.get(e) - dir * x2 * sa;
+          y2[e] = x2 * c2.get(e) + dir * x1 * sb;
+        }
+        store<T, VEC>(o + j, y1);
+        store<T, VEC>(o + partner + j, y2);
+      }
+    }
   }
 }
 
@@ -137,8 +202,8 @@ cudaError_t run(const Args& a, cudaStream_t stream) {
   int64_t blocks[2] = {0, 0};
   const int units = (a.interleaved ? a.rotary_dim / VEC : a.rotary_dim / 2 / VEC) + (a.head_dim - a.rotary_dim) / VEC;
   for (int i = 0; i < a.count; ++i) {
-    const int64_t rows = a.ops[i].shape[0] * a.ops[i].shape[1] * a.ops[i].shape[2];
-    blocks[i] = (rows * units + kBlock - 1) / kBlock;
+    const int64_t positions = a.ops[i].shape[0] * a.ops[i].shape[2];  // (b, n); heads are walked per thread
+    blocks[i] = (positions * units + kBlock - 1) / kBlock;
   }
   const int64_t total = blocks[0] + blocks[1];
   if (total == 0) return cudaSuccess;
