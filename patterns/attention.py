@@ -17,7 +17,8 @@ Two sources, one op:
     (`.to(q.dtype)`, `.type(v.dtype)`, `.type_as(q)`...);
   - causal masks applied by `masked_fill(masked, v)`, `torch.where(allowed, s, v)` or additive
     `s + mask`, with v = -inf or a finite value <= finfo(float16).min (finfo(dtype).min of every
-    float dtype; such values give exactly zero probability after the max-subtracting softmax);
+    float dtype): after the max-subtracting softmax those give exactly zero probability, as -inf
+    does, unless genuine scores are themselves below about -6.5e4; `-1e4` and friends are kept;
   - `F.dropout` / `torch.dropout` with p == 0 or training=False;
   - `repeat_kv` (`x[:, :, None].expand(...).reshape(...)`, `unsqueeze(2).expand(...).reshape/flatten`)
     and `repeat_interleave(x, r, dim=1)` are dropped: the op does GQA natively; HF's empty-cache
@@ -32,6 +33,15 @@ detection on in-graph position ids. A mask is causal iff its allowed set is exac
 (top-left, as the op), all-visible iff it allows everything. Anything reaching a graph input (a
 padding mask, user position_ids, a mask buffer) or any op outside this vocabulary is kept with
 the reason.
+
+What Dynamo sees of transformers 5.x masks (masking_utils): without a padding mask the mask is built
+inside the graph from `arange`s — `sdpa_mask` returns None (SDPA gets is_causal=True) unless
+position ids are known, in which case (training, no cache) it materialises `kv_idx <= q_idx` combined
+with the packed-sequence check `diff(position_ids) != 1 ... cumsum` on the in-graph position ids;
+`eager_mask` turns the same boolean mask into `where(mask, 0, finfo.min)`. All of these are proven
+here. A user `attention_mask` (padding) or user `position_ids` (possibly packed sequences) are graph
+inputs: kept. A decode step against a cache (q offset = cache length) gives an all-visible mask for
+one query and is replaced as non-causal attention; offsets that leave a diagonal are kept.
 
 Kept (recognised, not replaced), each with its reason in the report: padding or arbitrary masks,
 sliding windows, diagonal-offset causal masks, additive biases (ALiBi, relative position),
@@ -55,7 +65,7 @@ import dataclasses
 import logging
 import math
 import operator
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -76,8 +86,7 @@ class _Keep(Exception):
 
 # ---------------------------------------------------------------------------- node vocabulary
 
-def _fn_names() -> dict[Any, str]:
-    names = {
+_FN: dict[Any, str] = {
         operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub",
         operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
         torch.true_divide: "div", operator.neg: "neg", torch.neg: "neg",
@@ -99,11 +108,7 @@ def _fn_names() -> dict[Any, str]:
         torch.softmax: "softmax", F.softmax: "softmax", torch.dropout: "dropout", F.dropout: "dropout",
         F.scaled_dot_product_attention: "sdpa", torch.tanh: "tanh", torch.cat: "cat", torch.clone: "clone",
         torch.repeat_interleave: "repeat_interleave", torch.ops.aten.mT: "mT",
-    }
-    return names
-
-
-_FN = _fn_names()
+}
 _METHOD_ALIASES = {"__and__": "and", "logical_and": "and", "__or__": "or", "logical_or": "or",
                    "logical_not": "not", "__invert__": "not", "bitwise_not": "not", "truediv": "div",
                    "true_divide": "div", "divide": "div", "multiply": "mul", "broadcast_to": "expand",
