@@ -6,6 +6,13 @@ Shapes: B16 H16 N4096, D 128 and 64, bf16, q/k (B, H, N, D), cos/sin (B, N, D) u
 GB/s count minimal bytes: q, k read once, outputs written once, cos and sin read once.
 
     python -m benchmarks.rotary [--quick]
+
+Measured 2026-11-29, one H200 (torch 2.11), copy ceiling 4273 GB/s:
+    case (bf16)                          ours GB/s (% copy)  torch.compile  eager  ours/compile
+    B16 H16 N4096 D128 fwd               3811 (89%)          3985           349    0.96
+    B16 H16 N4096 D64  fwd               3709 (87%)          3898           343    0.95
+    B16 H16 N4096 D128 rotary_dim 32 fwd 2886 (68%)          3498           488    0.83
+    backward (same kernel, transposed rotation): 3803 / 3738 / 2887 GB/s.
 """
 from __future__ import annotations
 
