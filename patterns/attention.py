@@ -8,7 +8,9 @@ Two sources, one op:
   `enable_gqa` or a `repeat_kv` in front of it.
 * eager attention, `matmul -> scale -> mask -> softmax -> dropout -> matmul`:
   - the products as `torch.matmul`, `@`, `Tensor.matmul`, `torch.bmm` on (B*H, N, D) views of
-    (B, H, N, D) tensors, or `einsum("...nd,...md->...nm")` / `einsum("...nm,...md->...nd")`;
+    (B, H, N, D) tensors (also scores made in 3-D then viewed to 4-D), `torch.baddbmm(_, q, kᵀ,
+    beta=0, alpha=scale)` (GPT-2's reorder_and_upcast_attn), or `einsum("...nd,...md->...nm")` /
+    `einsum("...nm,...md->...nd")`;
     k transposed by `transpose(-1, -2)` / `transpose(2, 3)` / `permute` / `.mT`;
   - scaling by `mul` or `div` with a positive constant, on q, on k, or on the scores, before or
     after the mask (several factors multiply);
@@ -105,6 +107,7 @@ _FN: dict[Any, str] = {
         torch.transpose: "transpose", torch.permute: "permute", torch.flatten: "flatten",
         torch.diff: "diff", torch.cumsum: "cumsum", torch.broadcast_to: "expand",
         torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "bmm", torch.einsum: "einsum",
+        torch.baddbmm: "baddbmm",
         torch.softmax: "softmax", F.softmax: "softmax", torch.dropout: "dropout", F.dropout: "dropout",
         F.scaled_dot_product_attention: "sdpa", torch.tanh: "tanh", torch.cat: "cat", torch.clone: "clone",
         torch.repeat_interleave: "repeat_interleave", torch.ops.aten.mT: "mT",
@@ -954,6 +957,8 @@ def _einsum_kind(node: fx.Node) -> str | None:
 
 def _operands(node: fx.Node):
     name = _name(node)
+    if name == "baddbmm":
+        return _arg(node, 1, "batch1"), _arg(node, 2, "batch2")
     if name in _MATMULS:
         return node.args[0], _arg(node, 1, "other" if name == "matmul" else "mat2")
     parts = _einsum_parts(node)
@@ -962,6 +967,8 @@ def _operands(node: fx.Node):
 
 def _is_product(node: fx.Node, kind: str) -> bool:
     name = _name(node)
+    if name == "baddbmm":  # beta=0: the input is ignored (Megatron/GPT-2 "reorder_and_upcast_attn")
+        return kind == "qk" and _number(node.kwargs.get("beta", 1)) == 0 and len(node.args) == 3
     if name in _MATMULS:
         return len(node.args) == 2 and not node.kwargs
     return name == "einsum" and _einsum_kind(node) == kind
@@ -1000,7 +1007,7 @@ def _path_to(start: fx.Node, is_end, depth: int) -> list[fx.Node] | None:
                 if is_end(user, path[-1]):
                     return path + [user]
                 s = _shape(user)
-                if (user.op in ("call_function", "call_method") and _name(user) not in _MATMULS + ("einsum", "sdpa")
+                if (user.op in ("call_function", "call_method") and _name(user) not in _MATMULS + ("baddbmm", "einsum", "sdpa")
                         and _same_scores(s, shape)):
                     nxt.append(path + [user])
         frontier = nxt
@@ -1027,19 +1034,19 @@ class _Finder:
 
     # ------------------------------------------------------------------ shared checks and the match
     def _match(self, out: fx.Node, qo: _Operand, ko: _Operand, vo: _Operand, causal: bool, scale: float,
-               keep: str | None = None) -> Match:
+               keep: str | None = None, mixed: bool = False) -> Match:
         exs = [example(o.node) for o in (qo, ko, vo)]
         device = exs[0].device if isinstance(exs[0], torch.Tensor) else None
         needs_grad = any(isinstance(e, torch.Tensor) and e.requires_grad for e in exs)
         m = Match(FAMILY, [out], needs_grad=needs_grad, device=device, reason=keep)
         if keep is None:
             try:
-                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, causal, scale)
+                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, causal, scale, mixed)
             except _Keep as e:
                 m.reason = str(e)
         return m
 
-    def _call(self, out, qo, ko, vo, causal, scale):
+    def _call(self, out, qo, ko, vo, causal, scale, mixed=False):
         exs = [example(o.node) for o in (qo, ko, vo)]
         if not all(isinstance(e, torch.Tensor) for e in exs):
             raise _Keep("q/k/v example values are missing")
@@ -1052,7 +1059,7 @@ class _Finder:
         if len({e.device for e in exs}) != 1:
             raise _Keep("q/k/v are on different devices")
         merged = {o.merged for o in (qo, ko, vo)}
-        if len(merged) != 1:
+        if len(merged) != 1 and not mixed:
             raise _Keep("only some of q/k/v are (B*H, N, D) views of 4-D tensors")
         ranks = {e.dim() for e in exs}
         if ranks != {4} and ranks != {3}:
@@ -1087,7 +1094,9 @@ class _Finder:
             why = attention_ops.kernel_supports(dtype, _number(qs[-1]))
             if why is not None:
                 raise _Keep(why)
-        heads = "4d" if len(qs) == 4 and not qo.merged else ("merged" if qo.merged else "none")
+        if mixed and not (len(_shape(out)) == 4 and all(_same(a, b) for a, b in zip(_shape(out)[:2], qs[:2]))):
+            raise _Keep("the 3-D scores are viewed to heads that differ from q's")
+        heads = "4d" if len(qs) == 4 and (mixed or not qo.merged) else ("merged" if qo.merged else "none")
         args = (qo.node, ko.node, vo.node, bool(causal), float(scale))
         if heads == "merged":
             back = self._merged_back(out, qs)
@@ -1175,13 +1184,18 @@ class _Finder:
         after = pv_path[1:-1]
         q, kt = _operands(qk)
         _, v = _operands(pv)
-        want_t = _name(qk) in _MATMULS
-        allow_merge = _name(qk) == "bmm" or len(_shape(qk)) == 3
-        qo = _peel(q, allow_merge, allow_scale=True)
-        ko = _peel(kt, allow_merge, allow_scale=True)
-        vo = _peel(v, allow_merge, allow_scale=False)
-        if len({qo.merged, ko.merged, vo.merged}) != 1:
+        want_t = _name(qk) != "einsum"
+        # (B*H, N, D) views are peeled back to (B, H, N, D) on the side(s) that multiply in 3-D
+        qk_3d, pv_3d = len(_shape(qk)) == 3, len(_shape(pv)) == 3
+        qo = _peel(q, qk_3d, allow_scale=True)
+        ko = _peel(kt, qk_3d, allow_scale=True)
+        vo = _peel(v, pv_3d, allow_scale=False)
+        # scores made in 3-D and viewed to 4-D before a 4-D value product: fine when the 4-D output's
+        # (B, H) are q's, which pins the scores' view to the same (B, H) split (checked in _call)
+        mixed = qo.merged and ko.merged and not vo.merged and not pv_3d
+        if len({qo.merged, ko.merged, vo.merged}) != 1 and not mixed:
             qo, ko, vo = _peel(q, False, True), _peel(kt, False, True), _peel(v, False, False)
+            mixed = False
         ko.want_t = want_t
         try:
             for n in [qk] + chain + [sm] + after:
@@ -1195,12 +1209,17 @@ class _Finder:
                 raise _Keep(f"softmax in {sdt}")
             q_dtype = example(qo.node).dtype
             scale, causal = self._scores_chain(qk, chain, q_dtype)
+            if _name(qk) == "baddbmm":
+                alpha = _positive_const(qk.kwargs.get("alpha", 1))
+                if alpha is None:
+                    raise _Keep("baddbmm alpha is not a positive constant")
+                scale *= alpha
             for n in after:
                 self._probs_step(n, q_dtype)
             scale *= qo.scale * ko.scale
         except _Keep as e:
             return self._match(pv, qo, ko, vo, False, 1.0, keep=str(e))
-        return self._match(pv, qo, ko, vo, causal, scale)
+        return self._match(pv, qo, ko, vo, causal, scale, mixed=mixed)
 
     def _cast_ok(self, n: fx.Node, q_dtype) -> None:
         dt = example(n).dtype
@@ -1309,7 +1328,7 @@ def find(graph: fx.Graph) -> Iterator[Match]:
         try:
             if name == "sdpa":
                 yield finder.sdpa(node)
-            elif (name in _MATMULS and _is_product(node, "qk")) or (name == "einsum" and _einsum_kind(node) == "qk"):
+            elif name in _MATMULS + ("baddbmm", "einsum") and _is_product(node, "qk"):
                 m = finder.eager(node)
                 if m is not None:
                     yield m

@@ -519,6 +519,30 @@ def test_hf_gpt2(impl):
     _check(model, torch.randint(0, 64, (2, 10)), replaced=2, grad=True)
 
 
+def test_hf_gpt2_reorder_and_upcast_attn():
+    """GPT-2's Megatron path: baddbmm(beta=0, alpha=scale) scores in 3-D, viewed to 4-D, 4-D value product."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=32, attn_implementation="eager",
+                     use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, reorder_and_upcast_attn=True, scale_attn_by_inverse_layer_idx=True)
+    torch.manual_seed(0)
+    model = Logits(GPT2LMHeadModel(cfg)).train()
+    _check(model, torch.randint(0, 64, (2, 10)), replaced=2, grad=True)
+
+
+def test_scores_viewed_to_other_heads_kept():
+    def fn(q, k, v):  # 3-D scores viewed to (H, B) while q was (B, H): not the same pairing
+        B, H, N, D = q.shape
+        s = torch.bmm(q.reshape(B * H, N, D), k.reshape(B * H, N, D).transpose(1, 2)).view(H, B, N, N)
+        return torch.matmul(s.softmax(-1), v)
+
+    q, k, v = _inputs(B=2, Hq=4, Hkv=4)
+    v = torch.randn(4, 2, 8, 16)
+    reason = _kept(Fn(fn), q, k, v)[0]
+    assert "differ from q's" in reason or "batch is broadcast" in reason, reason
+
+
 def _bert(impl):
     from transformers import BertConfig, BertModel
 
