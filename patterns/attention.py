@@ -955,6 +955,11 @@ def _einsum_kind(node: fx.Node) -> str | None:
     return None
 
 
+def _in_place(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
 def _operands(node: fx.Node):
     name = _name(node)
     if name == "baddbmm":
@@ -1135,6 +1140,9 @@ class _Finder:
         try:
             if qo.transposed or ko.transposed or vo.transposed:
                 qo, ko, vo = _Operand(q), _Operand(k), _Operand(v)
+            for n in (qo.node, ko.node, vo.node):
+                if any(_in_place(u) for u in n.users):
+                    raise _Keep(f"`{n.name}` is modified in place")
             if dropout_p is None or dropout_p != 0:
                 raise _Keep(f"SDPA dropout_p={_arg(node, 4, 'dropout_p')} (SDPA drops even in eval; no RNG kernel)")
             if is_causal is None:
@@ -1198,6 +1206,9 @@ class _Finder:
             mixed = False
         ko.want_t = want_t
         try:
+            for n in [qk] + chain + [sm] + after + [qo.node, ko.node, vo.node]:
+                if any(_in_place(u) for u in n.users):
+                    raise _Keep(f"`{n.name}` is modified in place")
             for n in [qk] + chain + [sm] + after:
                 if len(n.users) != 1:
                     raise _Keep(f"the attention weights (`{n.name}`) are also used elsewhere "

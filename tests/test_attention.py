@@ -671,6 +671,16 @@ def test_weak_fill_value_kept():
     assert "does not vanish" in _kept(Fn(fn), *_inputs())[0]
 
 
+def test_in_place_mask_kept():
+    def fn(q, k, v):
+        N = q.shape[-2]
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        s.masked_fill_(~torch.ones(N, N, dtype=torch.bool).tril(), float("-inf"))
+        return s.softmax(-1) @ v
+
+    assert "in place" in _kept(Fn(fn), *_inputs())[0]
+
+
 def test_dropout_in_training_kept():
     torch.manual_seed(0)
     fn = Fn(_eager(dropout=(0.5, True)))
