@@ -330,6 +330,8 @@ def test_direct_call_signature(captured_patches, fake_family):
     out = backend.thunderkittens(gm, [torch.randn(2)], mode="max-autotune-no-cudagraphs", options={"ops": ["rotary"]})
     assert out(torch.ones(2)).tolist() == [2.0, 2.0]
     assert captured_patches[-1]["max_autotune"] is True
+    with pytest.raises(TypeError, match="options must be a dict"):
+        backend.thunderkittens(gm, [torch.randn(2)], options=["ops"])
     with pytest.raises(ValueError, match="mode given twice"):
         backend.thunderkittens(gm, [torch.randn(2)], mode="max-autotune", options={"mode": "reduce-overhead"})
 

@@ -31,6 +31,8 @@ _OUR_KEYS = frozenset(config.Config.__dataclass_fields__)
 
 def split_options(options: dict | None) -> tuple[dict, str | None, dict]:
     """options -> (our config options, mode, Inductor config patches)."""
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"tk_inductor: options must be a dict, not {type(options).__name__}")
     ours, inductor = {}, {}
     mode = None
     for key, value in (options or {}).items():
