@@ -123,6 +123,20 @@ def test_rewritten_graph_has_no_sin_left(fake_family, monkeypatch):
     assert "sin(" not in seen["code"].replace("sine", "")
 
 
+def test_rewrites_inside_checkpointed_subgraphs(fake_family):
+    """Activation checkpointing puts the layer in a higher-order op's subgraph."""
+
+    def layer(y):
+        return torch.sin(y) * 2
+
+    def fn(x):
+        return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) + 1
+
+    _check_same(fn, _compile(fn, reference=True, inner="aot_eager"))
+    assert tk_inductor.last_report().replaced == {FAKE_FAMILY: 1}
+    assert CALLS["sine"] >= 1
+
+
 def test_report_aggregates_and_resets(fake_family):
     _compile(f, reference=True, inner="aot_eager")(torch.randn(3))
     g = lambda x: torch.sin(x) + 1  # noqa: E731
