@@ -47,6 +47,9 @@ def doctor(_args) -> int:
     except (ValueError, TypeError) as exc:
         row("config", f"INVALID: {exc}")
     row("TK_INDUCTOR", "1: default torch.compile runs the rewrite" if os.environ.get("TK_INDUCTOR") not in (None, "", "0") else "unset: only backend='thunderkittens' rewrites")
+    from .rewrite import _family_finders
+
+    row("matchers", ", ".join(_family_finders()) or "none")
     row("cache dir", build.cache_dir())
     families = build.families()
     if not families:
