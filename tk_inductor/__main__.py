@@ -46,7 +46,9 @@ def doctor(_args) -> int:
         row("config", f"ops={','.join(cfg.ops)} strict={cfg.strict} reference={cfg.reference} verbose={cfg.verbose}")
     except (ValueError, TypeError) as exc:
         row("config", f"INVALID: {exc}")
-    row("TK_INDUCTOR", "1: default torch.compile runs the rewrite" if os.environ.get("TK_INDUCTOR") not in (None, "", "0") else "unset: only backend='thunderkittens' rewrites")
+    from ._autoload import enabled
+
+    row("TK_INDUCTOR", "on: default torch.compile runs the rewrite" if enabled() else "off: only backend='thunderkittens' rewrites")
     from .rewrite import _family_finders
 
     row("matchers", ", ".join(_family_finders()) or "none")
