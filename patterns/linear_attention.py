@@ -132,7 +132,7 @@ def strip(node):
     `.contiguous()`, `.type(same)`."""
     while kind(node) in ("to", "float", "type", "contiguous"):
         src = node.args[0]
-        if not is_tensor(src) or dtype(src) != dtype(node) or shape(src) != shape(node):
+        if not is_tensor(src) or dtype(src) != dtype(node) or not shapes_eq(shape(src), shape(node)):
             break
         node = src
     return node
@@ -210,6 +210,66 @@ def evaluate_constant(node, _depth: int = 0):
         return node.target(*args, **kwargs)
     except Exception:
         return None
+
+
+def static_int(x):
+    """x as a python int when it is one, even behind a SymInt with a constant value; else None."""
+    x = example(x)
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        value = getattr(x.node, "maybe_as_int", lambda: None)()
+        return value if isinstance(value, int) else None
+    return None
+
+
+def eq(a, b) -> bool:
+    """Sizes provably equal (ints, SymInts or nodes producing them), adding no shape guards."""
+    a, b = example(a), example(b)
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if not (isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt))):
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return bool(statically_known_true(a == b))
+
+
+def shapes_eq(s, t) -> bool:
+    return s is not None and t is not None and len(s) == len(t) and all(eq(a, b) for a, b in zip(s, t))
+
+
+def same_size(a, b) -> bool:
+    """Two sizes (python ints, SymInts or the graph nodes producing them) are provably equal."""
+    a, b = example(a), example(b)
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)) and str(a) == str(b)
+
+
+def is_triangle(mask, size, diagonal: int, negated: bool) -> bool:
+    """mask == tril(ones(size, size), diagonal) (or its negation ~tril), for every `size`:
+    proven by evaluation when the mask is all constants, else by its structure
+    (`~tril(ones(T, T, dtype=bool), diagonal)` with T the expected, possibly symbolic, size)."""
+    if isinstance(size, int):
+        value = evaluate_constant(mask)
+        if isinstance(value, torch.Tensor):
+            if value.dim() < 2 or value.shape[-2:] != (size, size) or value.numel() != size * size:
+                return False
+            want = torch.ones(size, size, dtype=torch.bool).tril(diagonal)
+            return bool(((value.reshape(size, size) != 0) == (~want if negated else want)).all())
+    mask = strip(mask)
+    if negated:
+        if kind(mask) != "invert":
+            return False
+        mask = strip(mask.args[0])
+    if kind(mask) != "tril" or arg(mask, 1, "diagonal", 0) != diagonal:
+        return False
+    ones = strip(mask.args[0])
+    if not (ones.op == "call_function" and ones.target is torch.ones):
+        return False
+    sizes = ones.args[0] if len(ones.args) == 1 and isinstance(ones.args[0], (list, tuple)) else ones.args
+    return (len(sizes) == 2 and same_size(sizes[0], size) and same_size(sizes[1], size)
+            and ones.kwargs.get("dtype") in (torch.bool, None, torch.float32))
 
 
 # ---------------------------------------------------------------------------- index notation
@@ -305,11 +365,11 @@ def contraction(node, *, inline=True, _fresh=None) -> Contraction | None:
     node = strip(node)
     k = kind(node)
     if k == "einsum":
-        eq = node.args[0]
+        equation = node.args[0]
         operands = list(node.args[1]) if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else list(node.args[1:])
-        if not isinstance(eq, str) or "->" not in eq:
+        if not isinstance(equation, str) or "->" not in equation:
             return None
-        lhs, out = eq.replace(" ", "").split("->")
+        lhs, out = equation.replace(" ", "").split("->")
         terms = lhs.split(",")
         if len(terms) != len(operands):
             return None
@@ -397,7 +457,7 @@ def contraction(node, *, inline=True, _fresh=None) -> Contraction | None:
                 return None
             base, base_letters = chain[-1]
             total *= factor
-        if k == "mul" and any(sizes[c] != n for c, n in zip(base_letters, shape(base))):
+        if k == "mul" and not all(eq(sizes[c], n) for c, n in zip(base_letters, shape(base))):
             return None  # a real size-1 broadcast: not index notation we read
         if inline and kind(base) in ("einsum", "mul", "sum", "matmul"):
             inner = contraction(base, inline=True, _fresh=fresh)
@@ -453,7 +513,7 @@ def single_tensor_arg(node):
 def _ones_column(node, x) -> bool:
     """`x[..., :1] ** 0`, `ones_like(x[..., :1])`, `torch.ones(..., 1)`-like: all ones, last dim 1."""
     s = shape(node)
-    if s is None or s[-1] != 1 or s[:-1] != shape(x)[:-1]:
+    if s is None or not eq(s[-1], 1) or not shapes_eq(s[:-1], shape(x)[:-1]):
         return False
     node = strip(node)
     k = kind(node)
@@ -575,28 +635,26 @@ def _causal(node):
     node = strip(node)
     k = kind(node)
     N = (shape(node) or (0, 0))[-1]
-    if len(shape(node) or ()) < 2 or shape(node)[-2] != N:
+    if len(shape(node) or ()) < 2 or not eq(shape(node)[-2], N):
         return None
-    lower = torch.ones(N, N, dtype=torch.bool).tril()
+    N = static_int(N) if static_int(N) is not None else N
 
-    def mask_is(m, expected):
-        value = evaluate_constant(m)
-        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-2:] != (N, N):
-            return False
-        if any(s != 1 for s in value.shape[:-2]):
-            return False
-        v = value.reshape(N, N)
-        return bool(((v != 0) == expected).all())
+    def lower(m, negated=False):  # evaluated when constant, else proven by structure
+        if isinstance(N, int):
+            value = evaluate_constant(m)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and any(s != 1 for s in value.shape[:-2]):
+                return False  # a per-batch/head mask: not one triangle
+        return is_triangle(m, N, 0, negated)
 
-    if k == "tril" and (arg(node, 1, "diagonal", 0) == 0):
+    if k == "tril" and arg(node, 1, "diagonal", 0) == 0:
         return node.args[0]
-    if k == "masked_fill" and scalar(arg(node, 2, "value")) == 0.0 and mask_is(node.args[1], ~lower):
+    if k == "masked_fill" and scalar(arg(node, 2, "value")) == 0.0 and lower(node.args[1], negated=True):
         return node.args[0]
-    if k == "mul" and is_tensor(node.args[0]) and is_tensor(node.args[1]) and shape(node) == shape(node.args[0]):
+    if k == "mul" and is_tensor(node.args[0]) and is_tensor(node.args[1]):
         for a, m in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            if shape(a) == shape(node) and mask_is(m, lower):
+            if shapes_eq(shape(a), shape(node)) and lower(m):
                 return a
-    if k == "where" and len(node.args) == 3 and scalar(node.args[2]) == 0.0 and mask_is(node.args[0], lower):
+    if k == "where" and len(node.args) == 3 and scalar(node.args[2]) == 0.0 and lower(node.args[0]):
         return node.args[1]
     return None
 
@@ -611,7 +669,7 @@ def _scores(A):
     q, k = b["q"], b["k"]
     q, cq = scaled(q)
     k, ck = scaled(k)
-    if shape(q) is None or len(shape(q)) != 4 or shape(q) != shape(k):
+    if shape(q) is None or len(shape(q)) != 4 or not shapes_eq(shape(q), shape(k)):
         return None
     return q, k, c * cq * ck * con.scale
 
@@ -684,7 +742,7 @@ def _masked_scores(node):
     if k == "where" and len(node.args) == 3:
         return node.args[1] if scalar(node.args[2]) == 0.0 else None
     if k == "mul" and is_tensor(node.args[0]) and is_tensor(node.args[1]):
-        return node.args[0] if shape(node.args[0]) == shape(node) else node.args[1]
+        return node.args[0] if shapes_eq(shape(node.args[0]), shape(node)) else node.args[1]
     return None
 
 
@@ -708,7 +766,7 @@ def _den_of(node):
     """Peel `[..., None]` / unsqueeze(-1) / keepdim: the (B, H, N) denominator expression and
     whether the keep-dim form was a sum(keepdim=True) (returned as (node, keepdim_sum_args))."""
     node = strip(node)
-    peeled = peel_to(node, "bhnx", "bhn") if len(shape(node) or ()) == 4 and shape(node)[-1] == 1 else None
+    peeled = peel_to(node, "bhnx", "bhn") if len(shape(node) or ()) == 4 and eq(shape(node)[-1], 1) else None
     return peeled if peeled is not None else node
 
 
@@ -776,7 +834,7 @@ def _normaliser(o, M, fq, fk, scale):
         elif kind(den_eps) == "add" and scalar(den_eps.args[0]) is not None:
             den, eps = den_eps.args[1], scalar(den_eps.args[0])
         den = _den_of(den)
-        if eps >= 0 and shape(user) == shape(o) and _matches_den(den, M, fq, fk, scale):
+        if eps >= 0 and shapes_eq(shape(user), shape(o)) and _matches_den(den, M, fq, fk, scale):
             return user, eps
     return o, None
 
@@ -808,10 +866,10 @@ def _match(node) -> Match | None:
         fq, cq = scaled(fq0)
         fk, ck = scaled(fk0)
         M, total = None, cq * ck * cs
-        if shape(fq) != shape(fk) or len(shape(fq) or ()) != 4:
+        if not shapes_eq(shape(fq), shape(fk)) or len(shape(fq) or ()) != 4:
             return None
         fm, fq_x, fk_x, qw, kw, scale = _pair(fq, fk, total)
-    if shape(v)[:3] != shape(fq_x)[:3]:
+    if not shapes_eq(shape(v)[:3], shape(fq_x)[:3]):
         return None
     out, eps = _normaliser(node, M, fq, fk, total)
     return _make(out, fm, fq_x, fk_x, v, qw, kw, scale, eps)
@@ -821,7 +879,7 @@ def _pair(fq, fk, scale):
     """The op's (feature_map, q, k, q_weight, k_weight, scale) for scores scale·φq·φk."""
     nq, xq, wq = feature_map(fq)
     nk, xk, wk = feature_map(fk)
-    if nq == nk and shape(xq) == shape(xk):
+    if nq == nk and shapes_eq(shape(xq), shape(xk)):
         if nq == "based" and close(scale, 1.0):
             return "based", xq, xk, None, None, 1.0 / math.sqrt(shape(xq)[-1])
         if nq in ("elu1", "hedgehog"):
@@ -841,9 +899,9 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps) -> Match:
         reason = f"output dtype {dtype(out)} differs from the inputs' {examples[2].dtype}"
     elif examples[2].dtype not in (torch.float32, torch.bfloat16, torch.float16):
         reason = f"dtype {examples[2].dtype}"
-    elif shape(q)[:3] != shape(v)[:3] or shape(out) != shape(v):
+    elif not shapes_eq(shape(q)[:3], shape(v)[:3]) or not shapes_eq(shape(out), shape(v)):
         reason = "q/k/v shapes disagree"
-    elif fm == "hedgehog" and (len(shape(qw)) not in (2, 3) or shape(qw)[-1] != shape(kw)[-1]):
+    elif fm == "hedgehog" and (len(shape(qw)) not in (2, 3) or not eq(shape(qw)[-1], shape(kw)[-1])):
         reason = "hedgehog weights of different shapes"
     return Match(
         family=FAMILY,
@@ -867,8 +925,8 @@ def find(graph: fx.Graph) -> Iterable[Match]:
             m = _match(node)
         except _Kept as why:
             m = Match(family=FAMILY, outputs=[node], reason=str(why))
-        except (_Skip, ZeroDivisionError, TypeError, IndexError, AttributeError, KeyError):
-            m = None
+        except (_Skip, ZeroDivisionError, TypeError, IndexError, AttributeError, KeyError, ValueError, RuntimeError):
+            m = None  # not this family's computation (or not one we can read)
         if m is not None:
             matches.append(m)
     return matches

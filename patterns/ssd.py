@@ -23,8 +23,8 @@ import torch
 import torch.fx as fx
 
 from tk_inductor.ops import ssd as _ops  # registers torch.ops.tk.ssd
-from tk_inductor.patterns.linear_attention import (Contraction, arg, contraction, dtype, evaluate_constant, example,
-                                                   is_tensor, kind, peel_to, scalar, shape, strip, unify,
+from tk_inductor.patterns.linear_attention import (Contraction, arg, shapes_eq, contraction, dtype, evaluate_constant, example,
+                                                   eq, is_tensor, is_triangle, kind, peel_to, scalar, static_int, shape, strip, unify,
                                                    upcast_source)
 from tk_inductor.rewrite import Match
 
@@ -64,13 +64,10 @@ def _segsum_input(node):
     _need(arg(cs, 1, "dim") % rank == rank - 2, "segsum: cumsum over the wrong dim")
     letters = "abcdefgh"[:rank - 1]
     src = peel_to(expanded.args[0], letters + "z", letters)
-    _need(src is not None and shape(src)[-1] == T and shape(expanded)[:-1] == shape(src),
+    _need(src is not None and eq(shape(src)[-1], T) and shapes_eq(shape(expanded)[:-1], shape(src)),
           "segsum: not a[..., None].expand(..., T)")
-    ones = torch.ones(T, T, dtype=torch.bool)
     for fill, diagonal in ((fill1, -1), (fill2, 0)):
-        mask = evaluate_constant(fill.args[1])
-        _need(isinstance(mask, torch.Tensor) and mask.shape[-2:] == (T, T) and mask.numel() == T * T
-              and bool(((mask.reshape(T, T) != 0) == ~ones.tril(diagonal)).all()), "segsum: masks not triangular")
+        _need(is_triangle(fill.args[1], T, diagonal, negated=True), "segsum: masks not triangular")
     return strip(src)
 
 
@@ -78,7 +75,7 @@ def _padded_seq(node, pad_right: int):
     """F.pad(t, ...) padding only dim 1 at its end with zeros, by `pad_right` -> t (or node if no pad)."""
     node = strip(node)
     if kind(node) != "pad":
-        _need(pad_right == 0, "chunks: no padding where the length needs it")
+        _need(eq(pad_right, 0), "chunks: no padding where the length needs it")
         return node
     src, pads = node.args[0], arg(node, 1, "pad")
     mode, value = arg(node, 2, "mode", "constant"), arg(node, 3, "value", None)
@@ -87,20 +84,39 @@ def _padded_seq(node, pad_right: int):
     for i in range(len(pads) // 2):
         dim = rank - 1 - i
         left, right = pads[2 * i], pads[2 * i + 1]
-        _need(left == 0 and right == (pad_right if dim == 1 else 0), "chunks: padding other than the sequence end")
-    _need(shape(node)[1] == shape(src)[1] + pad_right, "chunks: padded length")
+        _need(eq(left, 0) and eq(right, pad_right if dim == 1 else 0), "chunks: padding other than the sequence end")
+    _need(eq(shape(node)[1], shape(src)[1] + pad_right), "chunks: padded length")
     return src
+
+
+def _reshape_sizes(node):
+    sizes = node.args[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = sizes[0]
+    return list(sizes) or list(node.kwargs.get("shape", ()))
+
+
+def _chunk_size(node):
+    """The literal chunk length of reshape(t, (b, -1 or l/chunk, chunk, ...)) (a symbolic length
+    leaves the example shape as an unsimplified l_pad // (l_pad // chunk))."""
+    node = strip(node)
+    _need(kind(node) == "reshape" and len(_reshape_sizes(node)) >= 3, "chunks: not a reshape")
+    chunk = static_int(_reshape_sizes(node)[2])
+    _need(chunk is not None and chunk > 0, "symbolic chunk size")
+    return chunk
 
 
 def _chunks(node, chunk: int, length: int):
     """reshape(pad(t), (b, -1, chunk, ...)) -> t, the (b, length, ...) tensor."""
     node = strip(node)
-    _need(kind(node) == "reshape", "chunks: not a reshape")
+    _need(_chunk_size(node) == chunk, "chunks: chunk sizes differ")
     padded = node.args[0]
     s = shape(padded)
-    _need(shape(node) == (s[0], s[1] // chunk, chunk, *s[2:]) and s[1] % chunk == 0, "chunks: reshape shape")
+    sizes = _reshape_sizes(node)
+    _need(len(sizes) == len(s) + 1 and eq(sizes[0], s[0]) and (static_int(sizes[1]) == -1 or eq(sizes[1], s[1] // chunk))
+          and all(eq(a, b) for a, b in zip(sizes[3:], s[2:])), "chunks: reshape shape")
     src = _padded_seq(padded, s[1] - length)
-    _need(shape(src)[1] == length, "chunks: source length")
+    _need(eq(shape(src)[1], length), "chunks: source length")
     return src
 
 
@@ -127,10 +143,10 @@ def _heads_from_groups(node, heads: int):
     if kind(node) == "repeat_interleave":
         src = upcast_source(node.args[0])
         reps = arg(node, 1, "repeats")
-        _need(arg(node, 2, "dim") in (2, -2) and isinstance(reps, int) and shape(src)[2] * reps == heads,
+        _need(arg(node, 2, "dim") in (2, -2) and isinstance(reps, int) and eq(shape(src)[2] * reps, heads),
               "B/C: repeat_interleave over heads")
         return src
-    _need(shape(node)[2] == heads, "B/C: group count")
+    _need(eq(shape(node)[2], heads), "B/C: group count")
     return node
 
 
@@ -158,9 +174,10 @@ def _match(anchor) -> Match | None:
 
 def _verify(anchor, yo_node, diag, a) -> Match:
     Cc, Bc, Xc = diag["C"], diag["B"], diag["X"]
-    b, nc, chunk, h, p = shape(Xc)
+    b, nc, _, h, p = shape(Xc)
     n = shape(Bc)[-1]
-    _need(shape(a) == (b, h, nc, chunk), "dt·A chunks shape")
+    chunk = _chunk_size(Xc)
+    _need(shapes_eq(shape(a), (b, h, nc, shape(Xc)[2])), "dt·A chunks shape")
     off_c = contraction(yo_node)
     off = unify(off_c, [("C", "bclhn"), ("S", "bchpn"), ("E", "bhcl")], "bclhp", bound={"C": Cc})
     _need(off is not None and off_c.scale == 1.0, "Y_off is not C·states·exp(cumsum)")
@@ -198,19 +215,20 @@ def _verify(anchor, yo_node, diag, a) -> Match:
           and tail.args[1] == (slice(None), slice(None), slice(None), slice(-1, None, None)), "decay to chunk end")
 
     # the inputs
-    length = _output_length(anchor, b, nc * chunk, h, p)
+    padded = shape(strip(Xc).args[0])[1]  # the padded length (nc·chunk, not simplified when symbolic)
+    length = _output_length(anchor, b, padded, h, p)
     x_dt, dt_x = _discretised(_chunks(Xc, chunk, length), "x")
     a_src = strip(a)
     _need(kind(a_src) == "permute" and tuple(a_src.args[1:] if len(a_src.args) > 2 else a_src.args[1]) == (0, 3, 1, 2),
           "dt·A layout")
     A_node, dt_a = _discretised(_chunks(a_src.args[0], chunk, length), "A")
     _need(upcast_source(dt_a) is upcast_source(dt_x), "x and A discretised with different dt")
-    _need(shape(A_node) == (h,), "A per head")
+    _need(shapes_eq(shape(A_node), (h,)), "A per head")
     B_src = _heads_from_groups(_chunks(Bc, chunk, length), h)
     C_src = _heads_from_groups(_chunks(Cc, chunk, length), h)
-    _need(shape(B_src) == shape(C_src), "B and C groups differ")
+    _need(shapes_eq(shape(B_src), shape(C_src)), "B and C groups differ")
 
-    y_node, D = _output(anchor, b, nc * chunk, length, h, p, x_dt)
+    y_node, D = _output(anchor, b, padded, length, h, p, x_dt)
     final = next((u for u in new_states.users if kind(u) == "getitem" and u.args[1] == (slice(None), -1)), None)
     x_arg = strip(x_dt)
     tensors = [x_arg, upcast_source(dt_x), upcast_source(A_node), B_src, C_src, D, h0]
@@ -238,7 +256,7 @@ def _verify(anchor, yo_node, diag, a) -> Match:
 def _initial_state(node, expected_shape):
     """zeros / zeros_like (no initial state) -> None; h0[:, None] (upcast) -> h0."""
     node = strip(node)
-    _need(shape(node) == expected_shape, "initial state shape")
+    _need(shapes_eq(shape(node), expected_shape), "initial state shape")
     if kind(node) in ("zeros_like", "new_zeros") or (
             isinstance(evaluate_constant(node), torch.Tensor) and not evaluate_constant(node).any()):
         return None
@@ -258,8 +276,8 @@ def _output_length(anchor, b, padded, h, p) -> int:
         if kind(user) == "getitem" and isinstance(user.args[1], tuple) and len(user.args[1]) == 2 \
                 and user.args[1][0] == slice(None) and isinstance(user.args[1][1], slice):
             sl = user.args[1][1]
-            if sl.start in (None, 0) and sl.step in (None, 1) and isinstance(sl.stop, int):
-                return min(sl.stop, padded)
+            if sl.start in (None, 0) and sl.step in (None, 1) and sl.stop is not None and len(shape(user)) == 4:
+                return shape(user)[1]
         node = user
     return padded
 
@@ -270,7 +288,7 @@ def _output(anchor, b, padded, length, h, p, x_f):
     user = _single_user(node)
     if user is not None and kind(user) == "contiguous":
         node, user = user, _single_user(user)
-    _need(user is not None and kind(user) == "reshape" and shape(user) == (b, padded, h, p), "output reshape")
+    _need(user is not None and kind(user) == "reshape" and shapes_eq(shape(user), (b, padded, h, p)), "output reshape")
     node, D = user, None
     user = _single_user(node)
     if user is not None and kind(user) == "add" and is_tensor(user.args[0]) and is_tensor(user.args[1]):
@@ -282,13 +300,14 @@ def _output(anchor, b, padded, length, h, p, x_f):
                     continue
                 d = peel_to(d, "hp", "h")
                 if d is not None and strip(_padded_seq(xp, padded - length)) is strip(x_f) \
-                        and shape(user) == shape(node):
+                        and shapes_eq(shape(user), shape(node)):
                     D = upcast_source(d)
                     node = user
                     break
-    if length < padded:
+    if not eq(length, padded):
         user = _single_user(node)
-        _need(user is not None and kind(user) == "getitem" and shape(user) == (b, length, h, p), "padded output not sliced")
+        _need(user is not None and kind(user) == "getitem" and shapes_eq(shape(user), (b, length, h, p)),
+              "padded output not sliced")
         node = user
     return node, D
 
@@ -300,8 +319,8 @@ def find(graph: fx.Graph) -> Iterable[Match]:
             continue
         try:
             m = _match(node)
-        except (_NoMatch, TypeError, IndexError, AttributeError, KeyError, ValueError):
-            m = None
+        except (_NoMatch, TypeError, IndexError, AttributeError, KeyError, ValueError, RuntimeError):
+            m = None  # not SSD (or not one we can read)
         if m is not None:
             matches.append(m)
     return matches

@@ -330,3 +330,16 @@ def test_cuda_op_matches_recurrence():
     assert not y.isnan().any() and not s.isnan().any()
     torch.testing.assert_close(y.double(), y64, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(s.double(), s64, rtol=1e-2, atol=1e-2)
+
+
+def test_hf_mamba2_dynamic_lengths():
+    """A second length recompiles with a symbolic l (automatic dynamic): padding and chunking are still proven."""
+    model = _tiny_mamba2().eval()
+    torch._dynamo.reset()
+    tk_inductor.reset()
+    compiled = torch.compile(model, backend="thunderkittens", options=OPTIONS)
+    with torch.no_grad():
+        for length in (16, 13, 29):
+            ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+            torch.testing.assert_close(compiled(ids).last_hidden_state, model(ids).last_hidden_state, rtol=1e-4, atol=1e-5)
+    assert tk_inductor.report().replaced.get("ssd") == 4, tk_inductor.report().kept  # 2 graphs x 2 layers
