@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tk_inductor.ops import linear_attention as _ops  # registers torch.ops.tk.linear_attention
+from tk_inductor.ops import linear_attention as _ops  # noqa: F401  (registers torch.ops.tk.linear_attention)
 from tk_inductor.rewrite import Match, example
 
 FAMILY = "linear_attention"
@@ -52,6 +52,7 @@ _FUNCTIONS = {
     "cumsum": (torch.cumsum, torch.Tensor.cumsum),
     "sum": (torch.sum, torch.Tensor.sum),
     "tril": (torch.tril, torch.Tensor.tril),
+    "triu": (torch.triu, torch.Tensor.triu),
     "masked_fill": (torch.masked_fill, torch.Tensor.masked_fill),
     "where": (torch.where,),
     "cat": (torch.cat, torch.concat, torch.concatenate),
@@ -73,7 +74,6 @@ _METHODS = {"matmul": ("matmul", "bmm", "__matmul__"), "mul": ("mul", "__mul__")
             "add": ("add", "__add__"), "sub": ("sub", "__sub__"), "neg": ("neg", "__neg__"), "pow": ("pow", "__pow__"),
             "invert": ("logical_not", "bitwise_not", "__invert__"), "reshape": ("reshape", "view"),
             "transpose": ("transpose", "swapaxes", "swapdims")}
-_ATEN_ALIASES = {"transpose": ("mT",)}
 
 
 def kind(node) -> str | None:
@@ -238,14 +238,6 @@ def shapes_eq(s, t) -> bool:
     return s is not None and t is not None and len(s) == len(t) and all(eq(a, b) for a, b in zip(s, t))
 
 
-def same_size(a, b) -> bool:
-    """Two sizes (python ints, SymInts or the graph nodes producing them) are provably equal."""
-    a, b = example(a), example(b)
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)) and str(a) == str(b)
-
-
 def is_triangle(mask, size, diagonal: int, negated: bool) -> bool:
     """mask == tril(ones(size, size), diagonal) (or its negation ~tril), for every `size`:
     proven by evaluation when the mask is all constants, else by its structure
@@ -268,7 +260,7 @@ def is_triangle(mask, size, diagonal: int, negated: bool) -> bool:
     if not (ones.op == "call_function" and ones.target is torch.ones):
         return False
     sizes = ones.args[0] if len(ones.args) == 1 and isinstance(ones.args[0], (list, tuple)) else ones.args
-    return (len(sizes) == 2 and same_size(sizes[0], size) and same_size(sizes[1], size)
+    return (len(sizes) == 2 and eq(sizes[0], size) and eq(sizes[1], size)
             and ones.kwargs.get("dtype") in (torch.bool, None, torch.float32))
 
 
@@ -504,10 +496,6 @@ def unify(c: Contraction, template: list[tuple[str, str]], out: str, bound: dict
     return None
 
 
-def single_tensor_arg(node):
-    return node.args[0] if node.args else None
-
-
 # ============================================================================ feature maps
 
 def _ones_column(node, x) -> bool:
@@ -621,15 +609,6 @@ def feature_map(node):
 
 # ============================================================================ the matcher
 
-class _Skip(Exception):
-    pass
-
-
-def _need(cond, why=""):
-    if not cond:
-        raise _Skip(why)
-
-
 def _causal(node):
     """The scores A if node is A with the strictly-upper triangle zeroed (provably), else None."""
     node = strip(node)
@@ -735,7 +714,7 @@ def _masked_scores(node):
     """The scores under some mask (tril/triu with any diagonal, masked_fill, where, * mask)."""
     node = strip(node)
     k = kind(node)
-    if k in ("tril", "triu") or (node.op == "call_method" and node.target in ("triu",)) or node.target is torch.triu:
+    if k in ("tril", "triu"):
         return node.args[0]
     if k == "masked_fill":
         return node.args[0]
@@ -763,8 +742,7 @@ def _numerator_state(node):
 
 
 def _den_of(node):
-    """Peel `[..., None]` / unsqueeze(-1) / keepdim: the (B, H, N) denominator expression and
-    whether the keep-dim form was a sum(keepdim=True) (returned as (node, keepdim_sum_args))."""
+    """Peel `[..., None]` / unsqueeze(-1) off a (B, H, N, 1) denominator: the (B, H, N) node."""
     node = strip(node)
     peeled = peel_to(node, "bhnx", "bhn") if len(shape(node) or ()) == 4 and eq(shape(node)[-1], 1) else None
     return peeled if peeled is not None else node
@@ -925,7 +903,7 @@ def find(graph: fx.Graph) -> Iterable[Match]:
             m = _match(node)
         except _Kept as why:
             m = Match(family=FAMILY, outputs=[node], reason=str(why))
-        except (_Skip, ZeroDivisionError, TypeError, IndexError, AttributeError, KeyError, ValueError, RuntimeError):
+        except (ZeroDivisionError, TypeError, IndexError, AttributeError, KeyError, ValueError, RuntimeError):
             m = None  # not this family's computation (or not one we can read)
         if m is not None:
             matches.append(m)

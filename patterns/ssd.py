@@ -22,8 +22,8 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
-from tk_inductor.ops import ssd as _ops  # registers torch.ops.tk.ssd
-from tk_inductor.patterns.linear_attention import (Contraction, arg, shapes_eq, contraction, dtype, evaluate_constant, example,
+from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.ssd)
+from tk_inductor.patterns.linear_attention import (arg, shapes_eq, contraction, dtype, evaluate_constant, example,
                                                    eq, is_tensor, is_triangle, kind, peel_to, scalar, static_int, shape, strip, unify,
                                                    upcast_source)
 from tk_inductor.rewrite import Match
