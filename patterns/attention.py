@@ -721,30 +721,54 @@ class _MaskEval:
 _CAUSAL = frozenset({(_coefs({-2: 1, -1: -1}), 0)})  # key j <= query i
 
 
+def _on_box(planes, sizes: dict) -> set | None:
+    """The half-planes that still cut the (query, key) box [0, N) x [0, M); None if one is empty there.
+
+    Coefficients on axes of size 1 vanish (their index is 0), planes that hold on the whole box
+    (their minimum over it is >= 0, needs static sizes for negative coefficients) are dropped, and
+    what remains is renormalised, so equal regions of the box compare equal."""
+    out = set()
+    for coefs, c in planes:
+        d = {a: k for a, k in coefs if not _is_one(sizes[a])}
+        sz = {a: _number(sizes[a]) for a in d}
+        if all(k > 0 or sz[a] is not None for a, k in d.items()):
+            low = c + sum(k * (sz[a] - 1) for a, k in d.items() if k < 0)
+            high = c + sum(k * (sz[a] - 1) for a, k in d.items() if k > 0) if all(v is not None for v in sz.values()) else None
+            if low >= 0:
+                continue  # holds everywhere
+            if high is not None and high < 0:
+                return None  # holds nowhere
+        plane = _plane(d, c)
+        if plane.false:
+            return None
+        out |= plane.planes
+    return out
+
+
 def _allowed_kind(allowed: Pred, score_shape: tuple) -> bool:
-    """True: causal (top-left); False: every position allowed. Raises _Keep otherwise."""
+    """True: causal (top-left); False: every position allowed. Raises _Keep otherwise.
+
+    Decided on the actual box of scores: for one query causal means "key 0 only", for one key it
+    means "everything" (reported as non-causal, the cheaper kernel path)."""
     if allowed.false:
         raise _Keep("the mask hides every key")
-    n_q, n_k = score_shape[-2], score_shape[-1]
-    planes = set()
-    for coefs, c in allowed.planes:
-        d = dict(coefs)
-        if set(d) - {-1, -2}:
+    for coefs, _ in allowed.planes:
+        if {a for a, _ in coefs} - {-1, -2}:
             raise _Keep("the mask varies over batch or heads (padding-like)")
-        if len(d) == 1:  # a bound on one axis is dropped if it holds over the whole axis
-            (a, k), = d.items()
-            size = _number(n_q if a == -2 else n_k)
-            if (k > 0 and c >= 0) or (k < 0 and size is not None and k * (size - 1) + c >= 0):
-                continue
-        planes.add((coefs, c))
+    sizes = {-2: score_shape[-2], -1: score_shape[-1]}
+    planes = _on_box(allowed.planes, sizes)
+    causal = _on_box(_CAUSAL, sizes)
+    if planes is None:
+        raise _Keep("the mask hides every key")
     if not planes:
         return False
-    if planes == set(_CAUSAL):
+    if planes == causal:
         return True
+    diagonal = _coefs({-2: 1, -1: -1})
     for coefs, c in planes:
-        if coefs == _coefs({-2: 1, -1: -1}) and c != 0 and len(planes) == 1:
+        if coefs == diagonal and c != 0 and len(planes) == 1:
             raise _Keep(f"causal mask with a diagonal offset of {c} (not top-left aligned)")
-    if (_coefs({-2: 1, -1: -1}), 0) in planes and any(co == _coefs({-2: -1, -1: 1}) for co, _ in planes):
+    if (diagonal, 0) in planes and any(co == _coefs({-2: -1, -1: 1}) for co, _ in planes):
         raise _Keep("sliding-window mask")
     raise _Keep("the mask is not a plain causal mask")
 
