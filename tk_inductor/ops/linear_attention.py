@@ -127,7 +127,14 @@ def linear_attention_reference(q, k, v, feature_map, q_weight=None, k_weight=Non
 
 # ---------------------------------------------------------------------------- the ops
 
-@torch.library.custom_op("tk::linear_attention", mutates_args=())
+# Explicit schemas: the contract `tk_cuda::` kernels register verbatim.
+SCHEMA = ("(Tensor q, Tensor k, Tensor v, str feature_map, Tensor? q_weight=None, Tensor? k_weight=None, "
+          "float scale=1.0, bool normalize=False, float eps=0.0) -> Tensor")
+BACKWARD_SCHEMA = ("(Tensor grad_o, Tensor q, Tensor k, Tensor v, str feature_map, Tensor? q_weight, Tensor? k_weight, "
+                   "float scale, bool normalize, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("tk::linear_attention", mutates_args=(), schema=SCHEMA)
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
                      q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                      scale: float = 1.0, normalize: bool = False, eps: float = 0.0) -> torch.Tensor:
@@ -143,7 +150,7 @@ def _(q, k, v, feature_map, q_weight=None, k_weight=None, scale=1.0, normalize=F
     return v.new_empty(v.shape)  # contiguous (B, H, N, dv)
 
 
-@torch.library.custom_op("tk::linear_attention_backward", mutates_args=())
+@torch.library.custom_op("tk::linear_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
 def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               feature_map: str, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                               scale: float, normalize: bool, eps: float

@@ -133,7 +133,15 @@ def ssd_recurrence(x, dt, A, B, C, D=None, initial_state=None):
 
 # ---------------------------------------------------------------------------- the ops
 
-@torch.library.custom_op("tk::ssd", mutates_args=())
+# Explicit schemas: the contract `tk_cuda::` kernels register verbatim (a plain `int` chunk size, not
+# the SymInt that inference would give).
+SCHEMA = ("(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D=None, Tensor? initial_state=None, "
+          "int chunk_size=64) -> (Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(Tensor grad_y, Tensor grad_state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
+                   "Tensor? initial_state, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("tk::ssd", mutates_args=(), schema=SCHEMA)
 def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
         D: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
         chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +158,7 @@ def _(x, dt, A, B, C, D=None, initial_state=None, chunk_size=64):
     return x.new_empty(x.shape), x.new_empty((b, nh, p, B.shape[3]), dtype=_acc(x))
 
 
-@torch.library.custom_op("tk::ssd_backward", mutates_args=())
+@torch.library.custom_op("tk::ssd_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
 def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
                  A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
                  initial_state: torch.Tensor | None, chunk_size: int
