@@ -115,7 +115,10 @@ _FN: dict[Any, str] = {
 _METHOD_ALIASES = {"__and__": "and", "logical_and": "and", "__or__": "or", "logical_or": "or",
                    "logical_not": "not", "__invert__": "not", "bitwise_not": "not", "truediv": "div",
                    "true_divide": "div", "divide": "div", "multiply": "mul", "broadcast_to": "expand",
-                   "expand_as": "expand", "greater_equal": "ge", "less_equal": "le", "greater": "gt", "less": "lt"}
+                   "expand_as": "expand", "greater_equal": "ge", "less_equal": "le", "greater": "gt", "less": "lt",
+                   # operators on tensors recorded as method calls (e.g. `a == b` in transformers 5.17's packed-sequence mask)
+                   "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
+                   "__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div", "__neg__": "neg"}
 _CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "bool", "long", "int"}
 
 
