@@ -3,8 +3,8 @@
 Spellings recognised (B, H, N, d layout, the op's):
 - quadratic: `(φq @ φkᵀ)` (matmul/einsum, optionally scaled) made causal by `torch.tril`,
   `masked_fill(~tril, 0)`, `* tril_mask` or `where(tril, A, 0)` — the mask must be built in the
-  graph from constants (ones/tril/triu/arange) so that it can be evaluated and proven lower-
-  triangular — then `@ v` (matmul/einsum).
+  graph from constants (ones/tril/triu/arange...) so that it can be evaluated and proven lower-
+  triangular, or, for a symbolic length, be literally `[~]tril(ones(N, N))` — then `@ v`.
 - state/cumsum: `kv = cumsum(φk ⊗ v, dim=N)` (einsum or broadcast product), `o = φq · kv`
   (einsum or broadcast product + sum).
 - the Taylor kernel written on the scores, `1 + s + s²/2` with `s = (q·scale) kᵀ` (FLA's
@@ -15,8 +15,13 @@ Feature maps: Based `TaylorExp` (`cat([1, x/d^¼, flatten(x⊗x)/(√2·√d)])`
 or `ones_like`), Hedgehog (`cat(softmax(xW), softmax(-xW))`, W per head via einsum or shared via
 matmul), `elu(x) + 1`. Anything else is passed as already-mapped features with "identity", which
 is exactly equal (only slower when the features are wide).
-Left alone (not matched): masks that are inputs or not provably causal, scores without a mask,
-different q/k lengths, FLA's HedgehogFeatureMap (one softmax over both halves), in-place masking.
+FLA's HedgehogFeatureMap (one softmax over both halves, with bias) and FLA's current
+TaylorFeatureMap (upper-triangle gather) are not the op's maps: they go in as "identity".
+Kept with a reason: masked scores whose mask is not provably causal (an input, a band, triu...).
+Not matched at all: scores without a mask, different q/k lengths, in-place masking
+(`masked_fill_`), a python-float scale that Dynamo made symbolic.
+
+The index-notation helpers below (kind, contraction, unify, eq, ...) are shared with ssd.py.
 """
 from __future__ import annotations
 
