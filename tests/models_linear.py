@@ -56,6 +56,24 @@ class FLAHedgehog(nn.Module):
         return torch.cat([y, -y], dim=-1).softmax(-1)
 
 
+class FLATaylor(nn.Module):
+    """flash-linear-attention's current TaylorFeatureMap: the same kernel 1 + s + s²/2 as Based's
+    map, but the quadratic term gathered from the upper triangle of x⊗x (diagonal /√2·√d,
+    off-diagonal /√d). Not spelled like the Taylor map we read: must go in as "identity"."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.rd, self.r2 = math.sqrt(dim), math.sqrt(2)
+
+    def forward(self, x):
+        z = torch.einsum("...i,...j->...ij", x, x)
+        n = z.size(-1)
+        off = torch.triu_indices(n, n, 1, device=x.device)
+        diag = torch.arange(n, device=x.device)
+        return torch.cat([torch.ones_like(x[..., 0:1]), x / self.rd ** 0.5, z[..., diag, diag] / (self.rd * self.r2),
+                          z[..., off[0], off[1]] / self.rd], dim=-1)
+
+
 class Elu1(nn.Module):
     def forward(self, x):
         return F.elu(x) + 1
@@ -77,6 +95,8 @@ def make_feature_map(name: str, heads: int, dim: int):
         return Hedgehog(heads, dim, dim, per_head=False)
     if name == "fla_hedgehog":
         return FLAHedgehog(dim)
+    if name == "fla_taylor":
+        return FLATaylor(dim)
     if name == "elu1":
         return Elu1()
     if name == "identity":
