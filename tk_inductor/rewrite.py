@@ -355,11 +355,12 @@ def apply(gm: fx.GraphModule, cfg: Config, *, recurse: bool = True) -> GraphRepo
     Any exception from the rewrite warns once per distinct reason and leaves
     `gm` untouched; environment failures (no GPU, no compiler, failed kernel
     build) warn once and keep those subgraphs. `cfg.strict` raises instead."""
-    saved = {mod: _snapshot(mod.graph) for mod in _graph_modules(gm, recurse)}
+    saved: dict[fx.GraphModule, fx.Graph] = {}
     try:
+        saved = {mod: _snapshot(mod.graph) for mod in _graph_modules(gm, recurse)}
         graph_report, failures = run(gm, cfg, recurse=recurse)
     except Exception as exc:
-        for mod, graph in saved.items():
+        for mod, graph in saved.items():  # empty if the snapshot itself failed: nothing changed yet
             mod.graph = graph
             mod.recompile()
         if cfg.strict:
