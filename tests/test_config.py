@@ -148,3 +148,14 @@ def test_package_exposes_config_lazily():
     import tk_inductor
 
     assert tk_inductor.config is config
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("true", True), ("0", False), ("false", False), ("off", False), ("", False), (None, False)])
+def test_opt_in_variable(monkeypatch, value, on):
+    from tk_inductor import _autoload
+
+    if value is None:
+        monkeypatch.delenv("TK_INDUCTOR", raising=False)
+    else:
+        monkeypatch.setenv("TK_INDUCTOR", value)
+    assert _autoload.enabled() is on
