@@ -320,6 +320,9 @@ def view_chain(node, letters: str):
         elif k == "unsqueeze":
             d = arg(node, 1, "dim") % rank
             letters, node = letters[:d] + letters[d + 1:], node.args[0]
+        elif k == "reshape" and _inserted_one(node) is not None:  # einops' way to add an axis
+            d = _inserted_one(node)
+            letters, node = letters[:d] + letters[d + 1:], node.args[0]
         elif k == "permute":
             dims = node.args[1:] if len(node.args) > 2 else arg(node, 1, "dims")
             dims = [d % rank for d in dims]
@@ -334,6 +337,17 @@ def view_chain(node, letters: str):
             letters, node = "".join(lst), node.args[0]
         else:
             return chain or None
+
+
+def _inserted_one(node):
+    """d if reshape `node` only inserts a size-1 axis at position d of its input (an unsqueeze)."""
+    out, src = shape(node), shape(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if out is None or src is None or len(out) != len(src) + 1:
+        return None
+    for d in range(len(out)):
+        if eq(out[d], 1) and shapes_eq(out[:d] + out[d + 1:], src):
+            return d
+    return None
 
 
 class Contraction:

@@ -101,9 +101,10 @@ def test_bad_inputs_raise_clear_errors(change, error):
 
 # ---------------------------------------------------------------------------- spellings
 
-def _segsum(x, first_diagonal=-1):
+def _segsum(x, first_diagonal=-1, einops_like=False):
     T = x.size(-1)
-    x = x[..., None].expand(*x.size(), T)
+    # einops' repeat("... d -> ... d e") adds the axis with a reshape
+    x = (x.reshape(*x.shape, 1) if einops_like else x[..., None]).expand(*x.size(), T)
     x = x.masked_fill(~torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=first_diagonal), 0)
     x = torch.cumsum(x, dim=-2)
     return x.masked_fill(~torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=0), -torch.inf)
@@ -155,14 +156,14 @@ def ssd_minimal(X, A, B, C, block_len, initial_states=None):
     X, A, B, C = (t.reshape(b, l // block_len, block_len, *t.shape[2:]) for t in (X, A, B, C))
     A = A.permute(0, 3, 1, 2)
     A_cumsum = torch.cumsum(A, dim=-1)
-    L = torch.exp(_segsum(A))
+    L = torch.exp(_segsum(A, einops_like=True))
     Y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, L, X)
     decay_states = torch.exp(A_cumsum[:, :, :, -1:] - A_cumsum)
     states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay_states, X)
     if initial_states is None:
         initial_states = torch.zeros_like(states[:, :1])
     states = torch.cat([initial_states, states], dim=1)
-    decay_chunk = torch.exp(_segsum(F.pad(A_cumsum[:, :, :, -1], (1, 0))))
+    decay_chunk = torch.exp(_segsum(F.pad(A_cumsum[:, :, :, -1], (1, 0)), einops_like=True))
     new_states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
     states, final_state = new_states[:, :-1], new_states[:, -1]
     Y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states, torch.exp(A_cumsum))
