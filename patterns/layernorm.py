@@ -32,7 +32,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from tk_inductor.ops import layernorm as layernorm_ops
-from tk_inductor.rewrite import Match, example
+from tk_inductor.rewrite import Match
+
+from ._fx import arg as _arg, is_call as _is, tensor as _tensor
 
 FAMILY = "layernorm"
 
@@ -45,25 +47,6 @@ _RSQRT = {torch.rsqrt}
 _MEAN = {torch.mean}
 _POW = {torch.pow, operator.pow}
 _SQUARE = {torch.square}
-
-
-def _is(node: Any, fns: set, method: str | None = None) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_function" and node.target in fns:
-        return True
-    return method is not None and node.op == "call_method" and node.target == method
-
-
-def _arg(node: fx.Node, i: int, key: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(key, default)
-
-
-def _tensor(node: Any) -> torch.Tensor | None:
-    v = example(node) if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _number(x: Any) -> float | None:

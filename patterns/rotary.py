@@ -27,7 +27,9 @@ import torch
 import torch.fx as fx
 
 from tk_inductor.ops import rotary as rotary_ops
-from tk_inductor.rewrite import Match, example
+from tk_inductor.rewrite import Match
+
+from ._fx import arg as _arg, is_call as _is, tensor as _tensor
 
 FAMILY = "rotary"
 
@@ -36,25 +38,6 @@ _MUL = {operator.mul, torch.mul}
 _NEG = {operator.neg, torch.neg}
 _CAT = {torch.cat, torch.concat, torch.concatenate} if hasattr(torch, "concatenate") else {torch.cat, torch.concat}
 _STACK = {torch.stack}
-
-
-def _is(node: Any, fns: set, method: str | None = None) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_function" and node.target in fns:
-        return True
-    return method is not None and node.op == "call_method" and node.target == method
-
-
-def _arg(node: fx.Node, i: int, key: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(key, default)
-
-
-def _tensor(node: Any) -> torch.Tensor | None:
-    v = example(node) if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _binary(node: Any, fns: set, method: str) -> tuple[Any, Any] | None:

@@ -30,3 +30,12 @@ def check(condition: bool, message: str, error: type[Exception] = ValueError) ->
     """Input validation for ops called directly: a clear Python error, never a device crash."""
     if not condition:
         raise error(message)
+
+
+def has_kernel(name: str) -> bool:
+    """Whether a loaded library registered `tk_cuda::<name>` (a family may ship its forward before its backward)."""
+    try:
+        getattr(torch.ops.tk_cuda, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True

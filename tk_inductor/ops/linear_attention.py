@@ -158,7 +158,7 @@ def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     """(dq, dk, dv, dq_weight, dk_weight); weight grads are empty tensors without weights."""
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
     if q.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, grad_o, q, k, v, q_weight, k_weight) \
-            and _has_kernel("linear_attention_backward"):
+            and _dispatch.has_kernel("linear_attention_backward"):
         return _dispatch.kernel("linear_attention_backward")(grad_o, q, k, v, feature_map, q_weight, k_weight,
                                                             scale, normalize, eps)
     # torch.func.vjp, not torch.autograd: a custom op's body runs below the autograd dispatch key.
@@ -180,14 +180,6 @@ def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
 def _(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps):
     dw = [q.new_empty(0) if w is None else w.new_empty(w.shape) for w in (q_weight, k_weight)]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dw[0], dw[1]
-
-
-def _has_kernel(name: str) -> bool:
-    try:
-        getattr(torch.ops.tk_cuda, name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
 
 
 def _setup_context(ctx, inputs, output):

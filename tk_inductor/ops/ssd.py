@@ -166,7 +166,7 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
     """(dx, ddt, dA, dB, dC, dD, dinitial_state); dD / dinitial_state are empty without D / initial_state."""
     _validate(x, dt, A, B, C, D, initial_state, chunk_size)
     if x.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
-            and _has_kernel("ssd_backward"):
+            and _dispatch.has_kernel("ssd_backward"):
         return _dispatch.kernel("ssd_backward")(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
     # torch.func.vjp, not torch.autograd: a custom op's body runs below the autograd dispatch key.
     inputs = (x, dt, A, B, C, D, initial_state)
@@ -186,14 +186,6 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
 @ssd_backward.register_fake
 def _(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size):
     return tuple(x.new_empty(0) if t is None else t.new_empty(t.shape) for t in (x, dt, A, B, C, D, initial_state))
-
-
-def _has_kernel(name: str) -> bool:
-    try:
-        getattr(torch.ops.tk_cuda, name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
 
 
 def _setup_context(ctx, inputs, output):
