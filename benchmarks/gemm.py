@@ -23,6 +23,27 @@ def tflops(m, n, k, ms):
     return 2 * m * n * k / (ms * 1e-3) / 1e12
 
 
+def run(quick: bool = False) -> list:
+    """tk::gemm (default config) vs cuBLAS as rows for `python -m benchmarks`; the ablation stays in main()."""
+    from triton.testing import do_bench
+
+    from benchmarks.common import Row, check_close, progress
+    from tk_inductor import build
+    from tk_inductor.ops import gemm  # noqa: F401  (registers tk::gemm)
+
+    build.load("gemm")
+    rows = []
+    for size in (4096,) if quick else (4096, 8192):
+        progress(f"gemm {size}^3")
+        a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        check_close(f"gemm {size}", torch.ops.tk.gemm(a, b), a.float() @ b.float())
+        for impl, fn in (("ours", lambda: torch.ops.tk.gemm(a, b)), ("cublas", lambda: torch.matmul(a, b))):
+            ms = do_bench(fn, warmup=100, rep=500, return_mode="median")
+            rows.append(Row("gemm", f"{size}^3", impl, ms, tflops(size, size, size, ms), "TFLOPS", x=size))
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4096,8192", help="square sizes M=N=K, comma-separated")
