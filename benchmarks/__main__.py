@@ -90,7 +90,7 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated op benchmarks (default: all)")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated op benchmarks (default: all; 'none' for only --e2e/--build)")
     p.add_argument("--quick", action="store_true", help="a small subset of cases")
     p.add_argument("--e2e", action="store_true", help="also whole models (eager / torch.compile / thunderkittens)")
     p.add_argument("--models", default=None, help="comma-separated e2e models (default: all)")
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
-    for op in [o for o in args.ops.split(",") if o]:
+    for op in [o for o in args.ops.split(",") if o and o != "none"]:
         try:
             module = importlib.import_module(f"benchmarks.{op}")
         except ModuleNotFoundError as exc:
