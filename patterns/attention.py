@@ -1278,7 +1278,11 @@ class _Finder:
             elif name in ("mul", "div") and len(n.args) == 2 and not n.kwargs:
                 c = _positive_const(others[0]) if len(others) == 1 else None
                 if c is None or (name == "div" and n.args[0] is not prev):
-                    raise _Keep(f"the scores are scaled by a non-constant or non-positive `{n.name}`")
+                    runtime = len(others) == 1 and isinstance(others[0], fx.Node) \
+                        and not isinstance(example(others[0]), torch.Tensor)
+                    raise _Keep("the scores are scaled by a run-time value (dynamic=True passes float attributes "
+                                "as tensors)" if runtime else
+                                f"the scores are scaled by a non-constant or non-positive `{n.name}`")
                 scale *= c if name == "mul" else 1.0 / c
             elif name in ("add",) and len(n.args) == 2 and not n.kwargs:
                 kind = _allowed_kind(self._additive(others[0]), shape)  # evaluated for every mask: each must be provable

@@ -97,7 +97,7 @@ def _square_of(node: Any) -> fx.Node | None:
     return None
 
 
-def _scalar_add(node: Any) -> tuple[fx.Node, float] | None:
+def _scalar_add(node: Any) -> tuple[fx.Node, float | fx.Node] | None:
     """`t + eps` in either order: (t, eps)."""
     if not _is(node, _ADD, "add") or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
         return None
@@ -106,6 +106,11 @@ def _scalar_add(node: Any) -> tuple[fx.Node, float] | None:
         return a, _number(b)
     if isinstance(b, fx.Node) and _number(a) is not None:
         return b, _number(a)
+    # A scalar only known at run time (dynamic=True turns float attributes into `t.item()`):
+    # still the norm, so that the report can say why it is kept.
+    for t, eps in ((a, b), (b, a)):
+        if _tensor(t) is not None and isinstance(eps, fx.Node) and _tensor(eps) is None:
+            return t, eps
     return None
 
 
@@ -247,7 +252,7 @@ def _check(norm: _Norm, shape, x, residual, p) -> str | None:
         if len(dims) != 1 or dims[0] != th.shape[-1]:
             return f"normalised over {len(dims)} trailing dims (the op normalises the last one)"
     if not isinstance(norm.eps, (int, float)):
-        return "eps is not a constant"
+        return "eps is a run-time value, not a constant (dynamic=True passes float attributes as tensors)"
     if th.dtype not in layernorm_ops.DTYPES:
         return f"dtype {th.dtype}"
     hidden = th.shape[-1]

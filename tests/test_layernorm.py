@@ -445,3 +445,24 @@ def test_not_matched_other_statistics():
     torch.testing.assert_close(compiled(m)(x), m(x))
     rep = tk_inductor.report()
     assert not rep.replaced.get("layernorm") and not any(f == "layernorm" for f, _ in rep.kept), str(rep)
+
+
+def test_runtime_eps_under_dynamic_true_is_kept_with_reason():
+    """dynamic=True passes float attributes as tensors (`eps.item()`): recognised, kept, and said why."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = LlamaRMSNorm(64)
+
+        def forward(self, x, r):
+            return self.norm(x + r)
+
+    tk_inductor.reset()
+    m = Block()
+    c = torch.compile(m, backend="thunderkittens", options={"reference": True, "inner": "aot_eager"}, dynamic=True)
+    x, r = torch.randn(2, 7, 64), torch.randn(2, 7, 64)
+    torch.testing.assert_close(c(x, r), m(x, r))
+    assert "layernorm" not in tk_inductor.report().replaced
+    assert any(f == "layernorm" and "run-time" in why for f, why in tk_inductor.report().kept)
