@@ -74,3 +74,29 @@ def check_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = 1e
     err = rel_error(out, ref)
     if err > tol:
         raise AssertionError(f"{name}: relative error {err:.2e} > {tol:.0e}")
+
+
+def bandwidth_table(rows: list[Row], baselines: list[str]) -> str:
+    """Markdown table for memory-bound ops: ours in GB/s and % of the copy ceiling (a row with impl "copy"),
+    each baseline's GB/s, and ours/baseline."""
+    ceiling = next((r.figure for r in rows if r.impl == "copy"), None)
+    by_case: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        if r.impl != "copy":
+            by_case.setdefault(r.case, {})[r.impl] = r
+
+    def fig(r):
+        return f"{r.figure:.0f}" if r is not None and r.figure is not None else (r.note if r is not None else "-")
+
+    def ratio(o, b):
+        return f"{b.ms / o.ms:.2f}" if o and b and o.ms and b.ms else "-"
+
+    head = ["case", "ours GB/s", "% of copy"] + [f"{b} GB/s" for b in baselines] + [f"ours/{b}" for b in baselines]
+    out = [f"copy ceiling: {ceiling:.0f} GB/s" if ceiling else "copy ceiling: -",
+           "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for case, impls in by_case.items():
+        o = impls.get("ours")
+        pct = f"{100 * o.figure / ceiling:.0f}%" if o and o.figure and ceiling else "-"
+        cells = [case, fig(o), pct] + [fig(impls.get(b)) for b in baselines] + [ratio(o, impls.get(b)) for b in baselines]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)

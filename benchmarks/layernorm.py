@@ -26,7 +26,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from .common import Row, check_close, copy_ceiling_gbs, median_ms, progress
+from .common import Row, bandwidth_table, check_close, copy_ceiling_gbs, median_ms, progress
 
 ROWS = 65536
 HIDDEN = (1024, 2048, 4096, 8192)
@@ -119,26 +119,7 @@ def run(quick: bool = False) -> list[Row]:
 
 
 def summary(rows: list[Row]) -> str:
-    ceiling = next((r.figure for r in rows if r.impl == "copy"), None)
-    by_case: dict[str, dict[str, Row]] = {}
-    for r in rows:
-        if r.impl != "copy":
-            by_case.setdefault(r.case, {})[r.impl] = r
-    out = [f"copy ceiling: {ceiling:.0f} GB/s" if ceiling else "copy ceiling: -",
-           "| case | ours GB/s | % of copy | torch.compile GB/s | fla GB/s | ours/compile | ours/fla |",
-           "|---|---|---|---|---|---|---|"]
-
-    def fig(r):
-        return f"{r.figure:.0f}" if r is not None and r.figure is not None else (r.note if r is not None else "-")
-
-    def ratio(o, b):
-        return f"{b.ms / o.ms:.2f}" if o and b and o.ms and b.ms else "-"
-
-    for case, impls in by_case.items():
-        o, c, f = impls.get("ours"), impls.get("torch.compile"), impls.get("fla")
-        pct = f"{100 * o.figure / ceiling:.0f}%" if o and o.figure and ceiling else "-"
-        out.append(f"| {case} | {fig(o)} | {pct} | {fig(c)} | {fig(f)} | {ratio(o, c)} | {ratio(o, f)} |")
-    return "\n".join(out)
+    return bandwidth_table(rows, ["torch.compile", "fla"])
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from .common import Row, check_close, copy_ceiling_gbs, median_ms, progress
+from .common import Row, bandwidth_table, check_close, copy_ceiling_gbs, median_ms, progress
 
 
 def cases(quick: bool = False):
@@ -102,23 +102,7 @@ def run(quick: bool = False) -> list[Row]:
 
 
 def summary(rows: list[Row]) -> str:
-    ceiling = next((r.figure for r in rows if r.impl == "copy"), None)
-    by_case: dict[str, dict[str, Row]] = {}
-    for r in rows:
-        if r.impl != "copy":
-            by_case.setdefault(r.case, {})[r.impl] = r
-    out = [f"copy ceiling: {ceiling:.0f} GB/s" if ceiling else "copy ceiling: -",
-           "| case | ours GB/s | % of copy | torch.compile GB/s | eager GB/s | ours/compile |", "|---|---|---|---|---|---|"]
-
-    def fig(r):
-        return f"{r.figure:.0f}" if r is not None and r.figure is not None else (r.note if r is not None else "-")
-
-    for case, impls in by_case.items():
-        o, c, e = impls.get("ours"), impls.get("torch.compile"), impls.get("eager")
-        pct = f"{100 * o.figure / ceiling:.0f}%" if o and o.figure and ceiling else "-"
-        rc = f"{c.ms / o.ms:.2f}" if o and c and o.ms and c.ms else "-"
-        out.append(f"| {case} | {fig(o)} | {pct} | {fig(c)} | {fig(e)} | {rc} |")
-    return "\n".join(out)
+    return bandwidth_table(rows, ["torch.compile", "eager"])
 
 
 def main(argv=None) -> int:
