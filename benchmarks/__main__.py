@@ -56,8 +56,11 @@ def table(rows: list[Row]) -> str:
 
 
 def plot(rows: list[Row], out: Path) -> list[Path]:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        progress("matplotlib is not installed: no plots")
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
