@@ -80,25 +80,6 @@ template <class F, register_tile D, register_tile A> TK_DEVICE void bin_map(D& d
     detail::for_each(dst, [&](int i, int w, int k, int j) { return F::apply(detail::get(a, i, w, k, j), b); });
 }
 
-// copy also converts between element types (fp32 <-> bf16 / fp16).
-template <register_tile D, register_tile S> TK_DEVICE void copy(D& dst, const S& src) { unary_map<op::copy>(dst, src); }
-template <register_tile D, register_tile S> TK_DEVICE void exp(D& dst, const S& src) { unary_map<op::exp>(dst, src); }
-template <register_tile D, register_tile S> TK_DEVICE void exp2(D& dst, const S& src) { unary_map<op::exp2>(dst, src); }
-template <register_tile D, register_tile S> TK_DEVICE void log(D& dst, const S& src) { unary_map<op::log>(dst, src); }
-template <register_tile D, register_tile S> TK_DEVICE void log2(D& dst, const S& src) { unary_map<op::log2>(dst, src); }
-template <register_tile D, register_tile S> TK_DEVICE void abs(D& dst, const S& src) { unary_map<op::abs>(dst, src); }
-template <register_tile D, register_tile S> TK_DEVICE void neg(D& dst, const S& src) { unary_map<op::neg>(dst, src); }
-template <register_tile D, register_tile S> TK_DEVICE void relu(D& dst, const S& src) { unary_map<op::relu>(dst, src); }
-template <register_tile D, register_tile S> TK_DEVICE void sqrt(D& dst, const S& src) { unary_map<op::sqrt>(dst, src); }
-template <register_tile D, register_tile S> TK_DEVICE void rsqrt(D& dst, const S& src) { unary_map<op::rsqrt>(dst, src); }
-// b is a tile of the same shape or a scalar.
-template <register_tile D, register_tile A, class B> TK_DEVICE void add(D& dst, const A& a, const B& b) { bin_map<op::add>(dst, a, b); }
-template <register_tile D, register_tile A, class B> TK_DEVICE void sub(D& dst, const A& a, const B& b) { bin_map<op::sub>(dst, a, b); }
-template <register_tile D, register_tile A, class B> TK_DEVICE void mul(D& dst, const A& a, const B& b) { bin_map<op::mul>(dst, a, b); }
-template <register_tile D, register_tile A, class B> TK_DEVICE void div(D& dst, const A& a, const B& b) { bin_map<op::div>(dst, a, b); }
-template <register_tile D, register_tile A, class B> TK_DEVICE void max(D& dst, const A& a, const B& b) { bin_map<op::max>(dst, a, b); }
-template <register_tile D, register_tile A, class B> TK_DEVICE void min(D& dst, const A& a, const B& b) { bin_map<op::min>(dst, a, b); }
-
 // ---- tiles: row / column broadcasts. *_row: v holds one value per row; *_col: per column ----
 template <class F, register_tile D, register_tile S, register_vector V> TK_DEVICE void row_map(D& dst, const S& src, const V& v) {
     static_assert(detail::same_shape<D, S> && std::is_same_v<V, row_vec<S, typename V::T>>, "row_map: v must be row_vec<tile>");
@@ -257,20 +238,26 @@ template <class F, register_vector D, register_vector A, register_vector B> TK_D
 template <class F, register_vector D, register_vector A> TK_DEVICE void bin_map(D& dst, const A& a, float b) {
     vec_for_each(dst, [&](int t, int s) { return F::apply(detail::f(a.data[t][s]), b); });
 }
-template <register_vector D, register_vector S> TK_DEVICE void copy(D& dst, const S& src) { unary_map<op::copy>(dst, src); }
-template <register_vector D, register_vector S> TK_DEVICE void exp(D& dst, const S& src) { unary_map<op::exp>(dst, src); }
-template <register_vector D, register_vector S> TK_DEVICE void exp2(D& dst, const S& src) { unary_map<op::exp2>(dst, src); }
-template <register_vector D, register_vector S> TK_DEVICE void log(D& dst, const S& src) { unary_map<op::log>(dst, src); }
-template <register_vector D, register_vector S> TK_DEVICE void log2(D& dst, const S& src) { unary_map<op::log2>(dst, src); }
-template <register_vector D, register_vector S> TK_DEVICE void abs(D& dst, const S& src) { unary_map<op::abs>(dst, src); }
-template <register_vector D, register_vector S> TK_DEVICE void neg(D& dst, const S& src) { unary_map<op::neg>(dst, src); }
-template <register_vector D, register_vector S> TK_DEVICE void sqrt(D& dst, const S& src) { unary_map<op::sqrt>(dst, src); }
-template <register_vector D, register_vector S> TK_DEVICE void rsqrt(D& dst, const S& src) { unary_map<op::rsqrt>(dst, src); }
-template <register_vector D, register_vector A, class B> TK_DEVICE void add(D& dst, const A& a, const B& b) { bin_map<op::add>(dst, a, b); }
-template <register_vector D, register_vector A, class B> TK_DEVICE void sub(D& dst, const A& a, const B& b) { bin_map<op::sub>(dst, a, b); }
-template <register_vector D, register_vector A, class B> TK_DEVICE void mul(D& dst, const A& a, const B& b) { bin_map<op::mul>(dst, a, b); }
-template <register_vector D, register_vector A, class B> TK_DEVICE void div(D& dst, const A& a, const B& b) { bin_map<op::div>(dst, a, b); }
-template <register_vector D, register_vector A, class B> TK_DEVICE void max(D& dst, const A& a, const B& b) { bin_map<op::max>(dst, a, b); }
-template <register_vector D, register_vector A, class B> TK_DEVICE void min(D& dst, const A& a, const B& b) { bin_map<op::min>(dst, a, b); }
+
+// ---- named maps, for tiles and vectors alike ----
+template <class X> concept register_value = register_tile<X> || register_vector<X>;
+// copy also converts between element types (fp32 <-> bf16 / fp16).
+template <register_value D, register_value S> TK_DEVICE void copy(D& dst, const S& src) { unary_map<op::copy>(dst, src); }
+template <register_value D, register_value S> TK_DEVICE void exp(D& dst, const S& src) { unary_map<op::exp>(dst, src); }
+template <register_value D, register_value S> TK_DEVICE void exp2(D& dst, const S& src) { unary_map<op::exp2>(dst, src); }
+template <register_value D, register_value S> TK_DEVICE void log(D& dst, const S& src) { unary_map<op::log>(dst, src); }
+template <register_value D, register_value S> TK_DEVICE void log2(D& dst, const S& src) { unary_map<op::log2>(dst, src); }
+template <register_value D, register_value S> TK_DEVICE void abs(D& dst, const S& src) { unary_map<op::abs>(dst, src); }
+template <register_value D, register_value S> TK_DEVICE void neg(D& dst, const S& src) { unary_map<op::neg>(dst, src); }
+template <register_value D, register_value S> TK_DEVICE void relu(D& dst, const S& src) { unary_map<op::relu>(dst, src); }
+template <register_value D, register_value S> TK_DEVICE void sqrt(D& dst, const S& src) { unary_map<op::sqrt>(dst, src); }
+template <register_value D, register_value S> TK_DEVICE void rsqrt(D& dst, const S& src) { unary_map<op::rsqrt>(dst, src); }
+// b is a tile/vector of the same shape, or a scalar.
+template <register_value D, register_value A, class B> TK_DEVICE void add(D& dst, const A& a, const B& b) { bin_map<op::add>(dst, a, b); }
+template <register_value D, register_value A, class B> TK_DEVICE void sub(D& dst, const A& a, const B& b) { bin_map<op::sub>(dst, a, b); }
+template <register_value D, register_value A, class B> TK_DEVICE void mul(D& dst, const A& a, const B& b) { bin_map<op::mul>(dst, a, b); }
+template <register_value D, register_value A, class B> TK_DEVICE void div(D& dst, const A& a, const B& b) { bin_map<op::div>(dst, a, b); }
+template <register_value D, register_value A, class B> TK_DEVICE void max(D& dst, const A& a, const B& b) { bin_map<op::max>(dst, a, b); }
+template <register_value D, register_value A, class B> TK_DEVICE void min(D& dst, const A& a, const B& b) { bin_map<op::min>(dst, a, b); }
 
 }  // namespace tk
