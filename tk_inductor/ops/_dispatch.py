@@ -26,10 +26,28 @@ def kernel(name: str):
     return getattr(torch.ops.tk_cuda, name)
 
 
+# Floating dtypes the references accept; each kernel checks its own, narrower set.
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def check(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
     """Input validation for ops called directly: a clear Python error, never a device crash."""
     if not condition:
         raise error(message)
+
+
+def check_operands(op: str, layout: str, **operands) -> None:
+    """The named operands are tensors of one floating dtype on one device, each of rank len(layout.split(', '))."""
+    rank = len(layout.split(", "))
+    for name, t in operands.items():
+        check(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
+        check(t.dim() == rank, f"{op}: {name} must be {rank}-D ({layout}), got shape {tuple(t.shape)}")
+        check(t.dtype in FLOATS, f"{op}: {name} dtype {t.dtype} is not a floating type", TypeError)
+    names, ts = ", ".join(operands), list(operands.values())
+    check(all(t.dtype == ts[0].dtype for t in ts),
+          f"{op}: {names} dtypes differ ({', '.join(str(t.dtype) for t in ts)})", TypeError)
+    check(all(t.device == ts[0].device for t in ts),
+          f"{op}: {names} devices differ ({', '.join(str(t.device) for t in ts)})")
 
 
 def has_kernel(name: str) -> bool:

@@ -29,14 +29,11 @@ import math
 
 import torch
 
-import tk_inductor.config  # noqa: F401  (load before _dispatch: the package __getattr__ recurses on `from .. import config`)
-
 from . import _dispatch
 
 FAMILY = "attention"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_HEAD_DIMS = (64, 128)
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float32/64: reference only
 
 
 def kernel_supports(dtype: torch.dtype, head_dim) -> str | None:
@@ -52,12 +49,7 @@ def kernel_supports(dtype: torch.dtype, head_dim) -> str | None:
 
 def _validate(q, k, v, scale, op: str = "tk::attention") -> None:
     check = _dispatch.check
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
-        check(t.dim() == 4, f"{op}: {name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
-        check(t.dtype in _FLOATS, f"{op}: {name} dtype {t.dtype} is not a floating type", TypeError)
-    check(q.dtype == k.dtype == v.dtype, f"{op}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})", TypeError)
-    check(q.device == k.device == v.device, f"{op}: q, k, v devices differ ({q.device}, {k.device}, {v.device})")
+    _dispatch.check_operands(op, "B, H, N, D", q=q, k=k, v=v)
     check(k.shape == v.shape, f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     B, Hq, _, D = q.shape
     check(k.shape[0] == B, f"{op}: batch of k/v ({k.shape[0]}) differs from q's ({B})")

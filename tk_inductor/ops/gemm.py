@@ -11,22 +11,14 @@ from __future__ import annotations
 
 import torch
 
-import tk_inductor.config  # noqa: F401  (load before _dispatch, as the other op modules do)
-
 from . import _dispatch
 
 FAMILY = "gemm"
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _validate(a, b, op: str = "tk::gemm") -> None:
     check = _dispatch.check
-    for name, t in (("a", a), ("b", b)):
-        check(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
-        check(t.dim() == 2, f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
-        check(t.dtype in _FLOATS, f"{op}: {name} dtype {t.dtype} is not a floating type", TypeError)
-    check(a.dtype == b.dtype, f"{op}: a and b dtypes differ ({a.dtype}, {b.dtype})", TypeError)
-    check(a.device == b.device, f"{op}: a and b devices differ ({a.device}, {b.device})")
+    _dispatch.check_operands(op, "rows, cols", a=a, b=b)
     check(a.shape[1] == b.shape[0], f"{op}: inner dims differ: {tuple(a.shape)} @ {tuple(b.shape)}")
     check(min(a.shape[0], a.shape[1], b.shape[1]) >= 1, f"{op}: M, N, K must be >= 1, got {tuple(a.shape)} @ {tuple(b.shape)}")
 

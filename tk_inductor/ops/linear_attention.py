@@ -44,19 +44,13 @@ from . import _dispatch
 FAMILY = "linear_attention"
 FEATURE_MAPS = ("identity", "elu1", "based", "hedgehog")
 REFERENCE_CHUNK = 64
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: reference only (gradcheck)
 
 
 # ---------------------------------------------------------------------------- validation
 
 def _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps) -> None:
     check = _dispatch.check
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check(isinstance(t, torch.Tensor), f"tk::linear_attention: {name} must be a tensor", TypeError)
-        check(t.dim() == 4, f"tk::linear_attention: {name} must be 4-D (B, H, N, d), got shape {tuple(t.shape)}")
-        check(t.dtype in _FLOATS, f"tk::linear_attention: {name} dtype {t.dtype} is not a float type", TypeError)
-    check(q.dtype == k.dtype == v.dtype, f"tk::linear_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})", TypeError)
-    check(q.device == k.device == v.device, f"tk::linear_attention: q, k, v devices differ ({q.device}, {k.device}, {v.device})")
+    _dispatch.check_operands("tk::linear_attention", "B, H, N, d", q=q, k=k, v=v)
     check(q.shape == k.shape, f"tk::linear_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
     check(v.shape[:3] == q.shape[:3], f"tk::linear_attention: v {tuple(v.shape)} must share (B, H, N) with q {tuple(q.shape)}")
     check(feature_map in FEATURE_MAPS, f"tk::linear_attention: feature_map {feature_map!r} not in {FEATURE_MAPS}")
@@ -71,7 +65,7 @@ def _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps) -> None:
         check(isinstance(w, torch.Tensor), f"tk::linear_attention: 'hedgehog' needs {name} (a tensor)", TypeError)
         check(w.dim() in (2, 3) and (w.dim() == 2 or w.shape[0] == H) and w.shape[-2] == dk,
               f"tk::linear_attention: {name} must be (H={H}, dk={dk}, f) or (dk={dk}, f), got {tuple(w.shape)}")
-        check(w.dtype in _FLOATS, f"tk::linear_attention: {name} dtype {w.dtype} is not a float type", TypeError)
+        check(w.dtype in _dispatch.FLOATS, f"tk::linear_attention: {name} dtype {w.dtype} is not a float type", TypeError)
         check(w.device == q.device, f"tk::linear_attention: {name} is on {w.device}, q on {q.device}")
     check(q_weight.shape[-1] == k_weight.shape[-1],
           f"tk::linear_attention: q_weight and k_weight feature sizes differ ({q_weight.shape[-1]} vs {k_weight.shape[-1]})")

@@ -25,7 +25,6 @@ import torch
 from . import _dispatch
 
 FAMILY = "ssd"
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: reference only (gradcheck)
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -40,7 +39,7 @@ def _validate(x, dt, A, B, C, D, initial_state, chunk_size) -> None:
         if t is None and name in ("D", "initial_state"):
             continue
         check(isinstance(t, torch.Tensor), f"tk::ssd: {name} must be a tensor", TypeError)
-        check(t.dtype in _FLOATS, f"tk::ssd: {name} dtype {t.dtype} is not a float type", TypeError)
+        check(t.dtype in _dispatch.FLOATS, f"tk::ssd: {name} dtype {t.dtype} is not a float type", TypeError)
         check(t.device == x.device, f"tk::ssd: {name} is on {t.device}, x on {x.device}")
     check(x.dim() == 4, f"tk::ssd: x must be (b, l, nh, p), got shape {tuple(x.shape)}")
     b, l, nh, p = x.shape
