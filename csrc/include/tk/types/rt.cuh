@@ -50,4 +50,22 @@ template <class L> TK_DEVICE int base_col(int k, int j) {
     else return pair8_pos(k & 1);
 }
 
+namespace detail {
+// dst(element) = g(tile row i, tile col w, register k, pair half j) for every element of a register tile
+// (g returns float; the result is rounded to the tile type). The one traversal every tile op builds on.
+template <register_tile D, class G> TK_DEVICE void for_each(D& dst, G&& g) {
+    using T = typename D::T;
+#pragma unroll
+    for (int i = 0; i < D::height; ++i)
+#pragma unroll
+        for (int w = 0; w < D::width; ++w)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                auto& p = dst.tiles[i][w].data[k];
+                p.x = convert<T>(g(i, w, k, 0));
+                p.y = convert<T>(g(i, w, k, 1));
+            }
+}
+}  // namespace detail
+
 }  // namespace tk

@@ -10,21 +10,10 @@ namespace tk {
 template <register_tile RT, class GL> TK_DEVICE void load_at(RT& dst, const GL& g, int b, int h, int row0, int col0) {
     using L = typename RT::layout;
     const int R = g.rows(), C = g.cols();
-#pragma unroll
-    for (int i = 0; i < RT::height; ++i)
-#pragma unroll
-        for (int w = 0; w < RT::width; ++w)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                float v[2];
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const int r = row0 + 16 * i + base_row<L>(k, j), c = col0 + 16 * w + base_col<L>(k, j);
-                    v[j] = (r < R && c < C) ? convert<float>(g.row_ptr(b, h, r)[c]) : 0.f;
-                }
-                dst.tiles[i][w].data[k].x = convert<typename RT::T>(v[0]);
-                dst.tiles[i][w].data[k].y = convert<typename RT::T>(v[1]);
-            }
+    detail::for_each(dst, [&](int i, int w, int k, int j) {
+        const int r = row0 + 16 * i + base_row<L>(k, j), c = col0 + 16 * w + base_col<L>(k, j);
+        return (r < R && c < C) ? convert<float>(g.row_ptr(b, h, r)[c]) : 0.f;
+    });
 }
 
 template <class GL, register_tile RT> TK_DEVICE void store_at(const GL& g, const RT& src, int b, int h, int row0, int col0) {

@@ -30,20 +30,6 @@ namespace detail {
 template <class A, class B> constexpr bool same_shape =
     A::rows == B::rows && A::cols == B::cols && std::is_same_v<typename A::layout, typename B::layout>;
 template <class T> TK_DEVICE float f(T x) { return convert<float>(x); }
-// Apply g(tile index i, w, register k, half j, float value) -> float to every element of dst.
-template <register_tile D, class G> TK_DEVICE void for_each(D& dst, G&& g) {
-    using T = typename D::T;
-#pragma unroll
-    for (int i = 0; i < D::height; ++i)
-#pragma unroll
-        for (int w = 0; w < D::width; ++w)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                auto& p = dst.tiles[i][w].data[k];
-                p.x = convert<T>(g(i, w, k, 0));
-                p.y = convert<T>(g(i, w, k, 1));
-            }
-}
 template <register_tile S> TK_DEVICE float get(const S& s, int i, int w, int k, int j) {
     return j ? f(s.tiles[i][w].data[k].y) : f(s.tiles[i][w].data[k].x);
 }
@@ -172,30 +158,19 @@ template <register_tile D, register_tile S> TK_DEVICE void swap_layout(D& dst, c
     static_assert(D::rows == S::rows && D::cols == S::cols && !std::is_same_v<typename D::layout, typename S::layout>,
                   "swap_layout: same shape, other layout");
     const int lane = laneid(), half = (lane >> 2) & 1;
-#pragma unroll
-    for (int i = 0; i < D::height; ++i)
-#pragma unroll
-        for (int w = 0; w < D::width; ++w)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const auto& from = src.tiles[i][w].data[2 * (k & 1) + (k >> 1)];
-                float v[2];
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const int lane_s = (2 * (lane & 3) + j) * 4 + (lane >> 3);
-                    if constexpr (std::is_same_v<typename S::T, float>) {
-                        const float x = __shfl_sync(0xffffffff, from.x, lane_s), y = __shfl_sync(0xffffffff, from.y, lane_s);
-                        v[j] = half ? y : x;
-                    } else {
-                        uint32_t word = __shfl_sync(0xffffffff, as_u32(from), lane_s);
-                        typename S::T parts[2];
-                        __builtin_memcpy(parts, &word, 4);
-                        v[j] = convert<float>(parts[half]);
-                    }
-                }
-                dst.tiles[i][w].data[k].x = convert<typename D::T>(v[0]);
-                dst.tiles[i][w].data[k].y = convert<typename D::T>(v[1]);
-            }
+    detail::for_each(dst, [&](int i, int w, int k, int j) {
+        const auto& from = src.tiles[i][w].data[2 * (k & 1) + (k >> 1)];
+        const int lane_s = (2 * (lane & 3) + j) * 4 + (lane >> 3);
+        if constexpr (std::is_same_v<typename S::T, float>) {
+            const float x = __shfl_sync(0xffffffff, from.x, lane_s), y = __shfl_sync(0xffffffff, from.y, lane_s);
+            return half ? y : x;
+        } else {
+            uint32_t word = __shfl_sync(0xffffffff, as_u32(from), lane_s);
+            typename S::T parts[2];
+            __builtin_memcpy(parts, &word, 4);
+            return convert<float>(parts[half]);
+        }
+    });
 }
 // dst = srcᵀ in the opposite layout: free (a col-layout tile's registers are its transpose's row layout).
 template <register_tile D, register_tile S> TK_DEVICE void transpose_sep(D& dst, const S& src) {
