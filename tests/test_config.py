@@ -159,3 +159,16 @@ def test_opt_in_variable(monkeypatch, value, on):
     else:
         monkeypatch.setenv("TK_INDUCTOR", value)
     assert _autoload.enabled() is on
+
+
+@pytest.mark.parametrize("env", [None, "1", "0"])
+@pytest.mark.parametrize("patched", [None, True, False])
+def test_reference_at_run_time_matches_current(monkeypatch, env, patched):
+    """The ops' cheap per-call check agrees with the full resolution."""
+    if env is None:
+        monkeypatch.delenv("TK_INDUCTOR_REFERENCE", raising=False)
+    else:
+        monkeypatch.setenv("TK_INDUCTOR_REFERENCE", env)
+    changes = {} if patched is None else {"reference": patched}
+    with config.patch(**changes):
+        assert config.reference_at_run_time() == config.current().reference

@@ -111,6 +111,13 @@ def current(options: dict | None = None) -> Config:
     return cfg
 
 
+def reference_at_run_time() -> bool:
+    """`current().reference` without building a Config: ops ask this on every call."""
+    if "reference" in _overrides:
+        return bool(_overrides["reference"])
+    return bool(_env_flag("TK_INDUCTOR_REFERENCE"))
+
+
 @contextlib.contextmanager
 def patch(**changes) -> Iterator[Config]:
     """Temporarily change process-wide settings, e.g. `with config.patch(ops=["rotary"])`."""

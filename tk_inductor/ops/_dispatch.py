@@ -16,7 +16,7 @@ from .. import build, config
 def use_kernel(family: str, *tensors: torch.Tensor | None) -> bool:
     if not all(t is None or t.is_cuda for t in tensors):
         return False
-    if config.current().reference:
+    if config.reference_at_run_time():
         return False
     return build.try_load(family)
 
