@@ -77,6 +77,8 @@ from tk_inductor import config
 from tk_inductor.ops import attention as attention_ops
 from tk_inductor.rewrite import Match, example
 
+from ._fx import arg as _arg
+
 FAMILY = "attention"
 log = logging.getLogger("tk_inductor")
 _NEG_BIG = torch.finfo(torch.float16).min  # fill values at or below this vanish in softmax
@@ -130,12 +132,6 @@ def _name(node) -> str | None:
     if node.op == "call_method":
         return _METHOD_ALIASES.get(node.target, node.target)
     return None
-
-
-def _arg(node: fx.Node, i: int, key: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(key, default)
 
 
 def _shape(x) -> tuple:

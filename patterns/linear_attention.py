@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from tk_inductor.ops import linear_attention as _ops  # noqa: F401  (registers torch.ops.tk.linear_attention)
 from tk_inductor.rewrite import Match, example
 
+from ._fx import arg
+
 FAMILY = "linear_attention"
 
 # ============================================================================ graph helpers
@@ -100,12 +102,6 @@ def kind(node) -> str | None:
     if target_name in ("mT",) or str(node.target) == "aten.mT":
         return "mT"
     return None
-
-
-def arg(node: fx.Node, i: int, name: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
 
 
 def shape(node) -> tuple | None:
