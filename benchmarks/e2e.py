@@ -114,6 +114,7 @@ def bench_model(name: str, quick: bool = False, train: bool = True) -> list[Row]
                     r = tk_inductor.report()
                     note += f", replaced {r.replaced}"
                 rows.append(Row("e2e", case, mode, ms, tokens / ms * 1e3, "tokens/s", note=note))
+                progress(f"  {ms:.2f} ms, {tokens / ms * 1e3:.0f} tokens/s, {note}")
             except Exception as exc:  # a baseline that fails (Inductor on Mamba2) is reported, not hidden
                 rows.append(Row("e2e", case, mode, None, note=f"failed: {type(exc).__name__}: {str(exc)[:160]}"))
                 progress(f"  failed: {type(exc).__name__}: {str(exc)[:300]}")
