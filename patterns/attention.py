@@ -32,9 +32,15 @@ diff/cumsum of constant steps), predicates that are intersections of half-planes
 and two-valued selections. It covers tril/triu of ones/full, arange comparisons, `where`,
 `masked_fill`, and transformers 5.x's `sdpa_mask`/`eager_mask` including the packed-sequence
 detection on in-graph position ids. A mask is causal iff its allowed set is exactly {j <= i}
-(top-left, as the op), all-visible iff it allows everything. Anything reaching a graph input (a
-padding mask, user position_ids, a mask buffer) or any op outside this vocabulary is kept with
-the reason.
+(top-left, as the op), all-visible iff it allows everything. A mask built in the graph from a graph
+input (a padding mask, user position_ids, a mask buffer) or with any op outside this vocabulary is kept
+with the reason.
+
+A mask that *is* a graph input (up to views and casts) — what every layer sees after DDP's graph
+splitting, FSDP2's graph breaks or a per-layer `torch.compile`, where the mask was built in another
+graph — goes to `tk::attention_masked` (SDPA masks, and additive masks in eager attention when nothing
+scales the scores after the mask): the op checks its values once per mask tensor at run time and runs the
+kernel when it is causal or all-visible, SDPA with the mask otherwise.
 
 What Dynamo sees of transformers 5.x masks (masking_utils): without a padding mask the mask is built
 inside the graph from `arange`s — `sdpa_mask` returns None (SDPA gets is_causal=True) unless
@@ -793,6 +799,18 @@ def _additive_allowed(v) -> Pred:
     raise _Keep(f"additive mask values ({v.a}, {v.b}) are not (0, -inf or <= {_NEG_BIG:g})")
 
 
+def _from_graph_input(node) -> bool:
+    """Whether a mask is a graph input, up to views and casts: its values exist only at run time (DDP's graph
+    splitting, FSDP's graph breaks, a per-layer compile), so tk::attention_masked checks them there."""
+    while isinstance(node, fx.Node) and node.op != "placeholder":
+        if node.op not in ("call_function", "call_method") or not node.args:
+            return False
+        if _name(node) not in _CASTS | {"getitem", "expand", "unsqueeze", "view", "reshape", "contiguous", "clone"}:
+            return False
+        node = node.args[0]
+    return isinstance(node, fx.Node)
+
+
 # ---------------------------------------------------------------------------- operands
 
 @dataclasses.dataclass
@@ -1062,19 +1080,19 @@ class _Finder:
 
     # ------------------------------------------------------------------ shared checks and the match
     def _match(self, out: fx.Node, qo: _Operand, ko: _Operand, vo: _Operand, causal: bool, scale: float,
-               keep: str | None = None, mixed: bool = False) -> Match:
+               keep: str | None = None, mixed: bool = False, mask: fx.Node | None = None) -> Match:
         exs = [example(o.node) for o in (qo, ko, vo)]
         device = exs[0].device if isinstance(exs[0], torch.Tensor) else None
         needs_grad = any(isinstance(e, torch.Tensor) and e.requires_grad for e in exs)
         m = Match(FAMILY, [out], needs_grad=needs_grad, device=device, reason=keep)
         if keep is None:
             try:
-                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, causal, scale, mixed)
+                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, causal, scale, mixed, mask)
             except _Keep as e:
                 m.reason = str(e)
         return m
 
-    def _call(self, out, qo, ko, vo, causal, scale, mixed=False):
+    def _call(self, out, qo, ko, vo, causal, scale, mixed=False, mask=None):
         exs = [example(o.node) for o in (qo, ko, vo)]
         if not all(isinstance(e, torch.Tensor) for e in exs):
             raise _Keep("q/k/v example values are missing")
@@ -1133,6 +1151,12 @@ class _Finder:
         # The op's o is a transposed view of a (B, N, H, D) buffer; a later `.view` of the eager
         # (contiguous) result may not be expressible on it, so those users get a contiguous copy.
         contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
+        if mask is not None:  # values known only at run time: the op checks them (tk::attention_masked)
+            if heads != "4d" or any(transposed) or contiguous:
+                raise _Keep("the mask's values are known only at run time and the layout needs an adapter")
+            if getattr(example(mask), "requires_grad", False):
+                raise _Keep("the mask/bias requires grad (a learned bias)")
+            return torch.ops.tk.attention_masked.default, (qo.node, ko.node, vo.node, mask, float(scale)), [out, None]
         if heads == "4d" and not any(transposed) and not contiguous:
             return torch.ops.tk.attention.default, args, [out, None]
         return attention_adapter, args + (transposed, heads, contiguous), [out]
@@ -1171,8 +1195,14 @@ class _Finder:
             if is_causal is None:
                 raise _Keep("SDPA is_causal is not a constant")
             causal = bool(is_causal)
+            runtime_mask = None
             if mask is not None:
-                causal = self._sdpa_mask(mask, _shape(node)[:-1] + (_shape(k)[-2],))
+                try:
+                    causal = self._sdpa_mask(mask, _shape(node)[:-1] + (_shape(k)[-2],))
+                except _Keep:
+                    if is_causal or not _from_graph_input(mask):
+                        raise
+                    runtime_mask = mask
             d = _number(_shape(q)[-1]) if _shape(q) else None
             if scale is None:
                 if d is None:
@@ -1186,7 +1216,7 @@ class _Finder:
                 raise _Keep(f"SDPA inputs of rank {len(_shape(q))} (the op takes 4-D)")
         except _Keep as e:
             return self._match(node, qo, ko, vo, False, 1.0, keep=str(e))
-        return self._match(node, qo, ko, vo, causal, scale)
+        return self._match(node, qo, ko, vo, causal, scale, mask=runtime_mask)
 
     def _sdpa_mask(self, mask: fx.Node, score_shape: tuple) -> bool:
         try:
@@ -1242,7 +1272,7 @@ class _Finder:
             if sdt is not None and sdt not in (torch.float32, torch.float64, example(q).dtype):
                 raise _Keep(f"softmax in {sdt}")
             q_dtype = example(qo.node).dtype
-            scale, causal = self._scores_chain(qk, chain, q_dtype)
+            scale, causal, runtime_mask = self._scores_chain(qk, chain, q_dtype)
             if _name(qk) == "baddbmm":
                 alpha = _positive_const(qk.kwargs.get("alpha", 1))
                 if alpha is None:
@@ -1253,15 +1283,16 @@ class _Finder:
             scale *= qo.scale * ko.scale
         except _Keep as e:
             return self._match(pv, qo, ko, vo, False, 1.0, keep=str(e))
-        return self._match(pv, qo, ko, vo, causal, scale, mixed=mixed)
+        return self._match(pv, qo, ko, vo, causal, scale, mixed=mixed, mask=runtime_mask)
 
     def _cast_ok(self, n: fx.Node, q_dtype) -> None:
         dt = example(n).dtype
         if dt not in (torch.float32, torch.float64, q_dtype):
             raise _Keep(f"the scores are cast to {dt}, below the inputs' {q_dtype}")
 
-    def _scores_chain(self, qk: fx.Node, chain: list[fx.Node], q_dtype) -> tuple[float, bool]:
-        scale, causal = 1.0, False
+    def _scores_chain(self, qk: fx.Node, chain: list[fx.Node], q_dtype) -> tuple[float, bool, fx.Node | None]:
+        """(scale, causal, mask whose values are known only at run time, or None)."""
+        scale, causal, runtime_mask = 1.0, False, None
         shape = _shape(qk)
         prev = qk
         for n in chain:
@@ -1273,6 +1304,8 @@ class _Finder:
                 self._cast_ok(n, q_dtype)
             elif name in ("mul", "div") and len(n.args) == 2 and not n.kwargs:
                 c = _positive_const(others[0]) if len(others) == 1 else None
+                if runtime_mask is not None:
+                    raise _Keep("the scores are scaled after a run-time mask was added (SDPA adds it after scaling)")
                 if c is None or (name == "div" and n.args[0] is not prev):
                     runtime = len(others) == 1 and isinstance(others[0], fx.Node) \
                         and not isinstance(example(others[0]), torch.Tensor)
@@ -1281,7 +1314,14 @@ class _Finder:
                                 f"the scores are scaled by a non-constant or non-positive `{n.name}`")
                 scale *= c if name == "mul" else 1.0 / c
             elif name in ("add",) and len(n.args) == 2 and not n.kwargs:
-                kind = _allowed_kind(self._additive(others[0]), shape)  # evaluated for every mask: each must be provable
+                try:
+                    kind = _allowed_kind(self._additive(others[0]), shape)  # evaluated for every mask: each must be provable
+                except _Keep:
+                    m = others[0] if len(others) == 1 else None
+                    if runtime_mask is not None or causal or not _from_graph_input(m) \
+                            or not isinstance(example(m), torch.Tensor) or not example(m).is_floating_point():
+                        raise
+                    runtime_mask, kind = m, False
                 causal = causal or kind
             elif name == "masked_fill" and n.args[0] is prev:
                 fill = _number(_arg(n, 2, "value"))
@@ -1319,7 +1359,9 @@ class _Finder:
             if not _same_scores(_shape(n), shape):
                 raise _Keep(f"`{n.name}` broadcasts the scores to a larger shape")
             prev = n
-        return scale, causal
+        if runtime_mask is not None and causal:
+            raise _Keep("a proven causal mask and a run-time mask are both applied")
+        return scale, causal, runtime_mask
 
     def _const_value(self, x):
         v = _number(x)

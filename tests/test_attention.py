@@ -593,12 +593,80 @@ def test_hf_output_attentions_kept():
 
 # ---------------------------------------------------------------------------- must not replace
 
-def test_arbitrary_sdpa_mask_kept():
+# ---------------------------------------------------------------------------- masks known only at run time
+
+def _sdpa_sliced_mask(q, k, v, m):  # transformers slices the mask handed to each layer to the key length
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m[..., : k.shape[-2]])
+
+
+def _eager_added_mask(q, k, v, m):
+    s = (q @ k.transpose(-1, -2)) * 0.25 + m
+    return F.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def _masks(n: int, m: int) -> dict:
+    causal = torch.ones(n, m, dtype=torch.bool).tril()
+    pad = causal.clone()
+    pad[:, 0] = False
+    pad[:, 1] = True  # no empty rows
+    neg = torch.finfo(torch.float32).min
+    return {"causal": causal, "full": torch.ones(n, m, dtype=torch.bool), "padding": pad,
+            "random": torch.rand(n, m) > 0.3,
+            "causal_additive": torch.zeros(n, m).masked_fill(~causal, neg),
+            "padding_additive": torch.zeros(n, m).masked_fill(~pad, neg), "bias": torch.randn(n, m)}
+
+
+@pytest.mark.parametrize("form", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["causal", "full", "padding", "random", "causal_additive", "padding_additive", "bias"])
+def test_graph_input_mask_checked_at_run_time(form, kind):
+    """A mask handed into the graph (DDP/FSDP graph splits, per-layer compile) goes to tk::attention_masked,
+    which equals the original graph, forward and gradients, whatever the mask's values."""
+    mask = _masks(8, 8)[kind]
+    if form == "eager" and mask.dtype == torch.bool:
+        pytest.skip("eager attention adds float masks")
+    fn = _sdpa_sliced_mask if form == "sdpa" else _eager_added_mask
+    qkv = [x.requires_grad_() for x in _inputs()]
+    out = _compile(Fn(fn))(*qkv, mask)
+    assert tk_inductor.report().replaced == {"attention": 1}, str(tk_inductor.report())
+    ref = fn(*qkv, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), qkv), torch.autograd.grad((ref * w).sum(), qkv)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_learned_bias_input_kept():
+    bias = torch.randn(4, 8, 8, requires_grad=True)
+    assert "requires grad" in _kept(Fn(_eager_added_mask), *_inputs(), bias)[0]
+
+
+def test_mask_kind():
+    masks = _masks(5, 7)
+    kinds = {name: A.mask_kind(m, 5, 7) for name, m in masks.items()}
+    assert kinds == {"causal": "causal", "full": "full", "padding": None, "random": None,
+                     "causal_additive": "causal", "padding_additive": None, "bias": None}
+    # broadcast views, leading dims, and an in-place change after the answer was cached
+    m = masks["causal"][None, None].expand(3, 4, 5, 7)
+    assert A.mask_kind(m, 5, 7) == "causal"
+    owner = masks["causal"].clone()
+    assert A.mask_kind(owner[None, None], 5, 7) == "causal"
+    owner[4, 0] = False
+    assert A.mask_kind(owner[None, None], 5, 7) is None
+    assert A.mask_kind(masks["causal_additive"] * 0.5, 5, 7) == "causal"  # still 0 / <= fp16 min
+    assert A.mask_kind(masks["causal_additive"] / 1e35, 5, 7) is None  # hidden values too mild
+
+
+def test_attention_masked_bad_mask():
     q, k, v = _inputs()
-    mask = torch.rand(8, 8) > 0.3
-    mask[:, 0] = True
-    reasons = _kept(Fn(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)), q, k, v, mask)
-    assert "graph input" in reasons[0]
+    with pytest.raises(ValueError, match="does not broadcast"):
+        torch.ops.tk.attention_masked(q, k, v, torch.ones(3, 8, dtype=torch.bool), 0.25)
+    with pytest.raises(TypeError, match="bool or floating"):
+        torch.ops.tk.attention_masked(q, k, v, torch.ones(8, 8, dtype=torch.long), 0.25)
+
+
+def test_attention_masked_opcheck():
+    q, k, v = _inputs()
+    torch.library.opcheck(torch.ops.tk.attention_masked.default, (q, k, v, _masks(8, 8)["padding"], 0.25))
 
 
 def test_sliding_window_kept():
@@ -653,13 +721,6 @@ def test_alibi_bias_kept():
 
     reasons = _kept(Fn(fn), *_inputs())
     assert "not provably causal" in reasons[0] or "bias" in reasons[0], reasons
-
-
-def test_relative_bias_input_kept():
-    def fn(q, k, v, bias):
-        return F.softmax((q @ k.transpose(-1, -2)) * 0.25 + bias, dim=-1) @ v
-
-    assert "graph input" in _kept(Fn(fn), *_inputs(), torch.randn(4, 8, 8))[0]
 
 
 def test_weak_fill_value_kept():
@@ -947,3 +1008,49 @@ def test_mask_prover_is_sound_on_random_masks():
         expected = torch.ones(N, M, dtype=torch.bool).tril() if causal else torch.ones(N, M, dtype=torch.bool)
         assert torch.equal(concrete, expected), (N, M, causal, concrete)
     assert proven >= 15  # most random spellings of causal/all-visible masks are proven, not refused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["causal", "full", "padding", "causal_additive", "bias"])
+def test_gpu_attention_masked_paths(kind):
+    """A causal or all-visible run-time mask runs the kernel (lse computed), any other runs SDPA; forward and
+    gradients equal SDPA with the mask either way; one check per mask tensor (cached)."""
+    if not _kernel_built():
+        pytest.skip("attention kernels not built for this device")
+    N = M = 300
+    q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(2, 8, 2, N, M, 128, dtype=torch.float32))
+    mask = _masks(N, M)[kind].cuda()
+    if mask.is_floating_point():
+        mask = mask.bfloat16()
+    o, lse = torch.ops.tk.attention_masked(q, k, v, mask[None, None], 0.0883)
+    assert (lse.abs().sum() > 0) == (kind in ("causal", "full", "causal_additive"))  # which path ran
+    assert A.mask_kind(mask[None, None], N, M) == {"causal": "causal", "full": "full",
+                                                   "causal_additive": "causal"}.get(kind)
+    kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    ref = F.scaled_dot_product_attention(q.float(), kk.float(), vv.float(),
+                                         attn_mask=mask if mask.dtype == torch.bool else mask.float(), scale=0.0883)
+    assert (o.float() - ref).norm() / ref.norm() < 1e-2
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    want = torch.autograd.grad(ref, (q, k, v), do.float())
+    for g, w in zip(got, want):
+        assert (g.float() - w.float()).norm() / w.float().norm() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_attention_masked_under_cuda_graph_capture_takes_sdpa_path():
+    if not _kernel_built():
+        pytest.skip("attention kernels not built for this device")
+    q, k, v = (t.cuda().bfloat16() for t in _qkv(1, 4, 4, 64, 64, 64, dtype=torch.float32))
+    mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
+    torch.ops.tk.attention_masked(q, k, v, mask, 0.125)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = torch.ops.tk.attention_masked(q, k, v, mask, 0.125)
+    mask[10, 0] = False  # the captured graph must honour the new values: it runs SDPA with the mask
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+    torch.testing.assert_close(o, ref, rtol=2e-2, atol=2e-2)

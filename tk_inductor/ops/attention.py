@@ -22,12 +22,22 @@ float dtype. The matcher (patterns/attention.py) only routes supported shapes to
 reference fallback there is for direct calls and reference mode.
 
 `lse` is an auxiliary output for the backward and is not differentiable (autograd marks it so).
+
+    tk::attention_masked(q, k, v, mask, scale) -> (o, lse)
+        SDPA with `attn_mask=mask` (bool, True = attend, or additive float, broadcast to (B, Hq, N, M)) for a mask
+        whose values the compiler cannot see: one handed into the graph, as after DDP's graph splitting, FSDP's
+        graph breaks or a per-layer `torch.compile`. At run time `mask_kind` checks the values once per mask
+        tensor (one device-to-host copy, cached per tensor and version); a causal or all-visible mask runs the
+        kernel, any other mask runs SDPA with the mask, exactly as the original graph did (then `lse` is not computed
+        (zeros) and the backward uses the textbook formulas in fp32, one batch entry at a time). While a CUDA graph is being captured the check
+        cannot run, so the SDPA path is taken.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _dispatch
 
@@ -198,3 +208,166 @@ def _backward(ctx, grad_o, _grad_lse):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------- masks known only at run time
+
+NEG_BIG = torch.finfo(torch.float16).min  # additive values at or below this vanish in softmax (as the matcher's)
+_kinds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # mask tensor (or its base) -> {view key: kind}
+
+
+def _mask_key(mask: torch.Tensor, N: int, M: int) -> tuple:
+    return (mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype, mask._version, N, M)
+
+
+def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
+    """"causal" (key j <= query i), "full" (every key) or None (anything else) for a bool (True = attend) or
+    additive (0 = attend, <= NEG_BIG = hidden) mask that broadcasts to (..., N, M).
+
+    Decided on the values, with one device-to-host copy; the answer is cached on the tensor (or the tensor it
+    views) together with the view's geometry and version counter, so layers that share one mask pay once and an
+    in-place change of the mask is seen."""
+    owner = mask._base if mask._base is not None else mask
+    key = _mask_key(mask, N, M)
+    cached = _kinds.get(owner)
+    if cached is not None and key in cached:
+        return cached[key]
+    m = mask
+    # broadcast (stride-0) and unit leading dims need no second look
+    lead = tuple(0 if (size == 1 or stride == 0) else slice(None) for size, stride in zip(m.shape[:-2], m.stride()[:-2]))
+    if lead:
+        m = m[lead]
+    if m.dtype == torch.bool:
+        visible, valid = m, None
+    else:
+        visible = m == 0
+        valid = (visible | (m <= NEG_BIG)).all()
+    causal = torch.ones(N, M, dtype=torch.bool, device=m.device).tril()
+    is_causal = (visible == causal).all()
+    is_full = visible.all()
+    if valid is not None:
+        is_causal, is_full = is_causal & valid, is_full & valid
+    c, f = torch.stack((is_causal, is_full)).tolist()
+    kind = "full" if f else ("causal" if c else None)
+    _kinds.setdefault(owner, {})[key] = kind
+    return kind
+
+
+def _validate_mask(q, k, mask, op: str) -> None:
+    check = _dispatch.check
+    check(isinstance(mask, torch.Tensor), f"{op}: mask must be a tensor, got {type(mask).__name__}", TypeError)
+    check(mask.dtype == torch.bool or mask.dtype in _dispatch.FLOATS,
+          f"{op}: mask must be bool or floating, got {mask.dtype}", TypeError)
+    check(mask.device == q.device, f"{op}: mask is on {mask.device}, q on {q.device}")
+    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, scores) == scores
+    except RuntimeError:
+        ok = False
+    check(ok, f"{op}: mask shape {tuple(mask.shape)} does not broadcast to the scores {scores}")
+
+
+def _masked_sdpa(q, k, v, mask, scale):
+    """What the original graph computed: SDPA with the mask (k/v repeated for GQA, as HF's repeat_kv)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _masked_path(q, k, v, mask) -> str | None:
+    """The kernel's mask kind, or None for the SDPA path."""
+    if not _kernel_ok(q, k, v) or torch.cuda.is_current_stream_capturing():
+        return None
+    return mask_kind(mask, q.shape[2], k.shape[2])
+
+
+@torch.library.custom_op("tk::attention_masked", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> (Tensor o, Tensor lse)")
+def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(q, k, v, scale, "tk::attention_masked")
+    _validate_mask(q, k, mask, "tk::attention_masked")
+    if q.numel() == 0:
+        return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    kind = _masked_path(q, k, v, mask)
+    if kind is not None:
+        return attention(q, k, v, kind == "causal", scale)
+    o = _empty_out(q)
+    o.copy_(_masked_sdpa(q, k, v, mask, scale))
+    return o, q.new_zeros(q.shape[:3], dtype=torch.float32)  # lse is not computed on this path
+
+
+@attention_masked.register_fake
+def _(q, k, v, mask, scale):
+    _validate(q, k, v, scale, "tk::attention_masked")
+    _validate_mask(q, k, mask, "tk::attention_masked")
+    return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("tk::attention_masked_backward", mutates_args=(),
+                         schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor mask, Tensor o, Tensor lse, "
+                                "float scale) -> (Tensor dq, Tensor dk, Tensor dv)")
+def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              mask: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _validate_backward(grad_o, q, k, v, o, lse, scale)
+    _validate_mask(q, k, mask, "tk::attention_masked_backward")
+    if q.numel() == 0 or k.numel() == 0:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    # The same values give the same answer as in the forward (cached), so the paths agree.
+    kind = _masked_path(q, k, v, mask)
+    if kind is not None:
+        return attention_backward(grad_o, q, k, v, o, lse, kind == "causal", scale)
+    return _masked_sdpa_backward(grad_o, q, k, v, mask, scale)
+
+
+def _masked_sdpa_backward(grad_o, q, k, v, mask, scale):
+    """SDPA's gradients for any mask by the textbook formulas in fp32, one batch entry at a time to bound the
+    memory (this path runs only for masks that are neither causal nor all-visible)."""
+    B, Hq, N, D = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    full = mask.expand(B, Hq, N, M)
+    dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
+    for b in range(B):
+        qb, do = q[b].float(), grad_o[b].float()
+        kb, vb = (t[b].float().repeat_interleave(group, dim=0) for t in (k, v))
+        bias = full[b]
+        bias = torch.where(bias, 0.0, float("-inf")) if bias.dtype == torch.bool else bias.float()
+        # rows with every key hidden give 0, as SDPA's safe softmax does
+        p = torch.softmax(torch.matmul(qb, kb.transpose(-1, -2)) * scale + bias, dim=-1).nan_to_num(0.0)
+        dp = torch.matmul(do, vb.transpose(-1, -2))
+        delta = (do * torch.matmul(p, vb)).sum(-1, keepdim=True)
+        ds = p * (dp - delta) * scale
+        dq[b] = torch.matmul(ds, kb)
+        dk[b] = torch.matmul(ds.transpose(-1, -2), qb).view(Hkv, group, M, D).sum(1)
+        dv[b] = torch.matmul(p.transpose(-1, -2), do).view(Hkv, group, M, D).sum(1)
+    return dq, dk, dv
+
+
+@attention_masked_backward.register_fake
+def _(grad_o, q, k, v, mask, o, lse, scale):
+    _validate_backward(grad_o, q, k, v, o, lse, scale)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _masked_setup_context(ctx, inputs, output):
+    q, k, v, mask, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, mask, o, lse)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _masked_backward(ctx, grad_o, _grad_lse):
+    q, k, v, mask, o, lse = ctx.saved_tensors
+    if grad_o is None:
+        return None, None, None, None, None
+    dq, dk, dv = torch.ops.tk.attention_masked_backward(grad_o, q, k, v, mask, o, lse, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+attention_masked.register_autograd(_masked_backward, setup_context=_masked_setup_context)
