@@ -226,19 +226,25 @@ cudaError_t by_dtype(const Args& a, DType dtype, cudaStream_t stream, const Vari
 }  // namespace
 
 cudaError_t launch_tile(const Args& args, DType dtype, cudaStream_t stream, const Variant& v) {
-  for (int i = 0; i < args.count; ++i)
-    if (args.ops[i].cs_stride[1] != 0) return cudaErrorNotSupported;  // per-head tables (rare): the first kernel
-  if (args.count == 2 && !shared_tiles(args)) {
-    Args one = args;
+  // A dim of size 1 is only ever indexed at 0, so its stride is free: zero it, so that a single (k/v) head
+  // does not look like per-head tables and an odd stride there does not narrow the vectors.
+  Args a = args;
+  for (int i = 0; i < a.count; ++i)
+    for (int d = 0; d < 3; ++d)
+      if (a.ops[i].shape[d] == 1) a.ops[i].in_stride[d] = a.ops[i].out_stride[d] = a.ops[i].cs_stride[d] = 0;
+  for (int i = 0; i < a.count; ++i)
+    if (a.ops[i].cs_stride[1] != 0) return cudaErrorNotSupported;  // per-head tables (rare): the first kernel
+  if (a.count == 2 && !shared_tiles(a)) {
+    Args one = a;
     one.count = 1;
     for (int i = 0; i < 2; ++i) {
-      one.ops[0] = args.ops[i];
+      one.ops[0] = a.ops[i];
       const cudaError_t err = by_dtype(one, dtype, stream, v);
       if (err != cudaSuccess) return err;  // NotSupported: the caller redoes both with the first kernel
     }
     return cudaSuccess;
   }
-  return by_dtype(args, dtype, stream, v);
+  return by_dtype(a, dtype, stream, v);
 }
 
 }  // namespace tk_rotary
