@@ -38,6 +38,7 @@ struct Args {
 // kernel (tile.cu): a block owns (b, a few positions, a group of heads_per_thread heads of q then k); each
 // thread keeps its cos/sin in registers across those heads and has heads_in_flight heads' loads (two
 // VEC-wide packs each) issued before its first store. heads_per_thread 0 = all heads of q and k.
+// Names: f = heads in flight, h = heads per thread (all), t = threads per block.
 struct Variant {
   const char* name;
   int heads_in_flight;    // 2 or 4 (compile-time in the kernel); 0 = the first kernel
@@ -56,6 +57,8 @@ constexpr Variant kVariants[] = {
     {"tile f2 h4 t128", 2, 4, 128, false},
     {"tile f4 h4 t128", 4, 4, 128, false},
     {"tile f4 hall t128", 4, 0, 128, false},
+    {"tile f2 h8 t128", 2, 8, 128, false},
+    {"tile f4 h8 t256", 4, 8, 256, false},
 };
 constexpr int kVariantCount = int(sizeof(kVariants) / sizeof(kVariants[0]));
 // Best guess before measuring: small blocks (short tail), 128 bytes of loads in flight per thread.
