@@ -193,6 +193,26 @@ def test_rotary(dtype, interleaved, layout, D, rd):
                 assert torch.equal(qo[..., rd:], q[..., rd:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["BHND", "BNHD"])
+def test_rotary_every_variant(dtype, layout):
+    """Each kernel variant (any may become the default) on full, partial and narrow-vector shapes."""
+    names = torch.ops.tk_cuda.rotary_variants()
+    assert len(names) > 1 and 0 <= torch.ops.tk_cuda.rotary_default_variant() < len(names)
+    for D, rd in ((128, 128), (128, 32), (80, 40), (18, 10)):
+        q, k, cos, sin = _rot_inputs(2, 5, 37, D, rd, dtype, layout, True)
+        args = rot_ops._kernel_operands(q, k, cos, sin)
+        for interleaved in (False, True):
+            for backward in (False, True):
+                qe, ke = rot_ops.reference(q, k, cos, sin, interleaved, backward, False)
+                for v, name in enumerate(names):
+                    poison((tuple(q.shape), dtype), (tuple(k.shape), dtype))
+                    qo, ko = torch.ops.tk_cuda.rotary_variant(*args, interleaved, backward, False, v)
+                    case = (name, D, rd, interleaved, backward)
+                    assert rel_err(qo, qe) < TOL[dtype] and rel_err(ko, ke) < TOL[dtype], case
+                    assert torch.equal(qo[..., rd:], q[..., rd:]) and torch.equal(ko[..., rd:], k[..., rd:]), case
+
+
 def test_rotary_single_and_autograd():
     q, k, cos, sin = _rot_inputs(2, 8, 129, 128, 128, torch.bfloat16, "BNHD", False)
     q = q.detach().requires_grad_()

@@ -7,8 +7,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "rotary.h"
 
@@ -55,8 +58,9 @@ tk_rotary::Operand operand(const Tensor& x, const Tensor& out, const Tensor& cos
   return o;
 }
 
-std::tuple<Tensor, Tensor> rotary(const Tensor& q, const std::optional<Tensor>& k, const Tensor& cos, const Tensor& sin,
-                                  bool interleaved, bool backward, bool contiguous) {
+std::tuple<Tensor, Tensor> rotary_variant(const Tensor& q, const std::optional<Tensor>& k, const Tensor& cos, const Tensor& sin,
+                                          bool interleaved, bool backward, bool contiguous, int64_t variant) {
+  TORCH_CHECK(variant >= 0 && variant < tk_rotary::kVariantCount, "tk_cuda::rotary_variant: variant must be in [0, ", tk_rotary::kVariantCount, ")");
   TORCH_CHECK(q.is_cuda() && cos.is_cuda() && sin.is_cuda(), "tk_cuda::rotary: inputs must be CUDA tensors");
   TORCH_CHECK(cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type(), "tk_cuda::rotary: cos/sin dtype must match q");
   const bool has_k = k && k->defined();
@@ -72,15 +76,49 @@ std::tuple<Tensor, Tensor> rotary(const Tensor& q, const std::optional<Tensor>& 
   a.rotary_dim = static_cast<int>(cos.size(-1));
   a.interleaved = interleaved;
   a.backward = backward;
-  const cudaError_t err = tk_rotary::launch(a, dtype_of(q), c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = tk_rotary::launch(a, dtype_of(q), c10::cuda::getCurrentCUDAStream(), static_cast<int>(variant));
   TORCH_CHECK(err == cudaSuccess, "tk_cuda::rotary: launch failed: ", cudaGetErrorString(err));
   return {qo, ko};
+}
+
+// The variant tk_cuda::rotary runs: kDefaultVariant, or TK_ROTARY_VARIANT (read once) to undo a default
+// that measures worse without a rebuild.
+int64_t default_variant() {
+  static const int64_t v = [] {
+    const char* env = std::getenv("TK_ROTARY_VARIANT");
+    if (env == nullptr || *env == '\0') return int64_t(tk_rotary::kDefaultVariant);
+    char* end = nullptr;
+    const long parsed = std::strtol(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && parsed >= 0 && parsed < tk_rotary::kVariantCount, "TK_ROTARY_VARIANT must be an integer in [0, ",
+                tk_rotary::kVariantCount, "), got '", env, "'");
+    return int64_t(parsed);
+  }();
+  return v;
+}
+
+std::tuple<Tensor, Tensor> rotary(const Tensor& q, const std::optional<Tensor>& k, const Tensor& cos, const Tensor& sin,
+                                  bool interleaved, bool backward, bool contiguous) {
+  return rotary_variant(q, k, cos, sin, interleaved, backward, contiguous, default_variant());
+}
+
+// Variant names by index, for benchmarks and tests.
+std::vector<std::string> rotary_variants() {
+  std::vector<std::string> names;
+  for (const auto& v : tk_rotary::kVariants) names.emplace_back(v.name);
+  return names;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def("rotary(Tensor q, Tensor? k, Tensor cos, Tensor sin, bool interleaved, bool backward, bool contiguous) -> (Tensor, Tensor)");
+  // The same with an explicit kernel variant (index into rotary_variants()).
+  m.def("rotary_variant(Tensor q, Tensor? k, Tensor cos, Tensor sin, bool interleaved, bool backward, bool contiguous, int variant) -> (Tensor, Tensor)");
+  m.def("rotary_variants() -> str[]", &rotary_variants);
+  m.def("rotary_default_variant() -> int", &default_variant);
 }
 
-TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) { m.impl("rotary", &rotary); }
+TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {
+  m.impl("rotary", &rotary);
+  m.impl("rotary_variant", &rotary_variant);
+}

@@ -1,66 +1,17 @@
-// Rotary embedding: one thread per (batch, position, unit of VEC channels), walking the heads (NeoX: VEC
+// Rotary embedding, first kernel (variant 0; tile.cu has the others) and the variant dispatch.
+// One thread per (batch, position, unit of VEC channels), walking the heads (NeoX: VEC
 // channels of each half, so the partner is in registers; interleaved: VEC/2 pairs; pass-through: copied). Loads and
 // stores are VEC-wide (16 bytes for 16-bit types at VEC 8); VEC is the widest that every pointer,
 // stride and size allows, so odd layouts still run (narrower), never a skipped tail.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
-#include <type_traits>
 
+#include "pack.cuh"
 #include "rotary.h"
 
 namespace tk_rotary {
 namespace {
 
 constexpr int kBlock = 256;
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// VEC elements of T as raw words (32-bit when they fill words, else one 16-bit element): element
-// access is then a shift or a register move (arrays of bf16 cost one register per element).
-template <typename T, int VEC>
-struct alignas(VEC * sizeof(T)) Pack {
-  static constexpr int BYTES = VEC * int(sizeof(T));
-  using Word = std::conditional_t<(BYTES % 4 == 0), uint32_t, uint16_t>;
-  static constexpr int WORDS = BYTES / int(sizeof(Word));
-  Word w[WORDS];
-
-  __device__ __forceinline__ float get(int e) const {
-    if constexpr (sizeof(T) == 4) {
-      return __uint_as_float(w[e]);
-    } else if constexpr (sizeof(Word) == 2) {
-      return std::is_same_v<T, __nv_bfloat16> ? __uint_as_float(uint32_t(w[0]) << 16) : __half2float(__ushort_as_half(w[0]));
-    } else {
-      const uint32_t word = w[e / 2];
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(e % 2 ? word & 0xffff0000u : word << 16);
-      else return __half2float(__ushort_as_half(static_cast<unsigned short>(e % 2 ? word >> 16 : word & 0xffffu)));
-    }
-  }
-
-  __device__ __forceinline__ void set(const float (&src)[VEC]) {
-    if constexpr (sizeof(T) == 4) {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) w[e] = __float_as_uint(src[e]);
-    } else if constexpr (sizeof(Word) == 2) {
-      const T t = from_float<T>(src[0]);
-      w[0] = *reinterpret_cast<const uint16_t*>(&t);
-    } else {
-#pragma unroll
-      for (int i = 0; i < WORDS; ++i) {
-        const T lo = from_float<T>(src[2 * i]), hi = from_float<T>(src[2 * i + 1]);
-        w[i] = uint32_t(*reinterpret_cast<const uint16_t*>(&lo)) | uint32_t(*reinterpret_cast<const uint16_t*>(&hi)) << 16;
-      }
-    }
-  }
-};
-
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> load_pack(const T* src) {
-  return *reinterpret_cast<const Pack<T, VEC>*>(src);
-}
 
 template <typename T, int VEC>
 __device__ __forceinline__ void store(T* dst, const float (&src)[VEC]) {
@@ -111,7 +62,7 @@ __global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(
       Pack<T, VEC> x[HEADS];
 #pragma unroll
       for (int i = 0; i < HEADS; ++i)
-        if (h0 + i < H) x[i] = load_pack<T, VEC>(in + (h0 + i) * ish + j);
+        if (h0 + i < H) x[i] = load_pack<Pack<T, VEC>>(in + (h0 + i) * ish + j);
 #pragma unroll
       for (int i = 0; i < HEADS; ++i)
         if (h0 + i < H) *reinterpret_cast<Pack<T, VEC>*>(out + (h0 + i) * osh + j) = x[i];
@@ -130,11 +81,11 @@ __global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(
   Pack<T, VEC> c1, c2, s1, s2;
   auto load_tables = [&](int64_t h) {
     const int64_t o = h * op.cs_stride[1];
-    c1 = load_pack<T, VEC>(cosp + o + j);
-    s1 = load_pack<T, VEC>(sinp + o + j);
+    c1 = load_pack<Pack<T, VEC>>(cosp + o + j);
+    s1 = load_pack<Pack<T, VEC>>(sinp + o + j);
     if constexpr (!INTERLEAVED) {
-      c2 = load_pack<T, VEC>(cosp + o + partner + j);
-      s2 = load_pack<T, VEC>(sinp + o + partner + j);
+      c2 = load_pack<Pack<T, VEC>>(cosp + o + partner + j);
+      s2 = load_pack<Pack<T, VEC>>(sinp + o + partner + j);
     }
   };
   const bool per_head_tables = op.cs_stride[1] != 0;
@@ -144,8 +95,8 @@ __global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(
 #pragma unroll
     for (int i = 0; i < HEADS; ++i) {
       if (h0 + i < H) {
-        xa[i] = load_pack<T, VEC>(in + (h0 + i) * ish + j);
-        if constexpr (!INTERLEAVED) xb[i] = load_pack<T, VEC>(in + (h0 + i) * ish + partner + j);
+        xa[i] = load_pack<Pack<T, VEC>>(in + (h0 + i) * ish + j);
+        if constexpr (!INTERLEAVED) xb[i] = load_pack<Pack<T, VEC>>(in + (h0 + i) * ish + partner + j);
       }
     }
 #pragma unroll
@@ -183,20 +134,6 @@ __global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(
   }
 }
 
-bool divisible(const Args& a, int vec, int elem_bytes) {
-  const int64_t align = int64_t(vec) * elem_bytes;
-  if (a.head_dim % vec || a.rotary_dim % vec) return false;
-  if (!a.interleaved && (a.rotary_dim / 2) % vec) return false;
-  for (int i = 0; i < a.count; ++i) {
-    const Operand& o = a.ops[i];
-    for (const void* p : {static_cast<const void*>(o.out), o.in, o.cos, o.sin})
-      if (reinterpret_cast<uintptr_t>(p) % align) return false;
-    for (int d = 0; d < 3; ++d)
-      if (o.in_stride[d] % vec || o.out_stride[d] % vec || o.cs_stride[d] % vec) return false;
-  }
-  return true;
-}
-
 template <typename T, int VEC>
 cudaError_t run(const Args& a, cudaStream_t stream) {
   int64_t blocks[2] = {0, 0};
@@ -217,23 +154,44 @@ cudaError_t run(const Args& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t dispatch_vec(const Args& a, cudaStream_t stream) {
-  if (divisible(a, 8, sizeof(T))) return run<T, 8>(a, stream);
-  if (divisible(a, 2, sizeof(T))) return run<T, 2>(a, stream);
-  if (!a.interleaved && divisible(a, 1, sizeof(T))) return run<T, 1>(a, stream);
+  if (vectorizable(a, 8, sizeof(T))) return run<T, 8>(a, stream);
+  if (vectorizable(a, 2, sizeof(T))) return run<T, 2>(a, stream);
+  if (!a.interleaved && vectorizable(a, 1, sizeof(T))) return run<T, 1>(a, stream);
   return cudaErrorInvalidValue;  // interleaved pairs need even sizes and strides
 }
 
 }  // namespace
 
-cudaError_t launch(const Args& args, DType dtype, cudaStream_t stream) {
-  if (args.count < 1 || args.count > 2 || args.rotary_dim <= 0 || args.rotary_dim % 2 || args.rotary_dim > args.head_dim)
-    return cudaErrorInvalidValue;
+bool vectorizable(const Args& a, int vec, int elem_bytes) {
+  const int64_t align = int64_t(vec) * elem_bytes;
+  if (a.head_dim % vec || a.rotary_dim % vec) return false;
+  if (!a.interleaved && (a.rotary_dim / 2) % vec) return false;
+  for (int i = 0; i < a.count; ++i) {
+    const Operand& o = a.ops[i];
+    for (const void* p : {static_cast<const void*>(o.out), o.in, o.cos, o.sin})
+      if (reinterpret_cast<uintptr_t>(p) % align) return false;
+    for (int d = 0; d < 3; ++d)
+      if (o.in_stride[d] % vec || o.out_stride[d] % vec || o.cs_stride[d] % vec) return false;
+  }
+  return true;
+}
+
+cudaError_t launch_legacy(const Args& args, DType dtype, cudaStream_t stream) {
   switch (dtype) {
     case DType::f32: return dispatch_vec<float>(args, stream);
     case DType::f16: return dispatch_vec<__half>(args, stream);
     case DType::bf16: return dispatch_vec<__nv_bfloat16>(args, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+cudaError_t launch(const Args& args, DType dtype, cudaStream_t stream, int variant) {
+  if (args.count < 1 || args.count > 2 || args.rotary_dim <= 0 || args.rotary_dim % 2 || args.rotary_dim > args.head_dim)
+    return cudaErrorInvalidValue;
+  if (variant < 0 || variant >= kVariantCount) return cudaErrorInvalidValue;
+  if (kVariants[variant].heads_in_flight == 0) return launch_legacy(args, dtype, stream);
+  const cudaError_t err = launch_tile(args, dtype, stream, kVariants[variant]);
+  return err == cudaErrorNotSupported ? launch_legacy(args, dtype, stream) : err;
 }
 
 }  // namespace tk_rotary

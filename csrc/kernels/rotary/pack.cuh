@@ -1,0 +1,119 @@
+// VEC elements of T held as raw words, shared by both rotary kernels: element access is a shift or a register
+// move (arrays of bf16 cost one register per element), and a pack moves in one VEC*sizeof(T)-byte access.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace tk_rotary {
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Two floats rounded into one 32-bit word of 16-bit elements (one cvt instruction on sm_90).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+template <typename T, int VEC>
+struct alignas(VEC * sizeof(T)) Pack {
+  static constexpr int BYTES = VEC * int(sizeof(T));
+  using Word = std::conditional_t<(BYTES % 4 == 0), uint32_t, uint16_t>;
+  static constexpr int WORDS = BYTES / int(sizeof(Word));
+  // Sign bits of every element of a word: negation without unpacking.
+  static constexpr Word SIGNS = sizeof(T) == 4 ? Word(0x80000000u) : sizeof(Word) == 4 ? Word(0x80008000u) : Word(0x8000u);
+  Word w[WORDS];
+
+  __device__ __forceinline__ float get(int e) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(w[e]);
+    } else if constexpr (sizeof(Word) == 2) {
+      return std::is_same_v<T, __nv_bfloat16> ? __uint_as_float(uint32_t(w[0]) << 16) : __half2float(__ushort_as_half(w[0]));
+    } else {
+      const uint32_t word = w[e / 2];
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(e % 2 ? word & 0xffff0000u : word << 16);
+      else return __half2float(__ushort_as_half(static_cast<unsigned short>(e % 2 ? word >> 16 : word & 0xffffu)));
+    }
+  }
+
+  // Elements 2q and 2q+1 (VEC >= 2), so results can replace their inputs word by word.
+  __device__ __forceinline__ void set_pair(int q, float lo, float hi) {
+    if constexpr (sizeof(T) == 4) {
+      w[2 * q] = __float_as_uint(lo), w[2 * q + 1] = __float_as_uint(hi);
+    } else {
+      static_assert(sizeof(Word) == 4, "pairs of 16-bit elements need VEC >= 2");
+      w[q] = pack2<T>(lo, hi);
+    }
+  }
+
+  // The only element (VEC == 1).
+  __device__ __forceinline__ void set_one(float v) {
+    if constexpr (sizeof(T) == 4) {
+      w[0] = __float_as_uint(v);
+    } else {
+      const T t = from_float<T>(v);
+      w[0] = *reinterpret_cast<const uint16_t*>(&t);
+    }
+  }
+
+  __device__ __forceinline__ void set(const float (&src)[VEC]) {
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) w[e] = __float_as_uint(src[e]);
+    } else if constexpr (sizeof(Word) == 2) {
+      const T t = from_float<T>(src[0]);
+      w[0] = *reinterpret_cast<const uint16_t*>(&t);
+    } else {
+#pragma unroll
+      for (int i = 0; i < WORDS; ++i) w[i] = pack2<T>(src[2 * i], src[2 * i + 1]);
+    }
+  }
+};
+
+// One BYTES-wide access; STREAM marks the data evict-first (ld/st.global.cs): it is touched once, so it
+// should not push the cos/sin tables, which are re-read, out of L2.
+template <typename P, bool STREAM = false>
+__device__ __forceinline__ P load_pack(const void* src) {
+  P p;
+  if constexpr (!STREAM) {
+    p = *static_cast<const P*>(src);
+  } else if constexpr (P::BYTES == 16) {
+    const uint4 v = __ldcs(static_cast<const uint4*>(src));
+    p.w[0] = v.x, p.w[1] = v.y, p.w[2] = v.z, p.w[3] = v.w;
+  } else if constexpr (P::BYTES == 8) {
+    const uint2 v = __ldcs(static_cast<const uint2*>(src));
+    p.w[0] = v.x, p.w[1] = v.y;
+  } else if constexpr (P::BYTES == 4) {
+    p.w[0] = __ldcs(static_cast<const unsigned int*>(src));
+  } else {
+    p.w[0] = __ldcs(static_cast<const unsigned short*>(src));
+  }
+  return p;
+}
+
+template <typename P, bool STREAM = false>
+__device__ __forceinline__ void store_pack(void* dst, const P& p) {
+  if constexpr (!STREAM) {
+    *static_cast<P*>(dst) = p;
+  } else if constexpr (P::BYTES == 16) {
+    __stcs(static_cast<uint4*>(dst), make_uint4(p.w[0], p.w[1], p.w[2], p.w[3]));
+  } else if constexpr (P::BYTES == 8) {
+    __stcs(static_cast<uint2*>(dst), make_uint2(p.w[0], p.w[1]));
+  } else if constexpr (P::BYTES == 4) {
+    __stcs(static_cast<unsigned int*>(dst), static_cast<unsigned int>(p.w[0]));
+  } else {
+    __stcs(static_cast<unsigned short*>(dst), static_cast<unsigned short>(p.w[0]));
+  }
+}
+
+}  // namespace tk_rotary
