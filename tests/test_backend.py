@@ -242,6 +242,31 @@ def test_matcher_exception_warns_once_and_passes_through(monkeypatch):
     assert len(tk_inductor.report().failed) == 3
 
 
+def _inductor_fails(monkeypatch):
+    import torch._inductor.compile_fx as cfx
+
+    def broken(*args, **kwargs):
+        raise TypeError("CantSplit.__init__() missing 2 required positional arguments")
+
+    monkeypatch.setattr(cfx, "compile_fx", broken)
+
+
+def test_inductor_failure_falls_back_to_aot_eager(fake_family, monkeypatch):
+    _inductor_fails(monkeypatch)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _check_same(f, _compile(f, reference=True))
+    assert any("Inductor failed" in str(w.message) and "CantSplit" in str(w.message) for w in seen)
+    assert tk_inductor.report().replaced == {FAKE_FAMILY: 3}
+    assert CALLS["sine"] == 3  # the rewritten graph ran, without Inductor
+
+
+def test_inductor_failure_strict_raises(fake_family, monkeypatch):
+    _inductor_fails(monkeypatch)
+    with pytest.raises(Exception, match="CantSplit"):
+        _compile(f, reference=True, strict=True)(torch.randn(3))
+
+
 def test_strict_reraises_matcher_exception(monkeypatch):
     monkeypatch.setattr(rewrite, "_family_finders", lambda: {FAKE_FAMILY: _broken_find("matcher bug")})
     with pytest.raises(Exception, match="matcher bug"):

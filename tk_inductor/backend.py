@@ -76,7 +76,19 @@ def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
 
         # config_patches, not `with inductor_config.patch()`: the backward graph
         # is compiled later, outside any context manager opened here.
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        try:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        except Exception as exc:  # noqa: BLE001
+            if cfg.strict:
+                raise
+            # Inductor itself failed on this graph (torch 2.11 fails on some cumsum/scan graphs, with or
+            # without our rewrite): run the rewritten graph through AOTAutograd without Inductor rather than
+            # failing the user's model; the kernels still run.
+            rewrite._warn_once(f"tk_inductor: Inductor failed on a graph ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0][:200]}); running it with aot_eager instead")
+            from torch._dynamo.backends.debugging import aot_eager
+
+            return aot_eager(gm, example_inputs)
     finally:
         _in_backend.reset(token)
 
