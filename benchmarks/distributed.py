@@ -86,6 +86,7 @@ def train(engine: str, backend: str | None, args) -> dict:
     return {
         "engine": engine, "backend": backend or "inductor", "world": world, "losses": losses,
         "tokens_per_s_per_gpu": tokens / steady[len(steady) // 2],
+        "step_ms": [round(t * 1e3, 1) for t in times],
         "replaced": tk_inductor.report().replaced, "kept": tk_inductor.report().kept,
         "frames_compiled": int(counters["stats"]["unique_graphs"]),
     }
