@@ -15,7 +15,8 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //   forward 1..3: persistent grid, rows staged 2 / 3 / 4 deep in shared memory with cp.async.
 //   backward 1..3: persistent grid, rows staged 3 deep in shared memory with cp.async; 1 vector per thread
 //     with registers for 1024 resident threads per SM (1) or 768 (2); 2 vectors per thread, 512 threads (3).
-// A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes) runs legacy.
+// A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
+// would count rows past 2^31, runs legacy.
 constexpr int kForwardVariants = 4, kBackwardVariants = 4;
 constexpr int kDefaultForwardVariant = 2, kDefaultBackwardVariant = 1;
 
