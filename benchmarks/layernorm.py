@@ -9,6 +9,9 @@ Every implementation's output is checked against the fp32 reference before it is
 
     python -m benchmarks.layernorm [--quick]
 
+"ours" is the default kernel variant; TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT pick another (see
+csrc/kernels/layernorm/layernorm.h), and benchmarks/sweep_ln.py checks and times them all side by side.
+
 Measured 2026-11-29, one H200 (torch 2.11, Triton 3.6, fla-core 0.6.0), copy ceiling 4274 GB/s:
     case (bf16, rows 65536)      ours GB/s (% copy)  torch.compile  FLA    ours/compile  ours/FLA
     ln+residual 1024   fwd       3915 (92%)          4079           4037   0.96          0.97

@@ -51,6 +51,19 @@ def _ln_inputs(rows, hidden, dtype, residual, weight, bias, seed=0):
     return x, r, w, b
 
 
+# (forward, backward) kernel variants, selected per call through the environment (layernorm.h): the
+# legacy kernels and each persistent one stay correct, whichever is the default.
+LN_VARIANTS = [(0, 0), (1, 1), (2, 2), (3, 3)]
+
+
+@pytest.fixture(params=LN_VARIANTS, ids=[f"fwd{f}-bwd{b}" for f, b in LN_VARIANTS])
+def ln_variant(request, monkeypatch):
+    fwd, bwd = request.param
+    monkeypatch.setenv("TK_LN_FWD_VARIANT", str(fwd))
+    monkeypatch.setenv("TK_LN_BWD_VARIANT", str(bwd))
+    return request.param
+
+
 def _ln_kernel(x, r, w, b, rng, eps, p, rms):
     rows, hidden = x.shape
     poison(((rows, hidden), x.dtype), ((rows, hidden), x.dtype), ((rows,), torch.float32), ((rows,), torch.float32))
@@ -60,7 +73,7 @@ def _ln_kernel(x, r, w, b, rng, eps, p, rms):
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rms", [False, True])
-def test_layernorm_forward_backward(hidden, dtype, rms):
+def test_layernorm_forward_backward(hidden, dtype, rms, ln_variant):
     rows = 77  # odd: partial blocks of rows
     for residual, weight, bias in ((True, True, not rms), (False, False, False), (True, False, False), (False, True, not rms)):
         x, r, w, b = _ln_inputs(rows, hidden, dtype, residual, weight, bias)
@@ -88,7 +101,7 @@ def test_layernorm_forward_backward(hidden, dtype, rms):
                 assert rel_err(a, e) < TOL[dtype] * (4 if name in ("dw", "db") else 1), (name, residual, weight, bias)
 
 
-def test_layernorm_backward_is_deterministic():
+def test_layernorm_backward_is_deterministic(ln_variant):
     x, r, w, b = _ln_inputs(4099, 1024, torch.bfloat16, True, True, True)
     y, h, mean, rstd, rng = torch.ops.tk.layernorm(x, r, w, b, None, 1e-5, 0.0, False)
     dy = torch.randn_like(y)
@@ -98,10 +111,31 @@ def test_layernorm_backward_is_deterministic():
         assert torch.equal(u, v)
 
 
+def test_layernorm_variant_switch_rejects_bad_values(monkeypatch):
+    x, r, w, b = _ln_inputs(4, 64, torch.bfloat16, True, True, True)
+    monkeypatch.setenv("TK_LN_FWD_VARIANT", "9")
+    with pytest.raises(RuntimeError, match="TK_LN_FWD_VARIANT"):
+        torch.ops.tk.layernorm(x, r, w, b, None, 1e-5, 0.0, False)
+
+
+def test_layernorm_many_rows_per_block(ln_variant):
+    # enough rows that every block of a persistent grid loops several times, with a ragged last group
+    x, r, w, b = _ln_inputs(100003, 256, torch.bfloat16, True, True, True)
+    y, h, mean, rstd, rng = _ln_kernel(x, r, w, b, None, 1e-5, 0.0, False)
+    ye, he, *_ = ln_ops.reference_forward(x, r, w, b, None, 1e-5, 0.0, False)
+    assert rel_err(y, ye) < 1e-2 and torch.equal(h, he)
+    dy, dh = torch.randn_like(y), torch.randn_like(y)
+    out = torch.ops.tk.layernorm_backward(dy, dh, h, w, mean, rstd, rng, 0.0, False, True)
+    ref = ln_ops.reference_backward(dy, dh, h, w, mean, rstd, rng, 0.0, False, True)
+    for a, e in zip(out, ref):
+        if e.numel():
+            assert rel_err(a, e) < 2e-2
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [264, 1024, 4096])
 @pytest.mark.parametrize("residual", [False, True])
-def test_dropout(dtype, hidden, residual):
+def test_dropout(dtype, hidden, residual, ln_variant):
     p, rows = 0.2, 513
     x, r, w, b = _ln_inputs(rows, hidden, dtype, residual, True, True)
     rng = torch.tensor([0x0123456789ABCDEF, 977], dtype=torch.int64)

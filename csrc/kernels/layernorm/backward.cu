@@ -1,68 +1,11 @@
 // Backward: dres = dnorm(h) + dh, dx = dres·mask·scale (mask regenerated from the seed), and dw/db.
 // dw/db: each block of a persistent grid accumulates its rows' contributions in fp32 registers and
 // writes one partial row; a second kernel sums the partials over blocks in a fixed order (deterministic).
-#include "config.cuh"
-#include "philox.cuh"
+// This file holds the legacy variant, the column sum and the dispatcher; backward_pipe.cu the others.
+#include "rows.cuh"
 
 namespace tk_layernorm {
 namespace {
-
-// Two row sums for the price of one set of block syncs.
-template <class S>
-__device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem /* [S::BLOCK / 32] */) {
-  a = warp_sum(a);
-  b = warp_sum(b);
-  if constexpr (S::WARPS_PER_ROW == 1) {
-    return make_float2(a, b);
-  } else {
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = make_float2(a, b);
-    __syncthreads();
-    const float2* mine = smem + (threadIdx.x / S::TPR) * S::WARPS_PER_ROW;
-    float2 s = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int i = 0; i < S::WARPS_PER_ROW; ++i) s = make_float2(s.x + mine[i].x, s.y + mine[i].y);
-    return s;
-  }
-}
-
-// Sum the ROWS row-groups' accumulators of a block (sequentially, fixed order) and write the block's partial.
-template <class S>
-__device__ __forceinline__ void write_partial(float (&acc)[S::VECS][8], float* out, int hidden, float* smem) {
-  const int lane = threadIdx.x % S::TPR, group = threadIdx.x / S::TPR;
-  const int nvec = hidden / 8;
-  if constexpr (S::ROWS > 1) {
-    for (int g = 0; g < S::ROWS; ++g) {
-      if (group == g) {
-#pragma unroll
-        for (int v = 0; v < S::VECS; ++v)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            float& slot = smem[(v * S::TPR + lane) * 8 + i];
-            slot = g == 0 ? acc[v][i] : slot + acc[v][i];
-          }
-      }
-      __syncthreads();
-    }
-    if (group == 0) {
-#pragma unroll
-      for (int v = 0; v < S::VECS; ++v)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[v][i] = smem[(v * S::TPR + lane) * 8 + i];
-    }
-    __syncthreads();  // smem is reused for the next accumulator
-  }
-  if (group != 0) return;
-#pragma unroll
-  for (int v = 0; v < S::VECS; ++v) {
-    const int vi = v * S::TPR + lane;
-    if (vi < nvec) {
-      float4* dst = reinterpret_cast<float4*>(out + vi * 8);
-      dst[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
-      dst[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
-    }
-  }
-}
 
 template <typename T, class S>
 __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
@@ -156,8 +99,10 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
   const float* src = partial + int64_t(blockIdx.y) * blocks * hidden;
   const int col = blockIdx.x * 32 + threadIdx.x;
   float s = 0.f;
-  if (col < hidden)
+  if (col < hidden) {
+#pragma unroll 8  // independent loads in flight: this kernel is pure latency
     for (int k = threadIdx.y; k < blocks; k += 32) s += src[int64_t(k) * hidden + col];
+  }
   slices[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && col < hidden) {
@@ -179,9 +124,7 @@ int grid_blocks(int64_t rows) {
   return int(groups < 1 ? 1 : (groups < resident ? groups : resident));
 }
 
-}  // namespace
-
-int backward_blocks(int64_t rows, int hidden, DType dtype) {
+int legacy_blocks(int64_t rows, int hidden, DType dtype) {
   int blocks = 0;
   const cudaError_t err = with_dtype(dtype, [&](auto t) {
     return with_split<true>(hidden, [&](auto s) {
@@ -192,21 +135,36 @@ int backward_blocks(int64_t rows, int hidden, DType dtype) {
   return err == cudaSuccess ? blocks : 0;
 }
 
+}  // namespace
+
+int backward_blocks(const BackwardArgs& args, DType dtype) {
+  if (args.variant < 0 || args.variant >= kBackwardVariants) return 0;
+  if (args.variant != 0) {
+    const int blocks = pipe::backward_blocks(args, dtype);
+    if (blocks > 0) return blocks;  // else the pipe variant does not fit: legacy runs
+  }
+  return legacy_blocks(args.rows, args.hidden, dtype);
+}
+
 cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 8 || args.hidden > kMaxHidden || args.rows < 0) return cudaErrorInvalidValue;
+  if (args.variant < 0 || args.variant >= kBackwardVariants) return cudaErrorInvalidValue;
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    return with_split<true>(args.hidden, [&](auto s) {
-      using S = decltype(s);
-      const int blocks = grid_blocks<T, S>(args.rows);
-      backward_kernel<T, S><<<blocks, S::BLOCK, 0, stream>>>(args);
-      cudaError_t err = cudaGetLastError();
-      if (err != cudaSuccess || (!args.dw && !args.db)) return err;
-      const dim3 grid((args.hidden + 31) / 32, 2);
-      column_sum_kernel<T><<<grid, dim3(32, 32), 0, stream>>>(args.partial, blocks, args.hidden,
-                                                               static_cast<T*>(args.dw), static_cast<T*>(args.db));
-      return cudaGetLastError();
-    });
+    // The same choice as backward_blocks, which sized `partial`.
+    const int piped = args.variant != 0 ? pipe::backward_blocks(args, dtype) : 0;
+    const int blocks = piped > 0 ? piped : legacy_blocks(args.rows, args.hidden, dtype);
+    cudaError_t err = piped > 0 ? pipe::backward(args, dtype, blocks, stream)
+                                : with_split<true>(args.hidden, [&](auto s) {
+                                    using S = decltype(s);
+                                    backward_kernel<T, S><<<blocks, S::BLOCK, 0, stream>>>(args);
+                                    return cudaGetLastError();
+                                  });
+    if (err != cudaSuccess || (!args.dw && !args.db)) return err;
+    const dim3 grid((args.hidden + 31) / 32, 2);
+    column_sum_kernel<T><<<grid, dim3(32, 32), 0, stream>>>(args.partial, blocks, args.hidden,
+                                                             static_cast<T*>(args.dw), static_cast<T*>(args.db));
+    return cudaGetLastError();
   });
 }
 

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -25,6 +26,18 @@ tk_layernorm::DType dtype_of(const Tensor& t) {
     case at::kBFloat16: return tk_layernorm::DType::bf16;
     default: TORCH_CHECK(false, "tk_cuda::layernorm: unsupported dtype ", t.scalar_type());
   }
+}
+
+// Kernel variant from the environment (TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT, see layernorm.h), read
+// on every call so a benchmark can switch between calls; unset or empty means the default.
+int variant_from_env(const char* name, int fallback, int count) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long k = std::strtol(v, &end, 10);
+  TORCH_CHECK(*end == '\0' && k >= 0 && k < count, "tk_cuda::layernorm: ", name, " must be an integer in [0, ", count,
+              "), got '", v, "'");
+  return static_cast<int>(k);
 }
 
 const void* ptr_or_null(const OptTensor& t) { return t && t->defined() ? t->data_ptr() : nullptr; }
@@ -93,6 +106,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, co
   a.eps = static_cast<float>(eps);
   a.rms = rms;
   a.dropout = dropout;
+  a.variant = variant_from_env("TK_LN_FWD_VARIANT", tk_layernorm::kDefaultForwardVariant, tk_layernorm::kForwardVariants);
   const cudaError_t err = tk_layernorm::forward(a, dtype_of(x), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "tk_cuda::layernorm: launch failed: ", cudaGetErrorString(err));
   return {y, h, mean, rstd, rng_out};
@@ -124,17 +138,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
   Tensor dx = p > 0.0 ? at::empty(h.sizes(), h.options()) : at::empty({0}, h.options());
   Tensor dw = at::empty({has_weight ? hidden : 0}, h.options());
   Tensor db = at::empty({has_bias ? hidden : 0}, h.options());
-  const int blocks = tk_layernorm::backward_blocks(rows, static_cast<int>(hidden), dtype);
-  TORCH_CHECK(blocks > 0, "tk_cuda::layernorm_backward: no launch configuration");
-  Tensor partial = (has_weight || has_bias) ? at::empty({2, blocks, hidden}, h.options().dtype(at::kFloat))
-                                            : at::empty({0}, h.options().dtype(at::kFloat));
 
   tk_layernorm::BackwardArgs a{};
   a.dres = dres.data_ptr();
   a.dx = p > 0.0 ? dx.data_ptr() : nullptr;
   a.dw = has_weight ? dw.data_ptr() : nullptr;
   a.db = has_bias ? db.data_ptr() : nullptr;
-  a.partial = partial.numel() ? partial.data_ptr<float>() : nullptr;
   a.dy = dy.data_ptr();
   a.dh = ptr_or_null(dh);
   a.h = h.data_ptr();
@@ -145,6 +154,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
   a.hidden = static_cast<int>(hidden);
   a.rms = rms;
   a.dropout = dropout_args(p, rng);
+  a.variant = variant_from_env("TK_LN_BWD_VARIANT", tk_layernorm::kDefaultBackwardVariant, tk_layernorm::kBackwardVariants);
+  // The grid (and so the partial buffer) depends on the variant and on which operands are present.
+  const int blocks = tk_layernorm::backward_blocks(a, dtype);
+  TORCH_CHECK(blocks > 0, "tk_cuda::layernorm_backward: no launch configuration");
+  Tensor partial = (has_weight || has_bias) ? at::empty({2, blocks, hidden}, h.options().dtype(at::kFloat))
+                                            : at::empty({0}, h.options().dtype(at::kFloat));
+  a.partial = partial.numel() ? partial.data_ptr<float>() : nullptr;
   const cudaError_t err = tk_layernorm::backward(a, dtype, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "tk_cuda::layernorm_backward: launch failed: ", cudaGetErrorString(err));
   return {dres, dx, dw, db};

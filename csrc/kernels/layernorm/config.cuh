@@ -8,11 +8,11 @@
 
 namespace tk_layernorm {
 
-template <int TPR_, int VECS_>
+template <int TPR_, int VECS_, int MIN_BLOCK = 256>
 struct Split {
-  static constexpr int TPR = TPR_;                      // threads per row
-  static constexpr int VECS = VECS_;                    // 8-element vectors per thread
-  static constexpr int BLOCK = TPR < 256 ? 256 : TPR;   // threads per block
+  static constexpr int TPR = TPR_;                                  // threads per row
+  static constexpr int VECS = VECS_;                                // 8-element vectors per thread
+  static constexpr int BLOCK = TPR < MIN_BLOCK ? MIN_BLOCK : TPR;   // threads per block
   static constexpr int ROWS = BLOCK / TPR;              // rows per block
   static constexpr int WARPS_PER_ROW = TPR / 32;
   static constexpr int MAX_HIDDEN = TPR * VECS * 8;
@@ -42,6 +42,32 @@ cudaError_t with_split(int hidden, F&& f) {
     // (a block per row waits on its reductions; more resident blocks overlap those waits).
     if (hidden <= 8192) return f(Split<256, 4>{});
     if (hidden <= kMaxHidden) return f(Split<512, 4>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Splits of the persistent ("pipe") variants. Their data waits in shared memory, not registers, so the
+// backward can afford VB vectors per thread (fewer threads per row, cheaper row sums, more dw/db
+// registers); the forward keeps the splits above in 128-thread blocks (finer grain for the grid).
+template <bool BACKWARD, int VB, typename F>
+cudaError_t with_pipe_split(int hidden, F&& f) {
+  static_assert(VB == 1 || VB == 2, "one or two vectors per thread");
+  if constexpr (BACKWARD) {
+    if (hidden <= 256) return f(Split<32, 1>{});
+    if (hidden <= 512) return f(Split<64 / VB, VB>{});
+    if (hidden <= 1024) return f(Split<128 / VB, VB>{});
+    if (hidden <= 2048) return f(Split<256 / VB, VB>{});
+    if (hidden <= 4096) return f(Split<512 / VB, VB>{});
+    if (hidden <= 8192) return f(Split<1024 / VB, VB>{});
+    if (hidden <= kMaxHidden) return f(Split<1024, 2>{});
+  } else {
+    if (hidden <= 256) return f(Split<32, 1, 128>{});
+    if (hidden <= 512) return f(Split<32, 2, 128>{});
+    if (hidden <= 1024) return f(Split<32, 4, 128>{});
+    if (hidden <= 2048) return f(Split<128, 2, 128>{});
+    if (hidden <= 4096) return f(Split<256, 2, 128>{});
+    if (hidden <= 8192) return f(Split<256, 4, 128>{});
+    if (hidden <= kMaxHidden) return f(Split<512, 4, 128>{});
   }
   return cudaErrorInvalidValue;
 }

@@ -1,7 +1,8 @@
 // Forward: h = residual + dropout(x), y = norm(h)·w + b, with fp32 statistics kept for the backward.
 // One pass over HBM: the row stays in registers between the reductions and the normalisation.
-#include "config.cuh"
-#include "philox.cuh"
+// This file holds the legacy variant (a block per ROWS rows, statistics inline: moving them into
+// row_stats made ptxas spill at 64 registers) and the dispatcher; forward_pipe.cu the others.
+#include "rows.cuh"
 
 namespace tk_layernorm {
 namespace {
@@ -40,20 +41,8 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
     const int vi = v * S::TPR + lane;
     float h[8];
     if (live && vi < nvec) {
-      unpack(h, xr[v]);
-      if (a.dropout.enabled) {
-        const uint32_t keep = drop.keep8(uint64_t(base) + uint64_t(vi) * 8);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) h[i] = (keep >> i & 1u) ? __fmul_rn(h[i], drop.scale) : 0.f;
-      }
-      if (res) {
-        float r[8];
-        unpack(r, rr[v]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) h[i] = __fadd_rn(r[i], h[i]);
-      }
       // Statistics of the h that is stored and that eager would normalise: rounded to T.
-      hp[v] = pack<T>(h);
+      hp[v] = make_h(xr[v], rr[v], res != nullptr, drop, a.dropout.enabled, uint64_t(base) + uint64_t(vi) * 8);
       unpack(h, hp[v]);
       if (res || a.dropout.enabled) store_pack(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
     } else {
@@ -111,21 +100,7 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
     const int vi = v * S::TPR + lane;
     if (vi >= nvec) continue;
     float out[8];
-    unpack(out, hp[v]);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = (out[i] - mean) * rstd;
-    if (w) {
-      float wv[8];
-      unpack(wv, wr[v]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] *= wv[i];
-    }
-    if (b) {
-      float bv[8];
-      unpack(bv, br[v]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] += bv[i];
-    }
+    norm_vec(out, hp[v], mean, rstd, wr[v], w != nullptr, br[v], b != nullptr);
     store8(y + vi * 8, out);
   }
 }
@@ -135,6 +110,11 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
 cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 8 || args.hidden > kMaxHidden || args.rows < 0) return cudaErrorInvalidValue;
   if (args.rows == 0) return cudaSuccess;
+  if (args.variant < 0 || args.variant >= kForwardVariants) return cudaErrorInvalidValue;
+  if (args.variant != 0) {
+    const cudaError_t err = pipe::forward(args, dtype, stream);
+    if (err != cudaErrorNotSupported) return err;
+  }
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     return with_split<false>(args.hidden, [&](auto s) {

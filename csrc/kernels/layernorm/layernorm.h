@@ -10,6 +10,16 @@ namespace tk_layernorm {
 enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
 constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 
+// Kernel variants (the binding reads TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT; see kDefault*Variant):
+//   0  "legacy": each thread holds its rows' loads in registers (the first version).
+//   forward 1..3: persistent grid, rows staged 2 / 3 / 4 deep in shared memory with cp.async.
+//   backward 1..3: persistent grid, rows staged 3 deep in shared memory with cp.async; 1 vector per thread
+//     with registers for 1024 resident threads per SM (1) or 768 (2); 2 vectors per thread, 512 threads (3).
+// A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
+// would count rows past 2^31, runs legacy.
+constexpr int kForwardVariants = 4, kBackwardVariants = 4;
+constexpr int kDefaultForwardVariant = 2, kDefaultBackwardVariant = 1;
+
 struct DropoutArgs {
   bool enabled = false;
   uint64_t seed = 0, offset = 0;
@@ -31,6 +41,7 @@ struct ForwardArgs {
   float eps;
   bool rms;
   DropoutArgs dropout;
+  int variant = kDefaultForwardVariant;
 };
 
 struct BackwardArgs {
@@ -49,13 +60,23 @@ struct BackwardArgs {
   int hidden;
   bool rms;
   DropoutArgs dropout;
+  int variant = kDefaultBackwardVariant;
 };
 
 cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream);
 
-// Blocks of the backward's persistent grid; the workspace `partial` holds 2 * blocks * hidden floats.
-// Fixed for a given (rows, hidden, dtype, device), so the dw/db reduction order is deterministic.
-int backward_blocks(int64_t rows, int hidden, DType dtype);
+// Blocks of the backward's persistent grid for these args (all but `partial` filled in); the workspace
+// `partial` holds 2 * blocks * hidden floats. Fixed for given (args' shapes and variant, dtype, device),
+// so the dw/db reduction order is deterministic.
+int backward_blocks(const BackwardArgs& args, DType dtype);
 cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream);
+
+// The pipe variants (forward_pipe.cu, backward_pipe.cu). They return cudaErrorNotSupported, launching
+// nothing, when their staging does not fit; the dispatchers above then run legacy.
+namespace pipe {
+cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream);
+int backward_blocks(const BackwardArgs& args, DType dtype);  // 0: does not fit
+cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream);
+}  // namespace pipe
 
 }  // namespace tk_layernorm

@@ -1,0 +1,138 @@
+// Forward, persistent "pipe" variants: each block loops over groups of ROWS rows, and the x / residual
+// vectors of the next STAGES-1 groups are already on their way into shared memory (cp.async) while this
+// group is reduced and written. Same math as the legacy kernel (rows.cuh).
+#include "pipeline.cuh"
+#include "rows.cuh"
+
+namespace tk_layernorm {
+namespace {
+
+// At least 512 resident threads per SM (256 for fp32): with the data in shared memory that is plenty of
+// bytes in flight, and the staging usually bounds occupancy first.
+template <typename T, class S>
+constexpr int kMinForwardBlocks = S::BLOCK < (sizeof(T) == 4 ? 256 : 512) ? (sizeof(T) == 4 ? 256 : 512) / S::BLOCK : 1;
+
+template <typename T, class S, int STAGES>
+__global__ void __launch_bounds__(S::BLOCK, (kMinForwardBlocks<T, S>)) forward_pipe_kernel(ForwardArgs a) {
+  extern __shared__ uint4 staging_smem[];
+  __shared__ float smem[S::BLOCK / 32];
+  const int lane = threadIdx.x % S::TPR;
+  const int nvec = a.hidden / 8;
+  const T* x = static_cast<const T*>(a.x);
+  const T* res = static_cast<const T*>(a.residual);
+  const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
+  const Staging<T, S, STAGES, false> st{staging_smem, res ? 2 : 1};
+
+  // w and b are the same for every row this thread sees: registers, loaded once.
+  const T* w = static_cast<const T*>(a.weight);
+  const T* b = static_cast<const T*>(a.bias);
+  Pack8<T> wr[S::VECS], br[S::VECS];
+#pragma unroll
+  for (int v = 0; v < S::VECS; ++v) {
+    const int vi = v * S::TPR + lane;
+    if (vi < nvec) {
+      if (w) wr[v] = load_pack(w + vi * 8);
+      if (b) br[v] = load_pack(b + vi * 8);
+    }
+  }
+
+  // 32-bit row indices (the host guarantees rows + (STAGES + 1) * step < 2^31): fewer registers.
+  const int rows = int(a.rows);
+  const int groups = (rows + S::ROWS - 1) / S::ROWS;
+  const int iters = (groups - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);  // the same for the whole block
+  const int step = int(gridDim.x) * S::ROWS;
+  int row = int(blockIdx.x) * S::ROWS + int(threadIdx.x) / S::TPR;  // this iteration's row
+  int ahead = row;                                                   // the row the next issue loads
+  // One commit group per iteration, empty past the end, so wait_group counts stay uniform.
+  const auto issue = [&](int stage) {
+    if (ahead < rows) {
+      const int64_t base = int64_t(ahead) * a.hidden;
+#pragma unroll
+      for (int v = 0; v < S::VECS; ++v) {
+        const int vi = v * S::TPR + lane;
+        if (vi < nvec) {
+          st.copy(stage, 0, v, x + base + vi * 8);
+          if (res) st.copy(stage, 1, v, res + base + vi * 8);
+        }
+      }
+    }
+    cp_async_commit();
+    ahead += step;
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  int stage = 0;
+#pragma unroll 1
+  for (int it = 0; it < iters; ++it, row += step) {
+    // Refill the stage read in the previous iteration (only this thread reads its slots: no barrier).
+    issue(stage == 0 ? STAGES - 1 : stage - 1);
+    cp_async_wait<STAGES - 1>();  // this iteration's group has landed
+    const bool live = row < rows;
+    const int64_t base = int64_t(row) * a.hidden;
+    Pack8<T> hp[S::VECS];
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < S::VECS; ++v) {
+      const int vi = v * S::TPR + lane;
+      hp[v] = Pack8<T>{};
+      if (live && vi < nvec) {
+        hp[v] = make_h(st.read(stage, 0, v), res ? st.read(stage, 1, v) : Pack8<T>{}, res != nullptr, drop,
+                       a.dropout.enabled, uint64_t(base) + uint64_t(vi) * 8);
+        if (res || a.dropout.enabled) store_pack(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
+      }
+      float h[8];
+      unpack(h, hp[v]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += h[i];
+    }
+    const float2 stats = row_stats<T, S>(hp, sum, lane, nvec, a.hidden, a.eps, a.rms, smem);
+    if (live) {
+      if (lane == 0) {
+        a.rstd[row] = stats.y;
+        if (a.mean) a.mean[row] = stats.x;
+      }
+      T* y = static_cast<T*>(a.y) + base;
+#pragma unroll
+      for (int v = 0; v < S::VECS; ++v) {
+        const int vi = v * S::TPR + lane;
+        if (vi >= nvec) continue;
+        float out[8];
+        norm_vec(out, hp[v], stats.x, stats.y, wr[v], w != nullptr, br[v], b != nullptr);
+        store8(y + vi * 8, out);
+      }
+    }
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+  }
+}
+
+template <typename T, class S, int STAGES>
+cudaError_t launch(const ForwardArgs& args, cudaStream_t stream) {
+  const size_t smem = Staging<T, S, STAGES, false>::bytes(args.residual ? 2 : 1);
+  const int blocks = persistent_grid<STAGES>(forward_pipe_kernel<T, S, STAGES>, S::BLOCK, smem, args.rows, S::ROWS);
+  if (blocks == 0) return cudaErrorNotSupported;
+  forward_pipe_kernel<T, S, STAGES><<<blocks, S::BLOCK, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+namespace pipe {
+
+cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream) {
+  return with_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    return with_pipe_split<false, 1>(args.hidden, [&](auto s) {
+      using S = decltype(s);
+      switch (args.variant) {
+        case 1: return launch<T, S, 2>(args, stream);
+        case 2: return launch<T, S, 3>(args, stream);
+        case 3: return launch<T, S, 4>(args, stream);
+        default: return cudaErrorInvalidValue;
+      }
+    });
+  });
+}
+
+}  // namespace pipe
+}  // namespace tk_layernorm

@@ -1,0 +1,115 @@
+// Multi-stage staging of row vectors in shared memory with cp.async, for the persistent ("pipe") variants.
+// A register-only kernel keeps one row's loads in flight per thread and then waits on its reductions;
+// staging STAGES rows ahead keeps HBM busy through those waits without spending registers on the data.
+//
+// Every thread copies and later reads back only its own 16-byte slots (column threadIdx.x of the staging
+// area), so cp.async.wait_group alone makes the data visible: no block barrier guards the stages, and a
+// warp's 16-byte accesses cover 512 contiguous bytes (no bank conflicts).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "config.cuh"
+
+namespace tk_layernorm {
+
+// Shared memory is addressed with 32-bit shared-window addresses throughout: generic 64-bit pointers
+// cost two registers each and may compile to generic loads.
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared16(uint32_t smem) {
+  uint4 q;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "r"(smem) : "memory");
+  return q;
+}
+
+__device__ __forceinline__ float ld_shared4(uint32_t smem) {
+  float f;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(f) : "r"(smem) : "memory");
+  return f;
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Dynamic shared memory laid out as [STAGES][ops][VECS][CHUNKS][BLOCK] 16-byte chunks, then (when
+// STATS) [VECS][CHUNKS][BLOCK] chunks for a per-thread constant vector (the weight: shared memory is
+// cheaper than registers there) and [STAGES][2][BLOCK] floats for the row's mean and rstd. `ops` is a
+// runtime count so absent operands (no residual, no dh) cost no shared memory and no occupancy.
+template <typename T, class S, int STAGES, bool STATS>
+struct Staging {
+  static constexpr int CHUNKS = int(sizeof(T)) / 2;  // 16-byte chunks per 8 elements
+
+  static constexpr size_t bytes(int ops) {
+    return (size_t(STAGES) * ops * S::VECS * CHUNKS * 16 +
+            (STATS ? S::VECS * CHUNKS * 16 + STAGES * 2 * sizeof(float) : 0)) * S::BLOCK;
+  }
+
+  uint32_t base;  // shared-window address of the area, plus this thread's column
+  int ops;
+
+  __device__ __forceinline__ Staging(void* area, int ops_)
+      : base(static_cast<uint32_t>(__cvta_generic_to_shared(area)) + 16u * threadIdx.x), ops(ops_) {}
+
+  __device__ __forceinline__ uint32_t slot(int stage, int op, int v) const {
+    return base + 16u * uint32_t(((stage * ops + op) * S::VECS + v) * CHUNKS * S::BLOCK);
+  }
+  __device__ __forceinline__ uint32_t fixed(int v) const { return slot(STAGES, 0, 0) + 16u * uint32_t(v * CHUNKS * S::BLOCK); }
+  __device__ __forceinline__ uint32_t stat(int stage, int k) const {
+    const uint32_t stats = fixed(S::VECS) - 12u * threadIdx.x;  // floats: 4 bytes per thread, not 16
+    return stats + 4u * uint32_t((stage * 2 + k) * S::BLOCK);
+  }
+  __device__ __forceinline__ void copy_at(uint32_t dst, const T* src) const {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) cp_async16(dst + 16u * (c * S::BLOCK), reinterpret_cast<const uint4*>(src) + c);
+  }
+  __device__ __forceinline__ Pack8<T> read(int stage, int op, int v) const { return read_at(slot(stage, op, v)); }
+  __device__ __forceinline__ Pack8<T> read_fixed(int v) const { return read_at(fixed(v)); }
+  __device__ __forceinline__ void copy_fixed(int v, const T* src) const { copy_at(fixed(v), src); }
+  __device__ __forceinline__ void copy(int stage, int op, int v, const T* src) const { copy_at(slot(stage, op, v), src); }
+  __device__ __forceinline__ Pack8<T> read_at(uint32_t src) const {
+    Pack8<T> p;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      const uint4 q = ld_shared16(src + 16u * (c * S::BLOCK));
+      p.w[4 * c] = q.x, p.w[4 * c + 1] = q.y, p.w[4 * c + 2] = q.z, p.w[4 * c + 3] = q.w;
+    }
+    return p;
+  }
+  __device__ __forceinline__ float read_stat(int stage, int k) const { return ld_shared4(stat(stage, k)); }
+  __device__ __forceinline__ void copy_stat(int stage, int k, const float* src) const { cp_async4(stat(stage, k), src); }
+};
+
+// Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory (0: it cannot run), and
+// the SM count. Cached per (kernel, smem, device): the queries cost microseconds, a small launch less.
+struct Residency {
+  int per_sm = 0, sms = 0;
+};
+Residency residency(const void* kernel, int block, size_t smem);
+
+// Persistent grid: at most as many blocks as are resident at once, each looping over the same number of
+// row groups (tasks): with 16384 groups on 528 resident blocks, 512 blocks of 32 groups finish together,
+// where 528 would leave 16 blocks a 32nd group to run alone at the end. 0 when the kernel does not fit.
+// The kernels count rows in 32 bits, up to rows + (STAGES + 1) * blocks * rows_per_block: beyond that, 0 too.
+template <int STAGES, typename K>
+int persistent_grid(K* kernel, int block, size_t smem, int64_t rows, int rows_per_block) {
+  const Residency r = residency(reinterpret_cast<const void*>(kernel), block, smem);
+  if (r.per_sm <= 0) return 0;
+  const int64_t tasks = (rows + rows_per_block - 1) / rows_per_block;
+  const int64_t resident = int64_t(r.sms) * r.per_sm;
+  const int64_t per_block = (tasks + resident - 1) / resident;
+  const int64_t blocks = tasks < 1 ? 1 : (tasks + per_block - 1) / per_block;
+  if (rows + (STAGES + 1) * blocks * rows_per_block >= (int64_t(1) << 31)) return 0;
+  return int(blocks);
+}
+
+}  // namespace tk_layernorm

@@ -1,0 +1,141 @@
+// Per-vector row math and block-level helpers shared by the legacy and the pipe kernels.
+#pragma once
+#include "config.cuh"
+#include "philox.cuh"
+
+namespace tk_layernorm {
+
+// h = residual + dropout(x) for the 8 elements at flat index `first`, rounded to T: the h that is stored
+// and whose statistics eager would take. `res` is ignored unless has_res. (Packs go by value with flags,
+// not as nullable pointers: a pointer into a register array puts the array in local memory.)
+template <typename T>
+__device__ __forceinline__ Pack8<T> make_h(const Pack8<T>& xp, const Pack8<T>& res, bool has_res, const Dropout& drop,
+                                           bool dropout, uint64_t first) {
+  float h[8];
+  unpack(h, xp);
+  if (dropout) {
+    const uint32_t keep = drop.keep8(first);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = (keep >> i & 1u) ? __fmul_rn(h[i], drop.scale) : 0.f;
+  }
+  if (has_res) {
+    float r[8];
+    unpack(r, res);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = __fadd_rn(r[i], h[i]);
+  }
+  return pack<T>(h);
+}
+
+// y = (h - mean)·rstd·w + b for one vector (w, b used only when has_w, has_b).
+template <typename T>
+__device__ __forceinline__ void norm_vec(float (&out)[8], const Pack8<T>& hp, float mean, float rstd, const Pack8<T>& w,
+                                         bool has_w, const Pack8<T>& b, bool has_b) {
+  unpack(out, hp);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = (out[i] - mean) * rstd;
+  if (has_w) {
+    float wv[8];
+    unpack(wv, w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] *= wv[i];
+  }
+  if (has_b) {
+    float bv[8];
+    unpack(bv, b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] += bv[i];
+  }
+}
+
+// (mean, rstd) of the row whose vectors this thread holds in hp (zero where masked or past the last row;
+// mean 0 for RMSNorm), in fp32, given the thread's `sum` of its hp (the caller sums while it builds hp:
+// a separate pass here made ptxas spill the legacy kernel). Every thread of the block calls it.
+template <typename T, class S>
+__device__ __forceinline__ float2 row_stats(const Pack8<T> (&hp)[S::VECS], float sum, int lane, int nvec, int hidden,
+                                            float eps, bool rms, float* smem /* [S::BLOCK / 32] */) {
+  const float inv_n = 1.f / float(hidden);
+  float mean = 0.f, sq = 0.f;
+  if (!rms) {
+    mean = row_sum<S>(sum, smem) * inv_n;
+#pragma unroll
+    for (int v = 0; v < S::VECS; ++v) {
+      if (v * S::TPR + lane < nvec) {  // masked vectors are zeros, not the mean
+        float h[8];
+        unpack(h, hp[v]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sq += (h[i] - mean) * (h[i] - mean);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int v = 0; v < S::VECS; ++v) {
+      float h[8];
+      unpack(h, hp[v]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sq += h[i] * h[i];
+    }
+  }
+  return make_float2(mean, rsqrtf(row_sum<S>(sq, smem) * inv_n + eps));
+}
+
+// Two row sums for the price of one set of block syncs.
+template <class S>
+__device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem /* [S::BLOCK / 32] */) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if constexpr (S::WARPS_PER_ROW == 1) {
+    return make_float2(a, b);
+  } else {
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = make_float2(a, b);
+    __syncthreads();
+    const float2* mine = smem + (threadIdx.x / S::TPR) * S::WARPS_PER_ROW;
+    float2 s = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < S::WARPS_PER_ROW; ++i) s = make_float2(s.x + mine[i].x, s.y + mine[i].y);
+    return s;
+  }
+}
+
+// Sum the ROWS row-groups' accumulators of a block (sequentially, fixed order) and write the block's partial.
+// Every thread of the block calls it.
+template <class S>
+__device__ __forceinline__ void write_partial(float (&acc)[S::VECS][8], float* out, int hidden,
+                                              float* smem /* [S::MAX_HIDDEN] when ROWS > 1 */) {
+  const int lane = threadIdx.x % S::TPR, group = threadIdx.x / S::TPR;
+  const int nvec = hidden / 8;
+  if constexpr (S::ROWS > 1) {
+    for (int g = 0; g < S::ROWS; ++g) {
+      if (group == g) {
+#pragma unroll
+        for (int v = 0; v < S::VECS; ++v)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            float& slot = smem[(v * S::TPR + lane) * 8 + i];
+            slot = g == 0 ? acc[v][i] : slot + acc[v][i];
+          }
+      }
+      __syncthreads();
+    }
+    if (group == 0) {
+#pragma unroll
+      for (int v = 0; v < S::VECS; ++v)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[v][i] = smem[(v * S::TPR + lane) * 8 + i];
+    }
+    __syncthreads();  // smem is reused for the next accumulator
+  }
+  if (group != 0) return;
+#pragma unroll
+  for (int v = 0; v < S::VECS; ++v) {
+    const int vi = v * S::TPR + lane;
+    if (vi < nvec) {
+      float4* dst = reinterpret_cast<float4*>(out + vi * 8);
+      dst[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+      dst[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
+    }
+  }
+}
+
+}  // namespace tk_layernorm
