@@ -73,11 +73,11 @@ def _compile(model, mode: str):
     return torch.compile(model, backend="thunderkittens")
 
 
-def bench_model(name: str, quick: bool = False, train: bool = True) -> list[Row]:
+def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple[str, ...] = MODES) -> list[Row]:
     import tk_inductor
 
     rows = []
-    for mode in MODES:
+    for mode in modes:
         torch.manual_seed(0)
         model, (batch, seq) = MODELS[name](quick)
         model = model.to("cuda", torch.bfloat16)
@@ -127,8 +127,11 @@ def bench_model(name: str, quick: bool = False, train: bool = True) -> list[Row]
     return rows
 
 
-def run(quick: bool = False, models: list[str] | None = None) -> list[Row]:
+def run(quick: bool = False, models: list[str] | None = None, modes: list[str] | None = None) -> list[Row]:
+    unknown = set(modes or ()) - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown e2e modes {sorted(unknown)}; choose from {MODES}")
     rows = []
     for name in models or list(MODELS):
-        rows += bench_model(name, quick=quick)
+        rows += bench_model(name, quick=quick, modes=tuple(modes or MODES))
     return rows
