@@ -88,7 +88,37 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
+    e2e = _e2e_speedups(rows)
+    if e2e:
+        fig, ax = plt.subplots(figsize=(8, 0.4 * len(e2e) + 1.5))
+        cases = list(e2e)
+        for i, base in enumerate(("eager", "torch.compile")):
+            vals = [e2e[c].get(base, 0.0) for c in cases]
+            ax.barh([j + 0.4 * i for j in range(len(cases))], vals, height=0.4, label=f"vs {base}")
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_yticks([j + 0.2 for j in range(len(cases))], cases, fontsize=7)
+        ax.set_xlabel("thunderkittens speedup (throughput ratio)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "e2e.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
     return written
+
+
+def _e2e_speedups(rows: list[Row]) -> dict[str, dict[str, float]]:
+    """case -> {baseline: ours / baseline throughput} for whole-model rows where both ran."""
+    by_case: dict[str, dict[str, Row]] = defaultdict(dict)
+    for r in rows:
+        if r.op == "e2e" and r.ms:
+            by_case[r.case][r.impl] = r
+    out = {}
+    for case, impls in by_case.items():
+        ours = impls.get("thunderkittens")
+        if ours is not None:
+            out[case] = {b: impls[b].ms / ours.ms for b in ("eager", "torch.compile") if b in impls}
+    return out
 
 
 def main(argv=None) -> int:

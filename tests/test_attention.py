@@ -1054,3 +1054,20 @@ def test_gpu_attention_masked_under_cuda_graph_capture_takes_sdpa_path():
     torch.cuda.synchronize()
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
     torch.testing.assert_close(o, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_hf_llama_per_layer_compile(impl):
+    """torch.compile per decoder layer (as torchtitan/FSDP2 users do): each layer's graph receives the mask built
+    outside it, so it is checked at run time; the model equals eager, forward and gradients."""
+    model = _llama(impl).eval()
+    ids = torch.randint(0, 64, (2, 9))
+    want = model(ids).logits
+    tk_inductor.reset()
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.compile(backend="thunderkittens", options=OPTS)
+    got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    report = tk_inductor.report()
+    assert report.replaced.get("attention", 0) >= 1 and not [r for f, r in report.kept if f == "attention"], str(report)

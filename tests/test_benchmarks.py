@@ -1,7 +1,7 @@
 """The benchmark harness's CPU-side pieces: tables, row conversion, plots (timing itself needs the GPU)."""
 import pytest
 
-from benchmarks.__main__ import _as_rows, main, plot, table
+from benchmarks.__main__ import _as_rows, _e2e_speedups, main, plot, table
 from benchmarks.common import Row, bandwidth_table
 
 
@@ -38,3 +38,16 @@ def test_plot_writes_png(tmp_path):
 def test_unknown_op_is_reported_not_dropped(tmp_path, capsys):
     main(["--ops", "nosuchop", "--out", str(tmp_path)])
     assert "no benchmark module" in capsys.readouterr().out
+
+
+E2E = [Row("e2e", "llama 2x4096 train", "eager", 300.0), Row("e2e", "llama 2x4096 train", "torch.compile", 150.0),
+       Row("e2e", "llama 2x4096 train", "thunderkittens", 100.0),
+       Row("e2e", "based 4x4096 train", "torch.compile", None, note="failed"),
+       Row("e2e", "based 4x4096 train", "thunderkittens", 50.0)]
+
+
+def test_e2e_speedups_and_plot(tmp_path):
+    assert _e2e_speedups(E2E) == {"llama 2x4096 train": {"eager": 3.0, "torch.compile": 1.5},
+                                  "based 4x4096 train": {}}
+    pytest.importorskip("matplotlib")
+    assert [p.name for p in plot(ROWS + E2E, tmp_path)] == ["attention.png", "e2e.png"]
