@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 #include <torch/library.h>
 
@@ -62,6 +63,20 @@ DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
 }
 
+// TK_ATTN_FWD_VARIANT picks the forward kernel (0 = serial schedule, 1.. =
+// ping-pong variants, see README.md); unset = the default. Read on every call
+// (a few hundred ns) so a benchmark can switch variants in one process.
+int forward_variant() {
+  const char* s = std::getenv("TK_ATTN_FWD_VARIANT");
+  if (s == nullptr || *s == '\0') return -1;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  check(*end == '\0' && v >= 0 && v < tk_attn::attention_forward_variants(),
+        std::string("TK_ATTN_FWD_VARIANT must be an integer in [0, ") +
+            std::to_string(tk_attn::attention_forward_variants()) + "), got '" + s + "'");
+  return static_cast<int>(v);
+}
+
 int num_sms(const at::Tensor& t) {
   int n = 0;
   TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()) == cudaSuccess,
@@ -79,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   at::Tensor o = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
   const char* err = tk_attn::attention_forward(dt, view(q), view(k), view(v), o.data_ptr(), lse.data_ptr<float>(),
-                                               causal, static_cast<float>(scale), num_sms(q),
+                                               causal, static_cast<float>(scale), forward_variant(), num_sms(q),
                                                c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention: ", err ? err : "");
   return {o, lse};
