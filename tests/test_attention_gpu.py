@@ -19,6 +19,8 @@ pytestmark = [
 ]
 
 LENGTHS = (1, 17, 128, 1000, 4096)
+# Forward kernel variants (TK_ATTN_FWD_VARIANT; see csrc/kernels/attention/README.md).
+FWD_VARIANTS = (0, 1, 2, 3, 4)
 OUT_TOL = 1e-2  # relative (norm-wise) error vs fp32, bf16/fp16 outputs
 GRAD_TOL = 2e-2
 
@@ -89,8 +91,14 @@ def _id(c):
     return f"B{B}-H{Hq}:{Hkv}-N{N}-M{M}-D{D}-{str(dtype)[6:]}-{'causal' if causal else 'full'}"
 
 
+@pytest.fixture(params=FWD_VARIANTS, ids=lambda v: f"v{v}")
+def variant(request, monkeypatch):
+    monkeypatch.setenv("TK_ATTN_FWD_VARIANT", str(request.param))
+    return request.param
+
+
 @pytest.mark.parametrize("case", forward_cases(), ids=_id)
-def test_forward(ops, case):
+def test_forward(ops, case, variant):
     B, Hq, Hkv, N, M, D, dtype, causal = case
     q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype)
     scale = 1.0 / math.sqrt(D)
@@ -108,7 +116,7 @@ def test_forward(ops, case):
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-def test_forward_strides_and_scale(ops, layout, scale):
+def test_forward_strides_and_scale(ops, layout, scale, variant):
     q, k, v = make_inputs(2, 8, 2, 333, 517, 128, torch.bfloat16, layout=layout, seed=3)
     for causal in (False, True):
         o, lse = ops.attention(q, k, v, causal, scale)
@@ -162,6 +170,14 @@ def test_backward_noncontiguous(ops):
     o_ref.backward(do.float())
     for got, ref in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert rel_err(got, ref) < GRAD_TOL
+
+
+@pytest.mark.parametrize("value", ["5", "-1", "x", "1x"])
+def test_bad_variant(ops, monkeypatch, value):
+    q, k, v = make_inputs(1, 4, 2, 64, 64, 64, torch.bfloat16)
+    monkeypatch.setenv("TK_ATTN_FWD_VARIANT", value)
+    with pytest.raises(RuntimeError, match="TK_ATTN_FWD_VARIANT"):
+        ops.attention(q, k, v, False, 0.125)
 
 
 @pytest.mark.parametrize(

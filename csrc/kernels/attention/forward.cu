@@ -15,14 +15,16 @@ namespace {
 
 // One forward configuration: head dim, consumer warpgroups (64 query rows
 // each), key tile, ring stages, and the consumer schedule (PP = ping-pong +
-// intra-warpgroup overlap, see attention_fwd_pp_kernel; false = the serial schedule).
+// intra-warpgroup overlap, see attention_fwd_pp_kernel; false = the serial schedule;
+// TURNS = the ping-pong turn barriers, off = intra-warpgroup overlap alone).
 // Registers: the launch grants 65536 / THREADS each; setmaxnreg moves the
 // producer's share to the consumers.
-template <int D_, int NC_, int BN_, int STAGES_, bool PP_>
+template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool TURNS_ = true>
 struct FwdCfg {
   static constexpr int D = D_, NC = NC_, BN = BN_, STAGES = STAGES_;
-  static constexpr bool PP = PP_;
+  static constexpr bool PP = PP_, TURNS = TURNS_;
   static_assert(NC == 2 || NC == 3, "2 or 3 consumer warpgroups");
+  static_assert(PP || TURNS, "turn barriers belong to the ping-pong schedule");
   static constexpr int REG_PROD = NC == 2 ? 24 : 32;
   static constexpr int REG_CONS = NC == 2 ? 240 : 160;
 };
@@ -302,12 +304,16 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
 template <typename T, typename Cfg>
 struct PP {
   using K_ = Fwd<T, Cfg>;
-  static constexpr int D = K_::D, NC = K_::NC, BN = K_::BN, BM = K_::BM;
-  static constexpr int SCHED = 1;  // named barriers SCHED .. SCHED+NC-1 (0 is __syncthreads)
+  static constexpr int D = K_::D, BN = K_::BN, BM = K_::BM;
 
-  // Wait for this warpgroup's turn at the tensor cores / hand it to the next.
-  static __device__ __forceinline__ void turn_wait(int c) { named_bar_sync(SCHED + c, 256); }
-  static __device__ __forceinline__ void turn_pass(int c) { named_bar_arrive(SCHED + (c + 1) % NC, 256); }
+  // Wait for this warpgroup's turn at the tensor cores / hand it to the next
+  // (named barrier 1 + c is warpgroup c's; 0 is __syncthreads).
+  static __device__ __forceinline__ void turn_wait(int c) {
+    if constexpr (Cfg::TURNS) named_bar_sync(1 + c, 256);
+  }
+  static __device__ __forceinline__ void turn_pass(int c) {
+    if constexpr (Cfg::TURNS) named_bar_arrive(1 + (c + 1) % Cfg::NC, 256);
+  }
 
   static __device__ __forceinline__ void issue_qk(float (&sc)[K_::S_REGS], uint32_t sQ_u, uint32_t sK_s) {
 #pragma unroll
@@ -645,6 +651,7 @@ struct FwdVariants<128> {
   using V1 = FwdCfg<128, 2, 128, 2, true>;
   using V2 = FwdCfg<128, 2, 128, 3, true>;
   using V3 = FwdCfg<128, 2, 176, 2, true>;
+  using V4 = FwdCfg<128, 2, 128, 2, true, false>;
   static constexpr int DEFAULT = 1;
 };
 template <>
@@ -653,6 +660,7 @@ struct FwdVariants<64> {
   using V1 = FwdCfg<64, 3, 128, 4, true>;
   using V2 = FwdCfg<64, 2, 128, 4, true>;
   using V3 = FwdCfg<64, 2, 192, 4, true>;
+  using V4 = FwdCfg<64, 3, 128, 4, true, false>;
   static constexpr int DEFAULT = 1;
 };
 
@@ -667,13 +675,14 @@ const char* launch_variant(int variant, DType dt, const View4& q, const View4& k
     case 1: return launch_fwd<T, typename Vs::V1>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
     case 2: return launch_fwd<T, typename Vs::V2>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
     case 3: return launch_fwd<T, typename Vs::V3>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
-    default: return "unknown attention forward variant (TK_ATTN_FWD_VARIANT must be 0..3)";
+    case 4: return launch_fwd<T, typename Vs::V4>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    default: return "unknown attention forward variant";
   }
 }
 
 }  // namespace
 
-int attention_forward_variants() { return 4; }
+int attention_forward_variants() { return 5; }
 
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                               bool causal, float scale, int variant, int num_sms, cudaStream_t stream) {
