@@ -8,16 +8,22 @@ csrc/kernels/attention/README.md) in one process:
    the cuDNN backend at B*N = 65536, H*D = 2048, N in {2048, 8192}, D 64/128,
    causal and not (the method of benchmarks/attention.py).
 
-Prints PASS/FAIL lines, one table, and writes $OUT/sweep_attn.json.
+Each variant runs in its own child process with a time limit, so a variant
+that hangs or crashes the context costs only its own results. Prints PASS/FAIL
+lines, one table, and writes $OUT/sweep_attn.json.
 
     python3 -m benchmarks.sweep_attn
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -33,6 +39,8 @@ VARIANT_NAMES = {  # must match FwdVariants in csrc/kernels/attention/forward.cu
 LENGTHS = (1, 17, 1000, 4096)
 OUT_TOL, LSE_ATOL, GRAD_TOL = 1e-2, 2e-3, 2e-2
 TOKENS, HIDDEN = 65536, 2048
+TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))  # (D, N, causal)
+CHILD_TIMEOUT_S = 40
 
 
 def set_variant(v: int | None) -> None:
@@ -59,7 +67,7 @@ def rel_err(out, ref):
     return float((out - ref).norm() / ref.norm().clamp_min(1e-3 * ref.numel() ** 0.5))
 
 
-def correctness(ops) -> tuple[list[dict], bool]:
+def correctness(ops, variants) -> tuple[list[dict], bool]:
     results, all_ok = [], True
     for i, (D, (N, M), causal) in enumerate(itertools.product((64, 128), itertools.product(LENGTHS, LENGTHS), (False, True))):
         Hq, Hkv = ((4, 4), (4, 2), (8, 1))[i % 3]
@@ -70,7 +78,7 @@ def correctness(ops) -> tuple[list[dict], bool]:
         v = torch.randn(B, Hkv, M, D, device="cuda", dtype=torch.bfloat16, generator=g)
         scale = 1.0 / math.sqrt(D)
         o_ref, lse_ref = reference(q, k, v, causal, scale)
-        for var in VARIANTS:
+        for var in variants:
             set_variant(var)
             torch.full((B, N, Hq, D), float("nan"), device="cuda", dtype=torch.bfloat16)  # poison the allocator
             try:
@@ -97,12 +105,12 @@ def correctness(ops) -> tuple[list[dict], bool]:
             qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
             o_ref, _ = reference(qr, kr, vr, causal, 1.0 / math.sqrt(D))
             o_ref.backward(do.float())
-            for var in VARIANTS:
+            for var in variants:
                 set_variant(var)
                 o, lse = ops.attention(q, k, v, causal, 1.0 / math.sqrt(D))
                 grads = ops.attention_backward(do, q, k, v, o, lse, causal, 1.0 / math.sqrt(D))
                 errs = [rel_err(a, b.grad) for a, b in zip(grads, (qr, kr, vr))]
-                ok = max(errs) < GRAD_TOL
+                ok = max(errs) < GRAD_TOL and not any(bool(torch.isnan(g_).any()) for g_ in grads)
                 all_ok &= ok
                 note = "grads rel " + "/".join(f"{e:.1e}" for e in errs)
                 results.append({"variant": var, "D": D, "N": N, "M": N, "causal": causal, "ok": ok, "note": "bwd " + note})
@@ -112,44 +120,68 @@ def correctness(ops) -> tuple[list[dict], bool]:
     return results, all_ok
 
 
-def timing(ops) -> list[dict]:
+def _inputs(D, N):
+    B, H = TOKENS // N, HIDDEN // D
+    g = torch.Generator(device="cuda").manual_seed(N + D)
+    return B, H, [torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+
+
+def _flops(B, H, N, D, causal):
+    return 4.0 * B * H * N * N * D * (0.5 if causal else 1.0)
+
+
+def _cudnn(q, k, v, causal, scale):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def bench(fn) -> float:
+    """Median ms (do_bench, L2 cleared between calls); a short budget keeps the sweep inside its time limit."""
+    fn()
+    return median_ms(fn, warmup_ms=10, rep_ms=100)
+
+
+def timing_cudnn() -> list[dict]:
+    """F.scaled_dot_product_attention (cuDNN backend) per timed case."""
     rows = []
-    for D, N, causal in itertools.product((128, 64), (2048, 8192), (False, True)):
-        B, H = TOKENS // N, HIDDEN // D
+    for D, N, causal in TIMED:
+        B, H, (q, k, v) = _inputs(D, N)
         scale = 1.0 / math.sqrt(D)
-        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4.0 * B * H * N * N * D * (0.5 if causal else 1.0)
         row = {"D": D, "N": N, "B": B, "H": H, "causal": causal}
 
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-
         try:
-            ref = cudnn()
-            row["cudnn_ms"] = median_ms(cudnn)
+            row["cudnn_ms"] = bench(lambda: _cudnn(q, k, v, causal, scale))
+            row["cudnn_tflops"] = _flops(B, H, N, D, causal) / row["cudnn_ms"] / 1e9
         except RuntimeError as exc:
-            ref, row["cudnn_ms"] = None, None
-            row["cudnn_note"] = str(exc)[:100]
-        for var in VARIANTS:
-            set_variant(var)
-            try:
-                o = ops.attention(q, k, v, causal, scale)[0]
-                if ref is not None and rel_err(o, ref) > OUT_TOL:
-                    row[f"v{var}_ms"] = None
-                    row[f"v{var}_note"] = f"wrong output (rel {rel_err(o, ref):.1e})"
-                    continue
-                row[f"v{var}_ms"] = median_ms(lambda: ops.attention(q, k, v, causal, scale))
-            except RuntimeError as exc:
-                row[f"v{var}_ms"] = None
-                row[f"v{var}_note"] = str(exc)[:100]
-        set_variant(None)
-        for key in [k_ for k_ in row if k_.endswith("_ms")]:
-            if row[key]:
-                row[key.replace("_ms", "_tflops")] = flops / row[key] / 1e9
+            row["cudnn_ms"], row["cudnn_note"] = None, str(exc)[:100]
         rows.append(row)
+    return rows
+
+
+def timing_variant(ops, var) -> list[dict]:
+    """Forward time of one variant per timed case; timed only if its output matches cuDNN's on the same inputs."""
+    rows = []
+    for D, N, causal in TIMED:
+        B, H, (q, k, v) = _inputs(D, N)
+        scale = 1.0 / math.sqrt(D)
+        row = {"D": D, "N": N, "causal": causal}
+        try:
+            ref = _cudnn(q, k, v, causal, scale)
+            set_variant(var)
+            o = ops.attention(q, k, v, causal, scale)[0]
+            err = rel_err(o, ref)
+            del ref
+            if err > OUT_TOL or bool(torch.isnan(o).any()):
+                row["ms"], row["note"] = None, f"wrong output (rel {err:.1e} vs cuDNN)"
+            else:
+                row["ms"] = bench(lambda: ops.attention(q, k, v, causal, scale))
+                row["tflops"] = _flops(B, H, N, D, causal) / row["ms"] / 1e9
+        except RuntimeError as exc:
+            row["ms"], row["note"] = None, str(exc)[:100]
+        rows.append(row)
+    set_variant(None)
     return rows
 
 
@@ -182,32 +214,81 @@ def geomeans(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def main() -> int:
+def child(var: int, out_path: str) -> int:
+    from tk_inductor import build
+
+    build.load("attention")
+    ops = torch.ops.tk_cuda
+    t0 = time.time()
+    results, ok = correctness(ops, (var,))
+    t1 = time.time()
+    rows = timing_variant(ops, var)
+    with open(out_path, "w") as f:
+        json.dump({"results": results, "ok": ok, "timing": rows, "correct_s": t1 - t0, "timing_s": time.time() - t1}, f)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sweep_attn", description=__doc__.splitlines()[0])
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        return child(args.child, args.child_out)
+
     from tk_inductor import build
 
     t0 = time.time()
-    build.load("attention")
-    ops = torch.ops.tk_cuda
+    build.load("attention")  # children load the cached build
     t_build = time.time() - t0
     print(f"build/load: {t_build:.1f} s", flush=True)
-    results, ok = correctness(ops)
-    n_fail = sum(not r["ok"] for r in results)
-    print(f"correctness: {'PASS' if ok else 'FAIL'} ({len(results) - n_fail}/{len(results)} cases)", flush=True)
+    rows = timing_cudnn()
+    torch.cuda.empty_cache()
+    results, all_ok, per_variant = [], True, {}
     for var in VARIANTS:
-        bad = [r for r in results if r["variant"] == var and not r["ok"]]
-        print(f"  v{var}: {'PASS' if not bad else f'FAIL ({len(bad)} cases)'}", flush=True)
-    t1 = time.time()
-    rows = timing(ops)
+        t1 = time.time()
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+            path = tmp.name
+        cmd = [sys.executable, "-m", "benchmarks.sweep_attn", "--child", str(var), "--child-out", path]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            data = json.load(open(path)) if proc.returncode == 0 else None
+            status = "" if data else f"child exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}"
+        except subprocess.TimeoutExpired:
+            data, status = None, f"child timed out after {CHILD_TIMEOUT_S} s (hang?)"
+        except (OSError, ValueError) as exc:
+            data, status = None, f"child output unreadable: {exc}"
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        if data is None:
+            all_ok = False
+            per_variant[var] = "FAIL (" + status.strip() + ")"
+            print(f"  v{var}: FAIL {status}", flush=True)
+            continue
+        results += data["results"]
+        bad = [r for r in data["results"] if not r["ok"]]
+        for r in bad:
+            print(f"FAIL v{var} D{r['D']} N{r['N']} M{r['M']} {'causal' if r['causal'] else 'full'}: {r['note']}")
+        all_ok &= not bad
+        per_variant[var] = "PASS" if not bad else f"FAIL ({len(bad)}/{len(data['results'])} cases)"
+        for row, t in zip(rows, data["timing"]):
+            assert (row["D"], row["N"], row["causal"]) == (t["D"], t["N"], t["causal"])
+            row[f"v{var}_ms"], row[f"v{var}_tflops"] = t.get("ms"), t.get("tflops")
+            if t.get("note"):
+                row[f"v{var}_note"] = t["note"]
+        print(f"  v{var}: {per_variant[var]} ({len(data['results'])} checks, {time.time() - t1:.0f} s)", flush=True)
+    print(f"correctness: {'PASS' if all_ok else 'FAIL'}")
     print(table(rows))
     gm = geomeans(rows)
     print("geomean ours/cuDNN: " + ", ".join(f"{k} {v:.3f}" for k, v in gm.items()))
-    print(f"times: build {t_build:.0f} s, correctness {t1 - t0 - t_build:.0f} s, timing {time.time() - t1:.0f} s")
+    print(f"total {time.time() - t0:.0f} s (build/load {t_build:.0f} s)")
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "sweep_attn.json"), "w") as f:
-        json.dump({"correct": ok, "correctness": results, "timing": rows, "geomean": gm,
-                   "variants": VARIANT_NAMES, "build_s": t_build}, f, indent=1)
-    return 0 if ok else 1
+        json.dump({"correct": all_ok, "per_variant": per_variant, "correctness": results, "timing": rows,
+                   "geomean": gm, "variants": VARIANT_NAMES, "build_s": t_build}, f, indent=1)
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":
