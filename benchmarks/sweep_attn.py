@@ -31,10 +31,10 @@ import torch.nn.functional as F
 
 from .common import median_ms
 
-VARIANTS = (0, 1, 2, 3, 4)
+VARIANTS = (0, 1, 2, 3, 4, 5)
 VARIANT_NAMES = {  # must match FwdVariants in csrc/kernels/attention/forward.cu
-    128: {0: "serial BN128 S2", 1: "pp BN128 S2", 2: "pp BN128 S3", 3: "pp BN176 S2", 4: "intra-only BN128 S2"},
-    64: {0: "serial BM192 BN128", 1: "pp BM192 BN128", 2: "pp BM128 BN128", 3: "pp BM128 BN192", 4: "intra-only BM192 BN128"},
+    128: {0: "serial BN128 S2", 1: "pp BN128 S2", 2: "pp BN128 S3", 3: "pp BN176 S2", 4: "intra-only BN128 S2", 5: "pp BN128 S2 poly-exp 1/4"},
+    64: {0: "serial BM192 BN128", 1: "pp BM192 BN128", 2: "pp BM128 BN128", 3: "pp BM128 BN192", 4: "intra-only BM192 BN128", 5: "pp BM192 BN128 poly-exp 1/4"},
 }
 LENGTHS = (1, 17, 1000, 4096)
 OUT_TOL, LSE_ATOL, GRAD_TOL = 1e-2, 2e-3, 2e-2
@@ -228,6 +228,23 @@ def child(var: int, out_path: str) -> int:
     return 0
 
 
+def best(rows: list[dict]) -> dict[str, str]:
+    """Per (D, causal): the variant with the highest geomean ours/cuDNN over N (what DEFAULT / DEFAULT_CAUSAL
+    in FwdVariants should be)."""
+    out = {}
+    for D, causal in itertools.product((128, 64), (False, True)):
+        sel = [r for r in rows if r["D"] == D and r["causal"] == causal and r.get("cudnn_ms")]
+        scores = {}
+        for var in VARIANTS:
+            r_ = [r["cudnn_ms"] / r[f"v{var}_ms"] for r in sel if r.get(f"v{var}_ms")]
+            if sel and len(r_) == len(sel):
+                scores[var] = math.exp(sum(map(math.log, r_)) / len(r_))
+        if scores:
+            v = max(scores, key=scores.get)
+            out[f"D{D} {'causal' if causal else 'full'}"] = f"v{v} ({scores[v]:.3f}x cuDNN)"
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sweep_attn", description=__doc__.splitlines()[0])
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
@@ -282,12 +299,14 @@ def main(argv=None) -> int:
     print(table(rows))
     gm = geomeans(rows)
     print("geomean ours/cuDNN: " + ", ".join(f"{k} {v:.3f}" for k, v in gm.items()))
+    bests = best(rows)
+    print("best variant: " + ", ".join(f"{k}: {v}" for k, v in bests.items()))
     print(f"total {time.time() - t0:.0f} s (build/load {t_build:.0f} s)")
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "sweep_attn.json"), "w") as f:
         json.dump({"correct": all_ok, "per_variant": per_variant, "correctness": results, "timing": rows,
-                   "geomean": gm, "variants": VARIANT_NAMES, "build_s": t_build}, f, indent=1)
+                   "geomean": gm, "best": bests, "variants": VARIANT_NAMES, "build_s": t_build}, f, indent=1)
     return 0 if all_ok else 1
 
 

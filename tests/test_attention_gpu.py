@@ -20,7 +20,7 @@ pytestmark = [
 
 LENGTHS = (1, 17, 128, 1000, 4096)
 # Forward kernel variants (TK_ATTN_FWD_VARIANT; see csrc/kernels/attention/README.md).
-FWD_VARIANTS = (0, 1, 2, 3, 4)
+FWD_VARIANTS = (0, 1, 2, 3, 4, 5)
 OUT_TOL = 1e-2  # relative (norm-wise) error vs fp32, bf16/fp16 outputs
 GRAD_TOL = 2e-2
 
@@ -172,7 +172,7 @@ def test_backward_noncontiguous(ops):
         assert rel_err(got, ref) < GRAD_TOL
 
 
-@pytest.mark.parametrize("value", ["5", "-1", "x", "1x"])
+@pytest.mark.parametrize("value", ["6", "-1", "x", "1x"])
 def test_bad_variant(ops, monkeypatch, value):
     q, k, v = make_inputs(1, 4, 2, 64, 64, 64, torch.bfloat16)
     monkeypatch.setenv("TK_ATTN_FWD_VARIANT", value)
