@@ -6,7 +6,9 @@ csrc/kernels/attention/README.md) in one process:
    lse; plus the backward fed with each variant's lse (one case per D);
 2. forward TFLOPS of every variant and of F.scaled_dot_product_attention with
    the cuDNN backend at B*N = 65536, H*D = 2048, N in {2048, 8192}, D 64/128,
-   causal and not (the method of benchmarks/attention.py).
+   causal and not (the method of benchmarks/attention.py);
+3. the backward variants (TK_ATTN_BWD_VARIANT; variant 1 exists at D = 64):
+   gradients vs fp32 autograd, and forward+backward TFLOPS vs cuDNN at D = 64.
 
 Each variant runs in its own child process with a time limit, so a variant
 that hangs or crashes the context costs only its own results. Prints PASS/FAIL
@@ -41,6 +43,8 @@ OUT_TOL, LSE_ATOL, GRAD_TOL = 1e-2, 2e-3, 2e-2
 TOKENS, HIDDEN = 65536, 2048
 TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))  # (D, N, causal)
 CHILD_TIMEOUT_S = 40
+BWD_VARIANTS = (0, 1)
+BWD_TIMED = list(itertools.product((64,), (2048, 8192), (False, True)))
 
 
 def set_variant(v: int | None) -> None:
@@ -214,6 +218,74 @@ def geomeans(rows: list[dict]) -> dict[str, float]:
     return out
 
 
+def backward_child(out_path: str) -> int:
+    """Backward variants: gradients vs fp32 autograd, then fwd+bwd time vs cuDNN (D = 64)."""
+    from tk_inductor import build
+
+    build.load("attention")
+    ops = torch.ops.tk_cuda
+    results, ok = [], True
+    cases = [(64, 17, 17), (64, 1000, 1000), (64, 17, 1000), (64, 1000, 17), (64, 2048, 2048), (128, 1000, 1000)]
+    for i, ((D, N, M), causal) in enumerate(itertools.product(cases, (False, True))):
+        B, Hq, Hkv = 2, *((4, 4), (4, 2), (6, 1))[i % 3]
+        g = torch.Generator(device="cuda").manual_seed(200 + i)
+        q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(B, Hkv, M, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        do = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        scale = 1.0 / math.sqrt(D)
+        qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+        o_ref, _ = reference(qr, kr, vr, causal, scale)
+        o_ref.backward(do.float())
+        o, lse = ops.attention(q, k, v, causal, scale)
+        for bv in BWD_VARIANTS:
+            os.environ["TK_ATTN_BWD_VARIANT"] = str(bv)
+            try:
+                grads = ops.attention_backward(do, q, k, v, o, lse, causal, scale)
+                torch.cuda.synchronize()
+                errs = [rel_err(a, b_.grad) for a, b_ in zip(grads, (qr, kr, vr))]
+                good = max(errs) < GRAD_TOL and not any(bool(torch.isnan(t).any()) for t in grads)
+                note = "grads rel " + "/".join(f"{e:.1e}" for e in errs)
+            except RuntimeError as exc:
+                good, note = False, f"error: {str(exc)[:120]}"
+            ok &= good
+            results.append({"bwd_variant": bv, "D": D, "N": N, "M": M, "causal": causal, "ok": good, "note": note})
+    rows = []
+    for D, N, causal in BWD_TIMED:
+        B, H, (q, k, v) = _inputs(D, N)
+        do = torch.randn_like(q)
+        scale = 1.0 / math.sqrt(D)
+        flops = _flops(B, H, N, D, causal) * 3.5
+        row = {"D": D, "N": N, "B": B, "H": H, "causal": causal}
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def cudnn_step():
+            qg.grad = kg.grad = vg.grad = None
+            _cudnn(qg, kg, vg, causal, scale).backward(do)
+
+        try:
+            row["cudnn_ms"] = bench(cudnn_step)
+            row["cudnn_tflops"] = flops / row["cudnn_ms"] / 1e9
+        except RuntimeError as exc:
+            row["cudnn_ms"], row["cudnn_note"] = None, str(exc)[:100]
+        for bv in BWD_VARIANTS:
+            os.environ["TK_ATTN_BWD_VARIANT"] = str(bv)
+
+            def ours():
+                o, lse = ops.attention(q, k, v, causal, scale)
+                return ops.attention_backward(do, q, k, v, o, lse, causal, scale)
+
+            try:
+                row[f"b{bv}_ms"] = bench(ours)
+                row[f"b{bv}_tflops"] = flops / row[f"b{bv}_ms"] / 1e9
+            except RuntimeError as exc:
+                row[f"b{bv}_ms"], row[f"b{bv}_note"] = None, str(exc)[:100]
+        rows.append(row)
+    os.environ.pop("TK_ATTN_BWD_VARIANT", None)
+    with open(out_path, "w") as f:
+        json.dump({"results": results, "ok": ok, "timing": rows}, f)
+    return 0
+
+
 def child(var: int, out_path: str) -> int:
     from tk_inductor import build
 
@@ -245,13 +317,36 @@ def best(rows: list[dict]) -> dict[str, str]:
     return out
 
 
+def run_child(extra: list[str], timeout: float) -> tuple[dict | None, str]:
+    """Runs this module as a child process; (its JSON, "") or (None, why not)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        path = tmp.name
+    cmd = [sys.executable, "-m", "benchmarks.sweep_attn", *extra, "--child-out", path]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        data = json.load(open(path)) if proc.returncode == 0 else None
+        status = "" if data else f"child exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}"
+    except subprocess.TimeoutExpired:
+        data, status = None, f"child timed out after {timeout:.0f} s (hang?)"
+    except (OSError, ValueError) as exc:
+        data, status = None, f"child output unreadable: {exc}"
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return data, status.strip()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sweep_attn", description=__doc__.splitlines()[0])
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-bwd", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-backward", action="store_true", help="skip the backward variants")
     args = ap.parse_args(argv)
     if args.child is not None:
         return child(args.child, args.child_out)
+    if args.child_bwd:
+        return backward_child(args.child_out)
 
     from tk_inductor import build
 
@@ -264,23 +359,10 @@ def main(argv=None) -> int:
     results, all_ok, per_variant = [], True, {}
     for var in VARIANTS:
         t1 = time.time()
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-            path = tmp.name
-        cmd = [sys.executable, "-m", "benchmarks.sweep_attn", "--child", str(var), "--child-out", path]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-            data = json.load(open(path)) if proc.returncode == 0 else None
-            status = "" if data else f"child exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}"
-        except subprocess.TimeoutExpired:
-            data, status = None, f"child timed out after {CHILD_TIMEOUT_S} s (hang?)"
-        except (OSError, ValueError) as exc:
-            data, status = None, f"child output unreadable: {exc}"
-        finally:
-            if os.path.exists(path):
-                os.unlink(path)
+        data, status = run_child(["--child", str(var)], CHILD_TIMEOUT_S)
         if data is None:
             all_ok = False
-            per_variant[var] = "FAIL (" + status.strip() + ")"
+            per_variant[var] = "FAIL (" + status + ")"
             print(f"  v{var}: FAIL {status}", flush=True)
             continue
         results += data["results"]
@@ -295,18 +377,42 @@ def main(argv=None) -> int:
             if t.get("note"):
                 row[f"v{var}_note"] = t["note"]
         print(f"  v{var}: {per_variant[var]} ({len(data['results'])} checks, {time.time() - t1:.0f} s)", flush=True)
-    print(f"correctness: {'PASS' if all_ok else 'FAIL'}")
+    print(f"forward correctness: {'PASS' if all_ok else 'FAIL'}")
     print(table(rows))
     gm = geomeans(rows)
     print("geomean ours/cuDNN: " + ", ".join(f"{k} {v:.3f}" for k, v in gm.items()))
     bests = best(rows)
     print("best variant: " + ", ".join(f"{k}: {v}" for k, v in bests.items()))
+    bwd = None
+    if not args.no_backward:
+        bwd, status = run_child(["--child-bwd"], 2 * CHILD_TIMEOUT_S)
+        if bwd is None:
+            all_ok = False
+            print(f"backward variants: FAIL {status}")
+        else:
+            for r in bwd["results"]:
+                if not r["ok"]:
+                    print(f"FAIL bwd b{r['bwd_variant']} D{r['D']} N{r['N']} M{r['M']} "
+                          f"{'causal' if r['causal'] else 'full'}: {r['note']}")
+            all_ok &= bwd["ok"]
+            print(f"backward variants: {'PASS' if bwd['ok'] else 'FAIL'} ({len(bwd['results'])} checks)")
+            print("| fwd+bwd case | cuDNN TF | " + " | ".join(f"b{v} TF" for v in BWD_VARIANTS) + " | "
+                  + " | ".join(f"b{v}/cuDNN" for v in BWD_VARIANTS) + " |")
+            print("|---" * (2 + 2 * len(BWD_VARIANTS)) + "|")
+            for r in bwd["timing"]:
+                c = r.get("cudnn_ms")
+                cells = [f"B{r['B']} H{r['H']} N{r['N']} D{r['D']} {'causal' if r['causal'] else 'full'}",
+                         f"{r['cudnn_tflops']:.0f}" if r.get("cudnn_tflops") else "-"]
+                cells += [f"{r[f'b{v}_tflops']:.0f}" if r.get(f"b{v}_tflops") else "-" for v in BWD_VARIANTS]
+                cells += [f"{c / r[f'b{v}_ms']:.2f}" if c and r.get(f"b{v}_ms") else "-" for v in BWD_VARIANTS]
+                print("| " + " | ".join(cells) + " |")
+    print(f"correctness overall: {'PASS' if all_ok else 'FAIL'}")
     print(f"total {time.time() - t0:.0f} s (build/load {t_build:.0f} s)")
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "sweep_attn.json"), "w") as f:
         json.dump({"correct": all_ok, "per_variant": per_variant, "correctness": results, "timing": rows,
-                   "geomean": gm, "best": bests, "variants": VARIANT_NAMES, "build_s": t_build}, f, indent=1)
+                   "geomean": gm, "best": bests, "backward": bwd, "variants": VARIANT_NAMES, "build_s": t_build}, f, indent=1)
     return 0 if all_ok else 1
 
 
