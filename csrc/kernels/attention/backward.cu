@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
         tma_reduce_add_3d(&dqmap, stage + bx * 8192, (K_::DQ_SPLIT_COLS ? 64 * c : 0) + 32 * bx, i0, bh);
       bulk_commit();
     }
-    };
+  };
   if constexpr (PIPE) {
     if (steps > 0) {
       issue_s(0, st);
