@@ -7,8 +7,8 @@ csrc/kernels/attention/README.md) in one process:
 2. forward TFLOPS of every variant and of F.scaled_dot_product_attention with
    the cuDNN backend at B*N = 65536, H*D = 2048, N in {2048, 8192}, D 64/128,
    causal and not (the method of benchmarks/attention.py);
-3. the backward variants (TK_ATTN_BWD_VARIANT; variant 1 exists at D = 64):
-   gradients vs fp32 autograd, and forward+backward TFLOPS vs cuDNN at D = 64.
+3. the backward variants (TK_ATTN_BWD_VARIANT): gradients vs fp32 autograd,
+   and forward+backward TFLOPS vs cuDNN (N = 2048, 8192).
 
 Each variant runs in its own child process with a time limit, so a variant
 that hangs or crashes the context costs only its own results. Prints PASS/FAIL
@@ -44,7 +44,7 @@ TOKENS, HIDDEN = 65536, 2048
 TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))  # (D, N, causal)
 CHILD_TIMEOUT_S = 40
 BWD_VARIANTS = (0, 1)
-BWD_TIMED = list(itertools.product((64,), (2048, 8192), (False, True)))
+BWD_TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))
 
 
 def set_variant(v: int | None) -> None:
@@ -219,13 +219,13 @@ def geomeans(rows: list[dict]) -> dict[str, float]:
 
 
 def backward_child(out_path: str) -> int:
-    """Backward variants: gradients vs fp32 autograd, then fwd+bwd time vs cuDNN (D = 64)."""
+    """Backward variants: gradients vs fp32 autograd, then fwd+bwd time vs cuDNN."""
     from tk_inductor import build
 
     build.load("attention")
     ops = torch.ops.tk_cuda
     results, ok = [], True
-    cases = [(64, 17, 17), (64, 1000, 1000), (64, 17, 1000), (64, 1000, 17), (64, 2048, 2048), (128, 1000, 1000)]
+    cases = [(D, N, M) for D in (64, 128) for N, M in ((17, 17), (1000, 1000), (17, 1000), (1000, 17), (2048, 2048))]
     for i, ((D, N, M), causal) in enumerate(itertools.product(cases, (False, True))):
         B, Hq, Hkv = 2, *((4, 4), (4, 2), (6, 1))[i % 3]
         g = torch.Generator(device="cuda").manual_seed(200 + i)

@@ -448,7 +448,7 @@ BwdScratch attention_backward_scratch(const View4& q) {
 
 int attention_backward_variants() { return 2; }
 
-// variant: 0 = the serial per-step loop, 1 = next step's S^T / dP^T issued
+// variant: 0 = the serial per-step loop, 1 = the next step's S^T issued
 // before this step's dQ staging (PIPE); -1 = the default (0).
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
@@ -456,18 +456,12 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
                                cudaStream_t stream) {
   if (variant < 0) variant = 0;
   if (variant > 1) return "unknown attention backward variant";
-  if (q.D == 128) variant = 0;  // PIPE would spill at D = 128 (dK, dV, S, dP and dQ live at once)
 #define TK_ATTN_BWD(T, D)                                                                                     \
   (variant == 1 ? launch_bwd<T, D, true>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, \
                                          scale, stream)                                                      \
                 : launch_bwd<T, D, false>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, \
                                           scale, stream))
-  if (q.D == 128)
-    return dt == DType::bf16
-               ? launch_bwd<__nv_bfloat16, 128, false>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta,
-                                                       causal, scale, stream)
-               : launch_bwd<__half, 128, false>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal,
-                                                scale, stream);
+  if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
   return "head dim must be 64 or 128";
