@@ -19,6 +19,9 @@ pytestmark = [
 ]
 
 LENGTHS = (1, 17, 128, 1000, 4096)
+# Forward kernel variants (TK_ATTN_FWD_VARIANT; see csrc/kernels/attention/README.md).
+FWD_VARIANTS = (0, 1, 2, 3, 4, 5)
+BWD_VARIANTS = (0, 1)  # TK_ATTN_BWD_VARIANT
 OUT_TOL = 1e-2  # relative (norm-wise) error vs fp32, bf16/fp16 outputs
 GRAD_TOL = 2e-2
 
@@ -89,8 +92,14 @@ def _id(c):
     return f"B{B}-H{Hq}:{Hkv}-N{N}-M{M}-D{D}-{str(dtype)[6:]}-{'causal' if causal else 'full'}"
 
 
+@pytest.fixture(params=FWD_VARIANTS, ids=lambda v: f"v{v}")
+def variant(request, monkeypatch):
+    monkeypatch.setenv("TK_ATTN_FWD_VARIANT", str(request.param))
+    return request.param
+
+
 @pytest.mark.parametrize("case", forward_cases(), ids=_id)
-def test_forward(ops, case):
+def test_forward(ops, case, variant):
     B, Hq, Hkv, N, M, D, dtype, causal = case
     q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype)
     scale = 1.0 / math.sqrt(D)
@@ -108,7 +117,7 @@ def test_forward(ops, case):
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-def test_forward_strides_and_scale(ops, layout, scale):
+def test_forward_strides_and_scale(ops, layout, scale, variant):
     q, k, v = make_inputs(2, 8, 2, 333, 517, 128, torch.bfloat16, layout=layout, seed=3)
     for causal in (False, True):
         o, lse = ops.attention(q, k, v, causal, scale)
@@ -131,8 +140,14 @@ def backward_cases():
     return cases
 
 
+@pytest.fixture(params=BWD_VARIANTS, ids=lambda v: f"b{v}")
+def bwd_variant(request, monkeypatch):
+    monkeypatch.setenv("TK_ATTN_BWD_VARIANT", str(request.param))
+    return request.param
+
+
 @pytest.mark.parametrize("case", backward_cases(), ids=_id)
-def test_backward(ops, case):
+def test_backward(ops, case, bwd_variant):
     B, Hq, Hkv, N, M, D, dtype, causal = case
     q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, seed=1)
     do = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
@@ -152,7 +167,7 @@ def test_backward(ops, case):
         assert rel_err(got, ref) < GRAD_TOL, f"{name}: relative error {rel_err(got, ref):.3e}"
 
 
-def test_backward_noncontiguous(ops):
+def test_backward_noncontiguous(ops, bwd_variant):
     q, k, v = make_inputs(2, 8, 4, 300, 300, 64, torch.bfloat16, layout="bnhd", seed=5)
     do = torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     o, lse = ops.attention(q, k, v, True, 0.125)
@@ -162,6 +177,19 @@ def test_backward_noncontiguous(ops):
     o_ref.backward(do.float())
     for got, ref in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert rel_err(got, ref) < GRAD_TOL
+
+
+@pytest.mark.parametrize("value", ["6", "-1", "x", "1x"])
+def test_bad_variant(ops, monkeypatch, value):
+    q, k, v = make_inputs(1, 4, 2, 64, 64, 64, torch.bfloat16)
+    monkeypatch.setenv("TK_ATTN_FWD_VARIANT", value)
+    with pytest.raises(RuntimeError, match="TK_ATTN_FWD_VARIANT"):
+        ops.attention(q, k, v, False, 0.125)
+    monkeypatch.delenv("TK_ATTN_FWD_VARIANT")
+    o, lse = ops.attention(q, k, v, False, 0.125)
+    monkeypatch.setenv("TK_ATTN_BWD_VARIANT", value.replace("6", "2"))
+    with pytest.raises(RuntimeError, match="TK_ATTN_BWD_VARIANT"):
+        ops.attention_backward(torch.randn_like(q), q, k, v, o, lse, False, 0.125)
 
 
 @pytest.mark.parametrize(

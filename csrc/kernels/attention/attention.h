@@ -15,9 +15,12 @@ struct View4 {
 };
 
 // o: (B, N, Hq, D) contiguous; lse: (B, Hq, N) fp32 contiguous.
-// Returns nullptr on success, else a static error string.
+// variant: which forward kernel (0 .. attention_forward_variants() - 1, see
+// README.md), or -1 for the default. Returns nullptr on success, else a
+// static error string.
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                              bool causal, float scale, int num_sms, cudaStream_t stream);
+                              bool causal, float scale, int variant, int num_sms, cudaStream_t stream);
+int attention_forward_variants();
 
 // Scratch sizes (bytes) the backward needs: fp32 dq accumulator, padded
 // log2-domain lse and rowsum(do * o).
@@ -27,8 +30,11 @@ struct BwdScratch {
 BwdScratch attention_backward_scratch(const View4& q);
 
 // dq (B,Hq,N,D), dk/dv (B,Hkv,M,D) contiguous. dq_accum must be zeroed.
+// variant: 0 .. attention_backward_variants() - 1 (see README.md), -1 = default.
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
-                               float* lse2, float* delta, bool causal, float scale, cudaStream_t stream);
+                               float* lse2, float* delta, bool causal, float scale, int variant,
+                               cudaStream_t stream);
+int attention_backward_variants();
 
 }  // namespace tk_attn

@@ -10,6 +10,7 @@
 // (padded: lse2 = +inf past N makes P = 0 there), a postprocess scales and
 // casts dq_accum.
 #include <cmath>
+#include <type_traits>
 
 #include "attention.h"
 #include "common.cuh"
@@ -53,7 +54,7 @@ struct BwdParams {
   void* dv;
 };
 
-template <typename T, int D>
+template <typename T, int D, bool PIPE>
 __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
@@ -134,8 +135,42 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 
+  // S^T = K Q^T (after waiting for the step's tile) and dP^T = V dO^T of
+  // step `it_`, one commit group each.
+  auto issue_s = [&](int it_, float (&st_)[BM / 2]) {
+    const int s_ = it_ % STAGES;
+    bar_wait(&q_full[s_], (it_ / STAGES) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t koff = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      const uint32_t qoff = (kk / 4) * BM * 128 + (kk % 4) * 32;
+      wgmma_op<T>::template ss<0, 0>(st_, desc_kmajor(sK_u + koff), desc_kmajor(sQ_u + s_ * K_::Q_BYTES + qoff),
+                                     kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_dp = [&](int it_, float (&dpt_)[BM / 2]) {
+    const int s_ = it_ % STAGES;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t voff = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      const uint32_t ooff = (kk / 4) * BM * 128 + (kk % 4) * 32;
+      wgmma_op<T>::template ss<0, 0>(dpt_, desc_kmajor(sV_u + voff), desc_kmajor(sdO_u + s_ * K_::Q_BYTES + ooff),
+                                     kk > 0);
+    }
+    wgmma_commit();
+  };
+
   bar_wait(kv_full, 0);
-  for (int it = 0; it < steps; ++it) {
+  float st[BM / 2], dpt[BM / 2];
+  // One step (one streamed (Q, dO) tile). PIPE: S^T of `it` was issued by
+  // the step before (or the prologue), before that step's dQ staging, so the
+  // tensor cores work through the staging; `next` says whether to issue the
+  // one of it + 1. The loop is peeled so that S^T is always wgmma-defined at
+  // the top of a step, and the step waits for it with wait<0> before issuing
+  // dP^T: ptxas cannot follow a wait<1> across the loop and would serialize.
+  auto step = [&](int it, auto next) {
     const int g = it / steps_per_head;
     const int mb = mb_start + it % steps_per_head;
     const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
@@ -143,28 +178,20 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
     const int s = it % STAGES;
     const uint32_t qs = sQ_u + s * K_::Q_BYTES, dos = sdO_u + s * K_::Q_BYTES;
 
-    float st[BM / 2], dpt[BM / 2];
-    bar_wait(&q_full[s], (it / STAGES) & 1);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t koff = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
-      const uint32_t qoff = (kk / 4) * BM * 128 + (kk % 4) * 32;
-      wgmma_op<T>::template ss<0, 0>(st, desc_kmajor(sK_u + koff), desc_kmajor(qs + qoff), kk > 0);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t voff = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
-      const uint32_t ooff = (kk / 4) * BM * 128 + (kk % 4) * 32;
-      wgmma_op<T>::template ss<0, 0>(dpt, desc_kmajor(sV_u + voff), desc_kmajor(dos + ooff), kk > 0);
-    }
-    wgmma_commit();
-
     const float* lse_row = p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
     const float* del_row = p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
-    wgmma_wait<1>();
-    fence_regs(st);
+    if constexpr (PIPE) {
+      (void)next;
+      wgmma_wait<0>();
+      fence_regs(st);
+      wgmma_fence();
+      issue_dp(it, dpt);
+    } else {
+      issue_s(it, st);
+      issue_dp(it, dpt);
+      wgmma_wait<1>();
+      fence_regs(st);
+    }
     // Causal upper triangle, and keys past M (their zero-filled rows would
     // otherwise give P = exp2(-lse2), which can overflow for extreme scales).
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
@@ -255,6 +282,7 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[s]);
     if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
+    if constexpr (PIPE && decltype(next)::value) issue_s(it + 1, st);
 
     // dQ accumulation: stage this consumer's 64 x 64 fp32 block in shared
     // memory and let the TMA unit add it into dq_accum (rows past N land in
@@ -279,6 +307,15 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
         tma_reduce_add_3d(&dqmap, stage + bx * 8192, (K_::DQ_SPLIT_COLS ? 64 * c : 0) + 32 * bx, i0, bh);
       bulk_commit();
     }
+  };
+  if constexpr (PIPE) {
+    if (steps > 0) {
+      issue_s(0, st);
+      for (int it = 0; it < steps - 1; ++it) step(it, std::true_type{});
+      step(steps - 1, std::false_type{});
+    }
+  } else {
+    for (int it = 0; it < steps; ++it) step(it, std::false_type{});
   }
   if (tid == 0) bulk_wait_all();
 
@@ -349,7 +386,7 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
   *reinterpret_cast<uint32_t*>(dq + idx) = pack2<T>(v.x * scale, v.y * scale);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool PIPE>
 const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v, const View4& o,
                        const float* lse, void* dq, void* dk, void* dv, float* dq_accum, float* lse2, float* delta,
                        bool causal, float scale, cudaStream_t stream) {
@@ -385,7 +422,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.dq_accum = dq_accum;
   p.dk = dk;
   p.dv = dv;
-  auto kern = attention_bwd_kernel<T, D>;
+  auto kern = attention_bwd_kernel<T, D, PIPE>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention backward kernel";
   dim3 grid(static_cast<unsigned>((k.S + BWD_BN - 1) / BWD_BN), static_cast<unsigned>(k.B * k.H));
@@ -409,11 +446,21 @@ BwdScratch attention_backward_scratch(const View4& q) {
           static_cast<size_t>(BH * Npad * 4)};
 }
 
+int attention_backward_variants() { return 2; }
+
+// variant: 0 = the serial per-step loop, 1 = the next step's S^T issued
+// before this step's dQ staging (PIPE); -1 = the default (1).
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
-                               float* lse2, float* delta, bool causal, float scale, cudaStream_t stream) {
-#define TK_ATTN_BWD(T, D) \
-  launch_bwd<T, D>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, scale, stream)
+                               float* lse2, float* delta, bool causal, float scale, int variant,
+                               cudaStream_t stream) {
+  if (variant < 0) variant = 1;
+  if (variant > 1) return "unknown attention backward variant";
+#define TK_ATTN_BWD(T, D)                                                                                     \
+  (variant == 1 ? launch_bwd<T, D, true>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, \
+                                         scale, stream)                                                      \
+                : launch_bwd<T, D, false>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, \
+                                          scale, stream))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD

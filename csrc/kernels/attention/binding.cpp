@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 #include <torch/library.h>
 
@@ -62,6 +63,19 @@ DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
 }
 
+// TK_ATTN_FWD_VARIANT / TK_ATTN_BWD_VARIANT pick the forward / backward
+// kernel variant (see README.md); unset = the default. Read on every call (a
+// few hundred ns) so a benchmark can switch variants in one process.
+int variant_from_env(const char* name, int count) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return -1;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  check(*end == '\0' && v >= 0 && v < count, std::string(name) + " must be an integer in [0, " +
+                                                  std::to_string(count) + "), got '" + s + "'");
+  return static_cast<int>(v);
+}
+
 int num_sms(const at::Tensor& t) {
   int n = 0;
   TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()) == cudaSuccess,
@@ -78,8 +92,9 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   // (B, N, H, D) buffer viewed as (B, H, N, D), as FlashAttention returns it.
   at::Tensor o = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
+  const int variant = variant_from_env("TK_ATTN_FWD_VARIANT", tk_attn::attention_forward_variants());
   const char* err = tk_attn::attention_forward(dt, view(q), view(k), view(v), o.data_ptr(), lse.data_ptr<float>(),
-                                               causal, static_cast<float>(scale), num_sms(q),
+                                               causal, static_cast<float>(scale), variant, num_sms(q),
                                                c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention: ", err ? err : "");
   return {o, lse};
@@ -108,6 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   const View4 qv = view(q);
+  const int variant = variant_from_env("TK_ATTN_BWD_VARIANT", tk_attn::attention_backward_variants());
   const tk_attn::BwdScratch sz = tk_attn::attention_backward_scratch(qv);
   at::Tensor dq_accum = at::zeros({static_cast<int64_t>(sz.dq_accum_bytes / 4)}, q.options().dtype(at::kFloat));
   at::Tensor lse2 = at::empty({static_cast<int64_t>(sz.lse2_bytes / 4)}, q.options().dtype(at::kFloat));
@@ -115,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   const char* err = tk_attn::attention_backward(
       dt, view(dout), qv, view(k), view(v), view(o), lse.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
       dq_accum.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), causal, static_cast<float>(scale),
-      c10::cuda::getCurrentCUDAStream());
+      variant, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention_backward: ", err ? err : "");
   return {dq, dk, dv};
 }

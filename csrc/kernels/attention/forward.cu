@@ -4,6 +4,7 @@
 // (exp2 domain, fp32 max and sum) in registers. Persistent grid; tasks are
 // (batch*head, query block) in an L2-friendly, heavy-first order.
 #include <cmath>
+#include <type_traits>
 
 #include "attention.h"
 #include "common.cuh"
@@ -12,23 +13,30 @@
 namespace tk_attn {
 namespace {
 
-template <int D>
-struct FwdCfg;
-// D=128: 2 consumers x 64 rows, 128-key tiles, 2 stages: 160 KB of shared memory.
-template <>
-struct FwdCfg<128> {
-  static constexpr int NC = 2, BN = 128, STAGES = 2, REG_CONS = 240, REG_PROD = 24;
-};
-// D=64: registers allow a third consumer warpgroup (more rows per K/V load).
-template <>
-struct FwdCfg<64> {
-  static constexpr int NC = 3, BN = 128, STAGES = 4, REG_CONS = 160, REG_PROD = 32;
+// One forward configuration: head dim, consumer warpgroups (64 query rows
+// each), key tile, ring stages, and the consumer schedule (PP = ping-pong +
+// intra-warpgroup overlap, see attention_fwd_pp_kernel; false = the serial schedule;
+// TURNS = the ping-pong turn barriers, off = intra-warpgroup overlap alone).
+// Registers: the launch grants 65536 / THREADS each; setmaxnreg moves the
+// producer's share to the consumers.
+// POLY = k > 0: every k-th 8-column chunk of P takes exp2 from an FMA
+// polynomial instead of the MUFU unit (at D = 64 the MUFU exp2 rate, 16 per
+// clock per SM, is as low as the tensor cores' rate per score).
+template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool TURNS_ = true, int POLY_ = 0>
+struct FwdCfg {
+  static constexpr int D = D_, NC = NC_, BN = BN_, STAGES = STAGES_, POLY = POLY_;
+  static constexpr bool PP = PP_, TURNS = TURNS_;
+  static_assert(PP || POLY == 0, "the polynomial exp2 belongs to the ping-pong schedule");
+  static_assert(NC == 2 || NC == 3, "2 or 3 consumer warpgroups");
+  static_assert(PP || TURNS, "turn barriers belong to the ping-pong schedule");
+  static constexpr int REG_PROD = NC == 2 ? 24 : 32;
+  static constexpr int REG_CONS = NC == 2 ? 240 : 160;
 };
 
-template <typename T, int D>
+template <typename T, typename Cfg>
 struct Fwd {
-  using C = FwdCfg<D>;
-  static constexpr int NC = C::NC, BN = C::BN, STAGES = C::STAGES;
+  using C = Cfg;
+  static constexpr int D = C::D, NC = C::NC, BN = C::BN, STAGES = C::STAGES;
   static constexpr int BM = 64 * NC;
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
@@ -37,6 +45,8 @@ struct Fwd {
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
   static constexpr int SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + 1024 /*align*/ + 256 /*barriers*/;
+  static_assert(SMEM <= 232448, "shared memory per block");
+  static_assert(2 + 4 * STAGES <= 32, "barriers fit their 256 bytes");
   static constexpr int S_REGS = BN / 2;  // 64 x BN fp32 accumulator per thread
   static constexpr int O_REGS = D / 2;
 };
@@ -65,11 +75,14 @@ __device__ __forceinline__ void decode_task(const FwdParams& p, int t, int& bh, 
   qb = p.causal ? p.nq - 1 - rank : rank;
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
+// Serial schedule (variant 0): each consumer runs QK^T -> softmax -> PV in
+// turn; only the other consumers' work overlaps it.
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     attention_fwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
-  using K_ = Fwd<T, D>;
+  using K_ = Fwd<T, Cfg>;
+  constexpr int D = K_::D;
   constexpr int NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -98,7 +111,7 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
   __syncthreads();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    reg_dealloc<Fwd<T, D>::C::REG_PROD>();
+    reg_dealloc<Cfg::REG_PROD>();
     if (tid == 0) {
       tma_prefetch_desc(&qmap);
       tma_prefetch_desc(&kmap);
@@ -133,7 +146,7 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
   }
 
   // ---------------- consumers ----------------
-  reg_alloc<Fwd<T, D>::C::REG_CONS>();
+  reg_alloc<Cfg::REG_CONS>();
   const int c = wg - 1;
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;  // this thread's first row inside the warpgroup's 64
@@ -264,10 +277,352 @@ __global__ void __launch_bounds__(Fwd<T, D>::THREADS, 1)
   }
 }
 
-template <typename T, int D>
+// ---- ping-pong schedule (variants >= 1) --------------------------------------
+// Each consumer warpgroup issues its GEMMs in "rounds": round 0 = S_0 = Q K_0^T,
+// round j+1 = S_{j+1} = Q K_{j+1}^T together with O += P_j V_j, last round =
+// the final PV. Rounds of the warpgroups take turns (named barriers, round
+// robin), so the tensor cores run one warpgroup's round while the others do
+// their softmax (inter-warpgroup overlap); inside a warpgroup the softmax of
+// S_{j+1} runs while PV_j is still in flight (intra-warpgroup overlap).
+// The max is kept on raw scores and folded into one FFMA per element, which
+// needs scale > 0 (the launcher sends other scales to the serial kernel).
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// 2^x for x <= 0 on the FMA/ALU pipes: x = n + f with n = round(x) (added to
+// the exponent bits), f in [-0.5, 0.5], 2^f from a degree-3 relative-minimax
+// polynomial (max relative error 7.5e-5, far below bf16's 3.9e-3). x is
+// clamped at -125 so the exponent cannot underflow: 2^-125 stands in for 0.
+__device__ __forceinline__ float ex2_poly(float x) {
+  x = fmaxf(x, -125.f);
+  const float t = x + 12582912.f;  // 1.5 * 2^23: round(x) lands in the low mantissa bits
+  const float f = x - (t - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.0551716688f, f, 0.242611148f), f, 0.693260988f), f, 0.999928072f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+// Lane 0 of the warp arrives; predicated, not branched, so that no branch
+// sits between a wgmma and its wait (ptxas would serialize the wgmmas).
+__device__ __forceinline__ void warp_arrive(uint64_t* bar, int lane) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(smem_u32(bar)),
+      "r"(lane)
+      : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <typename T, typename Cfg>
+struct PP {
+  using K_ = Fwd<T, Cfg>;
+  static constexpr int D = K_::D, BN = K_::BN, BM = K_::BM;
+
+  // Wait for this warpgroup's turn at the tensor cores / hand it to the next
+  // (named barrier 1 + c is warpgroup c's; 0 is __syncthreads).
+  static __device__ __forceinline__ void turn_wait(int c) {
+    if constexpr (Cfg::TURNS) named_bar_sync(1 + c, 256);
+  }
+  static __device__ __forceinline__ void turn_pass(int c) {
+    if constexpr (Cfg::TURNS) named_bar_arrive(1 + (c + 1) % Cfg::NC, 256);
+  }
+
+  static __device__ __forceinline__ void issue_qk(float (&sc)[K_::S_REGS], uint32_t sQ_u, uint32_t sK_s) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da = desc_kmajor(sQ_u + (kk / 4) * BM * 128 + (kk % 4) * 32);
+      const uint64_t db = desc_kmajor(sK_s + (kk / 4) * BN * 128 + (kk % 4) * 32);
+      wgmma_op<T>::template ss<0, 0>(sc, da, db, kk > 0);
+    }
+    wgmma_commit();
+  }
+  static __device__ __forceinline__ void issue_pv(float (&o)[K_::O_REGS], const uint32_t (&pa)[BN / 16][4],
+                                                  uint32_t sV_s) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint64_t db = desc_mnmajor(sV_s + kk * 16 * 128, BN * 128);
+      wgmma_op<T>::template rs<1>(o, pa[kk], db, 1);
+    }
+    wgmma_commit();
+  }
+
+  // S (raw scores) -> P = exp2(S*scale_log2 - max*scale_log2) in place, with
+  // the running max (raw units) and thread-partial row sums updated and the
+  // factor alpha by which O must be rescaled. MASK: key tail / causal.
+  template <bool MASK>
+  static __device__ __forceinline__ void softmax(float (&sc)[K_::S_REGS], float (&mx)[2], float (&sum)[2],
+                                                 float (&alpha)[2], float sl2, int n0, int r0, int col_in,
+                                                 const FwdParams& p) {
+    if constexpr (MASK) {
+#pragma unroll
+      for (int ch = 0; ch < BN / 8; ++ch)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n0 + 8 * ch + col_in + (e & 1);
+          const int row = r0 + 8 * (e >> 1);
+          if (col >= p.M || (p.causal && col > row)) sc[4 * ch + e] = -INFINITY;
+        }
+    }
+    float msc[2];
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      float m = mx[h2];
+#pragma unroll
+      for (int ch = 0; ch < BN / 8; ++ch) m = fmaxf(m, fmaxf(sc[4 * ch + 2 * h2], sc[4 * ch + 2 * h2 + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      alpha[h2] = ex2((mx[h2] - m) * sl2);  // first block: ex2(-inf) = 0
+      mx[h2] = m;
+      msc[h2] = m * sl2;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int ch = 0; ch < BN / 8; ++ch)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = fmaf(sc[4 * ch + e], sl2, -msc[e >> 1]);
+        const float pe = (Cfg::POLY > 0 && ch % (Cfg::POLY > 0 ? Cfg::POLY : 1) == Cfg::POLY - 1) ? ex2_poly(x) : ex2(x);
+        sc[4 * ch + e] = pe;
+        rs[e >> 1] += pe;
+      }
+    sum[0] = sum[0] * alpha[0] + rs[0];
+    sum[1] = sum[1] * alpha[1] + rs[1];
+  }
+
+  static __device__ __forceinline__ void rescale(float (&o)[K_::O_REGS], const float (&alpha)[2]) {
+#pragma unroll
+    for (int ch = 0; ch < D / 8; ++ch) {
+      o[4 * ch + 0] *= alpha[0];
+      o[4 * ch + 1] *= alpha[0];
+      o[4 * ch + 2] *= alpha[1];
+      o[4 * ch + 3] *= alpha[1];
+    }
+  }
+  static __device__ __forceinline__ void to_a(uint32_t (&pa)[BN / 16][4], const float (&sc)[K_::S_REGS]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
+  }
+  // Keeps P alive (its registers are read by the in-flight PV wgmma) until here.
+  static __device__ __forceinline__ void hold(uint32_t (&pa)[BN / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e])::"memory");
+  }
+};
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
+    attention_fwd_pp_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
+                            const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
+  using K_ = Fwd<T, Cfg>;
+  using S = PP<T, Cfg>;
+  constexpr int D = K_::D, NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sQ = smem;                        // [PANELS][BM][64]
+  uint8_t* sK = sQ + K_::Q_BYTES;            // [STAGES][PANELS][BN][64]
+  uint8_t* sV = sK + STAGES * K_::KV_BYTES;  // [STAGES][PANELS][BN][64]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + STAGES * K_::KV_BYTES);
+  uint64_t* q_full = bars;
+  uint64_t* q_empty = bars + 1;
+  uint64_t* k_full = bars + 2;
+  uint64_t* v_full = k_full + STAGES;
+  // K and V stages are released separately: K as soon as its QK^T is done,
+  // so the next K can land while V is still read by PV.
+  uint64_t* k_empty = v_full + STAGES;
+  uint64_t* v_empty = k_empty + STAGES;
+
+  const int wg = threadIdx.x / 128;
+  const int tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    bar_init(q_full, 1);
+    bar_init(q_empty, NC * 4);  // one arrival per consumer warp
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(&k_full[s], 1);
+      bar_init(&v_full[s], 1);
+      bar_init(&k_empty[s], NC * 4);
+      bar_init(&v_empty[s], NC * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---------------- producer ----------------
+    reg_dealloc<Cfg::REG_PROD>();
+    if (tid == 0) {
+      tma_prefetch_desc(&qmap);
+      tma_prefetch_desc(&kmap);
+      tma_prefetch_desc(&vmap);
+      int it = 0, ti = 0;
+      for (int t = blockIdx.x; t < p.tasks; t += gridDim.x, ++ti) {
+        int bh, qb;
+        decode_task(p, t, bh, qb);
+        const int b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+        const int m0 = qb * BM;
+        bar_wait(q_empty, (ti & 1) ^ 1);
+        bar_expect_tx(q_full, K_::Q_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn) tma_load_4d(sQ + pn * BM * 128, &qmap, q_full, pn * 64, m0, h, b);
+        const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
+        const int nblk = (kv_end + BN - 1) / BN;
+        auto load = [&](uint64_t* empty, uint64_t* full, uint8_t* base, const CUtensorMap* map, int pos, int j) {
+          const int s = pos % STAGES;
+          bar_wait(&empty[s], ((pos / STAGES) & 1) ^ 1);
+          bar_expect_tx(&full[s], K_::KV_BYTES);
+#pragma unroll
+          for (int pn = 0; pn < PANELS; ++pn)
+            tma_load_4d(base + s * K_::KV_BYTES + pn * BN * 128, map, &full[s], pn * 64, j * BN, hk, b);
+        };
+        // Consumers need K_{j+1} before V_j (round j+1 issues both).
+        load(k_empty, k_full, sK, &kmap, it, 0);
+        for (int j = 0; j < nblk; ++j) {
+          if (j + 1 < nblk) load(k_empty, k_full, sK, &kmap, it + j + 1, j + 1);
+          load(v_empty, v_full, sV, &vmap, it + j, j);
+        }
+        it += nblk;
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  reg_alloc<Cfg::REG_CONS>();
+  const int c = wg - 1;
+  const int warp = tid / 32, lane = tid % 32;
+  const int row_in = 16 * warp + lane / 4;
+  const int col_in = 2 * (lane % 4);
+  const uint32_t sQ_u = smem_u32(sQ) + c * 64 * 128;
+  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV);
+  const float sl2 = p.scale_log2;
+  if (c == NC - 1) S::turn_pass(c);  // warpgroup 0 takes the first turn
+
+  int it = 0, ti = 0;
+  for (int t = blockIdx.x; t < p.tasks; t += gridDim.x, ++ti) {
+    int bh, qb;
+    decode_task(p, t, bh, qb);
+    const int m0 = qb * BM;
+    const int r0 = m0 + 64 * c + row_in;
+    const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
+    const int nblk = (kv_end + BN - 1) / BN;  // blocks the producer streams
+    // This warpgroup's own blocks (causal: its 64 rows end before the tile's),
+    // and how many leading blocks need no mask at all.
+    const int my_end = p.causal ? min(kv_end, m0 + 64 * c + 64) : kv_end;
+    const int nb = (my_end + BN - 1) / BN;
+    const int nfree = (p.causal ? min(p.M, m0 + 64 * c + 1) : p.M) / BN;
+
+    float o[K_::O_REGS];
+#pragma unroll
+    for (int i = 0; i < K_::O_REGS; ++i) o[i] = 0.f;
+    float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f}, alpha[2];
+    float sc[K_::S_REGS];
+    uint32_t pa[BN / 16][4];
+
+    // Round 0: S_0.
+    bar_wait(q_full, ti & 1);
+    {
+      const int s = it % STAGES;
+      bar_wait(&k_full[s], (it / STAGES) & 1);
+      S::turn_wait(c);
+      wgmma_fence();
+      S::issue_qk(sc, sQ_u, sK_u + s * K_::KV_BYTES);
+      S::turn_pass(c);
+      wgmma_wait<0>();
+      fence_regs(sc);
+      warp_arrive(&k_empty[s], lane);
+      if (nfree > 0)
+        S::template softmax<false>(sc, mx, sum, alpha, sl2, 0, r0, col_in, p);
+      else
+        S::template softmax<true>(sc, mx, sum, alpha, sl2, 0, r0, col_in, p);
+      S::to_a(pa, sc);
+    }
+    // Rounds 1 .. nb-1: S_{j+1} and PV_j; the softmax of S_{j+1} overlaps PV_j.
+    auto round = [&](int j, auto masked) {
+      constexpr bool MASK = decltype(masked)::value;
+      const int pos = it + j, pos1 = pos + 1;
+      const int s = pos % STAGES, s1 = pos1 % STAGES;
+      bar_wait(&k_full[s1], (pos1 / STAGES) & 1);
+      bar_wait(&v_full[s], (pos / STAGES) & 1);
+      S::turn_wait(c);
+      wgmma_fence();
+      S::issue_qk(sc, sQ_u, sK_u + s1 * K_::KV_BYTES);
+      S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
+      S::turn_pass(c);
+      wgmma_wait<1>();
+      fence_regs(sc);
+      warp_arrive(&k_empty[s1], lane);
+      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (j + 1) * BN, r0, col_in, p);
+      wgmma_wait<0>();
+      fence_regs(o);
+      S::hold(pa);
+      warp_arrive(&v_empty[s], lane);
+      S::rescale(o, alpha);
+      S::to_a(pa, sc);
+    };
+    const int split = min(nb - 1, max(nfree - 1, 0));  // rounds j < split compute an unmasked S_{j+1}
+    for (int j = 0; j < split; ++j) round(j, std::false_type{});
+    for (int j = split; j < nb - 1; ++j) round(j, std::true_type{});
+    __syncwarp();
+    if (lane == 0) bar_arrive(q_empty);  // this warpgroup's last QK^T is done
+    // Last round: PV_{nb-1}.
+    {
+      const int pos = it + nb - 1;
+      const int s = pos % STAGES;
+      bar_wait(&v_full[s], (pos / STAGES) & 1);
+      S::turn_wait(c);
+      wgmma_fence();
+      S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
+      S::turn_pass(c);
+      wgmma_wait<0>();
+      fence_regs(o);
+      S::hold(pa);
+      warp_arrive(&v_empty[s], lane);
+    }
+    // Blocks fully masked for this warpgroup (causal): release their stages
+    // once they have landed, and keep taking (empty) turns so every warpgroup
+    // runs nblk + 1 rounds per task.
+    for (int j = nb; j < nblk; ++j) {
+      const int pos = it + j, s = pos % STAGES;
+      bar_wait(&k_full[s], (pos / STAGES) & 1);
+      warp_arrive(&k_empty[s], lane);
+      bar_wait(&v_full[s], (pos / STAGES) & 1);
+      warp_arrive(&v_empty[s], lane);
+      S::turn_wait(c);
+      S::turn_pass(c);
+    }
+    it += nblk;
+
+    // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE.
+    const int b = bh / p.Hq, h = bh % p.Hq;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      float l = sum[h2];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = 1.f / l;
+      const int row = r0 + 8 * h2;
+      if (row < p.N) {
+        T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * D;
+#pragma unroll
+        for (int ch = 0; ch < D / 8; ++ch) {
+          const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
+          *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
+        }
+        if ((lane & 3) == 0)
+          p.lse[static_cast<int64_t>(bh) * p.N + row] = (mx[h2] * sl2 + log2f(l)) * 0.69314718055994531f;
+      }
+    }
+  }
+  if (c == 0) S::turn_wait(c);  // consume the last warpgroup's final hand-over
+}
+
+template <typename T, typename Cfg>
 const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
                        float scale, int num_sms, cudaStream_t stream) {
-  using K_ = Fwd<T, D>;
+  using K_ = Fwd<T, Cfg>;
   CUtensorMap qm, km, vm;
   if (const char* e = make_map(&qm, dt, q, K_::BM)) return e;
   if (const char* e = make_map(&km, dt, k, K_::BN)) return e;
@@ -287,7 +642,12 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.causal = causal;
   p.o = o;
   p.lse = lse;
-  auto kern = attention_fwd_kernel<T, D>;
+  auto kern = [] {
+    if constexpr (Cfg::PP)
+      return attention_fwd_pp_kernel<T, Cfg>;
+    else
+      return attention_fwd_kernel<T, Cfg>;
+  }();
   // Per device, so set on every launch (cheap).
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention forward kernel";
@@ -296,16 +656,63 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention forward launch failed";
 }
 
+// The selectable forward variants per head dim (see README.md). Variant 0 is
+// the serial schedule and also serves scale <= 0, which the ping-pong
+// kernels' max-on-raw-scores trick cannot.
+template <int D>
+struct FwdVariants;
+template <>
+struct FwdVariants<128> {
+  using V0 = FwdCfg<128, 2, 128, 2, false>;
+  using V1 = FwdCfg<128, 2, 128, 2, true>;
+  using V2 = FwdCfg<128, 2, 128, 3, true>;
+  using V3 = FwdCfg<128, 2, 176, 2, true>;
+  using V4 = FwdCfg<128, 2, 128, 2, true, false>;
+  using V5 = FwdCfg<128, 2, 128, 2, true, true, 4>;
+  static constexpr int DEFAULT = 1, DEFAULT_CAUSAL = 1;
+};
+template <>
+struct FwdVariants<64> {
+  using V0 = FwdCfg<64, 3, 128, 4, false>;
+  using V1 = FwdCfg<64, 3, 128, 4, true>;
+  using V2 = FwdCfg<64, 2, 128, 4, true>;
+  using V3 = FwdCfg<64, 2, 192, 4, true>;
+  using V4 = FwdCfg<64, 3, 128, 4, true, false>;
+  using V5 = FwdCfg<64, 3, 128, 4, true, true, 4>;
+  static constexpr int DEFAULT = 1, DEFAULT_CAUSAL = 1;
+};
+
+template <typename T, int D>
+const char* launch_variant(int variant, DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
+                           bool causal, float scale, int num_sms, cudaStream_t stream) {
+  using Vs = FwdVariants<D>;
+  if (variant < 0) variant = causal ? Vs::DEFAULT_CAUSAL : Vs::DEFAULT;
+  if (!(scale > 0.f)) variant = 0;
+  switch (variant) {
+    case 0: return launch_fwd<T, typename Vs::V0>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    case 1: return launch_fwd<T, typename Vs::V1>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    case 2: return launch_fwd<T, typename Vs::V2>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    case 3: return launch_fwd<T, typename Vs::V3>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    case 4: return launch_fwd<T, typename Vs::V4>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    case 5: return launch_fwd<T, typename Vs::V5>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    default: return "unknown attention forward variant";
+  }
+}
+
 }  // namespace
 
+int attention_forward_variants() { return 6; }
+
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                              bool causal, float scale, int num_sms, cudaStream_t stream) {
+                              bool causal, float scale, int variant, int num_sms, cudaStream_t stream) {
   if (q.D == 128)
-    return dt == DType::bf16 ? launch_fwd<__nv_bfloat16, 128>(dt, q, k, v, o, lse, causal, scale, num_sms, stream)
-                             : launch_fwd<__half, 128>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    return dt == DType::bf16
+               ? launch_variant<__nv_bfloat16, 128>(variant, dt, q, k, v, o, lse, causal, scale, num_sms, stream)
+               : launch_variant<__half, 128>(variant, dt, q, k, v, o, lse, causal, scale, num_sms, stream);
   if (q.D == 64)
-    return dt == DType::bf16 ? launch_fwd<__nv_bfloat16, 64>(dt, q, k, v, o, lse, causal, scale, num_sms, stream)
-                             : launch_fwd<__half, 64>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    return dt == DType::bf16
+               ? launch_variant<__nv_bfloat16, 64>(variant, dt, q, k, v, o, lse, causal, scale, num_sms, stream)
+               : launch_variant<__half, 64>(variant, dt, q, k, v, o, lse, causal, scale, num_sms, stream);
   return "head dim must be 64 or 128";
 }
 

@@ -5,7 +5,7 @@ shared memory or registers). Run `python3 gen_wgmma.py > wgmma.cuh`.
 The accumulator lists are long (N/2 registers), which is why they are
 generated instead of written by hand."""
 
-SHAPES_SS = (32, 64, 128)
+SHAPES_SS = (32, 64, 128, 176, 192)
 SHAPES_RS = (64, 128)
 TYPES = (("bf16", "__nv_bfloat16"), ("f16", "__half"))
 
