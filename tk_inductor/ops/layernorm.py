@@ -11,6 +11,8 @@ When `rng` is None and p > 0 a fresh pair is drawn from the default CPU generato
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _dispatch, philox
@@ -108,6 +110,17 @@ def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, 
 
 # ---------------------------------------------------------------------------- the ops
 
+FORWARD_VARIANTS, BACKWARD_VARIANTS = 4, 4  # kernel variants (csrc/kernels/layernorm/layernorm.h)
+
+
+def _check_variant_env(name: str, count: int) -> None:
+    """The benchmark switch the binding reads (TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT): a bad value is a Python
+    error here, before the kernel is called."""
+    value = os.environ.get(name, "")
+    if value and not (value.isdigit() and int(value) < count):
+        raise ValueError(f"tk::layernorm: {name} must be an integer in [0, {count}), got {value!r}")
+
+
 @torch.library.custom_op("tk::layernorm", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def layernorm(
     x: torch.Tensor,
@@ -123,6 +136,7 @@ def layernorm(
     if p > 0.0 and rng is None:
         rng = philox.draw_seed()
     if _dispatch.use_kernel(FAMILY, x, residual, weight, bias):
+        _check_variant_env("TK_LN_FWD_VARIANT", FORWARD_VARIANTS)
         contig = [t.contiguous() if t is not None else None for t in (x, residual, weight, bias)]
         return _dispatch.kernel("layernorm")(*contig, rng, eps, p, rms)
     return reference_forward(x, residual, weight, bias, rng, eps, p, rms)
@@ -157,6 +171,7 @@ def layernorm_backward(
     _dispatch.check(dy.shape == h.shape and dy.dtype == h.dtype, "tk::layernorm_backward: dy must match h in shape and dtype")
     _dispatch.check(dh is None or (dh.shape == h.shape and dh.dtype == h.dtype), "tk::layernorm_backward: dh must match h")
     if _dispatch.use_kernel(FAMILY, dy, dh, h, weight, mean, rstd):
+        _check_variant_env("TK_LN_BWD_VARIANT", BACKWARD_VARIANTS)
         contig = [t.contiguous() if t is not None else None for t in (dy, dh, h, weight)]
         return _dispatch.kernel("layernorm_backward")(*contig, mean.contiguous(), rstd.contiguous(), rng, p, rms, has_bias)
     return reference_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias)

@@ -449,12 +449,12 @@ BwdScratch attention_backward_scratch(const View4& q) {
 int attention_backward_variants() { return 2; }
 
 // variant: 0 = the serial per-step loop, 1 = the next step's S^T issued
-// before this step's dQ staging (PIPE); -1 = the default (1).
+// before this step's dQ staging (PIPE); -1 = the default (0: the H200 sweep measured no gain from 1).
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
                                float* lse2, float* delta, bool causal, float scale, int variant,
                                cudaStream_t stream) {
-  if (variant < 0) variant = 1;
+  if (variant < 0) variant = 0;
   if (variant > 1) return "unknown attention backward variant";
 #define TK_ATTN_BWD(T, D)                                                                                     \
   (variant == 1 ? launch_bwd<T, D, true>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, \

@@ -18,7 +18,9 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
 constexpr int kForwardVariants = 4, kBackwardVariants = 4;
-constexpr int kDefaultForwardVariant = 2, kDefaultBackwardVariant = 1;
+// From the 2026-11-29 H200 sweep (RESULTS.md): the legacy forward beat the pipe forwards at every size; the
+// 2-vector pipe backward (3) reached 82-92% of copy against 47-65% for the legacy one.
+constexpr int kDefaultForwardVariant = 0, kDefaultBackwardVariant = 3;
 
 struct DropoutArgs {
   bool enabled = false;
