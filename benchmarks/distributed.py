@@ -24,21 +24,27 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
-def build_model(layers: int):
+def vocab(cpu: bool) -> int:
+    return 128 if cpu else 32000
+
+
+def build_model(layers: int, cpu: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=8,
-                      num_hidden_layers=layers, vocab_size=32000, attn_implementation="sdpa")
+    size = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2) if cpu else \
+        dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=8)
+    cfg = LlamaConfig(**size, num_hidden_layers=layers, vocab_size=vocab(cpu), attn_implementation="sdpa")
     torch.manual_seed(0)  # same weights on every rank and in the single-GPU reference
-    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = LlamaForCausalLM(cfg)
+    return model if cpu else model.to(torch.bfloat16)
 
 
-def batches(global_batch: int, seq: int, steps: int, rank: int, world: int, device):
+def batches(global_batch: int, seq: int, steps: int, rank: int, world: int, device, vocab_size: int):
     """The same global batches whatever the world size; each rank takes its slice."""
     gen = torch.Generator().manual_seed(1234)
     per_rank = global_batch // world
     for _ in range(steps):
-        ids = torch.randint(0, 32000, (global_batch, seq), generator=gen)
+        ids = torch.randint(0, vocab_size, (global_batch, seq), generator=gen)
         yield ids[rank * per_rank:(rank + 1) * per_rank].to(device)
 
 
@@ -46,12 +52,15 @@ def train(engine: str, backend: str | None, args) -> dict:
     import tk_inductor
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    device = torch.device("cuda", torch.cuda.current_device())
-    model = build_model(args.layers).to(device)
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+    model = build_model(args.layers, args.cpu).to(device)
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, device_ids=[device.index])
+        # the small CPU model fits one 25 MB bucket; 1 MB buckets (DDP's smallest) split its graph about once per
+        # layer, as DDP splits the real model's
+        model = DistributedDataParallel(model, device_ids=None if args.cpu else [device.index],
+                                        bucket_cap_mb=1 if args.cpu else 25)
     elif engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -61,19 +70,22 @@ def train(engine: str, backend: str | None, args) -> dict:
         fully_shard(model)
     torch._dynamo.reset()
     tk_inductor.reset()
-    compiled = torch.compile(model) if backend is None else torch.compile(model, backend=backend)
+    # on the CPU the ops run their PyTorch references (reference mode), which is what the rewrite is checked with
+    options = {"reference": True} if args.cpu else None
+    compiled = torch.compile(model) if backend is None else torch.compile(model, backend=backend, options=options)
+    sync = (lambda: None) if args.cpu else torch.cuda.synchronize
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses, times = [], []
     tokens = args.global_batch // world * args.seq
-    for step, ids in enumerate(batches(args.global_batch, args.seq, args.steps, rank, world, device)):
-        torch.cuda.synchronize()
+    for step, ids in enumerate(batches(args.global_batch, args.seq, args.steps, rank, world, device, vocab(args.cpu))):
+        sync()
         start = time.perf_counter()
         logits = compiled(ids).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
         mean_loss = loss.detach().clone()
         if dist.is_initialized():
@@ -100,10 +112,13 @@ def main(argv=None):
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--baseline", action="store_true", help="also run torch.compile default under the same engine")
+    p.add_argument("--cpu", action="store_true", help="a tiny fp32 model on the CPU over gloo, ops in reference mode "
+                                                      "(checks the graph splitting and the rewrite without GPUs)")
     args = p.parse_args(argv)
     if args.engine != "single":
-        dist.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("gloo" if args.cpu else "nccl")
+        if not args.cpu:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # the baseline runs first, so process warm-up (NCCL, allocator) never flatters ours
     results = [train(args.engine, None, args)] if args.baseline else []
     results.insert(0, train(args.engine, "thunderkittens", args))
