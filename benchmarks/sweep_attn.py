@@ -9,7 +9,8 @@ csrc/kernels/attention/README.md) in one process:
    causal and not (the method of benchmarks/attention.py);
 3. the backward variants (TK_ATTN_BWD_VARIANT): gradients vs fp32 autograd,
    and backward-only TFLOPS (2.5x the forward's FLOPs) vs cuDNN's backward
-   (its forward+backward minus its forward), N = 2048, 8192.
+   (its forward+backward minus its forward), N = 2048, 8192; one child
+   process per backward variant as well.
 
 Each variant runs in its own child process with a time limit, so a variant
 that hangs or crashes the context costs only its own results. Prints PASS/FAIL
@@ -44,7 +45,11 @@ OUT_TOL, LSE_ATOL, GRAD_TOL = 1e-2, 2e-3, 2e-2
 TOKENS, HIDDEN = 65536, 2048
 TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))  # (D, N, causal)
 CHILD_TIMEOUT_S = 40
-BWD_VARIANTS = (0, 1)
+BWD_VARIANTS = (0, 1, 2, 3)
+BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backward.cu
+    128: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "BM64 S3", 3: "BM64 S3 next-S^T prefetch"},
+    64: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "BM128 S2 dQ rows split", 3: "BM128 S3 dQ rows split"},
+}
 BWD_TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))
 
 
@@ -219,16 +224,41 @@ def geomeans(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def backward_child(out_path: str) -> int:
-    """Backward variants: gradients vs fp32 autograd, then backward time vs cuDNN's. The forward is the
-    serial variant 0 here, so that these results do not depend on the forward variants under test."""
+def timing_cudnn_bwd() -> list[dict]:
+    """cuDNN's backward alone per backward timed case: (forward + backward) - forward."""
+    rows = []
+    for D, N, causal in BWD_TIMED:
+        B, H, (q, k, v) = _inputs(D, N)
+        do = torch.randn_like(q)
+        scale = 1.0 / math.sqrt(D)
+        row = {"D": D, "N": N, "B": B, "H": H, "causal": causal}
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def cudnn_step():
+            qg.grad = kg.grad = vg.grad = None
+            _cudnn(qg, kg, vg, causal, scale).backward(do)
+
+        try:
+            ms = bench(cudnn_step) - bench(lambda: _cudnn(q, k, v, causal, scale))
+            row["cudnn_ms"], row["cudnn_tflops"] = ms, _flops(B, H, N, D, causal) * 2.5 / ms / 1e9
+        except RuntimeError as exc:
+            row["cudnn_ms"], row["cudnn_note"] = None, str(exc)[:100]
+        rows.append(row)
+    return rows
+
+
+def backward_child(bv: int, out_path: str) -> int:
+    """One backward variant: gradients vs fp32 autograd, then backward time. The forward is the serial
+    variant 0 here, so that these results do not depend on the forward variants under test."""
     from tk_inductor import build
 
     os.environ["TK_ATTN_FWD_VARIANT"] = "0"
+    os.environ["TK_ATTN_BWD_VARIANT"] = str(bv)
     build.load("attention")
     ops = torch.ops.tk_cuda
     results, ok = [], True
-    cases = [(D, N, M) for D in (64, 128) for N, M in ((17, 17), (1000, 1000), (17, 1000), (1000, 17), (2048, 2048))]
+    # N = 128 / 129 / 2048 straddle the 128-row q tile of the wide D = 64 variants.
+    cases = [(D, N, M) for D in (64, 128) for N, M in ((17, 17), (1000, 1000), (17, 1000), (1000, 17), (129, 300), (2048, 2048))]
     for i, ((D, N, M), causal) in enumerate(itertools.product(cases, (False, True))):
         B, Hq, Hkv = 2, *((4, 4), (4, 2), (6, 1))[i % 3]
         g = torch.Generator(device="cuda").manual_seed(200 + i)
@@ -240,46 +270,29 @@ def backward_child(out_path: str) -> int:
         o_ref, _ = reference(qr, kr, vr, causal, scale)
         o_ref.backward(do.float())
         o, lse = ops.attention(q, k, v, causal, scale)
-        for bv in BWD_VARIANTS:
-            os.environ["TK_ATTN_BWD_VARIANT"] = str(bv)
-            try:
-                grads = ops.attention_backward(do, q, k, v, o, lse, causal, scale)
-                torch.cuda.synchronize()
-                errs = [rel_err(a, b_.grad) for a, b_ in zip(grads, (qr, kr, vr))]
-                good = max(errs) < GRAD_TOL and not any(bool(torch.isnan(t).any()) for t in grads)
-                note = "grads rel " + "/".join(f"{e:.1e}" for e in errs)
-            except RuntimeError as exc:
-                good, note = False, f"error: {str(exc)[:120]}"
-            ok &= good
-            results.append({"bwd_variant": bv, "D": D, "N": N, "M": M, "causal": causal, "ok": good, "note": note})
+        try:
+            grads = ops.attention_backward(do, q, k, v, o, lse, causal, scale)
+            torch.cuda.synchronize()
+            errs = [rel_err(a, b_.grad) for a, b_ in zip(grads, (qr, kr, vr))]
+            good = max(errs) < GRAD_TOL and not any(bool(torch.isnan(t).any()) for t in grads)
+            note = "grads rel " + "/".join(f"{e:.1e}" for e in errs)
+        except RuntimeError as exc:
+            good, note = False, f"error: {str(exc)[:120]}"
+        ok &= good
+        results.append({"bwd_variant": bv, "D": D, "N": N, "M": M, "causal": causal, "ok": good, "note": note})
     rows = []
     for D, N, causal in BWD_TIMED:
         B, H, (q, k, v) = _inputs(D, N)
         do = torch.randn_like(q)
         scale = 1.0 / math.sqrt(D)
-        flops = _flops(B, H, N, D, causal) * 2.5  # backward only
-        row = {"D": D, "N": N, "B": B, "H": H, "causal": causal}
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-
-        def cudnn_step():
-            qg.grad = kg.grad = vg.grad = None
-            _cudnn(qg, kg, vg, causal, scale).backward(do)
-
-        try:  # cuDNN's backward alone = (forward + backward) - forward
-            ms = bench(cudnn_step) - bench(lambda: _cudnn(q, k, v, causal, scale))
-            row["cudnn_ms"], row["cudnn_tflops"] = ms, flops / ms / 1e9
-        except RuntimeError as exc:
-            row["cudnn_ms"], row["cudnn_note"] = None, str(exc)[:100]
+        row = {"D": D, "N": N, "causal": causal}
         o, lse = ops.attention(q, k, v, causal, scale)
-        for bv in BWD_VARIANTS:
-            os.environ["TK_ATTN_BWD_VARIANT"] = str(bv)
-            try:
-                row[f"b{bv}_ms"] = bench(lambda: ops.attention_backward(do, q, k, v, o, lse, causal, scale))
-                row[f"b{bv}_tflops"] = flops / row[f"b{bv}_ms"] / 1e9
-            except RuntimeError as exc:
-                row[f"b{bv}_ms"], row[f"b{bv}_note"] = None, str(exc)[:100]
+        try:
+            row["ms"] = bench(lambda: ops.attention_backward(do, q, k, v, o, lse, causal, scale))
+            row["tflops"] = _flops(B, H, N, D, causal) * 2.5 / row["ms"] / 1e9
+        except RuntimeError as exc:
+            row["ms"], row["note"] = None, str(exc)[:100]
         rows.append(row)
-    os.environ.pop("TK_ATTN_BWD_VARIANT", None)
     with open(out_path, "w") as f:
         json.dump({"results": results, "ok": ok, "timing": rows}, f)
     return 0
@@ -318,6 +331,23 @@ def best(rows: list[dict]) -> dict[str, str]:
     return out
 
 
+def best_bwd(rows: list[dict]) -> dict[str, str]:
+    """Per (D, causal): the backward variant with the highest geomean cuDNN/ours over N (what BWD_DEFAULT in
+    backward.cu should be; it is one default for both head dims, per D is shown to decide whether to split it)."""
+    out = {}
+    for D, causal in itertools.product((128, 64), (False, True)):
+        sel = [r for r in rows if r["D"] == D and r["causal"] == causal and r.get("cudnn_ms")]
+        scores = {}
+        for bv in BWD_VARIANTS:
+            r_ = [r["cudnn_ms"] / r[f"b{bv}_ms"] for r in sel if r.get(f"b{bv}_ms")]
+            if sel and len(r_) == len(sel):
+                scores[bv] = math.exp(sum(map(math.log, r_)) / len(r_))
+        if scores:
+            bv = max(scores, key=scores.get)
+            out[f"D{D} {'causal' if causal else 'full'}"] = f"b{bv} ({scores[bv]:.3f}x cuDNN)"
+    return out
+
+
 def run_child(extra: list[str], timeout: float) -> tuple[dict | None, str]:
     """Runs this module as a child process; (its JSON, "") or (None, why not)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
@@ -340,14 +370,14 @@ def run_child(extra: list[str], timeout: float) -> tuple[dict | None, str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sweep_attn", description=__doc__.splitlines()[0])
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--child-bwd", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-bwd", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-backward", action="store_true", help="skip the backward variants")
     args = ap.parse_args(argv)
     if args.child is not None:
         return child(args.child, args.child_out)
-    if args.child_bwd:
-        return backward_child(args.child_out)
+    if args.child_bwd is not None:
+        return backward_child(args.child_bwd, args.child_out)
 
     from tk_inductor import build
 
@@ -386,34 +416,52 @@ def main(argv=None) -> int:
     print("best variant: " + ", ".join(f"{k}: {v}" for k, v in bests.items()))
     bwd = None
     if not args.no_backward:
-        bwd, status = run_child(["--child-bwd"], 2 * CHILD_TIMEOUT_S)
-        if bwd is None:
-            all_ok = False
-            print(f"backward variants: FAIL {status}")
-        else:
-            for r in bwd["results"]:
-                if not r["ok"]:
-                    print(f"FAIL bwd b{r['bwd_variant']} D{r['D']} N{r['N']} M{r['M']} "
-                          f"{'causal' if r['causal'] else 'full'}: {r['note']}")
-            all_ok &= bwd["ok"]
-            print(f"backward variants: {'PASS' if bwd['ok'] else 'FAIL'} ({len(bwd['results'])} checks)")
-            print("| bwd-only case | cuDNN TF | " + " | ".join(f"b{v} TF" for v in BWD_VARIANTS) + " | "
-                  + " | ".join(f"b{v}/cuDNN" for v in BWD_VARIANTS) + " |")
-            print("|---" * (2 + 2 * len(BWD_VARIANTS)) + "|")
-            for r in bwd["timing"]:
-                c = r.get("cudnn_ms")
-                cells = [f"B{r['B']} H{r['H']} N{r['N']} D{r['D']} {'causal' if r['causal'] else 'full'}",
-                         f"{r['cudnn_tflops']:.0f}" if r.get("cudnn_tflops") else "-"]
-                cells += [f"{r[f'b{v}_tflops']:.0f}" if r.get(f"b{v}_tflops") else "-" for v in BWD_VARIANTS]
-                cells += [f"{c / r[f'b{v}_ms']:.2f}" if c and r.get(f"b{v}_ms") else "-" for v in BWD_VARIANTS]
-                print("| " + " | ".join(cells) + " |")
+        bwd = {"results": [], "ok": True, "timing": timing_cudnn_bwd(), "per_variant": {}}
+        torch.cuda.empty_cache()
+        for bv in BWD_VARIANTS:
+            t1 = time.time()
+            data, status = run_child(["--child-bwd", str(bv)], CHILD_TIMEOUT_S)
+            if data is None:
+                bwd["ok"] = False
+                bwd["per_variant"][bv] = "FAIL (" + status + ")"
+                print(f"  b{bv}: FAIL {status}", flush=True)
+                continue
+            bwd["results"] += data["results"]
+            bad = [r for r in data["results"] if not r["ok"]]
+            for r in bad:
+                print(f"FAIL bwd b{bv} D{r['D']} N{r['N']} M{r['M']} {'causal' if r['causal'] else 'full'}: {r['note']}")
+            bwd["ok"] &= data["ok"] and not bad
+            bwd["per_variant"][bv] = "PASS" if not bad else f"FAIL ({len(bad)}/{len(data['results'])} cases)"
+            for row, t in zip(bwd["timing"], data["timing"]):
+                assert (row["D"], row["N"], row["causal"]) == (t["D"], t["N"], t["causal"])
+                row[f"b{bv}_ms"], row[f"b{bv}_tflops"] = t.get("ms"), t.get("tflops")
+                if t.get("note"):
+                    row[f"b{bv}_note"] = t["note"]
+            print(f"  b{bv}: {bwd['per_variant'][bv]} ({len(data['results'])} checks, {time.time() - t1:.0f} s)", flush=True)
+        all_ok &= bwd["ok"]
+        print(f"backward variants: {'PASS' if bwd['ok'] else 'FAIL'} ({len(bwd['results'])} checks)")
+        print("| bwd-only case | cuDNN TF | " + " | ".join(f"b{v} TF" for v in BWD_VARIANTS) + " | "
+              + " | ".join(f"b{v}/cuDNN" for v in BWD_VARIANTS) + " |")
+        print("|---" * (2 + 2 * len(BWD_VARIANTS)) + "|")
+        for r in bwd["timing"]:
+            c = r.get("cudnn_ms")
+            cells = [f"B{r['B']} H{r['H']} N{r['N']} D{r['D']} {'causal' if r['causal'] else 'full'}",
+                     f"{r['cudnn_tflops']:.0f}" if r.get("cudnn_tflops") else "-"]
+            cells += [f"{r[f'b{v}_tflops']:.0f}" if r.get(f"b{v}_tflops") else "-" for v in BWD_VARIANTS]
+            cells += [f"{c / r[f'b{v}_ms']:.2f}" if c and r.get(f"b{v}_ms") else "-" for v in BWD_VARIANTS]
+            print("| " + " | ".join(cells) + " |")
+        print("bwd variants: " + "; ".join(f"D{D}: " + ", ".join(f"b{v} {n}" for v, n in names.items())
+                                           for D, names in BWD_VARIANT_NAMES.items()))
+        bwd["best"] = best_bwd(bwd["timing"])
+        print("best bwd variant: " + ", ".join(f"{k}: {v}" for k, v in bwd["best"].items()))
     print(f"correctness overall: {'PASS' if all_ok else 'FAIL'}")
     print(f"total {time.time() - t0:.0f} s (build/load {t_build:.0f} s)")
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "sweep_attn.json"), "w") as f:
         json.dump({"correct": all_ok, "per_variant": per_variant, "correctness": results, "timing": rows,
-                   "geomean": gm, "best": bests, "backward": bwd, "variants": VARIANT_NAMES, "build_s": t_build}, f, indent=1)
+                   "geomean": gm, "best": bests, "backward": bwd, "variants": VARIANT_NAMES,
+                   "bwd_variants": BWD_VARIANT_NAMES, "build_s": t_build}, f, indent=1)
     return 0 if all_ok else 1
 
 

@@ -21,7 +21,8 @@ pytestmark = [
 LENGTHS = (1, 17, 128, 1000, 4096)
 # Forward kernel variants (TK_ATTN_FWD_VARIANT; see csrc/kernels/attention/README.md).
 FWD_VARIANTS = (0, 1, 2, 3, 4, 5)
-BWD_VARIANTS = (0, 1)  # TK_ATTN_BWD_VARIANT
+# TK_ATTN_BWD_VARIANT; at D = 64, 2 and 3 are the 128-row q tile kernel (other padding and tails).
+BWD_VARIANTS = (0, 1, 2, 3)
 OUT_TOL = 1e-2  # relative (norm-wise) error vs fp32, bf16/fp16 outputs
 GRAD_TOL = 2e-2
 
@@ -128,7 +129,8 @@ def test_forward_strides_and_scale(ops, layout, scale, variant):
 
 def backward_cases():
     cases = []
-    pairs = [(1, 1), (17, 17), (128, 128), (1000, 1000), (17, 1000), (1000, 17), (128, 4096), (4096, 128), (1000, 4096)]
+    pairs = [(1, 1), (17, 17), (128, 128), (1000, 1000), (17, 1000), (1000, 17), (128, 4096), (4096, 128), (1000, 4096),
+             (200, 65), (129, 129)]
     for i, ((N, M), causal) in enumerate(itertools.product(pairs, (False, True))):
         B = (1, 3)[i % 2]
         heads = ((4, 4), (4, 2), (6, 1))[i % 3]
@@ -187,7 +189,7 @@ def test_bad_variant(ops, monkeypatch, value):
         ops.attention(q, k, v, False, 0.125)
     monkeypatch.delenv("TK_ATTN_FWD_VARIANT")
     o, lse = ops.attention(q, k, v, False, 0.125)
-    monkeypatch.setenv("TK_ATTN_BWD_VARIANT", value.replace("6", "2"))
+    monkeypatch.setenv("TK_ATTN_BWD_VARIANT", value.replace("6", "4"))
     with pytest.raises(RuntimeError, match="TK_ATTN_BWD_VARIANT"):
         ops.attention_backward(torch.randn_like(q), q, k, v, o, lse, False, 0.125)
 

@@ -23,11 +23,12 @@ const char* attention_forward(DType dt, const View4& q, const View4& k, const Vi
 int attention_forward_variants();
 
 // Scratch sizes (bytes) the backward needs: fp32 dq accumulator, padded
-// log2-domain lse and rowsum(do * o).
+// log2-domain lse and rowsum(do * o), for the given backward variant (its q
+// tile sets the padding; -1 = the default).
 struct BwdScratch {
   size_t dq_accum_bytes, lse2_bytes, delta_bytes;
 };
-BwdScratch attention_backward_scratch(const View4& q);
+BwdScratch attention_backward_scratch(const View4& q, int variant);
 
 // dq (B,Hq,N,D), dk/dv (B,Hkv,M,D) contiguous. dq_accum must be zeroed.
 // variant: 0 .. attention_backward_variants() - 1 (see README.md), -1 = default.

@@ -24,9 +24,9 @@ constexpr int BWD_BN = 128;  // keys per CTA (64 per consumer warpgroup)
 constexpr int BWD_NC = 2;
 constexpr int BWD_STAGES = 2;
 
-template <typename T, int D>
+template <typename T, int D, int STAGES_ = BWD_STAGES>
 struct Bwd {
-  static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = BWD_STAGES;
+  static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
@@ -54,12 +54,12 @@ struct BwdParams {
   void* dv;
 };
 
-template <typename T, int D, bool PIPE>
-__global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
+template <typename T, int D, bool PIPE, int STAGES_>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D>;
+  using K_ = Bwd<T, D, STAGES_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -337,6 +337,264 @@ __global__ void __launch_bounds__(Bwd<T, D>::THREADS, 1)
   }
 }
 
+// D = 64 with q tiles of 128 rows (variants 2, 3). At D = 64 every GEMM of the
+// 64-row kernel is 64 x 64 x 64, so the per-tile fixed costs (the (Q, dO)
+// stream, the named barriers, the dQ staging) weigh twice as much per FLOP as
+// at D = 128, and each consumer's dQ partial covers only its own 64 keys: the
+// reduce-adds into dq_accum cost N*M*4 bytes per head, twice D = 128's per
+// FLOP. Here a step covers 128 query rows: Sᵀ and dPᵀ are 64 x 128 per
+// consumer (m64n128), dV and dK contract over 128 rows, and dQ is split by
+// rows: consumer c computes rows [64c, 64c+64) of the tile over all 128 keys
+// of the CTA, so dq_accum receives one partial per 128 keys (half the
+// reduce-add traffic) and each step's fixed costs are spread over twice the
+// work. dSᵀ is double-buffered so that one CTA-wide barrier per step suffices.
+// 2^x by the MUFU alone: exp2f adds a range fix-up around it for results
+// below 2^-126, which P does not need (flushed to 0).
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T, int STAGES_>
+struct BwdWide {
+  static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
+  static constexpr int THREADS = (NC + 1) * 128;
+  static_assert(BN == 64 * NC && BM == 64 * NC, "each consumer owns 64 keys and 64 dQ rows");
+  static constexpr int KV_BYTES = BN * D * 2;
+  static constexpr int Q_BYTES = BM * D * 2;          // Q or dO tile, one [BM][64] panel
+  static constexpr int DS_PANEL = BN * 128;           // [BN keys][64 queries]
+  static constexpr int DS_BYTES = (BM / 64) * DS_PANEL;
+  static constexpr int DQ_STAGE_BYTES = 64 * D * 4;   // per consumer: its 64 rows, fp32
+  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + NC * DQ_STAGE_BYTES + 1024 + 256;
+  static_assert(SMEM <= 227 * 1024, "shared memory");
+};
+
+template <typename T, int STAGES_>
+__global__ void __launch_bounds__(BwdWide<T, STAGES_>::THREADS, 1)
+    attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
+                              const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
+                              const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
+  using K_ = BwdWide<T, STAGES_>;
+  constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sK = smem;                          // [BN][64]
+  uint8_t* sV = sK + K_::KV_BYTES;             // [BN][64]
+  uint8_t* sQ = sV + K_::KV_BYTES;             // [STAGES][BM][64]
+  uint8_t* sdO = sQ + STAGES * K_::Q_BYTES;    // [STAGES][BM][64]
+  uint8_t* sdS = sdO + STAGES * K_::Q_BYTES;   // [2 buffers][BM / 64 query panels][BN][64]
+  uint8_t* sdQ = sdS + 2 * K_::DS_BYTES;       // [NC][2 column halves][64 rows][32 fp32], 128-byte swizzle
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sdQ + NC * K_::DQ_STAGE_BYTES);
+  uint64_t* kv_full = bars;
+  uint64_t* q_full = bars + 1;
+  uint64_t* q_empty = q_full + STAGES;
+
+  const int kb = blockIdx.x;
+  const int b = blockIdx.y / p.Hkv, hk = blockIdx.y % p.Hkv;
+  const int n0 = kb * BN;
+  // Causal (top-left): rows below n0 see none of this block; BM == BN, so the
+  // first tile is the diagonal one.
+  const int mb_start = p.causal ? n0 / BM : 0;
+  const int nqb = (p.N + BM - 1) / BM;
+  const int steps_per_head = max(0, nqb - mb_start);
+  const int steps = steps_per_head * p.group;
+
+  const int wg = threadIdx.x / 128;
+  const int tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    bar_init(kv_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(&q_full[s], 1);
+      bar_init(&q_empty[s], NC * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---------------- producer ----------------
+    reg_dealloc<24>();
+    if (tid == 0) {
+      bar_expect_tx(kv_full, 2 * K_::KV_BYTES);
+      tma_load_4d(sK, &kmap, kv_full, 0, n0, hk, b);
+      tma_load_4d(sV, &vmap, kv_full, 0, n0, hk, b);
+      for (int it = 0; it < steps; ++it) {
+        const int g = it / steps_per_head;
+        const int mb = mb_start + it % steps_per_head;
+        const int h = hk * p.group + g;
+        const int s = it % STAGES;
+        bar_wait(&q_empty[s], ((it / STAGES) & 1) ^ 1);
+        bar_expect_tx(&q_full[s], 2 * K_::Q_BYTES);
+        tma_load_4d(sQ + s * K_::Q_BYTES, &qmap, &q_full[s], 0, mb * BM, h, b);
+        tma_load_4d(sdO + s * K_::Q_BYTES, &domap, &q_full[s], 0, mb * BM, h, b);
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  reg_alloc<240>();
+  const int c = wg - 1;
+  const int warp = tid / 32, lane = tid % 32;
+  const int row_in = 16 * warp + lane / 4;
+  const int col_in = 2 * (lane % 4);
+  const int j0 = n0 + 64 * c + row_in;  // this thread's keys: j0 and j0 + 8
+  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV), sQ_u = smem_u32(sQ), sdO_u = smem_u32(sdO);
+  const uint32_t sdS_u = smem_u32(sdS);
+
+  float dk[32], dv[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.f;
+
+  bar_wait(kv_full, 0);
+  for (int it = 0; it < steps; ++it) {
+    const int g = it / steps_per_head;
+    const int mb = mb_start + it % steps_per_head;
+    const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
+    const int i0 = mb * BM;
+    const int s = it % STAGES;
+    const uint32_t qs = sQ_u + s * K_::Q_BYTES, dos = sdO_u + s * K_::Q_BYTES;
+    const float* lse_row = p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
+    const float* del_row = p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
+
+    // S^T = K_c Q^T and dP^T = V_c dO^T: 64 keys x 128 queries each.
+    float st[BM / 2], dpt[BM / 2];
+    bar_wait(&q_full[s], (it / STAGES) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_op<T>::template ss<0, 0>(st, desc_kmajor(sK_u + c * 64 * 128 + kk * 32), desc_kmajor(qs + kk * 32), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_op<T>::template ss<0, 0>(dpt, desc_kmajor(sV_u + c * 64 * 128 + kk * 32), desc_kmajor(dos + kk * 32), kk > 0);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_regs(st);
+    // Causal upper triangle, and keys past M (see the 64-row kernel).
+    const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
+#pragma unroll
+    for (int ch = 0; ch < BM / 8; ++ch) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_row + 8 * ch + col_in);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pe = ex2_ftz(st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x));
+        if (need_mask) {
+          const int i = i0 + 8 * ch + col_in + (e & 1);
+          const int j = j0 + 8 * (e >> 1);
+          if ((p.causal && i < j) || j >= p.M) pe = 0.f;
+        }
+        st[4 * ch + e] = pe;
+      }
+    }
+    wgmma_wait<0>();
+    fence_regs(dpt);
+    // dS^T = P^T (dP^T - delta) in place, then dV += P^T dO and dK += dS^T Q
+    // (dO and Q are [query][d]: MN-major B operands). Both A operands are
+    // packed before the MMAs are issued: issuing dV first (to overlap the dS^T
+    // math, as the 64-row kernel does) keeps the fp32 P^T live as well, and
+    // ptxas then runs out of registers and serializes every wgmma (C7512).
+    uint32_t pa[BM / 16][4], dsa[BM / 16][4];
+#pragma unroll
+    for (int ch = 0; ch < BM / 8; ++ch) {
+      const float2 dl = *reinterpret_cast<const float2*>(del_row + 8 * ch + col_in);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[4 * ch + e] = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
+    }
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      acc_to_a<T>(pa[kk], st, kk);
+      acc_to_a<T>(dsa[kk], dpt, kk);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      wgmma_op<T>::template rs<1>(dv, pa[kk], desc_mnmajor(dos + kk * 16 * 128, BM * 128), 1);
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      wgmma_op<T>::template rs<1>(dk, dsa[kk], desc_mnmajor(qs + kk * 16 * 128, BM * 128), 1);
+    wgmma_commit();
+
+    // dS^T to buffer it % 2 ([query panel][key][query]). The buffer was last
+    // read by step it - 2's dQ; both consumers finished that before arriving
+    // at step it - 1's barrier, which this thread has passed.
+    uint8_t* ds_buf = sdS + (it & 1) * K_::DS_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        // dsa[kk][r]: key row row_in + 8 (r & 1), query columns 16 kk + 8 (r >> 1) + col_in, +1
+        const int jr = 64 * c + row_in + 8 * (r & 1);
+        const int ic = 16 * kk + 8 * (r >> 1) + col_in;
+        *reinterpret_cast<uint32_t*>(ds_buf + (ic / 64) * K_::DS_PANEL + swz128(jr, ic % 64, 2)) = dsa[kk][r];
+      }
+    }
+    fence_async_smem();
+    named_bar_sync(1, NC * 128);
+
+    // dQ rows [64c, 64c+64) of the tile = dS K over all BN keys: A = dS
+    // (query-major panel c of dS^T), B = K (MN-major).
+    float dq[32];
+    const uint32_t ds_u = sdS_u + (it & 1) * K_::DS_BYTES + c * K_::DS_PANEL;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(ds_u + kk * 16 * 128, K_::DS_PANEL),
+                                     desc_mnmajor(sK_u + kk * 16 * 128, BN * 128), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dq);
+    fence_regs(dk);
+    fence_regs(dv);
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+    __syncwarp();
+    if (lane == 0) bar_arrive(&q_empty[s]);
+
+    // Stage this consumer's 64 x 64 fp32 rows and let the TMA unit add them
+    // into dq_accum (rows past N land in its padding).
+    uint8_t* stage = sdQ + c * K_::DQ_STAGE_BYTES;
+    if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
+    named_bar_sync(3 + c, 128);
+#pragma unroll
+    for (int ch = 0; ch < 8; ++ch) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int col = 8 * ch + col_in;
+        float2* dst = reinterpret_cast<float2*>(stage + (col / 32) * 8192 + swz128(row_in + 8 * h2, col % 32, 4));
+        *dst = make_float2(dq[4 * ch + 2 * h2], dq[4 * ch + 2 * h2 + 1]);
+      }
+    }
+    fence_async_smem();
+    named_bar_sync(3 + c, 128);
+    if (tid == 0) {
+#pragma unroll
+      for (int bx = 0; bx < 2; ++bx) tma_reduce_add_3d(&dqmap, stage + bx * 8192, 32 * bx, i0 + 64 * c, bh);
+      bulk_commit();
+    }
+  }
+  if (tid == 0) bulk_wait_all();
+
+  // dK (scaled) and dV for this consumer's 64 keys.
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int j = j0 + 8 * h2;
+    if (j < p.M) {
+      const int64_t off = ((static_cast<int64_t>(b) * p.Hkv + hk) * p.M + j) * 64;
+      T* dkr = static_cast<T*>(p.dk) + off;
+      T* dvr = static_cast<T*>(p.dv) + off;
+#pragma unroll
+      for (int ch = 0; ch < 8; ++ch) {
+        *reinterpret_cast<uint32_t*>(dkr + 8 * ch + col_in) =
+            pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvr + 8 * ch + col_in) = pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]);
+      }
+    }
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ float to_f(T x);
 template <>
@@ -386,12 +644,29 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
   *reinterpret_cast<uint32_t*>(dq + idx) = pack2<T>(v.x * scale, v.y * scale);
 }
 
-template <typename T, int D, bool PIPE>
+// Kernel configuration of one variant: Kind::Tile64 = attention_bwd_kernel
+// (64-row q tiles; PIPE, STAGES), Kind::Wide = attention_bwd_wide_kernel
+// (D = 64 only, 128-row q tiles; STAGES).
+enum class Kind { Tile64, Wide };
+template <Kind KIND, bool PIPE, int STAGES>
+struct BwdCfg {
+  static constexpr Kind kind = KIND;
+  static constexpr bool pipe = PIPE;
+  static constexpr int stages = STAGES;
+  static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
+};
+
+// Rows of the padded lse2 / delta / dq_accum: a multiple of the q tile.
+int64_t bwd_npad(int64_t N, int bm) { return (N + bm - 1) / bm * bm; }
+
+template <typename T, int D, typename Cfg>
 const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v, const View4& o,
                        const float* lse, void* dq, void* dk, void* dv, float* dq_accum, float* lse2, float* delta,
                        bool causal, float scale, cudaStream_t stream) {
-  using K_ = Bwd<T, D>;
-  const int Npad = static_cast<int>((q.S + BWD_BM - 1) / BWD_BM * BWD_BM);
+  constexpr bool WIDE = Cfg::kind == Kind::Wide;
+  static_assert(!WIDE || (D == 64 && !Cfg::pipe && Cfg::BM == 128), "the wide kernel is D = 64, without PIPE");
+  constexpr int BM = Cfg::BM;
+  const int Npad = static_cast<int>(bwd_npad(q.S, BM));
   const int64_t BH = q.B * q.H;
   {
     const int64_t warps = BH * Npad;
@@ -400,10 +675,10 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
     attention_bwd_pre_kernel<T, D><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(dout, o, lse, lse2, delta, Npad);
   }
   CUtensorMap qm, km, vm, dom;
-  if (const char* e = make_map(&qm, dt, q, BWD_BM)) return e;
+  if (const char* e = make_map(&qm, dt, q, BM)) return e;
   if (const char* e = make_map(&km, dt, k, BWD_BN)) return e;
   if (const char* e = make_map(&vm, dt, v, BWD_BN)) return e;
-  if (const char* e = make_map(&dom, dt, dout, BWD_BM)) return e;
+  if (const char* e = make_map(&dom, dt, dout, BM)) return e;
   CUtensorMap dqm;
   if (const char* e = make_map_f32(&dqm, dq_accum, D, Npad, BH)) return e;
   BwdParams p;
@@ -422,11 +697,21 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.dq_accum = dq_accum;
   p.dk = dk;
   p.dv = dv;
-  auto kern = attention_bwd_kernel<T, D, PIPE>;
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
+  int smem, threads;
+  decltype(&attention_bwd_kernel<T, D, false, 2>) kern;
+  if constexpr (WIDE) {
+    kern = attention_bwd_wide_kernel<T, Cfg::stages>;
+    smem = BwdWide<T, Cfg::stages>::SMEM;
+    threads = BwdWide<T, Cfg::stages>::THREADS;
+  } else {
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages>;
+    smem = Bwd<T, D, Cfg::stages>::SMEM;
+    threads = Bwd<T, D, Cfg::stages>::THREADS;
+  }
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention backward kernel";
   dim3 grid(static_cast<unsigned>((k.S + BWD_BN - 1) / BWD_BN), static_cast<unsigned>(k.B * k.H));
-  kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, dom, dqm, p);
+  kern<<<grid, threads, smem, stream>>>(qm, km, vm, dom, dqm, p);
   if (cudaGetLastError() != cudaSuccess) return "attention backward launch failed";
   {
     const int64_t pairs = BH * q.S * D / 2;
@@ -437,33 +722,73 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention backward post-process launch failed";
 }
 
+// Variants (TK_ATTN_BWD_VARIANT; README.md). 0 and 1 are the kernels the H200
+// sweep validated; 2 and 3 differ per head dim: D = 64 runs the wide kernel
+// (128-row q tiles) with a 2- or 3-stage (Q, dO) ring, D = 128 the 64-row
+// kernel with a 3-stage ring (serial / PIPE). DEFAULT: what -1 (unset) runs;
+// the H200 sweep measured no gain from 1.
+template <int D>
+struct BwdVariants;
+template <>
+struct BwdVariants<128> {
+  static constexpr int DEFAULT = 0;
+  using V0 = BwdCfg<Kind::Tile64, false, 2>;
+  using V1 = BwdCfg<Kind::Tile64, true, 2>;
+  using V2 = BwdCfg<Kind::Tile64, false, 3>;
+  using V3 = BwdCfg<Kind::Tile64, true, 3>;
+};
+template <>
+struct BwdVariants<64> {
+  static constexpr int DEFAULT = 0;
+  using V0 = BwdCfg<Kind::Tile64, false, 2>;
+  using V1 = BwdCfg<Kind::Tile64, true, 2>;
+  using V2 = BwdCfg<Kind::Wide, false, 2>;
+  using V3 = BwdCfg<Kind::Wide, false, 3>;
+};
+constexpr int BWD_VARIANTS = 4;
+
+int bwd_variant(int D, int variant) {
+  return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
+}
+
+int bwd_bm(int D, int variant) {
+  variant = bwd_variant(D, variant);
+  const auto pick = [&](auto vs) {
+    using Vs = decltype(vs);
+    return variant == 0 ? Vs::V0::BM : variant == 1 ? Vs::V1::BM : variant == 2 ? Vs::V2::BM : Vs::V3::BM;
+  };
+  return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
+}
+
 }  // namespace
 
-BwdScratch attention_backward_scratch(const View4& q) {
-  const int64_t Npad = (q.S + BWD_BM - 1) / BWD_BM * BWD_BM;
+BwdScratch attention_backward_scratch(const View4& q, int variant) {
+  const int64_t Npad = bwd_npad(q.S, bwd_bm(static_cast<int>(q.D), variant));
   const int64_t BH = q.B * q.H;
   return {static_cast<size_t>(BH * Npad * q.D * 4), static_cast<size_t>(BH * Npad * 4),
           static_cast<size_t>(BH * Npad * 4)};
 }
 
-int attention_backward_variants() { return 2; }
+int attention_backward_variants() { return BWD_VARIANTS; }
 
-// variant: 0 = the serial per-step loop, 1 = the next step's S^T issued
-// before this step's dQ staging (PIPE); -1 = the default (0: the H200 sweep measured no gain from 1).
+// variant: 0 .. BWD_VARIANTS - 1 (BwdVariants), -1 = the head dim's default.
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
                                float* lse2, float* delta, bool causal, float scale, int variant,
                                cudaStream_t stream) {
-  if (variant < 0) variant = 0;
-  if (variant > 1) return "unknown attention backward variant";
-#define TK_ATTN_BWD(T, D)                                                                                     \
-  (variant == 1 ? launch_bwd<T, D, true>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, \
-                                         scale, stream)                                                      \
-                : launch_bwd<T, D, false>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, \
-                                          scale, stream))
+  variant = bwd_variant(static_cast<int>(q.D), variant);
+  if (variant >= BWD_VARIANTS) return "unknown attention backward variant";
+#define TK_ATTN_BWD_V(T, D, V) \
+  launch_bwd<T, D, typename BwdVariants<D>::V>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, scale, stream)
+#define TK_ATTN_BWD(T, D)                                                                                  \
+  (variant == 0   ? TK_ATTN_BWD_V(T, D, V0)                                                                \
+   : variant == 1 ? TK_ATTN_BWD_V(T, D, V1)                                                                \
+   : variant == 2 ? TK_ATTN_BWD_V(T, D, V2)                                                                \
+                  : TK_ATTN_BWD_V(T, D, V3))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
+#undef TK_ATTN_BWD_V
   return "head dim must be 64 or 128";
 }
 

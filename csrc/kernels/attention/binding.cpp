@@ -124,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   at::Tensor dv = at::empty(v.sizes(), v.options());
   const View4 qv = view(q);
   const int variant = variant_from_env("TK_ATTN_BWD_VARIANT", tk_attn::attention_backward_variants());
-  const tk_attn::BwdScratch sz = tk_attn::attention_backward_scratch(qv);
+  const tk_attn::BwdScratch sz = tk_attn::attention_backward_scratch(qv, variant);
   at::Tensor dq_accum = at::zeros({static_cast<int64_t>(sz.dq_accum_bytes / 4)}, q.options().dtype(at::kFloat));
   at::Tensor lse2 = at::empty({static_cast<int64_t>(sz.lse2_bytes / 4)}, q.options().dtype(at::kFloat));
   at::Tensor delta = at::empty({static_cast<int64_t>(sz.delta_bytes / 4)}, q.options().dtype(at::kFloat));
