@@ -282,10 +282,14 @@ def backward_child(bv: int, out_path: str) -> int:
         results.append({"bwd_variant": bv, "D": D, "N": N, "M": M, "causal": causal, "ok": good, "note": note})
     rows = []
     for D, N, causal in BWD_TIMED:
+        row = {"D": D, "N": N, "causal": causal}
+        if not ok:  # a variant with wrong gradients is not timed, so it cannot be picked as the best
+            row["ms"], row["note"] = None, "not timed: wrong gradients"
+            rows.append(row)
+            continue
         B, H, (q, k, v) = _inputs(D, N)
         do = torch.randn_like(q)
         scale = 1.0 / math.sqrt(D)
-        row = {"D": D, "N": N, "causal": causal}
         o, lse = ops.attention(q, k, v, causal, scale)
         try:
             row["ms"] = bench(lambda: ops.attention_backward(do, q, k, v, o, lse, causal, scale))
