@@ -47,8 +47,8 @@ TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))  # (D, N
 CHILD_TIMEOUT_S = 40
 BWD_VARIANTS = (0, 1, 2, 3)
 BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backward.cu
-    128: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "BM64 S3", 3: "BM64 S3 next-S^T prefetch"},
-    64: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "BM128 S2 dQ rows split", 3: "BM128 S3 dQ rows split"},
+    128: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "BM64 S2 dS^T x2", 3: "BM64 S3 dS^T x2"},
+    64: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "wide BM128 S2", 3: "wide BM128 S2 dQ stage x2"},
 }
 BWD_TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))
 

@@ -24,9 +24,14 @@ constexpr int BWD_BN = 128;  // keys per CTA (64 per consumer warpgroup)
 constexpr int BWD_NC = 2;
 constexpr int BWD_STAGES = 2;
 
-template <typename T, int D, int STAGES_ = BWD_STAGES>
+// DS2: dS^T double-buffered (D = 128): the write of step it goes to buffer
+// it % 2, last read by step it - 2's dQ, which both consumers finished before
+// step it - 1's barrier; so the barrier before the write is not needed.
+template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
+  static constexpr bool DS2 = DS2_;
+  static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
@@ -35,7 +40,9 @@ struct Bwd {
   static constexpr int Q_BYTES = BM * D * 2;   // Q or dO tile
   static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
   static constexpr int DQ_STAGE_BYTES = 64 * 64 * 4;  // per consumer: 64 rows x 64 fp32 columns
-  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BYTES + NC * DQ_STAGE_BYTES + 1024 + 256;
+  static constexpr int SMEM =
+      2 * KV_BYTES + 2 * STAGES * Q_BYTES + (DS2 ? 2 : 1) * DS_BYTES + NC * DQ_STAGE_BYTES + 1024 + 256;
+  static_assert(SMEM <= 227 * 1024, "shared memory");
   // dQ: D=128 splits the output columns between the two consumers (64 each,
   // contracting over all 128 keys); D=64 has each consumer add its own keys'
   // partial (fewer registers is not an issue there, and N=64 keeps one panel).
@@ -54,12 +61,12 @@ struct BwdParams {
   void* dv;
 };
 
-template <typename T, int D, bool PIPE, int STAGES_>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_>::THREADS, 1)
+template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -67,8 +74,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_>::THREADS, 1)
   uint8_t* sV = sK + K_::KV_BYTES;             // [PANELS][BN][64]
   uint8_t* sQ = sV + K_::KV_BYTES;             // [STAGES][PANELS][BM][64]
   uint8_t* sdO = sQ + STAGES * K_::Q_BYTES;    // [STAGES][PANELS][BM][64]
-  uint8_t* sdS = sdO + STAGES * K_::Q_BYTES;   // [BN][BM] (one 64-wide panel)
-  uint8_t* sdQ = sdS + K_::DS_BYTES;           // [NC][64 cols / 32][64 rows][32 fp32], 128-byte swizzle
+  uint8_t* sdS = sdO + STAGES * K_::Q_BYTES;   // [DS2 ? 2 : 1][BN][BM] (one 64-wide panel)
+  uint8_t* sdQ = sdS + (K_::DS2 ? 2 : 1) * K_::DS_BYTES;  // [NC][64 cols / 32][64 rows][32 fp32], 128-byte swizzle
   uint64_t* bars = reinterpret_cast<uint64_t*>(sdQ + NC * K_::DQ_STAGE_BYTES);
   uint64_t* kv_full = bars;
   uint64_t* q_full = bars + 1;
@@ -237,8 +244,9 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_>::THREADS, 1)
     wgmma_commit();
 
     // dS^T to shared memory for dQ = dS K. Wait until the previous dQ of both
-    // consumers has finished reading the buffer.
-    if constexpr (K_::DQ_SPLIT_COLS) named_bar_sync(1, NC * 128);
+    // consumers has finished reading the buffer (DS2: see Bwd).
+    if constexpr (K_::DQ_SPLIT_COLS && !K_::DS2) named_bar_sync(1, NC * 128);
+    const uint32_t ds_off = K_::DS2 ? (it & 1) * K_::DS_BYTES : 0;
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
 #pragma unroll
@@ -246,7 +254,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_>::THREADS, 1)
         const int jr = 64 * c + row_in + 8 * h2;  // key row inside the block
         const int ic = 8 * ch + col_in;           // query column
         const uint32_t v = pack2<T>(dpt[4 * ch + 2 * h2], dpt[4 * ch + 2 * h2 + 1]);
-        *reinterpret_cast<uint32_t*>(sdS + swz128(jr, ic, 2)) = v;
+        *reinterpret_cast<uint32_t*>(sdS + ds_off + swz128(jr, ic, 2)) = v;
       }
     }
     fence_async_smem();
@@ -261,7 +269,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_>::THREADS, 1)
       // columns [64c, 64c+64) of dQ, contracting over all BN keys
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(sdS_u + kk * 16 * 128, BN * 128),
+        wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(sdS_u + ds_off + kk * 16 * 128, BN * 128),
                                        desc_mnmajor(sK_u + c * BN * 128 + kk * 16 * 128, BN * 128), kk > 0);
     } else {
       // all D columns, contracting over this consumer's 64 keys
@@ -356,9 +364,14 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   return y;
 }
 
-template <typename T, int STAGES_>
+// DQ2: the dQ stage is double-buffered per consumer, so the wait for the
+// previous reduce to have read it (of step it - 2 now) moves before the
+// step's CTA-wide barrier and the staging needs one named barrier, not two.
+template <typename T, int STAGES_, bool DQ2_ = false>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
+  static constexpr bool DQ2 = DQ2_;
+  static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int THREADS = (NC + 1) * 128;
   static_assert(BN == 64 * NC && BM == 64 * NC, "each consumer owns 64 keys and 64 dQ rows");
   static constexpr int KV_BYTES = BN * D * 2;
@@ -366,16 +379,21 @@ struct BwdWide {
   static constexpr int DS_PANEL = BN * 128;           // [BN keys][64 queries]
   static constexpr int DS_BYTES = (BM / 64) * DS_PANEL;
   static constexpr int DQ_STAGE_BYTES = 64 * D * 4;   // per consumer: its 64 rows, fp32
-  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + NC * DQ_STAGE_BYTES + 1024 + 256;
+  static constexpr int SMEM =
+      2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
-template <typename T, int STAGES_>
-__global__ void __launch_bounds__(BwdWide<T, STAGES_>::THREADS, 1)
+// Wait until all but the newest bulk group of this thread have read their
+// shared-memory source.
+__device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
+
+template <typename T, int STAGES_, bool DQ2_>
+__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                               const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_>;
+  using K_ = BwdWide<T, STAGES_, DQ2_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -384,8 +402,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_>::THREADS, 1)
   uint8_t* sQ = sV + K_::KV_BYTES;             // [STAGES][BM][64]
   uint8_t* sdO = sQ + STAGES * K_::Q_BYTES;    // [STAGES][BM][64]
   uint8_t* sdS = sdO + STAGES * K_::Q_BYTES;   // [2 buffers][BM / 64 query panels][BN][64]
-  uint8_t* sdQ = sdS + 2 * K_::DS_BYTES;       // [NC][2 column halves][64 rows][32 fp32], 128-byte swizzle
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sdQ + NC * K_::DQ_STAGE_BYTES);
+  uint8_t* sdQ = sdS + 2 * K_::DS_BYTES;       // [NC][DQ_BUFS][2 column halves][64 rows][32 fp32], 128-byte swizzle
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sdQ + NC * K_::DQ_BUFS * K_::DQ_STAGE_BYTES);
   uint64_t* kv_full = bars;
   uint64_t* q_full = bars + 1;
   uint64_t* q_empty = q_full + STAGES;
@@ -530,6 +548,9 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_>::THREADS, 1)
       }
     }
     fence_async_smem();
+    if constexpr (K_::DQ2) {
+      if (tid == 0) bulk_wait_read_1();  // step it - 2's reduce has read this step's stage
+    }
     named_bar_sync(1, NC * 128);
 
     // dQ rows [64c, 64c+64) of the tile = dS K over all BN keys: A = dS
@@ -555,9 +576,11 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_>::THREADS, 1)
 
     // Stage this consumer's 64 x 64 fp32 rows and let the TMA unit add them
     // into dq_accum (rows past N land in its padding).
-    uint8_t* stage = sdQ + c * K_::DQ_STAGE_BYTES;
-    if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
-    named_bar_sync(3 + c, 128);
+    uint8_t* stage = sdQ + (c * K_::DQ_BUFS + (K_::DQ2 ? (it & 1) : 0)) * K_::DQ_STAGE_BYTES;
+    if constexpr (!K_::DQ2) {
+      if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
+      named_bar_sync(3 + c, 128);
+    }
 #pragma unroll
     for (int ch = 0; ch < 8; ++ch) {
 #pragma unroll
@@ -645,14 +668,15 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 }
 
 // Kernel configuration of one variant: Kind::Tile64 = attention_bwd_kernel
-// (64-row q tiles; PIPE, STAGES), Kind::Wide = attention_bwd_wide_kernel
-// (D = 64 only, 128-row q tiles; STAGES).
+// (64-row q tiles; PIPE, STAGES, DBUF = DS2), Kind::Wide =
+// attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
-template <Kind KIND, bool PIPE, int STAGES>
+template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
   static constexpr int stages = STAGES;
+  static constexpr bool dbuf = DBUF;
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -698,15 +722,15 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.dk = dk;
   p.dv = dv;
   int smem, threads;
-  decltype(&attention_bwd_kernel<T, D, false, 2>) kern;
+  decltype(&attention_bwd_kernel<T, D, false, 2, false>) kern;
   if constexpr (WIDE) {
-    kern = attention_bwd_wide_kernel<T, Cfg::stages>;
-    smem = BwdWide<T, Cfg::stages>::SMEM;
-    threads = BwdWide<T, Cfg::stages>::THREADS;
+    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf>;
+    smem = BwdWide<T, Cfg::stages, Cfg::dbuf>::SMEM;
+    threads = BwdWide<T, Cfg::stages, Cfg::dbuf>::THREADS;
   } else {
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages>;
-    smem = Bwd<T, D, Cfg::stages>::SMEM;
-    threads = Bwd<T, D, Cfg::stages>::THREADS;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf>;
+    smem = Bwd<T, D, Cfg::stages, Cfg::dbuf>::SMEM;
+    threads = Bwd<T, D, Cfg::stages, Cfg::dbuf>::THREADS;
   }
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention backward kernel";
@@ -724,9 +748,9 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 
 // Variants (TK_ATTN_BWD_VARIANT; README.md). 0 and 1 are the kernels the H200
 // sweep validated; 2 and 3 differ per head dim: D = 64 runs the wide kernel
-// (128-row q tiles) with a 2- or 3-stage (Q, dO) ring, D = 128 the 64-row
-// kernel with a 3-stage ring (serial / PIPE). DEFAULT: what -1 (unset) runs;
-// the H200 sweep measured no gain from 1.
+// (128-row q tiles; 3: dQ stage double-buffered), D = 128 the 64-row kernel
+// with dS^T double-buffered (3: and a 3-stage ring). DEFAULT: what -1
+// (unset) runs; the H200 sweep measured no gain from 1.
 template <int D>
 struct BwdVariants;
 template <>
@@ -734,8 +758,8 @@ struct BwdVariants<128> {
   static constexpr int DEFAULT = 0;
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
-  using V2 = BwdCfg<Kind::Tile64, false, 3>;
-  using V3 = BwdCfg<Kind::Tile64, true, 3>;
+  using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
+  using V3 = BwdCfg<Kind::Tile64, false, 3, true>;
 };
 template <>
 struct BwdVariants<64> {
@@ -743,7 +767,7 @@ struct BwdVariants<64> {
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Wide, false, 2>;
-  using V3 = BwdCfg<Kind::Wide, false, 3>;
+  using V3 = BwdCfg<Kind::Wide, false, 2, true>;
 };
 constexpr int BWD_VARIANTS = 4;
 
