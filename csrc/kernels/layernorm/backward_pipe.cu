@@ -17,7 +17,8 @@ constexpr int kDy = 0, kH = 1, kDh = 2;  // staged operands
 template <int THREADS, class S>
 constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 
-template <typename T, class S, int STAGES, int THREADS>
+// NAMED: the row sums wait on their row group's barrier only, not the block's (variant 6).
+template <typename T, class S, int STAGES, int THREADS, bool NAMED = false>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
   extern __shared__ uint4 staging_smem[];
   __shared__ float2 red[S::BLOCK / 32];
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         }
       }
     }
-    const float2 sums = row_sum2<S>(sg, sgx, red);
+    const float2 sums = row_sum2<S, NAMED>(sg, sgx, red);
     const float mean_g = a.rms ? 0.f : sums.x * inv_n;
     const float mean_gx = sums.y * inv_n;
     if (live) {
@@ -159,19 +160,39 @@ template <typename F>
 cudaError_t with_variant(const BackwardArgs& args, DType dtype, F&& f) {
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    const auto pick = [&](auto s, auto threads) {
+    const auto pick = [&](auto s, auto threads, auto stages, auto named) {
       using S = decltype(s);
-      constexpr int STAGES = 3, THREADS = decltype(threads)::value;
-      return f(backward_pipe_kernel<T, S, STAGES, THREADS>, staging_bytes<T, S, STAGES>(args), S::BLOCK, S::ROWS,
+      constexpr int STAGES = decltype(stages)::value, THREADS = decltype(threads)::value;
+      // Row-group barriers only where a block holds several multi-warp rows: elsewhere the same code.
+      constexpr bool NAMED = decltype(named)::value && S::ROWS > 1 && S::WARPS_PER_ROW > 1;
+      return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED>, staging_bytes<T, S, STAGES>(args), S::BLOCK, S::ROWS,
                std::integral_constant<int, STAGES>{});
     };
     using Threads1024 = std::integral_constant<int, 1024>;
     using Threads768 = std::integral_constant<int, 768>;
     using Threads512 = std::integral_constant<int, 512>;
+    using Threads384 = std::integral_constant<int, 384>;
+    using Stages2 = std::integral_constant<int, 2>;
+    using Stages3 = std::integral_constant<int, 3>;
+    using Block = std::false_type;
+    using Named = std::true_type;
+    const auto v3 = [&](auto s) { return pick(s, Threads512{}, Stages3{}, Block{}); };
     switch (args.variant) {
-      case 1: return with_pipe_split<true, 1>(args.hidden, [&](auto s) { return pick(s, Threads1024{}); });
-      case 2: return with_pipe_split<true, 1>(args.hidden, [&](auto s) { return pick(s, Threads768{}); });
-      case 3: return with_pipe_split<true, 2>(args.hidden, [&](auto s) { return pick(s, Threads512{}); });
+      case 1: return with_pipe_split<true, 1>(args.hidden, [&](auto s) { return pick(s, Threads1024{}, Stages3{}, Block{}); });
+      case 2: return with_pipe_split<true, 1>(args.hidden, [&](auto s) { return pick(s, Threads768{}, Stages3{}, Block{}); });
+      case 3: return with_pipe_split<true, 2>(args.hidden, v3);
+      // 4 vectors per thread (a warp per row up to hidden 1024), 128-thread blocks, 168 registers (3 blocks
+      // per SM). Past hidden 8192 a 512-thread block would have 128 registers and spill: variant 3 runs there.
+      case 4:
+      case 5:
+        if (args.hidden > 8192) return with_pipe_split<true, 2>(args.hidden, v3);
+        return with_pipe_split<true, 4, 128>(args.hidden, [&](auto s) {
+          return args.variant == 4 ? pick(s, Threads384{}, Stages3{}, Block{}) : pick(s, Threads384{}, Stages2{}, Block{});
+        });
+      // Variant 3 with row-group barriers: they differ where a block holds several rows (hidden <= 2048).
+      case 6:
+        if (args.hidden > 2048) return with_pipe_split<true, 2>(args.hidden, v3);
+        return with_pipe_split<true, 2>(args.hidden, [&](auto s) { return pick(s, Threads512{}, Stages3{}, Named{}); });
       default: return cudaErrorInvalidValue;
     }
   });
