@@ -21,8 +21,8 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     with registers for 1024 resident threads per SM (1) or 768 (2); 2 vectors per thread, 512 threads (3).
 //   backward 4, 5: 4 vectors per thread (a warp per row up to hidden 1024: no block barrier per row),
 //     128-thread blocks, 384 threads per SM, 3 (4) or 2 (5) stages; variant 3 past hidden 8192.
-//   backward 6: variant 3 with row-group (named) barriers instead of block barriers (hidden <= 2048,
-//     where a block holds several rows; variant 3 elsewhere).
+//   backward 6: variant 3 with row-group (named) barriers instead of block barriers (hidden 513..2048,
+//     where a block holds several multi-warp rows; variant 3 elsewhere).
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
 constexpr int kForwardVariants = 8, kBackwardVariants = 7;
