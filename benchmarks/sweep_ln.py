@@ -2,8 +2,12 @@
 then timed against torch.compile default on the same eager code, in one device run (< 120 s with the build).
 
 Variants are picked per call by TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT (csrc/kernels/layernorm/layernorm.h):
-    forward  0 legacy | 1, 2, 3 persistent, 2 / 3 / 4 stages of cp.async staging
+    forward  0 legacy | 1, 2, 3 persistent, 2 / 3 / 4 stages of cp.async staging | 4, 5 legacy, one row per
+             block, 1 / 2 vectors/thread | 6 persistent, 2 stages, row in shared memory only, <= 64 registers
+             | 7 legacy split, one row per block
     backward 0 legacy | 1 persistent, 3 stages, 1 vector/thread, 1024 threads/SM | 2 same, 768 | 3 2 vectors, 512
+             | 4, 5 4 vectors/thread (a warp per row at hidden <= 1024), 384 threads/SM, 3 / 2 stages
+             | 6 variant 3 with row-group barriers
 
 1. correctness (PASS/FAIL per variant): rows 1, 17, 1000 x hidden 8, 1000, 1024, 4096, 16384, bf16, with and
    without residual / weight / bias / dropout, LayerNorm and RMSNorm, plus fp32 and fp16 spot checks; forward
@@ -15,7 +19,7 @@ Variants are picked per call by TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT (csrc/kern
    torch.compile (default mode) of the same eager code, its training graph's forward and autograd backward,
    timed after all of ours, sizes in COMPILE_ORDER until the time budget (--budget-s) is spent.
 
-    python -m benchmarks.sweep_ln [--variants-fwd 0,1,2,3] [--variants-bwd 0,1,2,3] [--no-compile]
+    python -m benchmarks.sweep_ln [--variants-fwd 0,...,7] [--variants-bwd 0,...,6] [--no-compile]
 
 Prints one table, writes $OUT/sweep_ln.json (OUT defaults to ".").
 """
@@ -35,8 +39,8 @@ ROWS = 65536
 HIDDEN = (1024, 2048, 4096, 8192)
 COMPILE_ORDER = (1024, 4096, 8192, 2048)
 EPS = 1e-5
-FWD_VARIANTS = (0, 1, 2, 3)
-BWD_VARIANTS = (0, 1, 2, 3)
+FWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7)
+BWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -166,8 +170,24 @@ def correctness(fwd_vs, bwd_vs) -> dict:
 
 # ---------------------------------------------------------------------------- which kernels ran
 
+KERNEL_KEYS = ("forward_pipe_kernel", "forward_lean_kernel", "backward_pipe_kernel", "forward_kernel", "backward_kernel",
+               "column_sum")
+
+
+def short_kernel_name(name: str, us: float | None = None) -> str:
+    """'forward_kernel[128x1/128] 12.3us' for a demangled kernel name: which kernel, its split (threads per row
+    x vectors per thread / block; tells variants of one kernel apart) and its device time when known."""
+    import re
+
+    key = next((k for k in KERNEL_KEYS if k in name), name[:40])
+    split = re.search(r"Split<(\d+), ?(\d+), ?(\d+)>", name)
+    out = key + (f"[{split.group(1)}x{split.group(2)}/{split.group(3)}]" if split else "")
+    return out + (f" {us:.1f}us" if us is not None else "")
+
+
 def kernel_names(fn) -> list[str]:
-    """Names of the CUDA kernels one call of fn launches (checks that a variant really took its path)."""
+    """The CUDA kernels one call of fn launches, with split and device time (checks that a variant really took
+    its path; the times show what the column sum costs next to the main kernel)."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -175,18 +195,17 @@ def kernel_names(fn) -> list[str]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        names = []
-        for e in prof.events():
-            if e.device_type.name == "CUDA" and e.name not in names:
-                names.append(e.name)
         short = []
-        for n in names:
-            for key in ("forward_pipe_kernel", "backward_pipe_kernel", "forward_kernel", "backward_kernel", "column_sum"):
-                if key in n:
-                    short.append(key)
-                    break
-            else:
-                short.append(n[:40])
+        for e in prof.events():
+            if e.device_type.name != "CUDA":
+                continue
+            try:
+                us = float(e.time_range.elapsed_us())
+            except Exception:  # the time is a diagnostic only
+                us = None
+            name = short_kernel_name(e.name, us)
+            if name not in short:
+                short.append(name)
         return short
     except Exception as exc:  # profiling is a diagnostic only
         return [f"profiler failed: {exc}"[:80]]

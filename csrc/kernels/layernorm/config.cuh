@@ -21,8 +21,9 @@ struct Split {
 
 // Calls f(Split<...>{}) for the smallest split that covers `hidden`. The backward keeps more per
 // thread alive (dy, h and the dw/db accumulators), so it gives each thread one vector per row and
-// spreads a row over more threads.
-template <bool BACKWARD, typename F>
+// spreads a row over more threads. FWD_BLOCK: the forward's smallest block (256; 32 gives one row per
+// block with the same per-row work, forward variant 7).
+template <bool BACKWARD, int FWD_BLOCK = 256, typename F>
 cudaError_t with_split(int hidden, F&& f) {
   if constexpr (BACKWARD) {
     if (hidden <= 256) return f(Split<32, 1>{});
@@ -33,15 +34,15 @@ cudaError_t with_split(int hidden, F&& f) {
     if (hidden <= 8192) return f(Split<1024, 1>{});
     if (hidden <= kMaxHidden) return f(Split<1024, 2>{});
   } else {
-    if (hidden <= 256) return f(Split<32, 1>{});
-    if (hidden <= 512) return f(Split<32, 2>{});
-    if (hidden <= 1024) return f(Split<32, 4>{});
-    if (hidden <= 2048) return f(Split<128, 2>{});
-    if (hidden <= 4096) return f(Split<256, 2>{});
+    if (hidden <= 256) return f(Split<32, 1, FWD_BLOCK>{});
+    if (hidden <= 512) return f(Split<32, 2, FWD_BLOCK>{});
+    if (hidden <= 1024) return f(Split<32, 4, FWD_BLOCK>{});
+    if (hidden <= 2048) return f(Split<128, 2, FWD_BLOCK>{});
+    if (hidden <= 4096) return f(Split<256, 2, FWD_BLOCK>{});
     // Large rows: 4 vectors per thread and 256-thread blocks keep several rows in flight per SM
     // (a block per row waits on its reductions; more resident blocks overlap those waits).
-    if (hidden <= 8192) return f(Split<256, 4>{});
-    if (hidden <= kMaxHidden) return f(Split<512, 4>{});
+    if (hidden <= 8192) return f(Split<256, 4, FWD_BLOCK>{});
+    if (hidden <= kMaxHidden) return f(Split<512, 4, FWD_BLOCK>{});
   }
   return cudaErrorInvalidValue;
 }
@@ -49,17 +50,27 @@ cudaError_t with_split(int hidden, F&& f) {
 // Splits of the persistent ("pipe") variants. Their data waits in shared memory, not registers, so the
 // backward can afford VB vectors per thread (fewer threads per row, cheaper row sums, more dw/db
 // registers); the forward keeps the splits above in 128-thread blocks (finer grain for the grid).
-template <bool BACKWARD, int VB, typename F>
+// VB = 4 gives rows up to 1024 one warp each (no block barrier in the row sums), and stops at 8192;
+// blocks of at least MIN_BLOCK threads.
+template <bool BACKWARD, int VB, int MIN_BLOCK = 256, typename F>
 cudaError_t with_pipe_split(int hidden, F&& f) {
-  static_assert(VB == 1 || VB == 2, "one or two vectors per thread");
-  if constexpr (BACKWARD) {
-    if (hidden <= 256) return f(Split<32, 1>{});
-    if (hidden <= 512) return f(Split<64 / VB, VB>{});
-    if (hidden <= 1024) return f(Split<128 / VB, VB>{});
-    if (hidden <= 2048) return f(Split<256 / VB, VB>{});
-    if (hidden <= 4096) return f(Split<512 / VB, VB>{});
-    if (hidden <= 8192) return f(Split<1024 / VB, VB>{});
-    if (hidden <= kMaxHidden) return f(Split<1024, 2>{});
+  static_assert(VB == 1 || VB == 2 || VB == 4, "one, two or four vectors per thread");
+  if constexpr (BACKWARD && VB == 4) {
+    if (hidden <= 256) return f(Split<32, 1, MIN_BLOCK>{});
+    if (hidden <= 512) return f(Split<32, 2, MIN_BLOCK>{});
+    if (hidden <= 1024) return f(Split<32, 4, MIN_BLOCK>{});
+    if (hidden <= 2048) return f(Split<64, 4, MIN_BLOCK>{});
+    if (hidden <= 4096) return f(Split<128, 4, MIN_BLOCK>{});
+    if (hidden <= 8192) return f(Split<256, 4, MIN_BLOCK>{});
+    return cudaErrorNotSupported;  // 512 threads of 4 vectors would need more than 128 registers
+  } else if constexpr (BACKWARD) {
+    if (hidden <= 256) return f(Split<32, 1, MIN_BLOCK>{});
+    if (hidden <= 512) return f(Split<64 / VB, VB, MIN_BLOCK>{});
+    if (hidden <= 1024) return f(Split<128 / VB, VB, MIN_BLOCK>{});
+    if (hidden <= 2048) return f(Split<256 / VB, VB, MIN_BLOCK>{});
+    if (hidden <= 4096) return f(Split<512 / VB, VB, MIN_BLOCK>{});
+    if (hidden <= 8192) return f(Split<1024 / VB, VB, MIN_BLOCK>{});
+    if (hidden <= kMaxHidden) return f(Split<1024, 2, MIN_BLOCK>{});
   } else {
     if (hidden <= 256) return f(Split<32, 1, 128>{});
     if (hidden <= 512) return f(Split<32, 2, 128>{});
@@ -69,6 +80,22 @@ cudaError_t with_pipe_split(int hidden, F&& f) {
     if (hidden <= 8192) return f(Split<256, 4, 128>{});
     if (hidden <= kMaxHidden) return f(Split<512, 4, 128>{});
   }
+  return cudaErrorInvalidValue;
+}
+
+// One row per block, spread over hidden / (8 * VB) threads (rounded up to a warp, at most 1024): few
+// rows in flight per SM and many short blocks, the shape torch.compile's persistent reductions take
+// (the forward variants 4 and 5 test it against the legacy warp-per-row split at small hidden).
+template <int VB, typename F>
+cudaError_t with_row_split(int hidden, F&& f) {
+  static_assert(VB == 1 || VB == 2, "one or two vectors per thread");
+  if (hidden <= 256 * VB) return f(Split<32, VB, 32>{});
+  if (hidden <= 512 * VB) return f(Split<64, VB, 64>{});
+  if (hidden <= 1024 * VB) return f(Split<128, VB, 128>{});
+  if (hidden <= 2048 * VB) return f(Split<256, VB, 256>{});
+  if (hidden <= 4096 * VB) return f(Split<512, VB, 512>{});
+  if (hidden <= 8192 * VB) return f(Split<1024, VB, 1024>{});
+  if (hidden <= kMaxHidden) return f(Split<1024, 2, 1024>{});
   return cudaErrorInvalidValue;
 }
 

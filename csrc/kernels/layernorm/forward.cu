@@ -1,7 +1,8 @@
 // Forward: h = residual + dropout(x), y = norm(h)·w + b, with fp32 statistics kept for the backward.
 // One pass over HBM: the row stays in registers between the reductions and the normalisation.
 // This file holds the legacy variant (a block per ROWS rows, statistics inline: moving them into
-// row_stats made ptxas spill at 64 registers) and the dispatcher; forward_pipe.cu the others.
+// row_stats made ptxas spill at 64 registers), its one-row-per-block splits (variants 4, 5, 7) and the
+// dispatcher; forward_pipe.cu the others.
 #include "rows.cuh"
 
 namespace tk_layernorm {
@@ -111,19 +112,25 @@ cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 8 || args.hidden > kMaxHidden || args.rows < 0) return cudaErrorInvalidValue;
   if (args.rows == 0) return cudaSuccess;
   if (args.variant < 0 || args.variant >= kForwardVariants) return cudaErrorInvalidValue;
-  if (args.variant != 0) {
+  if (args.variant != 0 && args.variant != 4 && args.variant != 5 && args.variant != 7) {
     const cudaError_t err = pipe::forward(args, dtype, stream);
     if (err != cudaErrorNotSupported) return err;
   }
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    return with_split<false>(args.hidden, [&](auto s) {
+    const auto launch = [&](auto s) {
       using S = decltype(s);
       const int64_t blocks = (args.rows + S::ROWS - 1) / S::ROWS;
       if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
       forward_kernel<T, S><<<unsigned(blocks), S::BLOCK, 0, stream>>>(args);
       return cudaGetLastError();
-    });
+    };
+    // 4, 5: the same kernel, one row per block (1 or 2 vectors per thread). 7: the legacy split, one row per
+    // block (a warp per block up to hidden 1024: a block's slot frees as soon as its row is done).
+    if (args.variant == 4) return with_row_split<1>(args.hidden, launch);
+    if (args.variant == 5) return with_row_split<2>(args.hidden, launch);
+    if (args.variant == 7) return with_split<false, 32>(args.hidden, launch);
+    return with_split<false>(args.hidden, launch);
   });
 }
 

@@ -1,6 +1,6 @@
-// Forward, persistent "pipe" variants: each block loops over groups of ROWS rows, and the x / residual
-// vectors of the next STAGES-1 groups are already on their way into shared memory (cp.async) while this
-// group is reduced and written. Same math as the legacy kernel (rows.cuh).
+// Forward, persistent "pipe" variants (1, 2, 3, 6): each block loops over groups of ROWS rows, and the x /
+// residual vectors of the next STAGES-1 groups are already on their way into shared memory (cp.async) while
+// this group is reduced and written. Same math as the legacy kernel (rows.cuh).
 #include "pipeline.cuh"
 #include "rows.cuh"
 
@@ -106,12 +106,126 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinForwardBlocks<T, S>)) forward_p
   }
 }
 
+// Variant 6, "lean": the same pipeline, but the row never lives in registers. h is written back over x's
+// slot and re-read for the variance and for y, and w / b are re-read per row (L1 hits), so the kernel fits
+// 64 registers (1024 resident threads; 512 for fp32) at every split: at hidden 1024 the kernel above took
+// 127 registers, 16 warps per SM against the legacy kernel's 32, and ran at 88% of copy against 92%.
+// Two stages (32 KB per 128-thread block at hidden 1024 with a residual): 28 warps per SM; a third stage
+// would let shared memory cap it at 16 again.
+template <typename T, class S>
+constexpr int kMinLeanBlocks = S::BLOCK < (sizeof(T) == 4 ? 512 : 1024) ? (sizeof(T) == 4 ? 512 : 1024) / S::BLOCK : 1;
+
 template <typename T, class S, int STAGES>
+__global__ void __launch_bounds__(S::BLOCK, (kMinLeanBlocks<T, S>)) forward_lean_kernel(ForwardArgs a) {
+  extern __shared__ uint4 staging_smem[];
+  __shared__ float smem[S::BLOCK / 32];
+  const int lane = threadIdx.x % S::TPR;
+  const int nvec = a.hidden / 8;
+  const T* x = static_cast<const T*>(a.x);
+  const T* res = static_cast<const T*>(a.residual);
+  const T* w = static_cast<const T*>(a.weight);
+  const T* b = static_cast<const T*>(a.bias);
+  const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
+  const Staging<T, S, STAGES, false> st{staging_smem, res ? 2 : 1};
+  const float inv_n = 1.f / float(a.hidden);
+
+  // 32-bit row indices (the host guarantees rows + (STAGES + 1) * step < 2^31): fewer registers.
+  const int rows = int(a.rows);
+  const int groups = (rows + S::ROWS - 1) / S::ROWS;
+  const int iters = (groups - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);  // the same for the whole block
+  const int step = int(gridDim.x) * S::ROWS;
+  int row = int(blockIdx.x) * S::ROWS + int(threadIdx.x) / S::TPR;
+  int ahead = row;
+  const auto issue = [&](int stage) {
+    if (ahead < rows) {
+      const int64_t base = int64_t(ahead) * a.hidden;
+#pragma unroll
+      for (int v = 0; v < S::VECS; ++v) {
+        const int vi = v * S::TPR + lane;
+        if (vi < nvec) {
+          st.copy(stage, 0, v, x + base + vi * 8);
+          if (res) st.copy(stage, 1, v, res + base + vi * 8);
+        }
+      }
+    }
+    cp_async_commit();
+    ahead += step;
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  int stage = 0;
+#pragma unroll 1
+  for (int it = 0; it < iters; ++it, row += step) {
+    issue(stage == 0 ? STAGES - 1 : stage - 1);
+    cp_async_wait<STAGES - 1>();
+    const bool live = row < rows;
+    const int64_t base = int64_t(row) * a.hidden;
+    // Pass 1: h (stored, and kept over x's slot: only this thread reads its slots), its sum.
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < S::VECS; ++v) {
+      const int vi = v * S::TPR + lane;
+      if (live && vi < nvec) {
+        const Pack8<T> hp = make_h(st.read(stage, 0, v), res ? st.read(stage, 1, v) : Pack8<T>{}, res != nullptr, drop,
+                                   a.dropout.enabled, uint64_t(base) + uint64_t(vi) * 8);
+        if (res || a.dropout.enabled) {
+          store_pack(static_cast<T*>(a.h) + base + vi * 8, hp);
+          st.write(stage, 0, v, hp);
+        }
+        float h[8];
+        unpack(h, hp);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum += h[i];
+      }
+    }
+    // Pass 2: the centred sum of squares (the plain one for RMSNorm), from shared memory.
+    const float mean = a.rms ? 0.f : row_sum<S>(sum, smem) * inv_n;
+    float sq = 0.f;
+#pragma unroll
+    for (int v = 0; v < S::VECS; ++v) {
+      const int vi = v * S::TPR + lane;
+      if (live && vi < nvec) {
+        float h[8];
+        unpack(h, st.read(stage, 0, v));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sq += (h[i] - mean) * (h[i] - mean);
+      }
+    }
+    const float rstd = rsqrtf(row_sum<S>(sq, smem) * inv_n + a.eps);
+    // Pass 3: y.
+    if (live) {
+      if (lane == 0) {
+        a.rstd[row] = rstd;
+        if (a.mean) a.mean[row] = mean;
+      }
+      T* y = static_cast<T*>(a.y) + base;
+#pragma unroll
+      for (int v = 0; v < S::VECS; ++v) {
+        const int vi = v * S::TPR + lane;
+        if (vi >= nvec) continue;
+        Pack8<T> wp, bp;
+        if (w) wp = load_pack(w + vi * 8);
+        if (b) bp = load_pack(b + vi * 8);
+        float out[8];
+        norm_vec(out, st.read(stage, 0, v), mean, rstd, wp, w != nullptr, bp, b != nullptr);
+        store8(y + vi * 8, out);
+      }
+    }
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+  }
+}
+
+template <typename T, class S, int STAGES, bool LEAN = false>
 cudaError_t launch(const ForwardArgs& args, cudaStream_t stream) {
   const size_t smem = Staging<T, S, STAGES, false>::bytes(args.residual ? 2 : 1);
-  const int blocks = persistent_grid<STAGES>(forward_pipe_kernel<T, S, STAGES>, S::BLOCK, smem, args.rows, S::ROWS);
+  const auto kernel = [] {
+    if constexpr (LEAN) return forward_lean_kernel<T, S, STAGES>;
+    else return forward_pipe_kernel<T, S, STAGES>;
+  }();
+  const int blocks = persistent_grid<STAGES>(kernel, S::BLOCK, smem, args.rows, S::ROWS);
   if (blocks == 0) return cudaErrorNotSupported;
-  forward_pipe_kernel<T, S, STAGES><<<blocks, S::BLOCK, smem, stream>>>(args);
+  kernel<<<blocks, S::BLOCK, smem, stream>>>(args);
   return cudaGetLastError();
 }
 
@@ -128,6 +242,7 @@ cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream) {
         case 1: return launch<T, S, 2>(args, stream);
         case 2: return launch<T, S, 3>(args, stream);
         case 3: return launch<T, S, 4>(args, stream);
+        case 6: return launch<T, S, 2, true>(args, stream);
         default: return cudaErrorInvalidValue;
       }
     });

@@ -13,11 +13,19 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 // Kernel variants (the binding reads TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT; see kDefault*Variant):
 //   0  "legacy": each thread holds its rows' loads in registers (the first version).
 //   forward 1..3: persistent grid, rows staged 2 / 3 / 4 deep in shared memory with cp.async.
+//   forward 4, 5: the legacy kernel with one row per block, 1 / 2 vectors per thread (few rows in flight,
+//     many short blocks: the shape of torch.compile's kernel, which beat legacy at hidden 1024).
+//   forward 6: persistent, 2 stages, the row kept in shared memory only and w / b re-read: <= 64 registers.
+//   forward 7: legacy, its own split, one row per block (32-thread blocks up to hidden 1024).
 //   backward 1..3: persistent grid, rows staged 3 deep in shared memory with cp.async; 1 vector per thread
 //     with registers for 1024 resident threads per SM (1) or 768 (2); 2 vectors per thread, 512 threads (3).
+//   backward 4, 5: 4 vectors per thread (a warp per row up to hidden 1024: no block barrier per row),
+//     128-thread blocks, 384 threads per SM, 3 (4) or 2 (5) stages; variant 3 past hidden 8192.
+//   backward 6: variant 3 with row-group (named) barriers instead of block barriers (hidden 513..2048,
+//     where a block holds several multi-warp rows; variant 3 elsewhere).
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
-constexpr int kForwardVariants = 4, kBackwardVariants = 4;
+constexpr int kForwardVariants = 8, kBackwardVariants = 7;
 // From the 2026-11-29 H200 sweep (RESULTS.md): the legacy forward beat the pipe forwards at every size; the
 // 2-vector pipe backward (3) reached 82-92% of copy against 47-65% for the legacy one.
 constexpr int kDefaultForwardVariant = 0, kDefaultBackwardVariant = 3;

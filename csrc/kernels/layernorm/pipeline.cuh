@@ -28,6 +28,10 @@ __device__ __forceinline__ uint4 ld_shared16(uint32_t smem) {
   return q;
 }
 
+__device__ __forceinline__ void st_shared16(uint32_t smem, uint4 q) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem), "r"(q.x), "r"(q.y), "r"(q.z), "r"(q.w) : "memory");
+}
+
 __device__ __forceinline__ float ld_shared4(uint32_t smem) {
   float f;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(f) : "r"(smem) : "memory");
@@ -84,6 +88,12 @@ struct Staging {
       p.w[4 * c] = q.x, p.w[4 * c + 1] = q.y, p.w[4 * c + 2] = q.z, p.w[4 * c + 3] = q.w;
     }
     return p;
+  }
+  __device__ __forceinline__ void write(int stage, int op, int v, const Pack8<T>& p) const {
+    const uint32_t dst = slot(stage, op, v);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+      st_shared16(dst + 16u * (c * S::BLOCK), make_uint4(p.w[4 * c], p.w[4 * c + 1], p.w[4 * c + 2], p.w[4 * c + 3]));
   }
   __device__ __forceinline__ float read_stat(int stage, int k) const { return ld_shared4(stat(stage, k)); }
   __device__ __forceinline__ void copy_stat(int stage, int k, const float* src) const { cp_async4(stat(stage, k), src); }

@@ -79,13 +79,36 @@ __device__ __forceinline__ float2 row_stats(const Pack8<T> (&hp)[S::VECS], float
   return make_float2(mean, rsqrtf(row_sum<S>(sq, smem) * inv_n + eps));
 }
 
-// Two row sums for the price of one set of block syncs.
-template <class S>
+// Barrier of the TPR threads of this thread's row only (named barrier 1 + row group; 0 is __syncthreads):
+// the other rows of the block go on. Each row group uses its own slice of the row-sum scratch, so
+// nothing else is shared between groups. The ids are immediates: a register id made ptxas reserve all
+// 16 barriers of the block.
+template <class S, int G = 0>
+__device__ __forceinline__ void row_barrier(int group) {
+  static_assert(S::ROWS < 16, "one named barrier per row group");
+  if constexpr (G + 1 < S::ROWS) {
+    if (group != G) return row_barrier<S, G + 1>(group);
+  }
+  asm volatile("bar.sync %0, %1;\n" ::"n"(1 + G), "n"(S::TPR) : "memory");
+}
+
+// Two row sums for the price of one set of block syncs (NAMED: row-group barriers instead).
+template <class S, bool NAMED = false>
 __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem /* [S::BLOCK / 32] */) {
   a = warp_sum(a);
   b = warp_sum(b);
   if constexpr (S::WARPS_PER_ROW == 1) {
     return make_float2(a, b);
+  } else if constexpr (NAMED && S::ROWS > 1) {
+    const int group = int(threadIdx.x) / S::TPR;
+    row_barrier<S>(group);
+    if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = make_float2(a, b);
+    row_barrier<S>(group);
+    const float2* mine = smem + (threadIdx.x / S::TPR) * S::WARPS_PER_ROW;
+    float2 s = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < S::WARPS_PER_ROW; ++i) s = make_float2(s.x + mine[i].x, s.y + mine[i].y);
+    return s;
   } else {
     __syncthreads();
     if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = make_float2(a, b);

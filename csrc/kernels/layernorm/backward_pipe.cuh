@@ -1,0 +1,185 @@
+// Backward, persistent "pipe" kernel (instantiated by backward_pipe.cu and backward_pipe_wide.cu): same math
+// and dw/db partials as the legacy kernel (backward.cu), but dy, h, dh and the row's mean/rstd of the next
+// STAGES-1 row groups are already on their way into shared memory (cp.async) while this group is reduced
+// and written. The legacy kernel had one row's loads in flight per thread and waited on two block
+// barriers per row with nothing outstanding.
+#pragma once
+#include <type_traits>
+
+#include "pipeline.cuh"
+#include "rows.cuh"
+
+namespace tk_layernorm {
+namespace {
+
+constexpr int kDy = 0, kH = 1, kDh = 2;  // staged operands
+
+// THREADS: resident threads per SM the register budget is set for (1024: <= 64 registers, where ptxas
+// spills a few words; 768: <= 80; 512: <= 128).
+template <int THREADS, class S>
+constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
+
+// NAMED: the row sums wait on their row group's barrier only, not the block's (variant 6).
+template <typename T, class S, int STAGES, int THREADS, bool NAMED = false>
+__global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
+  extern __shared__ uint4 staging_smem[];
+  __shared__ float2 red[S::BLOCK / 32];
+  const int lane = threadIdx.x % S::TPR;
+  const int nvec = a.hidden / 8;
+  const float inv_n = 1.f / float(a.hidden);
+  const T* dy_g = static_cast<const T*>(a.dy);
+  const T* h_g = static_cast<const T*>(a.h);
+  const T* dh_g = static_cast<const T*>(a.dh);
+  const bool has_w = a.weight != nullptr;
+  const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
+  const Staging<T, S, STAGES, true> st{staging_smem, dh_g ? 3 : 2};
+
+  // w is the same for every row this thread sees: copied once into the thread's fixed slot (it lands
+  // with the first commit group).
+#pragma unroll
+  for (int v = 0; v < S::VECS; ++v) {
+    const int vi = v * S::TPR + lane;
+    if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
+  }
+  float acc_w[S::VECS][8], acc_b[S::VECS][8];
+#pragma unroll
+  for (int v = 0; v < S::VECS; ++v)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc_w[v][i] = acc_b[v][i] = 0.f;
+
+  // 32-bit row indices (the host guarantees rows + (STAGES + 1) * step < 2^31): fewer registers.
+  const int rows = int(a.rows);
+  const int groups = (rows + S::ROWS - 1) / S::ROWS;
+  const int iters = (groups - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);  // the same for the whole block
+  const int step = int(gridDim.x) * S::ROWS;
+  int row = int(blockIdx.x) * S::ROWS + int(threadIdx.x) / S::TPR;  // this iteration's row
+  int ahead = row;                                                   // the row the next issue loads
+  // One commit group per iteration, empty past the end, so wait_group counts stay uniform.
+  const auto issue = [&](int stage) {
+    if (ahead < rows) {
+      const int64_t base = int64_t(ahead) * a.hidden;
+#pragma unroll
+      for (int v = 0; v < S::VECS; ++v) {
+        const int vi = v * S::TPR + lane;
+        if (vi < nvec) {
+          st.copy(stage, kDy, v, dy_g + base + vi * 8);
+          st.copy(stage, kH, v, h_g + base + vi * 8);
+          if (dh_g) st.copy(stage, kDh, v, dh_g + base + vi * 8);
+        }
+      }
+      if (a.mean) st.copy_stat(stage, 0, a.mean + ahead);
+      st.copy_stat(stage, 1, a.rstd + ahead);
+    }
+    cp_async_commit();
+    ahead += step;
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  int stage = 0;
+#pragma unroll 1
+  for (int it = 0; it < iters; ++it, row += step) {
+    // Refill the stage read in the previous iteration (only this thread reads its slots: no barrier).
+    issue(stage == 0 ? STAGES - 1 : stage - 1);
+    cp_async_wait<STAGES - 1>();  // this iteration's group has landed
+    const bool live = row < rows;
+    const int64_t base = int64_t(row) * a.hidden;
+    const float mean = live && a.mean ? st.read_stat(stage, 0) : 0.f;
+    const float rstd = live ? st.read_stat(stage, 1) : 0.f;
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int v = 0; v < S::VECS; ++v) {
+      const int vi = v * S::TPR + lane;
+      if (live && vi < nvec) {
+        float dy[8], xh[8], wv[8];
+        unpack(dy, st.read(stage, kDy, v));
+        unpack(xh, st.read(stage, kH, v));
+        if (has_w) unpack(wv, st.read_fixed(v));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float g = has_w ? dy[i] * wv[i] : dy[i];
+          sg += g;
+          sgx += g * ((xh[i] - mean) * rstd);
+        }
+      }
+    }
+    const float2 sums = row_sum2<S, NAMED>(sg, sgx, red);
+    const float mean_g = a.rms ? 0.f : sums.x * inv_n;
+    const float mean_gx = sums.y * inv_n;
+    if (live) {
+      // The row is read from shared memory again rather than kept in registers: registers hold dw/db.
+#pragma unroll
+      for (int v = 0; v < S::VECS; ++v) {
+        const int vi = v * S::TPR + lane;
+        if (vi >= nvec) continue;
+        float dy[8], xh[8], wv[8], dres[8];
+        unpack(dy, st.read(stage, kDy, v));
+        unpack(xh, st.read(stage, kH, v));
+        if (has_w) unpack(wv, st.read_fixed(v));
+        if (dh_g) unpack(dres, st.read(stage, kDh, v));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          xh[i] = (xh[i] - mean) * rstd;
+          const float g = has_w ? dy[i] * wv[i] : dy[i];
+          const float dn = rstd * (g - mean_g - xh[i] * mean_gx);
+          dres[i] = dh_g ? dres[i] + dn : dn;
+          acc_w[v][i] += dy[i] * xh[i];
+          acc_b[v][i] += dy[i];
+        }
+        store8(static_cast<T*>(a.dres) + base + vi * 8, dres);
+        if (a.dropout.enabled) {
+          // dx sees dres rounded to T, as autograd through eager dropout would.
+          const uint32_t keep = drop.keep8(uint64_t(base) + uint64_t(vi) * 8);
+          float dx[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dx[i] = (keep >> i & 1u) ? __fmul_rn(round_to<T>(dres[i]), drop.scale) : 0.f;
+          store8(static_cast<T*>(a.dx) + base + vi * 8, dx);
+        }
+      }
+    }
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+  }
+
+  // The staging area sums the row groups' partials now: every copy must have landed (only empty groups
+  // can be pending) and every thread be done reading its slots.
+  cp_async_wait<0>();
+  __syncthreads();
+  float* acc_smem = reinterpret_cast<float*>(staging_smem);  // >= S::MAX_HIDDEN floats (Staging::bytes)
+  const int64_t stride = int64_t(gridDim.x) * a.hidden;
+  if (a.dw) write_partial<S>(acc_w, a.partial + int64_t(blockIdx.x) * a.hidden, a.hidden, acc_smem);
+  if (a.db) write_partial<S>(acc_b, a.partial + stride + int64_t(blockIdx.x) * a.hidden, a.hidden, acc_smem);
+}
+
+template <typename T, class S, int STAGES>
+size_t staging_bytes(const BackwardArgs& args) {
+  constexpr size_t floor = S::ROWS > 1 ? size_t(S::MAX_HIDDEN) * sizeof(float) : 0;  // write_partial's sums
+  const size_t bytes = Staging<T, S, STAGES, true>::bytes(args.dh ? 3 : 2);
+  return bytes > floor ? bytes : floor;
+}
+
+// f(kernel, smem bytes, block, rows per block, stages) for one instantiation.
+template <typename T, class S, int STAGES, int THREADS, bool NAMED, typename F>
+cudaError_t pick(const BackwardArgs& args, F&& f) {
+  return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED>, staging_bytes<T, S, STAGES>(args), S::BLOCK, S::ROWS,
+           std::integral_constant<int, STAGES>{});
+}
+
+}  // namespace
+
+// Variants 4..6 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
+// hidden sizes where they differ from variant 3 (see effective_variant).
+namespace pipe_wide {
+int backward_blocks(const BackwardArgs& args, DType dtype);
+cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream);
+}  // namespace pipe_wide
+
+// 4, 5: past hidden 8192 a 512-thread block of 4 vectors would have 128 registers and spill. 6: up to 512
+// a row is one warp (no barrier), past 2048 a block holds one row (row-group barriers are block barriers).
+// Variant 3 runs there.
+inline int effective_variant(const BackwardArgs& args) {
+  if ((args.variant == 4 || args.variant == 5) && args.hidden > 8192) return 3;
+  if (args.variant == 6 && (args.hidden <= 512 || args.hidden > 2048)) return 3;
+  return args.variant;
+}
+
+}  // namespace tk_layernorm

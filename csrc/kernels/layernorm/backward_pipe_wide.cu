@@ -1,0 +1,48 @@
+// Backward, persistent "pipe" variants 4..6 (the kernel is in backward_pipe.cuh; backward_pipe.cu
+// dispatches here after mapping the hidden sizes where they equal variant 3 to it).
+#include "backward_pipe.cuh"
+
+namespace tk_layernorm {
+namespace {
+
+template <typename F>
+cudaError_t with_wide_variant(const BackwardArgs& args, DType dtype, F&& f) {
+  return with_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    switch (args.variant) {
+      // 4 vectors per thread (a warp per row up to hidden 1024: no block barrier per row), 128-thread
+      // blocks, <= 170 registers (3 blocks, 384 threads per SM); 3 or 2 stages.
+      case 4: return with_pipe_split<true, 4, 128>(args.hidden, [&](auto s) { return pick<T, decltype(s), 3, 384, false>(args, f); });
+      case 5: return with_pipe_split<true, 4, 128>(args.hidden, [&](auto s) { return pick<T, decltype(s), 2, 384, false>(args, f); });
+      // Variant 3's splits at hidden 513..2048 (several rows of 2 or 4 warps per block), row-group barriers.
+      case 6:
+        if (args.hidden <= 512 || args.hidden > 2048) return cudaErrorInvalidValue;  // effective_variant: 3
+        if (args.hidden <= 1024) return pick<T, Split<64, 2>, 3, 512, true>(args, f);
+        return pick<T, Split<128, 2>, 3, 512, true>(args, f);
+      default: return cudaErrorInvalidValue;
+    }
+  });
+}
+
+}  // namespace
+
+namespace pipe_wide {
+
+int backward_blocks(const BackwardArgs& args, DType dtype) {
+  int blocks = 0;
+  with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int rows_per_block, auto stages) {
+    blocks = persistent_grid<decltype(stages)::value>(kernel, block, smem, args.rows, rows_per_block);
+    return cudaSuccess;
+  });
+  return blocks;
+}
+
+cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream) {
+  return with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int, auto) {
+    kernel<<<blocks, block, smem, stream>>>(args);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace pipe_wide
+}  // namespace tk_layernorm
