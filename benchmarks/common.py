@@ -27,6 +27,17 @@ class Row:
     note: str = ""  # e.g. "not installed", "failed: ..."
 
 
+def no_gpu() -> str | None:
+    """Why the GPU benchmarks cannot run here (no CUDA device, or not a Hopper one), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (an H100/H200: the kernels are built for sm_90a)"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"needs an sm_90 GPU, found {torch.cuda.get_device_name()}"
+    return None
+
+
 def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 

@@ -33,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .common import median_ms
+from .common import median_ms, no_gpu
 
 VARIANTS = (0, 1, 2, 3, 4, 5)
 VARIANT_NAMES = {  # must match FwdVariants in csrc/kernels/attention/forward.cu
@@ -378,6 +378,9 @@ def main(argv=None) -> int:
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-backward", action="store_true", help="skip the backward variants")
     args = ap.parse_args(argv)
+    if (why := no_gpu()) is not None:
+        print(f"python -m benchmarks.sweep_attn: {why}")
+        return 2
     if args.child is not None:
         return child(args.child, args.child_out)
     if args.child_bwd is not None:

@@ -35,6 +35,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .common import no_gpu
+
 ROWS = 65536
 HIDDEN = (1024, 2048, 4096, 8192)
 COMPILE_ORDER = (1024, 4096, 8192, 2048)
@@ -380,6 +382,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop timing new sizes after this many seconds")
     args = ap.parse_args(argv)
+    if (why := no_gpu()) is not None:
+        print(f"python -m benchmarks.sweep_ln: {why}")
+        return 2
     fwd_vs = [int(v) for v in args.variants_fwd.split(",") if v != ""]
     bwd_vs = [int(v) for v in args.variants_bwd.split(",") if v != ""]
 

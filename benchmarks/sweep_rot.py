@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .common import check_close, copy_ceiling_gbs, median_ms, progress
+from .common import check_close, copy_ceiling_gbs, median_ms, no_gpu, progress
 from .rotary import apply_rotary_pos_emb
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.sweep_rot", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer correctness shapes, no BNHD timing")
     args = p.parse_args(argv)
+    if (why := no_gpu()) is not None:
+        print(f"python -m benchmarks.sweep_rot: {why}")
+        return 2
     start = time.time()
     from tk_inductor import build
 
