@@ -29,7 +29,7 @@ reference fallback there is for direct calls and reference mode.
         graph breaks or a per-layer `torch.compile`. At run time `mask_kind` checks the values once per mask
         tensor (one device-to-host copy, cached per tensor and version); a causal or all-visible mask runs the
         kernel, any other mask runs SDPA with the mask, exactly as the original graph did (then `lse` is not computed
-        (zeros) and the backward uses the textbook formulas in fp32, one batch entry at a time). While a CUDA graph is being captured the check
+        (zeros) and the backward uses the reference formulas in fp32, one batch entry at a time). While a CUDA graph is being captured the check
         cannot run, so the SDPA path is taken.
 """
 from __future__ import annotations
@@ -88,8 +88,9 @@ def _validate_backward(grad_o, q, k, v, o, lse, scale) -> None:
 
 # ---------------------------------------------------------------------------- reference
 
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    """fp32 (fp64 for fp64 inputs) masked, scaled scores (B, Hq, N, M); GQA by indexing, as the kernel reads it."""
+def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 (fp64 for fp64 inputs) masked, scaled scores (B, Hq, N, M); GQA by indexing, as the kernel reads it.
+    `mask` (tk::attention_masked's SDPA path): bool (True = attend) or added to the scores, as SDPA's attn_mask."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
     kf = k.to(acc).repeat_interleave(group, dim=1) if group > 1 else k.to(acc)
@@ -98,6 +99,8 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
         N, M = q.shape[2], k.shape[2]
         allowed = torch.ones(N, M, dtype=torch.bool, device=q.device).tril()  # top-left: key j <= query i
         s = s.masked_fill(~allowed, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
     return s
 
 
@@ -117,13 +120,19 @@ def attention_reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tens
     return o, lse.to(torch.float32).contiguous()
 
 
-def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float):
-    """(dq, dk, dv), contiguous, from the forward's o and lse; dk/dv summed over each GQA group."""
-    s = _scores(q, k, causal, scale)
+def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float, mask=None):
+    """(dq, dk, dv), contiguous, from the forward's o and lse; dk/dv summed over each GQA group.
+    With a `mask` (see `_scores`), lse=None recomputes it and rows with every key hidden get 0, as SDPA's safe
+    softmax gives."""
+    s = _scores(q, k, causal, scale, mask)
     acc = s.dtype
     B, Hkv, M, D = k.shape
     group = q.shape[1] // Hkv
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+    if mask is not None:
+        p = p.nan_to_num(0.0)
     do = grad_o.to(acc)
     kf = k.to(acc).repeat_interleave(group, dim=1) if group > 1 else k.to(acc)
     vf = v.to(acc).repeat_interleave(group, dim=1) if group > 1 else v.to(acc)
@@ -321,31 +330,12 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     kind = _masked_path(q, k, v, mask)
     if kind is not None:
         return attention_backward(grad_o, q, k, v, o, lse, kind == "causal", scale)
-    return _masked_sdpa_backward(grad_o, q, k, v, mask, scale)
-
-
-def _masked_sdpa_backward(grad_o, q, k, v, mask, scale):
-    """SDPA's gradients for any mask by the textbook formulas in fp32, one batch entry at a time to bound the
-    memory (this path runs only for masks that are neither causal nor all-visible)."""
-    B, Hq, N, D = q.shape
-    Hkv, M = k.shape[1], k.shape[2]
-    group = Hq // Hkv
-    full = mask.expand(B, Hq, N, M)
-    dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
-    for b in range(B):
-        qb, do = q[b].float(), grad_o[b].float()
-        kb, vb = (t[b].float().repeat_interleave(group, dim=0) for t in (k, v))
-        bias = full[b]
-        bias = torch.where(bias, 0.0, float("-inf")) if bias.dtype == torch.bool else bias.float()
-        # rows with every key hidden give 0, as SDPA's safe softmax does
-        p = torch.softmax(torch.matmul(qb, kb.transpose(-1, -2)) * scale + bias, dim=-1).nan_to_num(0.0)
-        dp = torch.matmul(do, vb.transpose(-1, -2))
-        delta = (do * torch.matmul(p, vb)).sum(-1, keepdim=True)
-        ds = p * (dp - delta) * scale
-        dq[b] = torch.matmul(ds, kb)
-        dk[b] = torch.matmul(ds.transpose(-1, -2), qb).view(Hkv, group, M, D).sum(1)
-        dv[b] = torch.matmul(p.transpose(-1, -2), do).view(Hkv, group, M, D).sum(1)
-    return dq, dk, dv
+    # SDPA's gradients for any mask from the reference formulas, one batch entry at a time to bound the memory
+    # (this path runs only for masks that are neither causal nor all-visible; its lse was not computed)
+    full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    per_batch = [attention_backward_reference(grad_o[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], o[b:b + 1], None,
+                                              False, scale, full[b:b + 1]) for b in range(q.shape[0])]
+    return tuple(torch.cat(g) for g in zip(*per_batch))
 
 
 @attention_masked_backward.register_fake
