@@ -318,37 +318,21 @@ def child(var: int, out_path: str) -> int:
     return 0
 
 
-def best(rows: list[dict]) -> dict[str, str]:
-    """Per (D, causal): the variant with the highest geomean ours/cuDNN over N (what DEFAULT / DEFAULT_CAUSAL
-    in FwdVariants should be)."""
+def best(rows: list[dict], variants=VARIANTS, prefix: str = "v") -> dict[str, str]:
+    """Per (D, causal): the variant with the highest geomean cuDNN/ours time ratio over N, from the rows'
+    `{prefix}{variant}_ms` timings (what FwdVariants<D>::DEFAULT / DEFAULT_CAUSAL, or with prefix "b" and the
+    backward variants BwdVariants<D>::DEFAULT, should be)."""
     out = {}
     for D, causal in itertools.product((128, 64), (False, True)):
         sel = [r for r in rows if r["D"] == D and r["causal"] == causal and r.get("cudnn_ms")]
         scores = {}
-        for var in VARIANTS:
-            r_ = [r["cudnn_ms"] / r[f"v{var}_ms"] for r in sel if r.get(f"v{var}_ms")]
+        for var in variants:
+            r_ = [r["cudnn_ms"] / r[f"{prefix}{var}_ms"] for r in sel if r.get(f"{prefix}{var}_ms")]
             if sel and len(r_) == len(sel):
                 scores[var] = math.exp(sum(map(math.log, r_)) / len(r_))
         if scores:
             v = max(scores, key=scores.get)
-            out[f"D{D} {'causal' if causal else 'full'}"] = f"v{v} ({scores[v]:.3f}x cuDNN)"
-    return out
-
-
-def best_bwd(rows: list[dict]) -> dict[str, str]:
-    """Per (D, causal): the backward variant with the highest geomean cuDNN/ours over N (what BWD_DEFAULT in
-    backward.cu should be; it is one default for both head dims, per D is shown to decide whether to split it)."""
-    out = {}
-    for D, causal in itertools.product((128, 64), (False, True)):
-        sel = [r for r in rows if r["D"] == D and r["causal"] == causal and r.get("cudnn_ms")]
-        scores = {}
-        for bv in BWD_VARIANTS:
-            r_ = [r["cudnn_ms"] / r[f"b{bv}_ms"] for r in sel if r.get(f"b{bv}_ms")]
-            if sel and len(r_) == len(sel):
-                scores[bv] = math.exp(sum(map(math.log, r_)) / len(r_))
-        if scores:
-            bv = max(scores, key=scores.get)
-            out[f"D{D} {'causal' if causal else 'full'}"] = f"b{bv} ({scores[bv]:.3f}x cuDNN)"
+            out[f"D{D} {'causal' if causal else 'full'}"] = f"{prefix}{v} ({scores[v]:.3f}x cuDNN)"
     return out
 
 
@@ -459,7 +443,7 @@ def main(argv=None) -> int:
             print("| " + " | ".join(cells) + " |")
         print("bwd variants: " + "; ".join(f"D{D}: " + ", ".join(f"b{v} {n}" for v, n in names.items())
                                            for D, names in BWD_VARIANT_NAMES.items()))
-        bwd["best"] = best_bwd(bwd["timing"])
+        bwd["best"] = best(bwd["timing"], BWD_VARIANTS, "b")
         print("best bwd variant: " + ", ".join(f"{k}: {v}" for k, v in bwd["best"].items()))
     print(f"correctness overall: {'PASS' if all_ok else 'FAIL'}")
     print(f"total {time.time() - t0:.0f} s (build/load {t_build:.0f} s)")
