@@ -252,42 +252,49 @@ def timing_ours(fwd_vs, bwd_vs, deadline: float) -> list[dict]:
     return rows_out
 
 
+def _check_and_time(entry: dict, side: str, v: int, fn, check, nbytes: float, hidden: int) -> None:
+    """entry[side]["v<v>"]: GB/s of fn once check(fn()) passed, or the error; the launched kernels at the
+    extreme sizes (a pipe variant that does not fit runs legacy)."""
+    try:
+        check(fn())
+        t = _ms(fn)
+        entry[side][f"v{v}"] = {"ms": t, "gbs": nbytes / t / 1e6}
+        if hidden in (HIDDEN[0], HIDDEN[-1]):
+            entry["kernels"][f"{side} v{v}"] = kernel_names(fn)
+    except Exception as exc:
+        entry[side][f"v{v}"] = {"error": str(exc)[:200]}
+
+
 def _time_ours_at(hidden, fwd_vs, bwd_vs, ln_ops) -> dict:
     x, r, w, b, dy, dh = _inputs(hidden)
     fwd_bytes, bwd_bytes = _bytes(hidden)
     entry = {"hidden": hidden, "fwd": {}, "bwd": {}, "kernels": {}}
     y_ref, h_ref = _eager(x.float(), r.float(), w.float(), b.float())
+
+    def check_fwd(out):
+        err = max(rel_err(out[0], y_ref), rel_err(out[1], h_ref))
+        if err > 1e-2:
+            raise AssertionError(f"rel err {err:.2e}")
+
     with torch.no_grad():
         for v in fwd_vs:
             with variants(fwd=v):
-                fn = lambda: torch.ops.tk_cuda.layernorm(x, r, w, b, None, EPS, 0.0, False)
-                try:
-                    y, h = fn()[:2]
-                    err = max(rel_err(y, y_ref), rel_err(h, h_ref))
-                    if err > 1e-2:
-                        raise AssertionError(f"rel err {err:.2e}")
-                    t = _ms(fn)
-                    entry["fwd"][f"v{v}"] = {"ms": t, "gbs": fwd_bytes / t / 1e6}
-                    if hidden in (HIDDEN[0], HIDDEN[-1]):  # a pipe variant that does not fit runs legacy
-                        entry["kernels"][f"fwd v{v}"] = kernel_names(fn)
-                except Exception as exc:
-                    entry["fwd"][f"v{v}"] = {"error": str(exc)[:200]}
+                _check_and_time(entry, "fwd", v, lambda: torch.ops.tk_cuda.layernorm(x, r, w, b, None, EPS, 0.0, False),
+                                check_fwd, fwd_bytes, hidden)
         _, h, mean, rstd, rng = torch.ops.tk_cuda.layernorm(x, r, w, b, None, EPS, 0.0, False)
         ref = ln_ops.reference_backward(dy, dh, h, w, mean, rstd, rng, 0.0, False, True)
+
+        def check_bwd(out):
+            for name, a, e in zip(("dres", "dx", "dw", "db"), out, ref):
+                if e.numel() and rel_err(a, e) > 4e-2:
+                    raise AssertionError(f"{name} rel err {rel_err(a, e):.2e}")
+
         for v in bwd_vs:
             with variants(bwd=v):
-                fn = lambda: torch.ops.tk_cuda.layernorm_backward(dy, dh, h, w, mean, rstd, rng, 0.0, False, True)
-                try:
-                    out = fn()
-                    for name, a, e in zip(("dres", "dx", "dw", "db"), out, ref):
-                        if e.numel() and rel_err(a, e) > 4e-2:
-                            raise AssertionError(f"{name} rel err {rel_err(a, e):.2e}")
-                    t = _ms(fn)
-                    entry["bwd"][f"v{v}"] = {"ms": t, "gbs": bwd_bytes / t / 1e6}
-                    if hidden in (HIDDEN[0], HIDDEN[-1]):  # a pipe variant that does not fit runs legacy
-                        entry["kernels"][f"bwd v{v}"] = kernel_names(fn)
-                except Exception as exc:
-                    entry["bwd"][f"v{v}"] = {"error": str(exc)[:200]}
+                _check_and_time(entry, "bwd", v,
+                                lambda: torch.ops.tk_cuda.layernorm_backward(dy, dh, h, w, mean, rstd, rng, 0.0, False,
+                                                                             True),
+                                check_bwd, bwd_bytes, hidden)
     return entry
 
 
