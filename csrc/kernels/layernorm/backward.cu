@@ -65,24 +65,8 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
       unpack(xh, h_raw[v]);
       if (w) load8(wv, w + vi * 8);
       if (a.dh) load8(dres, static_cast<const T*>(a.dh) + base + vi * 8);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        xh[i] = (xh[i] - mean) * rstd;
-        const float g = w ? dy[i] * wv[i] : dy[i];
-        const float dn = rstd * (g - mean_g - xh[i] * mean_gx);
-        dres[i] = a.dh ? dres[i] + dn : dn;
-        acc_w[v][i] += dy[i] * xh[i];
-        acc_b[v][i] += dy[i];
-      }
-      store8(static_cast<T*>(a.dres) + base + vi * 8, dres);
-      if (a.dropout.enabled) {
-        // dx sees dres rounded to T, as autograd through eager dropout would.
-        const uint32_t keep = drop.keep8(uint64_t(base) + uint64_t(vi) * 8);
-        float dx[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dx[i] = (keep >> i & 1u) ? __fmul_rn(round_to<T>(dres[i]), drop.scale) : 0.f;
-        store8(static_cast<T*>(a.dx) + base + vi * 8, dx);
-      }
+      backward_vec<T>(a, drop, base, vi, dy, xh, wv, w != nullptr, dres, a.dh != nullptr, mean, rstd, mean_g, mean_gx,
+                      acc_w[v], acc_b[v]);
     }
   }
   const int64_t stride = int64_t(gridDim.x) * a.hidden;

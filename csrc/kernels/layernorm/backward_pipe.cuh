@@ -117,24 +117,8 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         unpack(xh, st.read(stage, kH, v));
         if (has_w) unpack(wv, st.read_fixed(v));
         if (dh_g) unpack(dres, st.read(stage, kDh, v));
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          xh[i] = (xh[i] - mean) * rstd;
-          const float g = has_w ? dy[i] * wv[i] : dy[i];
-          const float dn = rstd * (g - mean_g - xh[i] * mean_gx);
-          dres[i] = dh_g ? dres[i] + dn : dn;
-          acc_w[v][i] += dy[i] * xh[i];
-          acc_b[v][i] += dy[i];
-        }
-        store8(static_cast<T*>(a.dres) + base + vi * 8, dres);
-        if (a.dropout.enabled) {
-          // dx sees dres rounded to T, as autograd through eager dropout would.
-          const uint32_t keep = drop.keep8(uint64_t(base) + uint64_t(vi) * 8);
-          float dx[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) dx[i] = (keep >> i & 1u) ? __fmul_rn(round_to<T>(dres[i]), drop.scale) : 0.f;
-          store8(static_cast<T*>(a.dx) + base + vi * 8, dx);
-        }
+        backward_vec<T>(a, drop, base, vi, dy, xh, wv, has_w, dres, dh_g != nullptr, mean, rstd, mean_g, mean_gx,
+                        acc_w[v], acc_b[v]);
       }
     }
     stage = stage + 1 == STAGES ? 0 : stage + 1;
