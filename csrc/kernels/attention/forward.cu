@@ -51,6 +51,41 @@ struct Fwd {
   static constexpr int O_REGS = D / 2;
 };
 
+// Shared memory of a forward block: Q, the K and V rings (64-column panels, 128-byte swizzle) and the mbarriers.
+// SPLIT_EMPTY: K and V stages are released separately (the ping-pong kernels); else one empty barrier per stage
+// serves both (v_empty == k_empty).
+template <class K_, bool SPLIT_EMPTY>
+struct FwdSmem {
+  uint8_t *sQ, *sK, *sV;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice
+  uint64_t *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
+  __device__ __forceinline__ explicit FwdSmem(uint8_t* raw) {
+    sQ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    sK = sQ + K_::Q_BYTES;
+    sV = sK + K_::STAGES * K_::KV_BYTES;
+    q_full = reinterpret_cast<uint64_t*>(sV + K_::STAGES * K_::KV_BYTES);
+    q_empty = q_full + 1;
+    k_full = q_full + 2;
+    v_full = k_full + K_::STAGES;
+    k_empty = v_full + K_::STAGES;
+    v_empty = SPLIT_EMPTY ? k_empty + K_::STAGES : k_empty;
+  }
+  // Thread 0 initialises the barriers; then the block syncs.
+  __device__ __forceinline__ void init() const {
+    if (threadIdx.x == 0) {
+      bar_init(q_full, 1);
+      bar_init(q_empty, K_::NC * 4);  // one arrival per consumer warp
+      for (int s = 0; s < K_::STAGES; ++s) {
+        bar_init(&k_full[s], 1);
+        bar_init(&v_full[s], 1);
+        bar_init(&k_empty[s], K_::NC * 4);
+        if (SPLIT_EMPTY) bar_init(&v_empty[s], K_::NC * 4);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
+};
+
 struct FwdParams {
   int B, Hq, Hkv, N, M, group;
   int nq, tasks, section;  // query blocks per head, total tasks, heads per L2 section
@@ -83,32 +118,15 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
                          const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
   using K_ = Fwd<T, Cfg>;
   constexpr int D = K_::D;
-  constexpr int NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
+  constexpr int BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sQ = smem;                                        // [PANELS][BM][64]
-  uint8_t* sK = sQ + K_::Q_BYTES;                            // [STAGES][PANELS][BN][64]
-  uint8_t* sV = sK + STAGES * K_::KV_BYTES;                  // [STAGES][PANELS][BN][64]
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + STAGES * K_::KV_BYTES);
-  uint64_t* q_full = bars;
-  uint64_t* q_empty = bars + 1;
-  uint64_t* k_full = bars + 2;
-  uint64_t* v_full = k_full + STAGES;
-  uint64_t* kv_empty = v_full + STAGES;
-
+  const FwdSmem<K_, false> sm(smem_raw);
+  uint8_t *sQ = sm.sQ, *sK = sm.sK, *sV = sm.sV;
+  uint64_t *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
+  uint64_t* kv_empty = sm.k_empty;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
-  if (threadIdx.x == 0) {
-    bar_init(q_full, 1);
-    bar_init(q_empty, NC * 4);  // one arrival per consumer warp
-    for (int s = 0; s < STAGES; ++s) {
-      bar_init(&k_full[s], 1);
-      bar_init(&v_full[s], 1);
-      bar_init(&kv_empty[s], NC * 4);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
     reg_dealloc<Cfg::REG_PROD>();
@@ -422,34 +440,15 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   using S = PP<T, Cfg>;
   constexpr int D = K_::D, NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sQ = smem;                        // [PANELS][BM][64]
-  uint8_t* sK = sQ + K_::Q_BYTES;            // [STAGES][PANELS][BN][64]
-  uint8_t* sV = sK + STAGES * K_::KV_BYTES;  // [STAGES][PANELS][BN][64]
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + STAGES * K_::KV_BYTES);
-  uint64_t* q_full = bars;
-  uint64_t* q_empty = bars + 1;
-  uint64_t* k_full = bars + 2;
-  uint64_t* v_full = k_full + STAGES;
   // K and V stages are released separately: K as soon as its QK^T is done,
   // so the next K can land while V is still read by PV.
-  uint64_t* k_empty = v_full + STAGES;
-  uint64_t* v_empty = k_empty + STAGES;
-
+  const FwdSmem<K_, true> sm(smem_raw);
+  uint8_t *sQ = sm.sQ, *sK = sm.sK, *sV = sm.sV;
+  uint64_t *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
+  uint64_t *k_empty = sm.k_empty, *v_empty = sm.v_empty;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
-  if (threadIdx.x == 0) {
-    bar_init(q_full, 1);
-    bar_init(q_empty, NC * 4);  // one arrival per consumer warp
-    for (int s = 0; s < STAGES; ++s) {
-      bar_init(&k_full[s], 1);
-      bar_init(&v_full[s], 1);
-      bar_init(&k_empty[s], NC * 4);
-      bar_init(&v_empty[s], NC * 4);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
     reg_dealloc<Cfg::REG_PROD>();
