@@ -40,14 +40,46 @@ struct Bwd {
   static constexpr int Q_BYTES = BM * D * 2;   // Q or dO tile
   static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
   static constexpr int DQ_STAGE_BYTES = 64 * 64 * 4;  // per consumer: 64 rows x 64 fp32 columns
+  static constexpr int DS_BUFS = DS2 ? 2 : 1, DQ_BUFS = 1;
   static constexpr int SMEM =
-      2 * KV_BYTES + 2 * STAGES * Q_BYTES + (DS2 ? 2 : 1) * DS_BYTES + NC * DQ_STAGE_BYTES + 1024 + 256;
+      2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
   // dQ: D=128 splits the output columns between the two consumers (64 each,
   // contracting over all 128 keys); D=64 has each consumer add its own keys'
   // partial (fewer registers is not an issue there, and N=64 keeps one panel).
   static constexpr bool DQ_SPLIT_COLS = (D == 128);
   static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
+};
+
+// Shared memory of a backward block (Bwd or BwdWide): the resident K and V, the (Q, dO) ring, the dS^T
+// buffers, the per-consumer dQ staging and the mbarriers; thread 0 initialises the barriers, then the block
+// syncs.
+template <class K_>
+struct BwdSmem {
+  uint8_t *sK, *sV, *sQ, *sdO, *sdS, *sdQ;
+  uint64_t *kv_full, *q_full, *q_empty;
+  __device__ __forceinline__ explicit BwdSmem(uint8_t* raw) {
+    sK = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    sV = sK + K_::KV_BYTES;
+    sQ = sV + K_::KV_BYTES;
+    sdO = sQ + K_::STAGES * K_::Q_BYTES;
+    sdS = sdO + K_::STAGES * K_::Q_BYTES;
+    sdQ = sdS + K_::DS_BUFS * K_::DS_BYTES;
+    kv_full = reinterpret_cast<uint64_t*>(sdQ + K_::NC * K_::DQ_BUFS * K_::DQ_STAGE_BYTES);
+    q_full = kv_full + 1;
+    q_empty = q_full + K_::STAGES;
+  }
+  __device__ __forceinline__ void init() const {
+    if (threadIdx.x == 0) {
+      bar_init(kv_full, 1);
+      for (int s = 0; s < K_::STAGES; ++s) {
+        bar_init(&q_full[s], 1);
+        bar_init(&q_empty[s], K_::NC * 4);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
 };
 
 struct BwdParams {
@@ -69,17 +101,11 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_>::THREADS, 1)
   using K_ = Bwd<T, D, STAGES_, DS2_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sK = smem;                          // [PANELS][BN][64]
-  uint8_t* sV = sK + K_::KV_BYTES;             // [PANELS][BN][64]
-  uint8_t* sQ = sV + K_::KV_BYTES;             // [STAGES][PANELS][BM][64]
-  uint8_t* sdO = sQ + STAGES * K_::Q_BYTES;    // [STAGES][PANELS][BM][64]
-  uint8_t* sdS = sdO + STAGES * K_::Q_BYTES;   // [DS2 ? 2 : 1][BN][BM] (one 64-wide panel)
-  uint8_t* sdQ = sdS + (K_::DS2 ? 2 : 1) * K_::DS_BYTES;  // [NC][64 cols / 32][64 rows][32 fp32], 128-byte swizzle
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sdQ + NC * K_::DQ_STAGE_BYTES);
-  uint64_t* kv_full = bars;
-  uint64_t* q_full = bars + 1;
-  uint64_t* q_empty = q_full + STAGES;
+  // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
+  // dQ staging: [NC][64 cols / 32][64 rows][32 fp32], 128-byte swizzle
+  const BwdSmem<K_> sm(smem_raw);
+  uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS, *sdQ = sm.sdQ;
+  uint64_t *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
   const int kb = blockIdx.x;
   const int b = blockIdx.y / p.Hkv, hk = blockIdx.y % p.Hkv;
@@ -92,15 +118,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_>::THREADS, 1)
 
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
-  if (threadIdx.x == 0) {
-    bar_init(kv_full, 1);
-    for (int s = 0; s < STAGES; ++s) {
-      bar_init(&q_full[s], 1);
-      bar_init(&q_empty[s], NC * 4);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
     reg_dealloc<24>();
@@ -379,8 +397,9 @@ struct BwdWide {
   static constexpr int DS_PANEL = BN * 128;           // [BN keys][64 queries]
   static constexpr int DS_BYTES = (BM / 64) * DS_PANEL;
   static constexpr int DQ_STAGE_BYTES = 64 * D * 4;   // per consumer: its 64 rows, fp32
+  static constexpr int DS_BUFS = 2;
   static constexpr int SMEM =
-      2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES + 1024 + 256;
+      2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
@@ -396,17 +415,11 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_>::THREADS, 1)
   using K_ = BwdWide<T, STAGES_, DQ2_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sK = smem;                          // [BN][64]
-  uint8_t* sV = sK + K_::KV_BYTES;             // [BN][64]
-  uint8_t* sQ = sV + K_::KV_BYTES;             // [STAGES][BM][64]
-  uint8_t* sdO = sQ + STAGES * K_::Q_BYTES;    // [STAGES][BM][64]
-  uint8_t* sdS = sdO + STAGES * K_::Q_BYTES;   // [2 buffers][BM / 64 query panels][BN][64]
-  uint8_t* sdQ = sdS + 2 * K_::DS_BYTES;       // [NC][DQ_BUFS][2 column halves][64 rows][32 fp32], 128-byte swizzle
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sdQ + NC * K_::DQ_BUFS * K_::DQ_STAGE_BYTES);
-  uint64_t* kv_full = bars;
-  uint64_t* q_full = bars + 1;
-  uint64_t* q_empty = q_full + STAGES;
+  // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
+  // dQ staging: [NC][DQ_BUFS][2 column halves][64 rows][32 fp32], 128-byte swizzle
+  const BwdSmem<K_> sm(smem_raw);
+  uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS, *sdQ = sm.sdQ;
+  uint64_t *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
   const int kb = blockIdx.x;
   const int b = blockIdx.y / p.Hkv, hk = blockIdx.y % p.Hkv;
@@ -420,15 +433,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_>::THREADS, 1)
 
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
-  if (threadIdx.x == 0) {
-    bar_init(kv_full, 1);
-    for (int s = 0; s < STAGES; ++s) {
-      bar_init(&q_full[s], 1);
-      bar_init(&q_empty[s], NC * 4);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
     reg_dealloc<24>();
