@@ -755,7 +755,9 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // sweep validated; 2 and 3 differ per head dim: D = 64 runs the wide kernel
 // (128-row q tiles; 3: dQ stage double-buffered), D = 128 the 64-row kernel
 // with dS^T double-buffered (3: and a 3-stage ring). DEFAULT: what -1
-// (unset) runs; the H200 sweep measured no gain from 1.
+// (unset) runs. H200 sweeps (RESULTS.md): 1 gained nothing; at D64 the wide
+// kernel with the double-buffered dQ stage (3) is 1.2-1.3x the 64-row one
+// (0.72-0.88x cuDNN vs 0.59-0.68x); at D128, 2 and 3 gained nothing.
 template <int D>
 struct BwdVariants;
 template <>
@@ -768,7 +770,7 @@ struct BwdVariants<128> {
 };
 template <>
 struct BwdVariants<64> {
-  static constexpr int DEFAULT = 0;
+  static constexpr int DEFAULT = 3;
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Wide, false, 2>;

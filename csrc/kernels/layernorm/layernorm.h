@@ -26,9 +26,10 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
 constexpr int kForwardVariants = 8, kBackwardVariants = 7;
-// From the 2026-11-29 H200 sweep (RESULTS.md): the legacy forward beat the pipe forwards at every size; the
-// 2-vector pipe backward (3) reached 82-92% of copy against 47-65% for the legacy one.
-constexpr int kDefaultForwardVariant = 0, kDefaultBackwardVariant = 3;
+// From the H200 sweeps (RESULTS.md): the legacy kernel with one row per block and 2 vectors per thread (5)
+// reached 94-98% of copy against 92-97% for legacy (0) and 85-90% for the pipe forwards; the 2-vector pipe
+// backward (3) reached 82-92% of copy against 47-65% for the legacy one (4, 5 and 6 within 2% of it).
+constexpr int kDefaultForwardVariant = 5, kDefaultBackwardVariant = 3;
 
 struct DropoutArgs {
   bool enabled = false;
