@@ -30,7 +30,7 @@ struct BwdScratch {
 };
 BwdScratch attention_backward_scratch(const View4& q, int variant);
 
-// dq (B,Hq,N,D), dk/dv (B,Hkv,M,D) contiguous. dq_accum must be zeroed.
+// dq (B,Hq,N,D), dk/dv (B,Hkv,M,D) contiguous. dq_accum needs no init (the pre-kernel zeroes it).
 // variant: 0 .. attention_backward_variants() - 1 (see README.md), -1 = default.
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,

@@ -630,46 +630,66 @@ __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return _
 template <>
 __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
 
-// One warp per (bh, row): delta = rowsum(dO * O), lse2 = lse * log2e; rows in
-// [N, Npad) get delta 0 and lse2 +inf so the main kernel needs no bounds.
+// Per padded (bh, row): delta = rowsum(dO * O), lse2 = lse * log2e, and the
+// row of dq_accum zeroed (one pass instead of a separate fill). D / 8 lanes
+// per row with 16-byte loads (o and dO rows are 16-byte aligned: tma_ready in
+// the binding). Rows in [N, Npad) get delta 0 and lse2 +inf so the main
+// kernel needs no bounds.
 template <typename T, int D>
-__global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, float* lse2, float* delta, int Npad) {
-  const int lane = threadIdx.x % 32;
-  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+__global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, float* lse2, float* delta,
+                                         float* dq_accum, int Npad) {
+  constexpr int LPR = D / 8;  // lanes per row: a power of two dividing 32
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t w = t / LPR;
+  const int l = static_cast<int>(t % LPR);
   const int64_t BH = o.B * o.H;
-  if (w >= BH * Npad) return;
-  const int64_t bh = w / Npad;
-  const int row = static_cast<int>(w % Npad);
-  if (row >= o.S) {
-    if (lane == 0) {
-      lse2[w] = INFINITY;
-      delta[w] = 0.f;
-    }
-    return;
-  }
-  const int64_t b = bh / o.H, h = bh % o.H;
-  const T* orow = static_cast<const T*>(o.ptr) + b * o.sb + h * o.sh + row * o.ss;
-  const T* drow = static_cast<const T*>(dout.ptr) + b * dout.sb + h * dout.sh + row * dout.ss;
+  const bool live = w < BH * Npad;  // no early return: the row's lanes shuffle below
   float acc = 0.f;
+  int row = 0;
+  if (live) {
+    float4* dqrow = reinterpret_cast<float4*>(dq_accum + w * D);
 #pragma unroll
-  for (int d = lane * 2; d < D; d += 64) acc += to_f(orow[d]) * to_f(drow[d]) + to_f(orow[d + 1]) * to_f(drow[d + 1]);
+    for (int i = l; i < D / 4; i += LPR) dqrow[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int64_t bh = w / Npad;
+    row = static_cast<int>(w % Npad);
+    if (row < o.S) {
+      const int64_t b = bh / o.H, h = bh % o.H;
+      const uint4 ov = *reinterpret_cast<const uint4*>(static_cast<const T*>(o.ptr) + b * o.sb + h * o.sh +
+                                                       row * o.ss + 8 * l);
+      const uint4 dv = *reinterpret_cast<const uint4*>(static_cast<const T*>(dout.ptr) + b * dout.sb +
+                                                       h * dout.sh + row * dout.ss + 8 * l);
+      const T* oe = reinterpret_cast<const T*>(&ov);
+      const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) {
-    delta[w] = acc;
-    lse2[w] = lse[bh * o.S + row] * 1.4426950408889634f;
+      for (int e = 0; e < 8; ++e) acc += to_f(oe[e]) * to_f(de[e]);
+    }
+  }
+#pragma unroll
+  for (int off = LPR / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (live && l == 0) {
+    const int64_t bh = w / Npad;
+    delta[w] = row < o.S ? acc : 0.f;
+    lse2[w] = row < o.S ? lse[bh * o.S + row] * 1.4426950408889634f : INFINITY;
   }
 }
 
+// dq = dq_accum * scale, cast; 8 elements per thread (D is a multiple of 8, so
+// a group never crosses a row).
 template <typename T, int D>
 __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t BH, int N, int Npad, float scale) {
-  const int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 2;  // two elements per thread
+  const int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   const int64_t total = BH * N * D;
   if (idx >= total) return;
   const int64_t bh = idx / (static_cast<int64_t>(N) * D);
   const int64_t rem = idx - bh * N * D;
-  const float2 v = *reinterpret_cast<const float2*>(dq_accum + bh * Npad * D + rem);
-  *reinterpret_cast<uint32_t*>(dq + idx) = pack2<T>(v.x * scale, v.y * scale);
+  const float4* src = reinterpret_cast<const float4*>(dq_accum + bh * Npad * D + rem);
+  const float4 a = src[0], c = src[1];
+  uint4 out;
+  out.x = pack2<T>(a.x * scale, a.y * scale);
+  out.y = pack2<T>(a.z * scale, a.w * scale);
+  out.z = pack2<T>(c.x * scale, c.y * scale);
+  out.w = pack2<T>(c.z * scale, c.w * scale);
+  *reinterpret_cast<uint4*>(dq + idx) = out;
 }
 
 // Kernel configuration of one variant: Kind::Tile64 = attention_bwd_kernel
@@ -698,10 +718,10 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   const int Npad = static_cast<int>(bwd_npad(q.S, BM));
   const int64_t BH = q.B * q.H;
   {
-    const int64_t warps = BH * Npad;
+    const int64_t lanes = BH * Npad * (D / 8);
     const int threads = 256;
-    const int64_t blocks = (warps * 32 + threads - 1) / threads;
-    attention_bwd_pre_kernel<T, D><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(dout, o, lse, lse2, delta, Npad);
+    attention_bwd_pre_kernel<T, D><<<static_cast<unsigned>((lanes + threads - 1) / threads), threads, 0, stream>>>(
+        dout, o, lse, lse2, delta, dq_accum, Npad);
   }
   CUtensorMap qm, km, vm, dom;
   if (const char* e = make_map(&qm, dt, q, BM)) return e;
@@ -743,9 +763,9 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   kern<<<grid, threads, smem, stream>>>(qm, km, vm, dom, dqm, p);
   if (cudaGetLastError() != cudaSuccess) return "attention backward launch failed";
   {
-    const int64_t pairs = BH * q.S * D / 2;
+    const int64_t groups = BH * q.S * D / 8;
     const int threads = 256;
-    attention_bwd_post_kernel<T, D><<<static_cast<unsigned>((pairs + threads - 1) / threads), threads, 0, stream>>>(
+    attention_bwd_post_kernel<T, D><<<static_cast<unsigned>((groups + threads - 1) / threads), threads, 0, stream>>>(
         dq_accum, static_cast<T*>(dq), BH, static_cast<int>(q.S), Npad, scale);
   }
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention backward post-process launch failed";

@@ -117,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
   const at::Tensor dout = tma_ready(grad_o.stride(3) == 1 ? grad_o : grad_o.contiguous());
-  const at::Tensor o = o_in.stride(3) == 1 ? o_in : o_in.contiguous();
+  const at::Tensor o = tma_ready(o_in.stride(3) == 1 ? o_in : o_in.contiguous());  // 16-byte rows: the pre-kernel
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
@@ -125,7 +125,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   const View4 qv = view(q);
   const int variant = variant_from_env("TK_ATTN_BWD_VARIANT", tk_attn::attention_backward_variants());
   const tk_attn::BwdScratch sz = tk_attn::attention_backward_scratch(qv, variant);
-  at::Tensor dq_accum = at::zeros({static_cast<int64_t>(sz.dq_accum_bytes / 4)}, q.options().dtype(at::kFloat));
+  // zeroed by the backward's pre-kernel
+  at::Tensor dq_accum = at::empty({static_cast<int64_t>(sz.dq_accum_bytes / 4)}, q.options().dtype(at::kFloat));
   at::Tensor lse2 = at::empty({static_cast<int64_t>(sz.lse2_bytes / 4)}, q.options().dtype(at::kFloat));
   at::Tensor delta = at::empty({static_cast<int64_t>(sz.delta_bytes / 4)}, q.options().dtype(at::kFloat));
   const char* err = tk_attn::attention_backward(
