@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--e2e", action="store_true", help="also whole models (eager / torch.compile / thunderkittens)")
     p.add_argument("--models", default=None, help="comma-separated e2e models (default: all)")
     p.add_argument("--modes", default=None, help="comma-separated e2e modes: eager,torch.compile,thunderkittens (default: all)")
+    p.add_argument("--e2e-timeout", type=float, default=1200.0,
+                   help="seconds per (model, mode), each in its own process, compilation included (default 1200)")
     p.add_argument("--build", action="store_true", help="also cold build, cached load and compile times")
     p.add_argument("--out", default=os.environ.get("TK_BENCH_OUT", "benchmarks/results"))
     args = p.parse_args(argv)
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
         from . import e2e
 
         rows += e2e.run(quick=args.quick, models=args.models.split(",") if args.models else None,
-                        modes=args.modes.split(",") if args.modes else None)
+                        modes=args.modes.split(",") if args.modes else None, timeout_s=args.e2e_timeout)
     if args.build:
         from . import buildtime
 

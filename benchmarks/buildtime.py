@@ -9,9 +9,12 @@ import time
 
 from .common import Row, progress
 
+# Prints "family=seconds ..." and then the total (after `import torch`), so a slow load names its library.
 _LOAD_ALL = (
-    "import time, torch; t = time.perf_counter(); from tk_inductor import build; "
-    "[build.load(f) for f in build.families()]; print(time.perf_counter() - t)"
+    "import time, torch; t = time.perf_counter(); from tk_inductor import build; parts = []\n"
+    "for f in build.families():\n"
+    "    s = time.perf_counter(); build.load(f); parts.append(f'{f}={time.perf_counter() - s:.3f}')\n"
+    "print(' '.join(parts)); print(time.perf_counter() - t)"
 )
 
 
@@ -25,11 +28,11 @@ def compile_seconds(backend: str | None, quick: bool) -> float:
     """Wall time of the first forward+backward of the Llama-style model (compilation dominates)."""
     import torch
 
-    from .e2e import _llama
+    from .e2e import MODELS
 
     torch._dynamo.reset()
-    model, (batch, seq) = _llama("sdpa", quick)
-    model = model.to("cuda", torch.bfloat16)
+    factory, (batch, seq) = MODELS["llama-sdpa"]
+    model = factory(quick).to("cuda", torch.bfloat16)
     compiled = torch.compile(model) if backend is None else torch.compile(model, backend=backend)
     ids = torch.randint(0, 32000, (batch, seq), device="cuda")
     start = time.perf_counter()
@@ -63,9 +66,11 @@ def run(quick: bool = False) -> list[Row]:
         if ok:
             progress("cached load")
             _, proc = _timed([sys.executable, "-c", _LOAD_ALL], env)
-            load = float(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+            out = proc.stdout.strip().splitlines()
+            load = float(out[-1]) if proc.returncode == 0 else None
             rows.append(Row("build", "cached load, all families", "ours", None if load is None else load * 1e3,
-                            load, "s", note="" if load is not None else proc.stderr[-300:]))
+                            load, "s", note=f"seconds per library: {out[-2]}" if load is not None else proc.stderr[-300:]))
+            progress(f"  {load} s; {out[-2] if load is not None else proc.stderr[-300:]}")
     for backend, impl in ((None, "torch.compile"), ("thunderkittens", "thunderkittens")):
         progress(f"compile time [{impl}]")
         s, note = _compile_in_fresh_process(backend, quick)

@@ -3,11 +3,24 @@
 Forward (inference, no grad) and a full training step (forward, backward,
 AdamW step), tokens/s and peak memory, plus torch.compile wall time. Models
 are built from configs with random weights (nothing is downloaded).
+
+Each (model, mode) runs in its own process under a time limit: no mode
+profits from another's warm Inductor caches, and a compiler that hangs or
+crashes (Inductor on the scan-heavy models) is reported for that mode alone.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -25,7 +38,7 @@ def _llama(attn: str, quick: bool):
         num_hidden_layers=4 if quick else 16, vocab_size=32000, max_position_embeddings=8192,
         attn_implementation=attn,
     )
-    return LlamaForCausalLM(cfg), (2, 4096)
+    return LlamaForCausalLM(cfg)
 
 
 def _gpt2(quick: bool):
@@ -33,13 +46,13 @@ def _gpt2(quick: bool):
 
     cfg = GPT2Config(n_embd=1024, n_layer=4 if quick else 24, n_head=16, n_positions=4096,
                      attn_implementation="sdpa")
-    return GPT2LMHeadModel(cfg), (4, 2048)
+    return GPT2LMHeadModel(cfg)
 
 
 def _based(quick: bool):
     from .models.based import BasedConfig, BasedLM
 
-    return BasedLM(BasedConfig(layers=3 if quick else 12)), (4, 4096)
+    return BasedLM(BasedConfig(layers=3 if quick else 12))
 
 
 def _mamba2(quick: bool):
@@ -47,18 +60,24 @@ def _mamba2(quick: bool):
 
     cfg = Mamba2Config(hidden_size=1024, num_hidden_layers=4 if quick else 48, state_size=128, head_dim=64,
                        num_heads=32, n_groups=1, expand=2, vocab_size=50288, chunk_size=256)
-    # HF's torch path materialises (chunks x chunks) decay matrices per layer: at 4 x 4096 tokens the eager training
-    # step needs more than the H200's 139 GiB, and the forward alone took 9.6 s; one sequence of 4096 fits.
-    return Mamba2ForCausalLM(cfg), (1, 4096)
+    return Mamba2ForCausalLM(cfg)
 
 
-MODELS: dict[str, Callable[[bool], tuple]] = {
-    "llama-sdpa": lambda q: _llama("sdpa", q),
-    "llama-eager": lambda q: _llama("eager", q),
-    "gpt2-medium": _gpt2,
-    "based": _based,
-    "mamba2": _mamba2,
+# name -> (model factory taking `quick`, (batch, sequence length)). Mamba2: HF's torch path materialises
+# (chunks x chunks) decay matrices per layer; at 4 x 4096 tokens the eager training step needed more than the
+# H200's 139 GiB and the forward alone took 9.6 s, so it runs one sequence of 4096.
+MODELS: dict[str, tuple[Callable[[bool], torch.nn.Module], tuple[int, int]]] = {
+    "llama-sdpa": (lambda q: _llama("sdpa", q), (2, 4096)),
+    "llama-eager": (lambda q: _llama("eager", q), (2, 4096)),
+    "gpt2-medium": (_gpt2, (4, 2048)),
+    "based": (_based, (4, 4096)),
+    "mamba2": (_mamba2, (1, 4096)),
 }
+
+
+def case_name(name: str, phase: str) -> str:
+    batch, seq = MODELS[name][1]
+    return f"{name} {batch}x{seq} {phase}"
 
 
 def _logits(out):
@@ -73,20 +92,30 @@ def _compile(model, mode: str):
     return torch.compile(model, backend="thunderkittens")
 
 
-def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple[str, ...] = MODES) -> list[Row]:
+TIMED_S = 20.0  # timed budget per phase: slow models (Mamba2's torch path) get fewer calls, never fewer than 3
+
+
+def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple[str, ...] = MODES,
+                on_row: Callable[[Row], None] | None = None) -> list[Row]:
     import tk_inductor
 
     rows = []
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     for mode in modes:
         torch.manual_seed(0)
-        model, (batch, seq) = MODELS[name](quick)
-        model = model.to("cuda", torch.bfloat16)
+        factory, (batch, seq) = MODELS[name]
+        model = factory(quick).to("cuda", torch.bfloat16)
         ids = torch.randint(0, 32000, (batch, seq), device="cuda")
         tokens = batch * seq
         tk_inductor.reset()
         compiled = _compile(model, mode)
         for phase in ("forward", "train") if train else ("forward",):
-            case = f"{name} {batch}x{seq} {phase}"
+            case = case_name(name, phase)
             progress(f"e2e {case} [{mode}]")
             if phase == "forward":
                 model.eval()
@@ -109,16 +138,20 @@ def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple
                 step()
                 torch.cuda.synchronize()
                 first = time.perf_counter() - start  # includes compilation
-                ms = median_ms_events(step, iters=3 if quick else 10, warmup=1)
+                start = time.perf_counter()
+                step()  # second call: a compile-free estimate of the step time
+                torch.cuda.synchronize()
+                iters = 3 if quick else max(3, min(10, int(TIMED_S / (time.perf_counter() - start))))
+                ms = median_ms_events(step, iters=iters, warmup=0)
                 peak = torch.cuda.max_memory_allocated() / 2**30
                 note = f"first call {first:.1f} s, peak {peak:.1f} GiB"
                 if mode == "thunderkittens":
                     r = tk_inductor.report()
                     note += f", replaced {r.replaced}"
-                rows.append(Row("e2e", case, mode, ms, tokens / ms * 1e3, "tokens/s", note=note))
+                add(Row("e2e", case, mode, ms, tokens / ms * 1e3, "tokens/s", note=note))
                 progress(f"  {ms:.2f} ms, {tokens / ms * 1e3:.0f} tokens/s, {note}")
             except Exception as exc:  # a baseline that fails (Inductor on Mamba2) is reported, not hidden
-                rows.append(Row("e2e", case, mode, None, note=f"failed: {type(exc).__name__}: {str(exc)[:160]}"))
+                add(Row("e2e", case, mode, None, note=f"failed: {type(exc).__name__}: {str(exc)[:160]}"))
                 progress(f"  failed: {type(exc).__name__}: {str(exc)[:300]}")
         del model, compiled
         gc.collect()
@@ -127,11 +160,62 @@ def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple
     return rows
 
 
-def run(quick: bool = False, models: list[str] | None = None, modes: list[str] | None = None) -> list[Row]:
+def _child_cmd(name: str, mode: str, sink: Path, quick: bool) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.e2e", "--child", name, mode, str(sink)] + (["--quick"] if quick else [])
+
+
+def _bench_in_child(name: str, mode: str, quick: bool, timeout_s: float) -> list[Row]:
+    """bench_model(name, modes=(mode,)) in a fresh process; rows arrive as JSON lines, so the phases that finished
+    before a time-out or a crash are kept, and the missing ones are reported with the reason."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sink = Path(tmp) / "rows.jsonl"
+        proc = subprocess.Popen(_child_cmd(name, mode, sink, quick), start_new_session=True)  # own process group: compile workers go with it
+        try:
+            code = proc.wait(timeout=timeout_s)
+            status = f"exited with status {code}" if code else "finished without a result"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = f"did not finish within {timeout_s:.0f} s (compilation included)"
+        lines = sink.read_text().splitlines() if sink.exists() else []
+    rows = [Row(**json.loads(line)) for line in lines if line.strip()]
+    done = {r.case for r in rows}
+    for phase in ("forward", "train"):
+        if case_name(name, phase) not in done:
+            rows.append(Row("e2e", case_name(name, phase), mode, None, note=status))
+            progress(f"  {name} {phase} [{mode}]: {status}")
+    return rows
+
+
+def run(quick: bool = False, models: list[str] | None = None, modes: list[str] | None = None,
+        timeout_s: float = 1200.0) -> list[Row]:
     unknown = set(modes or ()) - set(MODES)
     if unknown:
         raise ValueError(f"unknown e2e modes {sorted(unknown)}; choose from {MODES}")
+    unknown = set(models or ()) - set(MODELS)
+    if unknown:
+        raise ValueError(f"unknown e2e models {sorted(unknown)}; choose from {tuple(MODELS)}")
     rows = []
     for name in models or list(MODELS):
-        rows += bench_model(name, quick=quick, modes=tuple(modes or MODES))
+        for mode in modes or MODES:
+            rows += _bench_in_child(name, mode, quick, timeout_s)
     return rows
+
+
+def _child_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e")
+    p.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "SINK"), required=True)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    name, mode, sink = args.child
+
+    def write(row: Row) -> None:
+        with open(sink, "a") as f:
+            f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+
+    bench_model(name, quick=args.quick, modes=(mode,), on_row=write)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child_main(sys.argv[1:]))

@@ -51,3 +51,40 @@ def test_e2e_speedups_and_plot(tmp_path):
                                   "based 4x4096 train": {}}
     pytest.importorskip("matplotlib")
     assert [p.name for p in plot(ROWS + E2E, tmp_path)] == ["attention.png", "e2e.png"]
+
+
+def _fake_child(script):
+    """A stand-in for the e2e child process: runs `script` with the sink path as argv[1]."""
+    import sys
+
+    return lambda name, mode, sink, quick: [sys.executable, "-c", script, str(sink)]
+
+
+def test_e2e_child_timeout_keeps_finished_phases(monkeypatch):
+    from benchmarks import e2e
+
+    row = {"op": "e2e", "case": e2e.case_name("based", "forward"), "impl": "torch.compile", "ms": 10.0}
+    script = ("import json, sys, time; open(sys.argv[1], 'a').write(json.dumps(%r) + '\\n'); time.sleep(60)" % row)
+    monkeypatch.setattr(e2e, "_child_cmd", _fake_child(script))
+    rows = e2e._bench_in_child("based", "torch.compile", quick=False, timeout_s=3)
+    assert [(r.case, r.ms) for r in rows] == [("based 4x4096 forward", 10.0), ("based 4x4096 train", None)]
+    assert rows[1].note == "did not finish within 3 s (compilation included)"
+
+
+def test_e2e_child_crash_is_reported_for_each_phase(monkeypatch):
+    from benchmarks import e2e
+
+    monkeypatch.setattr(e2e, "_child_cmd", _fake_child("raise SystemExit(3)"))
+    rows = e2e._bench_in_child("mamba2", "eager", quick=True, timeout_s=30)
+    assert [(r.case, r.impl, r.ms, r.note) for r in rows] == [
+        ("mamba2 1x4096 forward", "eager", None, "exited with status 3"),
+        ("mamba2 1x4096 train", "eager", None, "exited with status 3")]
+
+
+def test_e2e_rejects_unknown_models_and_modes():
+    from benchmarks import e2e
+
+    with pytest.raises(ValueError, match="unknown e2e models"):
+        e2e.run(models=["llama-sdpa", "gpt5"])
+    with pytest.raises(ValueError, match="unknown e2e modes"):
+        e2e.run(modes=["jit"])

@@ -142,6 +142,12 @@ def load(family: str, verbose: bool = False) -> Path:
         if family not in families() and family not in _extra:
             raise BuildError(f"no kernel sources for family {family!r} under {KERNELS}")
         import torch
+
+        lib = _library_path(family)
+        if lib.exists():  # cached: no toolkit lookup, no cpp_extension import (a cached load needs no nvcc)
+            torch.ops.load_library(str(lib))
+            _loaded[family] = lib
+            return lib
         from torch.utils import cpp_extension
 
         home = cuda_home()
@@ -151,27 +157,23 @@ def load(family: str, verbose: bool = False) -> Path:
         cpp_extension.CUDA_HOME = home  # torch reads it once at import; the wrapper may have fooled it
         out = build_dir(family)
         out.mkdir(parents=True, exist_ok=True)
-        lib = _library_path(family)
-        if not lib.exists():
-            print(f"tk_inductor: building {family} kernels (first use; cached in {out}) ...", file=sys.stderr, flush=True)
-            start = time.time()
-            try:
-                cpp_extension.load(
-                    name=f"tk_{family}",
-                    sources=[str(s) for s in sources(family)],
-                    extra_include_paths=[str(INCLUDE), str(_folder(family))],
-                    extra_cflags=CXX_FLAGS,
-                    extra_cuda_cflags=NVCC_FLAGS,
-                    build_directory=str(out),
-                    is_python_module=False,
-                    verbose=verbose,
-                )
-            except Exception as exc:  # compiler errors arrive as RuntimeError/CalledProcessError
-                _failed[family] = str(exc)
-                raise BuildError(f"building {family} kernels failed: {exc}") from exc
-            print(f"tk_inductor: built {family} in {time.time() - start:.1f} s", file=sys.stderr, flush=True)
-        else:
-            torch.ops.load_library(str(lib))
+        print(f"tk_inductor: building {family} kernels (first use; cached in {out}) ...", file=sys.stderr, flush=True)
+        start = time.time()
+        try:
+            cpp_extension.load(
+                name=f"tk_{family}",
+                sources=[str(s) for s in sources(family)],
+                extra_include_paths=[str(INCLUDE), str(_folder(family))],
+                extra_cflags=CXX_FLAGS,
+                extra_cuda_cflags=NVCC_FLAGS,
+                build_directory=str(out),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        except Exception as exc:  # compiler errors arrive as RuntimeError/CalledProcessError
+            _failed[family] = str(exc)
+            raise BuildError(f"building {family} kernels failed: {exc}") from exc
+        print(f"tk_inductor: built {family} in {time.time() - start:.1f} s", file=sys.stderr, flush=True)
         _loaded[family] = lib
         return lib
 
