@@ -363,6 +363,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child-bwd", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-backward", action="store_true", help="skip the backward variants")
+    ap.add_argument("--no-forward", action="store_true", help="skip the forward variants")
     args = ap.parse_args(argv)
     if (why := no_gpu()) is not None:
         print(f"python -m benchmarks.sweep_attn: {why}")
@@ -378,10 +379,10 @@ def main(argv=None) -> int:
     build.load("attention")  # children load the cached build
     t_build = time.time() - t0
     print(f"build/load: {t_build:.1f} s", flush=True)
-    rows = timing_cudnn()
+    rows = [] if args.no_forward else timing_cudnn()
     torch.cuda.empty_cache()
     results, all_ok, per_variant = [], True, {}
-    for var in VARIANTS:
+    for var in () if args.no_forward else VARIANTS:
         t1 = time.time()
         data, status = run_child(["--child", str(var)], CHILD_TIMEOUT_S)
         if data is None:
@@ -401,12 +402,14 @@ def main(argv=None) -> int:
             if t.get("note"):
                 row[f"v{var}_note"] = t["note"]
         print(f"  v{var}: {per_variant[var]} ({len(data['results'])} checks, {time.time() - t1:.0f} s)", flush=True)
-    print(f"forward correctness: {'PASS' if all_ok else 'FAIL'}")
-    print(table(rows))
-    gm = geomeans(rows)
-    print("geomean ours/cuDNN: " + ", ".join(f"{k} {v:.3f}" for k, v in gm.items()))
-    bests = best(rows)
-    print("best variant: " + ", ".join(f"{k}: {v}" for k, v in bests.items()))
+    gm, bests = {}, {}
+    if not args.no_forward:
+        print(f"forward correctness: {'PASS' if all_ok else 'FAIL'}")
+        print(table(rows))
+        gm = geomeans(rows)
+        print("geomean ours/cuDNN: " + ", ".join(f"{k} {v:.3f}" for k, v in gm.items()))
+        bests = best(rows)
+        print("best variant: " + ", ".join(f"{k}: {v}" for k, v in bests.items()))
     bwd = None
     if not args.no_backward:
         bwd = {"results": [], "ok": True, "timing": timing_cudnn_bwd(), "per_variant": {}}
