@@ -27,12 +27,10 @@ constexpr int BWD_STAGES = 2;
 // DS2: dS^T double-buffered (D = 128): the write of step it goes to buffer
 // it % 2, last read by step it - 2's dQ, which both consumers finished before
 // step it - 1's barrier; so the barrier before the write is not needed.
-// RED: dQ goes from the accumulator registers straight to dq_accum by fp32
-// vector reductions in L2 (dq_reduce_red), with no shared-memory stage.
-template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool RED_ = false>
+template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_, RED = RED_;
+  static constexpr bool DS2 = DS2_;
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
@@ -42,7 +40,7 @@ struct Bwd {
   static constexpr int Q_BYTES = BM * D * 2;   // Q or dO tile
   static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
   static constexpr int DQ_STAGE_BYTES = 64 * 64 * 4;  // per consumer: 64 rows x 64 fp32 columns
-  static constexpr int DS_BUFS = DS2 ? 2 : 1, DQ_BUFS = RED ? 0 : 1;
+  static constexpr int DS_BUFS = DS2 ? 2 : 1, DQ_BUFS = 1;
   static constexpr int SMEM =
       2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
@@ -95,32 +93,12 @@ struct BwdParams {
   void* dv;
 };
 
-// dQ straight from a 64-row wgmma accumulator of COLS columns into dq_accum:
-// red.global.add.v2.f32 per (row, column pair), done in L2 like the TMA
-// reduce-add, but without the shared-memory stage (16 KB written and read
-// back per consumer and step, at D = 128 the kernel's largest shared-memory
-// cost after the wgmma operands), its bulk waits and its named barriers.
-// dst: the accumulator's (row 0, column 0) in dq_accum, rows LD floats apart.
-template <int LD, int COLS>
-__device__ __forceinline__ void dq_reduce_red(float* dst, const float (&dq)[COLS / 2], int row_in, int col_in) {
-#pragma unroll
-  for (int ch = 0; ch < COLS / 8; ++ch) {
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      float* a = dst + (row_in + 8 * h2) * LD + 8 * ch + col_in;
-      asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(a), "f"(dq[4 * ch + 2 * h2]),
-                   "f"(dq[4 * ch + 2 * h2 + 1])
-                   : "memory");
-    }
-  }
-}
-
-template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool RED_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, RED_>::THREADS, 1)
+template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, RED_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -332,12 +310,6 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, RED_>::THREADS, 1)
     if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
     if constexpr (PIPE && decltype(next)::value) issue_s(it + 1, st);
 
-    if constexpr (K_::RED) {
-      dq_reduce_red<D, K_::DQ_COLS>(
-          p.dq_accum + (static_cast<int64_t>(bh) * p.Npad + i0) * D + (K_::DQ_SPLIT_COLS ? 64 * c : 0), dq, row_in,
-          col_in);
-      return;
-    }
     // dQ accumulation: stage this consumer's 64 x 64 fp32 block in shared
     // memory and let the TMA unit add it into dq_accum (rows past N land in
     // its padding), so no atomics sit on the consumers' critical path.
@@ -413,13 +385,11 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 // DQ2: the dQ stage is double-buffered per consumer, so the wait for the
 // previous reduce to have read it (of step it - 2 now) moves before the
 // step's CTA-wide barrier and the staging needs one named barrier, not two.
-// RED: as in Bwd (no dQ stage, so DQ2 does not apply).
-template <typename T, int STAGES_, bool DQ2_ = false, bool RED_ = false>
+template <typename T, int STAGES_, bool DQ2_ = false>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DQ2 = DQ2_, RED = RED_;
-  static_assert(!(DQ2 && RED), "RED has no dQ stage to double-buffer");
-  static constexpr int DQ_BUFS = RED ? 0 : DQ2 ? 2 : 1;
+  static constexpr bool DQ2 = DQ2_;
+  static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int THREADS = (NC + 1) * 128;
   static_assert(BN == 64 * NC && BM == 64 * NC, "each consumer owns 64 keys and 64 dQ rows");
   static constexpr int KV_BYTES = BN * D * 2;
@@ -437,12 +407,12 @@ struct BwdWide {
 // shared-memory source.
 __device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 
-template <typename T, int STAGES_, bool DQ2_, bool RED_>
-__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, RED_>::THREADS, 1)
+template <typename T, int STAGES_, bool DQ2_>
+__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                               const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_, DQ2_, RED_>;
+  using K_ = BwdWide<T, STAGES_, DQ2_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
@@ -609,10 +579,6 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, RED_>::THREADS, 1)
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[s]);
 
-    if constexpr (K_::RED) {
-      dq_reduce_red<64, 64>(p.dq_accum + (static_cast<int64_t>(bh) * p.Npad + i0 + 64 * c) * 64, dq, row_in, col_in);
-      continue;
-    }
     // Stage this consumer's 64 x 64 fp32 rows and let the TMA unit add them
     // into dq_accum (rows past N land in its padding).
     uint8_t* stage = sdQ + (c * K_::DQ_BUFS + (K_::DQ2 ? (it & 1) : 0)) * K_::DQ_STAGE_BYTES;
@@ -728,16 +694,14 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 
 // Kernel configuration of one variant: Kind::Tile64 = attention_bwd_kernel
 // (64-row q tiles; PIPE, STAGES, DBUF = DS2), Kind::Wide =
-// attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2);
-// RED: dQ by vector reductions from registers (both kinds).
+// attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
-template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool RED = false>
+template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
   static constexpr int stages = STAGES;
   static constexpr bool dbuf = DBUF;
-  static constexpr bool red = RED;
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -785,15 +749,13 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   decltype(&attention_bwd_kernel<T, D, false, 2, false>) kern;
   if constexpr (WIDE) {
-    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::red>;
-    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::red>;
-    smem = K_::SMEM;
-    threads = K_::THREADS;
+    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf>;
+    smem = BwdWide<T, Cfg::stages, Cfg::dbuf>::SMEM;
+    threads = BwdWide<T, Cfg::stages, Cfg::dbuf>::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::red>;
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::red>;
-    smem = K_::SMEM;
-    threads = K_::THREADS;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf>;
+    smem = Bwd<T, D, Cfg::stages, Cfg::dbuf>::SMEM;
+    threads = Bwd<T, D, Cfg::stages, Cfg::dbuf>::THREADS;
   }
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention backward kernel";
@@ -812,8 +774,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // Variants (TK_ATTN_BWD_VARIANT; README.md). 0 and 1 are the kernels the H200
 // sweep validated; 2 and 3 differ per head dim: D = 64 runs the wide kernel
 // (128-row q tiles; 3: dQ stage double-buffered), D = 128 the 64-row kernel
-// with dS^T double-buffered (3: and a 3-stage ring). 4 and 5 are 0 / 3 (D =
-// 128) and 2 / 2 with 3 stages (D = 64) with dQ reduced from registers (RED). DEFAULT: what -1
+// with dS^T double-buffered (3: and a 3-stage ring). DEFAULT: what -1
 // (unset) runs. H200 sweeps (RESULTS.md): 1 gained nothing; at D64 the wide
 // kernel with the double-buffered dQ stage (3) is 1.2-1.3x the 64-row one
 // (0.72-0.88x cuDNN vs 0.59-0.68x); at D128, 2 and 3 gained nothing.
@@ -826,8 +787,6 @@ struct BwdVariants<128> {
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
   using V3 = BwdCfg<Kind::Tile64, false, 3, true>;
-  using V4 = BwdCfg<Kind::Tile64, false, 2, false, true>;
-  using V5 = BwdCfg<Kind::Tile64, false, 3, true, true>;
 };
 template <>
 struct BwdVariants<64> {
@@ -836,10 +795,8 @@ struct BwdVariants<64> {
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Wide, false, 2>;
   using V3 = BwdCfg<Kind::Wide, false, 2, true>;
-  using V4 = BwdCfg<Kind::Wide, false, 2, false, true>;
-  using V5 = BwdCfg<Kind::Wide, false, 3, false, true>;
 };
-constexpr int BWD_VARIANTS = 6;
+constexpr int BWD_VARIANTS = 4;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -849,12 +806,7 @@ int bwd_bm(int D, int variant) {
   variant = bwd_variant(D, variant);
   const auto pick = [&](auto vs) {
     using Vs = decltype(vs);
-    return variant == 0   ? Vs::V0::BM
-           : variant == 1 ? Vs::V1::BM
-           : variant == 2 ? Vs::V2::BM
-           : variant == 3 ? Vs::V3::BM
-           : variant == 4 ? Vs::V4::BM
-                          : Vs::V5::BM;
+    return variant == 0 ? Vs::V0::BM : variant == 1 ? Vs::V1::BM : variant == 2 ? Vs::V2::BM : Vs::V3::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -883,9 +835,7 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
   (variant == 0   ? TK_ATTN_BWD_V(T, D, V0)                                                                \
    : variant == 1 ? TK_ATTN_BWD_V(T, D, V1)                                                                \
    : variant == 2 ? TK_ATTN_BWD_V(T, D, V2)                                                                \
-   : variant == 3 ? TK_ATTN_BWD_V(T, D, V3)                                                                \
-   : variant == 4 ? TK_ATTN_BWD_V(T, D, V4)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V5))
+                  : TK_ATTN_BWD_V(T, D, V3))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
