@@ -13,6 +13,7 @@ import datetime
 import importlib
 import json
 import os
+import re
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -27,8 +28,9 @@ def _as_rows(items) -> list[Row]:
 
 
 def _commit() -> str:
+    """HEAD, with -dirty when the tree differs from it (a copied working tree can carry a stale .git)."""
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True).strip()
     except Exception:
         return "unknown"
 
@@ -70,19 +72,24 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
         if r.x is not None and r.figure is not None:
             groups[r.op].append(r)
     for op, items in groups.items():
-        fig, ax = plt.subplots(figsize=(7, 4))
-        series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        panels: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
         for r in items:
-            variant = r.case.split(" ", 1)[-1] if op == "attention" else ""
-            series[f"{r.impl} {variant}".strip()].append((r.x, r.figure))
-        for label, pts in sorted(series.items()):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length" if op == "attention" else "size")
-        ax.set_ylabel(items[0].unit)
-        ax.set_title(op)
-        ax.legend(fontsize=6)
+            panel, label = _series(r)
+            panels[panel][label].append((r.x, r.figure))
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+        impls = sorted({r.impl for r in items})
+        configs = sorted({_series(r)[1].partition(" ")[2] for r in items})
+        for ax, (panel, series) in zip(axes[0], sorted(panels.items())):
+            for label, pts in sorted(series.items()):
+                pts.sort()
+                impl, _, config = label.partition(" ")  # colour per configuration, line style per implementation
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                        color=f"C{configs.index(config) % 10}", linestyle=("-", "--", ":", "-.")[impls.index(impl) % 4])
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length" if op == "attention" else "size")
+            ax.set_ylabel(items[0].unit)
+            ax.set_title(f"{op} {panel}".strip())
+            ax.legend(fontsize=6)
         path = out / f"{op}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -105,6 +112,20 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+PHASES = ("fwd", "bwd", "fwd+bwd")
+
+
+def _series(r: Row) -> tuple[str, str]:
+    """(panel, line label) of a plotted row. The panel is the case's phase (its last word: fwd, bwd, fwd+bwd); the
+    line is the implementation plus the case without the words that change along x (batch and sequence length
+    words, and any word holding the x value, e.g. "65536x1024" at hidden 1024)."""
+    words = r.case.split()
+    panel = words.pop() if words and words[-1] in PHASES else ""
+    x = str(int(r.x))
+    keep = [w for w in words if not re.fullmatch(r"[BN]\d+", w) and x not in re.findall(r"\d+", w)]
+    return panel, " ".join([r.impl, *keep])
 
 
 def _e2e_speedups(rows: list[Row]) -> dict[str, dict[str, float]]:

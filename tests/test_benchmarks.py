@@ -88,3 +88,15 @@ def test_e2e_rejects_unknown_models_and_modes():
         e2e.run(models=["llama-sdpa", "gpt5"])
     with pytest.raises(ValueError, match="unknown e2e modes"):
         e2e.run(modes=["jit"])
+
+
+def test_plot_series_drop_the_words_that_change_along_x():
+    from benchmarks.__main__ import _series
+
+    assert _series(Row("attention", "B64 H16 N1024 D128 causal fwd+bwd", "ours", 1.0, 1.0, "TFLOPS", 1024)) == (
+        "fwd+bwd", "ours H16 D128 causal")
+    assert _series(Row("layernorm", "65536x1024 ln+residual bf16 bwd", "ours", 1.0, 1.0, "GB/s", 1024)) == (
+        "bwd", "ours ln+residual bf16")
+    assert _series(Row("rotary", "B16 H16 N4096 D128 rotary_dim 32 fwd", "eager", 1.0, 1.0, "GB/s", 128)) == (
+        "fwd", "eager H16 rotary_dim 32")
+    assert _series(Row("gemm", "4096^3", "cublas", 1.0, 1.0, "TFLOPS", 4096)) == ("", "cublas")
