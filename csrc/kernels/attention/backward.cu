@@ -27,10 +27,14 @@ constexpr int BWD_STAGES = 2;
 // DS2: dS^T double-buffered (D = 128): the write of step it goes to buffer
 // it % 2, last read by step it - 2's dQ, which both consumers finished before
 // step it - 1's barrier; so the barrier before the write is not needed.
-template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false>
+// STATS: the producer also copies the tile's lse2 and delta rows into the ring
+// stage (1-D bulk copies on the stage's barrier), so the consumers read them
+// from shared memory instead of waiting on global loads right after S^T.
+template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_;
+  static constexpr bool DS2 = DS2_, STATS = STATS_;
+  static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
@@ -41,8 +45,8 @@ struct Bwd {
   static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
   static constexpr int DQ_STAGE_BYTES = 64 * 64 * 4;  // per consumer: 64 rows x 64 fp32 columns
   static constexpr int DS_BUFS = DS2 ? 2 : 1, DQ_BUFS = 1;
-  static constexpr int SMEM =
-      2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES + 1024 + 256;
+  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES +
+                              STAGES * STATS_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
   // dQ: D=128 splits the output columns between the two consumers (64 each,
   // contracting over all 128 keys); D=64 has each consumer add its own keys'
@@ -57,6 +61,7 @@ struct Bwd {
 template <class K_>
 struct BwdSmem {
   uint8_t *sK, *sV, *sQ, *sdO, *sdS, *sdQ;
+  float* sStats;  // [STAGES][2][BM]: lse2, delta (STATS only)
   uint64_t *kv_full, *q_full, *q_empty;
   __device__ __forceinline__ explicit BwdSmem(uint8_t* raw) {
     sK = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
@@ -65,7 +70,8 @@ struct BwdSmem {
     sdO = sQ + K_::STAGES * K_::Q_BYTES;
     sdS = sdO + K_::STAGES * K_::Q_BYTES;
     sdQ = sdS + K_::DS_BUFS * K_::DS_BYTES;
-    kv_full = reinterpret_cast<uint64_t*>(sdQ + K_::NC * K_::DQ_BUFS * K_::DQ_STAGE_BYTES);
+    sStats = reinterpret_cast<float*>(sdQ + K_::NC * K_::DQ_BUFS * K_::DQ_STAGE_BYTES);
+    kv_full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(sStats) + K_::STAGES * K_::STATS_BYTES);
     q_full = kv_full + 1;
     q_empty = q_full + K_::STAGES;
   }
@@ -93,12 +99,21 @@ struct BwdParams {
   void* dv;
 };
 
-template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_>::THREADS, 1)
+// STATS: copy lse2[bh, i0 : i0 + BM] and delta[bh, i0 : i0 + BM] into dst[0 : BM], dst[BM : 2 BM] on `bar`.
+// The rows are padded to a multiple of the q tile, so the copy never leaves them.
+template <int BM>
+__device__ __forceinline__ void load_stats(float* dst, const BwdParams& p, int bh, int i0, uint64_t* bar) {
+  const int64_t row = static_cast<int64_t>(bh) * p.Npad + i0;
+  bulk_load_1d(dst, p.lse2 + row, BM * 4, bar);
+  bulk_load_1d(dst + BM, p.delta + row, BM * 4, bar);
+}
+
+template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -135,7 +150,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_>::THREADS, 1)
         const int h = hk * p.group + g;
         const int s = it % STAGES;
         bar_wait(&q_empty[s], ((it / STAGES) & 1) ^ 1);
-        bar_expect_tx(&q_full[s], 2 * K_::Q_BYTES);
+        bar_expect_tx(&q_full[s], 2 * K_::Q_BYTES + K_::STATS_BYTES);
+        if constexpr (K_::STATS) load_stats<BM>(sm.sStats + s * 2 * BM, p, b * p.Hq + h, mb * BM, &q_full[s]);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn) {
           tma_load_4d(sQ + s * K_::Q_BYTES + pn * BM * 128, &qmap, &q_full[s], pn * 64, mb * BM, h, b);
@@ -203,8 +219,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_>::THREADS, 1)
     const int s = it % STAGES;
     const uint32_t qs = sQ_u + s * K_::Q_BYTES, dos = sdO_u + s * K_::Q_BYTES;
 
-    const float* lse_row = p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
-    const float* del_row = p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
+    const float* lse_row = K_::STATS ? sm.sStats + s * 2 * BM : p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
+    const float* del_row = K_::STATS ? sm.sStats + s * 2 * BM + BM : p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
     if constexpr (PIPE) {
       (void)next;
       wgmma_wait<0>();
@@ -385,10 +401,12 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 // DQ2: the dQ stage is double-buffered per consumer, so the wait for the
 // previous reduce to have read it (of step it - 2 now) moves before the
 // step's CTA-wide barrier and the staging needs one named barrier, not two.
-template <typename T, int STAGES_, bool DQ2_ = false>
+// STATS: as in Bwd.
+template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DQ2 = DQ2_;
+  static constexpr bool DQ2 = DQ2_, STATS = STATS_;
+  static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int THREADS = (NC + 1) * 128;
   static_assert(BN == 64 * NC && BM == 64 * NC, "each consumer owns 64 keys and 64 dQ rows");
@@ -398,8 +416,8 @@ struct BwdWide {
   static constexpr int DS_BYTES = (BM / 64) * DS_PANEL;
   static constexpr int DQ_STAGE_BYTES = 64 * D * 4;   // per consumer: its 64 rows, fp32
   static constexpr int DS_BUFS = 2;
-  static constexpr int SMEM =
-      2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES + 1024 + 256;
+  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES +
+                              STAGES * STATS_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
@@ -407,12 +425,12 @@ struct BwdWide {
 // shared-memory source.
 __device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 
-template <typename T, int STAGES_, bool DQ2_>
-__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_>::THREADS, 1)
+template <typename T, int STAGES_, bool DQ2_, bool STATS_>
+__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                               const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_, DQ2_>;
+  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
@@ -447,7 +465,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_>::THREADS, 1)
         const int h = hk * p.group + g;
         const int s = it % STAGES;
         bar_wait(&q_empty[s], ((it / STAGES) & 1) ^ 1);
-        bar_expect_tx(&q_full[s], 2 * K_::Q_BYTES);
+        bar_expect_tx(&q_full[s], 2 * K_::Q_BYTES + K_::STATS_BYTES);
+        if constexpr (K_::STATS) load_stats<BM>(sm.sStats + s * 2 * BM, p, b * p.Hq + h, mb * BM, &q_full[s]);
         tma_load_4d(sQ + s * K_::Q_BYTES, &qmap, &q_full[s], 0, mb * BM, h, b);
         tma_load_4d(sdO + s * K_::Q_BYTES, &domap, &q_full[s], 0, mb * BM, h, b);
       }
@@ -477,8 +496,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_>::THREADS, 1)
     const int i0 = mb * BM;
     const int s = it % STAGES;
     const uint32_t qs = sQ_u + s * K_::Q_BYTES, dos = sdO_u + s * K_::Q_BYTES;
-    const float* lse_row = p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
-    const float* del_row = p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
+    const float* lse_row = K_::STATS ? sm.sStats + s * 2 * BM : p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
+    const float* del_row = K_::STATS ? sm.sStats + s * 2 * BM + BM : p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
 
     // S^T = K_c Q^T and dP^T = V_c dO^T: 64 keys x 128 queries each.
     float st[BM / 2], dpt[BM / 2];
@@ -696,12 +715,13 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 // (64-row q tiles; PIPE, STAGES, DBUF = DS2), Kind::Wide =
 // attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
-template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false>
+template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
   static constexpr int stages = STAGES;
   static constexpr bool dbuf = DBUF;
+  static constexpr bool stats = STATS;
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -749,13 +769,15 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   decltype(&attention_bwd_kernel<T, D, false, 2, false>) kern;
   if constexpr (WIDE) {
-    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf>;
-    smem = BwdWide<T, Cfg::stages, Cfg::dbuf>::SMEM;
-    threads = BwdWide<T, Cfg::stages, Cfg::dbuf>::THREADS;
+    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    smem = K_::SMEM;
+    threads = K_::THREADS;
   } else {
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf>;
-    smem = Bwd<T, D, Cfg::stages, Cfg::dbuf>::SMEM;
-    threads = Bwd<T, D, Cfg::stages, Cfg::dbuf>::THREADS;
+    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    smem = K_::SMEM;
+    threads = K_::THREADS;
   }
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention backward kernel";
@@ -774,7 +796,8 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // Variants (TK_ATTN_BWD_VARIANT; README.md). 0 and 1 are the kernels the H200
 // sweep validated; 2 and 3 differ per head dim: D = 64 runs the wide kernel
 // (128-row q tiles; 3: dQ stage double-buffered), D = 128 the 64-row kernel
-// with dS^T double-buffered (3: and a 3-stage ring). DEFAULT: what -1
+// with dS^T double-buffered (3: and a 3-stage ring). 4 and 5 add STATS (lse2
+// and delta through the ring stage) to 0 / 1 (D = 128) and 2 / 1 (D = 64). DEFAULT: what -1
 // (unset) runs. H200 sweeps (RESULTS.md): 1 gained nothing; at D64 the wide
 // kernel with the double-buffered dQ stage (3) is 1.2-1.3x the 64-row one
 // (0.72-0.88x cuDNN vs 0.59-0.68x); at D128, 2 and 3 gained nothing.
@@ -787,6 +810,8 @@ struct BwdVariants<128> {
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
   using V3 = BwdCfg<Kind::Tile64, false, 3, true>;
+  using V4 = BwdCfg<Kind::Tile64, false, 2, false, true>;
+  using V5 = BwdCfg<Kind::Tile64, true, 2, false, true>;
 };
 template <>
 struct BwdVariants<64> {
@@ -795,8 +820,10 @@ struct BwdVariants<64> {
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Wide, false, 2>;
   using V3 = BwdCfg<Kind::Wide, false, 2, true>;
+  using V4 = BwdCfg<Kind::Wide, false, 2, false, true>;  // V3 + STATS does not fit in shared memory
+  using V5 = BwdCfg<Kind::Tile64, true, 2, false, true>;
 };
-constexpr int BWD_VARIANTS = 4;
+constexpr int BWD_VARIANTS = 6;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -806,7 +833,12 @@ int bwd_bm(int D, int variant) {
   variant = bwd_variant(D, variant);
   const auto pick = [&](auto vs) {
     using Vs = decltype(vs);
-    return variant == 0 ? Vs::V0::BM : variant == 1 ? Vs::V1::BM : variant == 2 ? Vs::V2::BM : Vs::V3::BM;
+    return variant == 0   ? Vs::V0::BM
+           : variant == 1 ? Vs::V1::BM
+           : variant == 2 ? Vs::V2::BM
+           : variant == 3 ? Vs::V3::BM
+           : variant == 4 ? Vs::V4::BM
+                          : Vs::V5::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -835,7 +867,9 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
   (variant == 0   ? TK_ATTN_BWD_V(T, D, V0)                                                                \
    : variant == 1 ? TK_ATTN_BWD_V(T, D, V1)                                                                \
    : variant == 2 ? TK_ATTN_BWD_V(T, D, V2)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V3))
+   : variant == 3 ? TK_ATTN_BWD_V(T, D, V3)                                                                \
+   : variant == 4 ? TK_ATTN_BWD_V(T, D, V4)                                                                \
+                  : TK_ATTN_BWD_V(T, D, V5))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
