@@ -29,7 +29,8 @@ constexpr int BWD_STAGES = 2;
 // step it - 1's barrier; so the barrier before the write is not needed.
 // STATS: the producer also copies the tile's lse2 and delta rows into the ring
 // stage (1-D bulk copies on the stage's barrier), so the consumers read them
-// from shared memory instead of waiting on global loads right after S^T.
+// from shared memory instead of waiting on global loads right after S^T; and
+// P = 2^x by the MUFU alone (ex2_ftz), as in the wide kernel.
 template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
@@ -98,6 +99,14 @@ struct BwdParams {
   void* dk;            // (B, Hkv, M, D)
   void* dv;
 };
+
+// 2^x by the MUFU alone: exp2f adds a range fix-up around it for results
+// below 2^-126, which P does not need (flushed to 0).
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // STATS: copy lse2[bh, i0 : i0 + BM] and delta[bh, i0 : i0 + BM] into dst[0 : BM], dst[BM : 2 BM] on `bar`.
 // The rows are padded to a multiple of the q tile, so the copy never leaves them.
@@ -241,7 +250,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
       const float2 l2 = *reinterpret_cast<const float2*>(lse_row + 8 * ch + col_in);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float pe = exp2f(st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x));
+        const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
+        float pe = K_::STATS ? ex2_ftz(x) : exp2f(x);
         if (need_mask) {
           const int i = i0 + 8 * ch + col_in + (e & 1);
           const int j = j0 + 8 * (e >> 1);
@@ -390,13 +400,6 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
 // of the CTA, so dq_accum receives one partial per 128 keys (half the
 // reduce-add traffic) and each step's fixed costs are spread over twice the
 // work. dSᵀ is double-buffered so that one CTA-wide barrier per step suffices.
-// 2^x by the MUFU alone: exp2f adds a range fix-up around it for results
-// below 2^-126, which P does not need (flushed to 0).
-__device__ __forceinline__ float ex2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // DQ2: the dQ stage is double-buffered per consumer, so the wait for the
 // previous reduce to have read it (of step it - 2 now) moves before the
