@@ -31,10 +31,11 @@ constexpr int BWD_STAGES = 2;
 // stage (1-D bulk copies on the stage's barrier), so the consumers read them
 // from shared memory instead of waiting on global loads right after S^T; and
 // P = 2^x by the MUFU alone (ex2_ftz), as in the wide kernel.
-template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false>
+// WRITER: see dq_writer.
+template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool WRITER_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_, STATS = STATS_;
+  static constexpr bool DS2 = DS2_, STATS = STATS_, WRITER = WRITER_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
@@ -117,12 +118,41 @@ __device__ __forceinline__ void load_stats(float* dst, const BwdParams& p, int b
   bulk_load_1d(dst + BM, p.delta + row, BM * 4, bar);
 }
 
-template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
+// WRITER (FA3's arrangement): warp 1 of the producer warpgroup adds the
+// consumers' staged dQ blocks into dq_accum. Consumer c waits on DQ_EMPTY + c
+// (the stage was read: usually long done) and only arrives on DQ_FULL + c
+// after staging, instead of its thread 0 waiting for the previous bulk read
+// and the warpgroup syncing twice around the stage. Named barriers of one
+// consumer warpgroup plus this warp; reduce(it, c) issues step it's bulk
+// reduce-adds of consumer c's stage.
+constexpr int DQ_EMPTY_BAR = 5, DQ_FULL_BAR = 7, DQ_BAR_THREADS = 128 + 32;
+template <int NC, typename Reduce>
+__device__ __forceinline__ void dq_writer(int steps, int lane, Reduce&& reduce) {
+  if (steps == 0) return;  // no consumer waits: leave the barriers untouched
+#pragma unroll
+  for (int c = 0; c < NC; ++c) named_bar_arrive(DQ_EMPTY_BAR + c, DQ_BAR_THREADS);
+  for (int it = 0; it < steps; ++it) {
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      named_bar_sync(DQ_FULL_BAR + c, DQ_BAR_THREADS);
+      if (lane == 0) {
+        reduce(it, c);
+        bulk_commit();
+        bulk_wait_read();
+      }
+      __syncwarp();
+      if (it + 1 < steps) named_bar_arrive(DQ_EMPTY_BAR + c, DQ_BAR_THREADS);  // one arrive per consumer wait
+    }
+  }
+  if (lane == 0) bulk_wait_all();
+}
+
+template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool WRITER_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES, PANELS = K_::PANELS;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -145,7 +175,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    reg_dealloc<24>();
+    reg_dealloc<K_::WRITER ? 32 : 24>();  // 32 + 2 x 240 = 512 registers per thread triple: the whole file
     if (tid == 0) {
       bar_expect_tx(kv_full, 2 * K_::KV_BYTES);
 #pragma unroll
@@ -167,6 +197,17 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
           tma_load_4d(sdO + s * K_::Q_BYTES + pn * BM * 128, &domap, &q_full[s], pn * 64, mb * BM, h, b);
         }
       }
+    }
+    if constexpr (K_::WRITER) {
+      if (tid / 32 == 1)
+        dq_writer<NC>(steps, tid % 32, [&](int it, int c) {
+          const int i0 = (mb_start + it % steps_per_head) * BM;
+          const int bh = (b * p.Hkv + hk) * p.group + it / steps_per_head;
+#pragma unroll
+          for (int bx = 0; bx < K_::DQ_COLS / 32; ++bx)
+            tma_reduce_add_3d(&dqmap, sdQ + c * K_::DQ_STAGE_BYTES + bx * 8192,
+                              (K_::DQ_SPLIT_COLS ? 64 * c : 0) + 32 * bx, i0, bh);
+        });
     }
     return;
   }
@@ -340,8 +381,12 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
     // memory and let the TMA unit add it into dq_accum (rows past N land in
     // its padding), so no atomics sit on the consumers' critical path.
     uint8_t* stage = sdQ + c * K_::DQ_STAGE_BYTES;
-    if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
-    named_bar_sync(3 + c, 128);
+    if constexpr (K_::WRITER) {
+      named_bar_sync(DQ_EMPTY_BAR + c, DQ_BAR_THREADS);  // the writer warp has read the previous block
+    } else {
+      if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
+      named_bar_sync(3 + c, 128);
+    }
 #pragma unroll
     for (int ch = 0; ch < K_::DQ_COLS / 8; ++ch) {
 #pragma unroll
@@ -352,6 +397,10 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
       }
     }
     fence_async_smem();
+    if constexpr (K_::WRITER) {
+      named_bar_arrive(DQ_FULL_BAR + c, DQ_BAR_THREADS);
+      return;
+    }
     named_bar_sync(3 + c, 128);
     if (tid == 0) {
 #pragma unroll
@@ -404,11 +453,12 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
 // DQ2: the dQ stage is double-buffered per consumer, so the wait for the
 // previous reduce to have read it (of step it - 2 now) moves before the
 // step's CTA-wide barrier and the staging needs one named barrier, not two.
-// STATS: as in Bwd.
-template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false>
+// STATS, WRITER: as in Bwd (WRITER without DQ2: the writer waits for each read).
+template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false, bool WRITER_ = false>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DQ2 = DQ2_, STATS = STATS_;
+  static constexpr bool DQ2 = DQ2_, STATS = STATS_, WRITER = WRITER_;
+  static_assert(!(DQ2 && WRITER), "the dQ writer frees one stage at a time");
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int THREADS = (NC + 1) * 128;
@@ -428,12 +478,12 @@ struct BwdWide {
 // shared-memory source.
 __device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 
-template <typename T, int STAGES_, bool DQ2_, bool STATS_>
-__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
+template <typename T, int STAGES_, bool DQ2_, bool STATS_, bool WRITER_>
+__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, WRITER_>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                               const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_>;
+  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, WRITER_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
@@ -457,7 +507,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    reg_dealloc<24>();
+    reg_dealloc<K_::WRITER ? 32 : 24>();  // 32 + 2 x 240 = 512 registers per thread triple: the whole file
     if (tid == 0) {
       bar_expect_tx(kv_full, 2 * K_::KV_BYTES);
       tma_load_4d(sK, &kmap, kv_full, 0, n0, hk, b);
@@ -473,6 +523,16 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
         tma_load_4d(sQ + s * K_::Q_BYTES, &qmap, &q_full[s], 0, mb * BM, h, b);
         tma_load_4d(sdO + s * K_::Q_BYTES, &domap, &q_full[s], 0, mb * BM, h, b);
       }
+    }
+    if constexpr (K_::WRITER) {
+      if (tid / 32 == 1)
+        dq_writer<NC>(steps, tid % 32, [&](int it, int c) {
+          const int i0 = (mb_start + it % steps_per_head) * BM;
+          const int bh = (b * p.Hkv + hk) * p.group + it / steps_per_head;
+#pragma unroll
+          for (int bx = 0; bx < 2; ++bx)
+            tma_reduce_add_3d(&dqmap, sdQ + c * K_::DQ_BUFS * K_::DQ_STAGE_BYTES + bx * 8192, 32 * bx, i0 + 64 * c, bh);
+        });
     }
     return;
   }
@@ -604,7 +664,9 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
     // Stage this consumer's 64 x 64 fp32 rows and let the TMA unit add them
     // into dq_accum (rows past N land in its padding).
     uint8_t* stage = sdQ + (c * K_::DQ_BUFS + (K_::DQ2 ? (it & 1) : 0)) * K_::DQ_STAGE_BYTES;
-    if constexpr (!K_::DQ2) {
+    if constexpr (K_::WRITER) {
+      named_bar_sync(DQ_EMPTY_BAR + c, DQ_BAR_THREADS);  // the writer warp has read the previous block
+    } else if constexpr (!K_::DQ2) {
       if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
       named_bar_sync(3 + c, 128);
     }
@@ -618,6 +680,10 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
       }
     }
     fence_async_smem();
+    if constexpr (K_::WRITER) {
+      named_bar_arrive(DQ_FULL_BAR + c, DQ_BAR_THREADS);
+      continue;
+    }
     named_bar_sync(3 + c, 128);
     if (tid == 0) {
 #pragma unroll
@@ -718,8 +784,9 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 // (64-row q tiles; PIPE, STAGES, DBUF = DS2), Kind::Wide =
 // attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
-template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false>
+template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool WRITER = false>
 struct BwdCfg {
+  static constexpr bool writer = WRITER;
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
   static constexpr int stages = STAGES;
@@ -772,13 +839,13 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   decltype(&attention_bwd_kernel<T, D, false, 2, false>) kern;
   if constexpr (WIDE) {
-    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
-    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::writer>;
+    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::writer>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats>;
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::writer>;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::writer>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -799,8 +866,9 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // Variants (TK_ATTN_BWD_VARIANT; README.md). 0 and 1 are the kernels the H200
 // sweep validated; 2 and 3 differ per head dim: D = 64 runs the wide kernel
 // (128-row q tiles; 3: dQ stage double-buffered), D = 128 the 64-row kernel
-// with dS^T double-buffered (3: and a 3-stage ring). 4 and 5 add STATS (lse2
-// and delta through the ring stage) to 0 / 1 (D = 128) and 2 / 1 (D = 64). DEFAULT: what -1
+// with dS^T double-buffered (3: and a 3-stage ring). 4 adds STATS (lse2 and
+// delta through the ring stage) to 0 (D = 128) or 2 (D = 64); 5 is 4 with the
+// dQ writer warp (WRITER). DEFAULT: what -1
 // (unset) runs. H200 sweeps (RESULTS.md): 1 gained nothing; at D64 the wide
 // kernel with the double-buffered dQ stage (3) is 1.2-1.3x the 64-row one
 // (0.72-0.88x cuDNN vs 0.59-0.68x); at D128, 2 and 3 gained nothing.
@@ -814,7 +882,7 @@ struct BwdVariants<128> {
   using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
   using V3 = BwdCfg<Kind::Tile64, false, 3, true>;
   using V4 = BwdCfg<Kind::Tile64, false, 2, false, true>;
-  using V5 = BwdCfg<Kind::Tile64, true, 2, false, true>;
+  using V5 = BwdCfg<Kind::Tile64, false, 2, false, true, true>;
 };
 template <>
 struct BwdVariants<64> {
@@ -824,7 +892,7 @@ struct BwdVariants<64> {
   using V2 = BwdCfg<Kind::Wide, false, 2>;
   using V3 = BwdCfg<Kind::Wide, false, 2, true>;
   using V4 = BwdCfg<Kind::Wide, false, 2, false, true>;  // V3 + STATS does not fit in shared memory
-  using V5 = BwdCfg<Kind::Tile64, true, 2, false, true>;
+  using V5 = BwdCfg<Kind::Wide, false, 2, false, true, true>;
 };
 constexpr int BWD_VARIANTS = 6;
 

@@ -330,9 +330,6 @@ __device__ __forceinline__ void warp_arrive(uint64_t* bar, int lane) {
       "r"(lane)
       : "memory");
 }
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 template <typename T, typename Cfg>
 struct PP {
