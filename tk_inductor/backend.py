@@ -74,6 +74,9 @@ def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
             return aot_eager(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
+        from . import _compat
+
+        _compat.apply()
         # config_patches, not `with inductor_config.patch()`: the backward graph
         # is compiled later, outside any context manager opened here.
         try:

@@ -1,0 +1,61 @@
+"""The torch work-arounds in tk_inductor._compat: each fixes its bug where present and does nothing elsewhere."""
+import types
+
+import pytest
+import sympy
+
+from tk_inductor import _compat
+
+
+def _split(groups, lengths):
+    from types import SimpleNamespace
+
+    from torch._inductor.codegen.simd import SIMDKernel
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch._inductor.virtualized import V
+
+    with V.set_graph_handler(SimpleNamespace(sizevars=SizeVarAllocator())):
+        return SIMDKernel._split_iteration_ranges([sympy.Integer(g) for g in groups],
+                                                  [[sympy.Integer(n) for n in ls] for ls in lengths])
+
+
+def test_unsplittable_bmm_then_pointwise_raises_cantsplit():
+    """(2, 3, 5, 1) with a pointwise length of 31 takes the three-way split and cannot divide: Inductor must see
+    CantSplit (and try another tiling), not the TypeError torch 2.11's bare `raise CantSplit` produces."""
+    from torch._inductor.codegen.simd import CantSplit
+
+    _compat.patch_cantsplit()
+    with pytest.raises(CantSplit):
+        _split((2, 3, 5, 1), [[31], []])
+    assert _split((2, 3, 5, 1), [[30], []])[0] == [[2], [3], [5], []]
+
+
+def _fake_simd(bare: bool):
+    class CantSplit(Exception):
+        def __init__(self, expr, remaining):
+            super().__init__()
+            self.expr, self.remaining = expr, remaining
+
+    namespace = {"CantSplit": CantSplit}
+    body = "raise CantSplit" if bare else "raise CantSplit(1, 2)"
+    exec(f"class SIMDKernel:\n    @staticmethod\n    def _split_iteration_ranges():\n        {body}\n", namespace)
+    return types.SimpleNamespace(CantSplit=CantSplit, SIMDKernel=namespace["SIMDKernel"])
+
+
+def test_cantsplit_patch_only_where_the_bare_raise_is(monkeypatch):
+    import inspect
+
+    sources = {}
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: sources.get(obj) or real(obj))
+    fixed, buggy = _fake_simd(False), _fake_simd(True)
+    sources[fixed.SIMDKernel._split_iteration_ranges] = "def f():\n    raise CantSplit(1, 2)\n"
+    sources[buggy.SIMDKernel._split_iteration_ranges] = "def f():\n    raise CantSplit\n"
+    assert not _compat.patch_cantsplit(fixed)
+    with pytest.raises(TypeError):
+        fixed.CantSplit()
+    assert _compat.patch_cantsplit(buggy)
+    assert not _compat.patch_cantsplit(buggy)  # once
+    err = buggy.CantSplit()
+    assert isinstance(err, buggy.CantSplit) and err.expr is None and err.remaining is None
+    assert buggy.CantSplit(3, 4).remaining == 4

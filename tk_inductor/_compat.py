@@ -1,0 +1,44 @@
+"""Work-arounds for bugs in the torch versions we support (2.11 through 2.14), applied by the backend before it calls
+Inductor. Each one checks for the bug itself, so it does nothing on versions that have the fix."""
+from __future__ import annotations
+
+import inspect
+import re
+
+_applied: set[str] = set()
+
+
+def patch_cantsplit(simd=None) -> bool:
+    """torch 2.11's SIMD tiling (`SIMDKernel._split_iteration_ranges`, the bmm-then-pointwise three-way split)
+    raises a bare `CantSplit`, whose __init__ requires two arguments. The exception that should make Inductor
+    try another split turns into a TypeError that fails the whole compile (Based-style models' linear attention,
+    `CantSplit.__init__() missing 2 required positional arguments`). Give the arguments defaults; later torch
+    passes them. Returns whether the patch was applied by this call."""
+    if simd is None:
+        try:
+            from torch._inductor.codegen import simd
+        except Exception:  # noqa: BLE001  (no Inductor: nothing to patch)
+            return False
+    cls = getattr(simd, "CantSplit", None)
+    kernel = getattr(simd, "SIMDKernel", None)
+    if cls is None or kernel is None or getattr(cls, "_tk_defaults", False):
+        return False
+    try:
+        source = inspect.getsource(kernel._split_iteration_ranges)
+    except (OSError, TypeError, AttributeError):
+        return False
+    if not re.search(r"raise CantSplit\s*$", source, re.MULTILINE):
+        return False
+    init = cls.__init__
+
+    def __init__(self, expr=None, remaining=None):
+        init(self, expr, remaining)
+
+    cls.__init__ = __init__
+    cls._tk_defaults = True
+    _applied.add("cantsplit")
+    return True
+
+
+def apply() -> None:
+    patch_cantsplit()
