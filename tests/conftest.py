@@ -27,8 +27,11 @@ def _clean_tk_state(monkeypatch):
 
     for name in _BEHAVIOUR_VARS:
         monkeypatch.delenv(name, raising=False)
+    from tk_inductor import backend
+
     rewrite.reset()
     rewrite._warned.clear()
+    backend._inductor_failures.clear()
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

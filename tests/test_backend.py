@@ -245,10 +245,25 @@ def test_matcher_exception_warns_once_and_passes_through(monkeypatch):
 def _inductor_fails(monkeypatch):
     import torch._inductor.compile_fx as cfx
 
+    calls = []
+
     def broken(*args, **kwargs):
+        calls.append(1)
         raise TypeError("CantSplit.__init__() missing 2 required positional arguments")
 
     monkeypatch.setattr(cfx, "compile_fx", broken)
+    return calls
+
+
+def test_identical_graph_skips_inductor_after_a_failure(fake_family, monkeypatch):
+    calls = _inductor_fails(monkeypatch)
+    _check_same(f, _compile(f, reference=True))
+    torch._dynamo.reset()  # recompile the same graph: Inductor is not tried again
+    _check_same(f, _compile(f, reference=True))
+    assert len(calls) == 1
+    torch._dynamo.reset()  # another input shape is another graph: tried
+    _compile(f, reference=True)(torch.randn(5))
+    assert len(calls) == 2
 
 
 def test_inductor_failure_falls_back_to_aot_eager(fake_family, monkeypatch):

@@ -28,6 +28,19 @@ _in_backend: contextvars.ContextVar[bool] = contextvars.ContextVar("tk_inductor_
 
 _OUR_KEYS = frozenset(config.Config.__dataclass_fields__)
 
+# Graphs Inductor failed on (graph code, input shapes/dtypes, patches): the same graph again (a model's repeated
+# layers after graph breaks, recompiles) goes straight to aot_eager instead of failing again; on HF Mamba2 each
+# failed Inductor attempt costs over a minute.
+_inductor_failures: dict[str, str] = {}
+
+
+def _graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict) -> str:
+    h = hashlib.sha256(gm.code.encode())
+    for t in example_inputs:
+        h.update(repr((tuple(t.shape), t.dtype, t.stride()) if isinstance(t, torch.Tensor) else type(t)).encode())
+    h.update(repr(sorted(patches.items(), key=lambda kv: kv[0])).encode())
+    return h.hexdigest()
+
 
 def split_options(options: dict | None) -> tuple[dict, str | None, dict]:
     """options -> (our config options, mode, Inductor config patches)."""
@@ -77,6 +90,11 @@ def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         from . import _compat
 
         _compat.apply()
+        from torch._dynamo.backends.debugging import aot_eager
+
+        key = None if cfg.strict else _graph_key(gm, example_inputs, patches)
+        if key in _inductor_failures:
+            return aot_eager(gm, example_inputs)
         # config_patches, not `with inductor_config.patch()`: the backward graph
         # is compiled later, outside any context manager opened here.
         try:
@@ -87,10 +105,10 @@ def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
             # Inductor itself failed on this graph (torch 2.11 fails on some cumsum/scan graphs, with or
             # without our rewrite): run the rewritten graph through AOTAutograd without Inductor rather than
             # failing the user's model; the kernels still run.
-            rewrite._warn_once(f"tk_inductor: Inductor failed on a graph ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0][:200]}); running it with aot_eager instead")
-            from torch._dynamo.backends.debugging import aot_eager
-
+            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            _inductor_failures[key] = reason
+            rewrite._warn_once(f"tk_inductor: Inductor failed on a graph ({reason}); running it with aot_eager "
+                               "instead (and any identical graph after it)")
             return aot_eager(gm, example_inputs)
     finally:
         _in_backend.reset(token)
