@@ -3,12 +3,27 @@
 # (default: the quick op set). Logs land in $OUT (the device tool's folder) or ./device-logs.
 #   bash benchmarks/device.sh                       # build + GPU tests + quick op benchmarks
 #   BENCH="--ops attention --e2e --models llama-eager --quick" bash benchmarks/device.sh
+#   TESTS=0 SWEEPS="attn ln" BENCH="--ops none" bash benchmarks/device.sh   # build + the variant sweeps only
+# Baselines that travel as wheels (e.g. fla-core for the layernorm table): put them in .whl/ and carry it; they are
+# installed into /tmp/site first. Each step has its own time limit (seconds: TEST_TIMEOUT, SWEEP_TIMEOUT,
+# BENCH_TIMEOUT), so one slow step cannot take the whole call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TK_INDUCTOR_CACHE_DIR=${TK_INDUCTOR_CACHE_DIR:-/tmp/tkcache}
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 ( time python3 -m tk_inductor build ) 2>&1 | tee "$OUT/build.log" | tail -8
-timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -v DEBUG | tail -15
+if [ "${TESTS:-1}" != 0 ]; then
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests ${TEST_ARGS:-} 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -v DEBUG | tail -15
+fi
+for sweep in ${SWEEPS:-}; do  # attn, ln, rot: python -m benchmarks.sweep_<name>, JSON next to the log
+  OUT="$OUT" timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_$sweep ${SWEEP_ARGS:-} 2>&1 \
+    | tee "$OUT/sweep_$sweep.log" | tail -40
+done
 timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks ${BENCH:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
