@@ -4,6 +4,7 @@
 #   bash benchmarks/device.sh                       # build + GPU tests + quick op benchmarks
 #   BENCH="--ops attention --e2e --models llama-eager --quick" bash benchmarks/device.sh
 #   TESTS=0 SWEEPS="attn ln" BENCH="--ops none" bash benchmarks/device.sh   # build + the variant sweeps only
+#   TEST_K="not v0 and not v2" bash benchmarks/device.sh                       # a pytest -k filter for the GPU tests
 # Baselines that travel as wheels (e.g. fla-core for the layernorm table): put them in .whl/ and carry it; they are
 # installed into /tmp/site first. Each step has its own time limit (seconds: TEST_TIMEOUT, SWEEP_TIMEOUT,
 # BENCH_TIMEOUT), so one slow step cannot take the whole call.
@@ -19,7 +20,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 ( time python3 -m tk_inductor build ) 2>&1 | tee "$OUT/build.log" | tail -8
 if [ "${TESTS:-1}" != 0 ]; then
-  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests ${TEST_ARGS:-} 2>&1 \
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests ${TEST_K:+-k "$TEST_K"} 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -v DEBUG | tail -15
 fi
 for sweep in ${SWEEPS:-}; do  # attn, ln, rot: python -m benchmarks.sweep_<name>, JSON next to the log
