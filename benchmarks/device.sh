@@ -3,7 +3,8 @@
 # (default: the quick op set). Logs land in $OUT (the device tool's folder) or ./device-logs.
 #   bash benchmarks/device.sh                       # build + GPU tests + quick op benchmarks
 #   BENCH="--ops attention --e2e --models llama-eager --quick" bash benchmarks/device.sh
-#   TESTS=0 SWEEPS="attn ln" BENCH="--ops none" bash benchmarks/device.sh   # build + the variant sweeps only
+#   TESTS=0 SWEEPS="attn ln" SWEEP_ARGS_attn=--no-forward BENCH="--ops none" bash benchmarks/device.sh
+#                                                   # build + the variant sweeps (attention: backward only)
 #   TEST_K="not v0 and not v2" bash benchmarks/device.sh                       # a pytest -k filter for the GPU tests
 # Baselines that travel as wheels (e.g. fla-core for the layernorm table): put them in .whl/ and carry it; they are
 # installed into /tmp/site first. Each step has its own time limit (seconds: TEST_TIMEOUT, SWEEP_TIMEOUT,
@@ -24,7 +25,8 @@ if [ "${TESTS:-1}" != 0 ]; then
     | tee "$OUT/gpu_tests.log" | grep -v DEBUG | tail -15
 fi
 for sweep in ${SWEEPS:-}; do  # attn, ln, rot: python -m benchmarks.sweep_<name>, JSON next to the log
-  OUT="$OUT" timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_$sweep ${SWEEP_ARGS:-} 2>&1 \
+  args="SWEEP_ARGS_$sweep"      # per-sweep arguments, e.g. SWEEP_ARGS_attn=--no-forward
+  OUT="$OUT" timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_$sweep ${!args:-} 2>&1 \
     | tee "$OUT/sweep_$sweep.log" | tail -40
 done
 timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks ${BENCH:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
