@@ -145,3 +145,21 @@ def test_cuda_home_on_this_machine_has_headers():
     if home is None:
         pytest.skip("no CUDA toolkit installed")
     assert (Path(home) / "bin" / "nvcc").exists() and (Path(home) / "include" / "cuda.h").exists()
+
+
+def test_cached_library_that_does_not_load_is_rebuilt(fake_tree, monkeypatch, capsys):
+    """A cached library this machine cannot load (here: not an ELF file at all) is built again, not fatal."""
+    from torch.utils import cpp_extension
+
+    lib = build._library_path("alpha")
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"not a shared library")
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw["name"]))
+    monkeypatch.setattr(build, "cuda_home", lambda: "/usr/local/cuda")
+    try:
+        assert build.load("alpha") == lib
+    finally:
+        build._loaded.pop("alpha", None)
+    assert calls == ["tk_alpha"] and not lib.exists()
+    assert "does not load here" in capsys.readouterr().err

@@ -145,9 +145,17 @@ def load(family: str, verbose: bool = False) -> Path:
 
         lib = _library_path(family)
         if lib.exists():  # cached: no toolkit lookup, no cpp_extension import (a cached load needs no nvcc)
-            torch.ops.load_library(str(lib))
-            _loaded[family] = lib
-            return lib
+            try:
+                torch.ops.load_library(str(lib))
+            except OSError as exc:
+                # A library this machine cannot load (built elsewhere against another glibc or CUDA runtime, or
+                # truncated): build it again from the sources rather than failing.
+                print(f"tk_inductor: the cached {family} library does not load here ({str(exc)[:200]}); "
+                      "rebuilding it", file=sys.stderr, flush=True)
+                lib.unlink()
+            else:
+                _loaded[family] = lib
+                return lib
         from torch.utils import cpp_extension
 
         home = cuda_home()
