@@ -10,6 +10,8 @@
 # installed into /tmp/site first. Each step has its own time limit (seconds: TEST_TIMEOUT, SWEEP_TIMEOUT,
 # BENCH_TIMEOUT), so one slow step cannot take the whole call.
 set -uo pipefail
+# Libraries built ahead by benchmarks/prebuild.sh and carried in .tkcache/ are loaded instead of built.
+[ -d .tkcache ] && : "${TK_INDUCTOR_CACHE_DIR:=$PWD/.tkcache}"
 export PYTHONUNBUFFERED=1 TK_INDUCTOR_CACHE_DIR=${TK_INDUCTOR_CACHE_DIR:-/tmp/tkcache}
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
