@@ -55,6 +55,11 @@ struct Bwd {
   // partial (fewer registers is not an issue there, and N=64 keeps one panel).
   static constexpr bool DQ_SPLIT_COLS = (D == 128);
   static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
+  // Consumer c's staged dQ block: DQ_BOXES boxes of 32 fp32 columns, box bx at column dq_col(c, bx) and row
+  // dq_row(c) of the q tile in dq_accum.
+  static constexpr int DQ_BOXES = DQ_COLS / 32;
+  __device__ static constexpr int dq_col(int c, int bx) { return (DQ_SPLIT_COLS ? 64 * c : 0) + 32 * bx; }
+  __device__ static constexpr int dq_row(int) { return 0; }
 };
 
 // Shared memory of a backward block (Bwd or BwdWide): the resident K and V, the (Q, dO) ring, the dS^T
@@ -99,6 +104,14 @@ struct BwdParams {
   float* dq_accum;     // (B*Hq, Npad, D)
   void* dk;            // (B, Hkv, M, D)
   void* dv;
+};
+
+// A backward block's place: batch b, kv head hk, keys [n0, n0 + BN), and its steps: one (Q, dO) tile per q
+// block from mb_start on, for every query head of the GQA group (step it: head it / steps_per_head).
+struct BwdBlock {
+  int b, hk, n0, mb_start, steps_per_head, steps;
+  __device__ __forceinline__ int mb(int it) const { return mb_start + it % steps_per_head; }  // q block of step it
+  __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / steps_per_head; }
 };
 
 // 2^x by the MUFU alone: exp2f adds a range fix-up around it for results
@@ -147,13 +160,54 @@ __device__ __forceinline__ void dq_writer(int steps, int lane, Reduce&& reduce) 
   if (lane == 0) bulk_wait_all();
 }
 
+// The producer warpgroup of both backward kernels. Thread 0 loads the block's K and V once, then streams the
+// steps' (Q, dO) tiles (STATS: and their lse2/delta rows) through the ring; WRITER: warp 1 runs dq_writer.
+template <class K_>
+__device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdParams& p,
+                                             const BwdBlock& blk, const CUtensorMap* qmap,
+                                             const CUtensorMap* kmap, const CUtensorMap* vmap,
+                                             const CUtensorMap* domap, const CUtensorMap* dqmap, int tid) {
+  constexpr int BM = K_::BM, BN = K_::BN, STAGES = K_::STAGES;
+  reg_dealloc<K_::WRITER ? 32 : 24>();  // 32 + 2 x 240 = 512 registers per thread triple: the whole file
+  if (tid == 0) {
+    bar_expect_tx(sm.kv_full, 2 * K_::KV_BYTES);
+#pragma unroll
+    for (int pn = 0; pn < K_::PANELS; ++pn) {
+      tma_load_4d(sm.sK + pn * BN * 128, kmap, sm.kv_full, pn * 64, blk.n0, blk.hk, blk.b);
+      tma_load_4d(sm.sV + pn * BN * 128, vmap, sm.kv_full, pn * 64, blk.n0, blk.hk, blk.b);
+    }
+    for (int it = 0; it < blk.steps; ++it) {
+      const int mb = blk.mb(it), h = blk.head(it, p);
+      const int s = it % STAGES;
+      bar_wait(&sm.q_empty[s], ((it / STAGES) & 1) ^ 1);
+      bar_expect_tx(&sm.q_full[s], 2 * K_::Q_BYTES + K_::STATS_BYTES);
+      if constexpr (K_::STATS) load_stats<BM>(sm.sStats + s * 2 * BM, p, blk.b * p.Hq + h, mb * BM, &sm.q_full[s]);
+#pragma unroll
+      for (int pn = 0; pn < K_::PANELS; ++pn) {
+        tma_load_4d(sm.sQ + s * K_::Q_BYTES + pn * BM * 128, qmap, &sm.q_full[s], pn * 64, mb * BM, h, blk.b);
+        tma_load_4d(sm.sdO + s * K_::Q_BYTES + pn * BM * 128, domap, &sm.q_full[s], pn * 64, mb * BM, h, blk.b);
+      }
+    }
+  }
+  if constexpr (K_::WRITER) {
+    if (tid / 32 == 1)
+      dq_writer<K_::NC>(blk.steps, tid % 32, [&](int it, int c) {
+        const int bh = (blk.b * p.Hkv + blk.hk) * p.group + it / blk.steps_per_head;  // b * Hq + head
+#pragma unroll
+        for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
+          tma_reduce_add_3d(dqmap, sm.sdQ + c * K_::DQ_BUFS * K_::DQ_STAGE_BYTES + bx * 8192, K_::dq_col(c, bx),
+                            blk.mb(it) * BM + K_::dq_row(c), bh);
+      });
+  }
+}
+
 template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool WRITER_ = false>
 __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
   using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>;
-  constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES, PANELS = K_::PANELS;
+  constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
   // dQ staging: [NC][64 cols / 32][64 rows][32 fp32], 128-byte swizzle
@@ -175,40 +229,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>::THR
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    reg_dealloc<K_::WRITER ? 32 : 24>();  // 32 + 2 x 240 = 512 registers per thread triple: the whole file
-    if (tid == 0) {
-      bar_expect_tx(kv_full, 2 * K_::KV_BYTES);
-#pragma unroll
-      for (int pn = 0; pn < PANELS; ++pn) {
-        tma_load_4d(sK + pn * BN * 128, &kmap, kv_full, pn * 64, n0, hk, b);
-        tma_load_4d(sV + pn * BN * 128, &vmap, kv_full, pn * 64, n0, hk, b);
-      }
-      for (int it = 0; it < steps; ++it) {
-        const int g = it / steps_per_head;
-        const int mb = mb_start + it % steps_per_head;
-        const int h = hk * p.group + g;
-        const int s = it % STAGES;
-        bar_wait(&q_empty[s], ((it / STAGES) & 1) ^ 1);
-        bar_expect_tx(&q_full[s], 2 * K_::Q_BYTES + K_::STATS_BYTES);
-        if constexpr (K_::STATS) load_stats<BM>(sm.sStats + s * 2 * BM, p, b * p.Hq + h, mb * BM, &q_full[s]);
-#pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn) {
-          tma_load_4d(sQ + s * K_::Q_BYTES + pn * BM * 128, &qmap, &q_full[s], pn * 64, mb * BM, h, b);
-          tma_load_4d(sdO + s * K_::Q_BYTES + pn * BM * 128, &domap, &q_full[s], pn * 64, mb * BM, h, b);
-        }
-      }
-    }
-    if constexpr (K_::WRITER) {
-      if (tid / 32 == 1)
-        dq_writer<NC>(steps, tid % 32, [&](int it, int c) {
-          const int i0 = (mb_start + it % steps_per_head) * BM;
-          const int bh = (b * p.Hkv + hk) * p.group + it / steps_per_head;
-#pragma unroll
-          for (int bx = 0; bx < K_::DQ_COLS / 32; ++bx)
-            tma_reduce_add_3d(&dqmap, sdQ + c * K_::DQ_STAGE_BYTES + bx * 8192,
-                              (K_::DQ_SPLIT_COLS ? 64 * c : 0) + 32 * bx, i0, bh);
-        });
-    }
+    bwd_producer<K_>(sm, p, BwdBlock{b, hk, n0, mb_start, steps_per_head, steps}, &qmap, &kmap, &vmap, &domap,
+                     &dqmap, tid);
     return;
   }
 
@@ -404,8 +426,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>::THR
     named_bar_sync(3 + c, 128);
     if (tid == 0) {
 #pragma unroll
-      for (int bx = 0; bx < K_::DQ_COLS / 32; ++bx)
-        tma_reduce_add_3d(&dqmap, stage + bx * 8192, (K_::DQ_SPLIT_COLS ? 64 * c : 0) + 32 * bx, i0, bh);
+      for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
+        tma_reduce_add_3d(&dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
       bulk_commit();
     }
   };
@@ -461,6 +483,7 @@ struct BwdWide {
   static_assert(!(DQ2 && WRITER), "the dQ writer frees one stage at a time");
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
+  static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
   static constexpr int THREADS = (NC + 1) * 128;
   static_assert(BN == 64 * NC && BM == 64 * NC, "each consumer owns 64 keys and 64 dQ rows");
   static constexpr int KV_BYTES = BN * D * 2;
@@ -468,6 +491,9 @@ struct BwdWide {
   static constexpr int DS_PANEL = BN * 128;           // [BN keys][64 queries]
   static constexpr int DS_BYTES = (BM / 64) * DS_PANEL;
   static constexpr int DQ_STAGE_BYTES = 64 * D * 4;   // per consumer: its 64 rows, fp32
+  static constexpr int DQ_BOXES = 2;                  // as in Bwd: consumer c owns rows [64c, 64c + 64)
+  __device__ static constexpr int dq_col(int, int bx) { return 32 * bx; }
+  __device__ static constexpr int dq_row(int c) { return 64 * c; }
   static constexpr int DS_BUFS = 2;
   static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES +
                               STAGES * STATS_BYTES + 1024 + 256;
@@ -507,33 +533,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, WRITER_>::TH
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    reg_dealloc<K_::WRITER ? 32 : 24>();  // 32 + 2 x 240 = 512 registers per thread triple: the whole file
-    if (tid == 0) {
-      bar_expect_tx(kv_full, 2 * K_::KV_BYTES);
-      tma_load_4d(sK, &kmap, kv_full, 0, n0, hk, b);
-      tma_load_4d(sV, &vmap, kv_full, 0, n0, hk, b);
-      for (int it = 0; it < steps; ++it) {
-        const int g = it / steps_per_head;
-        const int mb = mb_start + it % steps_per_head;
-        const int h = hk * p.group + g;
-        const int s = it % STAGES;
-        bar_wait(&q_empty[s], ((it / STAGES) & 1) ^ 1);
-        bar_expect_tx(&q_full[s], 2 * K_::Q_BYTES + K_::STATS_BYTES);
-        if constexpr (K_::STATS) load_stats<BM>(sm.sStats + s * 2 * BM, p, b * p.Hq + h, mb * BM, &q_full[s]);
-        tma_load_4d(sQ + s * K_::Q_BYTES, &qmap, &q_full[s], 0, mb * BM, h, b);
-        tma_load_4d(sdO + s * K_::Q_BYTES, &domap, &q_full[s], 0, mb * BM, h, b);
-      }
-    }
-    if constexpr (K_::WRITER) {
-      if (tid / 32 == 1)
-        dq_writer<NC>(steps, tid % 32, [&](int it, int c) {
-          const int i0 = (mb_start + it % steps_per_head) * BM;
-          const int bh = (b * p.Hkv + hk) * p.group + it / steps_per_head;
-#pragma unroll
-          for (int bx = 0; bx < 2; ++bx)
-            tma_reduce_add_3d(&dqmap, sdQ + c * K_::DQ_BUFS * K_::DQ_STAGE_BYTES + bx * 8192, 32 * bx, i0 + 64 * c, bh);
-        });
-    }
+    bwd_producer<K_>(sm, p, BwdBlock{b, hk, n0, mb_start, steps_per_head, steps}, &qmap, &kmap, &vmap, &domap,
+                     &dqmap, tid);
     return;
   }
 
@@ -687,7 +688,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, WRITER_>::TH
     named_bar_sync(3 + c, 128);
     if (tid == 0) {
 #pragma unroll
-      for (int bx = 0; bx < 2; ++bx) tma_reduce_add_3d(&dqmap, stage + bx * 8192, 32 * bx, i0 + 64 * c, bh);
+      for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
+        tma_reduce_add_3d(&dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
       bulk_commit();
     }
   }
