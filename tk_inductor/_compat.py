@@ -2,10 +2,9 @@
 Inductor. Each one checks for the bug itself, so it does nothing on versions that have the fix."""
 from __future__ import annotations
 
+import functools
 import inspect
 import re
-
-_applied: set[str] = set()
 
 
 def patch_cantsplit(simd=None) -> bool:
@@ -36,9 +35,10 @@ def patch_cantsplit(simd=None) -> bool:
 
     cls.__init__ = __init__
     cls._tk_defaults = True
-    _applied.add("cantsplit")
     return True
 
 
+@functools.cache
 def apply() -> None:
+    """Once per process (the checks read torch's sources): called before every Inductor compile."""
     patch_cantsplit()
