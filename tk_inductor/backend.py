@@ -81,17 +81,15 @@ def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     rewrite.apply(gm, cfg)
     token = _in_backend.set(True)
     try:
-        if cfg.inner == "aot_eager":
-            from torch._dynamo.backends.debugging import aot_eager
+        from torch._dynamo.backends.debugging import aot_eager
 
+        if cfg.inner == "aot_eager":
             return aot_eager(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
         from . import _compat
 
         _compat.apply()
-        from torch._dynamo.backends.debugging import aot_eager
-
         key = None if cfg.strict else _graph_key(gm, example_inputs, patches)
         if key in _inductor_failures:
             return aot_eager(gm, example_inputs)
