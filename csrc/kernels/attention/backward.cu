@@ -31,11 +31,10 @@ constexpr int BWD_STAGES = 2;
 // stage (1-D bulk copies on the stage's barrier), so the consumers read them
 // from shared memory instead of waiting on global loads right after S^T; and
 // P = 2^x by the MUFU alone (ex2_ftz), as in the wide kernel.
-// WRITER: see dq_writer.
-template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool WRITER_ = false>
+template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_, STATS = STATS_, WRITER = WRITER_;
+  static constexpr bool DS2 = DS2_, STATS = STATS_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
@@ -131,44 +130,15 @@ __device__ __forceinline__ void load_stats(float* dst, const BwdParams& p, int b
   bulk_load_1d(dst + BM, p.delta + row, BM * 4, bar);
 }
 
-// WRITER (FA3's arrangement): warp 1 of the producer warpgroup adds the
-// consumers' staged dQ blocks into dq_accum. Consumer c waits on DQ_EMPTY + c
-// (the stage was read: usually long done) and only arrives on DQ_FULL + c
-// after staging, instead of its thread 0 waiting for the previous bulk read
-// and the warpgroup syncing twice around the stage. Named barriers of one
-// consumer warpgroup plus this warp; reduce(it, c) issues step it's bulk
-// reduce-adds of consumer c's stage.
-constexpr int DQ_EMPTY_BAR = 5, DQ_FULL_BAR = 7, DQ_BAR_THREADS = 128 + 32;
-template <int NC, typename Reduce>
-__device__ __forceinline__ void dq_writer(int steps, int lane, Reduce&& reduce) {
-  if (steps == 0) return;  // no consumer waits: leave the barriers untouched
-#pragma unroll
-  for (int c = 0; c < NC; ++c) named_bar_arrive(DQ_EMPTY_BAR + c, DQ_BAR_THREADS);
-  for (int it = 0; it < steps; ++it) {
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      named_bar_sync(DQ_FULL_BAR + c, DQ_BAR_THREADS);
-      if (lane == 0) {
-        reduce(it, c);
-        bulk_commit();
-        bulk_wait_read();
-      }
-      __syncwarp();
-      if (it + 1 < steps) named_bar_arrive(DQ_EMPTY_BAR + c, DQ_BAR_THREADS);  // one arrive per consumer wait
-    }
-  }
-  if (lane == 0) bulk_wait_all();
-}
-
 // The producer warpgroup of both backward kernels. Thread 0 loads the block's K and V once, then streams the
-// steps' (Q, dO) tiles (STATS: and their lse2/delta rows) through the ring; WRITER: warp 1 runs dq_writer.
+// steps' (Q, dO) tiles (STATS: and their lse2/delta rows) through the ring.
 template <class K_>
 __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdParams& p,
                                              const BwdBlock& blk, const CUtensorMap* qmap,
                                              const CUtensorMap* kmap, const CUtensorMap* vmap,
-                                             const CUtensorMap* domap, const CUtensorMap* dqmap, int tid) {
+                                             const CUtensorMap* domap, int tid) {
   constexpr int BM = K_::BM, BN = K_::BN, STAGES = K_::STAGES;
-  reg_dealloc<K_::WRITER ? 32 : 24>();  // 32 + 2 x 240 = 512 registers per thread triple: the whole file
+  reg_dealloc<24>();
   if (tid == 0) {
     bar_expect_tx(sm.kv_full, 2 * K_::KV_BYTES);
 #pragma unroll
@@ -189,24 +159,14 @@ __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdPar
       }
     }
   }
-  if constexpr (K_::WRITER) {
-    if (tid / 32 == 1)
-      dq_writer<K_::NC>(blk.steps, tid % 32, [&](int it, int c) {
-        const int bh = (blk.b * p.Hkv + blk.hk) * p.group + it / blk.steps_per_head;  // b * Hq + head
-#pragma unroll
-        for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
-          tma_reduce_add_3d(dqmap, sm.sdQ + c * K_::DQ_BUFS * K_::DQ_STAGE_BYTES + bx * 8192, K_::dq_col(c, bx),
-                            blk.mb(it) * BM + K_::dq_row(c), bh);
-      });
-  }
 }
 
-template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool WRITER_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>::THREADS, 1)
+template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -230,7 +190,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>::THR
 
   if (wg == 0) {  // ---------------- producer ----------------
     bwd_producer<K_>(sm, p, BwdBlock{b, hk, n0, mb_start, steps_per_head, steps}, &qmap, &kmap, &vmap, &domap,
-                     &dqmap, tid);
+                     tid);
     return;
   }
 
@@ -403,12 +363,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>::THR
     // memory and let the TMA unit add it into dq_accum (rows past N land in
     // its padding), so no atomics sit on the consumers' critical path.
     uint8_t* stage = sdQ + c * K_::DQ_STAGE_BYTES;
-    if constexpr (K_::WRITER) {
-      named_bar_sync(DQ_EMPTY_BAR + c, DQ_BAR_THREADS);  // the writer warp has read the previous block
-    } else {
-      if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
-      named_bar_sync(3 + c, 128);
-    }
+    if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
+    named_bar_sync(3 + c, 128);
 #pragma unroll
     for (int ch = 0; ch < K_::DQ_COLS / 8; ++ch) {
 #pragma unroll
@@ -419,10 +375,6 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>::THR
       }
     }
     fence_async_smem();
-    if constexpr (K_::WRITER) {
-      named_bar_arrive(DQ_FULL_BAR + c, DQ_BAR_THREADS);
-      return;
-    }
     named_bar_sync(3 + c, 128);
     if (tid == 0) {
 #pragma unroll
@@ -475,12 +427,11 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, WRITER_>::THR
 // DQ2: the dQ stage is double-buffered per consumer, so the wait for the
 // previous reduce to have read it (of step it - 2 now) moves before the
 // step's CTA-wide barrier and the staging needs one named barrier, not two.
-// STATS, WRITER: as in Bwd (WRITER without DQ2: the writer waits for each read).
-template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false, bool WRITER_ = false>
+// STATS: as in Bwd.
+template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DQ2 = DQ2_, STATS = STATS_, WRITER = WRITER_;
-  static_assert(!(DQ2 && WRITER), "the dQ writer frees one stage at a time");
+  static constexpr bool DQ2 = DQ2_, STATS = STATS_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
@@ -504,12 +455,12 @@ struct BwdWide {
 // shared-memory source.
 __device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 
-template <typename T, int STAGES_, bool DQ2_, bool STATS_, bool WRITER_>
-__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, WRITER_>::THREADS, 1)
+template <typename T, int STAGES_, bool DQ2_, bool STATS_>
+__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                               const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, WRITER_>;
+  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
@@ -534,7 +485,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, WRITER_>::TH
 
   if (wg == 0) {  // ---------------- producer ----------------
     bwd_producer<K_>(sm, p, BwdBlock{b, hk, n0, mb_start, steps_per_head, steps}, &qmap, &kmap, &vmap, &domap,
-                     &dqmap, tid);
+                     tid);
     return;
   }
 
@@ -665,9 +616,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, WRITER_>::TH
     // Stage this consumer's 64 x 64 fp32 rows and let the TMA unit add them
     // into dq_accum (rows past N land in its padding).
     uint8_t* stage = sdQ + (c * K_::DQ_BUFS + (K_::DQ2 ? (it & 1) : 0)) * K_::DQ_STAGE_BYTES;
-    if constexpr (K_::WRITER) {
-      named_bar_sync(DQ_EMPTY_BAR + c, DQ_BAR_THREADS);  // the writer warp has read the previous block
-    } else if constexpr (!K_::DQ2) {
+    if constexpr (!K_::DQ2) {
       if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
       named_bar_sync(3 + c, 128);
     }
@@ -681,10 +630,6 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, WRITER_>::TH
       }
     }
     fence_async_smem();
-    if constexpr (K_::WRITER) {
-      named_bar_arrive(DQ_FULL_BAR + c, DQ_BAR_THREADS);
-      continue;
-    }
     named_bar_sync(3 + c, 128);
     if (tid == 0) {
 #pragma unroll
@@ -786,9 +731,8 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 // (64-row q tiles; PIPE, STAGES, DBUF = DS2), Kind::Wide =
 // attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
-template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool WRITER = false>
+template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false>
 struct BwdCfg {
-  static constexpr bool writer = WRITER;
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
   static constexpr int stages = STAGES;
@@ -841,13 +785,13 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   decltype(&attention_bwd_kernel<T, D, false, 2, false>) kern;
   if constexpr (WIDE) {
-    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::writer>;
-    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::writer>;
+    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::writer>;
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::writer>;
+    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -869,34 +813,33 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // sweep validated; 2 and 3 differ per head dim: D = 64 runs the wide kernel
 // (128-row q tiles; 3: dQ stage double-buffered), D = 128 the 64-row kernel
 // with dS^T double-buffered (3: and a 3-stage ring). 4 adds STATS (lse2 and
-// delta through the ring stage) to 0 (D = 128) or 2 (D = 64); 5 is 4 with the
-// dQ writer warp (WRITER). DEFAULT: what -1
-// (unset) runs. H200 sweeps (RESULTS.md): 1 gained nothing; at D64 the wide
+// delta through the ring stage) to 0 (D = 128) or 2 (D = 64). DEFAULT: what
+// -1 (unset) runs. H200 sweeps (RESULTS.md): 1 gained nothing; at D64 the wide
 // kernel with the double-buffered dQ stage (3) is 1.2-1.3x the 64-row one
-// (0.72-0.88x cuDNN vs 0.59-0.68x); at D128, 2 and 3 gained nothing.
+// (0.72-0.88x cuDNN vs 0.59-0.68x); at D128, 2 and 3 gained nothing. 4 is the
+// fastest at both head dims (bwd-only vs cuDNN: D128 0.84-0.88x, b0 0.80-0.83x;
+// D64 0.78-0.90x, b3 0.80-0.87x, ahead in 3 of the 4 cases).
 template <int D>
 struct BwdVariants;
 template <>
 struct BwdVariants<128> {
-  static constexpr int DEFAULT = 0;
+  static constexpr int DEFAULT = 4;
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
   using V3 = BwdCfg<Kind::Tile64, false, 3, true>;
   using V4 = BwdCfg<Kind::Tile64, false, 2, false, true>;
-  using V5 = BwdCfg<Kind::Tile64, false, 2, false, true, true>;
 };
 template <>
 struct BwdVariants<64> {
-  static constexpr int DEFAULT = 3;
+  static constexpr int DEFAULT = 4;
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Wide, false, 2>;
   using V3 = BwdCfg<Kind::Wide, false, 2, true>;
   using V4 = BwdCfg<Kind::Wide, false, 2, false, true>;  // V3 + STATS does not fit in shared memory
-  using V5 = BwdCfg<Kind::Wide, false, 2, false, true, true>;
 };
-constexpr int BWD_VARIANTS = 6;
+constexpr int BWD_VARIANTS = 5;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -910,8 +853,7 @@ int bwd_bm(int D, int variant) {
            : variant == 1 ? Vs::V1::BM
            : variant == 2 ? Vs::V2::BM
            : variant == 3 ? Vs::V3::BM
-           : variant == 4 ? Vs::V4::BM
-                          : Vs::V5::BM;
+                          : Vs::V4::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -941,8 +883,7 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 1 ? TK_ATTN_BWD_V(T, D, V1)                                                                \
    : variant == 2 ? TK_ATTN_BWD_V(T, D, V2)                                                                \
    : variant == 3 ? TK_ATTN_BWD_V(T, D, V3)                                                                \
-   : variant == 4 ? TK_ATTN_BWD_V(T, D, V4)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V5))
+                  : TK_ATTN_BWD_V(T, D, V4))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
