@@ -30,24 +30,38 @@ def kernel(name: str):
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def check(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
-    """Input validation for ops called directly: a clear Python error, never a device crash."""
+def check(condition: bool, message, error: type[Exception] = ValueError) -> None:
+    """Input validation for ops called directly: a clear Python error, never a device crash. `message` is a string
+    or, where it formats values, a lambda making it: the checks run on every op call and formatting costs more than
+    checking."""
     if not condition:
-        raise error(message)
+        raise error(message() if callable(message) else message)
+
+
+def broadcasts_to(shape, target) -> bool:
+    """Whether `shape` broadcasts to exactly `target`. Plain ints are compared directly: torch.broadcast_shapes
+    is symbolic-shape aware and costs ~10 us a call, paid on every op call at run time."""
+    shape, target = tuple(shape), tuple(target)
+    if all(type(s) is int for s in shape + target):
+        return len(shape) <= len(target) and all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
+    try:  # symbolic sizes (fake tensors while tracing): torch's own rules, which guard correctly
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def check_operands(op: str, layout: str, **operands) -> None:
     """The named operands are tensors of one floating dtype on one device, each of rank len(layout.split(', '))."""
     rank = len(layout.split(", "))
     for name, t in operands.items():
-        check(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
-        check(t.dim() == rank, f"{op}: {name} must be {rank}-D ({layout}), got shape {tuple(t.shape)}")
-        check(t.dtype in FLOATS, f"{op}: {name} dtype {t.dtype} is not a floating type", TypeError)
+        check(isinstance(t, torch.Tensor), lambda: f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
+        check(t.dim() == rank, lambda: f"{op}: {name} must be {rank}-D ({layout}), got shape {tuple(t.shape)}")
+        check(t.dtype in FLOATS, lambda: f"{op}: {name} dtype {t.dtype} is not a floating type", TypeError)
     names, ts = ", ".join(operands), list(operands.values())
     check(all(t.dtype == ts[0].dtype for t in ts),
-          f"{op}: {names} dtypes differ ({', '.join(str(t.dtype) for t in ts)})", TypeError)
+          lambda: f"{op}: {names} dtypes differ ({', '.join(str(t.dtype) for t in ts)})", TypeError)
     check(all(t.device == ts[0].device for t in ts),
-          f"{op}: {names} devices differ ({', '.join(str(t.device) for t in ts)})")
+          lambda: f"{op}: {names} devices differ ({', '.join(str(t.device) for t in ts)})")
 
 
 def has_kernel(name: str) -> bool:

@@ -34,6 +34,7 @@ reference fallback there is for direct calls and reference mode.
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -60,15 +61,16 @@ def kernel_supports(dtype: torch.dtype, head_dim) -> str | None:
 def _validate(q, k, v, scale, op: str = "tk::attention") -> None:
     check = _dispatch.check
     _dispatch.check_operands(op, "B, H, N, D", q=q, k=k, v=v)
-    check(k.shape == v.shape, f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    check(k.shape == v.shape, lambda: f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     B, Hq, _, D = q.shape
-    check(k.shape[0] == B, f"{op}: batch of k/v ({k.shape[0]}) differs from q's ({B})")
-    check(k.shape[3] == D, f"{op}: head dim of k/v ({k.shape[3]}) differs from q's ({D})")
+    check(k.shape[0] == B, lambda: f"{op}: batch of k/v ({k.shape[0]}) differs from q's ({B})")
+    check(k.shape[3] == D, lambda: f"{op}: head dim of k/v ({k.shape[3]}) differs from q's ({D})")
     Hkv = k.shape[1]
-    check(Hkv >= 1 and Hq % Hkv == 0, f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    check(Hkv >= 1 and Hq % Hkv == 0, lambda: f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     check(k.shape[2] >= 1 or q.shape[2] == 0 or B == 0 or Hq == 0,
-          f"{op}: keys must not be empty (softmax over zero keys is undefined), got k shape {tuple(k.shape)}")
-    check(isinstance(scale, (int, float)) and math.isfinite(scale), f"{op}: scale must be a finite float, got {scale!r}",
+          lambda: f"{op}: keys must not be empty (softmax over zero keys is undefined), got k shape {tuple(k.shape)}")
+    check(isinstance(scale, (int, float)) and math.isfinite(scale),
+          lambda: f"{op}: scale must be a finite float, got {scale!r}",
           TypeError if not isinstance(scale, (int, float)) else ValueError)
 
 
@@ -77,13 +79,14 @@ def _validate_backward(grad_o, q, k, v, o, lse, scale) -> None:
     _validate(q, k, v, scale, op)
     check = _dispatch.check
     for name, t in (("grad_o", grad_o), ("o", o), ("lse", lse)):
-        check(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
-        check(t.device == q.device, f"{op}: {name} is on {t.device}, q on {q.device}")
+        check(isinstance(t, torch.Tensor), lambda: f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
+        check(t.device == q.device, lambda: f"{op}: {name} is on {t.device}, q on {q.device}")
     for name, t in (("grad_o", grad_o), ("o", o)):
-        check(t.shape == q.shape, f"{op}: {name} shape {tuple(t.shape)} must equal q's {tuple(q.shape)}")
-        check(t.dtype == q.dtype, f"{op}: {name} dtype {t.dtype} differs from q's {q.dtype}", TypeError)
-    check(lse.shape == q.shape[:3], f"{op}: lse shape {tuple(lse.shape)} must be (B, Hq, N) = {tuple(q.shape[:3])}")
-    check(lse.dtype == torch.float32, f"{op}: lse must be float32, got {lse.dtype}", TypeError)
+        check(t.shape == q.shape, lambda: f"{op}: {name} shape {tuple(t.shape)} must equal q's {tuple(q.shape)}")
+        check(t.dtype == q.dtype, lambda: f"{op}: {name} dtype {t.dtype} differs from q's {q.dtype}", TypeError)
+    check(lse.shape == q.shape[:3],
+          lambda: f"{op}: lse shape {tuple(lse.shape)} must be (B, Hq, N) = {tuple(q.shape[:3])}")
+    check(lse.dtype == torch.float32, lambda: f"{op}: lse must be float32, got {lse.dtype}", TypeError)
 
 
 # ---------------------------------------------------------------------------- reference
@@ -223,6 +226,7 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 
 NEG_BIG = torch.finfo(torch.float16).min  # additive values at or below this vanish in softmax (as the matcher's)
 _kinds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # mask tensor (or its base) -> {view key: kind}
+masked_paths: collections.Counter = collections.Counter()  # tk::attention_masked calls by path, and value checks
 
 
 def _mask_key(mask: torch.Tensor, N: int, M: int) -> tuple:
@@ -257,6 +261,7 @@ def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
     if valid is not None:
         is_causal, is_full = is_causal & valid, is_full & valid
     c, f = torch.stack((is_causal, is_full)).tolist()
+    masked_paths["value checks"] += 1  # each one waits for the GPU
     kind = "full" if f else ("causal" if c else None)
     _kinds.setdefault(owner, {})[key] = kind
     return kind
@@ -264,16 +269,13 @@ def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
 
 def _validate_mask(q, k, mask, op: str) -> None:
     check = _dispatch.check
-    check(isinstance(mask, torch.Tensor), f"{op}: mask must be a tensor, got {type(mask).__name__}", TypeError)
+    check(isinstance(mask, torch.Tensor), lambda: f"{op}: mask must be a tensor, got {type(mask).__name__}", TypeError)
     check(mask.dtype == torch.bool or mask.dtype in _dispatch.FLOATS,
-          f"{op}: mask must be bool or floating, got {mask.dtype}", TypeError)
-    check(mask.device == q.device, f"{op}: mask is on {mask.device}, q on {q.device}")
+          lambda: f"{op}: mask must be bool or floating, got {mask.dtype}", TypeError)
+    check(mask.device == q.device, lambda: f"{op}: mask is on {mask.device}, q on {q.device}")
     scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    try:
-        ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, scores) == scores
-    except RuntimeError:
-        ok = False
-    check(ok, f"{op}: mask shape {tuple(mask.shape)} does not broadcast to the scores {scores}")
+    check(mask.dim() <= 4 and _dispatch.broadcasts_to(mask.shape, scores),
+          lambda: f"{op}: mask shape {tuple(mask.shape)} does not broadcast to the scores {scores}")
 
 
 def _masked_sdpa(q, k, v, mask, scale):
@@ -302,6 +304,7 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if q.numel() == 0:
         return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
     kind = _masked_path(q, k, v, mask)
+    masked_paths[kind or "sdpa"] += 1
     if kind is not None:
         return attention(q, k, v, kind == "causal", scale)
     o = _empty_out(q)

@@ -19,8 +19,9 @@ FAMILY = "gemm"
 def _validate(a, b, op: str = "tk::gemm") -> None:
     check = _dispatch.check
     _dispatch.check_operands(op, "rows, cols", a=a, b=b)
-    check(a.shape[1] == b.shape[0], f"{op}: inner dims differ: {tuple(a.shape)} @ {tuple(b.shape)}")
-    check(min(a.shape[0], a.shape[1], b.shape[1]) >= 1, f"{op}: M, N, K must be >= 1, got {tuple(a.shape)} @ {tuple(b.shape)}")
+    check(a.shape[1] == b.shape[0], lambda: f"{op}: inner dims differ: {tuple(a.shape)} @ {tuple(b.shape)}")
+    check(min(a.shape[0], a.shape[1], b.shape[1]) >= 1,
+          lambda: f"{op}: M, N, K must be >= 1, got {tuple(a.shape)} @ {tuple(b.shape)}")
 
 
 def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -69,9 +70,10 @@ def configured(a: torch.Tensor, b: torch.Tensor, stages: int, tma_store: bool, o
     """The CUDA kernel in a given configuration (see CONFIGS): the ablation. Needs CUDA bf16 inputs and built kernels."""
     _validate(a, b, "tk::gemm configured")
     _dispatch.check((stages, bool(tma_store), bool(overlap)) in CONFIGS,
-                    f"tk::gemm configured: (stages, tma_store, overlap) must be one of {CONFIGS}")
+                    lambda: f"tk::gemm configured: (stages, tma_store, overlap) must be one of {CONFIGS}")
     _dispatch.check(a.dtype == torch.bfloat16 and a.is_cuda, "tk::gemm configured: needs CUDA bfloat16 inputs")
-    _dispatch.check(_dispatch.use_kernel(FAMILY, a, b), f"tk::gemm configured: kernels unavailable: {_failure()}", RuntimeError)
+    _dispatch.check(_dispatch.use_kernel(FAMILY, a, b),
+                    lambda: f"tk::gemm configured: kernels unavailable: {_failure()}", RuntimeError)
     return torch.ops.tk_cuda.gemm_config(a, b, stages, bool(tma_store), bool(overlap))
 
 

@@ -29,20 +29,21 @@ _EMPTY_RNG = (2,)
 def _check(x, residual, weight, bias, rng, eps, p, rms) -> None:
     check = _dispatch.check
     check(isinstance(x, torch.Tensor), "tk::layernorm: x must be a tensor", TypeError)
-    check(x.dtype in DTYPES, f"tk::layernorm: x dtype must be one of {DTYPES}, got {x.dtype}", TypeError)
+    check(x.dtype in DTYPES, lambda: f"tk::layernorm: x dtype must be one of {DTYPES}, got {x.dtype}", TypeError)
     check(x.dim() >= 1, "tk::layernorm: x must have at least one dimension")
     hidden = x.shape[-1]
     check(hidden % 8 == 0 and 0 < hidden <= MAX_HIDDEN,
-          f"tk::layernorm: hidden size must be a multiple of 8 in [8, {MAX_HIDDEN}], got {hidden}")
+          lambda: f"tk::layernorm: hidden size must be a multiple of 8 in [8, {MAX_HIDDEN}], got {hidden}")
     for name, t, shape in (("residual", residual, tuple(x.shape)), ("weight", weight, (hidden,)), ("bias", bias, (hidden,))):
         if t is None:
             continue
-        check(t.dtype == x.dtype, f"tk::layernorm: {name} dtype {t.dtype} must equal x dtype {x.dtype}", TypeError)
-        check(t.device == x.device, f"tk::layernorm: {name} is on {t.device}, x on {x.device}")
-        check(tuple(t.shape) == shape, f"tk::layernorm: {name} must have shape {shape}, got {tuple(t.shape)}")
+        check(t.dtype == x.dtype,
+              lambda: f"tk::layernorm: {name} dtype {t.dtype} must equal x dtype {x.dtype}", TypeError)
+        check(t.device == x.device, lambda: f"tk::layernorm: {name} is on {t.device}, x on {x.device}")
+        check(tuple(t.shape) == shape, lambda: f"tk::layernorm: {name} must have shape {shape}, got {tuple(t.shape)}")
     check(not (rms and bias is not None), "tk::layernorm: RMSNorm takes no bias")
-    check(eps >= 0.0, f"tk::layernorm: eps must be >= 0, got {eps}")
-    check(0.0 <= p < 1.0, f"tk::layernorm: dropout p must be in [0, 1), got {p}")
+    check(eps >= 0.0, lambda: f"tk::layernorm: eps must be >= 0, got {eps}")
+    check(0.0 <= p < 1.0, lambda: f"tk::layernorm: dropout p must be in [0, 1), got {p}")
     if rng is not None:
         check(rng.device.type == "cpu" and rng.dtype == torch.int64 and rng.numel() == 2,
               "tk::layernorm: rng must be a CPU int64 tensor (seed, offset)")

@@ -51,24 +51,30 @@ REFERENCE_CHUNK = 64
 def _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps) -> None:
     check = _dispatch.check
     _dispatch.check_operands("tk::linear_attention", "B, H, N, d", q=q, k=k, v=v)
-    check(q.shape == k.shape, f"tk::linear_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
-    check(v.shape[:3] == q.shape[:3], f"tk::linear_attention: v {tuple(v.shape)} must share (B, H, N) with q {tuple(q.shape)}")
-    check(feature_map in FEATURE_MAPS, f"tk::linear_attention: feature_map {feature_map!r} not in {FEATURE_MAPS}")
-    check(math.isfinite(scale), f"tk::linear_attention: scale must be finite, got {scale}")
-    check(eps >= 0 and math.isfinite(eps), f"tk::linear_attention: eps must be finite and >= 0, got {eps}")
+    check(q.shape == k.shape,
+          lambda: f"tk::linear_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
+    check(v.shape[:3] == q.shape[:3],
+          lambda: f"tk::linear_attention: v {tuple(v.shape)} must share (B, H, N) with q {tuple(q.shape)}")
+    check(feature_map in FEATURE_MAPS,
+          lambda: f"tk::linear_attention: feature_map {feature_map!r} not in {FEATURE_MAPS}")
+    check(math.isfinite(scale), lambda: f"tk::linear_attention: scale must be finite, got {scale}")
+    check(eps >= 0 and math.isfinite(eps), lambda: f"tk::linear_attention: eps must be finite and >= 0, got {eps}")
     if feature_map != "hedgehog":
         check(q_weight is None and k_weight is None,
-              f"tk::linear_attention: feature map {feature_map!r} takes no weights (only 'hedgehog' does)")
+              lambda: f"tk::linear_attention: feature map {feature_map!r} takes no weights (only 'hedgehog' does)")
         return
     H, dk = q.shape[1], q.shape[3]
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        check(isinstance(w, torch.Tensor), f"tk::linear_attention: 'hedgehog' needs {name} (a tensor)", TypeError)
+        check(isinstance(w, torch.Tensor),
+              lambda: f"tk::linear_attention: 'hedgehog' needs {name} (a tensor)", TypeError)
         check(w.dim() in (2, 3) and (w.dim() == 2 or w.shape[0] == H) and w.shape[-2] == dk,
-              f"tk::linear_attention: {name} must be (H={H}, dk={dk}, f) or (dk={dk}, f), got {tuple(w.shape)}")
-        check(w.dtype in _dispatch.FLOATS, f"tk::linear_attention: {name} dtype {w.dtype} is not a float type", TypeError)
-        check(w.device == q.device, f"tk::linear_attention: {name} is on {w.device}, q on {q.device}")
+              lambda: f"tk::linear_attention: {name} must be (H={H}, dk={dk}, f) or (dk={dk}, f), got {tuple(w.shape)}")
+        check(w.dtype in _dispatch.FLOATS,
+              lambda: f"tk::linear_attention: {name} dtype {w.dtype} is not a float type", TypeError)
+        check(w.device == q.device, lambda: f"tk::linear_attention: {name} is on {w.device}, q on {q.device}")
     check(q_weight.shape[-1] == k_weight.shape[-1],
-          f"tk::linear_attention: q_weight and k_weight feature sizes differ ({q_weight.shape[-1]} vs {k_weight.shape[-1]})")
+          lambda: f"tk::linear_attention: q_weight and k_weight feature sizes differ "
+                  f"({q_weight.shape[-1]} vs {k_weight.shape[-1]})")
 
 
 # ---------------------------------------------------------------------------- reference

@@ -22,26 +22,24 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _check(q, k, cos, sin, interleaved):
     check = _dispatch.check
     for name, t in (("q", q), ("cos", cos), ("sin", sin)) + ((("k", k),) if k is not None else ()):
-        check(isinstance(t, torch.Tensor), f"tk::rotary: {name} must be a tensor", TypeError)
-        check(t.dtype in DTYPES, f"tk::rotary: {name} dtype must be one of {DTYPES}, got {t.dtype}", TypeError)
-        check(t.dtype == q.dtype, f"tk::rotary: {name} dtype {t.dtype} must equal q dtype {q.dtype}", TypeError)
-        check(t.device == q.device, f"tk::rotary: {name} is on {t.device}, q on {q.device}")
-    check(1 <= q.dim() <= 4, f"tk::rotary: q must have 1 to 4 dimensions, got {q.dim()}")
-    check(cos.shape == sin.shape, f"tk::rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
+        check(isinstance(t, torch.Tensor), lambda: f"tk::rotary: {name} must be a tensor", TypeError)
+        check(t.dtype in DTYPES, lambda: f"tk::rotary: {name} dtype must be one of {DTYPES}, got {t.dtype}", TypeError)
+        check(t.dtype == q.dtype, lambda: f"tk::rotary: {name} dtype {t.dtype} must equal q dtype {q.dtype}", TypeError)
+        check(t.device == q.device, lambda: f"tk::rotary: {name} is on {t.device}, q on {q.device}")
+    check(1 <= q.dim() <= 4, lambda: f"tk::rotary: q must have 1 to 4 dimensions, got {q.dim()}")
+    check(cos.shape == sin.shape,
+          lambda: f"tk::rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
     rd, d = cos.shape[-1], q.shape[-1]
-    check(rd % 2 == 0 and 0 < rd <= d, f"tk::rotary: rotary_dim (cos.shape[-1] = {rd}) must be even and in [2, {d}]")
+    check(rd % 2 == 0 and 0 < rd <= d,
+          lambda: f"tk::rotary: rotary_dim (cos.shape[-1] = {rd}) must be even and in [2, {d}]")
     if interleaved:
-        check(d % 2 == 0, f"tk::rotary: interleaved rotation needs an even head dim, got {d}")
+        check(d % 2 == 0, lambda: f"tk::rotary: interleaved rotation needs an even head dim, got {d}")
     for name, x in (("q", q),) + ((("k", k),) if k is not None else ()):
-        check(x.dim() == q.dim() and x.shape[-1] == d, f"tk::rotary: {name} must have q's rank and head dim")
-        check(cos.dim() <= x.dim(), f"tk::rotary: cos has more dimensions than {name}")
+        check(x.dim() == q.dim() and x.shape[-1] == d, lambda: f"tk::rotary: {name} must have q's rank and head dim")
+        check(cos.dim() <= x.dim(), lambda: f"tk::rotary: cos has more dimensions than {name}")
         target = tuple(x.shape[:-1]) + (rd,)
-        try:
-            torch.broadcast_shapes(tuple(cos.shape), target)
-            ok = torch.broadcast_shapes(tuple(cos.shape), target) == target
-        except RuntimeError:
-            ok = False
-        check(ok, f"tk::rotary: cos/sin {tuple(cos.shape)} do not broadcast to {name}[..., :rotary_dim] {target}")
+        check(_dispatch.broadcasts_to(cos.shape, target),
+              lambda: f"tk::rotary: cos/sin {tuple(cos.shape)} do not broadcast to {name}[..., :rotary_dim] {target}")
 
 
 def _output(x: torch.Tensor, contiguous: bool) -> torch.Tensor:

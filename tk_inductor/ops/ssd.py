@@ -38,23 +38,26 @@ def _validate(x, dt, A, B, C, D, initial_state, chunk_size) -> None:
     for name, t in named:
         if t is None and name in ("D", "initial_state"):
             continue
-        check(isinstance(t, torch.Tensor), f"tk::ssd: {name} must be a tensor", TypeError)
-        check(t.dtype in _dispatch.FLOATS, f"tk::ssd: {name} dtype {t.dtype} is not a float type", TypeError)
-        check(t.device == x.device, f"tk::ssd: {name} is on {t.device}, x on {x.device}")
-    check(x.dim() == 4, f"tk::ssd: x must be (b, l, nh, p), got shape {tuple(x.shape)}")
+        check(isinstance(t, torch.Tensor), lambda: f"tk::ssd: {name} must be a tensor", TypeError)
+        check(t.dtype in _dispatch.FLOATS, lambda: f"tk::ssd: {name} dtype {t.dtype} is not a float type", TypeError)
+        check(t.device == x.device, lambda: f"tk::ssd: {name} is on {t.device}, x on {x.device}")
+    check(x.dim() == 4, lambda: f"tk::ssd: x must be (b, l, nh, p), got shape {tuple(x.shape)}")
     b, l, nh, p = x.shape
-    check(dt.shape == (b, l, nh), f"tk::ssd: dt must be (b, l, nh) = {(b, l, nh)}, got {tuple(dt.shape)}")
-    check(A.shape == (nh,), f"tk::ssd: A must be (nh,) = ({nh},), got {tuple(A.shape)}")
-    check(B.dim() == 4 and B.shape[:2] == (b, l), f"tk::ssd: B must be (b, l, ng, n) with (b, l) = {(b, l)}, got {tuple(B.shape)}")
-    check(C.shape == B.shape, f"tk::ssd: C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
+    check(dt.shape == (b, l, nh), lambda: f"tk::ssd: dt must be (b, l, nh) = {(b, l, nh)}, got {tuple(dt.shape)}")
+    check(A.shape == (nh,), lambda: f"tk::ssd: A must be (nh,) = ({nh},), got {tuple(A.shape)}")
+    check(B.dim() == 4 and B.shape[:2] == (b, l),
+          lambda: f"tk::ssd: B must be (b, l, ng, n) with (b, l) = {(b, l)}, got {tuple(B.shape)}")
+    check(C.shape == B.shape, lambda: f"tk::ssd: C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
     ng, n = B.shape[2], B.shape[3]
-    check(ng >= 1 and nh % ng == 0, f"tk::ssd: nh={nh} must be a multiple of the group count ng={ng}")
+    check(ng >= 1 and nh % ng == 0, lambda: f"tk::ssd: nh={nh} must be a multiple of the group count ng={ng}")
     if D is not None:
-        check(D.shape == (nh,), f"tk::ssd: D must be (nh,) = ({nh},), got {tuple(D.shape)}")
+        check(D.shape == (nh,), lambda: f"tk::ssd: D must be (nh,) = ({nh},), got {tuple(D.shape)}")
     if initial_state is not None:
         check(initial_state.shape == (b, nh, p, n),
-              f"tk::ssd: initial_state must be (b, nh, p, n) = {(b, nh, p, n)}, got {tuple(initial_state.shape)}")
-    check(isinstance(chunk_size, int) and chunk_size >= 1, f"tk::ssd: chunk_size must be a positive int, got {chunk_size}")
+              lambda: f"tk::ssd: initial_state must be (b, nh, p, n) = {(b, nh, p, n)}, "
+                      f"got {tuple(initial_state.shape)}")
+    check(isinstance(chunk_size, int) and chunk_size >= 1,
+          lambda: f"tk::ssd: chunk_size must be a positive int, got {chunk_size}")
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:
