@@ -6,6 +6,7 @@
 #   TESTS=0 SWEEPS="attn ln" SWEEP_ARGS_attn=--no-forward BENCH="--ops none" bash benchmarks/device.sh
 #                                                   # build + the variant sweeps (attention: backward only)
 #   TEST_K="not v0 and not v2" bash benchmarks/device.sh                       # a pytest -k filter for the GPU tests
+#   TEST_K=test_distributed DIST="ddp fsdp2" BENCH=none bash benchmarks/device.sh   # 2 GPUs: the engines (issue 7)
 # Baselines that travel as wheels (e.g. fla-core for the layernorm table): put them in .whl/ and carry it; they are
 # installed into /tmp/site first. Each step has its own time limit (seconds: TEST_TIMEOUT, SWEEP_TIMEOUT,
 # BENCH_TIMEOUT), so one slow step cannot take the whole call.
@@ -31,4 +32,9 @@ for sweep in ${SWEEPS:-}; do  # attn, ln, rot: python -m benchmarks.sweep_<name>
   OUT="$OUT" timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_$sweep ${!args:-} 2>&1 \
     | tee "$OUT/sweep_$sweep.log" | tail -40
 done
+for engine in ${DIST:-}; do  # ddp, fsdp2: benchmarks.distributed under torchrun, ours and torch.compile default
+  timeout ${DIST_TIMEOUT:-300} python3 -m torch.distributed.run --nproc-per-node "${NPROC:-2}" -m benchmarks.distributed \
+    --engine "$engine" --baseline ${DIST_ARGS:-} 2>&1 | tee "$OUT/dist_$engine.log" | grep -v DEBUG | tail -3
+done
+[ "${BENCH:-}" = none ] && exit 0
 timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks ${BENCH:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60

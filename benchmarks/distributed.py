@@ -70,6 +70,12 @@ def train(engine: str, backend: str | None, args) -> dict:
         fully_shard(model)
     torch._dynamo.reset()
     tk_inductor.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # frames_compiled is per run, not summed with an earlier run in this process
+    from tk_inductor.ops import attention as attention_op
+
+    attention_op.masked_paths.clear()
     # on the CPU the ops run their PyTorch references (reference mode), which is what the rewrite is checked with
     options = {"reference": True} if args.cpu else None
     compiled = torch.compile(model) if backend is None else torch.compile(model, backend=backend, options=options)
@@ -93,7 +99,9 @@ def train(engine: str, backend: str | None, args) -> dict:
             mean_loss /= world
         losses.append(float(mean_loss))
     steady = sorted(times[2:]) or times
-    from torch._dynamo.utils import counters
+    if args.profile:  # every rank steps (DDP and FSDP2 synchronise in it); rank 0 prints
+        _profile_step(compiled, opt, next(batches(args.global_batch, args.seq, 1, rank, world, device,
+                                                   vocab(args.cpu))), f"{engine} {backend or 'inductor'}", rank == 0)
 
     return {
         "engine": engine, "backend": backend or "inductor", "world": world, "losses": losses,
@@ -101,7 +109,29 @@ def train(engine: str, backend: str | None, args) -> dict:
         "step_ms": [round(t * 1e3, 1) for t in times],
         "replaced": tk_inductor.report().replaced, "kept": tk_inductor.report().kept,
         "frames_compiled": int(counters["stats"]["unique_graphs"]),
+        "masked_attention_paths": dict(attention_op.masked_paths),
     }
+
+
+def _profile_step(compiled, opt, ids, title: str, show: bool) -> None:
+    """One more step under the profiler (printed by rank 0): its wall time beside the table's "Self CUDA time total"
+    says whether the step waits on the CPU; the top rows say where one backend loses time to the other."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(compiled(ids).logits[:, :-1].flatten(0, 1).float(),
+                                                 ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    if not show:
+        return
+    print(f"--- profile {title}: step {wall * 1e3:.1f} ms wall (profiled)", flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=70), flush=True)
 
 
 def main(argv=None):
@@ -112,6 +142,7 @@ def main(argv=None):
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--baseline", action="store_true", help="also run torch.compile default under the same engine")
+    p.add_argument("--profile", action="store_true", help="profile one extra step per backend (rank 0, GPU only)")
     p.add_argument("--cpu", action="store_true", help="a tiny fp32 model on the CPU over gloo, ops in reference mode "
                                                       "(checks the graph splitting and the rewrite without GPUs)")
     args = p.parse_args(argv)

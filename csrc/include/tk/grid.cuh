@@ -2,6 +2,8 @@
 // task order (supergroups of row tiles, walked column by column, so consecutive blocks share
 // A rows and B columns while they are still in L2).
 #pragma once
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace tk::grid {
@@ -18,10 +20,22 @@ inline int sm_count() {
     return n;
 }
 
-// Blocks for a persistent kernel over `tasks` tasks: one per SM, never more than there are tasks.
+// Waves of a persistent grid (TK_GRID_WAVES, default 1). A persistent grid hands each block a fixed share of
+// the work, sized to the SMs; a kernel running beside it (NCCL's all-reduce or all-gather on another stream,
+// under DDP or FSDP) holds some SMs, and the blocks that do not fit wait to run their whole share after the
+// others. k waves launch k times the blocks, each with 1/k of the share, so such a wait costs at most 1/k.
+// Read on every launch (a benchmark switches it), clamped to [1, 4096].
+inline int waves() {
+    const char* s = std::getenv("TK_GRID_WAVES");
+    if (s == nullptr || *s == '\0') return 1;
+    const long k = std::strtol(s, nullptr, 10);
+    return k < 1 ? 1 : (k > 4096 ? 4096 : int(k));
+}
+
+// Blocks for a persistent kernel over `tasks` tasks: one per SM and wave, never more than there are tasks.
 inline int persistent_blocks(int tasks) {
-    const int sms = sm_count();
-    return tasks < sms ? (tasks > 0 ? tasks : 1) : sms;
+    const int blocks = sm_count() * waves();
+    return tasks < blocks ? (tasks > 0 ? tasks : 1) : blocks;
 }
 
 struct tile_index {

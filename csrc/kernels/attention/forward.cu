@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "attention.h"
+#include "tk/grid.cuh"
 #include "common.cuh"
 #include "tma.cuh"
 
@@ -647,7 +648,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   // Per device, so set on every launch (cheap).
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention forward kernel";
-  const int grid = std::min(p.tasks, num_sms);
+  const int grid = std::min(p.tasks, num_sms * tk::grid::waves());
   kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, p);
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention forward launch failed";
 }
