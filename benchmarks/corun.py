@@ -26,7 +26,8 @@ WAVES = ("1", "2", "4", "4096")  # 4096: one block per task (no persistence)
 
 
 def _ops(device):
-    import tk_inductor.ops  # noqa: F401  (registers torch.ops.tk)
+    import tk_inductor.ops.attention  # noqa: F401  (each module registers its torch.ops.tk ops)
+    import tk_inductor.ops.layernorm  # noqa: F401
 
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -57,27 +58,31 @@ def _ops(device):
     }
 
 
-def _time(fn, comm: torch.Tensor | None, stream: torch.cuda.Stream, iters: int = 30) -> float:
-    """Median event time of `fn` (µs); with `comm`, all-reduces of it run on `stream` the whole time."""
+def _time(fn, comm: torch.Tensor | None, stream: torch.cuda.Stream, iters: int = 40, reps: int = 3) -> float:
+    """GPU time of one call of `fn` (µs): median over `reps` of `iters` back-to-back calls between two events, queued
+    behind a sleeping kernel so that the launches never starve the GPU. With `comm`, all-reduces of it run on
+    `stream` the whole time."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
     works = []
-    if comm is not None:  # enqueued first, long enough to cover every timed call below
+    if comm is not None:  # enqueued first, long enough (~50 ms) to cover every timed call below
         with torch.cuda.stream(stream):
-            works = [dist.all_reduce(comm, async_op=True) for _ in range(24)]
+            works = [dist.all_reduce(comm, async_op=True) for _ in range(120)]
     times = []
-    for _ in range(iters):
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000_000)  # ~10 ms: the CPU queues all the calls meanwhile
         start.record()
-        fn()
+        for _ in range(iters):
+            fn()
         end.record()
         times.append((start, end))
     for work in works:
         work.wait()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times) * 1e3
+    return statistics.median(s.elapsed_time(e) for s, e in times) * 1e3 / iters
 
 
 def main():
