@@ -9,8 +9,8 @@ namespace tk_layernorm {
 namespace {
 
 // At least 1024 resident threads per SM (registers <= 64; 512 for fp32 rows): enough rows in flight to
-// cover HBM latency. STREAM: x, residual, h and y with the streaming cache hint (load_pack).
-template <typename T, class S, bool STREAM = false>
+// cover HBM latency.
+template <typename T, class S>
 __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::BLOCK) forward_kernel(ForwardArgs a) {
   __shared__ float smem[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -29,8 +29,8 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
     if (live && vi < nvec) {
-      xr[v] = load_pack<T, STREAM>(x + vi * 8);
-      if (res) rr[v] = load_pack<T, STREAM>(res + vi * 8);
+      xr[v] = load_pack(x + vi * 8);
+      if (res) rr[v] = load_pack(res + vi * 8);
     }
   }
   // The row lives in registers as T (half the registers of fp32 for 16-bit types); h is rounded to T
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
       // Statistics of the h that is stored and that eager would normalise: rounded to T.
       hp[v] = make_h(xr[v], rr[v], res != nullptr, drop, a.dropout.enabled, uint64_t(base) + uint64_t(vi) * 8);
       unpack(h, hp[v]);
-      if (res || a.dropout.enabled) store_pack<T, STREAM>(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
+      if (res || a.dropout.enabled) store_pack(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) h[i] = 0.f;
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
     if (vi >= nvec) continue;
     float out[8];
     norm_vec(out, hp[v], mean, rstd, wr[v], w != nullptr, br[v], b != nullptr);
-    store8<T, STREAM>(y + vi * 8, out);
+    store8(y + vi * 8, out);
   }
 }
 
@@ -112,27 +112,24 @@ cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 8 || args.hidden > kMaxHidden || args.rows < 0) return cudaErrorInvalidValue;
   if (args.rows == 0) return cudaSuccess;
   if (args.variant < 0 || args.variant >= kForwardVariants) return cudaErrorInvalidValue;
-  if (args.variant != 0 && args.variant != 4 && args.variant != 5 && args.variant != 7 && args.variant != 8) {
+  if (args.variant != 0 && args.variant != 4 && args.variant != 5 && args.variant != 7) {
     const cudaError_t err = pipe::forward(args, dtype, stream);
     if (err != cudaErrorNotSupported) return err;
   }
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    const auto launch_as = [&](auto s, auto stream_hint) {
+    const auto launch = [&](auto s) {
       using S = decltype(s);
       const int64_t blocks = (args.rows + S::ROWS - 1) / S::ROWS;
       if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-      forward_kernel<T, S, decltype(stream_hint)::value><<<unsigned(blocks), S::BLOCK, 0, stream>>>(args);
+      forward_kernel<T, S><<<unsigned(blocks), S::BLOCK, 0, stream>>>(args);
       return cudaGetLastError();
     };
-    const auto launch = [&](auto s) { return launch_as(s, std::false_type{}); };
     // 4, 5: the same kernel, one row per block (1 or 2 vectors per thread). 7: the legacy split, one row per
     // block (a warp per block up to hidden 1024: a block's slot frees as soon as its row is done).
     if (args.variant == 4) return with_row_split<1>(args.hidden, launch);
     if (args.variant == 5) return with_row_split<2>(args.hidden, launch);
     if (args.variant == 7) return with_split<false, 32>(args.hidden, launch);
-    // 8: 5 with the streaming cache hint on the activations.
-    if (args.variant == 8) return with_row_split<2>(args.hidden, [&](auto s) { return launch_as(s, std::true_type{}); });
     return with_split<false>(args.hidden, launch);
   });
 }

@@ -17,7 +17,7 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     many short blocks: the shape of torch.compile's kernel, which beat legacy at hidden 1024).
 //   forward 6: persistent, 2 stages, the row kept in shared memory only and w / b re-read: <= 64 registers.
 //   forward 7: legacy, its own split, one row per block (32-thread blocks up to hidden 1024).
-//   forward 8: 5 with the streaming (evict-first) cache hint on x, residual, h and y.
+//   tried and removed: forward 8, 5 with evict-first (.cs) x/residual/h/y, 89-93% of copy vs 5's 94-98% (H200, 2026-11-29).
 //   backward 1..3: persistent grid, rows staged 3 deep in shared memory with cp.async; 1 vector per thread
 //     with registers for 1024 resident threads per SM (1) or 768 (2); 2 vectors per thread, 512 threads (3).
 //   backward 4, 5: 4 vectors per thread (a warp per row up to hidden 1024: no block barrier per row),
@@ -26,7 +26,7 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     where a block holds several multi-warp rows; variant 3 elsewhere).
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
-constexpr int kForwardVariants = 9, kBackwardVariants = 7;
+constexpr int kForwardVariants = 8, kBackwardVariants = 7;
 // From the H200 sweeps (RESULTS.md): the legacy kernel with one row per block and 2 vectors per thread (5)
 // reached 94-98% of copy against 92-97% for legacy (0) and 85-90% for the pipe forwards; the 2-vector pipe
 // backward (3) reached 82-92% of copy against 47-65% for the legacy one (4, 5 and 6 within 2% of it).

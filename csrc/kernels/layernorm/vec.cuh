@@ -28,32 +28,24 @@ struct alignas(8 * sizeof(T)) Pack8 {
   uint32_t w[2 * sizeof(T)];
 };
 
-// Read-only data (inputs of a kernel) goes through the non-coherent path. STREAM: data touched once
-// (activations, not weights) is loaded and stored with the evict-first "streaming" hint (ld/st .cs), as
-// Inductor does with evict_first, so it does not push reused data out of the caches.
-template <typename T, bool STREAM = false>
+// Read-only data (inputs of a kernel) goes through the non-coherent path.
+template <typename T>
 __device__ __forceinline__ Pack8<T> load_pack(const T* src) {
   Pack8<T> p;
   const uint4* s = reinterpret_cast<const uint4*>(src);
 #pragma unroll
   for (int i = 0; i < int(sizeof(T)) / 2; ++i) {
-    const uint4 q = STREAM ? __ldcs(s + i) : __ldg(s + i);
+    const uint4 q = __ldg(s + i);
     p.w[4 * i] = q.x, p.w[4 * i + 1] = q.y, p.w[4 * i + 2] = q.z, p.w[4 * i + 3] = q.w;
   }
   return p;
 }
 
-template <typename T, bool STREAM = false>
+template <typename T>
 __device__ __forceinline__ void store_pack(T* dst, const Pack8<T>& p) {
   uint4* d = reinterpret_cast<uint4*>(dst);
 #pragma unroll
-  for (int i = 0; i < int(sizeof(T)) / 2; ++i) {
-    const uint4 q = make_uint4(p.w[4 * i], p.w[4 * i + 1], p.w[4 * i + 2], p.w[4 * i + 3]);
-    if constexpr (STREAM)
-      __stcs(d + i, q);
-    else
-      d[i] = q;
-  }
+  for (int i = 0; i < int(sizeof(T)) / 2; ++i) d[i] = make_uint4(p.w[4 * i], p.w[4 * i + 1], p.w[4 * i + 2], p.w[4 * i + 3]);
 }
 
 template <typename T>
@@ -98,9 +90,9 @@ __device__ __forceinline__ void load8(float (&dst)[8], const T* src) {
   unpack(dst, load_pack(src));
 }
 
-template <typename T, bool STREAM = false>
+template <typename T>
 __device__ __forceinline__ void store8(T* dst, const float (&src)[8]) {
-  store_pack<T, STREAM>(dst, pack<T>(src));
+  store_pack(dst, pack<T>(src));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
