@@ -114,24 +114,58 @@ def train(engine: str, backend: str | None, args) -> dict:
 
 
 def _profile_step(compiled, opt, ids, title: str, show: bool) -> None:
-    """One more step under the profiler (printed by rank 0): its wall time beside the table's "Self CUDA time total"
-    says whether the step waits on the CPU; the top rows say where one backend loses time to the other."""
+    """Two more steps under the profiler, printed by rank 0. The first traces the CPU too: the table's top rows
+    say where one backend spends more device time. The second records only the GPU's activity, so the host runs
+    near its normal speed: the step's span against the time some kernel is running, and the longest idle gaps
+    with the kernels around them, say where the GPU waits for the host (a sync, or launches falling behind)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
+    def step():
         loss = torch.nn.functional.cross_entropy(compiled(ids).logits[:, :-1].flatten(0, 1).float(),
                                                  ids[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+    with profile(activities=[ProfilerActivity.CUDA]) as gpu_only:
+        start = time.perf_counter()
+        step()
         wall = time.perf_counter() - start
     if not show:
         return
-    print(f"--- profile {title}: step {wall * 1e3:.1f} ms wall (profiled)", flush=True)
+    print(f"--- profile {title}", flush=True)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=70), flush=True)
+    print(_gaps(gpu_only.events(), wall), flush=True)
+
+
+def _gaps(events, wall: float, top: int = 10) -> str:
+    """Busy time (the union of all device activity, every stream) and the longest idle gaps of one step."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return "no device activity recorded"
+    busy, gaps = 0.0, []
+    cur_start, cur_end, cur_name = spans[0]
+    for s, e, name in spans[1:]:
+        if s > cur_end:
+            busy += cur_end - cur_start
+            gaps.append((s - cur_end, cur_name, name))
+            cur_start, cur_end = s, e
+        elif e > cur_end:
+            cur_end = e
+        if e >= cur_end:
+            cur_name = name
+    busy += cur_end - cur_start
+    span = spans[-1][1] - spans[0][0]
+    lines = [f"GPU-only trace: step {wall * 1e3:.1f} ms wall, device span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms "
+             f"({len(gaps)} idle gaps, {sum(g for g, _, _ in gaps) / 1e3:.1f} ms); longest gaps:"]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap:8.1f} us  after {before[:60]}  before {after[:60]}")
+    return "\n".join(lines)
 
 
 def main(argv=None):

@@ -100,3 +100,22 @@ def test_plot_series_drop_the_words_that_change_along_x():
     assert _series(Row("rotary", "B16 H16 N4096 D128 rotary_dim 32 fwd", "eager", 1.0, 1.0, "GB/s", 128)) == (
         "fwd", "eager H16 rotary_dim 32")
     assert _series(Row("gemm", "4096^3", "cublas", 1.0, 1.0, "TFLOPS", 4096)) == ("", "cublas")
+
+
+def test_distributed_gap_summary_merges_streams_and_ranks_gaps():
+    import types
+
+    import torch
+
+    from benchmarks.distributed import _gaps
+
+    def event(start, end, name):
+        return types.SimpleNamespace(time_range=types.SimpleNamespace(start=start, end=end), name=name,
+                                     device_type=torch.autograd.DeviceType.CUDA)
+
+    # b overlaps a (two streams), d lies inside c: two gaps, 40 us after c, 30 us after b
+    text = _gaps([event(0, 10, "a"), event(5, 20, "b"), event(50, 60, "c"), event(55, 58, "d"),
+                  event(100, 101, "e")], wall=0.001)
+    assert "2 idle gaps" in text
+    lines = text.splitlines()[1:]
+    assert "40.0 us  after c  before e" in lines[0] and "30.0 us  after b  before c" in lines[1]
