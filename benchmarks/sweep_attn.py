@@ -12,6 +12,10 @@ csrc/kernels/attention/README.md) in one process:
    (its forward+backward minus its forward), N = 2048, 8192; one child
    process per backward variant as well.
 
+`--tokens 4096` times B*N = 4096 instead (N = 2048 only): a per-GPU training
+shape, where the forward's persistent grid has few tasks per SM. Kernel
+switches in the environment (TK_GRID_WAVES, ...) reach every child.
+
 Each variant runs in its own child process with a time limit, so a variant
 that hangs or crashes the context costs only its own results. Prints PASS/FAIL
 lines, one table, and writes $OUT/sweep_attn.json.
@@ -42,8 +46,17 @@ VARIANT_NAMES = {  # must match FwdVariants in csrc/kernels/attention/forward.cu
 }
 LENGTHS = (1, 17, 1000, 4096)
 OUT_TOL, LSE_ATOL, GRAD_TOL = 1e-2, 2e-3, 2e-2
-TOKENS, HIDDEN = 65536, 2048
-TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))  # (D, N, causal)
+HIDDEN = 2048
+
+
+def _set_tokens(tokens: int) -> None:
+    """B*N of the timed cases, and the (D, N, causal) cases themselves (N <= B*N)."""
+    global TOKENS, TIMED, BWD_TIMED
+    TOKENS = tokens
+    TIMED = BWD_TIMED = list(itertools.product((128, 64), [n for n in (2048, 8192) if n <= tokens], (False, True)))
+
+
+_set_tokens(int(os.environ.get("SWEEP_ATTN_TOKENS", 65536)))  # --tokens; children read the variable
 CHILD_TIMEOUT_S = 40
 BWD_VARIANTS = (0, 1, 2, 3, 4)
 BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backward.cu
@@ -52,7 +65,6 @@ BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backwa
     64: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "wide BM128 S2", 3: "wide BM128 S2 dQ stage x2",
          4: "wide BM128 S2 lse/delta in smem"},
 }
-BWD_TIMED = list(itertools.product((128, 64), (2048, 8192), (False, True)))
 
 
 def set_variant(v: int | None) -> None:
@@ -364,7 +376,13 @@ def main(argv=None) -> int:
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-backward", action="store_true", help="skip the backward variants")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward variants")
+    ap.add_argument("--tokens", type=int, default=None, help="B*N of the timed cases (default 65536; >= 2048)")
     args = ap.parse_args(argv)
+    if args.tokens is not None:
+        if args.tokens < 2048:
+            ap.error("--tokens must be >= 2048")
+        os.environ["SWEEP_ATTN_TOKENS"] = str(args.tokens)  # for the children
+        _set_tokens(args.tokens)
     if (why := no_gpu()) is not None:
         print(f"python -m benchmarks.sweep_attn: {why}")
         return 2
