@@ -28,5 +28,14 @@ export PATH="$ENV_DIR/deps/bin:$PATH" PYTHONPATH="$ENV_DIR/torch:$ENV_DIR/deps:$
 "$PY" -c "import torch, sys; print('prebuild: torch', torch.__version__, 'CUDA', torch.version.cuda, 'Python', sys.version.split()[0])"
 "$PY" -m tk_inductor build
 find "$REPO/.tkcache" -type f ! -name '*.so' -delete
+# only the builds of these sources: older ones would push the folder past the device's 64 MiB carry limit
+"$PY" - <<'PY'
+import shutil
+from tk_inductor import build
+keep = {build.build_dir(f).name for f in build.families()}
+for d in build.cache_dir().iterdir():
+    if d.is_dir() and d.name not in keep:
+        shutil.rmtree(d)
+PY
 find "$REPO/.tkcache" -mindepth 1 -type d -empty -delete
 du -sh "$REPO/.tkcache"
