@@ -111,6 +111,62 @@ __device__ __forceinline__ void decode_task(const FwdParams& p, int t, int& bh, 
   qb = p.causal ? p.nq - 1 - rank : rank;
 }
 
+// The producer warpgroup of both forward kernels. Thread 0 walks the block's tasks in the consumers' order,
+// loads each task's Q tile and streams its K/V tiles through the ring. SPLIT_KV (ping-pong): K and V stages
+// are released separately and K_{j+1} goes before V_j, as the consumers' round j+1 waits for both; else K_j
+// and V_j share a stage and its empty barrier.
+template <class K_, bool SPLIT_KV>
+__device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, const FwdParams& p,
+                                             const CUtensorMap* qmap, const CUtensorMap* kmap,
+                                             const CUtensorMap* vmap, int tid) {
+  constexpr int BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
+  reg_dealloc<K_::C::REG_PROD>();
+  if (tid != 0) return;
+  tma_prefetch_desc(qmap);
+  tma_prefetch_desc(kmap);
+  tma_prefetch_desc(vmap);
+  int it = 0, ti = 0;  // K/V blocks and tasks so far: they give the ring's and Q's barrier phases
+  for (int t = blockIdx.x; t < p.tasks; t += gridDim.x, ++ti) {
+    int bh, qb;
+    decode_task(p, t, bh, qb);
+    const int b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+    const int m0 = qb * BM;
+    bar_wait(sm.q_empty, (ti & 1) ^ 1);
+    bar_expect_tx(sm.q_full, K_::Q_BYTES);
+#pragma unroll
+    for (int pn = 0; pn < PANELS; ++pn) tma_load_4d(sm.sQ + pn * BM * 128, qmap, sm.q_full, pn * 64, m0, h, b);
+    const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
+    const int nblk = (kv_end + BN - 1) / BN;
+    // Key block j of K or V into stage s.
+    auto issue = [&](uint64_t* full, uint8_t* ring, const CUtensorMap* map, int s, int j) {
+      bar_expect_tx(&full[s], K_::KV_BYTES);
+#pragma unroll
+      for (int pn = 0; pn < PANELS; ++pn)
+        tma_load_4d(ring + s * K_::KV_BYTES + pn * BN * 128, map, &full[s], pn * 64, j * BN, hk, b);
+    };
+    if constexpr (SPLIT_KV) {
+      auto load = [&](uint64_t* empty, uint64_t* full, uint8_t* ring, const CUtensorMap* map, int pos, int j) {
+        const int s = pos % STAGES;
+        bar_wait(&empty[s], ((pos / STAGES) & 1) ^ 1);
+        issue(full, ring, map, s, j);
+      };
+      load(sm.k_empty, sm.k_full, sm.sK, kmap, it, 0);
+      for (int j = 0; j < nblk; ++j) {
+        if (j + 1 < nblk) load(sm.k_empty, sm.k_full, sm.sK, kmap, it + j + 1, j + 1);
+        load(sm.v_empty, sm.v_full, sm.sV, vmap, it + j, j);
+      }
+      it += nblk;
+    } else {
+      for (int j = 0; j < nblk; ++j, ++it) {
+        const int s = it % STAGES;
+        bar_wait(&sm.k_empty[s], ((it / STAGES) & 1) ^ 1);
+        issue(sm.k_full, sm.sK, kmap, s, j);
+        issue(sm.v_full, sm.sV, vmap, s, j);
+      }
+    }
+  }
+}
+
 // Serial schedule (variant 0): each consumer runs QK^T -> softmax -> PV in
 // turn; only the other consumers' work overlaps it.
 template <typename T, typename Cfg>
@@ -118,8 +174,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     attention_fwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
   using K_ = Fwd<T, Cfg>;
-  constexpr int D = K_::D;
-  constexpr int BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
+  constexpr int D = K_::D, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM;
   extern __shared__ uint8_t smem_raw[];
   const FwdSmem<K_, false> sm(smem_raw);
   uint8_t *sQ = sm.sQ, *sK = sm.sK, *sV = sm.sV;
@@ -130,37 +185,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    reg_dealloc<Cfg::REG_PROD>();
-    if (tid == 0) {
-      tma_prefetch_desc(&qmap);
-      tma_prefetch_desc(&kmap);
-      tma_prefetch_desc(&vmap);
-      int it = 0, ti = 0;
-      for (int t = blockIdx.x; t < p.tasks; t += gridDim.x, ++ti) {
-        int bh, qb;
-        decode_task(p, t, bh, qb);
-        const int b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
-        const int m0 = qb * BM;
-        bar_wait(q_empty, (ti & 1) ^ 1);
-        bar_expect_tx(q_full, K_::Q_BYTES);
-#pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn) tma_load_4d(sQ + pn * BM * 128, &qmap, q_full, pn * 64, m0, h, b);
-        const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
-        const int nblk = (kv_end + BN - 1) / BN;
-        for (int j = 0; j < nblk; ++j, ++it) {
-          const int s = it % STAGES;
-          bar_wait(&kv_empty[s], ((it / STAGES) & 1) ^ 1);
-          bar_expect_tx(&k_full[s], K_::KV_BYTES);
-#pragma unroll
-          for (int pn = 0; pn < PANELS; ++pn)
-            tma_load_4d(sK + s * K_::KV_BYTES + pn * BN * 128, &kmap, &k_full[s], pn * 64, j * BN, hk, b);
-          bar_expect_tx(&v_full[s], K_::KV_BYTES);
-#pragma unroll
-          for (int pn = 0; pn < PANELS; ++pn)
-            tma_load_4d(sV + s * K_::KV_BYTES + pn * BN * 128, &vmap, &v_full[s], pn * 64, j * BN, hk, b);
-        }
-      }
-    }
+    fwd_producer<K_>(sm, p, &qmap, &kmap, &vmap, tid);
     return;
   }
 
@@ -436,7 +461,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
                             const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
   using K_ = Fwd<T, Cfg>;
   using S = PP<T, Cfg>;
-  constexpr int D = K_::D, NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
+  constexpr int D = K_::D, NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM;
   extern __shared__ uint8_t smem_raw[];
   // K and V stages are released separately: K as soon as its QK^T is done,
   // so the next K can land while V is still read by PV.
@@ -449,40 +474,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    reg_dealloc<Cfg::REG_PROD>();
-    if (tid == 0) {
-      tma_prefetch_desc(&qmap);
-      tma_prefetch_desc(&kmap);
-      tma_prefetch_desc(&vmap);
-      int it = 0, ti = 0;
-      for (int t = blockIdx.x; t < p.tasks; t += gridDim.x, ++ti) {
-        int bh, qb;
-        decode_task(p, t, bh, qb);
-        const int b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
-        const int m0 = qb * BM;
-        bar_wait(q_empty, (ti & 1) ^ 1);
-        bar_expect_tx(q_full, K_::Q_BYTES);
-#pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn) tma_load_4d(sQ + pn * BM * 128, &qmap, q_full, pn * 64, m0, h, b);
-        const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
-        const int nblk = (kv_end + BN - 1) / BN;
-        auto load = [&](uint64_t* empty, uint64_t* full, uint8_t* base, const CUtensorMap* map, int pos, int j) {
-          const int s = pos % STAGES;
-          bar_wait(&empty[s], ((pos / STAGES) & 1) ^ 1);
-          bar_expect_tx(&full[s], K_::KV_BYTES);
-#pragma unroll
-          for (int pn = 0; pn < PANELS; ++pn)
-            tma_load_4d(base + s * K_::KV_BYTES + pn * BN * 128, map, &full[s], pn * 64, j * BN, hk, b);
-        };
-        // Consumers need K_{j+1} before V_j (round j+1 issues both).
-        load(k_empty, k_full, sK, &kmap, it, 0);
-        for (int j = 0; j < nblk; ++j) {
-          if (j + 1 < nblk) load(k_empty, k_full, sK, &kmap, it + j + 1, j + 1);
-          load(v_empty, v_full, sV, &vmap, it + j, j);
-        }
-        it += nblk;
-      }
-    }
+    fwd_producer<K_>(sm, p, &qmap, &kmap, &vmap, tid);
     return;
   }
 
