@@ -47,13 +47,10 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc_w[v][i] = acc_b[v][i] = 0.f;
 
-  // 32-bit row indices (the host guarantees rows + (STAGES + 1) * step < 2^31): fewer registers.
   const int rows = int(a.rows);
-  const int groups = (rows + S::ROWS - 1) / S::ROWS;
-  const int iters = (groups - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);  // the same for the whole block
-  const int step = int(gridDim.x) * S::ROWS;
-  int row = int(blockIdx.x) * S::ROWS + int(threadIdx.x) / S::TPR;  // this iteration's row
-  int ahead = row;                                                   // the row the next issue loads
+  const auto [iters, step, first] = row_walk<S>(rows);
+  int row = first;    // this iteration's row
+  int ahead = first;  // the row the next issue loads
   // One commit group per iteration, empty past the end, so wait_group counts stay uniform.
   const auto issue = [&](int stage) {
     if (ahead < rows) {

@@ -88,14 +88,7 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
   const T* b = static_cast<const T*>(a.bias);
   T* y = static_cast<T*>(a.y) + base;
   Pack8<T> wr[S::VECS], br[S::VECS];
-#pragma unroll
-  for (int v = 0; v < S::VECS; ++v) {
-    const int vi = v * S::TPR + lane;
-    if (vi < nvec) {
-      if (w) wr[v] = load_pack(w + vi * 8);
-      if (b) br[v] = load_pack(b + vi * 8);
-    }
-  }
+  load_wb<T, S>(wr, br, w, b, lane, nvec);
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;

@@ -7,6 +7,20 @@
 namespace tk_layernorm {
 namespace {
 
+// Stage x (operand 0) and, when present, the residual (1) of the row starting at element `base`.
+template <typename T, class S, int STAGES>
+__device__ __forceinline__ void stage_row(const Staging<T, S, STAGES, false>& st, int stage, const T* x, const T* res,
+                                          int64_t base, int lane, int nvec) {
+#pragma unroll
+  for (int v = 0; v < S::VECS; ++v) {
+    const int vi = v * S::TPR + lane;
+    if (vi < nvec) {
+      st.copy(stage, 0, v, x + base + vi * 8);
+      if (res) st.copy(stage, 1, v, res + base + vi * 8);
+    }
+  }
+}
+
 // At least 512 resident threads per SM (256 for fp32): with the data in shared memory that is plenty of
 // bytes in flight, and the staging usually bounds occupancy first.
 template <typename T, class S>
@@ -27,42 +41,23 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinForwardBlocks<T, S>)) forward_p
   const T* w = static_cast<const T*>(a.weight);
   const T* b = static_cast<const T*>(a.bias);
   Pack8<T> wr[S::VECS], br[S::VECS];
-#pragma unroll
-  for (int v = 0; v < S::VECS; ++v) {
-    const int vi = v * S::TPR + lane;
-    if (vi < nvec) {
-      if (w) wr[v] = load_pack(w + vi * 8);
-      if (b) br[v] = load_pack(b + vi * 8);
-    }
-  }
+  load_wb<T, S>(wr, br, w, b, lane, nvec);
 
-  // 32-bit row indices (the host guarantees rows + (STAGES + 1) * step < 2^31): fewer registers.
   const int rows = int(a.rows);
-  const int groups = (rows + S::ROWS - 1) / S::ROWS;
-  const int iters = (groups - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);  // the same for the whole block
-  const int step = int(gridDim.x) * S::ROWS;
-  int row = int(blockIdx.x) * S::ROWS + int(threadIdx.x) / S::TPR;  // this iteration's row
-  int ahead = row;                                                   // the row the next issue loads
+  const auto [iters, step, first] = row_walk<S>(rows);
+  // stage is declared before row: the other order renumbers the PTX registers and changes this kernel's SASS.
+  int stage = 0;      // this iteration's stage
+  int row = first;    // this iteration's row
+  int ahead = first;  // the row the next issue loads
   // One commit group per iteration, empty past the end, so wait_group counts stay uniform.
-  const auto issue = [&](int stage) {
-    if (ahead < rows) {
-      const int64_t base = int64_t(ahead) * a.hidden;
-#pragma unroll
-      for (int v = 0; v < S::VECS; ++v) {
-        const int vi = v * S::TPR + lane;
-        if (vi < nvec) {
-          st.copy(stage, 0, v, x + base + vi * 8);
-          if (res) st.copy(stage, 1, v, res + base + vi * 8);
-        }
-      }
-    }
+  const auto issue = [&](int into) {
+    if (ahead < rows) stage_row(st, into, x, res, int64_t(ahead) * a.hidden, lane, nvec);
     cp_async_commit();
     ahead += step;
   };
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
-  int stage = 0;
 #pragma unroll 1
   for (int it = 0; it < iters; ++it, row += step) {
     // Refill the stage read in the previous iteration (only this thread reads its slots: no barrier).
@@ -129,25 +124,11 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinLeanBlocks<T, S>)) forward_lean
   const Staging<T, S, STAGES, false> st{staging_smem, res ? 2 : 1};
   const float inv_n = 1.f / float(a.hidden);
 
-  // 32-bit row indices (the host guarantees rows + (STAGES + 1) * step < 2^31): fewer registers.
   const int rows = int(a.rows);
-  const int groups = (rows + S::ROWS - 1) / S::ROWS;
-  const int iters = (groups - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);  // the same for the whole block
-  const int step = int(gridDim.x) * S::ROWS;
-  int row = int(blockIdx.x) * S::ROWS + int(threadIdx.x) / S::TPR;
-  int ahead = row;
+  const auto [iters, step, first] = row_walk<S>(rows);
+  int row = first, ahead = first;
   const auto issue = [&](int stage) {
-    if (ahead < rows) {
-      const int64_t base = int64_t(ahead) * a.hidden;
-#pragma unroll
-      for (int v = 0; v < S::VECS; ++v) {
-        const int vi = v * S::TPR + lane;
-        if (vi < nvec) {
-          st.copy(stage, 0, v, x + base + vi * 8);
-          if (res) st.copy(stage, 1, v, res + base + vi * 8);
-        }
-      }
-    }
+    if (ahead < rows) stage_row(st, stage, x, res, int64_t(ahead) * a.hidden, lane, nvec);
     cp_async_commit();
     ahead += step;
   };

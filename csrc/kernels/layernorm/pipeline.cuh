@@ -100,6 +100,21 @@ struct Staging {
   __device__ __forceinline__ void copy_stat(int stage, int k, const float* src) const { cp_async4(stat(stage, k), src); }
 };
 
+// This thread's walk over row groups in the persistent kernels: block b takes groups b, b + gridDim.x, ...
+// 32-bit row indices (the host guarantees rows + (STAGES + 1) * step < 2^31): fewer registers.
+struct RowWalk {
+  int iters;  // loop iterations, the same for the whole block
+  int step;   // rows from one iteration to the next
+  int first;  // this thread's row in the first iteration
+};
+
+template <class S>
+__device__ __forceinline__ RowWalk row_walk(int rows) {
+  const int groups = (rows + S::ROWS - 1) / S::ROWS;
+  return {(groups - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x), int(gridDim.x) * S::ROWS,
+          int(blockIdx.x) * S::ROWS + int(threadIdx.x) / S::TPR};
+}
+
 // Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory (0: it cannot run), and
 // the SM count. Cached per (kernel, smem, device): the queries cost microseconds, a small launch less.
 struct Residency {

@@ -48,6 +48,20 @@ __device__ __forceinline__ void norm_vec(float (&out)[8], const Pack8<T>& hp, fl
   }
 }
 
+// The w and b vectors of this thread's columns, into registers (left unset where absent or masked).
+template <typename T, class S>
+__device__ __forceinline__ void load_wb(Pack8<T> (&wr)[S::VECS], Pack8<T> (&br)[S::VECS], const T* w, const T* b,
+                                        int lane, int nvec) {
+#pragma unroll
+  for (int v = 0; v < S::VECS; ++v) {
+    const int vi = v * S::TPR + lane;
+    if (vi < nvec) {
+      if (w) wr[v] = load_pack(w + vi * 8);
+      if (b) br[v] = load_pack(b + vi * 8);
+    }
+  }
+}
+
 // (mean, rstd) of the row whose vectors this thread holds in hp (zero where masked or past the last row;
 // mean 0 for RMSNorm), in fp32, given the thread's `sum` of its hp (the caller sums while it builds hp:
 // a separate pass here made ptxas spill the legacy kernel). Every thread of the block calls it.
