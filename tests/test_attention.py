@@ -1071,3 +1071,21 @@ def test_hf_llama_per_layer_compile(impl):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     report = tk_inductor.report()
     assert report.replaced.get("attention", 0) >= 1 and not [r for f, r in report.kept if f == "attention"], str(report)
+
+
+def test_attention_masked_warns_once_when_the_kernel_cannot_take_the_mask(monkeypatch):
+    """Where the kernel would run but the mask is general, the SDPA fallback says so, once."""
+    monkeypatch.setattr(A, "_kernel_ok", lambda *tensors: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(A, "masked_paths", __import__("collections").Counter())
+    q, k, v = _inputs()
+    masks = _masks(8, 8)
+    with pytest.warns(UserWarning, match="neither causal nor all-visible"):
+        out, _ = torch.ops.tk.attention_masked(q, k, v, masks["padding"], 0.25)
+    torch.testing.assert_close(out, A._masked_sdpa(q, k, v, masks["padding"], 0.25))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.ops.tk.attention_masked(q, k, v, masks["random"], 0.25)  # said already
+    assert A.masked_paths["sdpa"] == 2 and A.masked_paths["value checks"] == 2

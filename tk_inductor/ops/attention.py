@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import math
+import warnings
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -292,7 +293,12 @@ def _masked_path(q, k, v, mask) -> str | None:
     """The kernel's mask kind, or None for the SDPA path."""
     if not _kernel_ok(q, k, v) or torch.cuda.is_current_stream_capturing():
         return None
-    return mask_kind(mask, q.shape[2], k.shape[2])
+    kind = mask_kind(mask, q.shape[2], k.shape[2])
+    if kind is None and not masked_paths["sdpa"]:  # once per process: the kernel could have run, but not this mask
+        warnings.warn("tk::attention_masked: the attention mask is neither causal nor all-visible, so SDPA runs "
+                      "instead of the kernel, and the backward recomputes the scores per batch entry (slower)",
+                      stacklevel=2)
+    return kind
 
 
 @torch.library.custom_op("tk::attention_masked", mutates_args=(),
