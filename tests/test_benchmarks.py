@@ -119,3 +119,17 @@ def test_distributed_gap_summary_merges_streams_and_ranks_gaps():
     assert "2 idle gaps" in text
     lines = text.splitlines()[1:]
     assert "40.0 us  after c  before e" in lines[0] and "30.0 us  after b  before c" in lines[1]
+
+
+def test_schedule_model_static_shares_and_dynamic_bound():
+    from benchmarks import schedule_model as m
+
+    costs = m.task_costs(2, 16, 2048, 128, 128, True)
+    assert len(costs) == 2 * 16 * 16 and max(costs) == 17.0 and min(costs) == 2.0
+    ideal = sum(costs) / m.SMS
+    # greedy list scheduling is within one task of the ideal; the static shares are never below the ideal
+    assert ideal <= m.dynamic_makespan(costs) <= ideal + max(costs) + 0.5
+    assert m.static_makespan(costs, 1) >= ideal
+    # decode_task visits every (head, query block) once
+    seen = {m.decode_task(t, 32, 16, 17, True) for t in range(512)}
+    assert len(seen) == 512
