@@ -118,6 +118,28 @@ def test_forward(ops, case, variant):
     torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
 
 
+def dynamic_cases():
+    """A quarter of the forward cases, the odd lengths, and tasks enough that blocks fetch several each."""
+    cases = forward_cases()
+    big = [(3, 8, 2, 4096, 4096, D, torch.bfloat16, causal) for D in (64, 128) for causal in (False, True)]
+    return cases[::4] + [c for c in cases if c[3] == 1000 and c[4] == 1000] + big
+
+
+@pytest.mark.parametrize("case", dynamic_cases(), ids=_id)
+def test_forward_dynamic_schedule(ops, case, variant, monkeypatch):
+    """TK_ATTN_FWD_SCHEDULE=dynamic: blocks take tasks from a counter; every task runs exactly once."""
+    monkeypatch.setenv("TK_ATTN_FWD_SCHEDULE", "dynamic")
+    test_forward(ops, case, variant)
+
+
+@pytest.mark.parametrize("value", ["x", "Dynamic"])
+def test_bad_schedule(ops, monkeypatch, value):
+    q, k, v = make_inputs(1, 4, 2, 64, 64, 64, torch.bfloat16)
+    monkeypatch.setenv("TK_ATTN_FWD_SCHEDULE", value)
+    with pytest.raises(RuntimeError, match="TK_ATTN_FWD_SCHEDULE"):
+        ops.attention(q, k, v, False, 0.125)
+
+
 @pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_forward_strides_and_scale(ops, layout, scale, variant):

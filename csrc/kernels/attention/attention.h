@@ -16,10 +16,12 @@ struct View4 {
 
 // o: (B, N, Hq, D) contiguous; lse: (B, Hq, N) fp32 contiguous.
 // variant: which forward kernel (0 .. attention_forward_variants() - 1, see
-// README.md), or -1 for the default. Returns nullptr on success, else a
-// static error string.
+// README.md), or -1 for the default. next_task: null for the static schedule,
+// or a zeroed device int for the dynamic one (TK_ATTN_FWD_SCHEDULE). Returns
+// nullptr on success, else a static error string.
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                              bool causal, float scale, int variant, int num_sms, cudaStream_t stream);
+                              bool causal, float scale, int variant, int num_sms, int* next_task,
+                              cudaStream_t stream);
 int attention_forward_variants();
 
 // Scratch sizes (bytes) the backward needs: fp32 dq accumulator, padded

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <torch/library.h>
 
@@ -76,6 +77,16 @@ int variant_from_env(const char* name, int count) {
   return static_cast<int>(v);
 }
 
+// TK_ATTN_FWD_SCHEDULE: "static" (unset: the default) or "dynamic" (forward.cu, dynamic_step). Read on every
+// call, like the variants.
+bool dynamic_schedule() {
+  const char* s = std::getenv("TK_ATTN_FWD_SCHEDULE");
+  if (s == nullptr || *s == '\0' || std::strcmp(s, "static") == 0) return false;
+  check(std::strcmp(s, "dynamic") == 0,
+        std::string("TK_ATTN_FWD_SCHEDULE must be 'static' or 'dynamic', got '") + s + "'");
+  return true;
+}
+
 int num_sms(const at::Tensor& t) {
   int n = 0;
   TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()) == cudaSuccess,
@@ -93,8 +104,12 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   at::Tensor o = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
   const int variant = variant_from_env("TK_ATTN_FWD_VARIANT", tk_attn::attention_forward_variants());
+  // The dynamic schedule's task counter: from the stream-ordered allocator, so launches on several streams
+  // never share one.
+  const at::Tensor next_task = dynamic_schedule() ? at::zeros({1}, q.options().dtype(at::kInt)) : at::Tensor();
   const char* err = tk_attn::attention_forward(dt, view(q), view(k), view(v), o.data_ptr(), lse.data_ptr<float>(),
                                                causal, static_cast<float>(scale), variant, num_sms(q),
+                                               next_task.defined() ? next_task.data_ptr<int>() : nullptr,
                                                c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention: ", err ? err : "");
   return {o, lse};

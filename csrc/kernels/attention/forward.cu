@@ -47,7 +47,7 @@ struct Fwd {
   static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
   static constexpr int SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + 1024 /*align*/ + 256 /*barriers*/;
   static_assert(SMEM <= 232448, "shared memory per block");
-  static_assert(2 + 4 * STAGES <= 32, "barriers fit their 256 bytes");
+  static_assert(2 + 4 * STAGES <= 31, "barriers fit their 256 bytes, less the task slot");
   static constexpr int S_REGS = BN / 2;  // 64 x BN fp32 accumulator per thread
   static constexpr int O_REGS = D / 2;
 };
@@ -59,6 +59,8 @@ template <class K_, bool SPLIT_EMPTY>
 struct FwdSmem {
   uint8_t *sQ, *sK, *sV;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice
   uint64_t *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
+  // dynamic schedule: the task the producer hands the consumers with q_full (the barriers' last 8 bytes)
+  __device__ __forceinline__ volatile int* task() const { return reinterpret_cast<volatile int*>(q_full + 31); }
   __device__ __forceinline__ explicit FwdSmem(uint8_t* raw) {
     sQ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
     sK = sQ + K_::Q_BYTES;
@@ -94,6 +96,7 @@ struct FwdParams {
   bool causal;
   void* o;
   float* lse;
+  int* next_task;  // dynamic schedule: the task counter, zero at launch (static schedule: unused)
 };
 
 // Task t -> (batch*head, query block). Heads are walked in sections small
@@ -111,11 +114,30 @@ __device__ __forceinline__ void decode_task(const FwdParams& p, int t, int& bh, 
   qb = p.causal ? p.nq - 1 - rank : rank;
 }
 
+// Which tasks a block runs. Static: blockIdx.x, + gridDim.x, ... Its shares end unevenly when there are few
+// tasks per SM or the section size resonates with the grid (benchmarks/schedule_model.py puts the slowest block
+// 1.2-1.4x over the mean at training batch sizes). DYN (TK_ATTN_FWD_SCHEDULE=dynamic): the producer takes its
+// next task from a global counter once it has issued the current one's loads, so blocks that finish early take
+// more; it hands each task to the consumers in shared memory, published by the arrive on q_full, and p.tasks
+// ends the block. The steps are written `t += DYN ? step : gridDim.x`, as the static loops always were: a helper
+// returning the static step changed the register allocation of the static ping-pong kernels.
+// The dynamic producer's step from task t to its next one.
+__device__ __forceinline__ unsigned dynamic_step(const FwdParams& p, int t) {
+  return unsigned(int(gridDim.x) + atomicAdd(p.next_task, 1) - t);
+}
+// The dynamic consumers' step from task t to the next one, which the producer hands over with q_full's phase ti
+// (the first task is blockIdx.x either way).
+template <class Smem>
+__device__ __forceinline__ unsigned consumer_step(const Smem& sm, int t, int ti) {
+  bar_wait(sm.q_full, ti & 1);
+  return unsigned(*sm.task() - t);
+}
+
 // The producer warpgroup of both forward kernels. Thread 0 walks the block's tasks in the consumers' order,
 // loads each task's Q tile and streams its K/V tiles through the ring. SPLIT_KV (ping-pong): K and V stages
 // are released separately and K_{j+1} goes before V_j, as the consumers' round j+1 waits for both; else K_j
 // and V_j share a stage and its empty barrier.
-template <class K_, bool SPLIT_KV>
+template <class K_, bool DYN, bool SPLIT_KV>
 __device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, const FwdParams& p,
                                              const CUtensorMap* qmap, const CUtensorMap* kmap,
                                              const CUtensorMap* vmap, int tid) {
@@ -126,12 +148,13 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, co
   tma_prefetch_desc(kmap);
   tma_prefetch_desc(vmap);
   int it = 0, ti = 0;  // K/V blocks and tasks so far: they give the ring's and Q's barrier phases
-  for (int t = blockIdx.x; t < p.tasks; t += gridDim.x, ++ti) {
+  for (int t = blockIdx.x; t < p.tasks; t += DYN ? dynamic_step(p, t) : gridDim.x, ++ti) {
     int bh, qb;
     decode_task(p, t, bh, qb);
     const int b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
     const int m0 = qb * BM;
     bar_wait(sm.q_empty, (ti & 1) ^ 1);
+    if constexpr (DYN) *sm.task() = t;
     bar_expect_tx(sm.q_full, K_::Q_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn) tma_load_4d(sm.sQ + pn * BM * 128, qmap, sm.q_full, pn * 64, m0, h, b);
@@ -165,11 +188,16 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, co
       }
     }
   }
+  if constexpr (DYN) {  // no task left: once the consumers are done with the last Q, say so
+    bar_wait(sm.q_empty, (ti & 1) ^ 1);
+    *sm.task() = p.tasks;
+    bar_arrive(sm.q_full);
+  }
 }
 
 // Serial schedule (variant 0): each consumer runs QK^T -> softmax -> PV in
 // turn; only the other consumers' work overlaps it.
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, bool DYN>
 __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     attention_fwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
@@ -185,7 +213,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    fwd_producer<K_>(sm, p, &qmap, &kmap, &vmap, tid);
+    fwd_producer<K_, DYN>(sm, p, &qmap, &kmap, &vmap, tid);
     return;
   }
 
@@ -199,7 +227,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV);
 
   int it = 0, ti = 0;
-  for (int t = blockIdx.x; t < p.tasks; t += gridDim.x, ++ti) {
+  for (int t = blockIdx.x; t < p.tasks; t += DYN ? consumer_step(sm, t, ti + 1) : gridDim.x, ++ti) {
     int bh, qb;
     decode_task(p, t, bh, qb);
     const int m0 = qb * BM;
@@ -455,7 +483,7 @@ struct PP {
   }
 };
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, bool DYN>
 __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     attention_fwd_pp_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
@@ -474,7 +502,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    fwd_producer<K_>(sm, p, &qmap, &kmap, &vmap, tid);
+    fwd_producer<K_, DYN>(sm, p, &qmap, &kmap, &vmap, tid);
     return;
   }
 
@@ -490,7 +518,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   if (c == NC - 1) S::turn_pass(c);  // warpgroup 0 takes the first turn
 
   int it = 0, ti = 0;
-  for (int t = blockIdx.x; t < p.tasks; t += gridDim.x, ++ti) {
+  for (int t = blockIdx.x; t < p.tasks; t += DYN ? consumer_step(sm, t, ti + 1) : gridDim.x, ++ti) {
     int bh, qb;
     decode_task(p, t, bh, qb);
     const int m0 = qb * BM;
@@ -608,9 +636,9 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   if (c == 0) S::turn_wait(c);  // consume the last warpgroup's final hand-over
 }
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, bool DYN>
 const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
-                       float scale, int num_sms, cudaStream_t stream) {
+                       float scale, int num_sms, int* next_task, cudaStream_t stream) {
   using K_ = Fwd<T, Cfg>;
   CUtensorMap qm, km, vm;
   if (const char* e = make_map(&qm, dt, q, K_::BM)) return e;
@@ -631,11 +659,12 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.causal = causal;
   p.o = o;
   p.lse = lse;
+  p.next_task = next_task;
   auto kern = [] {
     if constexpr (Cfg::PP)
-      return attention_fwd_pp_kernel<T, Cfg>;
+      return attention_fwd_pp_kernel<T, Cfg, DYN>;
     else
-      return attention_fwd_kernel<T, Cfg>;
+      return attention_fwd_kernel<T, Cfg, DYN>;
   }();
   // Per device, so set on every launch (cheap).
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
@@ -674,19 +703,27 @@ struct FwdVariants<64> {
   static constexpr int DEFAULT = 1, DEFAULT_CAUSAL = 3;
 };
 
+// next_task: the dynamic schedule's counter (zeroed), or null for the static schedule.
+template <typename T, typename Cfg>
+const char* launch_sched(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
+                         float scale, int num_sms, int* next_task, cudaStream_t stream) {
+  return next_task ? launch_fwd<T, Cfg, true>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream)
+                   : launch_fwd<T, Cfg, false>(dt, q, k, v, o, lse, causal, scale, num_sms, nullptr, stream);
+}
+
 template <typename T, int D>
 const char* launch_variant(int variant, DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                           bool causal, float scale, int num_sms, cudaStream_t stream) {
+                           bool causal, float scale, int num_sms, int* next_task, cudaStream_t stream) {
   using Vs = FwdVariants<D>;
   if (variant < 0) variant = causal ? Vs::DEFAULT_CAUSAL : Vs::DEFAULT;
   if (!(scale > 0.f)) variant = 0;
   switch (variant) {
-    case 0: return launch_fwd<T, typename Vs::V0>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
-    case 1: return launch_fwd<T, typename Vs::V1>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
-    case 2: return launch_fwd<T, typename Vs::V2>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
-    case 3: return launch_fwd<T, typename Vs::V3>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
-    case 4: return launch_fwd<T, typename Vs::V4>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
-    case 5: return launch_fwd<T, typename Vs::V5>(dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+    case 0: return launch_sched<T, typename Vs::V0>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+    case 1: return launch_sched<T, typename Vs::V1>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+    case 2: return launch_sched<T, typename Vs::V2>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+    case 3: return launch_sched<T, typename Vs::V3>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+    case 4: return launch_sched<T, typename Vs::V4>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+    case 5: return launch_sched<T, typename Vs::V5>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
     default: return "unknown attention forward variant";
   }
 }
@@ -696,15 +733,17 @@ const char* launch_variant(int variant, DType dt, const View4& q, const View4& k
 int attention_forward_variants() { return 6; }
 
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                              bool causal, float scale, int variant, int num_sms, cudaStream_t stream) {
+                              bool causal, float scale, int variant, int num_sms, int* next_task,
+                              cudaStream_t stream) {
+  const int n = num_sms;
   if (q.D == 128)
     return dt == DType::bf16
-               ? launch_variant<__nv_bfloat16, 128>(variant, dt, q, k, v, o, lse, causal, scale, num_sms, stream)
-               : launch_variant<__half, 128>(variant, dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+               ? launch_variant<__nv_bfloat16, 128>(variant, dt, q, k, v, o, lse, causal, scale, n, next_task, stream)
+               : launch_variant<__half, 128>(variant, dt, q, k, v, o, lse, causal, scale, n, next_task, stream);
   if (q.D == 64)
     return dt == DType::bf16
-               ? launch_variant<__nv_bfloat16, 64>(variant, dt, q, k, v, o, lse, causal, scale, num_sms, stream)
-               : launch_variant<__half, 64>(variant, dt, q, k, v, o, lse, causal, scale, num_sms, stream);
+               ? launch_variant<__nv_bfloat16, 64>(variant, dt, q, k, v, o, lse, causal, scale, n, next_task, stream)
+               : launch_variant<__half, 64>(variant, dt, q, k, v, o, lse, causal, scale, n, next_task, stream);
   return "head dim must be 64 or 128";
 }
 
