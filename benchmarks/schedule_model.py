@@ -6,7 +6,7 @@ The forward's persistent grid gives block b the tasks b, b + grid, ... in `decod
 in L2 sections of about 2 x SMs tasks, query blocks heaviest-first under causal). A task costs its K/V tiles plus
 about one tile for its Q load and epilogue. The table gives each schedule's makespan over the ideal (total / SMs):
 static with 1 or 2 waves (TK_GRID_WAVES; the hardware hands later blocks to the SMs that free up first), and a
-dynamic schedule where a free block takes the next task (an atomic counter; not implemented yet). It is a model:
+dynamic schedule where a free block takes the next task (an atomic counter: TK_ATTN_FWD_SCHEDULE=dynamic). A model:
 on the H200 at B2 H16 N2048 D128 causal it predicts 1 -> 2 waves 1.35x faster, and 1.27x was measured
 (benchmarks/RESULTS.md, "Kernels beside NCCL").
 """
