@@ -49,26 +49,25 @@ def task_costs(B: int, H: int, N: int, BM: int, BN: int, causal: bool, sms: int 
     return costs
 
 
-def static_makespan(costs: list[float], waves: int, sms: int = SMS, startup: float = 0.5) -> float:
-    grid = min(len(costs), sms * waves)
-    shares = [sum(costs[b::grid]) + startup for b in range(grid)]
-    free = [0.0] * sms  # blocks start in order on the SM that frees first
+def _list_schedule(jobs: list[float], sms: int, start: float = 0.0) -> float:
+    """Makespan of running the jobs in order, each on the SM that frees first (the hardware's block dispatch, or a
+    counter of tasks)."""
+    free = [start] * sms
     end = 0.0
-    for share in shares:
-        done = heapq.heappop(free) + share
+    for job in jobs:
+        done = heapq.heappop(free) + job
         end = max(end, done)
         heapq.heappush(free, done)
     return end
+
+
+def static_makespan(costs: list[float], waves: int, sms: int = SMS, startup: float = 0.5) -> float:
+    grid = min(len(costs), sms * waves)
+    return _list_schedule([sum(costs[b::grid]) + startup for b in range(grid)], sms)
 
 
 def dynamic_makespan(costs: list[float], sms: int = SMS, startup: float = 0.5) -> float:
-    free = [startup] * sms
-    end = 0.0
-    for cost in costs:
-        done = heapq.heappop(free) + cost
-        end = max(end, done)
-        heapq.heappush(free, done)
-    return end
+    return _list_schedule(costs, sms, start=startup)
 
 
 def main() -> None:
