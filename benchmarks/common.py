@@ -6,6 +6,7 @@ table and writes JSON and plots.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 from typing import Callable
@@ -13,6 +14,14 @@ from typing import Callable
 import torch
 
 L2_BYTES = 60 * 2**20  # H200: 60 MiB; inputs in the benchmarks are far larger or rotated
+# NVLink multicast stays off in every multi-GPU run (the device README: a program using it can put the host's GPUs
+# out of service); set before NCCL starts, and passed to child processes.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def multicast_off() -> None:
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
 
 
 @dataclasses.dataclass

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+from .common import multicast_off
+
+multicast_off()
 
 WAVES = ("1", "2", "4", "4096")  # 4096: one block per task (no persistence)
 

@@ -19,9 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+from .common import multicast_off
+
+multicast_off()
 
 
 def vocab(cpu: bool) -> int:
@@ -86,11 +86,7 @@ def train(engine: str, backend: str | None, args) -> dict:
     for step, ids in enumerate(batches(args.global_batch, args.seq, args.steps, rank, world, device, vocab(args.cpu))):
         sync()
         start = time.perf_counter()
-        logits = compiled(ids).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _step(compiled, opt, ids)
         sync()
         times.append(time.perf_counter() - start)
         mean_loss = loss.detach().clone()
@@ -113,6 +109,16 @@ def train(engine: str, backend: str | None, args) -> dict:
     }
 
 
+def _step(compiled, opt, ids) -> torch.Tensor:
+    """One training step (next-token loss, backward, AdamW); returns the loss."""
+    logits = compiled(ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def _profile_step(compiled, opt, ids, title: str, show: bool) -> None:
     """Two more steps under the profiler, printed by rank 0. The first traces the CPU too: the table's top rows
     say where one backend spends more device time. The second records only the GPU's activity, so the host runs
@@ -121,11 +127,7 @@ def _profile_step(compiled, opt, ids, title: str, show: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     def step():
-        loss = torch.nn.functional.cross_entropy(compiled(ids).logits[:, :-1].flatten(0, 1).float(),
-                                                 ids[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _step(compiled, opt, ids)
         torch.cuda.synchronize()
 
     torch.cuda.synchronize()

@@ -1078,6 +1078,7 @@ def test_attention_masked_warns_once_when_the_kernel_cannot_take_the_mask(monkey
     monkeypatch.setattr(A, "_kernel_ok", lambda *tensors: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(A, "masked_paths", __import__("collections").Counter())
+    monkeypatch.setattr(A, "_warned_sdpa", False)
     q, k, v = _inputs()
     masks = _masks(8, 8)
     with pytest.warns(UserWarning, match="neither causal nor all-visible"):

@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from benchmarks.common import MULTICAST_OFF
+
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 ARGS = {
     "cuda": ["--layers", "2", "--seq", "1024", "--global-batch", "4", "--steps", "4"],
@@ -24,8 +26,7 @@ DEVICES = [pytest.param("cpu"),
 
 
 def _run(cmd):
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               OMP_NUM_THREADS="1")
+    env = dict(os.environ, **MULTICAST_OFF, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])[0]

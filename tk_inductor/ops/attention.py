@@ -228,6 +228,7 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 NEG_BIG = torch.finfo(torch.float16).min  # additive values at or below this vanish in softmax (as the matcher's)
 _kinds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # mask tensor (or its base) -> {view key: kind}
 masked_paths: collections.Counter = collections.Counter()  # tk::attention_masked calls by path, and value checks
+_warned_sdpa = False  # the SDPA fallback's warning was given
 
 
 def _mask_key(mask: torch.Tensor, N: int, M: int) -> tuple:
@@ -293,8 +294,10 @@ def _masked_path(q, k, v, mask) -> str | None:
     """The kernel's mask kind, or None for the SDPA path."""
     if not _kernel_ok(q, k, v) or torch.cuda.is_current_stream_capturing():
         return None
+    global _warned_sdpa
     kind = mask_kind(mask, q.shape[2], k.shape[2])
-    if kind is None and not masked_paths["sdpa"]:  # once per process: the kernel could have run, but not this mask
+    if kind is None and not _warned_sdpa:  # once per process: the kernel could have run, but not this mask
+        _warned_sdpa = True
         warnings.warn("tk::attention_masked: the attention mask is neither causal nor all-visible, so SDPA runs "
                       "instead of the kernel, and the backward recomputes the scores per batch entry (slower)",
                       stacklevel=2)
