@@ -126,9 +126,11 @@ def dynamic_cases():
 
 
 @pytest.mark.parametrize("case", dynamic_cases(), ids=_id)
-def test_forward_dynamic_schedule(ops, case, variant, monkeypatch):
-    """TK_ATTN_FWD_SCHEDULE=dynamic: blocks take tasks from a counter; every task runs exactly once."""
-    monkeypatch.setenv("TK_ATTN_FWD_SCHEDULE", "dynamic")
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_forward_schedule(ops, case, variant, schedule, monkeypatch):
+    """Each schedule forced, as the default takes dynamic with a causal mask and static without one.
+    dynamic: blocks take tasks from a counter; every task must run exactly once."""
+    monkeypatch.setenv("TK_ATTN_FWD_SCHEDULE", schedule)
     test_forward(ops, case, variant)
 
 

@@ -77,11 +77,14 @@ int variant_from_env(const char* name, int count) {
   return static_cast<int>(v);
 }
 
-// TK_ATTN_FWD_SCHEDULE: "static" (unset: the default) or "dynamic" (forward.cu, dynamic_step). Read on every
-// call, like the variants.
-bool dynamic_schedule() {
+// TK_ATTN_FWD_SCHEDULE: "static", "dynamic" (forward.cu, dynamic_step), or unset: dynamic under a causal mask,
+// whose tasks differ in length, and static without one, whose equal tasks the static shares already balance (the
+// H200 sweep in benchmarks/RESULTS.md, session 5: dynamic 1.03-1.25x on causal, 0.89-1.0x without a mask). Read on
+// every call, like the variants.
+bool dynamic_schedule(bool causal) {
   const char* s = std::getenv("TK_ATTN_FWD_SCHEDULE");
-  if (s == nullptr || *s == '\0' || std::strcmp(s, "static") == 0) return false;
+  if (s == nullptr || *s == '\0') return causal;
+  if (std::strcmp(s, "static") == 0) return false;
   check(std::strcmp(s, "dynamic") == 0,
         std::string("TK_ATTN_FWD_SCHEDULE must be 'static' or 'dynamic', got '") + s + "'");
   return true;
@@ -106,7 +109,14 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   const int variant = variant_from_env("TK_ATTN_FWD_VARIANT", tk_attn::attention_forward_variants());
   // The dynamic schedule's task counter: from the stream-ordered allocator, so launches on several streams
   // never share one.
-  const at::Tensor next_task = dynamic_schedule() ? at::zeros({1}, q.options().dtype(at::kInt)) : at::Tensor();
+  // never share one. Zeroed by a memset node rather than at::zeros' fill kernel: less host time per call.
+  at::Tensor next_task;
+  if (dynamic_schedule(causal)) {
+    next_task = at::empty({1}, q.options().dtype(at::kInt));
+    TORCH_CHECK(cudaMemsetAsync(next_task.data_ptr<int>(), 0, sizeof(int), c10::cuda::getCurrentCUDAStream()) ==
+                    cudaSuccess,
+                "tk_cuda::attention: cannot zero the task counter");
+  }
   const char* err = tk_attn::attention_forward(dt, view(q), view(k), view(v), o.data_ptr(), lse.data_ptr<float>(),
                                                causal, static_cast<float>(scale), variant, num_sms(q),
                                                next_task.defined() ? next_task.data_ptr<int>() : nullptr,

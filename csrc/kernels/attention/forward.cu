@@ -687,8 +687,9 @@ struct FwdVariants<128> {
   using V3 = FwdCfg<128, 2, 176, 2, true>;
   using V4 = FwdCfg<128, 2, 128, 2, true, false>;
   using V5 = FwdCfg<128, 2, 128, 2, true, true, 4>;
-  // H200 sweep 2026-11-29 (benchmarks/RESULTS.md): v4 best geomean at D128, full and causal.
-  static constexpr int DEFAULT = 4, DEFAULT_CAUSAL = 4;
+  // H200 sweeps (benchmarks/RESULTS.md): v4 is the best without a mask (static schedule); under causal, with the
+  // dynamic schedule that is its default, v1 (session 5: 451-576 TF vs v4's 441-564).
+  static constexpr int DEFAULT = 4, DEFAULT_CAUSAL = 1;
 };
 template <>
 struct FwdVariants<64> {
@@ -698,9 +699,10 @@ struct FwdVariants<64> {
   using V3 = FwdCfg<64, 2, 192, 4, true>;
   using V4 = FwdCfg<64, 3, 128, 4, true, false>;
   using V5 = FwdCfg<64, 3, 128, 4, true, true, 4>;
-  // Same sweep: v1 (BM192) is best without a mask; under causal its lower warpgroups idle on short rows
-  // (0.76x cuDNN at N2048), so BM128/BN192 (v3) is the causal default.
-  static constexpr int DEFAULT = 1, DEFAULT_CAUSAL = 3;
+  // v1 (BM192) is best without a mask. Under causal with the static schedule its lower warpgroups idled on short
+  // rows (0.74x cuDNN at N2048; v3 0.89x); the dynamic schedule fills those gaps and v1 is best again (session 5:
+  // 0.97-1.01x cuDNN at 65536 tokens; v3 0.87-0.92x).
+  static constexpr int DEFAULT = 1, DEFAULT_CAUSAL = 1;
 };
 
 // next_task: the dynamic schedule's counter (zeroed), or null for the static schedule.
