@@ -88,6 +88,11 @@ def _compile(model, mode: str):
     if mode == "eager":
         return model
     if mode == "torch.compile":
+        # With the CantSplit fix our backend applies (tk_inductor._compat): later torch has it, and without it
+        # torch 2.11's Inductor fails on Based-style models, leaving no baseline. It changes no kernel.
+        from tk_inductor import _compat
+
+        _compat.apply()
         return torch.compile(model)
     return torch.compile(model, backend="thunderkittens")
 
