@@ -28,15 +28,10 @@ _in_backend: contextvars.ContextVar[bool] = contextvars.ContextVar("tk_inductor_
 
 _OUR_KEYS = frozenset(config.Config.__dataclass_fields__)
 
-# Graphs Inductor failed on (graph code, input shapes/dtypes, patches) -> the retry patches that compiled it, or
-# None for aot_eager: the same graph again (a model's repeated layers after graph breaks, recompiles) goes straight
-# there instead of failing again; on HF Mamba2 each failed Inductor attempt costs over a minute.
-_inductor_failures: dict[str, dict | None] = {}
-
-# Inductor settings a graph is retried with after Inductor failed on it, before aot_eager. torch 2.11's split-scan
-# codegen fails on HF Mamba2's chunked cumsum ("list indices must be integers or slices, not NoneType"); without
-# split reductions each scan is one kernel per row, which it compiles.
-RETRY_PATCHES: tuple[dict[str, Any], ...] = ({"split_reductions": False},)
+# Graphs Inductor failed on (graph code, input shapes/dtypes, patches): the same graph again (a model's repeated
+# layers after graph breaks, recompiles) goes straight to aot_eager instead of failing again; on HF Mamba2 each
+# failed Inductor attempt costs over a minute.
+_inductor_failures: dict[str, str] = {}
 
 
 def _graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict) -> str:
@@ -97,9 +92,7 @@ def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         _compat.apply()
         key = None if cfg.strict else _graph_key(gm, example_inputs, patches)
         if key in _inductor_failures:
-            retry = _inductor_failures[key]
-            return aot_eager(gm, example_inputs) if retry is None else \
-                compile_fx(gm, example_inputs, config_patches={**patches, **retry})
+            return aot_eager(gm, example_inputs)
         # config_patches, not `with inductor_config.patch()`: the backward graph
         # is compiled later, outside any context manager opened here.
         try:
@@ -108,22 +101,13 @@ def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
             if cfg.strict:
                 raise
             # Inductor itself failed on this graph (torch 2.11 fails on some cumsum/scan graphs, with or
-            # without our rewrite): retry it with safer settings, else run the rewritten graph through
-            # AOTAutograd without Inductor rather than failing the user's model; the kernels still run.
+            # without our rewrite): run the rewritten graph through AOTAutograd without Inductor rather than
+            # failing the user's model; the kernels still run.
             reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-        for retry in RETRY_PATCHES:
-            try:
-                compiled = compile_fx(gm, example_inputs, config_patches={**patches, **retry})
-            except Exception:  # noqa: BLE001
-                continue
-            _inductor_failures[key] = retry
-            rewrite._warn_once(f"tk_inductor: Inductor failed on a graph ({reason}); compiled it with {retry} "
+            _inductor_failures[key] = reason
+            rewrite._warn_once(f"tk_inductor: Inductor failed on a graph ({reason}); running it with aot_eager "
                                "instead (and any identical graph after it)")
-            return compiled
-        _inductor_failures[key] = None
-        rewrite._warn_once(f"tk_inductor: Inductor failed on a graph ({reason}); running it with aot_eager "
-                           "instead (and any identical graph after it)")
-        return aot_eager(gm, example_inputs)
+            return aot_eager(gm, example_inputs)
     finally:
         _in_backend.reset(token)
 
