@@ -40,7 +40,9 @@ A mask that *is* a graph input (up to views and casts) — what every layer sees
 splitting, FSDP2's graph breaks or a per-layer `torch.compile`, where the mask was built in another
 graph — goes to `tk::attention_masked` (SDPA masks, and additive masks in eager attention when nothing
 scales the scores after the mask): the op checks its values once per mask tensor at run time and runs the
-kernel when it is causal or all-visible, SDPA with the mask otherwise.
+kernel when it is causal or all-visible, SDPA with the mask otherwise. The graph that made such a mask proves
+it here too (`output_mask_kinds`), and the backend records the proof on the output tensor at run time, so the
+op need not read the values (which waits for the GPU once per step).
 
 What Dynamo sees of transformers 5.x masks (masking_utils): without a padding mask the mask is built
 inside the graph from `arange`s — `sdpa_mask` returns None (SDPA gets is_causal=True) unless
@@ -1415,3 +1417,33 @@ def find(graph: fx.Graph) -> Iterator[Match]:
         except Exception as exc:  # noqa: BLE001 - an odd graph must not stop the other families' rewrites
             log.debug("tk_inductor: attention matcher failed on %s", node.format_node(), exc_info=True)
             yield Match(FAMILY, [node], reason=f"matcher could not analyse `{node.name}` ({type(exc).__name__}: {exc})")
+
+
+def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
+    """The graph's outputs that are masks proven causal or all-visible over their own last two dims, by output
+    position: {i: "causal" | "full"}. A graph that makes the mask hands it to the layers' graphs as an input when
+    DDP splits the graph or a graph break falls between them; the backend records these proofs on the output
+    tensors at run time (ops.attention.prove_mask), so the consumers' `tk::attention_masked` need not read the
+    values of each step's new mask (a wait for the GPU)."""
+    out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    if out is None:
+        return {}
+    values = out.args[0]
+    flat = list(values) if isinstance(values, (tuple, list)) else [values]
+    masks = _MaskEval()
+    kinds: dict[int, str] = {}
+    for i, node in enumerate(flat):
+        if not isinstance(node, fx.Node) or node.op == "placeholder":
+            continue
+        ex = example(node)
+        if not isinstance(ex, torch.Tensor) or ex.dim() < 2 or not (ex.dtype == torch.bool or ex.is_floating_point()):
+            continue
+        try:
+            v = masks(node)
+            allowed = _as_pred(v) if ex.dtype == torch.bool else _additive_allowed(v)
+            kinds[i] = "causal" if _allowed_kind(allowed, _shape(node)) else "full"
+        except _Keep:
+            continue
+        except Exception:  # noqa: BLE001  (an analysis bug must cost a value check, never the compile)
+            log.debug("tk_inductor: output mask analysis failed on %s", node.name, exc_info=True)
+    return kinds

@@ -656,6 +656,104 @@ def test_mask_kind():
     assert A.mask_kind(masks["causal_additive"] / 1e35, 5, 7) is None  # hidden values too mild
 
 
+def _fresh_paths():
+    A.masked_paths.clear()
+    return A.masked_paths
+
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda q: torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril(), "causal"),
+    (lambda q: torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()[None, None]
+     .expand(q.shape[0], 1, -1, -1), "causal"),
+    (lambda q: torch.where(torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril(), 0.0, float("-inf")), "causal"),
+    (lambda q: torch.ones(q.shape[2], q.shape[2], dtype=torch.bool), "full"),
+    (lambda q: torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(), None),  # anti-causal: values decide
+    (lambda q: q[0, 0] > 0, None),  # from the data
+])
+def test_mask_made_by_another_graph_is_proven(make, kind):
+    """A mask output by one compiled graph (as across DDP's graph splits) carries its proof to the graph that
+    takes it as input: its kind is known without reading its values; other outputs carry none."""
+    q = _inputs()[0]
+    paths = _fresh_paths()
+    mask = _compile(Fn(lambda x: (make(x), x * 2)))(q)[0]
+    n = q.shape[2]
+    view = mask[..., :n - 1]  # transformers slices the mask to the key length
+    got = A.mask_kind(view, n, n - 1)
+    assert paths["proven"] == (kind is not None) and paths["value checks"] == (kind is None)
+    if kind is not None:
+        assert got == kind
+        A._kinds.clear()
+        A._proofs.clear()
+        assert A.mask_kind(view, n, n - 1) == got  # the values agree with the proof
+
+
+def test_mask_proof_crosses_ddp_graph_split(monkeypatch):
+    """Under DDP's graph splitting (DDPOptimizer, one bucket per parameter), the mask made in one submodule
+    reaches the attention of the next as an input, with its proof: its kind is known without its values."""
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    from tk_inductor import backend
+
+    class TwoLayers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, q, k, v):
+            n = q.shape[2]
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            o = F.scaled_dot_product_attention(self.l1(q), k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(self.l2(o), k, v, attn_mask=mask[..., :n])
+
+    seen = []
+    masked_path = A._masked_path
+
+    def spy(q, k, v, mask):
+        seen.append(A._proven_kind(mask, q.shape[2], k.shape[2]))
+        return masked_path(q, k, v, mask)
+
+    monkeypatch.setattr(A, "_masked_path", spy)
+    tk_inductor.reset()
+    torch._dynamo.reset()
+    ddp = DDPOptimizer(1, lambda gm, ex: backend.thunderkittens(gm, ex, options=OPTS), first_bucket_cap=1)
+    model = TwoLayers()
+    q, k, v = _inputs()
+    out = torch.compile(model, backend=ddp.compile_fn)(q, k, v)
+    torch.testing.assert_close(out, model(q, k, v), rtol=1e-5, atol=1e-5)
+    assert seen == ["causal"], seen  # the second layer's mask crossed the split, proven
+
+
+def test_proven_mask_views():
+    """Only views whose every plane is a top-left corner of a proven plane take the proof."""
+    base = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    cases = {  # view -> taken from the proof?
+        "same": (base, 6, 6, True),
+        "keys sliced": (base[..., :4], 6, 4, True),
+        "corner": (base[:, :, :3, :5], 3, 5, True),
+        "one key": (base[..., :1], 6, 1, True),
+        "heads expanded": (base.expand(2, 3, 6, 6), 6, 6, True),
+        "one batch entry": (base[1:], 6, 6, False),  # another storage offset: values decide
+        "rows shifted": (base[:, :, 1:], 5, 6, False),
+        "transposed": (base.transpose(-1, -2), 6, 6, False),
+    }
+    for name, (view, n, m, proven) in cases.items():
+        A._kinds.clear()
+        A._proofs.clear()
+        A.prove_mask(base, "causal")
+        paths = _fresh_paths()
+        got = A.mask_kind(view, n, m)
+        assert paths["proven"] == proven, name
+        A._kinds.clear()
+        A._proofs.clear()
+        assert A.mask_kind(view, n, m) == got, name  # the proof never disagrees with the values
+    A.prove_mask(base, "causal")
+    base[..., 5, 0] = False  # changed in place after the proof: values decide
+    paths = _fresh_paths()
+    assert A.mask_kind(base, 6, 6) is None and paths["value checks"] == 1
+    with pytest.raises(ValueError, match="kind"):
+        A.prove_mask(base, "padding")
+
+
 def test_attention_masked_bad_mask():
     q, k, v = _inputs()
     with pytest.raises(ValueError, match="does not broadcast"):

@@ -50,3 +50,8 @@ def test_engine_matches_single_process(engine, single):
         assert abs(a - b) <= 2e-2 * abs(b), (got["losses"], ref["losses"])
     # one compilation, not one per step (DDP's graph splitting may add a few graphs)
     assert got["frames_compiled"] <= 8
+    # a mask handed across the split was proven by the graph that made it, so its values are never read
+    paths = got["masked_attention_paths"]
+    if set(paths) - {"proofs"}:
+        assert paths.get("proofs", 0) >= 1, paths
+        assert paths.get("value checks", 0) == 0, paths

@@ -78,7 +78,39 @@ def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     cfg = config.current(ours)
     # Validate Inductor's part before doing any work, whichever compiler runs it.
     patches = inductor_config_patches(mode, inductor_options)
+    mask_kinds = _output_mask_kinds(gm, cfg)  # on Dynamo's graph, before the rewrite touches it
     rewrite.apply(gm, cfg)
+    return _prove_outputs(_compile(gm, example_inputs, cfg, patches), mask_kinds)
+
+
+def _output_mask_kinds(gm: torch.fx.GraphModule, cfg: config.Config) -> dict[int, str]:
+    if "attention" not in cfg.ops:
+        return {}
+    from .patterns import attention as attention_pattern
+
+    return attention_pattern.output_mask_kinds(gm.graph)
+
+
+def _prove_outputs(compiled, mask_kinds: dict[int, str]):
+    """`compiled`, recording on each call the proven kinds of its mask outputs (see output_mask_kinds)."""
+    if not mask_kinds:
+        return compiled
+    from .ops import attention as attention_ops
+
+    def run(*args):
+        out = compiled(*args)
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        for i, kind in mask_kinds.items():
+            if isinstance(flat[i], torch.Tensor):
+                attention_ops.prove_mask(flat[i], kind)
+        return out
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # the calling convention Dynamo checks
+    return run
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: config.Config, patches: dict):
+    """The rewritten graph through Inductor (or aot_eager: asked for, or after Inductor failed on it)."""
     token = _in_backend.set(True)
     try:
         from torch._dynamo.backends.debugging import aot_eager

@@ -227,7 +227,9 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 
 NEG_BIG = torch.finfo(torch.float16).min  # additive values at or below this vanish in softmax (as the matcher's)
 _kinds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # mask tensor (or its base) -> {view key: kind}
-masked_paths: collections.Counter = collections.Counter()  # tk::attention_masked calls by path, and value checks
+# tk::attention_masked calls by path; "value checks" (each waits for the GPU), "proven" (kinds taken from a
+# proof instead) and "proofs" (masks proven by the graph that made them)
+masked_paths: collections.Counter = collections.Counter()
 _warned_sdpa = False  # the SDPA fallback's warning was given
 
 
@@ -235,11 +237,52 @@ def _mask_key(mask: torch.Tensor, N: int, M: int) -> tuple:
     return (mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype, mask._version, N, M)
 
 
+# Masks whose kind the graph that made them proved (patterns.attention.output_mask_kinds): a compiled graph's
+# output that another graph takes as an input, as across DDP's graph splits or a graph break. Without the proof,
+# each step's new mask tensor costs one value check, which waits for the GPU. owner -> (kind, geometry of the
+# proven tensor, its version).
+_proofs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def prove_mask(mask: torch.Tensor, kind: str) -> None:
+    """Record that `mask`'s allowed set over its own last two dims is causal or everything, for every index of
+    its leading dims (what the graph that computed it proved; the backend calls this on that graph's output)."""
+    if kind not in ("causal", "full"):
+        raise ValueError(f"prove_mask: kind must be 'causal' or 'full', got {kind!r}")
+    owner = mask._base if mask._base is not None else mask
+    _proofs[owner] = (kind, mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype, mask._version)
+    masked_paths["proofs"] += 1
+
+
+def _proven_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
+    """The kind of `mask` for an (N, M) box from a proof on the tensor it views, or None (no proof that covers
+    it). Taken only for a view whose every (N, M) plane is a top-left corner of a proven plane: the same storage
+    offset and last-two strides, leading dims broadcast (stride 0) or walking proven leading dims."""
+    owner = mask._base if mask._base is not None else mask
+    proof = _proofs.get(owner)
+    if proof is None or mask.dim() < 2 or tuple(mask.shape[-2:]) != (N, M):
+        return None
+    kind, offset, shape, stride, dtype, version = proof
+    if (mask._version != version or mask.dtype != dtype or mask.storage_offset() != offset
+            or mask.stride()[-2:] != stride[-2:] or N > shape[-2] or M > shape[-1]):
+        return None
+    free = [(st, sz) for st, sz in zip(stride[:-2], shape[:-2]) if sz > 1]
+    for st, sz in zip(mask.stride()[:-2], mask.shape[:-2]):
+        if sz == 1 or st == 0:
+            continue
+        match = next((d for d in free if d[0] == st and d[1] >= sz), None)
+        if match is None:
+            return None
+        free.remove(match)
+    return "full" if kind == "full" or M == 1 else "causal"  # a corner of the causal set is causal
+
+
 def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
     """"causal" (key j <= query i), "full" (every key) or None (anything else) for a bool (True = attend) or
     additive (0 = attend, <= NEG_BIG = hidden) mask that broadcasts to (..., N, M).
 
-    Decided on the values, with one device-to-host copy; the answer is cached on the tensor (or the tensor it
+    Taken from the proof of the graph that made the mask when there is one (prove_mask), else decided on the
+    values, with one device-to-host copy; the answer is cached on the tensor (or the tensor it
     views) together with the view's geometry and version counter, so layers that share one mask pay once and an
     in-place change of the mask is seen."""
     owner = mask._base if mask._base is not None else mask
@@ -247,6 +290,11 @@ def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
     cached = _kinds.get(owner)
     if cached is not None and key in cached:
         return cached[key]
+    kind = _proven_kind(mask, N, M)
+    if kind is not None:
+        masked_paths["proven"] += 1
+        _kinds.setdefault(owner, {})[key] = kind
+        return kind
     m = mask
     # broadcast (stride-0) and unit leading dims need no second look
     lead = tuple(0 if (size == 1 or stride == 0) else slice(None) for size, stride in zip(m.shape[:-2], m.stride()[:-2]))
