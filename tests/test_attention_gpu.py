@@ -195,6 +195,30 @@ def test_backward(ops, case, bwd_variant):
         assert rel_err(got, ref) < GRAD_TOL, f"{name}: relative error {rel_err(got, ref):.3e}"
 
 
+def order_cases():
+    """Half the backward cases, and GQA at N = 4096 where the L2 cap makes several sections (the last one short)."""
+    big = [(5, 4, 1, 4096, 4096, 128, torch.bfloat16, True), (3, 8, 2, 4096, 4096, 64, torch.float16, True),
+           (3, 8, 2, 4096, 4096, 64, torch.bfloat16, False)]
+    return backward_cases()[::2] + big
+
+
+@pytest.mark.parametrize("case", order_cases(), ids=_id)
+@pytest.mark.parametrize("order", ["heads", "sections"])
+def test_backward_order(ops, case, order, monkeypatch):
+    """TK_ATTN_BWD_ORDER: every (kv head, key block) block runs once in either block order."""
+    monkeypatch.setenv("TK_ATTN_BWD_ORDER", order)
+    test_backward(ops, case, None)
+
+
+@pytest.mark.parametrize("value", ["x", "Sections"])
+def test_bad_backward_order(ops, monkeypatch, value):
+    q, k, v = make_inputs(1, 4, 2, 64, 64, 64, torch.bfloat16)
+    o, lse = ops.attention(q, k, v, True, 0.125)
+    monkeypatch.setenv("TK_ATTN_BWD_ORDER", value)
+    with pytest.raises(RuntimeError, match="TK_ATTN_BWD_ORDER"):
+        ops.attention_backward(torch.randn_like(q), q, k, v, o, lse, True, 0.125)
+
+
 def test_backward_noncontiguous(ops, bwd_variant):
     q, k, v = make_inputs(2, 8, 4, 300, 300, 64, torch.bfloat16, layout="bnhd", seed=5)
     do = torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)

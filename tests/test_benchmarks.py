@@ -133,3 +133,18 @@ def test_schedule_model_static_shares_and_dynamic_bound():
     # decode_task visits every (head, query block) once
     seen = {m.decode_task(t, 32, 16, 17, True) for t in range(512)}
     assert len(seen) == 512
+
+
+def test_schedule_model_backward_orders():
+    from benchmarks import schedule_model as m
+
+    # section_decode visits every (head, block) once, also with a short last section; section 1 is head by head
+    assert len({m.section_decode(t, 6, 32, 4) for t in range(6 * 32)}) == 6 * 32
+    assert [m.section_decode(t, 3, 4, 1) for t in range(12)] == [(h, kb) for h in range(3) for kb in range(4)]
+    # the causal blocks: key block 0 is the heaviest; the L2 cap bounds the section
+    costs = m.bwd_block_costs(2, 16, 1, 2048, 128, True, sections=False)
+    assert len(costs) == 32 * 16 and costs[0] == 34.0 and costs[15] == 4.0
+    assert m.bwd_section(True, 32, 16, 2, 4096, 128) == 4  # 16 MiB a kv head
+    heads = m._list_schedule(costs, m.SMS)
+    sections = m._list_schedule(m.bwd_block_costs(2, 16, 1, 2048, 128, True, sections=True), m.SMS)
+    assert sections < heads  # the claim of backward.cu's bwd_section, at a training size

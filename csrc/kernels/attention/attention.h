@@ -33,11 +33,12 @@ struct BwdScratch {
 BwdScratch attention_backward_scratch(const View4& q, int variant);
 
 // dq (B,Hq,N,D), dk/dv (B,Hkv,M,D) contiguous. dq_accum needs no init (the pre-kernel zeroes it).
-// variant: 0 .. attention_backward_variants() - 1 (see README.md), -1 = default.
+// variant: 0 .. attention_backward_variants() - 1 (see README.md), -1 = default. sections: the block order
+// (TK_ATTN_BWD_ORDER): false = head by head, true = L2 sections of heads with key blocks outermost.
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
-                               float* lse2, float* delta, bool causal, float scale, int variant,
-                               cudaStream_t stream);
+                               float* lse2, float* delta, bool causal, float scale, int variant, int num_sms,
+                               bool sections, cudaStream_t stream);
 int attention_backward_variants();
 
 }  // namespace tk_attn

@@ -9,6 +9,7 @@
 // A preprocess kernel computes delta = rowsum(dO * O) and lse2 = lse*log2e
 // (padded: lse2 = +inf past N makes P = 0 there), a postprocess scales and
 // casts dq_accum.
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -103,7 +104,19 @@ struct BwdParams {
   float* dq_accum;     // (B*Hq, Npad, D)
   void* dk;            // (B, Hkv, M, D)
   void* dv;
+  int nk;       // key blocks per kv head
+  int section;  // kv heads per section of the block order (bwd_section)
 };
+
+// Block blockIdx.x -> (batch * kv head, key block) by section_decode, key block ranks first-to-last: under causal
+// key block 0 is the heaviest (every query block sees it), so the hardware's in-order dispatch starts the heavy
+// blocks of a section's heads first and the light ones fill the tail.
+__device__ __forceinline__ void decode_bwd_block(const BwdParams& p, int& b, int& hk, int& kb) {
+  int bh;
+  section_decode(static_cast<int>(blockIdx.x), p.B * p.Hkv, p.nk, p.section, bh, kb);
+  b = bh / p.Hkv;
+  hk = bh - b * p.Hkv;
+}
 
 // A backward block's place: batch b, kv head hk, keys [n0, n0 + BN), and its steps: one (Q, dO) tile per q
 // block from mb_start on, for every query head of the GQA group (step it: head it / steps_per_head).
@@ -175,8 +188,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
   uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS, *sdQ = sm.sdQ;
   uint64_t *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
-  const int kb = blockIdx.x;
-  const int b = blockIdx.y / p.Hkv, hk = blockIdx.y % p.Hkv;
+  int b, hk, kb;
+  decode_bwd_block(p, b, hk, kb);
   const int n0 = kb * BN;
   // Causal (top-left): query row i sees keys j <= i, so rows below n0 see none of this block.
   const int mb_start = p.causal ? n0 / BM : 0;
@@ -469,8 +482,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
   uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS, *sdQ = sm.sdQ;
   uint64_t *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
-  const int kb = blockIdx.x;
-  const int b = blockIdx.y / p.Hkv, hk = blockIdx.y % p.Hkv;
+  int b, hk, kb;
+  decode_bwd_block(p, b, hk, kb);
   const int n0 = kb * BN;
   // Causal (top-left): rows below n0 see none of this block; BM == BN, so the
   // first tile is the diagonal one.
@@ -744,10 +757,22 @@ struct BwdCfg {
 // Rows of the padded lse2 / delta / dq_accum: a multiple of the q tile.
 int64_t bwd_npad(int64_t N, int bm) { return (N + bm - 1) / bm * bm; }
 
+// KV heads per section of the block order. sections = false: 1, head by head (all key blocks of a head, then
+// the next head). Else about 4 waves of blocks, so a section's heavy blocks (causal) start before its light
+// ones fill the tail, capped so the section's Q, dO and fp32 dq_accum (group * N * D * 8 bytes a kv head) take
+// at most 32 MiB of the L2. benchmarks/schedule_model.py --backward: makespan 1.00-1.03x the ideal where head
+// by head gives 1.14-1.58x (causal at training batch sizes).
+int bwd_section(bool sections, int num_sms, int nk, int64_t BH, int64_t group, int64_t N, int64_t D) {
+  if (!sections) return 1;
+  const int64_t by_waves = (4LL * num_sms + nk - 1) / nk;
+  const int64_t by_l2 = (32LL << 20) / std::max<int64_t>(1, group * N * D * 8);
+  return static_cast<int>(std::max<int64_t>(1, std::min({BH, by_waves, by_l2})));
+}
+
 template <typename T, int D, typename Cfg>
 const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v, const View4& o,
                        const float* lse, void* dq, void* dk, void* dv, float* dq_accum, float* lse2, float* delta,
-                       bool causal, float scale, cudaStream_t stream) {
+                       bool causal, float scale, int num_sms, bool sections, cudaStream_t stream) {
   constexpr bool WIDE = Cfg::kind == Kind::Wide;
   static_assert(!WIDE || (D == 64 && !Cfg::pipe && Cfg::BM == 128), "the wide kernel is D = 64, without PIPE");
   constexpr int BM = Cfg::BM;
@@ -782,6 +807,8 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.dq_accum = dq_accum;
   p.dk = dk;
   p.dv = dv;
+  p.nk = static_cast<int>((k.S + BWD_BN - 1) / BWD_BN);
+  p.section = bwd_section(sections, num_sms, p.nk, k.B * k.H, p.group, q.S, D);
   int smem, threads;
   decltype(&attention_bwd_kernel<T, D, false, 2, false>) kern;
   if constexpr (WIDE) {
@@ -797,8 +824,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   }
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention backward kernel";
-  dim3 grid(static_cast<unsigned>((k.S + BWD_BN - 1) / BWD_BN), static_cast<unsigned>(k.B * k.H));
-  kern<<<grid, threads, smem, stream>>>(qm, km, vm, dom, dqm, p);
+  kern<<<static_cast<unsigned>(p.nk * k.B * k.H), threads, smem, stream>>>(qm, km, vm, dom, dqm, p);
   if (cudaGetLastError() != cudaSuccess) return "attention backward launch failed";
   {
     const int64_t groups = BH * q.S * D / 8;
@@ -872,12 +898,13 @@ int attention_backward_variants() { return BWD_VARIANTS; }
 // variant: 0 .. BWD_VARIANTS - 1 (BwdVariants), -1 = the head dim's default.
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
-                               float* lse2, float* delta, bool causal, float scale, int variant,
-                               cudaStream_t stream) {
+                               float* lse2, float* delta, bool causal, float scale, int variant, int num_sms,
+                               bool sections, cudaStream_t stream) {
   variant = bwd_variant(static_cast<int>(q.D), variant);
   if (variant >= BWD_VARIANTS) return "unknown attention backward variant";
 #define TK_ATTN_BWD_V(T, D, V) \
-  launch_bwd<T, D, typename BwdVariants<D>::V>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, scale, stream)
+  launch_bwd<T, D, typename BwdVariants<D>::V>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, scale, \
+                                              num_sms, sections, stream)
 #define TK_ATTN_BWD(T, D)                                                                                  \
   (variant == 0   ? TK_ATTN_BWD_V(T, D, V0)                                                                \
    : variant == 1 ? TK_ATTN_BWD_V(T, D, V1)                                                                \

@@ -90,6 +90,17 @@ bool dynamic_schedule(bool causal) {
   return true;
 }
 
+// TK_ATTN_BWD_ORDER: the backward's block order, "heads" (unset: the default; head by head) or "sections"
+// (backward.cu, bwd_section: L2 sections of heads, key blocks outermost; opt-in until measured). Read on every
+// call.
+bool backward_sections() {
+  const char* s = std::getenv("TK_ATTN_BWD_ORDER");
+  if (s == nullptr || *s == '\0' || std::strcmp(s, "heads") == 0) return false;
+  check(std::strcmp(s, "sections") == 0,
+        std::string("TK_ATTN_BWD_ORDER must be 'heads' or 'sections', got '") + s + "'");
+  return true;
+}
+
 int num_sms(const at::Tensor& t) {
   int n = 0;
   TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()) == cudaSuccess,
@@ -157,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   const char* err = tk_attn::attention_backward(
       dt, view(dout), qv, view(k), view(v), view(o), lse.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
       dq_accum.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), causal, static_cast<float>(scale),
-      variant, c10::cuda::getCurrentCUDAStream());
+      variant, num_sms(q), backward_sections(), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention_backward: ", err ? err : "");
   return {dq, dk, dv};
 }

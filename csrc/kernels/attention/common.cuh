@@ -13,6 +13,20 @@
 
 namespace tk_attn {
 
+// Task t of a grid over (head, block) pairs -> (head, rank of its block): heads are walked in sections of
+// `section` heads, small enough that their operands stay in L2 while the grid works on them, and inside a
+// section the ranks go outermost, so the blocks of one rank run across the section's heads together (the
+// caller puts the heaviest blocks at rank 0). section = 1 walks head by head.
+__device__ __forceinline__ void section_decode(int t, int heads_total, int ranks, int section, int& head,
+                                               int& rank) {
+  const int per_section = section * ranks;
+  const int sec = t / per_section;
+  const int r = t - sec * per_section;
+  const int heads = min(section, heads_total - sec * section);
+  rank = r / heads;
+  head = sec * section + (r - rank * heads);
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

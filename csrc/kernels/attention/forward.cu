@@ -99,18 +99,11 @@ struct FwdParams {
   int* next_task;  // dynamic schedule: the task counter, zero at launch (static schedule: unused)
 };
 
-// Task t -> (batch*head, query block). Heads are walked in sections small
-// enough that their K/V stay in L2 while the grid works on them; inside a
-// section, query blocks go outermost and (for causal) last-first, so the
-// heaviest blocks start first and the light ones fill the tail.
+// Task t -> (batch*head, query block), by section_decode: heads in L2 sections, query blocks outermost in a
+// section, and for causal last-first, so the heaviest blocks start first and the light ones fill the tail.
 __device__ __forceinline__ void decode_task(const FwdParams& p, int t, int& bh, int& qb) {
-  const int BH = p.B * p.Hq;
-  const int per_section = p.section * p.nq;
-  const int sec = t / per_section;
-  const int r = t - sec * per_section;
-  const int heads = min(p.section, BH - sec * p.section);
-  const int rank = r / heads;
-  bh = sec * p.section + (r - rank * heads);
+  int rank;
+  section_decode(t, p.B * p.Hq, p.nq, p.section, bh, rank);
   qb = p.causal ? p.nq - 1 - rank : rank;
 }
 
