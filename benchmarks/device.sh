@@ -6,6 +6,8 @@
 #   TESTS=0 SWEEPS="attn ln" SWEEP_ARGS_attn=--no-forward BENCH="--ops none" bash benchmarks/device.sh
 #                                                   # build + the variant sweeps (attention: backward only)
 #   TEST_K="not v0 and not v2" bash benchmarks/device.sh                       # a pytest -k filter for the GPU tests
+#   TESTS=0 SWEEPS=attn SWEEP_ARGS_attn="--no-forward --tokens 4096" SWEEP_ENVS="TK_ATTN_BWD_ORDER=heads \
+#     TK_ATTN_BWD_ORDER=sections" BENCH=none bash benchmarks/device.sh        # one sweep per setting, side by side
 #   TEST_K=test_distributed DIST="ddp fsdp2" BENCH=none bash benchmarks/device.sh   # 2 GPUs: the engines (issue 7)
 # Baselines that travel as wheels (e.g. fla-core for the layernorm table): put them in .whl/ and carry it; they are
 # installed into /tmp/site first. Each step has its own time limit (seconds: TEST_TIMEOUT, SWEEP_TIMEOUT,
@@ -29,8 +31,13 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 for sweep in ${SWEEPS:-}; do  # attn, ln, rot: python -m benchmarks.sweep_<name>, JSON next to the log
   args="SWEEP_ARGS_$sweep"      # per-sweep arguments, e.g. SWEEP_ARGS_attn=--no-forward
-  OUT="$OUT" timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_$sweep ${!args:-} 2>&1 \
-    | tee "$OUT/sweep_$sweep.log" | tail -40
+  # SWEEP_ENVS="A=1 A=2": the sweep once under each setting (logs sweep_<name>_A=1.log ...); "-" = as is
+  for env in ${SWEEP_ENVS:--}; do
+    tag=${env/#-/}; log="$OUT/sweep_$sweep${tag:+_$tag}.log"
+    [ -n "$tag" ] && echo "== sweep $sweep under $tag"
+    OUT="$OUT" timeout ${SWEEP_TIMEOUT:-300} env ${tag:+"$tag"} python3 -m benchmarks.sweep_$sweep ${!args:-} 2>&1 \
+      | tee "$log" | tail -${SWEEP_TAIL:-40}
+  done
 done
 for engine in ${DIST:-}; do  # ddp, fsdp2: benchmarks.distributed under torchrun, ours and torch.compile default
   timeout ${DIST_TIMEOUT:-300} python3 -m torch.distributed.run --nproc-per-node "${NPROC:-2}" -m benchmarks.distributed \
