@@ -59,3 +59,26 @@ def test_cantsplit_patch_only_where_the_bare_raise_is(monkeypatch):
     err = buggy.CantSplit()
     assert isinstance(err, buggy.CantSplit) and err.expr is None and err.remaining is None
     assert buggy.CantSplit(3, 4).remaining == 4
+
+
+def test_disable_split_scans_on_a_stand_in_ir():
+    """The patch makes every scan one block (num_splits 1), once; the real ir is left alone here."""
+    class Scan:
+        @classmethod
+        def num_splits(cls, **kwargs):
+            return "outer", 8
+
+    ir = types.SimpleNamespace(Scan=Scan, ReductionHint=types.SimpleNamespace(DEFAULT="default"))
+    assert _compat.disable_split_scans(ir) is True
+    assert Scan.num_splits(device="cuda", dtype=None) == ("default", 1)
+    assert _compat.disable_split_scans(ir) is False  # already off
+    assert _compat.disable_split_scans(types.SimpleNamespace()) is False  # nothing to patch
+
+
+def test_graph_has_scan():
+    import torch
+    import torch.fx as fx
+
+    assert _compat.graph_has_scan(fx.symbolic_trace(lambda x: torch.cumsum(x, 0)))
+    assert _compat.graph_has_scan(fx.symbolic_trace(lambda x: x.cumprod(1) + 1))
+    assert not _compat.graph_has_scan(fx.symbolic_trace(lambda x: x.sum(0) * 2))

@@ -38,6 +38,43 @@ def patch_cantsplit(simd=None) -> bool:
     return True
 
 
+_SCANS = frozenset({"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"})
+
+
+def graph_has_scan(gm) -> bool:
+    """Whether the (Dynamo) graph calls a scan: the ops Inductor may lower to a split scan."""
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target in _SCANS:
+            return True
+        if node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in _SCANS:
+            return True
+    return False
+
+
+def disable_split_scans(ir=None) -> bool:
+    """torch 2.11's split-scan codegen (TritonSplitScanKernel) fails on HF Mamba2's chunked cumsum ("list indices
+    must be integers or slices, not NoneType"), which fails the whole graph. Make every scan a one-block scan: the
+    backend calls this only after a graph with a scan failed Inductor, and it stays on for the process, as
+    AOTAutograd compiles the backward graph later. It costs only speed, on long scans. Returns whether this call
+    turned it on."""
+    if ir is None:
+        try:
+            from torch._inductor import ir
+        except Exception:  # noqa: BLE001  (no Inductor: nothing to patch)
+            return False
+    scan = getattr(ir, "Scan", None)
+    hint = getattr(getattr(ir, "ReductionHint", None), "DEFAULT", None)
+    if scan is None or hint is None or getattr(scan, "_tk_no_split", False) or not hasattr(scan, "num_splits"):
+        return False
+
+    def num_splits(cls, *args, **kwargs):
+        return hint, 1
+
+    scan.num_splits = classmethod(num_splits)
+    scan._tk_no_split = True
+    return True
+
+
 @functools.cache
 def apply() -> None:
     """Once per process (the checks read torch's sources): called before every Inductor compile."""

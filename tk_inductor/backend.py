@@ -132,14 +132,24 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: confi
         except Exception as exc:  # noqa: BLE001
             if cfg.strict:
                 raise
-            # Inductor itself failed on this graph (torch 2.11 fails on some cumsum/scan graphs, with or
-            # without our rewrite): run the rewritten graph through AOTAutograd without Inductor rather than
-            # failing the user's model; the kernels still run.
             reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-            _inductor_failures[key] = reason
-            rewrite._warn_once(f"tk_inductor: Inductor failed on a graph ({reason}); running it with aot_eager "
-                               "instead (and any identical graph after it)")
-            return aot_eager(gm, example_inputs)
+        # Inductor itself failed on this graph (torch 2.11 fails on some cumsum/scan graphs, with or without our
+        # rewrite). A graph with a scan is tried once more without split scans (_compat.disable_split_scans, then
+        # on for the process); else, or if that fails too, the rewritten graph runs through AOTAutograd without
+        # Inductor rather than failing the user's model, our kernels included.
+        if _compat.graph_has_scan(gm) and _compat.disable_split_scans():
+            try:
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+            except Exception:  # noqa: BLE001
+                pass
+            else:
+                rewrite._warn_once(f"tk_inductor: Inductor failed on a graph with a scan ({reason}); it compiled "
+                                   "with split scans turned off, which stay off in this process")
+                return compiled
+        _inductor_failures[key] = reason
+        rewrite._warn_once(f"tk_inductor: Inductor failed on a graph ({reason}); running it with aot_eager "
+                           "instead (and any identical graph after it)")
+        return aot_eager(gm, example_inputs)
     finally:
         _in_backend.reset(token)
 
