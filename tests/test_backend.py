@@ -276,49 +276,21 @@ def test_inductor_failure_falls_back_to_aot_eager(fake_family, monkeypatch):
     assert CALLS["sine"] == 3  # the rewritten graph ran, without Inductor
 
 
-def test_inductor_failure_on_a_scan_retried_without_split_scans(fake_family, monkeypatch):
-    """A graph with a scan that Inductor fails on is compiled again once split scans are off (torch 2.11's
-    split-scan codegen bug); a graph without a scan goes to aot_eager at once."""
+def test_split_scans_turned_off_before_a_graph_with_a_scan(fake_family, monkeypatch):
+    """A graph with a scan is compiled with split scans off (torch's split-scan codegen bug); one without is not."""
     import torch._inductor.compile_fx as cfx
 
     from tk_inductor import _compat
 
-    state = {"off": False, "calls": 0}
-
-    def fails_with_split_scans(gm, example_inputs, config_patches=None, **kwargs):
-        state["calls"] += 1
-        if not state["off"]:
-            raise TypeError("list indices must be integers or slices, not NoneType")
-        return gm.forward
-
-    def turn_off():
-        was, state["off"] = state["off"], True
-        return not was
-
-    monkeypatch.setattr(cfx, "compile_fx", fails_with_split_scans)
-    monkeypatch.setattr(_compat, "disable_split_scans", turn_off)
-    g = lambda x: torch.cumsum(torch.sin(x), 1)  # noqa: E731
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        _check_same(g, _compile(g, reference=True))
-    assert state["calls"] == 2
-    assert any("split scans turned off" in str(w.message) for w in seen)
-    assert not any("aot_eager" in str(w.message) for w in seen)
-    # split scans already off: a later failure is not retried
-    state["off"], state["calls"] = False, 0
-    monkeypatch.setattr(_compat, "disable_split_scans", lambda: False)
-    torch._dynamo.reset()
-    _check_same(g, _compile(g, reference=True), shape=(5, 8))
-    assert state["calls"] == 1
-
-
-def test_inductor_failure_without_a_scan_not_retried(fake_family, monkeypatch):
-    calls = _inductor_fails(monkeypatch)
-    from tk_inductor import _compat
-
-    monkeypatch.setattr(_compat, "disable_split_scans", lambda: pytest.fail("retried a graph without a scan"))
+    turned_off = []
+    monkeypatch.setattr(_compat, "disable_split_scans", lambda: turned_off.append(1) or True)
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, config_patches=None, **kw: gm.forward)
     _check_same(f, _compile(f, reference=True))
-    assert len(calls) == 1
+    assert not turned_off
+    torch._dynamo.reset()
+    g = lambda x: torch.cumsum(torch.sin(x), 1)  # noqa: E731
+    _check_same(g, _compile(g, reference=True))
+    assert turned_off
 
 
 def test_inductor_failure_strict_raises(fake_family, monkeypatch):

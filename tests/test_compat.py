@@ -82,3 +82,28 @@ def test_graph_has_scan():
     assert _compat.graph_has_scan(fx.symbolic_trace(lambda x: torch.cumsum(x, 0)))
     assert _compat.graph_has_scan(fx.symbolic_trace(lambda x: x.cumprod(1) + 1))
     assert not _compat.graph_has_scan(fx.symbolic_trace(lambda x: x.sum(0) * 2))
+
+
+@pytest.mark.parametrize("no_split_scans", [False, True])
+def test_split_scan_codegen_without_a_gpu(no_split_scans, tmp_path):
+    """Inductor's CUDA code generation for HF Mamba2's scan over a strided axis, on this machine with the device
+    faked (tests/fake_cuda_inductor.py): torch 2.11 and 2.14 fail in the split-scan kernel; with split scans off
+    the code is generated, with a one-block scan."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("fake_cuda_inductor.py")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FX_GRAPH_CACHE="0")
+    args = [sys.executable, str(script)] + (["--no-split-scans"] if no_split_scans else [])
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if result["codegen"] == "harness":
+        pytest.skip(f"this torch needs more faking: {result['detail']}")
+    if no_split_scans:
+        assert result == {"codegen": "ok", "detail": "", "split_scan": False}, result
+    elif result["codegen"] == "failed":  # the bug; a torch that fixed it generates the split scan instead
+        assert result["split_scan"], result

@@ -52,10 +52,12 @@ def graph_has_scan(gm) -> bool:
 
 
 def disable_split_scans(ir=None) -> bool:
-    """torch 2.11's split-scan codegen (TritonSplitScanKernel) fails on HF Mamba2's chunked cumsum ("list indices
-    must be integers or slices, not NoneType"), which fails the whole graph. Make every scan a one-block scan: the
-    backend calls this only after a graph with a scan failed Inductor, and it stays on for the process, as
-    AOTAutograd compiles the backward graph later. It costs only speed, on long scans. Returns whether this call
+    """Inductor splits a scan over a strided axis with few rows across blocks (TritonSplitScanKernel), and that
+    code generation fails in torch 2.11 and 2.14 ("Unexpected tiling"; on HF Mamba2's `cumsum(A.permute(...))`,
+    "list indices must be integers or slices, not NoneType"), failing the whole graph. Make every scan one block
+    per row. The backend calls this before compiling a graph with a scan, and it stays on for the process:
+    AOTAutograd compiles the backward graph later, outside the backend. It costs speed only on long scans of few
+    rows. tests/fake_cuda_inductor.py shows the failure and the fix without a GPU. Returns whether this call
     turned it on."""
     if ir is None:
         try:

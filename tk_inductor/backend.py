@@ -122,6 +122,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: confi
         from . import _compat
 
         _compat.apply()
+        if _compat.graph_has_scan(gm):
+            _compat.disable_split_scans()
         key = None if cfg.strict else _graph_key(gm, example_inputs, patches)
         if key in _inductor_failures:
             return aot_eager(gm, example_inputs)
@@ -133,19 +135,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: confi
             if cfg.strict:
                 raise
             reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-        # Inductor itself failed on this graph (torch 2.11 fails on some cumsum/scan graphs, with or without our
-        # rewrite). A graph with a scan is tried once more without split scans (_compat.disable_split_scans, then
-        # on for the process); else, or if that fails too, the rewritten graph runs through AOTAutograd without
-        # Inductor rather than failing the user's model, our kernels included.
-        if _compat.graph_has_scan(gm) and _compat.disable_split_scans():
-            try:
-                compiled = compile_fx(gm, example_inputs, config_patches=patches)
-            except Exception:  # noqa: BLE001
-                pass
-            else:
-                rewrite._warn_once(f"tk_inductor: Inductor failed on a graph with a scan ({reason}); it compiled "
-                                   "with split scans turned off, which stay off in this process")
-                return compiled
+        # Inductor itself failed on this graph: run the rewritten graph through AOTAutograd without Inductor
+        # rather than failing the user's model, our kernels included.
         _inductor_failures[key] = reason
         rewrite._warn_once(f"tk_inductor: Inductor failed on a graph ({reason}); running it with aot_eager "
                            "instead (and any identical graph after it)")
