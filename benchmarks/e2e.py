@@ -88,11 +88,14 @@ def _compile(model, mode: str):
     if mode == "eager":
         return model
     if mode == "torch.compile":
-        # With the CantSplit fix our backend applies (tk_inductor._compat): later torch has it, and without it
-        # torch 2.11's Inductor fails on Based-style models, leaving no baseline. It changes no kernel.
+        # With the torch work-arounds our backend applies (tk_inductor._compat), so the ratio measures our kernels,
+        # not the bug fixes: the CantSplit fix (without it torch 2.11's Inductor fails on Based-style models; it
+        # changes no kernel) and split scans off (their codegen fails on HF Mamba2's cumsum; our backend turns
+        # them off for any graph with a scan, and only Mamba2's graphs have a long one).
         from tk_inductor import _compat
 
         _compat.apply()
+        _compat.disable_split_scans()
         return torch.compile(model)
     return torch.compile(model, backend="thunderkittens")
 
