@@ -91,7 +91,7 @@ def _compile(model, mode: str):
         # With the torch work-arounds our backend applies (tk_inductor._compat), so the ratio measures our kernels,
         # not the bug fixes: the CantSplit fix (without it torch 2.11's Inductor fails on Based-style models; it
         # changes no kernel) and split scans off (their codegen fails on HF Mamba2's cumsum; our backend turns
-        # them off for any graph with a scan, and only Mamba2's graphs have a long one).
+        # them off for any graph with a scan; the other models' scans are tiny: Llama's position ids).
         from tk_inductor import _compat
 
         _compat.apply()
