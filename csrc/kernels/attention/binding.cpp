@@ -119,7 +119,6 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
   const int variant = variant_from_env("TK_ATTN_FWD_VARIANT", tk_attn::attention_forward_variants());
   // The dynamic schedule's task counter: from the stream-ordered allocator, so launches on several streams
-  // never share one.
   // never share one. Zeroed by a memset node rather than at::zeros' fill kernel: less host time per call.
   at::Tensor next_task;
   if (dynamic_schedule(causal)) {
