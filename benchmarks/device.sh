@@ -31,12 +31,13 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 for sweep in ${SWEEPS:-}; do  # attn, ln, rot: python -m benchmarks.sweep_<name>, JSON next to the log
   args="SWEEP_ARGS_$sweep"      # per-sweep arguments, e.g. SWEEP_ARGS_attn=--no-forward
-  # SWEEP_ENVS="A=1 A=2": the sweep once under each setting (logs sweep_<name>_A=1.log ...); "-" = as is
+  # SWEEP_ENVS="A=1 A=2": the sweep once under each setting (logs sweep_<name>_A=1.log ..., JSON in $OUT/A=1/);
+  # "-" = as is
   for env in ${SWEEP_ENVS:--}; do
-    tag=${env/#-/}; log="$OUT/sweep_$sweep${tag:+_$tag}.log"
+    tag=${env/#-/}; log="$OUT/sweep_$sweep${tag:+_$tag}.log"; json_dir="$OUT${tag:+/$tag}"; mkdir -p "$json_dir"
     [ -n "$tag" ] && echo "== sweep $sweep under $tag"
-    OUT="$OUT" timeout ${SWEEP_TIMEOUT:-300} env ${tag:+"$tag"} python3 -m benchmarks.sweep_$sweep ${!args:-} 2>&1 \
-      | tee "$log" | tail -${SWEEP_TAIL:-40}
+    OUT="$json_dir" timeout ${SWEEP_TIMEOUT:-300} env ${tag:+"$tag"} python3 -m benchmarks.sweep_$sweep ${!args:-} \
+      2>&1 | tee "$log" | tail -${SWEEP_TAIL:-40}
   done
 done
 for engine in ${DIST:-}; do  # ddp, fsdp2: benchmarks.distributed under torchrun, ours and torch.compile default
