@@ -31,10 +31,11 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 for sweep in ${SWEEPS:-}; do  # attn, ln, rot: python -m benchmarks.sweep_<name>, JSON next to the log
   args="SWEEP_ARGS_$sweep"      # per-sweep arguments, e.g. SWEEP_ARGS_attn=--no-forward
-  # SWEEP_ENVS="A=1 A=2": the sweep once under each setting (logs sweep_<name>_A=1.log ..., JSON in $OUT/A=1/);
+  # SWEEP_ENVS="A=1 A=2": the sweep once under each setting (logs sweep_<name>_A-1.log ..., JSON in $OUT/A-1/);
   # "-" = as is
   for env in ${SWEEP_ENVS:--}; do
-    tag=${env/#-/}; log="$OUT/sweep_$sweep${tag:+_$tag}.log"; json_dir="$OUT${tag:+/$tag}"; mkdir -p "$json_dir"
+    tag=${env/#-/}; name=${tag//[^A-Za-z0-9_.-]/-}  # file names without '=' (the device returns plain names)
+    log="$OUT/sweep_$sweep${name:+_$name}.log"; json_dir="$OUT${name:+/$name}"; mkdir -p "$json_dir"
     [ -n "$tag" ] && echo "== sweep $sweep under $tag"
     OUT="$json_dir" timeout ${SWEEP_TIMEOUT:-300} env ${tag:+"$tag"} python3 -m benchmarks.sweep_$sweep ${!args:-} \
       2>&1 | tee "$log" | tail -${SWEEP_TAIL:-40}
