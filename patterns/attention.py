@@ -1430,7 +1430,7 @@ def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
         return {}
     values = out.args[0]
     flat = list(values) if isinstance(values, (tuple, list)) else [values]
-    masks = _MaskEval()
+    finder = _Finder(graph)  # the matcher's own mask proof, over the mask's own box
     kinds: dict[int, str] = {}
     for i, node in enumerate(flat):
         if not isinstance(node, fx.Node) or node.op == "placeholder":
@@ -1439,9 +1439,7 @@ def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
         if not isinstance(ex, torch.Tensor) or ex.dim() < 2 or not (ex.dtype == torch.bool or ex.is_floating_point()):
             continue
         try:
-            v = masks(node)
-            allowed = _as_pred(v) if ex.dtype == torch.bool else _additive_allowed(v)
-            kinds[i] = "causal" if _allowed_kind(allowed, _shape(node)) else "full"
+            kinds[i] = "causal" if finder._sdpa_mask(node, _shape(node)) else "full"
         except _Keep:
             continue
         except Exception:  # noqa: BLE001  (an analysis bug must cost a value check, never the compile)
