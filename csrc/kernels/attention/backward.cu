@@ -764,9 +764,7 @@ int64_t bwd_npad(int64_t N, int bm) { return (N + bm - 1) / bm * bm; }
 // by head gives 1.14-1.58x (causal at training batch sizes).
 int bwd_section(bool sections, int num_sms, int nk, int64_t BH, int64_t group, int64_t N, int64_t D) {
   if (!sections) return 1;
-  const int64_t by_waves = (4LL * num_sms + nk - 1) / nk;
-  const int64_t by_l2 = (32LL << 20) / std::max<int64_t>(1, group * N * D * 8);
-  return static_cast<int>(std::max<int64_t>(1, std::min({BH, by_waves, by_l2})));
+  return section_heads(BH, nk, 4LL * num_sms, (32LL << 20) / std::max<int64_t>(1, group * N * D * 8));
 }
 
 template <typename T, int D, typename Cfg>

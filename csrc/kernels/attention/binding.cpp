@@ -77,29 +77,24 @@ int variant_from_env(const char* name, int count) {
   return static_cast<int>(v);
 }
 
-// TK_ATTN_FWD_SCHEDULE: "static", "dynamic" (forward.cu, dynamic_step), or unset: dynamic under a causal mask,
-// whose tasks differ in length, and static without one, whose equal tasks the static shares already balance (the
-// H200 sweep in benchmarks/RESULTS.md, session 5: dynamic 1.03-1.25x on causal, 0.89-1.0x without a mask). Read on
-// every call, like the variants.
-bool dynamic_schedule(bool causal) {
-  const char* s = std::getenv("TK_ATTN_FWD_SCHEDULE");
-  if (s == nullptr || *s == '\0') return causal;
-  if (std::strcmp(s, "static") == 0) return false;
-  check(std::strcmp(s, "dynamic") == 0,
-        std::string("TK_ATTN_FWD_SCHEDULE must be 'static' or 'dynamic', got '") + s + "'");
+// A two-valued switch from the environment: `off` or `on` by name, `unset` when absent or empty; anything else is
+// an error naming the variable. Read on every call, like the variants.
+bool switch_from_env(const char* name, const char* off, const char* on, bool unset) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return unset;
+  if (std::strcmp(s, off) == 0) return false;
+  check(std::strcmp(s, on) == 0, std::string(name) + " must be '" + off + "' or '" + on + "', got '" + s + "'");
   return true;
 }
 
+// TK_ATTN_FWD_SCHEDULE: "static", "dynamic" (forward.cu, dynamic_step), or unset: dynamic under a causal mask,
+// whose tasks differ in length, and static without one, whose equal tasks the static shares already balance (the
+// H200 sweep in benchmarks/RESULTS.md, session 5: dynamic 1.03-1.25x on causal, 0.89-1.0x without a mask).
+bool dynamic_schedule(bool causal) { return switch_from_env("TK_ATTN_FWD_SCHEDULE", "static", "dynamic", causal); }
+
 // TK_ATTN_BWD_ORDER: the backward's block order, "heads" (unset: the default; head by head) or "sections"
-// (backward.cu, bwd_section: L2 sections of heads, key blocks outermost; opt-in until measured). Read on every
-// call.
-bool backward_sections() {
-  const char* s = std::getenv("TK_ATTN_BWD_ORDER");
-  if (s == nullptr || *s == '\0' || std::strcmp(s, "heads") == 0) return false;
-  check(std::strcmp(s, "sections") == 0,
-        std::string("TK_ATTN_BWD_ORDER must be 'heads' or 'sections', got '") + s + "'");
-  return true;
-}
+// (backward.cu, bwd_section: L2 sections of heads, key blocks outermost; opt-in until measured).
+bool backward_sections() { return switch_from_env("TK_ATTN_BWD_ORDER", "heads", "sections", false); }
 
 int num_sms(const at::Tensor& t) {
   int n = 0;

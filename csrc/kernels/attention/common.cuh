@@ -27,6 +27,14 @@ __device__ __forceinline__ void section_decode(int t, int heads_total, int ranks
   head = sec * section + (r - rank * heads);
 }
 
+// Heads per section for section_decode (host side): enough that a section holds about `blocks` blocks of `ranks`
+// each, at most `max_heads` (an L2 budget) and `heads_total`, at least 1.
+inline int section_heads(int64_t heads_total, int ranks, int64_t blocks, int64_t max_heads) {
+  const int64_t by_blocks = (blocks + ranks - 1) / ranks;
+  const int64_t h = by_blocks < max_heads ? by_blocks : max_heads;
+  return static_cast<int>(h < 1 ? 1 : (h < heads_total ? h : heads_total));
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

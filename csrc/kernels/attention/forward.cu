@@ -647,7 +647,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.nq = (q.S + K_::BM - 1) / K_::BM;
   const int BH = q.B * q.H;
   p.tasks = BH * p.nq;
-  p.section = std::max(1, std::min(BH, (2 * num_sms + p.nq - 1) / p.nq));
+  p.section = section_heads(BH, p.nq, 2LL * num_sms, BH);
   p.scale_log2 = scale * 1.4426950408889634f;
   p.causal = causal;
   p.o = o;
