@@ -155,11 +155,48 @@ def test_cached_library_that_does_not_load_is_rebuilt(fake_tree, monkeypatch, ca
     lib.parent.mkdir(parents=True)
     lib.write_bytes(b"not a shared library")
     calls = []
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw["name"]))
+
+    def fake_load(name, build_directory, **kwargs):
+        calls.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"rebuilt")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
     monkeypatch.setattr(build, "cuda_home", lambda: "/usr/local/cuda")
     try:
         assert build.load("alpha") == lib
     finally:
         build._loaded.pop("alpha", None)
-    assert calls == ["tk_alpha"] and not lib.exists()
+    assert calls == ["tk_alpha"] and lib.read_bytes() == b"rebuilt"
     assert "does not load here" in capsys.readouterr().err
+
+
+def test_build_runs_in_a_private_folder(fake_tree, monkeypatch):
+    """A stale cpp_extension lock file in the cache folder (a killed build, or a folder copied mid-build) must not
+    block the next build, and a failed build leaves no library behind."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(build, "cuda_home", lambda: "/nonexistent-cuda")
+    out = build.build_dir("alpha")
+    out.mkdir(parents=True)
+    (out / "lock").write_text("")  # cpp_extension's FileBaton would wait on this forever
+    seen = []
+
+    def fake_load(name, build_directory, **kwargs):
+        d = Path(build_directory)
+        seen.append(d)
+        assert d.parent == out and d != out and not (d / "lock").exists()
+        if fail:
+            raise RuntimeError("nvcc: error")
+        (d / f"{name}.so").write_bytes(b"library")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "_failed", {})
+    fail = True
+    with pytest.raises(build.BuildError, match="nvcc: error"):
+        build.load("alpha")
+    assert not build.is_built("alpha") and not seen[-1].exists()
+    fail = False
+    assert build.load("alpha") == out / "tk_alpha.so"
+    assert (out / "tk_alpha.so").read_bytes() == b"library" and not seen[-1].exists()
+    assert sorted(p.name for p in out.iterdir()) == ["lock", "tk_alpha.so"]

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -165,6 +166,10 @@ def load(family: str, verbose: bool = False) -> Path:
         cpp_extension.CUDA_HOME = home  # torch reads it once at import; the wrapper may have fooled it
         out = build_dir(family)
         out.mkdir(parents=True, exist_ok=True)
+        # Each build runs in a private folder and moves the finished library into place with one rename: a build
+        # that is killed (or a cache folder copied mid-build) leaves no half library and no cpp_extension lock
+        # file, which would make every later build of the family wait on it forever.
+        work = Path(tempfile.mkdtemp(prefix=f".build-{os.getpid()}-", dir=out))
         print(f"tk_inductor: building {family} kernels (first use; cached in {out}) ...", file=sys.stderr, flush=True)
         start = time.time()
         try:
@@ -174,13 +179,16 @@ def load(family: str, verbose: bool = False) -> Path:
                 extra_include_paths=[str(INCLUDE), str(_folder(family))],
                 extra_cflags=CXX_FLAGS,
                 extra_cuda_cflags=NVCC_FLAGS,
-                build_directory=str(out),
+                build_directory=str(work),
                 is_python_module=False,
                 verbose=verbose,
             )
+            os.replace(work / lib.name, lib)
         except Exception as exc:  # compiler errors arrive as RuntimeError/CalledProcessError
             _failed[family] = str(exc)
             raise BuildError(f"building {family} kernels failed: {exc}") from exc
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         print(f"tk_inductor: built {family} in {time.time() - start:.1f} s", file=sys.stderr, flush=True)
         _loaded[family] = lib
         return lib

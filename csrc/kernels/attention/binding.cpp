@@ -92,9 +92,11 @@ bool switch_from_env(const char* name, const char* off, const char* on, bool uns
 // H200 sweep in benchmarks/RESULTS.md, session 5: dynamic 1.03-1.25x on causal, 0.89-1.0x without a mask).
 bool dynamic_schedule(bool causal) { return switch_from_env("TK_ATTN_FWD_SCHEDULE", "static", "dynamic", causal); }
 
-// TK_ATTN_BWD_ORDER: the backward's block order, "heads" (unset: the default; head by head) or "sections"
-// (backward.cu, bwd_section: L2 sections of heads, key blocks outermost; opt-in until measured).
-bool backward_sections() { return switch_from_env("TK_ATTN_BWD_ORDER", "heads", "sections", false); }
+// TK_ATTN_BWD_ORDER: the backward's block order, "heads" (head by head) or "sections" (backward.cu, bwd_section:
+// L2 sections of heads, key blocks outermost), or unset: sections under a causal mask, whose key blocks differ in
+// cost, and heads without one, whose equal blocks head by head already balances (the H200 sweep in
+// benchmarks/RESULTS.md, session 6: sections 1.09-1.17x on causal at 4096 tokens, 0.99-1.0x without a mask).
+bool backward_sections(bool causal) { return switch_from_env("TK_ATTN_BWD_ORDER", "heads", "sections", causal); }
 
 int num_sms(const at::Tensor& t) {
   int n = 0;
@@ -162,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   const char* err = tk_attn::attention_backward(
       dt, view(dout), qv, view(k), view(v), view(o), lse.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
       dq_accum.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), causal, static_cast<float>(scale),
-      variant, num_sms(q), backward_sections(), c10::cuda::getCurrentCUDAStream());
+      variant, num_sms(q), backward_sections(causal), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention_backward: ", err ? err : "");
   return {dq, dk, dv};
 }
