@@ -56,7 +56,7 @@ template <class K> __global__ void __launch_bounds__(num_threads<K>, 1) kernel(c
     static_assert(K::PRODUCER_REGS * WARPGROUP_THREADS + K::CONSUMER_REGS * WARPGROUP_THREADS * CONSUMERS <= 65536,
                   "register budget exceeds the SM's 64K registers");
     extern __shared__ char smem_raw[];
-    char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    char* smem = align_shared<1024>(smem_raw);
     auto* inputs = reinterpret_cast<typename K::input_block*>(smem);
     auto* scratch = reinterpret_cast<typename K::scratch_block*>(smem + sizeof(typename K::input_block) * STAGES);
     __shared__ semaphore arrived[STAGES], finished[STAGES];

@@ -71,7 +71,7 @@ struct BwdSmem {
   float* sStats;  // [STAGES][2][BM]: lse2, delta (STATS only)
   uint64_t *kv_full, *q_full, *q_empty;
   __device__ __forceinline__ explicit BwdSmem(uint8_t* raw) {
-    sK = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    sK = tk::align_shared<1024>(raw);
     sV = sK + K_::KV_BYTES;
     sQ = sV + K_::KV_BYTES;
     sdO = sQ + K_::STAGES * K_::Q_BYTES;
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse_row + 8 * ch + col_in);
+      const float2 l2 = load_pair<K_::STATS>(lse_row + 8 * ch + col_in);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
     wgmma_commit();
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 dl = *reinterpret_cast<const float2*>(del_row + 8 * ch + col_in);
+      const float2 dl = load_pair<K_::STATS>(del_row + 8 * ch + col_in);
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[4 * ch + e] = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
     }
@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
         const int jr = 64 * c + row_in + 8 * h2;  // key row inside the block
         const int ic = 8 * ch + col_in;           // query column
         const uint32_t v = pack2<T>(dpt[4 * ch + 2 * h2], dpt[4 * ch + 2 * h2 + 1]);
-        *reinterpret_cast<uint32_t*>(sdS + ds_off + swz128(jr, ic, 2)) = v;
+        st_shared(sdS_u + ds_off + swz128(jr, ic, 2), v);
       }
     }
     fence_async_smem();
@@ -383,8 +383,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const int col = 8 * ch + col_in;
-        float2* dst = reinterpret_cast<float2*>(stage + (col / 32) * 8192 + swz128(row_in + 8 * h2, col % 32, 4));
-        *dst = make_float2(dq[4 * ch + 2 * h2], dq[4 * ch + 2 * h2 + 1]);
+        st_shared(smem_u32(stage) + (col / 32) * 8192 + swz128(row_in + 8 * h2, col % 32, 4), dq[4 * ch + 2 * h2],
+                  dq[4 * ch + 2 * h2 + 1]);
       }
     }
     fence_async_smem();
@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse_row + 8 * ch + col_in);
+      const float2 l2 = load_pair<K_::STATS>(lse_row + 8 * ch + col_in);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pe = ex2_ftz(st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x));
@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 dl = *reinterpret_cast<const float2*>(del_row + 8 * ch + col_in);
+      const float2 dl = load_pair<K_::STATS>(del_row + 8 * ch + col_in);
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[4 * ch + e] = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
     }
@@ -596,7 +596,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
         // dsa[kk][r]: key row row_in + 8 (r & 1), query columns 16 kk + 8 (r >> 1) + col_in, +1
         const int jr = 64 * c + row_in + 8 * (r & 1);
         const int ic = 16 * kk + 8 * (r >> 1) + col_in;
-        *reinterpret_cast<uint32_t*>(ds_buf + (ic / 64) * K_::DS_PANEL + swz128(jr, ic % 64, 2)) = dsa[kk][r];
+        st_shared(smem_u32(ds_buf) + (ic / 64) * K_::DS_PANEL + swz128(jr, ic % 64, 2), dsa[kk][r]);
       }
     }
     fence_async_smem();
@@ -638,8 +638,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const int col = 8 * ch + col_in;
-        float2* dst = reinterpret_cast<float2*>(stage + (col / 32) * 8192 + swz128(row_in + 8 * h2, col % 32, 4));
-        *dst = make_float2(dq[4 * ch + 2 * h2], dq[4 * ch + 2 * h2 + 1]);
+        st_shared(smem_u32(stage) + (col / 32) * 8192 + swz128(row_in + 8 * h2, col % 32, 4), dq[4 * ch + 2 * h2],
+                  dq[4 * ch + 2 * h2 + 1]);
       }
     }
     fence_async_smem();

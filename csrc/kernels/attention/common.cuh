@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
+#include "tk/common.cuh"
 #include "wgmma.cuh"
 
 namespace tk_attn {
@@ -37,6 +38,27 @@ inline int section_heads(int64_t heads_total, int ranks, int64_t blocks, int64_t
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Shared-memory accesses by 32-bit shared address. Plain C++ accesses through the kernels' smem pointers compiled to
+// generic LD/ST (ptxas could not prove the address space), which queue on the global-memory (LG) path: ncu showed
+// the backward stalled on lg_throttle there.
+__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+// Two adjacent floats from shared (SHARED) or global memory.
+template <bool SHARED>
+__device__ __forceinline__ float2 load_pair(const float* p) {
+  if constexpr (SHARED) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem_u32(p)));
+    return v;
+  } else {
+    return *reinterpret_cast<const float2*>(p);
+  }
 }
 
 // ---- mbarrier semaphores ---------------------------------------------------

@@ -62,7 +62,7 @@ struct FwdSmem {
   // dynamic schedule: the task the producer hands the consumers with q_full (the barriers' last 8 bytes)
   __device__ __forceinline__ volatile int* task() const { return reinterpret_cast<volatile int*>(q_full + 31); }
   __device__ __forceinline__ explicit FwdSmem(uint8_t* raw) {
-    sQ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    sQ = tk::align_shared<1024>(raw);
     sK = sQ + K_::Q_BYTES;
     sV = sK + K_::STAGES * K_::KV_BYTES;
     q_full = reinterpret_cast<uint64_t*>(sV + K_::STAGES * K_::KV_BYTES);
