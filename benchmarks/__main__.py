@@ -4,6 +4,11 @@ Runs every op benchmark (each module `benchmarks/<op>.py` exposes
 `run(quick: bool) -> list[Row]`), optionally whole models and build/compile
 times, prints one table (ours, each baseline, ratio) and writes JSON and PNG
 plots under benchmarks/results/.
+
+A full run does not fit one device call: run it in parts (e.g. the ops, then
+the models a few at a time), then `python -m benchmarks --merge a/results.json
+b/results.json --out DIR` makes one table, JSON and plots of them. Parts must
+come from the same kernel sources (the `kernels` hash in their metadata).
 """
 from __future__ import annotations
 
@@ -28,7 +33,10 @@ def _as_rows(items) -> list[Row]:
 
 
 def _commit() -> str:
-    """HEAD, with -dirty when the tree differs from it (a copied working tree can carry a stale .git)."""
+    """$TK_BENCH_COMMIT if set, else HEAD with -dirty when the tree differs from it. A working tree copied to another
+    machine can carry a stale .git (the device's does), so pass the commit you shipped there."""
+    if os.environ.get("TK_BENCH_COMMIT"):
+        return os.environ["TK_BENCH_COMMIT"]
     try:
         return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True).strip()
     except Exception:
@@ -142,6 +150,34 @@ def _e2e_speedups(rows: list[Row]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _kernels() -> str:
+    """The hash of every kernel family's sources (tk_inductor.build.kernel_version): what the numbers measured."""
+    try:
+        from tk_inductor import build
+
+        return build.kernel_version()
+    except Exception as exc:  # the harness still reports without the package
+        return f"unknown ({type(exc).__name__})"
+
+
+def merge(paths: list[str], allow_mixed: bool = False) -> tuple[dict, list[Row]]:
+    """Rows of several results.json files, in order; a later file's row replaces an earlier one of the same
+    (op, case, impl). Refuses files from different kernel sources unless allow_mixed."""
+    metas, rows = [], {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        metas.append({**data["meta"], "file": str(path)})
+        for r in _as_rows(data["rows"]):
+            rows[(r.op, r.case, r.impl)] = r
+    kernels = {m.get("kernels") for m in metas}
+    if len(kernels) > 1 and not allow_mixed:
+        raise SystemExit("benchmarks --merge: the parts measured different kernel sources "
+                         + ", ".join(f"{m['file']}: {m.get('kernels')}" for m in metas) + " (--allow-mixed to merge anyway)")
+    meta = {k: metas[-1].get(k) for k in ("date", "commit", "torch", "gpu", "kernels")}
+    meta["parts"] = metas
+    return meta, list(rows.values())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated op benchmarks (default: all; 'none' for only --e2e/--build)")
@@ -153,10 +189,15 @@ def main(argv=None) -> int:
                    help="seconds per (model, mode), each in its own process, compilation included (default 1200)")
     p.add_argument("--build", action="store_true", help="also cold build, cached load and compile times")
     p.add_argument("--out", default=os.environ.get("TK_BENCH_OUT", "benchmarks/results"))
+    p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON", help="run nothing: merge these runs' results.json")
+    p.add_argument("--allow-mixed", action="store_true", help="--merge parts measured on different kernel sources")
     args = p.parse_args(argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        meta, rows = merge(args.merge, args.allow_mixed)
+        return _report(meta, rows, out)
     rows: list[Row] = []
     for op in [o for o in args.ops.split(",") if o and o != "none"]:
         try:
@@ -183,9 +224,15 @@ def main(argv=None) -> int:
         "commit": _commit(),
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "kernels": _kernels(),
     }
+    return _report(meta, rows, out)
+
+
+def _report(meta: dict, rows: list[Row], out: Path) -> int:
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
-    print(f"# {meta}")
+    print(f"# { {k: v for k, v in meta.items() if k != 'parts'} }"
+          + (f" merged from {len(meta['parts'])} runs" if "parts" in meta else ""))
     print(table(rows))
     for path in plot(rows, out):
         progress(f"wrote {path}")

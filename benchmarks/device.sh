@@ -9,6 +9,8 @@
 #   TESTS=0 SWEEPS=attn SWEEP_ARGS_attn="--no-forward --tokens 4096" SWEEP_ENVS="TK_ATTN_BWD_ORDER=heads \
 #     TK_ATTN_BWD_ORDER=sections" BENCH=none bash benchmarks/device.sh        # one sweep per setting, side by side
 #   TEST_K=test_distributed DIST="ddp fsdp2" BENCH=none bash benchmarks/device.sh   # 2 GPUs: the engines (issue 7)
+# The device's copy of .git is stale: pass TK_BENCH_COMMIT=<the commit you shipped> so results.json names it (it also
+# records the kernel sources' hash), and join runs done in parts with `python -m benchmarks --merge`.
 # Baselines that travel as wheels (e.g. fla-core for the layernorm table): put them in .whl/ and carry it; they are
 # installed into /tmp/site first. Each step has its own time limit (seconds: TEST_TIMEOUT, SWEEP_TIMEOUT,
 # BENCH_TIMEOUT), so one slow step cannot take the whole call.

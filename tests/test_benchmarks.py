@@ -148,3 +148,42 @@ def test_schedule_model_backward_orders():
     heads = m._list_schedule(costs, m.SMS)
     sections = m._list_schedule(m.bwd_block_costs(2, 16, 1, 2048, 128, True, sections=True), m.SMS)
     assert sections < heads  # the claim of backward.cu's bwd_section, at a training size
+
+
+def _results(path, rows, kernels="k1", commit="c1"):
+    import dataclasses
+    import json
+
+    meta = {"date": "2026-11-29", "commit": commit, "torch": "2.11", "gpu": "H200", "kernels": kernels}
+    path.write_text(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}))
+    return str(path)
+
+
+def test_merge_joins_parts_and_later_rows_win(tmp_path, capsys):
+    import json
+
+    a = _results(tmp_path / "a.json", ROWS)
+    newer = Row("attention", "B16 H16 N4096 D128 full fwd", "ours", 0.5, 1000.0, "TFLOPS", 4096)
+    b = _results(tmp_path / "b.json", [newer] + E2E, commit="c2")
+    assert main(["--merge", a, b, "--out", str(tmp_path / "m")]) == 0
+    text = capsys.readouterr().out
+    assert "merged from 2 runs" in text and "cudnn 1.250 ms 400 TFLOPS (ours 2.50x)" in text
+    assert "llama 2x4096 train" in text
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert merged["meta"]["commit"] == "c2" and [p["commit"] for p in merged["meta"]["parts"]] == ["c1", "c2"]
+    assert len(merged["rows"]) == len(ROWS) + len(E2E)
+
+
+def test_merge_refuses_parts_of_different_kernels(tmp_path):
+    a = _results(tmp_path / "a.json", ROWS, kernels="k1")
+    b = _results(tmp_path / "b.json", E2E, kernels="k2")
+    with pytest.raises(SystemExit, match="different kernel sources"):
+        main(["--merge", a, b, "--out", str(tmp_path / "m")])
+    assert main(["--merge", a, b, "--allow-mixed", "--out", str(tmp_path / "m")]) == 0
+
+
+def test_commit_from_environment(monkeypatch):
+    from benchmarks.__main__ import _commit
+
+    monkeypatch.setenv("TK_BENCH_COMMIT", "abc1234")
+    assert _commit() == "abc1234"
