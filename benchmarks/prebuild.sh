@@ -27,6 +27,7 @@ fi
 export PATH="$ENV_DIR/deps/bin:$PATH" PYTHONPATH="$ENV_DIR/torch:$ENV_DIR/deps:$REPO" TK_INDUCTOR_CACHE_DIR="$REPO/.tkcache"
 "$PY" -c "import torch, sys; print('prebuild: torch', torch.__version__, 'CUDA', torch.version.cuda, 'Python', sys.version.split()[0])"
 "$PY" -m tk_inductor build
+find "$REPO/.tkcache" -name '.build-*' -prune -exec rm -rf {} +  # private folders of builds that were killed
 find "$REPO/.tkcache" -type f ! -name '*.so' -delete
 # only the builds of these sources: older ones would push the folder past the device's 64 MiB carry limit
 "$PY" - <<'PY'
