@@ -32,10 +32,14 @@ constexpr int BWD_STAGES = 2;
 // stage (1-D bulk copies on the stage's barrier), so the consumers read them
 // from shared memory instead of waiting on global loads right after S^T; and
 // P = 2^x by the MUFU alone (ex2_ftz), as in the wide kernel.
-template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false>
+// DQK: at D = 128, each consumer computes all 128 columns of dQ over its own 64 keys (m64n128, like D = 64)
+// instead of 64 columns over all 128 keys: half the dQ wgmma instructions, no CTA-wide barrier around dS^T (the
+// consumers run independently, so one's exponentials can overlap the other's GEMMs), at twice the reduce-adds
+// into dq_accum and a 32 KB dQ stage per consumer.
+template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_, STATS = STATS_;
+  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
@@ -45,7 +49,9 @@ struct Bwd {
   static constexpr int KV_BYTES = BN * D * 2;  // K or V
   static constexpr int Q_BYTES = BM * D * 2;   // Q or dO tile
   static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
-  static constexpr int DQ_STAGE_BYTES = 64 * 64 * 4;  // per consumer: 64 rows x 64 fp32 columns
+  static constexpr bool DQ_SPLIT_COLS = (D == 128) && !DQK_;
+  static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
+  static constexpr int DQ_STAGE_BYTES = 64 * DQ_COLS * 4;  // per consumer: 64 rows x DQ_COLS fp32 columns
   static constexpr int DS_BUFS = DS2 ? 2 : 1, DQ_BUFS = 1;
   static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES +
                               STAGES * STATS_BYTES + 1024 + 256;
@@ -53,8 +59,6 @@ struct Bwd {
   // dQ: D=128 splits the output columns between the two consumers (64 each,
   // contracting over all 128 keys); D=64 has each consumer add its own keys'
   // partial (fewer registers is not an issue there, and N=64 keeps one panel).
-  static constexpr bool DQ_SPLIT_COLS = (D == 128);
-  static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
   // Consumer c's staged dQ block: DQ_BOXES boxes of 32 fp32 columns, box bx at column dq_col(c, bx) and row
   // dq_row(c) of the q tile in dq_accum.
   static constexpr int DQ_BOXES = DQ_COLS / 32;
@@ -174,12 +178,12 @@ __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdPar
   }
 }
 
-template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
+template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -343,6 +347,17 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
     else
       named_bar_sync(1 + c, 128);
 
+    if constexpr (K_::DQK) {
+      // dV and dK are done, so the A registers of P^T and dS^T are free before dQ's 64 accumulators go live:
+      // with all of them live at once, ptxas runs short of registers and serializes the wgmmas (C7512).
+      wgmma_wait<0>();
+      fence_regs(dv);
+      fence_regs(dk);
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+    }
     float dq[K_::DQ_COLS / 2];
     wgmma_fence();
     if constexpr (K_::DQ_SPLIT_COLS) {
@@ -366,7 +381,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_>::THREADS, 1)
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+      for (int e = 0; e < 4; ++e)
+        if constexpr (!K_::DQK) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[s]);
     if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
@@ -744,13 +760,14 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 // (64-row q tiles; PIPE, STAGES, DBUF = DS2), Kind::Wide =
 // attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
-template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false>
+template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool DQK = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
   static constexpr int stages = STAGES;
   static constexpr bool dbuf = DBUF;
   static constexpr bool stats = STATS;
+  static constexpr bool dqk = DQK;  // Tile64 at D = 128: dQ by key halves (Bwd's DQK)
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -808,15 +825,15 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.nk = static_cast<int>((k.S + BWD_BN - 1) / BWD_BN);
   p.section = bwd_section(sections, num_sms, p.nk, k.B * k.H, p.group, q.S, D);
   int smem, threads;
-  decltype(&attention_bwd_kernel<T, D, false, 2, false>) kern;
+  void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, BwdParams);
   if constexpr (WIDE) {
     using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
     kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats>;
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk>;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -842,7 +859,8 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // kernel with the double-buffered dQ stage (3) is 1.2-1.3x the 64-row one
 // (0.72-0.88x cuDNN vs 0.59-0.68x); at D128, 2 and 3 gained nothing. 4 is the
 // fastest at both head dims (bwd-only vs cuDNN: D128 0.84-0.88x, b0 0.80-0.83x;
-// D64 0.78-0.90x, b3 0.80-0.87x, ahead in 3 of the 4 cases).
+// D64 0.78-0.90x, b3 0.80-0.87x, ahead in 3 of the 4 cases). 5 (not yet run on a GPU): at D = 128, 4 with dQ
+// by key halves (Bwd's DQK); at D = 64, 0 with STATS (the 64-row kernel, which already splits dQ by keys).
 template <int D>
 struct BwdVariants;
 template <>
@@ -853,6 +871,7 @@ struct BwdVariants<128> {
   using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
   using V3 = BwdCfg<Kind::Tile64, false, 3, true>;
   using V4 = BwdCfg<Kind::Tile64, false, 2, false, true>;
+  using V5 = BwdCfg<Kind::Tile64, false, 2, false, true, true>;
 };
 template <>
 struct BwdVariants<64> {
@@ -862,8 +881,9 @@ struct BwdVariants<64> {
   using V2 = BwdCfg<Kind::Wide, false, 2>;
   using V3 = BwdCfg<Kind::Wide, false, 2, true>;
   using V4 = BwdCfg<Kind::Wide, false, 2, false, true>;  // V3 + STATS does not fit in shared memory
+  using V5 = BwdCfg<Kind::Tile64, false, 2, false, true>;
 };
-constexpr int BWD_VARIANTS = 5;
+constexpr int BWD_VARIANTS = 6;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -877,7 +897,8 @@ int bwd_bm(int D, int variant) {
            : variant == 1 ? Vs::V1::BM
            : variant == 2 ? Vs::V2::BM
            : variant == 3 ? Vs::V3::BM
-                          : Vs::V4::BM;
+           : variant == 4 ? Vs::V4::BM
+                          : Vs::V5::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -908,7 +929,8 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 1 ? TK_ATTN_BWD_V(T, D, V1)                                                                \
    : variant == 2 ? TK_ATTN_BWD_V(T, D, V2)                                                                \
    : variant == 3 ? TK_ATTN_BWD_V(T, D, V3)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V4))
+   : variant == 4 ? TK_ATTN_BWD_V(T, D, V4)                                                                \
+                  : TK_ATTN_BWD_V(T, D, V5))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
