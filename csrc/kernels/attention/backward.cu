@@ -36,10 +36,12 @@ constexpr int BWD_STAGES = 2;
 // instead of 64 columns over all 128 keys: half the dQ wgmma instructions, no CTA-wide barrier around dS^T (the
 // consumers run independently, so one's exponentials can overlap the other's GEMMs), at twice the reduce-adds
 // into dq_accum and a 32 KB dQ stage per consumer.
-template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false>
+// MASKB: branch around the mask (see the step).
+template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
+          bool MASKB_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_;
+  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
@@ -178,12 +180,13 @@ __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdPar
   }
 }
 
-template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_>::THREADS, 1)
+template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
+          bool MASKB_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -285,20 +288,33 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_>::THREAD
     // Causal upper triangle, and keys past M (their zero-filled rows would
     // otherwise give P = exp2(-lse2), which can overflow for extreme scales).
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
+    // mode 0: no mask; 1: masked; 2: masked where need_mask (predicated)
+    auto softmax = [&](auto mode) {
 #pragma unroll
-    for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 l2 = load_pair<K_::STATS>(lse_row + 8 * ch + col_in);
+      for (int ch = 0; ch < BM / 8; ++ch) {
+        const float2 l2 = load_pair<K_::STATS>(lse_row + 8 * ch + col_in);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
-        float pe = K_::STATS ? ex2_ftz(x) : exp2f(x);
-        if (need_mask) {
-          const int i = i0 + 8 * ch + col_in + (e & 1);
-          const int j = j0 + 8 * (e >> 1);
-          if ((p.causal && i < j) || j >= p.M) pe = 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
+          float pe = K_::STATS ? ex2_ftz(x) : exp2f(x);
+          if (decltype(mode)::value == 1 || (decltype(mode)::value == 2 && need_mask)) {
+            const int i = i0 + 8 * ch + col_in + (e & 1);
+            const int j = j0 + 8 * (e >> 1);
+            if ((p.causal && i < j) || j >= p.M) pe = 0.f;
+          }
+          st[4 * ch + e] = pe;
         }
-        st[4 * ch + e] = pe;
       }
+    };
+    // MASKB: the mask's index arithmetic only in the steps that need it (a warp-uniform branch, taken while
+    // dP^T is in flight; ptxas reports no serialization for it); else it is predicated into every step.
+    if constexpr (K_::MASKB) {
+      if (need_mask)
+        softmax(std::integral_constant<int, 1>{});
+      else
+        softmax(std::integral_constant<int, 0>{});
+    } else {
+      softmax(std::integral_constant<int, 2>{});
     }
     uint32_t pa[BM / 16][4];
 #pragma unroll
@@ -760,7 +776,8 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 // (64-row q tiles; PIPE, STAGES, DBUF = DS2), Kind::Wide =
 // attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
-template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool DQK = false>
+template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool DQK = false,
+          bool MASKB = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
@@ -768,6 +785,7 @@ struct BwdCfg {
   static constexpr bool dbuf = DBUF;
   static constexpr bool stats = STATS;
   static constexpr bool dqk = DQK;  // Tile64 at D = 128: dQ by key halves (Bwd's DQK)
+  static constexpr bool maskb = MASKB;  // Tile64: branch around the mask (Bwd's MASKB)
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -832,8 +850,8 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk>;
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk>;
+    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb>;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -861,6 +879,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // fastest at both head dims (bwd-only vs cuDNN: D128 0.84-0.88x, b0 0.80-0.83x;
 // D64 0.78-0.90x, b3 0.80-0.87x, ahead in 3 of the 4 cases). 5 (not yet run on a GPU): at D = 128, 4 with dQ
 // by key halves (Bwd's DQK); at D = 64, 0 with STATS (the 64-row kernel, which already splits dQ by keys).
+// 6 (not yet run on a GPU): 4 (D = 128) or 5 (D = 64) with the mask branched around (Bwd's MASKB).
 template <int D>
 struct BwdVariants;
 template <>
@@ -872,6 +891,7 @@ struct BwdVariants<128> {
   using V3 = BwdCfg<Kind::Tile64, false, 3, true>;
   using V4 = BwdCfg<Kind::Tile64, false, 2, false, true>;
   using V5 = BwdCfg<Kind::Tile64, false, 2, false, true, true>;
+  using V6 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
 };
 template <>
 struct BwdVariants<64> {
@@ -882,8 +902,9 @@ struct BwdVariants<64> {
   using V3 = BwdCfg<Kind::Wide, false, 2, true>;
   using V4 = BwdCfg<Kind::Wide, false, 2, false, true>;  // V3 + STATS does not fit in shared memory
   using V5 = BwdCfg<Kind::Tile64, false, 2, false, true>;
+  using V6 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
 };
-constexpr int BWD_VARIANTS = 6;
+constexpr int BWD_VARIANTS = 7;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -898,7 +919,8 @@ int bwd_bm(int D, int variant) {
            : variant == 2 ? Vs::V2::BM
            : variant == 3 ? Vs::V3::BM
            : variant == 4 ? Vs::V4::BM
-                          : Vs::V5::BM;
+           : variant == 5 ? Vs::V5::BM
+                          : Vs::V6::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -930,7 +952,8 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 2 ? TK_ATTN_BWD_V(T, D, V2)                                                                \
    : variant == 3 ? TK_ATTN_BWD_V(T, D, V3)                                                                \
    : variant == 4 ? TK_ATTN_BWD_V(T, D, V4)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V5))
+   : variant == 5 ? TK_ATTN_BWD_V(T, D, V5)                                                                \
+                  : TK_ATTN_BWD_V(T, D, V6))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
