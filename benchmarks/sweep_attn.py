@@ -65,7 +65,7 @@ BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backwa
           6: "BM64 S2 lse/delta in smem, mask branch"},
     64: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "wide BM128 S2", 3: "wide BM128 S2 dQ stage x2",
          4: "wide BM128 S2 lse/delta in smem", 5: "BM64 S2 lse/delta in smem",
-         6: "BM64 S2 lse/delta in smem, mask branch"},
+         6: "wide BM128 S2 lse/delta in smem, mask branch"},
 }
 
 

@@ -36,7 +36,7 @@ constexpr int BWD_STAGES = 2;
 // instead of 64 columns over all 128 keys: half the dQ wgmma instructions, no CTA-wide barrier around dS^T (the
 // consumers run independently, so one's exponentials can overlap the other's GEMMs), at twice the reduce-adds
 // into dq_accum and a 32 KB dQ stage per consumer.
-// MASKB: branch around the mask (see the step).
+// MASKB: branch around the mask (bwd_probs).
 template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
           bool MASKB_ = false>
 struct Bwd {
@@ -138,6 +138,43 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// P^T = 2^(S^T * scale_log2 - lse2) in place over this thread's part of a consumer's 64 keys x BM queries (rows
+// j0, j0 + 8; columns i0 + 8 ch + col_in, +1), zero on the causal upper triangle and on keys past M (their
+// zero-filled rows would otherwise give 2^-lse2, which can overflow for extreme scales). need_mask says whether
+// this consumer's block of the step has any such entry. STATS: lse_row is in shared memory (else global). FTZ: 2^x
+// by the MUFU alone (ex2_ftz). MASKB: a warp-uniform branch picks a masked or an unmasked compiled block; else the
+// mask's arithmetic is predicated into every step.
+template <int BM, bool STATS, bool FTZ, bool MASKB>
+__device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_row, const BwdParams& p, int i0,
+                                          int j0, int col_in, bool need_mask) {
+  // mode 0: no mask; 1: masked; 2: masked where need_mask
+  const auto block = [&](auto mode) {
+#pragma unroll
+    for (int ch = 0; ch < BM / 8; ++ch) {
+      const float2 l2 = load_pair<STATS>(lse_row + 8 * ch + col_in);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
+        float pe = FTZ ? ex2_ftz(x) : exp2f(x);
+        if (decltype(mode)::value == 1 || (decltype(mode)::value == 2 && need_mask)) {
+          const int i = i0 + 8 * ch + col_in + (e & 1);
+          const int j = j0 + 8 * (e >> 1);
+          if ((p.causal && i < j) || j >= p.M) pe = 0.f;
+        }
+        st[4 * ch + e] = pe;
+      }
+    }
+  };
+  if constexpr (MASKB) {
+    if (need_mask)
+      block(std::integral_constant<int, 1>{});
+    else
+      block(std::integral_constant<int, 0>{});
+  } else {
+    block(std::integral_constant<int, 2>{});
+  }
 }
 
 // STATS: copy lse2[bh, i0 : i0 + BM] and delta[bh, i0 : i0 + BM] into dst[0 : BM], dst[BM : 2 BM] on `bar`.
@@ -285,37 +322,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>
       wgmma_wait<1>();
       fence_regs(st);
     }
-    // Causal upper triangle, and keys past M (their zero-filled rows would
-    // otherwise give P = exp2(-lse2), which can overflow for extreme scales).
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
-    // mode 0: no mask; 1: masked; 2: masked where need_mask (predicated)
-    auto softmax = [&](auto mode) {
-#pragma unroll
-      for (int ch = 0; ch < BM / 8; ++ch) {
-        const float2 l2 = load_pair<K_::STATS>(lse_row + 8 * ch + col_in);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
-          float pe = K_::STATS ? ex2_ftz(x) : exp2f(x);
-          if (decltype(mode)::value == 1 || (decltype(mode)::value == 2 && need_mask)) {
-            const int i = i0 + 8 * ch + col_in + (e & 1);
-            const int j = j0 + 8 * (e >> 1);
-            if ((p.causal && i < j) || j >= p.M) pe = 0.f;
-          }
-          st[4 * ch + e] = pe;
-        }
-      }
-    };
-    // MASKB: the mask's index arithmetic only in the steps that need it (a warp-uniform branch, taken while
-    // dP^T is in flight; ptxas reports no serialization for it); else it is predicated into every step.
-    if constexpr (K_::MASKB) {
-      if (need_mask)
-        softmax(std::integral_constant<int, 1>{});
-      else
-        softmax(std::integral_constant<int, 0>{});
-    } else {
-      softmax(std::integral_constant<int, 2>{});
-    }
+    bwd_probs<BM, K_::STATS, K_::STATS, K_::MASKB>(st, lse_row, p, i0, j0, col_in, need_mask);
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
@@ -473,10 +481,10 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>
 // previous reduce to have read it (of step it - 2 now) moves before the
 // step's CTA-wide barrier and the staging needs one named barrier, not two.
 // STATS: as in Bwd.
-template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false>
+template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false, bool MASKB_ = false>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DQ2 = DQ2_, STATS = STATS_;
+  static constexpr bool DQ2 = DQ2_, STATS = STATS_, MASKB = MASKB_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
@@ -500,12 +508,12 @@ struct BwdWide {
 // shared-memory source.
 __device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 
-template <typename T, int STAGES_, bool DQ2_, bool STATS_>
-__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
+template <typename T, int STAGES_, bool DQ2_, bool STATS_, bool MASKB_>
+__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                               const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_>;
+  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
@@ -573,22 +581,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_>::THREADS, 1)
     wgmma_commit();
     wgmma_wait<1>();
     fence_regs(st);
-    // Causal upper triangle, and keys past M (see the 64-row kernel).
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
-#pragma unroll
-    for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 l2 = load_pair<K_::STATS>(lse_row + 8 * ch + col_in);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float pe = ex2_ftz(st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x));
-        if (need_mask) {
-          const int i = i0 + 8 * ch + col_in + (e & 1);
-          const int j = j0 + 8 * (e >> 1);
-          if ((p.causal && i < j) || j >= p.M) pe = 0.f;
-        }
-        st[4 * ch + e] = pe;
-      }
-    }
+    bwd_probs<BM, K_::STATS, true, K_::MASKB>(st, lse_row, p, i0, j0, col_in, need_mask);
     wgmma_wait<0>();
     fence_regs(dpt);
     // dS^T = P^T (dP^T - delta) in place, then dV += P^T dO and dK += dS^T Q
@@ -785,7 +779,7 @@ struct BwdCfg {
   static constexpr bool dbuf = DBUF;
   static constexpr bool stats = STATS;
   static constexpr bool dqk = DQK;  // Tile64 at D = 128: dQ by key halves (Bwd's DQK)
-  static constexpr bool maskb = MASKB;  // Tile64: branch around the mask (Bwd's MASKB)
+  static constexpr bool maskb = MASKB;  // branch around the mask (bwd_probs)
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -845,8 +839,8 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, BwdParams);
   if constexpr (WIDE) {
-    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
-    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats>;
+    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb>;
+    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
@@ -879,7 +873,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // fastest at both head dims (bwd-only vs cuDNN: D128 0.84-0.88x, b0 0.80-0.83x;
 // D64 0.78-0.90x, b3 0.80-0.87x, ahead in 3 of the 4 cases). 5 (not yet run on a GPU): at D = 128, 4 with dQ
 // by key halves (Bwd's DQK); at D = 64, 0 with STATS (the 64-row kernel, which already splits dQ by keys).
-// 6 (not yet run on a GPU): 4 (D = 128) or 5 (D = 64) with the mask branched around (Bwd's MASKB).
+// 6 (not yet run on a GPU): 4 with the mask branched around (bwd_probs' MASKB), at both head dims.
 template <int D>
 struct BwdVariants;
 template <>
@@ -902,7 +896,7 @@ struct BwdVariants<64> {
   using V3 = BwdCfg<Kind::Wide, false, 2, true>;
   using V4 = BwdCfg<Kind::Wide, false, 2, false, true>;  // V3 + STATS does not fit in shared memory
   using V5 = BwdCfg<Kind::Tile64, false, 2, false, true>;
-  using V6 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
+  using V6 = BwdCfg<Kind::Wide, false, 2, false, true, false, true>;
 };
 constexpr int BWD_VARIANTS = 7;
 
