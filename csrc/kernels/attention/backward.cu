@@ -873,7 +873,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // fastest at both head dims (bwd-only vs cuDNN: D128 0.84-0.88x, b0 0.80-0.83x;
 // D64 0.78-0.90x, b3 0.80-0.87x, ahead in 3 of the 4 cases). 5 (not yet run on a GPU): at D = 128, 4 with dQ
 // by key halves (Bwd's DQK); at D = 64, 0 with STATS (the 64-row kernel, which already splits dQ by keys).
-// 6 (not yet run on a GPU): 4 with the mask branched around (bwd_probs' MASKB), at both head dims.
+// 6 (not yet run on a GPU): 4 with the mask branched around (bwd_probs' MASKB), at both head dims. 7: 5 + MASKB.
 template <int D>
 struct BwdVariants;
 template <>
@@ -886,6 +886,7 @@ struct BwdVariants<128> {
   using V4 = BwdCfg<Kind::Tile64, false, 2, false, true>;
   using V5 = BwdCfg<Kind::Tile64, false, 2, false, true, true>;
   using V6 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
+  using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, true, true>;
 };
 template <>
 struct BwdVariants<64> {
@@ -897,8 +898,9 @@ struct BwdVariants<64> {
   using V4 = BwdCfg<Kind::Wide, false, 2, false, true>;  // V3 + STATS does not fit in shared memory
   using V5 = BwdCfg<Kind::Tile64, false, 2, false, true>;
   using V6 = BwdCfg<Kind::Wide, false, 2, false, true, false, true>;
+  using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
 };
-constexpr int BWD_VARIANTS = 7;
+constexpr int BWD_VARIANTS = 8;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -914,7 +916,8 @@ int bwd_bm(int D, int variant) {
            : variant == 3 ? Vs::V3::BM
            : variant == 4 ? Vs::V4::BM
            : variant == 5 ? Vs::V5::BM
-                          : Vs::V6::BM;
+           : variant == 6 ? Vs::V6::BM
+                          : Vs::V7::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -947,7 +950,8 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 3 ? TK_ATTN_BWD_V(T, D, V3)                                                                \
    : variant == 4 ? TK_ATTN_BWD_V(T, D, V4)                                                                \
    : variant == 5 ? TK_ATTN_BWD_V(T, D, V5)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V6))
+   : variant == 6 ? TK_ATTN_BWD_V(T, D, V6)                                                                \
+                  : TK_ATTN_BWD_V(T, D, V7))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
