@@ -801,7 +801,8 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
                        const float* lse, void* dq, void* dk, void* dv, float* dq_accum, float* lse2, float* delta,
                        bool causal, float scale, int num_sms, bool sections, cudaStream_t stream) {
   constexpr bool WIDE = Cfg::kind == Kind::Wide;
-  static_assert(!WIDE || (D == 64 && !Cfg::pipe && Cfg::BM == 128), "the wide kernel is D = 64, without PIPE");
+  static_assert(!WIDE || (D == 64 && !Cfg::pipe && !Cfg::dqk && Cfg::BM == 128),
+                "the wide kernel is D = 64, without PIPE or DQK");
   constexpr int BM = Cfg::BM;
   const int Npad = static_cast<int>(bwd_npad(q.S, BM));
   const int64_t BH = q.B * q.H;
