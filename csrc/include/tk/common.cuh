@@ -22,10 +22,10 @@ constexpr int WARPGROUP_THREADS = 128;
 constexpr int BASE = 16;  // register and shared tiles are made of 16x16 base tiles
 
 // The dynamic shared memory base rounded up to ALIGN bytes (TMA's 128-byte swizzle needs 1024). It advances the
-// __shared__ array's own pointer rather than round-tripping through an integer, so the compiler still knows the
-// result is shared memory and emits LDS/STS: after a uintptr_t round trip every plain access through it becomes a
-// generic LD/ST on the slower global-memory path (seen in the attention backward's SASS: its dS^T and dQ stores
-// and its lse/delta loads).
+// __shared__ array's own pointer rather than round-tripping through an integer, so the compiler can still tell the
+// result is shared memory and emit LDS/STS: after a uintptr_t round trip, plain accesses through it compiled to
+// generic LD/ST on the global-memory path (the attention forward's task slot). Where a pointer is merged with a
+// global one, the compiler loses track anyway; the attention kernels use explicit st.shared/ld.shared there.
 template <int ALIGN, class T> TK_DEVICE T* align_shared(T* raw) {
     static_assert(sizeof(T) == 1 && (ALIGN & (ALIGN - 1)) == 0, "a byte pointer and a power-of-two alignment");
     const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(raw));

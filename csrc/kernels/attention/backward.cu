@@ -402,11 +402,12 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>
     fence_regs(dq);
     fence_regs(dk);
     fence_regs(dv);
+    if constexpr (!K_::DQK) {  // (DQK: released before dQ)
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
+      for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if constexpr (!K_::DQK) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+    }
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[s]);
     if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
