@@ -35,6 +35,9 @@ CASES = {  # name: (B, H, N, BM, BN, causal); BM/BN of the default variants (for
     "B32 H32 N2048 D64 causal": (32, 32, 2048, 128, 192, True),
     "B8 H32 N8192 D64 causal": (8, 32, 8192, 128, 192, True),
     "B32 H32 N2048 D64 full": (32, 32, 2048, 192, 128, False),
+    "B2 H16 N2048 D128 full (4096 tokens)": (2, 16, 2048, 128, 128, False),
+    "B2 H32 N2048 D64 full (4096 tokens)": (2, 32, 2048, 192, 128, False),
+    "B2 H32 N2048 D64 full (4096 tokens), 128-row tiles (v2)": (2, 32, 2048, 128, 128, False),
 }
 
 
