@@ -377,10 +377,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>
       wgmma_wait<0>();
       fence_regs(dv);
       fence_regs(dk);
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+      fence_regs(pa);
+      fence_regs(dsa);
     }
     float dq[K_::DQ_COLS / 2];
     wgmma_fence();
@@ -403,10 +401,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>
     fence_regs(dk);
     fence_regs(dv);
     if constexpr (!K_::DQK) {  // (DQK: released before dQ)
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+      fence_regs(pa);
+      fence_regs(dsa);
     }
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[s]);
@@ -646,10 +642,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_>::THR
     fence_regs(dq);
     fence_regs(dk);
     fence_regs(dv);
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+    fence_regs(pa);
+    fence_regs(dsa);
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[s]);
 

@@ -130,6 +130,14 @@ __device__ __forceinline__ void fence_regs(float (&d)[K]) {
 #pragma unroll
   for (int i = 0; i < K; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for A-operand fragments: keeps them live (and unchanged) until here, while an async wgmma reads them.
+template <int KK>
+__device__ __forceinline__ void fence_regs(uint32_t (&a)[KK][4]) {
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[kk][e])::"memory");
+}
 
 // Shared tiles are stored as column panels of 64 elements (128 bytes per row,
 // the TMA box width for 128-byte swizzle), each panel [rows][64], 1024-byte

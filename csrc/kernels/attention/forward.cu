@@ -312,10 +312,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e])::"memory");
+      fence_regs(pa);
       __syncwarp();
       if (lane == 0) bar_arrive(&kv_empty[s]);
     }
@@ -468,12 +465,7 @@ struct PP {
     for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
   }
   // Keeps P alive (its registers are read by the in-flight PV wgmma) until here.
-  static __device__ __forceinline__ void hold(uint32_t (&pa)[BN / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e])::"memory");
-  }
+  static __device__ __forceinline__ void hold(uint32_t (&pa)[BN / 16][4]) { fence_regs(pa); }
 };
 
 template <typename T, typename Cfg, bool DYN>
