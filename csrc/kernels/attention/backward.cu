@@ -867,14 +867,16 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // kernel with the double-buffered dQ stage (3) is 1.2-1.3x the 64-row one
 // (0.72-0.88x cuDNN vs 0.59-0.68x); at D128, 2 and 3 gained nothing. 4 is the
 // fastest at both head dims (bwd-only vs cuDNN: D128 0.84-0.88x, b0 0.80-0.83x;
-// D64 0.78-0.90x, b3 0.80-0.87x, ahead in 3 of the 4 cases). 5 (not yet run on a GPU): at D = 128, 4 with dQ
-// by key halves (Bwd's DQK); at D = 64, 0 with STATS (the 64-row kernel, which already splits dQ by keys).
-// 6 (not yet run on a GPU): 4 with the mask branched around (bwd_probs' MASKB), at both head dims. 7: 5 + MASKB.
+// D64 0.78-0.90x, b3 0.80-0.87x, ahead in 3 of the 4 cases). 5: at D = 128, 4 with dQ by key halves (Bwd's
+// DQK); at D = 64, 0 with STATS (the 64-row kernel, which already splits dQ by keys). 6: 4 with the mask branched
+// around (bwd_probs' MASKB), at both head dims. 7: 5 + MASKB. Session 7 sweep: 6 is the fastest everywhere
+// (vs 4: D128 +0-1.5%, D64 +0.5-3%); 5 and 7 lose 6-8% at D128 (the doubled dq reduce-adds cost more than the
+// consumers' overlap wins) and 20% at D64 (the 64-row kernel).
 template <int D>
 struct BwdVariants;
 template <>
 struct BwdVariants<128> {
-  static constexpr int DEFAULT = 4;
+  static constexpr int DEFAULT = 6;
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
@@ -886,7 +888,7 @@ struct BwdVariants<128> {
 };
 template <>
 struct BwdVariants<64> {
-  static constexpr int DEFAULT = 4;
+  static constexpr int DEFAULT = 6;
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Wide, false, 2>;
