@@ -19,7 +19,9 @@ import importlib
 import json
 import os
 import re
+import signal
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -198,25 +200,6 @@ def main(argv=None) -> int:
     if args.merge:
         meta, rows = merge(args.merge, args.allow_mixed)
         return _report(meta, rows, out)
-    rows: list[Row] = []
-    for op in [o for o in args.ops.split(",") if o and o != "none"]:
-        try:
-            module = importlib.import_module(f"benchmarks.{op}")
-        except ModuleNotFoundError as exc:
-            rows.append(Row(op, "-", "ours", None, note=f"no benchmark module ({exc})"))
-            continue
-        progress(f"{op}: starting")
-        rows += _as_rows(module.run(quick=args.quick))
-    if args.e2e:
-        from . import e2e
-
-        rows += e2e.run(quick=args.quick, models=args.models.split(",") if args.models else None,
-                        modes=args.modes.split(",") if args.modes else None, timeout_s=args.e2e_timeout)
-    if args.build:
-        from . import buildtime
-
-        rows += buildtime.run(quick=args.quick)
-
     import torch
 
     meta = {
@@ -226,13 +209,43 @@ def main(argv=None) -> int:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "kernels": _kernels(),
     }
+    rows: list[Row] = []
+
+    def save(new: list[Row]) -> None:
+        """results.json after every part, marked partial until the end: a run that a time limit cuts off keeps what
+        finished (and --merge takes it)."""
+        rows.extend(new)
+        _write({**meta, "partial": True}, rows, out)
+
+    for op in [o for o in args.ops.split(",") if o and o != "none"]:
+        try:
+            module = importlib.import_module(f"benchmarks.{op}")
+        except ModuleNotFoundError as exc:
+            save([Row(op, "-", "ours", None, note=f"no benchmark module ({exc})")])
+            continue
+        progress(f"{op}: starting")
+        save(_as_rows(module.run(quick=args.quick)))
+    if args.e2e:
+        from . import e2e
+
+        e2e.run(quick=args.quick, models=args.models.split(",") if args.models else None,
+                modes=args.modes.split(",") if args.modes else None, timeout_s=args.e2e_timeout, on_rows=save)
+    if args.build:
+        from . import buildtime
+
+        save(buildtime.run(quick=args.quick))
     return _report(meta, rows, out)
 
 
-def _report(meta: dict, rows: list[Row], out: Path) -> int:
+def _write(meta: dict, rows: list[Row], out: Path) -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+
+
+def _report(meta: dict, rows: list[Row], out: Path) -> int:
+    _write(meta, rows, out)
     print(f"# { {k: v for k, v in meta.items() if k != 'parts'} }"
-          + (f" merged from {len(meta['parts'])} runs" if "parts" in meta else ""))
+          + (f" merged from {len(meta['parts'])} runs" if "parts" in meta else "")
+          + "".join(f" ({m['file']} is partial: its run was cut off)" for m in meta.get("parts", ()) if m.get("partial")))
     print(table(rows))
     for path in plot(rows, out):
         progress(f"wrote {path}")
@@ -240,4 +253,6 @@ def _report(meta: dict, rows: list[Row], out: Path) -> int:
 
 
 if __name__ == "__main__":
+    # `timeout` stops a run with SIGTERM: raised as SystemExit, so the e2e children are killed with it (e2e.py).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     raise SystemExit(main())

@@ -182,9 +182,11 @@ def _bench_in_child(name: str, mode: str, quick: bool, timeout_s: float) -> list
             code = proc.wait(timeout=timeout_s)
             status = f"exited with status {code}" if code else "finished without a result"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             status = f"did not finish within {timeout_s:.0f} s (compilation included)"
+        finally:  # also when this process is stopped (SIGTERM from `timeout`): no child left on the GPU
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         lines = sink.read_text().splitlines() if sink.exists() else []
     rows = [Row(**json.loads(line)) for line in lines if line.strip()]
     done = {r.case for r in rows}
@@ -196,7 +198,8 @@ def _bench_in_child(name: str, mode: str, quick: bool, timeout_s: float) -> list
 
 
 def run(quick: bool = False, models: list[str] | None = None, modes: list[str] | None = None,
-        timeout_s: float = 1200.0) -> list[Row]:
+        timeout_s: float = 1200.0, on_rows: Callable[[list[Row]], None] | None = None) -> list[Row]:
+    """Every (model, mode) in its own process; on_rows gets each one's rows as they finish."""
     unknown = set(modes or ()) - set(MODES)
     if unknown:
         raise ValueError(f"unknown e2e modes {sorted(unknown)}; choose from {MODES}")
@@ -206,7 +209,10 @@ def run(quick: bool = False, models: list[str] | None = None, modes: list[str] |
     rows = []
     for name in models or list(MODELS):
         for mode in modes or MODES:
-            rows += _bench_in_child(name, mode, quick, timeout_s)
+            part = _bench_in_child(name, mode, quick, timeout_s)
+            rows += part
+            if on_rows is not None:
+                on_rows(part)
     return rows
 
 

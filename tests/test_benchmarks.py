@@ -182,8 +182,64 @@ def test_merge_refuses_parts_of_different_kernels(tmp_path):
     assert main(["--merge", a, b, "--allow-mixed", "--out", str(tmp_path / "m")]) == 0
 
 
+def test_a_run_cut_off_keeps_the_finished_parts(tmp_path, monkeypatch, capsys):
+    import json
+
+    from benchmarks import e2e
+
+    def child(name, mode, quick, timeout_s):
+        if mode == "thunderkittens":
+            raise KeyboardInterrupt  # stands in for the kill of a time limit
+        return [Row("e2e", e2e.case_name(name, "forward"), mode, 10.0)]
+
+    monkeypatch.setattr(e2e, "_child_cmd", None)  # nothing may start a real child
+    monkeypatch.setattr(e2e, "_bench_in_child", child)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--ops", "none", "--e2e", "--models", "based", "--out", str(out)])
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["partial"] is True
+    assert [r["impl"] for r in data["rows"]] == ["eager", "torch.compile"]
+    assert main(["--merge", str(out / "results.json"), "--out", str(tmp_path / "m")]) == 0
+    assert "is partial" in capsys.readouterr().out
+    monkeypatch.setattr(e2e, "_bench_in_child", lambda name, mode, quick, timeout_s: [])
+    assert main(["--ops", "none", "--e2e", "--models", "based", "--out", str(out)]) == 0
+    assert "partial" not in json.loads((out / "results.json").read_text())["meta"]
+
+
 def test_commit_from_environment(monkeypatch):
     from benchmarks.__main__ import _commit
 
     monkeypatch.setenv("TK_BENCH_COMMIT", "abc1234")
     assert _commit() == "abc1234"
+
+
+def test_a_stopped_run_leaves_no_e2e_child(tmp_path):
+    """SIGTERM (what `timeout` sends) to `python -m benchmarks` must take the model's child process with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    # the e2e child is replaced by one that records its pid and sleeps
+    script = (f"import os, time, sys; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    runner = (
+        "import sys, runpy\n"
+        "from benchmarks import e2e\n"
+        f"e2e._child_cmd = lambda name, mode, sink, quick: [sys.executable, '-c', {script!r}]\n"
+        "sys.argv = ['benchmarks', '--ops', 'none', '--e2e', '--models', 'based', '--modes', 'eager',"
+        f" '--out', {str(tmp_path / 'out')!r}]\n"
+        "runpy.run_module('benchmarks', run_name='__main__')\n")
+    proc = subprocess.Popen([sys.executable, "-c", runner], cwd=os.path.dirname(os.path.dirname(__file__)))
+    deadline = time.time() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.time() < deadline and proc.poll() is None, "the child never started"
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) != 0
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)

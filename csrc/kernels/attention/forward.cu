@@ -672,9 +672,10 @@ struct FwdVariants<128> {
   using V3 = FwdCfg<128, 2, 176, 2, true>;
   using V4 = FwdCfg<128, 2, 128, 2, true, false>;
   using V5 = FwdCfg<128, 2, 128, 2, true, true, 4>;
-  // H200 sweeps (benchmarks/RESULTS.md): v4 is the best without a mask (static schedule); under causal, with the
-  // dynamic schedule that is its default, v1 (session 5: 451-576 TF vs v4's 441-564).
-  static constexpr int DEFAULT = 4, DEFAULT_CAUSAL = 1;
+  // H200 sweeps (benchmarks/RESULTS.md): under causal, with the dynamic schedule that is its default, v1 is the best
+  // (session 5: 451-576 TF vs v4's 441-564). Without a mask v4 led until session 5 (static schedule); in session 7
+  // v1 led it by 9-14% in both sweeps (65536 tokens: 563 vs 496 TF at N2048, 593 vs 540 at N8192).
+  static constexpr int DEFAULT = 1, DEFAULT_CAUSAL = 1;
 };
 template <>
 struct FwdVariants<64> {
