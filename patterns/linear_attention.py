@@ -35,6 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from tk_inductor.ops import linear_attention as _ops  # noqa: F401  (registers torch.ops.tk.linear_attention)
+from tk_inductor import config
 from tk_inductor.rewrite import Match, example
 
 from ._fx import arg
@@ -896,6 +897,8 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps) -> Match:
         reason = "q/k/v shapes disagree"
     elif fm == "hedgehog" and (len(shape(qw)) not in (2, 3) or not eq(shape(qw)[-1], shape(kw)[-1])):
         reason = "hedgehog weights of different shapes"
+    elif examples[0].device.type == "cuda" and not config.current().reference:
+        reason = _ops.kernel_supports(fm, examples[2].dtype, shape(q)[-1], shape(v)[-1], qw is not None)
     return Match(
         family=FAMILY,
         outputs=[out],

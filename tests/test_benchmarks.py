@@ -243,3 +243,20 @@ def test_a_stopped_run_leaves_no_e2e_child(tmp_path):
     time.sleep(0.2)
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
+
+
+def test_linear_attention_baseline_computes_the_op():
+    """The benchmark's torch.compile baseline (the Based model's quadratic spelling) is tk::linear_attention
+    'based' with scale d^-1/2, normalised: same numbers, so the ratio compares equal work."""
+    import math
+
+    import torch
+
+    from benchmarks.linear_attention import quadratic
+    from tk_inductor.ops import linear_attention as la
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 70, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 3, 70, 8, generator=g, dtype=torch.float64)
+    want = la.linear_attention_reference(q, k, v, "based", None, None, 1 / math.sqrt(16), True, 1e-6)
+    torch.testing.assert_close(quadratic(q, k, v), want, rtol=1e-10, atol=1e-10)

@@ -133,6 +133,19 @@ def test_wgmma_fp16(lib, variant):
     _wgmma_case(lib, variant, 64, 64, torch.float16, True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("variant", [0, 1], ids=["AB", "ABt"])
+def test_warp_mma(lib, variant, dtype):
+    """mma.sync on register tiles (tk/ops/warp/mma.cuh): d += a·b with b as K x N (col-layout load) or N x K."""
+    g = torch.Generator(device="cuda").manual_seed(7 + variant)
+    a = torch.randn(32, 32, device="cuda", generator=g).to(dtype)
+    b = torch.randn(*((32, 48) if variant == 0 else (48, 32)), device="cuda", generator=g).to(dtype)
+    d = torch.randn(32, 48, device="cuda", generator=g)
+    got = lib.warp_mma_op(a, b, d, variant)
+    ref = d + a.float() @ (b.float() if variant == 0 else b.float().t())
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+
+
 def _wgmma_case(lib, variant, n, k, dtype, accumulate):
     g = torch.Generator(device="cuda").manual_seed(variant * 100 + n + k)
     at, bt = variant in (2, 3), variant in (1, 3, 5)

@@ -40,6 +40,18 @@ at::Tensor wgmma_op(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   return out;
 }
 
+at::Tensor warp_mma_op(const at::Tensor& a, const at::Tensor& b, const at::Tensor& d, int64_t variant) {
+  TORCH_CHECK(a.is_cuda() && a.is_contiguous() && b.is_contiguous() && a.scalar_type() == b.scalar_type() &&
+                  (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf) && a.size(0) == 32 && a.size(1) == 32,
+              "warp_mma_op: contiguous 32 x 32 bf16/fp16 a, b of the same type");
+  TORCH_CHECK(b.numel() == 32 * 48 && d.scalar_type() == at::kFloat && d.numel() == 32 * 48, "warp_mma_op: b 32x48 / 48x32, d 32 x 48 fp32");
+  c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor out = d.contiguous().clone();
+  ok(tk_tests::warp_mma_op(a.data_ptr(), b.data_ptr(), out.data_ptr<float>(), int(variant), a.scalar_type() == at::kHalf,
+                           stream()));
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> tma_roundtrip(const at::Tensor& x, int64_t tile) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 4 && x.is_contiguous(), "tma_roundtrip: contiguous 4-D CUDA tensor");
   c10::cuda::CUDAGuard guard(x.device());
@@ -60,6 +72,7 @@ at::Tensor smem_load_loop(bool swizzled, int64_t iters) {
 TORCH_LIBRARY(tk_tile_tests, m) {
   m.def("tile_op(Tensor x, Tensor y, int op, int reg, bool col) -> (Tensor, Tensor)");
   m.def("wgmma_op(Tensor a, Tensor b, Tensor d, int variant, bool accumulate) -> Tensor");
+  m.def("warp_mma_op(Tensor a, Tensor b, Tensor d, int variant) -> Tensor");
   m.def("tma_roundtrip(Tensor x, int tile) -> (Tensor, Tensor)");
   m.def("smem_load_loop(bool swizzled, int iters) -> Tensor");
 }
@@ -67,6 +80,7 @@ TORCH_LIBRARY(tk_tile_tests, m) {
 TORCH_LIBRARY_IMPL(tk_tile_tests, CUDA, m) {
   m.impl("tile_op", &tile_op);
   m.impl("wgmma_op", &wgmma_op);
+  m.impl("warp_mma_op", &warp_mma_op);
   m.impl("tma_roundtrip", &tma_roundtrip);
 }
 

@@ -2,6 +2,7 @@
 // (tests/test_tile_gpu.py) compares against PyTorch.
 #include "tile_tests.cuh"
 #include <tk/tk.cuh>
+#include <tk/ops/warp/mma.cuh>
 
 namespace tk_tests {
 using namespace tk;
@@ -161,6 +162,34 @@ template <class T, int N, int K> const char* wgmma_shape(const void* a, const vo
     }
 }
 
+// ---- warp mma (mma.sync) ----
+// One warp: d (32 x 48 fp32) = a (32 x 32) · b + c, b given K x N (variant 0: mma_AB, loaded in col layout by
+// ldmatrix.trans) or N x K (variant 1: mma_ABt, row layout).
+template <class T, int V> __global__ void __launch_bounds__(32) warp_mma_kernel(const T* a, const T* b, float* d) {
+    constexpr int M = 32, N = 48, K = 32;
+    using b_tile = std::conditional_t<V == 0, st<T, K, N>, st<T, N, K>>;
+    __shared__ st<T, M, K> sa;
+    __shared__ b_tile sb;
+    for (int i = threadIdx.x; i < M * K; i += 32) sa(i / K, i % K) = a[i];
+    for (int i = threadIdx.x; i < b_tile::rows * b_tile::cols; i += 32) sb(i / b_tile::cols, i % b_tile::cols) = b[i];
+    __syncwarp();
+    rt<T, M, K> ra;
+    load(ra, sa);
+    gl<float> gd(d, 1, 1, M, N);
+    rt_fl<M, N> acc;
+    load(acc, gd, {0, 0, 0, 0});
+    if constexpr (V == 0) {
+        rt<T, K, N, col_layout> rb;
+        load(rb, sb);
+        mma_AB(acc, ra, rb, acc);
+    } else {
+        rt<T, N, K> rb;
+        load(rb, sb);
+        mma_ABt(acc, ra, rb, acc);
+    }
+    store(gd, acc, {0, 0, 0, 0});
+}
+
 // ---- TMA ----
 template <class ST> __global__ void tma_kernel(const __grid_constant__ tma_map<ST> in_map, const __grid_constant__ tma_map<ST> out_map,
                                                gl<typename ST::T> x, gl<typename ST::T> out1, int row_tiles, int col_tiles) {
@@ -242,6 +271,18 @@ const char* tile_op(const float* x, const float* y, float* out, float* vout, int
                              : tile_op_launch<bf16, row_layout>(x, y, out, vout, rows, cols, op, s);
     return col ? tile_op_launch<half, col_layout>(x, y, out, vout, rows, cols, op, s)
                : tile_op_launch<half, row_layout>(x, y, out, vout, rows, cols, op, s);
+}
+
+const char* warp_mma_op(const void* a, const void* b, float* d, int variant, bool fp16, cudaStream_t s) {
+    auto go = [&](auto kernel, auto* t) -> const char* {
+        using T = std::remove_pointer_t<decltype(t)>;
+        kernel<<<1, 32, 0, s>>>(static_cast<const T*>(a), static_cast<const T*>(b), d);
+        const cudaError_t e = cudaGetLastError();
+        return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+    };
+    if (variant != 0 && variant != 1) return "variant must be 0 (AB) or 1 (ABt)";
+    if (fp16) return variant ? go(warp_mma_kernel<half, 1>, (half*)nullptr) : go(warp_mma_kernel<half, 0>, (half*)nullptr);
+    return variant ? go(warp_mma_kernel<bf16, 1>, (bf16*)nullptr) : go(warp_mma_kernel<bf16, 0>, (bf16*)nullptr);
 }
 
 const char* wgmma_op(const void* a, const void* b, float* d, int n, int k, int variant, bool fp16, bool acc, cudaStream_t s) {

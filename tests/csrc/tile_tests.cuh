@@ -13,6 +13,9 @@ const char* tile_op(const float* x, const float* y, float* out, float* vout, int
 // variant: 0 AB, 1 ABt, 2 AtB, 3 AtBt, 4 AB with register A, 5 ABt with register A. accumulate adds d's old value.
 const char* wgmma_op(const void* a, const void* b, float* d, int n, int k, int variant, bool fp16, bool accumulate,
                      cudaStream_t s);
+// One warp: d (32 x 48 fp32, updated in place) += a (32 x 32) · b, mma.sync; b is 32 x 48 (variant 0, AB) or
+// 48 x 32 (variant 1, ABt); all row-major.
+const char* warp_mma_op(const void* a, const void* b, float* d, int variant, bool fp16, cudaStream_t s);
 // TMA round trip over a (batch, depth, rows, cols) tensor in tiles: out1 = x read back element-wise from
 // the TMA-loaded shared tile, out2 = 2 * x written by TMA store from an element-wise filled tile.
 // tile: 0 bf16 64x64, 1 bf16 64x32, 2 bf16 32x16, 3 fp32 32x32, 4 fp32 16x16, 5 bf16 64x64 unswizzled.

@@ -45,6 +45,27 @@ FAMILY = "linear_attention"
 FEATURE_MAPS = ("identity", "elu1", "based", "hedgehog")
 REFERENCE_CHUNK = 64
 
+# The CUDA kernel (csrc/kernels/linear_attention/based.cu): Based, bf16, dk 16, dv a multiple of 64, forward only.
+KERNEL_DK, KERNEL_DV_TILE = 16, 64
+# Written without a GPU; the op and the matcher use it only once it has passed tests/test_linear_attention_gpu.py
+# on the device (which calls the raw op tk_cuda::linear_attention directly). Then set this to True.
+KERNEL_VALIDATED = False
+
+
+def kernel_supports(feature_map: str, dtype: torch.dtype, dk, dv, has_weights: bool = False) -> str | None:
+    """None if the CUDA kernel computes this case, else why not (also used by the matcher)."""
+    if feature_map != "based" or has_weights:
+        return f"feature map {feature_map!r} (the kernel implements 'based')"
+    if dtype != torch.bfloat16:
+        return f"dtype {dtype} (the linear-attention kernel takes bfloat16)"
+    if dk != KERNEL_DK:
+        return f"feature dim {dk} (the Based kernel takes {KERNEL_DK})"
+    if not isinstance(dv, int) or dv <= 0 or dv % KERNEL_DV_TILE:
+        return f"value dim {dv} (the Based kernel takes multiples of {KERNEL_DV_TILE})"
+    if not KERNEL_VALIDATED:
+        return "the Based kernel has not passed its GPU tests yet"
+    return None
+
 
 # ---------------------------------------------------------------------------- validation
 
@@ -139,7 +160,8 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_
                      q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                      scale: float = 1.0, normalize: bool = False, eps: float = 0.0) -> torch.Tensor:
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
-    if q.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, q, k, v, q_weight, k_weight):
+    if kernel_supports(feature_map, q.dtype, q.shape[-1], v.shape[-1], q_weight is not None) is None \
+            and _dispatch.use_kernel(FAMILY, q, k, v):
         return _dispatch.kernel("linear_attention")(q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
     return linear_attention_reference(q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
 

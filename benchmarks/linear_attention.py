@@ -1,0 +1,103 @@
+"""Linear-attention benchmark: ours (tk_cuda::linear_attention, Based forward) vs flash-linear-attention's Triton
+`parallel_based` and `fused_chunk_based` (carry the fla-core wheel) and vs torch.compile default of the quadratic
+masked spelling a Based model writes (what Inductor gets without our kernel), in one run.
+
+Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128 at
+N 4096; bf16 (B, N, H, d) buffers (FLA's layout; ours reads their head-first views in place); normalised, scale
+d^-½, eps 1e-6 (FLA's). Forward only: the kernel has no backward yet. Figure: Mtokens/s.
+
+    python -m benchmarks.linear_attention [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from .common import Row, check_close, median_ms, progress
+
+DK = 16
+
+
+def cases(quick: bool = False):
+    """(B, H, N, dv) per case."""
+    yield 16, 16, 4096, 64
+    if not quick:
+        yield 64, 16, 1024, 64
+        yield 4, 16, 16384, 64
+        yield 16, 16, 4096, 128
+
+
+def taylor(x: torch.Tensor) -> torch.Tensor:
+    """The Based model's feature map (benchmarks/models/based.py): φ(q)·φ(k) = 1 + s + s²/2, s = q·k/√d."""
+    d = x.shape[-1]
+    x2 = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2)
+    return torch.cat([torch.ones_like(x[..., :1]), x / d**0.25, x2 / math.sqrt(d)], dim=-1)
+
+
+def quadratic(q, k, v, eps: float = 1e-6):
+    """The masked quadratic form a research model writes (head-first inputs)."""
+    fq, fk = taylor(q), taylor(k)
+    scores = (fq @ fk.transpose(-1, -2)).tril()
+    return (scores @ v) / (scores.sum(-1, keepdim=True) + eps)
+
+
+def run(quick: bool = False) -> list[Row]:
+    from tk_inductor import build
+    from tk_inductor.ops import linear_attention as la
+
+    build.load("linear_attention")
+    try:
+        from fla.ops.based import fused_chunk_based, parallel_based
+    except ImportError as exc:
+        fla = None
+        fla_missing = f"fla not installed ({exc.name})"
+    else:
+        fla = {"fla parallel_based": parallel_based, "fla fused_chunk_based": fused_chunk_based}
+    rows: list[Row] = []
+    scale = DK**-0.5
+    compiled = torch.compile(quadratic, dynamic=False)
+    for B, H, N, dv in cases(quick):
+        name = f"B{B} H{H} N{N} d{DK} dv{dv} based fwd"
+        progress(name)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k = (torch.randn(B, N, H, DK, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(B, N, H, dv, generator=g, device="cuda", dtype=torch.bfloat16)
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        ref = la.linear_attention_reference(qh, kh, vh, "based", None, None, scale, True, 1e-6).float()
+        impls = {"ours": lambda: torch.ops.tk_cuda.linear_attention(qh, kh, vh, "based", None, None, scale, True, 1e-6)}
+        if fla is not None:
+            for label, fn in fla.items():
+                impls[label] = (lambda f=fn: f(q, k, v, scale, True).transpose(1, 2))
+        # the quadratic form materialises B·H·N² scores: only where that fits comfortably
+        if B * H * N * N * 4 <= 16 * 2**30:
+            impls["torch.compile"] = lambda: compiled(qh, kh, vh)
+        else:
+            rows.append(Row("linear_attention", name, "torch.compile", None, note="skipped: N² scores > 16 GiB"))
+        for impl, fn in impls.items():
+            try:
+                check_close(f"{impl} {name}", fn(), ref)
+                ms = median_ms(fn)
+                rows.append(Row("linear_attention", name, impl, ms, B * N / ms / 1e3, "Mtok/s", N))
+            except (RuntimeError, AssertionError, torch.OutOfMemoryError) as exc:
+                rows.append(Row("linear_attention", name, impl, None, note=f"failed: {str(exc)[:160]}"))
+        if fla is None:
+            rows.append(Row("linear_attention", name, "fla", None, note=fla_missing))
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    from .__main__ import table
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.linear_attention", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one shape")
+    args = p.parse_args(argv)
+    print(table(run(quick=args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+// Per-thread asynchronous 16-byte copies global -> shared (cp.async), for tiles whose rows are too short or
+// too irregular for a TMA box (chunks of strided rows, zero-filled tails). Completion is per thread by
+// commit groups; a block barrier after the wait makes the data visible to the other threads.
+#pragma once
+#include "../../common.cuh"
+
+namespace tk {
+
+// 16 bytes from src to the shared address dst; with valid = false, 16 zero bytes (src is not read but must be
+// a mapped address).
+TK_DEVICE void cp_async16(uint32_t dst, const void* src, bool valid = true) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+TK_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's commit groups are still in flight.
+template <int N = 0> TK_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+}  // namespace tk

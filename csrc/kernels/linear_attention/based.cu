@@ -1,0 +1,250 @@
+// Based linear attention, forward (linear_attention.h): a chunked causal scan with an fp32 state in registers.
+//
+// One block per (batch·head, 64-column tile of v) walks the sequence in chunks of 64 tokens:
+//   o_chunk = [(1 + s + s²/2) ⊙ causal] v_chunk + φq(q_chunk) · S     (s = scale·q kᵀ inside the chunk)
+//   S      += φk(k_chunk)ᵀ v_chunk                                      (then the next chunk)
+// φ has 288 features in 18 tiles of 16: tile a < 16 holds k_a·k_b (b = 0..15), tile 16 holds k_b, tile 17 the
+// constant 1 (row 0; rows 1-15 are zero); φq is the same with scale²/2, scale and 1 folded in, so
+// φq(q)·φk(k) = 1 + s + s²/2. Nothing of size 288 is ever in global memory: both maps are built in registers
+// from the 16-wide q and k rows.
+//
+// Warps: 8. For the outputs, warp w owns chunk rows 16·(w/2).. and value columns 32·(w%2)..; for the state,
+// warp w owns tiles w, w + 8 and w + 16 (if < 18) as fp32 register tiles (16 x 64), adds each chunk's keys to
+// them, and publishes a bf16 copy in shared memory that every warp reads for the next chunk's inter-chunk
+// product. The normaliser is the same scan with a value of ones; its state z (288 floats) is in shared memory.
+// Loads are cp.async, double-buffered: chunk c + 1 lands while chunk c is computed.
+#include <tk/tk.cuh>
+#include <tk/ops/thread/cp_async.cuh>
+#include <tk/ops/warp/mma.cuh>
+
+#include "linear_attention.h"
+
+namespace tk_linear_attention {
+namespace {
+
+using namespace tk;
+
+constexpr int CHUNK = 64, DK = BASED_DK, DVT = BASED_DV_TILE, WARPS = 8, THREADS = WARPS * 32;
+constexpr int TILES = 18, FEATURES = TILES * BASE;   // 256 quadratic + 16 linear + 1 constant (+ 15 zero rows)
+constexpr int OWNED = (TILES + WARPS - 1) / WARPS;  // state tiles per warp: 3 for warps 0-1, 2 for the others
+static_assert(DK == BASE, "the feature maps are built per 16x16 base tile");
+
+using QKTile = st<bf16, CHUNK, DK>;
+using VTile = st<bf16, CHUNK, DVT>;
+using StateTile = st<bf16, FEATURES, DVT>;
+
+struct Smem {
+  QKTile q[2], k[2];
+  VTile v[2];
+  StateTile state;     // bf16 copy of the state after the previous chunk
+  float z[FEATURES];   // normaliser state: Σ φk over the previous chunks
+};
+
+struct Rows {  // this block's (batch, head) rows; v and o already offset to the block's column tile
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  int64_t qn, kn, vn;  // row strides
+  int N;
+};
+
+// Chunk c into buffer `buf`: q and k rows are two 16-byte segments (threads 0-127: q, 128-255: k), v rows
+// eight; rows past N are zero-filled.
+__device__ __forceinline__ void load_chunk(Smem& s, int buf, const Rows& g, int c) {
+  const int tid = threadIdx.x, n0 = c * CHUNK;
+  {
+    const bool is_q = tid < 128;
+    const int t = tid & 127, r = t >> 1, seg = t & 1, n = n0 + r;
+    const bool ok = n < g.N;
+    const bf16* src = (is_q ? g.q : g.k) + (ok ? int64_t(n) * (is_q ? g.qn : g.kn) + seg * 8 : 0);
+    const QKTile& dst = is_q ? s.q[buf] : s.k[buf];
+    cp_async16(smem_addr(dst.data) + QKTile::offset(r, seg * 8), src, ok);
+  }
+#pragma unroll
+  for (int i = 0; i < CHUNK * DVT / 8 / THREADS; ++i) {
+    const int t = tid + i * THREADS, r = t >> 3, seg = t & 7, n = n0 + r;
+    const bool ok = n < g.N;
+    cp_async16(smem_addr(s.v[buf].data) + VTile::offset(r, seg * 8), g.v + (ok ? int64_t(n) * g.vn + seg * 8 : 0), ok);
+  }
+  cp_async_commit();
+}
+
+// Register k, pair half e of a base tile in row layout: (row, column) inside the tile (rt.cuh).
+__device__ __forceinline__ int frag_row(int k) { return (laneid() >> 2) + 8 * (k & 1); }
+__device__ __forceinline__ int frag_col(int k, int e) { return 2 * (laneid() & 3) + e + 8 * (k >> 1); }
+__device__ __forceinline__ float elem(const bf16_2& p, int e) { return __bfloat162float(e ? p.y : p.x); }
+__device__ __forceinline__ void set(bf16_2& p, int e, float v) { (e ? p.y : p.x) = __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Phase 1: this warp's 16 rows x 32 columns of the chunk's output, from the chunk itself and the state.
+__device__ __forceinline__ void chunk_output(const Smem& s, int buf, int c, const BasedArgs& a, bf16* o) {
+  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = 32 * (warp & 1);
+  const float scale = a.scale, half_sq = 0.5f * scale * scale;
+  rt_bf<BASE, DK> qr;
+  load(qr, s.q[buf], BASE * grp, 0);
+  rt_bf<CHUNK, DK> kr;
+  load(kr, s.k[buf]);
+  rt_fl<BASE, CHUNK> sc;
+  zero(sc);
+  mma_ABt(sc, qr, kr, sc);
+
+  // intra-chunk weights 1 + x + x²/2 (x = scale·q·k) on and below the diagonal
+  rt_bf<BASE, CHUNK> w;
+  float zrow[2] = {0.f, 0.f};  // the normaliser's partial row sums (rows lane/4 and lane/4 + 8)
+#pragma unroll
+  for (int j = 0; j < CHUNK / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = scale * (e ? sc.tiles[0][j].data[k].y : sc.tiles[0][j].data[k].x);
+        const bool keep = BASE * j + frag_col(k, e) <= BASE * grp + frag_row(k);
+        const float val = keep ? 1.f + x + 0.5f * x * x : 0.f;
+        zrow[k & 1] += val;
+        set(w.tiles[0][j].data[k], e, val);
+      }
+  rt_bf<CHUNK, 32, col_layout> vr;
+  load(vr, s.v[buf], 0, cols);
+  rt_fl<BASE, 32> out;
+  zero(out);
+  mma_AB(out, w, vr, out);
+
+  // inter-chunk: φq(q) · state, one feature tile at a time
+  const int r0 = BASE * grp + (lane >> 2);  // this lane's chunk rows: r0 and r0 + 8
+  float zq[2] = {0.f, 0.f};
+#pragma unroll 2
+  for (int f = 0; f < TILES; ++f) {
+    float qa[2] = {0.f, 0.f};
+    if (f < DK) {
+      qa[0] = half_sq * __bfloat162float(s.q[buf](r0, f));
+      qa[1] = half_sq * __bfloat162float(s.q[buf](r0 + 8, f));
+    }
+    rt_bf<BASE, BASE> p;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float qb = elem(qr.tiles[0][0].data[k], e);
+        const int b = frag_col(k, e);
+        const float val = f < DK ? qa[k & 1] * qb : f == DK ? scale * qb : (b == 0 ? 1.f : 0.f);
+        if (a.normalize) zq[k & 1] += val * s.z[BASE * f + b];
+        set(p.tiles[0][0].data[k], e, val);
+      }
+    rt_bf<BASE, 32, col_layout> sv;
+    load(sv, s.state, BASE * f, cols);
+    mma_AB(out, p, sv, out);
+  }
+
+  float inv[2] = {1.f, 1.f};
+  if (a.normalize)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) inv[i] = 1.f / (quad_sum(zrow[i] + zq[i]) + a.eps);
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int n = c * CHUNK + r0 + 8 * (k & 1);
+      if (n >= a.N) continue;
+      const float2 v = out.tiles[0][j].data[k];
+      bf16_2 pair;
+      pair.x = __float2bfloat16_rn(v.x * inv[k & 1]);
+      pair.y = __float2bfloat16_rn(v.y * inv[k & 1]);
+      *reinterpret_cast<bf16_2*>(o + int64_t(n) * a.dv + cols + BASE * j + frag_col(k, 0)) = pair;
+    }
+}
+
+// Phase 2: add the chunk's keys to this warp's state tiles and publish them (and z) for the next chunk.
+__device__ __forceinline__ void chunk_state(Smem& s, int buf, rt_fl<BASE, DVT> (&acc)[OWNED]) {
+  const int warp = warpid(), lane = laneid();
+  rt_bf<CHUNK, DVT, col_layout> vall;
+  load(vall, s.v[buf]);
+  // K (64 x 16) in col layout holds the registers of Kᵀ (16 x 64) in row layout (rt.cuh): kc.tiles[j][0] is
+  // Kᵀ's tile (0, j), features by tokens.
+  rt_bf<CHUNK, DK, col_layout> kc;
+  load(kc, s.k[buf]);
+#pragma unroll
+  for (int i = 0; i < OWNED; ++i) {
+    const int f = warp + WARPS * i;
+    if (f >= TILES) break;
+    rt_bf<BASE, CHUNK> phi;  // φk(k)ᵀ rows of tile f: (feature b, token t)
+    float zs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < CHUNK / BASE; ++j)
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int b = frag_row(k), t = BASE * j + frag_col(k, e);
+          const float kb = elem(kc.tiles[j][0].data[k], e);  // k[t][b]
+          const float val = f < DK ? __bfloat162float(s.k[buf](t, f)) * kb : f == DK ? kb : (b == 0 ? 1.f : 0.f);
+          zs[k & 1] += val;
+          set(phi.tiles[0][j].data[k], e, val);
+        }
+    mma_AB(acc[i], phi, vall, acc[i]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float sum = quad_sum(zs[r]);
+      if ((lane & 3) == 0) s.z[BASE * f + (lane >> 2) + 8 * r] += sum;
+    }
+    rt_bf<BASE, DVT> copy_bf;
+    copy(copy_bf, acc[i]);
+    store(s.state, copy_bf, BASE * f, 0);
+  }
+}
+
+__global__ void __launch_bounds__(THREADS, 1) based_fwd_kernel(const BasedArgs a) {
+  extern __shared__ uint8_t raw[];
+  Smem& s = *reinterpret_cast<Smem*>(align_shared<1024>(raw));
+  const int tiles_v = a.dv / DVT;
+  const int bh = blockIdx.x / tiles_v, vt = blockIdx.x % tiles_v;
+  const int b = bh / a.H, h = bh % a.H;
+  Rows g;
+  g.q = static_cast<const bf16*>(a.q) + b * a.q_stride[0] + h * a.q_stride[1];
+  g.k = static_cast<const bf16*>(a.k) + b * a.k_stride[0] + h * a.k_stride[1];
+  g.v = static_cast<const bf16*>(a.v) + b * a.v_stride[0] + h * a.v_stride[1] + vt * DVT;
+  g.qn = a.q_stride[2], g.kn = a.k_stride[2], g.vn = a.v_stride[2];
+  g.N = a.N;
+  bf16* o = static_cast<bf16*>(a.o) + int64_t(bh) * a.N * a.dv + vt * DVT;
+
+  const int chunks = (a.N + CHUNK - 1) / CHUNK;
+  load_chunk(s, 0, g, 0);
+  for (int i = threadIdx.x; i < StateTile::bytes / 16; i += THREADS)
+    reinterpret_cast<uint4*>(s.state.data)[i] = make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < FEATURES; i += THREADS) s.z[i] = 0.f;
+  rt_fl<BASE, DVT> acc[OWNED];
+#pragma unroll
+  for (int i = 0; i < OWNED; ++i) zero(acc[i]);
+
+  for (int c = 0; c < chunks; ++c) {
+    const int buf = c & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c and the state after chunk c - 1 are visible; chunk c - 1's buffer is free
+    if (c + 1 < chunks) load_chunk(s, buf ^ 1, g, c + 1);
+    chunk_output(s, buf, c, a, o);
+    if (c + 1 == chunks) break;  // the last chunk's state is never read
+    __syncthreads();  // every warp has read the state before its owners change it
+    chunk_state(s, buf, acc);
+  }
+}
+
+}  // namespace
+
+const char* launch_based(const BasedArgs& a, cudaStream_t stream) {
+  if (a.dv <= 0 || a.dv % DVT != 0) return "dv must be a positive multiple of 64";
+  if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
+  const int64_t blocks = int64_t(a.B) * a.H * (a.dv / DVT);
+  if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
+  const size_t smem = sizeof(Smem) + 1024;  // + the alignment of the dynamic shared memory base
+  // per call: the attribute belongs to the current device's context
+  const cudaError_t attr = cudaFuncSetAttribute(based_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (attr != cudaSuccess) return cudaGetErrorString(attr);
+  based_fwd_kernel<<<unsigned(blocks), THREADS, smem, stream>>>(a);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace tk_linear_attention

@@ -1,0 +1,29 @@
+// Launch interface of the linear_attention family (torch-free; the binding includes it).
+// Based (2nd-order Taylor) causal linear attention, forward:
+//   o_i = Σ_{j≤i} κ(q_i, k_j) v_j  [/ (Σ_{j≤i} κ(q_i, k_j) + eps) when normalize],  κ = 1 + s + s²/2, s = scale·q_i·k_j
+// q, k: (B, H, N, 16); v: (B, H, N, dv), dv a multiple of 64; o: (B, H, N, dv) contiguous; bf16.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace tk_linear_attention {
+
+constexpr int BASED_DK = 16;     // feature dim of q and k (the Based paper's; the φ of size 1 + 16 + 256 is built on the fly)
+constexpr int BASED_DV_TILE = 64;  // value columns per block: dv must be a multiple
+
+struct BasedArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  int B, H, N, dv;
+  int64_t q_stride[3], k_stride[3], v_stride[3];  // (b, h, n) in elements; the last dim has unit stride
+  float scale;
+  bool normalize;
+  float eps;
+};
+
+// nullptr on success, else why not (a bad argument or a launch error).
+const char* launch_based(const BasedArgs& a, cudaStream_t stream);
+
+}  // namespace tk_linear_attention

@@ -1,0 +1,106 @@
+"""The Based linear-attention kernel (csrc/kernels/linear_attention/based.cu) against the fp32 chunked reference,
+through the raw op tk_cuda::linear_attention, on random bf16 inputs: odd lengths (chunk tails), one and several
+chunks, dv 64 and 128 (one and two value tiles per head), normalised or not, strided inputs, and outputs poisoned
+before each call. `ops/linear_attention.KERNEL_VALIDATED` turns the kernel on for the op and the matcher once this
+file passes on the device."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tk_inductor.ops import linear_attention as la
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+LENGTHS = (1, 17, 64, 65, 200, 1000, 4096)
+TOL = 1e-2  # relative (norm-wise) error vs fp32
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from tk_inductor import build
+
+    build.load("linear_attention")
+    return torch.ops.tk_cuda
+
+
+def poison(shape):
+    """A NaN block of the output's size, freed just before the call: the allocator hands it to the op, so any
+    element the kernel fails to write stays NaN."""
+    junk = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    del junk
+
+
+def inputs(B, H, N, dv, layout="bhnd", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(B, H, N, 16), (B, H, N, 16), (B, H, N, dv)]
+    if layout == "bnhd":  # (B, N, H, d) buffers seen head-first, as a model's projections give them
+        return [torch.randn(b, n, h, d, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+                for b, h, n, d in shapes]
+    return [torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16) for s in shapes]
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)).item()
+
+
+def check(ops, q, k, v, scale, normalize, eps=1e-6):
+    B, H, N, dv = v.shape
+    poison((B, H, N, dv))
+    o = ops.linear_attention(q, k, v, "based", None, None, scale, normalize, eps)
+    torch.cuda.synchronize()
+    assert o.shape == v.shape and o.dtype == torch.bfloat16 and o.is_contiguous()
+    assert not o.isnan().any(), "unwritten or non-finite outputs"
+    want = la.linear_attention_reference(q, k, v, "based", None, None, scale, normalize, eps).float()
+    err = rel_err(o, want)
+    assert err < TOL, f"relative error {err:.3g} (B{B} H{H} N{N} dv{dv} normalize={normalize})"
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("dv", [64, 128])
+@pytest.mark.parametrize("N", LENGTHS)
+def test_based_forward(ops, N, dv, normalize):
+    q, k, v = inputs(2, 3, N, dv, seed=N + dv)
+    check(ops, q, k, v, 1 / math.sqrt(16), normalize)
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.5])
+def test_based_forward_other_scales(ops, scale):
+    q, k, v = inputs(1, 2, 333, 64, seed=5)
+    check(ops, q, k, v, scale, True)
+    check(ops, q, k, v, scale, False)
+
+
+def test_based_forward_strided_inputs(ops):
+    """(B, N, H, d) buffers transposed to head-first: read in place (row strides of H·d)."""
+    q, k, v = inputs(2, 4, 300, 64, layout="bnhd", seed=9)
+    assert not q.is_contiguous()
+    check(ops, q, k, v, 0.25, True)
+
+
+def test_based_forward_many_heads(ops):
+    """More (batch, head, value tile) blocks than SMs, at a model's shape (B4 H16 N4096 dv64 is the benchmark)."""
+    q, k, v = inputs(2, 16, 1024, 64, seed=11)
+    check(ops, q, k, v, 0.25, True)
+
+
+def test_based_forward_rejects_what_it_does_not_compute(ops):
+    q, k, v = inputs(1, 1, 8, 64)
+    with pytest.raises(RuntimeError, match="feature map 'based'"):
+        ops.linear_attention(q, k, v, "identity", None, None, 1.0, False, 0.0)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.linear_attention(q.half(), k.half(), v.half(), "based", None, None, 1.0, False, 0.0)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.linear_attention(q, k, v[..., :48], "based", None, None, 1.0, False, 0.0)
+    with pytest.raises(RuntimeError, match="feature dim"):
+        ops.linear_attention(q[..., :8], k[..., :8], v, "based", None, None, 1.0, False, 0.0)
+
+
+def test_empty_sequence(ops):
+    q, k, v = inputs(1, 2, 0, 64)
+    assert ops.linear_attention(q, k, v, "based", None, None, 0.25, True, 1e-6).shape == (1, 2, 0, 64)
