@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .common import Row, progress
 
-OPS = ("attention", "linear_attention", "layernorm", "rotary", "gemm")
+OPS = ("attention", "linear_attention", "ssd", "layernorm", "rotary", "gemm")
 
 
 def _as_rows(items) -> list[Row]:

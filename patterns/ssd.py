@@ -26,6 +26,7 @@ from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.s
 from tk_inductor.patterns.linear_attention import (arg, shapes_eq, contraction, dtype, evaluate_constant, example,
                                                    eq, is_tensor, is_triangle, kind, peel_to, scalar, static_int, shape, strip, unify,
                                                    upcast_source)
+from tk_inductor import config
 from tk_inductor.rewrite import Match
 
 FAMILY = "ssd"
@@ -240,6 +241,8 @@ def _verify(anchor, yo_node, diag, a) -> Match:
         reason = f"output dtype {dtype(y_node)} differs from x's {dtype(x_arg)}"
     elif final is not None and dtype(final) != torch.float32:
         reason = f"final state dtype {dtype(final)}"
+    elif examples[0].device.type == "cuda" and not config.current().reference:
+        reason = _ops.kernel_supports(shape(B_src)[-1], shape(x_arg)[-1])
     return Match(
         family=FAMILY,
         outputs=[y_node, final],

@@ -260,3 +260,28 @@ def test_linear_attention_baseline_computes_the_op():
     v = torch.randn(2, 3, 70, 8, generator=g, dtype=torch.float64)
     want = la.linear_attention_reference(q, k, v, "based", None, None, 1 / math.sqrt(16), True, 1e-6)
     torch.testing.assert_close(quadratic(q, k, v), want, rtol=1e-10, atol=1e-10)
+
+
+def test_ssd_fla_baseline_mapping_is_the_op():
+    """The benchmark runs FLA's simple GLA as SSD with q = C, k = B, v = dt·x, gate dt·A: check that mapping with
+    a plain simple-GLA recurrence (FLA's definition) against the SSD reference, in fp64 on the CPU."""
+    import torch
+
+    from tk_inductor.ops import ssd as ssd_ops
+
+    g = torch.Generator().manual_seed(0)
+    b, l, nh, p, n = 1, 37, 2, 3, 4
+    x = torch.randn(b, l, nh, p, generator=g, dtype=torch.float64)
+    dt = torch.rand(b, l, nh, generator=g, dtype=torch.float64)
+    A = -torch.rand(nh, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(b, l, 1, n, generator=g, dtype=torch.float64) for _ in range(2))
+    D = torch.randn(nh, generator=g, dtype=torch.float64)
+    q, k, v, gate = C.expand(b, l, nh, n), B.expand(b, l, nh, n), x * dt.unsqueeze(-1), dt * A
+    S = torch.zeros(b, nh, n, p, dtype=torch.float64)
+    outs = []
+    for t in range(l):  # simple GLA: S_t = exp(g_t) S_{t-1} + k_tᵀ v_t, o_t = q_t S_t
+        S = gate[:, t, :, None, None].exp() * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhn,bhnp->bhp", q[:, t], S))
+    got = torch.stack(outs, 1) + D[:, None] * x
+    want = ssd_ops.ssd_reference(x, dt, A, B, C, D, None, 8)[0]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

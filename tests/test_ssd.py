@@ -344,3 +344,14 @@ def test_hf_mamba2_dynamic_lengths():
             ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
             torch.testing.assert_close(compiled(ids).last_hidden_state, model(ids).last_hidden_state, rtol=1e-4, atol=1e-5)
     assert tk_inductor.report().replaced.get("ssd") == 4, tk_inductor.report().kept  # 2 graphs x 2 layers
+
+
+def test_kernel_supports_names_what_the_ssd_kernel_does_not_compute(monkeypatch):
+    from tk_inductor.ops import ssd as ssd_ops
+
+    assert "state size 32" in ssd_ops.kernel_supports(32, 64)
+    assert "head dim 48" in ssd_ops.kernel_supports(128, 48)
+    monkeypatch.setattr(ssd_ops, "KERNEL_VALIDATED", False)
+    assert "not passed its GPU tests" in ssd_ops.kernel_supports(128, 64)
+    monkeypatch.setattr(ssd_ops, "KERNEL_VALIDATED", True)
+    assert ssd_ops.kernel_supports(64, 128) is None

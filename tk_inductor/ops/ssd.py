@@ -26,6 +26,24 @@ from . import _dispatch
 
 FAMILY = "ssd"
 
+# The CUDA kernel (csrc/kernels/ssd/ssd.cu): forward only, state size n 64 or 128, head dim p a multiple of 64;
+# bf16 tensor-core products with fp32 states (inputs in other dtypes are converted by its binding).
+KERNEL_STATE_SIZES, KERNEL_P_TILE = (64, 128), 64
+# Written without a GPU; the op and the matcher use it only once it has passed tests/test_ssd_gpu.py on the device
+# (which calls the raw op tk_cuda::ssd directly). Then set this to True.
+KERNEL_VALIDATED = False
+
+
+def kernel_supports(n, p) -> str | None:
+    """None if the CUDA kernel computes this state size and head dim, else why not (also used by the matcher)."""
+    if n not in KERNEL_STATE_SIZES:
+        return f"state size {n} (the SSD kernel takes {' or '.join(map(str, KERNEL_STATE_SIZES))})"
+    if not isinstance(p, int) or p <= 0 or p % KERNEL_P_TILE:
+        return f"head dim {p} (the SSD kernel takes multiples of {KERNEL_P_TILE})"
+    if not KERNEL_VALIDATED:
+        return "the SSD kernel has not passed its GPU tests yet"
+    return None
+
 
 def _acc(x: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: fp32, or fp64 for fp64 inputs."""
@@ -148,7 +166,8 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
         D: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
         chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     _validate(x, dt, A, B, C, D, initial_state, chunk_size)
-    if x.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, x, dt, A, B, C, D, initial_state):
+    if x.dtype != torch.float64 and kernel_supports(B.shape[-1], x.shape[-1]) is None \
+            and _dispatch.use_kernel(FAMILY, x, dt, A, B, C, D, initial_state):
         return _dispatch.kernel("ssd")(x, dt, A, B, C, D, initial_state, chunk_size)
     return ssd_reference(x, dt, A, B, C, D, initial_state, chunk_size)
 

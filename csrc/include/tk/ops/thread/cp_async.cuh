@@ -12,6 +12,10 @@ TK_DEVICE void cp_async16(uint32_t dst, const void* src, bool valid = true) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 }
+// 4 bytes (e.g. one fp32 of a strided row); zero when not valid.
+TK_DEVICE void cp_async4(uint32_t dst, const void* src, bool valid = true) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
 TK_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Wait until at most N of this thread's commit groups are still in flight.
 template <int N = 0> TK_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

@@ -1,0 +1,91 @@
+"""SSD benchmark: ours (tk_cuda::ssd, Mamba-2 forward) vs flash-linear-attention's Triton `chunk_simple_gla` (carry
+the fla-core wheel; SSD is simple GLA with q = C, k = B, v = dt·x, log-gate dt·A) and vs torch.compile default of
+the chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mamba2's torch path), in one run.
+
+Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
+Mamba2-370M's (nh 32) at l 4096; bf16 x, B, C, fp32 dt, A, D; final state returned. Forward only: the kernel has
+no backward yet. Figure: Mtokens/s.
+
+    python -m benchmarks.ssd [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .common import Row, check_close, median_ms, progress
+
+
+def cases(quick: bool = False):
+    """(b, l, nh, p, n) per case."""
+    yield 16, 4096, 80, 64, 128
+    if not quick:
+        yield 64, 1024, 80, 64, 128
+        yield 4, 16384, 80, 64, 128
+        yield 16, 4096, 32, 64, 128
+
+
+def run(quick: bool = False) -> list[Row]:
+    from tk_inductor import build
+    from tk_inductor.ops import ssd as ssd_ops
+
+    build.load("ssd")
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError as exc:
+        chunk_simple_gla, fla_missing = None, f"fla not installed ({exc.name})"
+    rows: list[Row] = []
+    compiled = torch.compile(ssd_ops.ssd_reference, dynamic=False)
+    for b, l, nh, p, n in cases(quick):
+        name = f"b{b} l{l} nh{nh} p{p} n{n} fwd"
+        progress(name)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(b, l, nh, p, generator=g, device="cuda").to(torch.bfloat16)
+        dt = torch.nn.functional.softplus(torch.randn(b, l, nh, generator=g, device="cuda") - 1.0)
+        A = -torch.rand(nh, generator=g, device="cuda") * 2 - 0.05
+        B = (torch.randn(b, l, 1, n, generator=g, device="cuda") / n**0.5).to(torch.bfloat16)
+        C = torch.randn(b, l, 1, n, generator=g, device="cuda").to(torch.bfloat16)
+        D = torch.randn(nh, generator=g, device="cuda")
+        ref = ssd_ops.ssd_reference(x, dt, A, B, C, D, None, 64)[0].float()
+        impls = {
+            "ours": lambda: torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)[0],
+            # HF Mamba2's chunk (256): the reference's chunk loop unrolls in the graph, 4x fewer steps to compile
+            "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0],
+        }
+        if chunk_simple_gla is not None:
+            Bh, Ch = (t.expand(b, l, nh, n) for t in (B, C))  # one group: every head reads it
+            v = (x.float() * dt.unsqueeze(-1)).to(torch.bfloat16)
+            gate = dt * A
+
+            def fla():
+                o, _ = chunk_simple_gla(Ch, Bh, v, g=gate, scale=1.0, output_final_state=True)
+                return o + D[:, None] * x
+
+            impls["fla chunk_simple_gla"] = fla
+        for impl, fn in impls.items():
+            try:
+                check_close(f"{impl} {name}", fn(), ref, tol=2e-2)
+                ms = median_ms(fn)
+                rows.append(Row("ssd", name, impl, ms, b * l / ms / 1e3, "Mtok/s", l))
+            except (RuntimeError, AssertionError, torch.OutOfMemoryError) as exc:
+                rows.append(Row("ssd", name, impl, None, note=f"failed: {str(exc)[:160]}"))
+        if chunk_simple_gla is None:
+            rows.append(Row("ssd", name, "fla chunk_simple_gla", None, note=fla_missing))
+        del x, B, C, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    from .__main__ import table
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ssd", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one shape")
+    args = p.parse_args(argv)
+    print(table(run(quick=args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+// Registers the SSD forward kernel as the raw op tk_cuda::ssd, with the schema of the user-facing tk::ssd.
+// tk_inductor/ops/ssd.py calls it only for what `kernel_supports` accepts (n 64 or 128, p a multiple of 64); the
+// checks here guard direct calls. The kernel takes one layout (ssd.h): inputs in other dtypes or strides (HF
+// Mamba2 hands over fp32 x and B/C with the sequence axis innermost) are converted here first.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "ssd.h"
+
+namespace {
+
+using at::Tensor;
+
+Tensor as(const Tensor& t, at::ScalarType dtype) { return t.to(dtype).contiguous(); }
+
+std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B, const Tensor& C,
+                               const std::optional<Tensor>& D, const std::optional<Tensor>& initial_state,
+                               int64_t chunk_size) {
+  (void)chunk_size;  // the result does not depend on it; the kernel uses chunks of 64
+  TORCH_CHECK(x.is_cuda() && dt.is_cuda() && A.is_cuda() && B.is_cuda() && C.is_cuda(),
+              "tk_cuda::ssd: inputs must be CUDA tensors");
+  TORCH_CHECK(x.dim() == 4 && dt.dim() == 3 && A.dim() == 1 && B.dim() == 4 && C.sizes() == B.sizes(),
+              "tk_cuda::ssd: x (b, l, nh, p), dt (b, l, nh), A (nh), B and C (b, l, ng, n)");
+  const int64_t b = x.size(0), l = x.size(1), nh = x.size(2), p = x.size(3), ng = B.size(2), n = B.size(3);
+  TORCH_CHECK(dt.size(0) == b && dt.size(1) == l && dt.size(2) == nh && A.size(0) == nh && B.size(0) == b &&
+                  B.size(1) == l && ng >= 1 && nh % ng == 0,
+              "tk_cuda::ssd: shapes disagree");
+  TORCH_CHECK(tk_ssd::state_size_supported(int(n)), "tk_cuda::ssd: the kernel takes state size n 64 or 128, got ", n);
+  TORCH_CHECK(p % tk_ssd::P_TILE == 0 && p > 0, "tk_cuda::ssd: the kernel takes head dims p that are multiples of ",
+              tk_ssd::P_TILE, ", got ", p);
+  const bool has_d = D && D->defined(), has_h0 = initial_state && initial_state->defined();
+  if (has_d) TORCH_CHECK(D->dim() == 1 && D->size(0) == nh, "tk_cuda::ssd: D must be (nh)");
+  if (has_h0) TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({b, nh, p, n}), "tk_cuda::ssd: initial_state must be (b, nh, p, n)");
+  TORCH_CHECK(b * nh * (p / tk_ssd::P_TILE) <= 0x7fffffff && l <= 0x7fffffff, "tk_cuda::ssd: too large");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto f32 = x.options().dtype(at::kFloat);
+  if (l == 0 || b == 0 || nh == 0) {
+    Tensor state = has_h0 ? as(*initial_state, at::kFloat).clone() : at::zeros({b, nh, p, n}, f32);
+    return {at::empty(x.sizes(), x.options()), state};
+  }
+  const Tensor xb = as(x, at::kBFloat16), dtf = as(dt, at::kFloat), Af = as(A, at::kFloat);
+  const Tensor Bb = as(B, at::kBFloat16), Cb = as(C, at::kBFloat16);
+  const Tensor Df = has_d ? as(*D, at::kFloat) : Tensor(), h0 = has_h0 ? as(*initial_state, at::kFloat) : Tensor();
+  Tensor y = at::empty({b, l, nh, p}, f32);
+  Tensor h_final = at::empty({b, nh, p, n}, f32);
+  tk_ssd::Args a{};
+  a.x = xb.data_ptr(), a.dt = dtf.data_ptr<float>(), a.A = Af.data_ptr<float>();
+  a.B = Bb.data_ptr(), a.C = Cb.data_ptr();
+  a.D = has_d ? Df.data_ptr<float>() : nullptr;
+  a.h0 = has_h0 ? h0.data_ptr<float>() : nullptr;
+  a.y = y.data_ptr<float>(), a.h_final = h_final.data_ptr<float>();
+  a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
+  const char* err = tk_ssd::launch(a, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, "tk_cuda::ssd: ", err ? err : "");
+  return {x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type()), h_final};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
+  m.def("ssd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D=None, Tensor? initial_state=None, "
+        "int chunk_size=64) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) { m.impl("ssd", &ssd); }

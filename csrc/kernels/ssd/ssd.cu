@@ -1,0 +1,280 @@
+// Mamba-2 SSD forward (ssd.h): a chunked scan with the fp32 state in registers.
+//
+// One block per (batch, head, 64 head dims of p) walks the sequence in chunks of 64 tokens. With a_t = dt_t·A and
+// Λ the inclusive cumulative sum of a inside the chunk, and S = hᵀ (n x p) the state before the chunk:
+//   y_t  = Σ_{s≤t} (C_t·B_s) exp(Λ_t − Λ_s) dt_s x_s       (intra-chunk: masked "attention" with a decay)
+//        + exp(Λ_t) C_t S                                    (inter-chunk: everything before the chunk)
+//        + D x_t
+//   S   ← exp(Λ_end) S + Σ_s exp(Λ_end − Λ_s) dt_s B_sᵀ x_s  (then the next chunk)
+// All four products run on mma.sync (tk/ops/warp/mma.cuh); the decays are applied to the bf16 operands as they
+// are built. Warps: 8. For the outputs, warp w owns chunk rows 16·(w/2).. and head dims 32·(w%2)..; for the
+// state, warp w < n/16 owns rows 16w.. of S as an fp32 register tile (16 x 64) and publishes a bf16 copy in shared
+// memory for the next chunk's inter-chunk product. Every warp computes Λ itself (a shuffle scan over the 64
+// tokens, two per lane), so a chunk needs only the two block barriers around the state update. Loads are
+// cp.async, double-buffered; padded tokens past l load as zeros (dt = 0: no decay, no input), so the final state
+// is the state after token l.
+#include <tk/tk.cuh>
+#include <tk/ops/thread/cp_async.cuh>
+#include <tk/ops/warp/mma.cuh>
+
+#include "ssd.h"
+
+namespace tk_ssd {
+namespace {
+
+using namespace tk;
+
+constexpr int CHUNK = 64, PT = P_TILE, WARPS = 8, THREADS = WARPS * 32;
+
+template <int NS>
+struct Smem {
+  st<bf16, CHUNK, PT> x[2];
+  st<bf16, CHUNK, NS> b[2], c[2];
+  st<bf16, NS, PT> state;  // bf16 copy of S (n x p) before the current chunk
+  float dt[2][CHUNK];
+};
+
+template <int NS>
+struct Rows {  // this block's rows in global memory, and their strides (elements)
+  const bf16* x;
+  const bf16* b;
+  const bf16* c;
+  const float* dt;
+  int64_t x_row, bc_row, dt_row;
+  int l;
+};
+
+template <int NS>
+__device__ __forceinline__ void load_chunk(Smem<NS>& s, int buf, const Rows<NS>& g, int c) {
+  using XT = st<bf16, CHUNK, PT>;
+  using BT = st<bf16, CHUNK, NS>;
+  const int tid = threadIdx.x, n0 = c * CHUNK;
+#pragma unroll
+  for (int i = 0; i < CHUNK * PT / 8 / THREADS; ++i) {  // x: 8 segments of 8 per row
+    const int t = tid + i * THREADS, r = t / (PT / 8), seg = t % (PT / 8), n = n0 + r;
+    const bool ok = n < g.l;
+    cp_async16(smem_addr(s.x[buf].data) + XT::offset(r, seg * 8), g.x + (ok ? n * g.x_row + seg * 8 : 0), ok);
+  }
+#pragma unroll
+  for (int i = 0; i < CHUNK * NS / 8 / THREADS; ++i) {  // B and C: n/8 segments per row
+    const int t = tid + i * THREADS, r = t / (NS / 8), seg = t % (NS / 8), n = n0 + r;
+    const bool ok = n < g.l;
+    const int64_t off = ok ? n * g.bc_row + seg * 8 : 0;
+    cp_async16(smem_addr(s.b[buf].data) + BT::offset(r, seg * 8), g.b + off, ok);
+    cp_async16(smem_addr(s.c[buf].data) + BT::offset(r, seg * 8), g.c + off, ok);
+  }
+  if (tid < CHUNK) {
+    const bool ok = n0 + tid < g.l;
+    cp_async4(smem_addr(&s.dt[buf][tid]), g.dt + (ok ? (n0 + tid) * g.dt_row : 0), ok);
+  }
+  cp_async_commit();
+}
+
+__device__ __forceinline__ int frag_row(int k) { return (laneid() >> 2) + 8 * (k & 1); }
+__device__ __forceinline__ int frag_col(int k, int e) { return 2 * (laneid() & 3) + e + 8 * (k >> 1); }
+__device__ __forceinline__ float elem(const bf16_2& p, int e) { return __bfloat162float(e ? p.y : p.x); }
+__device__ __forceinline__ void set(bf16_2& p, int e, float v) { (e ? p.y : p.x) = __float2bfloat16_rn(v); }
+
+// Λ of token t (0..63) from the lanes' pairs (lane holds tokens 2·lane and 2·lane + 1). All lanes must call it.
+__device__ __forceinline__ float lambda_at(float l0, float l1, int t) {
+  const float v0 = __shfl_sync(0xffffffffu, l0, t >> 1), v1 = __shfl_sync(0xffffffffu, l1, t >> 1);
+  return (t & 1) ? v1 : v0;
+}
+
+template <int NS>
+__global__ void __launch_bounds__(THREADS, 1) ssd_fwd_kernel(const Args a) {
+  extern __shared__ uint8_t raw[];
+  Smem<NS>& s = *reinterpret_cast<Smem<NS>*>(align_shared<1024>(raw));
+  const int ptiles = a.p / PT;
+  const int pt = blockIdx.x % ptiles, bh = blockIdx.x / ptiles;
+  const int bi = bh / a.nh, h = bh % a.nh, grp_of_head = h / (a.nh / a.ng);
+  Rows<NS> g;
+  g.x = static_cast<const bf16*>(a.x) + (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
+  g.b = static_cast<const bf16*>(a.B) + (int64_t(bi) * a.l * a.ng + grp_of_head) * NS;
+  g.c = static_cast<const bf16*>(a.C) + (int64_t(bi) * a.l * a.ng + grp_of_head) * NS;
+  g.dt = a.dt + int64_t(bi) * a.l * a.nh + h;
+  g.x_row = int64_t(a.nh) * a.p, g.bc_row = int64_t(a.ng) * NS, g.dt_row = a.nh;
+  g.l = a.l;
+  float* y = a.y + (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
+  const int64_t y_row = int64_t(a.nh) * a.p;
+  const int64_t state_base = (int64_t(bh) * a.p + pt * PT) * NS;  // (b, h, p0, 0) of (b, nh, p, n)
+  const float Ah = a.A[h], Dh = a.D ? a.D[h] : 0.f;
+
+  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = 32 * (warp & 1);
+  const bool owner = warp < NS / BASE;
+  load_chunk(s, 0, g, 0);
+
+  // the state rows this warp owns (S = hᵀ: rows are state dims, columns head dims), from h0 or zero
+  rt_fl<BASE, PT> S;
+#pragma unroll
+  for (int j = 0; j < PT / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float2 v = make_float2(0.f, 0.f);
+      if (owner && a.h0) {
+        const int r = BASE * warp + frag_row(k), cc = BASE * j + frag_col(k, 0);
+        v.x = a.h0[state_base + int64_t(cc) * NS + r];
+        v.y = a.h0[state_base + int64_t(cc + 1) * NS + r];
+      }
+      S.tiles[0][j].data[k] = v;
+    }
+  if (owner) {
+    rt_bf<BASE, PT> copy_bf;
+    copy(copy_bf, S);
+    store(s.state, copy_bf, BASE * warp, 0);
+  }
+
+  const int chunks = (a.l + CHUNK - 1) / CHUNK;
+  for (int c = 0; c < chunks; ++c) {
+    const int buf = c & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c and the state before it are visible; chunk c - 1's buffers are free
+    if (c + 1 < chunks) load_chunk(s, buf ^ 1, g, c + 1);
+
+    // Λ: inclusive cumulative sum of dt·A over the chunk, two tokens per lane
+    const float dt0 = s.dt[buf][2 * lane], dt1 = s.dt[buf][2 * lane + 1];
+    const float a0 = dt0 * Ah, a1 = dt1 * Ah;
+    float run = a0 + a1;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const float up = __shfl_up_sync(0xffffffffu, run, off);
+      if (lane >= off) run += up;
+    }
+    const float l1 = run, l0 = run - a1, l_end = __shfl_sync(0xffffffffu, l1, 31);
+
+    // ---- outputs: this warp's 16 rows x 32 head dims
+    {
+      const int t0 = BASE * grp + (lane >> 2);  // this lane's rows: t0 and t0 + 8
+      const float lt[2] = {lambda_at(l0, l1, t0), lambda_at(l0, l1, t0 + 8)};
+      rt_fl<BASE, CHUNK> cb;  // C_t · B_s
+      zero(cb);
+#pragma unroll
+      for (int kk = 0; kk < NS / BASE; ++kk) {
+        rt_bf<BASE, BASE> cw;
+        load(cw, s.c[buf], BASE * grp, BASE * kk);
+        rt_bf<CHUNK, BASE> bk;
+        load(bk, s.b[buf], 0, BASE * kk);
+        mma_ABt(cb, cw, bk, cb);
+      }
+      rt_bf<BASE, CHUNK> w;  // (C_t·B_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal
+#pragma unroll
+      for (int j = 0; j < CHUNK / BASE; ++j)
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int src = BASE * j + frag_col(k, e);  // token s; s & 1 == e
+            const float ls = __shfl_sync(0xffffffffu, e ? l1 : l0, src >> 1);
+            const float ds = __shfl_sync(0xffffffffu, e ? dt1 : dt0, src >> 1);
+            const int t = BASE * grp + frag_row(k);
+            const float v = e ? cb.tiles[0][j].data[k].y : cb.tiles[0][j].data[k].x;
+            set(w.tiles[0][j].data[k], e, src <= t ? v * __expf(lt[k & 1] - ls) * ds : 0.f);
+          }
+      rt_bf<CHUNK, 32, col_layout> xr;
+      load(xr, s.x[buf], 0, cols);
+      rt_fl<BASE, 32> out;
+      zero(out);
+      mma_AB(out, w, xr, out);
+      // inter-chunk: exp(Λ_t) C_t · S, the decay folded into C's rows
+      const float decay[2] = {__expf(lt[0]), __expf(lt[1])};
+#pragma unroll
+      for (int kk = 0; kk < NS / BASE; ++kk) {
+        rt_bf<BASE, BASE> cw;
+        load(cw, s.c[buf], BASE * grp, BASE * kk);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) set(cw.tiles[0][0].data[k], e, elem(cw.tiles[0][0].data[k], e) * decay[k & 1]);
+        rt_bf<BASE, 32, col_layout> sv;
+        load(sv, s.state, BASE * kk, cols);
+        mma_AB(out, cw, sv, out);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int t = t0 + 8 * (k & 1), n = c * CHUNK + t;
+          if (n >= a.l) continue;
+          const int col = cols + BASE * j + frag_col(k, 0);
+          float2 v = out.tiles[0][j].data[k];
+          if (a.D) {
+            v.x += Dh * __bfloat162float(s.x[buf](t, col));
+            v.y += Dh * __bfloat162float(s.x[buf](t, col + 1));
+          }
+          *reinterpret_cast<float2*>(y + n * y_row + col) = v;
+        }
+    }
+    __syncthreads();  // every warp has read the state before its owners change it
+
+    // ---- state: S ← exp(Λ_end) S + Σ_s exp(Λ_end − Λ_s) dt_s B_sᵀ x_s
+    if (owner) {
+      const float keep = __expf(l_end);
+#pragma unroll
+      for (int j = 0; j < PT / BASE; ++j)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) S.tiles[0][j].data[k].x *= keep, S.tiles[0][j].data[k].y *= keep;
+#pragma unroll
+      for (int j = 0; j < CHUNK / BASE; ++j) {
+        // B's tokens 16j.. by this warp's 16 state dims, in col layout: the registers of Bᵀ (state x tokens)
+        // in row layout (rt.cuh)
+        rt_bf<BASE, BASE, col_layout> bt;
+        load(bt, s.b[buf], BASE * j, BASE * warp);
+        rt_bf<BASE, BASE> wb;  // Bᵀ with each token's column scaled by exp(Λ_end − Λ_s) dt_s
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int src = BASE * j + frag_col(k, e);
+            const float ls = __shfl_sync(0xffffffffu, e ? l1 : l0, src >> 1);
+            const float ds = __shfl_sync(0xffffffffu, e ? dt1 : dt0, src >> 1);
+            set(wb.tiles[0][0].data[k], e, elem(bt.tiles[0][0].data[k], e) * __expf(l_end - ls) * ds);
+          }
+        rt_bf<BASE, PT, col_layout> xj;
+        load(xj, s.x[buf], BASE * j, 0);
+        mma_AB(S, wb, xj, S);
+      }
+      rt_bf<BASE, PT> copy_bf;
+      copy(copy_bf, S);
+      store(s.state, copy_bf, BASE * warp, 0);
+    }
+  }
+
+  if (owner)  // the final state, transposed back to (p, n)
+#pragma unroll
+    for (int j = 0; j < PT / BASE; ++j)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int r = BASE * warp + frag_row(k), cc = BASE * j + frag_col(k, 0);
+        a.h_final[state_base + int64_t(cc) * NS + r] = S.tiles[0][j].data[k].x;
+        a.h_final[state_base + int64_t(cc + 1) * NS + r] = S.tiles[0][j].data[k].y;
+      }
+}
+
+template <int NS>
+const char* launch_n(const Args& a, cudaStream_t stream) {
+  const int64_t blocks = int64_t(a.b) * a.nh * (a.p / PT);
+  if (blocks > 0x7fffffff) return "too many (batch, head, head-dim tile) blocks for one launch";
+  const size_t smem = sizeof(Smem<NS>) + 1024;  // + the alignment of the dynamic shared memory base
+  // per call: the attribute belongs to the current device's context
+  const cudaError_t attr = cudaFuncSetAttribute(ssd_fwd_kernel<NS>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (attr != cudaSuccess) return cudaGetErrorString(attr);
+  ssd_fwd_kernel<NS><<<unsigned(blocks), THREADS, smem, stream>>>(a);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace
+
+const char* launch(const Args& a, cudaStream_t stream) {
+  if (a.p <= 0 || a.p % PT != 0) return "the head dim p must be a positive multiple of 64";
+  if (a.ng <= 0 || a.nh % a.ng != 0) return "nh must be a multiple of ng";
+  if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
+  if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
+  switch (a.n) {
+    case 64: return launch_n<64>(a, stream);
+    case 128: return launch_n<128>(a, stream);
+    default: return "the state size n must be 64 or 128";
+  }
+}
+
+}  // namespace tk_ssd

@@ -1,0 +1,33 @@
+// Launch interface of the ssd family (torch-free; the binding includes it). Mamba-2 SSD forward, per batch and
+// head (tk_inductor/ops/ssd.py has the semantics):  h_t = exp(dt_t·A) h_{t-1} + dt_t · x_t B_tᵀ,  y_t = h_t C_t + D x_t.
+// The binding hands the kernel one layout: x (b, l, nh, p) bf16, dt (b, l, nh) fp32, A (nh) fp32, B and C
+// (b, l, ng, n) bf16, D (nh) fp32 or null, initial state (b, nh, p, n) fp32 or null, all contiguous; it writes
+// y (b, l, nh, p) fp32 and the final state (b, nh, p, n) fp32, contiguous.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace tk_ssd {
+
+constexpr int P_TILE = 64;  // head dims (p) per block: p must be a multiple
+
+struct Args {
+  const void* x;
+  const float* dt;
+  const float* A;
+  const void* B;
+  const void* C;
+  const float* D;   // or nullptr
+  const float* h0;  // or nullptr
+  float* y;
+  float* h_final;
+  int b, l, nh, ng, p, n;
+};
+
+// Whether the kernel computes this state size (n).
+constexpr bool state_size_supported(int n) { return n == 64 || n == 128; }
+
+// nullptr on success, else why not (a bad argument or a launch error).
+const char* launch(const Args& a, cudaStream_t stream);
+
+}  // namespace tk_ssd

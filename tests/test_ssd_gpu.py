@@ -1,0 +1,97 @@
+"""The SSD forward kernel (csrc/kernels/ssd/ssd.cu) against the fp32 chunked reference, through the raw op
+tk_cuda::ssd, on random inputs: odd lengths (chunk tails), one and many chunks, state sizes 64 and 128, head dims
+64 and 128 (one and two head-dim tiles), grouped B/C, with and without D and an initial state, bf16 and fp32 x,
+and HF Mamba2's layout (sequence axis innermost). Outputs are poisoned before each call. `ops/ssd.KERNEL_VALIDATED`
+turns the kernel on for the op and the matcher once this file passes on the device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tk_inductor.ops import ssd as ssd_ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TOL = 2e-2  # relative (norm-wise) error vs fp32: bf16 operands on the tensor cores
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from tk_inductor import build
+
+    build.load("ssd")
+    return torch.ops.tk_cuda
+
+
+def inputs(b, l, nh, ng, p, n, dtype=torch.bfloat16, D=True, h0=False, layout="bl", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(b, l, nh, p, device="cuda", generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(b, l, nh, device="cuda", generator=g) - 1.0)
+    A = -torch.rand(nh, device="cuda", generator=g) * 2 - 0.05
+    B = torch.randn(b, l, ng, n, device="cuda", generator=g) / n**0.5
+    C = torch.randn(b, l, ng, n, device="cuda", generator=g)
+    Dv = torch.randn(nh, device="cuda", generator=g) if D else None
+    state = torch.randn(b, nh, p, n, device="cuda", generator=g) if h0 else None
+    if layout == "channels":  # HF Mamba2: x, B, C views of (b, channels, l) buffers (conv1d output)
+        x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        B = B.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        C = C.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    return x.to(dtype), dt.to(dtype), A, B.to(dtype), C.to(dtype), Dv, state
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)).item()
+
+
+def check(ops, x, dt, A, B, C, D, h0):
+    b, l, nh, p = x.shape
+    junk = [torch.full((b, l, nh, p), float("nan"), device="cuda"), torch.full(x.shape, float("nan"), dtype=x.dtype,
+                                                                                 device="cuda")]
+    del junk
+    y, state = ops.ssd(x, dt, A, B, C, D, h0, 64)
+    torch.cuda.synchronize()
+    assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
+    assert state.shape == (b, nh, p, B.shape[-1]) and state.dtype == torch.float32
+    assert not y.isnan().any() and not state.isnan().any(), "unwritten or non-finite outputs"
+    want_y, want_state = ssd_ops.ssd_reference(x.float(), dt.float(), A, B.float(), C.float(), D, h0, 64)
+    assert rel_err(y, want_y) < TOL, f"y: relative error {rel_err(y, want_y):.3g}"
+    assert rel_err(state, want_state) < TOL, f"final state: relative error {rel_err(state, want_state):.3g}"
+
+
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("l", [1, 17, 64, 65, 300, 2048])
+def test_ssd_forward(ops, l, n):
+    check(ops, *inputs(2, l, 4, 2, 64, n, seed=l + n))
+
+
+@pytest.mark.parametrize("D,h0", [(False, False), (True, True), (False, True)], ids=["plain", "D+h0", "h0"])
+@pytest.mark.parametrize("p", [64, 128])
+def test_ssd_forward_options(ops, p, D, h0):
+    check(ops, *inputs(1, 200, 4, 1, p, 128, D=D, h0=h0, seed=p))
+
+
+def test_ssd_forward_fp32_hf_layout(ops):
+    """HF Mamba2's torch path in bf16 hands over fp32 x and B/C with the sequence axis innermost."""
+    x, dt, A, B, C, D, h0 = inputs(1, 333, 8, 1, 64, 128, layout="channels", seed=3)
+    assert x.stride(1) == 1
+    check(ops, x.float(), dt, A, B, C, D.to(torch.bfloat16), h0)
+
+
+def test_ssd_forward_many_blocks(ops):
+    """More (batch, head) blocks than SMs, Mamba2-370M's head shape (nh 32, p 64, n 128, ng 1)."""
+    check(ops, *inputs(2, 1024, 32, 1, 64, 128, seed=4))
+
+
+def test_ssd_forward_empty_and_bad_shapes(ops):
+    x, dt, A, B, C, D, h0 = inputs(1, 0, 2, 1, 64, 64, h0=True)
+    y, state = ops.ssd(x, dt, A, B, C, D, h0, 64)
+    assert y.shape == x.shape and torch.equal(state, h0)
+    x, dt, A, B, C, D, _ = inputs(1, 8, 2, 1, 64, 32)
+    with pytest.raises(RuntimeError, match="state size"):
+        ops.ssd(x, dt, A, B, C, D, None, 64)
+    x, dt, A, B, C, D, _ = inputs(1, 8, 2, 1, 48, 64)
+    with pytest.raises(RuntimeError, match="head dims"):
+        ops.ssd(x, dt, A, B, C, D, None, 64)
