@@ -96,6 +96,33 @@ def check_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = 1e
         raise AssertionError(f"{name}: relative error {err:.2e} > {tol:.0e}")
 
 
+def check_and_time(op: str, case: str, impls: dict[str, Callable[[], torch.Tensor]], ref: torch.Tensor, x: float,
+                   unit: str, figure: Callable[[float], float], tol: float = 1e-2) -> list[Row]:
+    """One row per implementation: checked against `ref`, then timed (figure(ms) in `unit`); one that fails or
+    does not fit is a row with the reason instead of a number."""
+    rows = []
+    for impl, fn in impls.items():
+        try:
+            check_close(f"{impl} {case}", fn(), ref, tol)
+            ms = median_ms(fn)
+            rows.append(Row(op, case, impl, ms, figure(ms), unit, x))
+        except (RuntimeError, AssertionError, torch.OutOfMemoryError) as exc:
+            rows.append(Row(op, case, impl, None, note=f"failed: {str(exc)[:160]}"))
+    return rows
+
+
+def op_main(prog: str, doc: str, run: Callable[[bool], list[Row]], argv=None, quick_help: str = "one shape") -> int:
+    """`python -m benchmarks.<op> [--quick]`: run one op's benchmark and print its table."""
+    import argparse
+
+    from .__main__ import table
+
+    p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    print(table(run(p.parse_args(argv).quick)))
+    return 0
+
+
 def bandwidth_table(rows: list[Row], baselines: list[str]) -> str:
     """Markdown table for memory-bound ops: ours in GB/s and % of the copy ceiling (a row with impl "copy"),
     each baseline's GB/s, and ours/baseline."""

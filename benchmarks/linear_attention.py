@@ -10,12 +10,11 @@ d^-½, eps 1e-6 (FLA's). Forward only: the kernel has no backward yet. Figure: M
 """
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
 
-from .common import Row, check_close, median_ms, progress
+from .common import Row, check_and_time, op_main, progress
 
 DK = 16
 
@@ -75,13 +74,7 @@ def run(quick: bool = False) -> list[Row]:
             impls["torch.compile"] = lambda: compiled(qh, kh, vh)
         else:
             rows.append(Row("linear_attention", name, "torch.compile", None, note="skipped: N² scores > 16 GiB"))
-        for impl, fn in impls.items():
-            try:
-                check_close(f"{impl} {name}", fn(), ref)
-                ms = median_ms(fn)
-                rows.append(Row("linear_attention", name, impl, ms, B * N / ms / 1e3, "Mtok/s", N))
-            except (RuntimeError, AssertionError, torch.OutOfMemoryError) as exc:
-                rows.append(Row("linear_attention", name, impl, None, note=f"failed: {str(exc)[:160]}"))
+        rows += check_and_time("linear_attention", name, impls, ref, N, "Mtok/s", lambda ms: B * N / ms / 1e3)
         if fla is None:
             rows.append(Row("linear_attention", name, "fla", None, note=fla_missing))
         del q, k, v, ref
@@ -90,13 +83,7 @@ def run(quick: bool = False) -> list[Row]:
 
 
 def main(argv=None) -> int:
-    from .__main__ import table
-
-    p = argparse.ArgumentParser(prog="python -m benchmarks.linear_attention", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="one shape")
-    args = p.parse_args(argv)
-    print(table(run(quick=args.quick)))
-    return 0
+    return op_main("python -m benchmarks.linear_attention", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,9 @@ no backward yet. Figure: Mtokens/s.
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from .common import Row, check_close, median_ms, progress
+from .common import Row, check_and_time, op_main, progress
 
 
 def cases(quick: bool = False):
@@ -63,13 +61,7 @@ def run(quick: bool = False) -> list[Row]:
                 return o + D[:, None] * x
 
             impls["fla chunk_simple_gla"] = fla
-        for impl, fn in impls.items():
-            try:
-                check_close(f"{impl} {name}", fn(), ref, tol=2e-2)
-                ms = median_ms(fn)
-                rows.append(Row("ssd", name, impl, ms, b * l / ms / 1e3, "Mtok/s", l))
-            except (RuntimeError, AssertionError, torch.OutOfMemoryError) as exc:
-                rows.append(Row("ssd", name, impl, None, note=f"failed: {str(exc)[:160]}"))
+        rows += check_and_time("ssd", name, impls, ref, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)
         if chunk_simple_gla is None:
             rows.append(Row("ssd", name, "fla chunk_simple_gla", None, note=fla_missing))
         del x, B, C, ref
@@ -78,13 +70,7 @@ def run(quick: bool = False) -> list[Row]:
 
 
 def main(argv=None) -> int:
-    from .__main__ import table
-
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ssd", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="one shape")
-    args = p.parse_args(argv)
-    print(table(run(quick=args.quick)))
-    return 0
+    return op_main("python -m benchmarks.ssd", __doc__, run, argv)
 
 
 if __name__ == "__main__":

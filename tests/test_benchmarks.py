@@ -285,3 +285,18 @@ def test_ssd_fla_baseline_mapping_is_the_op():
     got = torch.stack(outs, 1) + D[:, None] * x
     want = ssd_ops.ssd_reference(x, dt, A, B, C, D, None, 8)[0]
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_check_and_time_reports_a_wrong_or_failing_implementation():
+    import torch
+
+    from benchmarks.common import check_and_time
+
+    ref = torch.ones(4)
+
+    def crash():
+        raise RuntimeError("no kernel image")
+
+    rows = check_and_time("ssd", "case", {"wrong": lambda: ref * 2, "crash": crash}, ref, 1, "Mtok/s", lambda ms: ms)
+    assert [(r.impl, r.ms) for r in rows] == [("wrong", None), ("crash", None)]
+    assert "relative error" in rows[0].note and "no kernel image" in rows[1].note

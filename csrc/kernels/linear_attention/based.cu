@@ -69,12 +69,6 @@ __device__ __forceinline__ void load_chunk(Smem& s, int buf, const Rows& g, int 
   cp_async_commit();
 }
 
-// Register k, pair half e of a base tile in row layout: (row, column) inside the tile (rt.cuh).
-__device__ __forceinline__ int frag_row(int k) { return (laneid() >> 2) + 8 * (k & 1); }
-__device__ __forceinline__ int frag_col(int k, int e) { return 2 * (laneid() & 3) + e + 8 * (k >> 1); }
-__device__ __forceinline__ float elem(const bf16_2& p, int e) { return __bfloat162float(e ? p.y : p.x); }
-__device__ __forceinline__ void set(bf16_2& p, int e, float v) { (e ? p.y : p.x) = __float2bfloat16_rn(v); }
-
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
@@ -94,19 +88,12 @@ __device__ __forceinline__ void chunk_output(const Smem& s, int buf, int c, cons
 
   // intra-chunk weights 1 + x + x²/2 (x = scale·q·k) on and below the diagonal
   rt_bf<BASE, CHUNK> w;
-  float zrow[2] = {0.f, 0.f};  // the normaliser's partial row sums (rows lane/4 and lane/4 + 8)
-#pragma unroll
-  for (int j = 0; j < CHUNK / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float x = scale * (e ? sc.tiles[0][j].data[k].y : sc.tiles[0][j].data[k].x);
-        const bool keep = BASE * j + frag_col(k, e) <= BASE * grp + frag_row(k);
-        const float val = keep ? 1.f + x + 0.5f * x * x : 0.f;
-        zrow[k & 1] += val;
-        set(w.tiles[0][j].data[k], e, val);
-      }
+  float zrow[2] = {0.f, 0.f};  // the normaliser's partial row sums (this lane's rows r0 and r0 + 8)
+  map_indexed(w, sc, [&](int r, int col, float qk) {
+    const float x = scale * qk, val = col <= BASE * grp + r ? 1.f + x + 0.5f * x * x : 0.f;
+    zrow[r >> 3] += val;
+    return val;
+  });
   rt_bf<CHUNK, 32, col_layout> vr;
   load(vr, s.v[buf], 0, cols);
   rt_fl<BASE, 32> out;
@@ -123,17 +110,12 @@ __device__ __forceinline__ void chunk_output(const Smem& s, int buf, int c, cons
       qa[0] = half_sq * __bfloat162float(s.q[buf](r0, f));
       qa[1] = half_sq * __bfloat162float(s.q[buf](r0 + 8, f));
     }
-    rt_bf<BASE, BASE> p;
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float qb = elem(qr.tiles[0][0].data[k], e);
-        const int b = frag_col(k, e);
-        const float val = f < DK ? qa[k & 1] * qb : f == DK ? scale * qb : (b == 0 ? 1.f : 0.f);
-        if (a.normalize) zq[k & 1] += val * s.z[BASE * f + b];
-        set(p.tiles[0][0].data[k], e, val);
-      }
+    rt_bf<BASE, BASE> p;  // φq(q) for feature tile f: rows are this warp's tokens, columns b
+    map_indexed(p, qr, [&](int r, int b, float qb) {
+      const float val = f < DK ? qa[r >> 3] * qb : f == DK ? scale * qb : (b == 0 ? 1.f : 0.f);
+      if (a.normalize) zq[r >> 3] += val * s.z[BASE * f + b];
+      return val;
+    });
     rt_bf<BASE, 32, col_layout> sv;
     load(sv, s.state, BASE * f, cols);
     mma_AB(out, p, sv, out);
@@ -153,7 +135,7 @@ __device__ __forceinline__ void chunk_output(const Smem& s, int buf, int c, cons
       bf16_2 pair;
       pair.x = __float2bfloat16_rn(v.x * inv[k & 1]);
       pair.y = __float2bfloat16_rn(v.y * inv[k & 1]);
-      *reinterpret_cast<bf16_2*>(o + int64_t(n) * a.dv + cols + BASE * j + frag_col(k, 0)) = pair;
+      *reinterpret_cast<bf16_2*>(o + int64_t(n) * a.dv + cols + BASE * j + base_col<row_layout>(k, 0)) = pair;
     }
 }
 
@@ -162,8 +144,7 @@ __device__ __forceinline__ void chunk_state(Smem& s, int buf, rt_fl<BASE, DVT> (
   const int warp = warpid(), lane = laneid();
   rt_bf<CHUNK, DVT, col_layout> vall;
   load(vall, s.v[buf]);
-  // K (64 x 16) in col layout holds the registers of Kᵀ (16 x 64) in row layout (rt.cuh): kc.tiles[j][0] is
-  // Kᵀ's tile (0, j), features by tokens.
+  // K (64 x 16) loaded in col layout: the registers of Kᵀ (features x tokens) in row layout
   rt_bf<CHUNK, DK, col_layout> kc;
   load(kc, s.k[buf]);
 #pragma unroll
@@ -172,18 +153,11 @@ __device__ __forceinline__ void chunk_state(Smem& s, int buf, rt_fl<BASE, DVT> (
     if (f >= TILES) break;
     rt_bf<BASE, CHUNK> phi;  // φk(k)ᵀ rows of tile f: (feature b, token t)
     float zs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < CHUNK / BASE; ++j)
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int b = frag_row(k), t = BASE * j + frag_col(k, e);
-          const float kb = elem(kc.tiles[j][0].data[k], e);  // k[t][b]
-          const float val = f < DK ? __bfloat162float(s.k[buf](t, f)) * kb : f == DK ? kb : (b == 0 ? 1.f : 0.f);
-          zs[k & 1] += val;
-          set(phi.tiles[0][j].data[k], e, val);
-        }
+    map_indexed(phi, transposed(kc), [&](int b, int t, float kb) {
+      const float val = f < DK ? __bfloat162float(s.k[buf](t, f)) * kb : f == DK ? kb : (b == 0 ? 1.f : 0.f);
+      zs[b >> 3] += val;
+      return val;
+    });
     mma_AB(acc[i], phi, vall, acc[i]);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

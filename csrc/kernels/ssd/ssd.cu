@@ -70,11 +70,6 @@ __device__ __forceinline__ void load_chunk(Smem<NS>& s, int buf, const Rows<NS>&
   cp_async_commit();
 }
 
-__device__ __forceinline__ int frag_row(int k) { return (laneid() >> 2) + 8 * (k & 1); }
-__device__ __forceinline__ int frag_col(int k, int e) { return 2 * (laneid() & 3) + e + 8 * (k >> 1); }
-__device__ __forceinline__ float elem(const bf16_2& p, int e) { return __bfloat162float(e ? p.y : p.x); }
-__device__ __forceinline__ void set(bf16_2& p, int e, float v) { (e ? p.y : p.x) = __float2bfloat16_rn(v); }
-
 // Λ of token t (0..63) from the lanes' pairs (lane holds tokens 2·lane and 2·lane + 1). All lanes must call it.
 __device__ __forceinline__ float lambda_at(float l0, float l1, int t) {
   const float v0 = __shfl_sync(0xffffffffu, l0, t >> 1), v1 = __shfl_sync(0xffffffffu, l1, t >> 1);
@@ -112,7 +107,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_fwd_kernel(const Args a) {
     for (int k = 0; k < 4; ++k) {
       float2 v = make_float2(0.f, 0.f);
       if (owner && a.h0) {
-        const int r = BASE * warp + frag_row(k), cc = BASE * j + frag_col(k, 0);
+        const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
         v.x = a.h0[state_base + int64_t(cc) * NS + r];
         v.y = a.h0[state_base + int64_t(cc + 1) * NS + r];
       }
@@ -157,19 +152,11 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_fwd_kernel(const Args a) {
         mma_ABt(cb, cw, bk, cb);
       }
       rt_bf<BASE, CHUNK> w;  // (C_t·B_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal
-#pragma unroll
-      for (int j = 0; j < CHUNK / BASE; ++j)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int src = BASE * j + frag_col(k, e);  // token s; s & 1 == e
-            const float ls = __shfl_sync(0xffffffffu, e ? l1 : l0, src >> 1);
-            const float ds = __shfl_sync(0xffffffffu, e ? dt1 : dt0, src >> 1);
-            const int t = BASE * grp + frag_row(k);
-            const float v = e ? cb.tiles[0][j].data[k].y : cb.tiles[0][j].data[k].x;
-            set(w.tiles[0][j].data[k], e, src <= t ? v * __expf(lt[k & 1] - ls) * ds : 0.f);
-          }
+      map_indexed(w, cb, [&](int r, int src, float v) {
+        const float ls = __shfl_sync(0xffffffffu, src & 1 ? l1 : l0, src >> 1);  // every lane shuffles
+        const float ds = __shfl_sync(0xffffffffu, src & 1 ? dt1 : dt0, src >> 1);
+        return src <= BASE * grp + r ? v * __expf(lt[r >> 3] - ls) * ds : 0.f;
+      });
       rt_bf<CHUNK, 32, col_layout> xr;
       load(xr, s.x[buf], 0, cols);
       rt_fl<BASE, 32> out;
@@ -181,10 +168,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_fwd_kernel(const Args a) {
       for (int kk = 0; kk < NS / BASE; ++kk) {
         rt_bf<BASE, BASE> cw;
         load(cw, s.c[buf], BASE * grp, BASE * kk);
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) set(cw.tiles[0][0].data[k], e, elem(cw.tiles[0][0].data[k], e) * decay[k & 1]);
+        map_indexed(cw, cw, [&](int r, int, float v) { return v * decay[r >> 3]; });
         rt_bf<BASE, 32, col_layout> sv;
         load(sv, s.state, BASE * kk, cols);
         mma_AB(out, cw, sv, out);
@@ -195,7 +179,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_fwd_kernel(const Args a) {
         for (int k = 0; k < 4; ++k) {
           const int t = t0 + 8 * (k & 1), n = c * CHUNK + t;
           if (n >= a.l) continue;
-          const int col = cols + BASE * j + frag_col(k, 0);
+          const int col = cols + BASE * j + base_col<row_layout>(k, 0);
           float2 v = out.tiles[0][j].data[k];
           if (a.D) {
             v.x += Dh * __bfloat162float(s.x[buf](t, col));
@@ -215,20 +199,16 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_fwd_kernel(const Args a) {
         for (int k = 0; k < 4; ++k) S.tiles[0][j].data[k].x *= keep, S.tiles[0][j].data[k].y *= keep;
 #pragma unroll
       for (int j = 0; j < CHUNK / BASE; ++j) {
-        // B's tokens 16j.. by this warp's 16 state dims, in col layout: the registers of Bᵀ (state x tokens)
-        // in row layout (rt.cuh)
+        // B's tokens 16j.. by this warp's 16 state dims, loaded in col layout: Bᵀ (state dims x tokens)
         rt_bf<BASE, BASE, col_layout> bt;
         load(bt, s.b[buf], BASE * j, BASE * warp);
         rt_bf<BASE, BASE> wb;  // Bᵀ with each token's column scaled by exp(Λ_end − Λ_s) dt_s
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int src = BASE * j + frag_col(k, e);
-            const float ls = __shfl_sync(0xffffffffu, e ? l1 : l0, src >> 1);
-            const float ds = __shfl_sync(0xffffffffu, e ? dt1 : dt0, src >> 1);
-            set(wb.tiles[0][0].data[k], e, elem(bt.tiles[0][0].data[k], e) * __expf(l_end - ls) * ds);
-          }
+        map_indexed(wb, transposed(bt), [&](int, int col, float v) {
+          const int src = BASE * j + col;
+          const float ls = __shfl_sync(0xffffffffu, src & 1 ? l1 : l0, src >> 1);
+          const float ds = __shfl_sync(0xffffffffu, src & 1 ? dt1 : dt0, src >> 1);
+          return v * __expf(l_end - ls) * ds;
+        });
         rt_bf<BASE, PT, col_layout> xj;
         load(xj, s.x[buf], BASE * j, 0);
         mma_AB(S, wb, xj, S);
@@ -244,7 +224,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_fwd_kernel(const Args a) {
     for (int j = 0; j < PT / BASE; ++j)
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int r = BASE * warp + frag_row(k), cc = BASE * j + frag_col(k, 0);
+        const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
         a.h_final[state_base + int64_t(cc) * NS + r] = S.tiles[0][j].data[k].x;
         a.h_final[state_base + int64_t(cc + 1) * NS + r] = S.tiles[0][j].data[k].y;
       }

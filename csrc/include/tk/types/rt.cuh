@@ -36,6 +36,13 @@ template <int R, int C, class L = row_layout> using rt_fl = rt<float, R, C, L>;
 template <int R, int C, class L = row_layout> using rt_bf = rt<bf16, R, C, L>;
 template <int R, int C, class L = row_layout> using rt_hf = rt<half, R, C, L>;
 
+// A col-layout tile's registers are those of its transpose in row layout (above): the same object seen as that
+// row tile, at no cost. For tiles one base tile wide or high, whose grids [h][1] and [1][h] are laid out alike.
+template <tile_scalar T, int R, int C> TK_DEVICE const rt<T, C, R, row_layout>& transposed(const rt<T, R, C, col_layout>& t) {
+    static_assert(R == BASE || C == BASE, "transposed: one side must be a single base tile");
+    return reinterpret_cast<const rt<T, C, R, row_layout>&>(t);
+}
+
 // Position (within a 16-wide base span) of the lane/4 axis ("pair8") and 2*(lane%4) axis ("quad").
 TK_DEVICE int pair8_pos(int h) { return (laneid() >> 2) + 8 * h; }              // h = k%2
 TK_DEVICE int quad_pos(int q) { return 2 * (laneid() & 3) + (q & 1) + 8 * (q >> 1); }  // q = (k/2)*2 + j

@@ -29,48 +29,42 @@ template <mma_scalar T> TK_DEVICE void mma16816(float2& d0, float2& d1, const pa
 }
 }  // namespace detail
 
-// d (M x N) = a (M x K) · b (K x N) + c, with b in col layout (as ldmatrix.trans loads a K x N row-major
-// shared tile). In both b layouts a base tile's registers 0/2 are the n 0-7 block's k halves and 1/3 the
-// n 8-15 block's (rt.cuh), which is the mma's B fragment order.
-template <int M, int N, int K, mma_scalar T>
-TK_DEVICE void mma_AB(rt_fl<M, N>& d, const rt<T, M, K, row_layout>& a, const rt<T, K, N, col_layout>& b,
-                      const rt_fl<M, N>& c) {
+namespace detail {
+// d = a·B + c over base tiles, where bt(k, j) gives B's base tile (k-th along K, j-th along N). In both B forms a
+// base tile's registers 0/2 are the n 0-7 block's k halves and 1/3 the n 8-15 block's (rt.cuh), which is the
+// mma's B fragment order.
+template <int M, int N, int K, mma_scalar T, class BT>
+TK_DEVICE void mma_tiles(rt_fl<M, N>& d, const rt<T, M, K, row_layout>& a, const rt_fl<M, N>& c, BT&& bt) {
 #pragma unroll
     for (int i = 0; i < M / BASE; ++i)
 #pragma unroll
         for (int j = 0; j < N / BASE; ++j) {
-            auto& dt = d.tiles[i][j].data;
             const auto& ct = c.tiles[i][j].data;
             float2 acc[4] = {ct[0], ct[1], ct[2], ct[3]};
 #pragma unroll
             for (int k = 0; k < K / BASE; ++k) {
-                const auto& bt = b.tiles[k][j].data;
-                detail::mma16816<T>(acc[0], acc[1], a.tiles[i][k].data, bt[0], bt[2], acc[0], acc[1]);
-                detail::mma16816<T>(acc[2], acc[3], a.tiles[i][k].data, bt[1], bt[3], acc[2], acc[3]);
+                const auto& b = bt(k, j).data;
+                mma16816<T>(acc[0], acc[1], a.tiles[i][k].data, b[0], b[2], acc[0], acc[1]);
+                mma16816<T>(acc[2], acc[3], a.tiles[i][k].data, b[1], b[3], acc[2], acc[3]);
             }
+            auto& dt = d.tiles[i][j].data;
             dt[0] = acc[0], dt[1] = acc[1], dt[2] = acc[2], dt[3] = acc[3];
         }
+}
+}  // namespace detail
+
+// d (M x N) = a (M x K) · b (K x N) + c, with b in col layout (as ldmatrix.trans loads a K x N row-major shared tile).
+template <int M, int N, int K, mma_scalar T>
+TK_DEVICE void mma_AB(rt_fl<M, N>& d, const rt<T, M, K, row_layout>& a, const rt<T, K, N, col_layout>& b,
+                      const rt_fl<M, N>& c) {
+    detail::mma_tiles(d, a, c, [&](int k, int j) -> const auto& { return b.tiles[k][j]; });
 }
 
 // d (M x N) = a (M x K) · bᵀ + c with b (N x K) in row layout: its rows are the output's columns.
 template <int M, int N, int K, mma_scalar T>
 TK_DEVICE void mma_ABt(rt_fl<M, N>& d, const rt<T, M, K, row_layout>& a, const rt<T, N, K, row_layout>& b,
                        const rt_fl<M, N>& c) {
-#pragma unroll
-    for (int i = 0; i < M / BASE; ++i)
-#pragma unroll
-        for (int j = 0; j < N / BASE; ++j) {
-            auto& dt = d.tiles[i][j].data;
-            const auto& ct = c.tiles[i][j].data;
-            float2 acc[4] = {ct[0], ct[1], ct[2], ct[3]};
-#pragma unroll
-            for (int k = 0; k < K / BASE; ++k) {
-                const auto& bt = b.tiles[j][k].data;
-                detail::mma16816<T>(acc[0], acc[1], a.tiles[i][k].data, bt[0], bt[2], acc[0], acc[1]);
-                detail::mma16816<T>(acc[2], acc[3], a.tiles[i][k].data, bt[1], bt[3], acc[2], acc[3]);
-            }
-            dt[0] = acc[0], dt[1] = acc[1], dt[2] = acc[2], dt[3] = acc[3];
-        }
+    detail::mma_tiles(d, a, c, [&](int k, int j) -> const auto& { return b.tiles[j][k]; });
 }
 
 }  // namespace tk

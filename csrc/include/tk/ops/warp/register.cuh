@@ -214,6 +214,17 @@ template <class F, register_vector D, register_vector A> TK_DEVICE void bin_map(
     vec_for_each(dst, [&](int t, int s) { return F::apply(detail::f(a.data[t][s]), b); });
 }
 
+// dst(r, c) = g(r, c, src(r, c)), with (r, c) the element's place in the whole tile: maps that depend on where an
+// element sits (causal masks, decays by position, feature maps built from a row of inputs). src may be dst.
+template <register_tile D, register_tile S, class G> TK_DEVICE void map_indexed(D& dst, const S& src, G&& g) {
+    static_assert(D::rows == S::rows && D::cols == S::cols && std::is_same_v<typename D::layout, typename S::layout>,
+                  "map_indexed: shapes or layouts differ");
+    using L = typename D::layout;
+    detail::for_each(dst, [&](int i, int w, int k, int j) {
+        return g(BASE * i + base_row<L>(k, j), BASE * w + base_col<L>(k, j), detail::get(src, i, w, k, j));
+    });
+}
+
 // ---- named maps, for tiles and vectors alike ----
 template <class X> concept register_value = register_tile<X> || register_vector<X>;
 // copy also converts between element types (fp32 <-> bf16 / fp16).
