@@ -53,7 +53,14 @@ TILE_OPS = {  # op code -> reference on the zero-padded 32 x 48 inputs (the kern
     15: lambda x, y: torch.exp2(x - torch.maximum(x.amax(1, keepdim=True), y.amax(1, keepdim=True))),
     16: lambda x, y: x * torch.exp(x.amax(1, keepdim=True) - y.sum(1, keepdim=True)),
     17: lambda x, y: x.amax(1, keepdim=True).expand_as(x),
+    18: lambda x, y: _lower_or_row_mark(x),  # map_indexed
 }
+
+
+def _lower_or_row_mark(x):
+    r = torch.arange(x.shape[0], device=x.device)[:, None]
+    c = torch.arange(x.shape[1], device=x.device)[None, :]
+    return torch.where(c <= r, x, -0.5 * (r % 3).to(x.dtype))
 VEC_OPS = {
     20: lambda x: x.amax(1),
     21: lambda x: x.sum(1),

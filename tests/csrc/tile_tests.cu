@@ -95,6 +95,9 @@ template <class T, class L> __global__ void tile_op_kernel(const float* x, const
             broadcast_row(d, r2);
             break;
         }
+        case 18:  // map_indexed: keep a on and below the diagonal, mark the rest by row
+            map_indexed(d, a, [](int r, int c, float v) { return c <= r ? v : -0.5f * float(r % 3); });
+            break;
         case 20: row_max(rv1, a); store(gl<float>(vout, 1, 1, 1, rows), rv1, {0, 0, 0, 0}); return;
         case 21: row_sum(rv1, a); store(gl<float>(vout, 1, 1, 1, rows), rv1, {0, 0, 0, 0}); return;
         case 22: col_max(cv1, a); store(gl<float>(vout, 1, 1, 1, cols), cv1, {0, 0, 0, 0}); return;
