@@ -4,11 +4,14 @@ the chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mam
 
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
 Mamba2-370M's (nh 32) at l 4096; bf16 x, B, C, fp32 dt, A, D; final state returned. Forward only: the kernel has
-no backward yet. Figure: Mtokens/s.
+no backward yet. "ours 2 blocks/SM" is TK_SSD_VARIANT=1 (128 registers, two blocks per SM). Figure:
+Mtokens/s.
 
     python -m benchmarks.ssd [--quick]
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,6 +25,19 @@ def cases(quick: bool = False):
         yield 64, 1024, 80, 64, 128
         yield 4, 16384, 80, 64, 128
         yield 16, 4096, 32, 64, 128
+
+
+def _variant(v: int, fn):
+    """fn() under TK_SSD_VARIANT=v (read by the binding on every call)."""
+    old = os.environ.get("TK_SSD_VARIANT")
+    os.environ["TK_SSD_VARIANT"] = str(v)
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("TK_SSD_VARIANT")
+        else:
+            os.environ["TK_SSD_VARIANT"] = old
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -48,6 +64,7 @@ def run(quick: bool = False) -> list[Row]:
         ref = ssd_ops.ssd_reference(x, dt, A, B, C, D, None, 64)[0].float()
         impls = {
             "ours": lambda: torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)[0],
+            "ours 2 blocks/SM": lambda: _variant(1, lambda: torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)[0]),
             # HF Mamba2's chunk (256): the reference's chunk loop unrolls in the graph, 4x fewer steps to compile
             "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0],
         }

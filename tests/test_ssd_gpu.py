@@ -61,10 +61,18 @@ def check(ops, x, dt, A, B, C, D, h0):
     assert rel_err(state, want_state) < TOL, f"final state: relative error {rel_err(state, want_state):.3g}"
 
 
+@pytest.mark.parametrize("variant", [0, 1], ids=["1blk", "2blk"])  # TK_SSD_VARIANT: blocks per SM (ssd.h)
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("l", [1, 17, 64, 65, 300, 2048])
-def test_ssd_forward(ops, l, n):
+def test_ssd_forward(ops, l, n, variant, monkeypatch):
+    monkeypatch.setenv("TK_SSD_VARIANT", str(variant))
     check(ops, *inputs(2, l, 4, 2, 64, n, seed=l + n))
+
+
+def test_ssd_bad_variant(ops, monkeypatch):
+    monkeypatch.setenv("TK_SSD_VARIANT", "2")
+    with pytest.raises(RuntimeError, match="TK_SSD_VARIANT"):
+        ops.ssd(*inputs(1, 8, 2, 1, 64, 64), None, 64)
 
 
 @pytest.mark.parametrize("D,h0", [(False, False), (True, True), (False, True)], ids=["plain", "D+h0", "h0"])

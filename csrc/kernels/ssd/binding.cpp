@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -17,6 +18,17 @@
 namespace {
 
 using at::Tensor;
+
+// The kernel variant (ssd.h): TK_SSD_VARIANT, read on every call so that one process can time both; unset = 0.
+int variant() {
+  const char* env = std::getenv("TK_SSD_VARIANT");
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && v >= 0 && v < tk_ssd::VARIANTS, "TK_SSD_VARIANT must be an integer in [0, ",
+              tk_ssd::VARIANTS, "), got '", env, "'");
+  return int(v);
+}
 
 Tensor as(const Tensor& t, at::ScalarType dtype) { return t.to(dtype).contiguous(); }
 
@@ -57,6 +69,7 @@ std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& 
   a.h0 = has_h0 ? h0.data_ptr<float>() : nullptr;
   a.y = y.data_ptr<float>(), a.h_final = h_final.data_ptr<float>();
   a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
+  a.variant = variant();
   const char* err = tk_ssd::launch(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::ssd: ", err ? err : "");
   return {x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type()), h_final};

@@ -76,8 +76,9 @@ __device__ __forceinline__ float lambda_at(float l0, float l1, int t) {
   return (t & 1) ? v1 : v0;
 }
 
-template <int NS>
-__global__ void __launch_bounds__(THREADS, 1) ssd_fwd_kernel(const Args a) {
+// MIN_BLOCKS: blocks per SM the register budget is set for (variant 1 = 2: more warps to hide mma.sync latency).
+template <int NS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args a) {
   extern __shared__ uint8_t raw[];
   Smem<NS>& s = *reinterpret_cast<Smem<NS>*>(align_shared<1024>(raw));
   const int ptiles = a.p / PT;
@@ -230,15 +231,16 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_fwd_kernel(const Args a) {
       }
 }
 
-template <int NS>
+template <int NS, int MIN_BLOCKS>
 const char* launch_n(const Args& a, cudaStream_t stream) {
   const int64_t blocks = int64_t(a.b) * a.nh * (a.p / PT);
   if (blocks > 0x7fffffff) return "too many (batch, head, head-dim tile) blocks for one launch";
   const size_t smem = sizeof(Smem<NS>) + 1024;  // + the alignment of the dynamic shared memory base
+  const auto kernel = ssd_fwd_kernel<NS, MIN_BLOCKS>;
   // per call: the attribute belongs to the current device's context
-  const cudaError_t attr = cudaFuncSetAttribute(ssd_fwd_kernel<NS>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  ssd_fwd_kernel<NS><<<unsigned(blocks), THREADS, smem, stream>>>(a);
+  kernel<<<unsigned(blocks), THREADS, smem, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
@@ -250,9 +252,11 @@ const char* launch(const Args& a, cudaStream_t stream) {
   if (a.ng <= 0 || a.nh % a.ng != 0) return "nh must be a multiple of ng";
   if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
+  if (a.variant < 0 || a.variant >= VARIANTS) return "variant must be 0 or 1";
+  const bool two = a.variant == 1;
   switch (a.n) {
-    case 64: return launch_n<64>(a, stream);
-    case 128: return launch_n<128>(a, stream);
+    case 64: return two ? launch_n<64, 2>(a, stream) : launch_n<64, 1>(a, stream);
+    case 128: return two ? launch_n<128, 2>(a, stream) : launch_n<128, 1>(a, stream);
     default: return "the state size n must be 64 or 128";
   }
 }

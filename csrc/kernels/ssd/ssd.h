@@ -22,7 +22,9 @@ struct Args {
   float* y;
   float* h_final;
   int b, l, nh, ng, p, n;
+  int variant;  // 0: one block per SM (registers unbounded, 178 at n 128); 1: two (128 registers, a few spilled)
 };
+constexpr int VARIANTS = 2;
 
 // Whether the kernel computes this state size (n).
 constexpr bool state_size_supported(int n) { return n == 64 || n == 128; }
