@@ -2,9 +2,10 @@
 `parallel_based` and `fused_chunk_based` (carry the fla-core wheel) and vs torch.compile default of the quadratic
 masked spelling a Based model writes (what Inductor gets without our kernel), in one run.
 
-Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128 at
-N 4096; bf16 (B, N, H, d) buffers (FLA's layout; ours reads their head-first views in place); normalised, scale
-d^-½, eps 1e-6 (FLA's). Forward only: the kernel has no backward yet. Figure: Mtokens/s.
+Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128
+at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
+reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). Forward only: the kernel has
+no backward yet. "ours 32-col tiles" is TK_BASED_VARIANT=1 (twice the blocks). Figure: Mtokens/s.
 
     python -m benchmarks.linear_attention [--quick]
 """
@@ -14,7 +15,7 @@ import math
 
 import torch
 
-from .common import Row, check_and_time, op_main, progress
+from .common import Row, check_and_time, op_main, progress, with_env
 
 DK = 16
 
@@ -23,6 +24,7 @@ def cases(quick: bool = False):
     """(B, H, N, dv) per case."""
     yield 16, 16, 4096, 64
     if not quick:
+        yield 4, 16, 4096, 64  # the Based model's layer (64 blocks of 64 value columns: half the SMs)
         yield 64, 16, 1024, 64
         yield 4, 16, 16384, 64
         yield 16, 16, 4096, 128
@@ -65,7 +67,10 @@ def run(quick: bool = False) -> list[Row]:
         v = torch.randn(B, N, H, dv, generator=g, device="cuda", dtype=torch.bfloat16)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         ref = la.linear_attention_reference(qh, kh, vh, "based", None, None, scale, True, 1e-6).float()
-        impls = {"ours": lambda: torch.ops.tk_cuda.linear_attention(qh, kh, vh, "based", None, None, scale, True, 1e-6)}
+        def ours():
+            return torch.ops.tk_cuda.linear_attention(qh, kh, vh, "based", None, None, scale, True, 1e-6)
+
+        impls = {"ours": ours, "ours 32-col tiles": lambda: with_env("TK_BASED_VARIANT", "1", ours)}
         if fla is not None:
             for label, fn in fla.items():
                 impls[label] = (lambda f=fn: f(q, k, v, scale, True).transpose(1, 2))

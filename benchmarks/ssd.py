@@ -11,11 +11,9 @@ Mtokens/s.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .common import Row, check_and_time, op_main, progress
+from .common import Row, check_and_time, op_main, progress, with_env
 
 
 def cases(quick: bool = False):
@@ -25,19 +23,6 @@ def cases(quick: bool = False):
         yield 64, 1024, 80, 64, 128
         yield 4, 16384, 80, 64, 128
         yield 16, 4096, 32, 64, 128
-
-
-def _variant(v: int, fn):
-    """fn() under TK_SSD_VARIANT=v (read by the binding on every call)."""
-    old = os.environ.get("TK_SSD_VARIANT")
-    os.environ["TK_SSD_VARIANT"] = str(v)
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop("TK_SSD_VARIANT")
-        else:
-            os.environ["TK_SSD_VARIANT"] = old
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -64,7 +49,8 @@ def run(quick: bool = False) -> list[Row]:
         ref = ssd_ops.ssd_reference(x, dt, A, B, C, D, None, 64)[0].float()
         impls = {
             "ours": lambda: torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)[0],
-            "ours 2 blocks/SM": lambda: _variant(1, lambda: torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)[0]),
+            "ours 2 blocks/SM": lambda: with_env("TK_SSD_VARIANT", "1", lambda: torch.ops.tk_cuda.ssd(x, dt, A, B, C, D,
+                                                                                                   None, 64)[0]),
             # HF Mamba2's chunk (256): the reference's chunk loop unrolls in the graph, 4x fewer steps to compile
             "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0],
         }

@@ -300,3 +300,17 @@ def test_check_and_time_reports_a_wrong_or_failing_implementation():
     rows = check_and_time("ssd", "case", {"wrong": lambda: ref * 2, "crash": crash}, ref, 1, "Mtok/s", lambda ms: ms)
     assert [(r.impl, r.ms) for r in rows] == [("wrong", None), ("crash", None)]
     assert "relative error" in rows[0].note and "no kernel image" in rows[1].note
+
+
+def test_with_env_sets_and_restores(monkeypatch):
+    import os
+
+    from benchmarks.common import with_env
+
+    monkeypatch.delenv("TK_SSD_VARIANT", raising=False)
+    assert with_env("TK_SSD_VARIANT", "1", lambda: os.environ["TK_SSD_VARIANT"]) == "1"
+    assert "TK_SSD_VARIANT" not in os.environ
+    monkeypatch.setenv("TK_SSD_VARIANT", "0")
+    with pytest.raises(KeyError):
+        with_env("TK_SSD_VARIANT", "1", lambda: {}["x"])
+    assert os.environ["TK_SSD_VARIANT"] == "0"

@@ -61,10 +61,12 @@ def check(ops, q, k, v, scale, normalize, eps=1e-6):
     assert err < TOL, f"relative error {err:.3g} (B{B} H{H} N{N} dv{dv} normalize={normalize})"
 
 
+@pytest.mark.parametrize("variant", [0, 1], ids=["tile64", "tile32"])  # TK_BASED_VARIANT: value columns per block
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
 @pytest.mark.parametrize("dv", [64, 128])
 @pytest.mark.parametrize("N", LENGTHS)
-def test_based_forward(ops, N, dv, normalize):
+def test_based_forward(ops, N, dv, normalize, variant, monkeypatch):
+    monkeypatch.setenv("TK_BASED_VARIANT", str(variant))
     q, k, v = inputs(2, 3, N, dv, seed=N + dv)
     check(ops, q, k, v, 1 / math.sqrt(16), normalize)
 
@@ -99,6 +101,13 @@ def test_based_forward_rejects_what_it_does_not_compute(ops):
         ops.linear_attention(q, k, v[..., :48], "based", None, None, 1.0, False, 0.0)
     with pytest.raises(RuntimeError, match="feature dim"):
         ops.linear_attention(q[..., :8], k[..., :8], v, "based", None, None, 1.0, False, 0.0)
+
+
+def test_based_bad_variant(ops, monkeypatch):
+    monkeypatch.setenv("TK_BASED_VARIANT", "2")
+    q, k, v = inputs(1, 1, 8, 64)
+    with pytest.raises(RuntimeError, match="TK_BASED_VARIANT"):
+        ops.linear_attention(q, k, v, "based", None, None, 1.0, False, 0.0)
 
 
 def test_empty_sequence(ops):

@@ -1,6 +1,6 @@
 // Based linear attention, forward (linear_attention.h): a chunked causal scan with an fp32 state in registers.
 //
-// One block per (batch·head, 64-column tile of v) walks the sequence in chunks of 64 tokens:
+// One block per (batch·head, tile of 64 value columns; 32 in variant 1) walks the sequence in chunks of 64 tokens:
 //   o_chunk = [(1 + s + s²/2) ⊙ causal] v_chunk + φq(q_chunk) · S     (s = scale·q kᵀ inside the chunk)
 //   S      += φk(k_chunk)ᵀ v_chunk                                      (then the next chunk)
 // φ has 288 features in 18 tiles of 16: tile a < 16 holds k_a·k_b (b = 0..15), tile 16 holds k_b, tile 17 the
@@ -8,10 +8,10 @@
 // φq(q)·φk(k) = 1 + s + s²/2. Nothing of size 288 is ever in global memory: both maps are built in registers
 // from the 16-wide q and k rows.
 //
-// Warps: 8. For the outputs, warp w owns chunk rows 16·(w/2).. and value columns 32·(w%2)..; for the state,
-// warp w owns tiles w, w + 8 and w + 16 (if < 18) as fp32 register tiles (16 x 64), adds each chunk's keys to
-// them, and publishes a bf16 copy in shared memory that every warp reads for the next chunk's inter-chunk
-// product. The normaliser is the same scan with a value of ones; its state z (288 floats) is in shared memory.
+// Warps: 8. For the outputs, warp w owns chunk rows 16·(w/2).. and half the block's value columns; for the state,
+// warp w owns tiles w, w + 8 and w + 16 (if < 18) as fp32 register tiles (16 x the block's columns), adds each
+// chunk's keys to them, and publishes a bf16 copy in shared memory that every warp reads for the next chunk's
+// inter-chunk product. The normaliser is the same scan with a value of ones; its state z (288 floats) is in shared memory.
 // Loads are cp.async, double-buffered: chunk c + 1 lands while chunk c is computed.
 #include <tk/tk.cuh>
 #include <tk/ops/thread/cp_async.cuh>
@@ -24,20 +24,22 @@ namespace {
 
 using namespace tk;
 
-constexpr int CHUNK = 64, DK = BASED_DK, DVT = BASED_DV_TILE, WARPS = 8, THREADS = WARPS * 32;
+constexpr int CHUNK = 64, DK = BASED_DK, WARPS = 8, THREADS = WARPS * 32;
 constexpr int TILES = 18, FEATURES = TILES * BASE;   // 256 quadratic + 16 linear + 1 constant (+ 15 zero rows)
 constexpr int OWNED = (TILES + WARPS - 1) / WARPS;  // state tiles per warp: 3 for warps 0-1, 2 for the others
 static_assert(DK == BASE, "the feature maps are built per 16x16 base tile");
 
 using QKTile = st<bf16, CHUNK, DK>;
-using VTile = st<bf16, CHUNK, DVT>;
-using StateTile = st<bf16, FEATURES, DVT>;
+template <int DVT> using VTile = st<bf16, CHUNK, DVT>;
+template <int DVT> using StateTile = st<bf16, FEATURES, DVT>;
 
+// DVT: value columns per block (64, or 32 for twice the blocks when batch·heads leave SMs idle).
+template <int DVT>
 struct Smem {
   QKTile q[2], k[2];
-  VTile v[2];
-  StateTile state;     // bf16 copy of the state after the previous chunk
-  float z[FEATURES];   // normaliser state: Σ φk over the previous chunks
+  VTile<DVT> v[2];
+  StateTile<DVT> state;  // bf16 copy of the state after the previous chunk
+  float z[FEATURES];     // normaliser state: Σ φk over the previous chunks
 };
 
 struct Rows {  // this block's (batch, head) rows; v and o already offset to the block's column tile
@@ -49,8 +51,9 @@ struct Rows {  // this block's (batch, head) rows; v and o already offset to the
 };
 
 // Chunk c into buffer `buf`: q and k rows are two 16-byte segments (threads 0-127: q, 128-255: k), v rows
-// eight; rows past N are zero-filled.
-__device__ __forceinline__ void load_chunk(Smem& s, int buf, const Rows& g, int c) {
+// DVT / 8; rows past N are zero-filled.
+template <int DVT>
+__device__ __forceinline__ void load_chunk(Smem<DVT>& s, int buf, const Rows& g, int c) {
   const int tid = threadIdx.x, n0 = c * CHUNK;
   {
     const bool is_q = tid < 128;
@@ -62,9 +65,9 @@ __device__ __forceinline__ void load_chunk(Smem& s, int buf, const Rows& g, int 
   }
 #pragma unroll
   for (int i = 0; i < CHUNK * DVT / 8 / THREADS; ++i) {
-    const int t = tid + i * THREADS, r = t >> 3, seg = t & 7, n = n0 + r;
+    const int t = tid + i * THREADS, r = t / (DVT / 8), seg = t % (DVT / 8), n = n0 + r;
     const bool ok = n < g.N;
-    cp_async16(smem_addr(s.v[buf].data) + VTile::offset(r, seg * 8), g.v + (ok ? int64_t(n) * g.vn + seg * 8 : 0), ok);
+    cp_async16(smem_addr(s.v[buf].data) + VTile<DVT>::offset(r, seg * 8), g.v + (ok ? int64_t(n) * g.vn + seg * 8 : 0), ok);
   }
   cp_async_commit();
 }
@@ -74,9 +77,11 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// Phase 1: this warp's 16 rows x 32 columns of the chunk's output, from the chunk itself and the state.
-__device__ __forceinline__ void chunk_output(const Smem& s, int buf, int c, const BasedArgs& a, bf16* o) {
-  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = 32 * (warp & 1);
+// Phase 1: this warp's 16 rows x DVT/2 columns of the chunk's output, from the chunk itself and the state.
+template <int DVT>
+__device__ __forceinline__ void chunk_output(const Smem<DVT>& s, int buf, int c, const BasedArgs& a, bf16* o) {
+  constexpr int HALF = DVT / 2;
+  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = HALF * (warp & 1);
   const float scale = a.scale, half_sq = 0.5f * scale * scale;
   rt_bf<BASE, DK> qr;
   load(qr, s.q[buf], BASE * grp, 0);
@@ -94,9 +99,9 @@ __device__ __forceinline__ void chunk_output(const Smem& s, int buf, int c, cons
     zrow[r >> 3] += val;
     return val;
   });
-  rt_bf<CHUNK, 32, col_layout> vr;
+  rt_bf<CHUNK, HALF, col_layout> vr;
   load(vr, s.v[buf], 0, cols);
-  rt_fl<BASE, 32> out;
+  rt_fl<BASE, HALF> out;
   zero(out);
   mma_AB(out, w, vr, out);
 
@@ -116,7 +121,7 @@ __device__ __forceinline__ void chunk_output(const Smem& s, int buf, int c, cons
       if (a.normalize) zq[r >> 3] += val * s.z[BASE * f + b];
       return val;
     });
-    rt_bf<BASE, 32, col_layout> sv;
+    rt_bf<BASE, HALF, col_layout> sv;
     load(sv, s.state, BASE * f, cols);
     mma_AB(out, p, sv, out);
   }
@@ -126,7 +131,7 @@ __device__ __forceinline__ void chunk_output(const Smem& s, int buf, int c, cons
 #pragma unroll
     for (int i = 0; i < 2; ++i) inv[i] = 1.f / (quad_sum(zrow[i] + zq[i]) + a.eps);
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
+  for (int j = 0; j < HALF / BASE; ++j)
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int n = c * CHUNK + r0 + 8 * (k & 1);
@@ -140,7 +145,8 @@ __device__ __forceinline__ void chunk_output(const Smem& s, int buf, int c, cons
 }
 
 // Phase 2: add the chunk's keys to this warp's state tiles and publish them (and z) for the next chunk.
-__device__ __forceinline__ void chunk_state(Smem& s, int buf, rt_fl<BASE, DVT> (&acc)[OWNED]) {
+template <int DVT>
+__device__ __forceinline__ void chunk_state(Smem<DVT>& s, int buf, rt_fl<BASE, DVT> (&acc)[OWNED]) {
   const int warp = warpid(), lane = laneid();
   rt_bf<CHUNK, DVT, col_layout> vall;
   load(vall, s.v[buf]);
@@ -170,9 +176,10 @@ __device__ __forceinline__ void chunk_state(Smem& s, int buf, rt_fl<BASE, DVT> (
   }
 }
 
+template <int DVT>
 __global__ void __launch_bounds__(THREADS, 1) based_fwd_kernel(const BasedArgs a) {
   extern __shared__ uint8_t raw[];
-  Smem& s = *reinterpret_cast<Smem*>(align_shared<1024>(raw));
+  Smem<DVT>& s = *reinterpret_cast<Smem<DVT>*>(align_shared<1024>(raw));
   const int tiles_v = a.dv / DVT;
   const int bh = blockIdx.x / tiles_v, vt = blockIdx.x % tiles_v;
   const int b = bh / a.H, h = bh % a.H;
@@ -186,7 +193,7 @@ __global__ void __launch_bounds__(THREADS, 1) based_fwd_kernel(const BasedArgs a
 
   const int chunks = (a.N + CHUNK - 1) / CHUNK;
   load_chunk(s, 0, g, 0);
-  for (int i = threadIdx.x; i < StateTile::bytes / 16; i += THREADS)
+  for (int i = threadIdx.x; i < StateTile<DVT>::bytes / 16; i += THREADS)
     reinterpret_cast<uint4*>(s.state.data)[i] = make_uint4(0, 0, 0, 0);
   for (int i = threadIdx.x; i < FEATURES; i += THREADS) s.z[i] = 0.f;
   rt_fl<BASE, DVT> acc[OWNED];
@@ -205,20 +212,26 @@ __global__ void __launch_bounds__(THREADS, 1) based_fwd_kernel(const BasedArgs a
   }
 }
 
+template <int DVT>
+const char* launch_tile(const BasedArgs& a, cudaStream_t stream) {
+  const int64_t blocks = int64_t(a.B) * a.H * (a.dv / DVT);
+  if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
+  const size_t smem = sizeof(Smem<DVT>) + 1024;  // + the alignment of the dynamic shared memory base
+  // per call: the attribute belongs to the current device's context
+  const cudaError_t attr = cudaFuncSetAttribute(based_fwd_kernel<DVT>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (attr != cudaSuccess) return cudaGetErrorString(attr);
+  based_fwd_kernel<DVT><<<unsigned(blocks), THREADS, smem, stream>>>(a);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
 }  // namespace
 
 const char* launch_based(const BasedArgs& a, cudaStream_t stream) {
-  if (a.dv <= 0 || a.dv % DVT != 0) return "dv must be a positive multiple of 64";
+  if (a.dv <= 0 || a.dv % BASED_DV_TILE != 0) return "dv must be a positive multiple of 64";
+  if (a.variant < 0 || a.variant >= BASED_VARIANTS) return "variant must be 0 or 1";
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
-  const int64_t blocks = int64_t(a.B) * a.H * (a.dv / DVT);
-  if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
-  const size_t smem = sizeof(Smem) + 1024;  // + the alignment of the dynamic shared memory base
-  // per call: the attribute belongs to the current device's context
-  const cudaError_t attr = cudaFuncSetAttribute(based_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  based_fwd_kernel<<<unsigned(blocks), THREADS, smem, stream>>>(a);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  return a.variant == 1 ? launch_tile<32>(a, stream) : launch_tile<64>(a, stream);
 }
 
 }  // namespace tk_linear_attention

@@ -7,15 +7,25 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
 #include <string>
 
 #include "linear_attention.h"
+#include "tk/env.h"
 
 namespace {
 
 using at::Tensor;
 namespace la = tk_linear_attention;
+
+// The kernel variant (linear_attention.h): TK_BASED_VARIANT, read on every call; unset = 0.
+int variant() {
+  const int v = tk::env_variant("TK_BASED_VARIANT", la::BASED_VARIANTS, 0);
+  TORCH_CHECK(v >= 0, "TK_BASED_VARIANT must be an integer in [0, ", la::BASED_VARIANTS, "), got '",
+              std::getenv("TK_BASED_VARIANT"), "'");
+  return v;
+}
 
 // cp.async moves 16-byte row segments: rows must start 16-byte aligned with a unit stride inside.
 Tensor loadable(const Tensor& t) {
@@ -51,6 +61,7 @@ Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, c10::
     a.q_stride[d] = qq.stride(d), a.k_stride[d] = kk.stride(d), a.v_stride[d] = vv.stride(d);
   }
   a.scale = float(scale), a.normalize = normalize, a.eps = float(eps);
+  a.variant = variant();
   const char* err = la::launch_based(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::linear_attention: ", err ? err : "");
   return o;

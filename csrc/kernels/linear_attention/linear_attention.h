@@ -21,7 +21,9 @@ struct BasedArgs {
   float scale;
   bool normalize;
   float eps;
+  int variant;  // 0: 64 value columns per block; 1: 32 (twice the blocks, for batch·heads that leave SMs idle)
 };
+constexpr int BASED_VARIANTS = 2;
 
 // nullptr on success, else why not (a bad argument or a launch error).
 const char* launch_based(const BasedArgs& a, cudaStream_t stream);

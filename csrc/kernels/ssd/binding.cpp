@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "ssd.h"
+#include "tk/env.h"
 
 namespace {
 
@@ -21,13 +22,10 @@ using at::Tensor;
 
 // The kernel variant (ssd.h): TK_SSD_VARIANT, read on every call so that one process can time both; unset = 0.
 int variant() {
-  const char* env = std::getenv("TK_SSD_VARIANT");
-  if (env == nullptr || *env == '\0') return 0;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  TORCH_CHECK(*end == '\0' && v >= 0 && v < tk_ssd::VARIANTS, "TK_SSD_VARIANT must be an integer in [0, ",
-              tk_ssd::VARIANTS, "), got '", env, "'");
-  return int(v);
+  const int v = tk::env_variant("TK_SSD_VARIANT", tk_ssd::VARIANTS, 0);
+  TORCH_CHECK(v >= 0, "TK_SSD_VARIANT must be an integer in [0, ", tk_ssd::VARIANTS, "), got '",
+              std::getenv("TK_SSD_VARIANT"), "'");
+  return v;
 }
 
 Tensor as(const Tensor& t, at::ScalarType dtype) { return t.to(dtype).contiguous(); }
