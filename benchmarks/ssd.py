@@ -4,7 +4,8 @@ the chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mam
 
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
 Mamba2-370M's (nh 32) at l 4096; bf16 x, B, C, fp32 dt, A, D; final state returned. Forward only: the kernel has
-no backward yet. "ours 2 blocks/SM" is TK_SSD_VARIANT=1 (128 registers, two blocks per SM). Figure:
+no backward yet. "ours 2 blocks/SM" is TK_SSD_VARIANT=1 (128 registers, two blocks per SM), "ours p32 tiles"
+TK_SSD_VARIANT=2 (32 head dims per block: twice the blocks). Also the e2e Mamba2's layer (b1 l4096 nh32). Figure:
 Mtokens/s.
 
     python -m benchmarks.ssd [--quick]
@@ -23,6 +24,7 @@ def cases(quick: bool = False):
         yield 64, 1024, 80, 64, 128
         yield 4, 16384, 80, 64, 128
         yield 16, 4096, 32, 64, 128
+        yield 1, 4096, 32, 64, 128  # the e2e Mamba2's layer (1 x 4096 tokens: 32 blocks of 64 head dims)
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -47,10 +49,14 @@ def run(quick: bool = False) -> list[Row]:
         C = torch.randn(b, l, 1, n, generator=g, device="cuda").to(torch.bfloat16)
         D = torch.randn(nh, generator=g, device="cuda")
         ref = ssd_ops.ssd_reference(x, dt, A, B, C, D, None, 64)[0].float()
+
+        def ours():
+            return torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)[0]
+
         impls = {
-            "ours": lambda: torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)[0],
-            "ours 2 blocks/SM": lambda: with_env("TK_SSD_VARIANT", "1", lambda: torch.ops.tk_cuda.ssd(x, dt, A, B, C, D,
-                                                                                                   None, 64)[0]),
+            "ours": ours,
+            "ours 2 blocks/SM": lambda: with_env("TK_SSD_VARIANT", "1", ours),
+            "ours p32 tiles": lambda: with_env("TK_SSD_VARIANT", "2", ours),
             # HF Mamba2's chunk (256): the reference's chunk loop unrolls in the graph, 4x fewer steps to compile
             "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0],
         }

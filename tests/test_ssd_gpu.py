@@ -61,7 +61,7 @@ def check(ops, x, dt, A, B, C, D, h0):
     assert rel_err(state, want_state) < TOL, f"final state: relative error {rel_err(state, want_state):.3g}"
 
 
-@pytest.mark.parametrize("variant", [0, 1], ids=["1blk", "2blk"])  # TK_SSD_VARIANT: blocks per SM (ssd.h)
+@pytest.mark.parametrize("variant", [0, 1, 2], ids=["1blk", "2blk", "p32"])  # TK_SSD_VARIANT (ssd.h)
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("l", [1, 17, 64, 65, 300, 2048])
 def test_ssd_forward(ops, l, n, variant, monkeypatch):
@@ -70,14 +70,16 @@ def test_ssd_forward(ops, l, n, variant, monkeypatch):
 
 
 def test_ssd_bad_variant(ops, monkeypatch):
-    monkeypatch.setenv("TK_SSD_VARIANT", "2")
+    monkeypatch.setenv("TK_SSD_VARIANT", "3")
     with pytest.raises(RuntimeError, match="TK_SSD_VARIANT"):
         ops.ssd(*inputs(1, 8, 2, 1, 64, 64), None, 64)
 
 
+@pytest.mark.parametrize("variant", [0, 2], ids=["p64", "p32"])
 @pytest.mark.parametrize("D,h0", [(False, False), (True, True), (False, True)], ids=["plain", "D+h0", "h0"])
 @pytest.mark.parametrize("p", [64, 128])
-def test_ssd_forward_options(ops, p, D, h0):
+def test_ssd_forward_options(ops, p, D, h0, variant, monkeypatch):
+    monkeypatch.setenv("TK_SSD_VARIANT", str(variant))
     check(ops, *inputs(1, 200, 4, 1, p, 128, D=D, h0=h0, seed=p))
 
 

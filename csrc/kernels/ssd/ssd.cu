@@ -24,9 +24,10 @@ namespace {
 
 using namespace tk;
 
-constexpr int CHUNK = 64, PT = P_TILE, WARPS = 8, THREADS = WARPS * 32;
+constexpr int CHUNK = 64, WARPS = 8, THREADS = WARPS * 32;
 
-template <int NS>
+// PT: head dims per block (64, or 32 for twice the blocks when batch·heads leave SMs idle).
+template <int NS, int PT>
 struct Smem {
   st<bf16, CHUNK, PT> x[2];
   st<bf16, CHUNK, NS> b[2], c[2];
@@ -44,13 +45,13 @@ struct Rows {  // this block's rows in global memory, and their strides (element
   int l;
 };
 
-template <int NS>
-__device__ __forceinline__ void load_chunk(Smem<NS>& s, int buf, const Rows<NS>& g, int c) {
+template <int NS, int PT>
+__device__ __forceinline__ void load_chunk(Smem<NS, PT>& s, int buf, const Rows<NS>& g, int c) {
   using XT = st<bf16, CHUNK, PT>;
   using BT = st<bf16, CHUNK, NS>;
   const int tid = threadIdx.x, n0 = c * CHUNK;
 #pragma unroll
-  for (int i = 0; i < CHUNK * PT / 8 / THREADS; ++i) {  // x: 8 segments of 8 per row
+  for (int i = 0; i < CHUNK * PT / 8 / THREADS; ++i) {  // x: PT / 8 segments of 8 per row
     const int t = tid + i * THREADS, r = t / (PT / 8), seg = t % (PT / 8), n = n0 + r;
     const bool ok = n < g.l;
     cp_async16(smem_addr(s.x[buf].data) + XT::offset(r, seg * 8), g.x + (ok ? n * g.x_row + seg * 8 : 0), ok);
@@ -77,10 +78,11 @@ __device__ __forceinline__ float lambda_at(float l0, float l1, int t) {
 }
 
 // MIN_BLOCKS: blocks per SM the register budget is set for (variant 1 = 2: more warps to hide mma.sync latency).
-template <int NS, int MIN_BLOCKS>
+template <int NS, int PT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args a) {
   extern __shared__ uint8_t raw[];
-  Smem<NS>& s = *reinterpret_cast<Smem<NS>*>(align_shared<1024>(raw));
+  Smem<NS, PT>& s = *reinterpret_cast<Smem<NS, PT>*>(align_shared<1024>(raw));
+  constexpr int HALF = PT / 2;  // head dims per output warp
   const int ptiles = a.p / PT;
   const int pt = blockIdx.x % ptiles, bh = blockIdx.x / ptiles;
   const int bi = bh / a.nh, h = bh % a.nh, grp_of_head = h / (a.nh / a.ng);
@@ -96,7 +98,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
   const int64_t state_base = (int64_t(bh) * a.p + pt * PT) * NS;  // (b, h, p0, 0) of (b, nh, p, n)
   const float Ah = a.A[h], Dh = a.D ? a.D[h] : 0.f;
 
-  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = 32 * (warp & 1);
+  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = HALF * (warp & 1);
   const bool owner = warp < NS / BASE;
   load_chunk(s, 0, g, 0);
 
@@ -158,9 +160,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
         const float ds = __shfl_sync(0xffffffffu, src & 1 ? dt1 : dt0, src >> 1);
         return src <= BASE * grp + r ? v * __expf(lt[r >> 3] - ls) * ds : 0.f;
       });
-      rt_bf<CHUNK, 32, col_layout> xr;
+      rt_bf<CHUNK, HALF, col_layout> xr;
       load(xr, s.x[buf], 0, cols);
-      rt_fl<BASE, 32> out;
+      rt_fl<BASE, HALF> out;
       zero(out);
       mma_AB(out, w, xr, out);
       // inter-chunk: exp(Λ_t) C_t · S, the decay folded into C's rows
@@ -170,12 +172,12 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
         rt_bf<BASE, BASE> cw;
         load(cw, s.c[buf], BASE * grp, BASE * kk);
         map_indexed(cw, cw, [&](int r, int, float v) { return v * decay[r >> 3]; });
-        rt_bf<BASE, 32, col_layout> sv;
+        rt_bf<BASE, HALF, col_layout> sv;
         load(sv, s.state, BASE * kk, cols);
         mma_AB(out, cw, sv, out);
       }
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+      for (int j = 0; j < HALF / BASE; ++j)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int t = t0 + 8 * (k & 1), n = c * CHUNK + t;
@@ -231,12 +233,12 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
       }
 }
 
-template <int NS, int MIN_BLOCKS>
+template <int NS, int PT, int MIN_BLOCKS>
 const char* launch_n(const Args& a, cudaStream_t stream) {
   const int64_t blocks = int64_t(a.b) * a.nh * (a.p / PT);
   if (blocks > 0x7fffffff) return "too many (batch, head, head-dim tile) blocks for one launch";
-  const size_t smem = sizeof(Smem<NS>) + 1024;  // + the alignment of the dynamic shared memory base
-  const auto kernel = ssd_fwd_kernel<NS, MIN_BLOCKS>;
+  const size_t smem = sizeof(Smem<NS, PT>) + 1024;  // + the alignment of the dynamic shared memory base
+  const auto kernel = ssd_fwd_kernel<NS, PT, MIN_BLOCKS>;
   // per call: the attribute belongs to the current device's context
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (attr != cudaSuccess) return cudaGetErrorString(attr);
@@ -248,15 +250,18 @@ const char* launch_n(const Args& a, cudaStream_t stream) {
 }  // namespace
 
 const char* launch(const Args& a, cudaStream_t stream) {
-  if (a.p <= 0 || a.p % PT != 0) return "the head dim p must be a positive multiple of 64";
+  if (a.p <= 0 || a.p % P_TILE != 0) return "the head dim p must be a positive multiple of 64";
   if (a.ng <= 0 || a.nh % a.ng != 0) return "nh must be a multiple of ng";
   if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
-  if (a.variant < 0 || a.variant >= VARIANTS) return "variant must be 0 or 1";
-  const bool two = a.variant == 1;
-  switch (a.n) {
-    case 64: return two ? launch_n<64, 2>(a, stream) : launch_n<64, 1>(a, stream);
-    case 128: return two ? launch_n<128, 2>(a, stream) : launch_n<128, 1>(a, stream);
+  if (a.variant < 0 || a.variant >= VARIANTS) return "variant must be 0, 1 or 2";
+  switch (a.n * 4 + a.variant) {
+    case 64 * 4 + 0: return launch_n<64, 64, 1>(a, stream);
+    case 64 * 4 + 1: return launch_n<64, 64, 2>(a, stream);
+    case 64 * 4 + 2: return launch_n<64, 32, 1>(a, stream);
+    case 128 * 4 + 0: return launch_n<128, 64, 1>(a, stream);
+    case 128 * 4 + 1: return launch_n<128, 64, 2>(a, stream);
+    case 128 * 4 + 2: return launch_n<128, 32, 1>(a, stream);
     default: return "the state size n must be 64 or 128";
   }
 }

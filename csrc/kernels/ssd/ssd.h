@@ -9,7 +9,7 @@
 
 namespace tk_ssd {
 
-constexpr int P_TILE = 64;  // head dims (p) per block: p must be a multiple
+constexpr int P_TILE = 64;  // p must be a multiple (blocks take 64 head dims, or 32 in variant 2)
 
 struct Args {
   const void* x;
@@ -22,9 +22,11 @@ struct Args {
   float* y;
   float* h_final;
   int b, l, nh, ng, p, n;
-  int variant;  // 0: one block per SM (registers unbounded, 178 at n 128); 1: two (128 registers, a few spilled)
+  // 0: 64 head dims per block, one block per SM (178 registers at n 128); 1: the same, two blocks per SM (128
+  // registers, a few spilled); 2: 32 head dims per block (twice the blocks, for batch·heads that leave SMs idle)
+  int variant;
 };
-constexpr int VARIANTS = 2;
+constexpr int VARIANTS = 3;
 
 // Whether the kernel computes this state size (n).
 constexpr bool state_size_supported(int n) { return n == 64 || n == 128; }
