@@ -10,18 +10,16 @@
 
 #include "config.cuh"
 #include "tk/grid.cuh"
+#include "tk/ops/thread/cp_async.cuh"
 
 namespace tk_layernorm {
 
 // Shared memory is addressed with 32-bit shared-window addresses throughout: generic 64-bit pointers
 // cost two registers each and may compile to generic loads.
-__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(uint32_t smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem), "l"(gmem) : "memory");
-}
+using tk::cp_async16;
+using tk::cp_async4;
+using tk::cp_async_commit;
+using tk::cp_async_wait;
 
 __device__ __forceinline__ uint4 ld_shared16(uint32_t smem) {
   uint4 q;
@@ -37,13 +35,6 @@ __device__ __forceinline__ float ld_shared4(uint32_t smem) {
   float f;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(f) : "r"(smem) : "memory");
   return f;
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Dynamic shared memory laid out as [STAGES][ops][VECS][CHUNKS][BLOCK] 16-byte chunks, then (when
