@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "attention.h"
+#include "tk/env.h"
 
 namespace {
 
@@ -68,13 +69,11 @@ DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // kernel variant (see README.md); unset = the default. Read on every call (a
 // few hundred ns) so a benchmark can switch variants in one process.
 int variant_from_env(const char* name, int count) {
-  const char* s = std::getenv(name);
-  if (s == nullptr || *s == '\0') return -1;
-  char* end = nullptr;
-  const long v = std::strtol(s, &end, 10);
-  check(*end == '\0' && v >= 0 && v < count, std::string(name) + " must be an integer in [0, " +
-                                                  std::to_string(count) + "), got '" + s + "'");
-  return static_cast<int>(v);
+  int v = -1;
+  if (!tk::env_variant(name, count, v))  // the message only on failure: it reads the (then set) variable
+    check(false, std::string(name) + " must be an integer in [0, " + std::to_string(count) + "), got '" +
+                     std::getenv(name) + "'");
+  return v;
 }
 
 // A two-valued switch from the environment: `off` or `on` by name, `unset` when absent or empty; anything else is

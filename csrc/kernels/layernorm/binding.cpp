@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "layernorm.h"
+#include "tk/env.h"
 
 namespace {
 
@@ -31,13 +32,10 @@ tk_layernorm::DType dtype_of(const Tensor& t) {
 // Kernel variant from the environment (TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT, see layernorm.h), read
 // on every call so a benchmark can switch between calls; unset or empty means the default.
 int variant_from_env(const char* name, int fallback, int count) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long k = std::strtol(v, &end, 10);
-  TORCH_CHECK(*end == '\0' && k >= 0 && k < count, "tk_cuda::layernorm: ", name, " must be an integer in [0, ", count,
-              "), got '", v, "'");
-  return static_cast<int>(k);
+  int v = fallback;
+  TORCH_CHECK(tk::env_variant(name, count, v), "tk_cuda::layernorm: ", name, " must be an integer in [0, ", count,
+              "), got '", std::getenv(name), "'");
+  return v;
 }
 
 const void* ptr_or_null(const OptTensor& t) { return t && t->defined() ? t->data_ptr() : nullptr; }

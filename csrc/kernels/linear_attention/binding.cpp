@@ -21,9 +21,9 @@ namespace la = tk_linear_attention;
 
 // The kernel variant (linear_attention.h): TK_BASED_VARIANT, read on every call; unset = 0.
 int variant() {
-  const int v = tk::env_variant("TK_BASED_VARIANT", la::BASED_VARIANTS, 0);
-  TORCH_CHECK(v >= 0, "TK_BASED_VARIANT must be an integer in [0, ", la::BASED_VARIANTS, "), got '",
-              std::getenv("TK_BASED_VARIANT"), "'");
+  int v = 0;
+  TORCH_CHECK(tk::env_variant("TK_BASED_VARIANT", la::BASED_VARIANTS, v), "TK_BASED_VARIANT must be an integer in [0, ",
+              la::BASED_VARIANTS, "), got '", std::getenv("TK_BASED_VARIANT"), "'");
   return v;
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "rotary.h"
+#include "tk/env.h"
 
 namespace {
 
@@ -85,12 +86,10 @@ std::tuple<Tensor, Tensor> rotary_variant(const Tensor& q, const std::optional<T
 // that measures worse without a rebuild.
 int64_t default_variant() {
   static const int64_t v = [] {
-    const char* env = std::getenv("TK_ROTARY_VARIANT");
-    if (env == nullptr || *env == '\0') return int64_t(tk_rotary::kDefaultVariant);
-    char* end = nullptr;
-    const long parsed = std::strtol(env, &end, 10);
-    TORCH_CHECK(*end == '\0' && parsed >= 0 && parsed < tk_rotary::kVariantCount, "TK_ROTARY_VARIANT must be an integer in [0, ",
-                tk_rotary::kVariantCount, "), got '", env, "'");
+    int parsed = tk_rotary::kDefaultVariant;
+    TORCH_CHECK(tk::env_variant("TK_ROTARY_VARIANT", tk_rotary::kVariantCount, parsed),
+                "TK_ROTARY_VARIANT must be an integer in [0, ", tk_rotary::kVariantCount, "), got '",
+                std::getenv("TK_ROTARY_VARIANT"), "'");
     return int64_t(parsed);
   }();
   return v;

@@ -22,9 +22,9 @@ using at::Tensor;
 
 // The kernel variant (ssd.h): TK_SSD_VARIANT, read on every call so that one process can time both; unset = 0.
 int variant() {
-  const int v = tk::env_variant("TK_SSD_VARIANT", tk_ssd::VARIANTS, 0);
-  TORCH_CHECK(v >= 0, "TK_SSD_VARIANT must be an integer in [0, ", tk_ssd::VARIANTS, "), got '",
-              std::getenv("TK_SSD_VARIANT"), "'");
+  int v = 0;
+  TORCH_CHECK(tk::env_variant("TK_SSD_VARIANT", tk_ssd::VARIANTS, v), "TK_SSD_VARIANT must be an integer in [0, ",
+              tk_ssd::VARIANTS, "), got '", std::getenv("TK_SSD_VARIANT"), "'");
   return v;
 }
 
@@ -47,7 +47,9 @@ std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& 
               tk_ssd::P_TILE, ", got ", p);
   const bool has_d = D && D->defined(), has_h0 = initial_state && initial_state->defined();
   if (has_d) TORCH_CHECK(D->dim() == 1 && D->size(0) == nh, "tk_cuda::ssd: D must be (nh)");
-  if (has_h0) TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({b, nh, p, n}), "tk_cuda::ssd: initial_state must be (b, nh, p, n)");
+  if (has_h0)
+    TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({b, nh, p, n}),
+                "tk_cuda::ssd: initial_state must be (b, nh, p, n)");
   TORCH_CHECK(b * nh * (p / tk_ssd::P_TILE) <= 0x7fffffff && l <= 0x7fffffff, "tk_cuda::ssd: too large");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto f32 = x.options().dtype(at::kFloat);
