@@ -82,18 +82,17 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
         if r.x is not None and r.figure is not None:
             groups[r.op].append(r)
     for op, items in groups.items():
-        panels: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+        panels: dict[str, dict[tuple[str, str], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
         for r in items:
-            panel, label = _series(r)
-            panels[panel][label].append((r.x, r.figure))
+            panel, impl, config = _series(r)
+            panels[panel][impl, config].append((r.x, r.figure))
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
         impls = sorted({r.impl for r in items})
-        configs = sorted({_series(r)[1].partition(" ")[2] for r in items})
+        configs = sorted({_series(r)[2] for r in items})
         for ax, (panel, series) in zip(axes[0], sorted(panels.items())):
-            for label, pts in sorted(series.items()):
-                pts.sort()
-                impl, _, config = label.partition(" ")  # colour per configuration, line style per implementation
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+            for (impl, config), pts in sorted(series.items()):
+                pts.sort()  # colour per configuration, line style per implementation
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{impl} {config}".strip(),
                         color=f"C{configs.index(config) % 10}", linestyle=("-", "--", ":", "-.")[impls.index(impl) % 4])
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length" if op == "attention" else "size")
@@ -127,15 +126,16 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
 PHASES = ("fwd", "bwd", "fwd+bwd")
 
 
-def _series(r: Row) -> tuple[str, str]:
-    """(panel, line label) of a plotted row. The panel is the case's phase (its last word: fwd, bwd, fwd+bwd); the
-    line is the implementation plus the case without the words that change along x (batch and sequence length
-    words, and any word holding the x value, e.g. "65536x1024" at hidden 1024)."""
+def _series(r: Row) -> tuple[str, str, str]:
+    """(panel, implementation, configuration) of a plotted row. The panel is the case's phase (its last word: fwd,
+    bwd, fwd+bwd); the configuration is the case without the words that change along x (batch and sequence length
+    words, and any word holding the x value, e.g. "65536x1024" at hidden 1024). Implementation names may have
+    spaces ("fla parallel_based")."""
     words = r.case.split()
     panel = words.pop() if words and words[-1] in PHASES else ""
     x = str(int(r.x))
     keep = [w for w in words if not re.fullmatch(r"[BN]\d+", w) and x not in re.findall(r"\d+", w)]
-    return panel, " ".join([r.impl, *keep])
+    return panel, r.impl, " ".join(keep)
 
 
 def _e2e_speedups(rows: list[Row]) -> dict[str, dict[str, float]]:

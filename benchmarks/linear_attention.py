@@ -5,7 +5,8 @@ masked spelling a Based model writes (what Inductor gets without our kernel), in
 Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128
 at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
 reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). Forward only: the kernel has
-no backward yet. "ours 32-col tiles" is TK_BASED_VARIANT=1 (twice the blocks). Figure: Mtokens/s.
+no backward yet. "ours" lets the kernel choose its tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are
+TK_BASED_VARIANT=0 and 1 (32: twice the blocks). Figure: Mtokens/s.
 
     python -m benchmarks.linear_attention [--quick]
 """
@@ -70,7 +71,8 @@ def run(quick: bool = False) -> list[Row]:
         def ours():
             return torch.ops.tk_cuda.linear_attention(qh, kh, vh, "based", None, None, scale, True, 1e-6)
 
-        impls = {"ours": ours, "ours 32-col tiles": lambda: with_env("TK_BASED_VARIANT", "1", ours)}
+        impls = {"ours": ours, "ours 64-col tiles": lambda: with_env("TK_BASED_VARIANT", "0", ours),
+                 "ours 32-col tiles": lambda: with_env("TK_BASED_VARIANT", "1", ours)}
         if fla is not None:
             for label, fn in fla.items():
                 impls[label] = (lambda f=fn: f(q, k, v, scale, True).transpose(1, 2))

@@ -4,7 +4,8 @@ the chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mam
 
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
 Mamba2-370M's (nh 32) at l 4096; bf16 x, B, C, fp32 dt, A, D; final state returned. Forward only: the kernel has
-no backward yet. "ours 2 blocks/SM" is TK_SSD_VARIANT=1 (128 registers, two blocks per SM), "ours p32 tiles"
+no backward yet. "ours" lets the kernel choose its variant by block count; "ours 1 block/SM" is TK_SSD_VARIANT=0,
+"ours 2 blocks/SM" is TK_SSD_VARIANT=1 (128 registers, two blocks per SM), "ours p32 tiles"
 TK_SSD_VARIANT=2 (32 head dims per block: twice the blocks). Also the e2e Mamba2's layer (b1 l4096 nh32). Figure:
 Mtokens/s.
 
@@ -55,6 +56,7 @@ def run(quick: bool = False) -> list[Row]:
 
         impls = {
             "ours": ours,
+            "ours 1 block/SM": lambda: with_env("TK_SSD_VARIANT", "0", ours),
             "ours 2 blocks/SM": lambda: with_env("TK_SSD_VARIANT", "1", ours),
             "ours p32 tiles": lambda: with_env("TK_SSD_VARIANT", "2", ours),
             # HF Mamba2's chunk (256): the reference's chunk loop unrolls in the graph, 4x fewer steps to compile

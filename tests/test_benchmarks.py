@@ -94,12 +94,23 @@ def test_plot_series_drop_the_words_that_change_along_x():
     from benchmarks.__main__ import _series
 
     assert _series(Row("attention", "B64 H16 N1024 D128 causal fwd+bwd", "ours", 1.0, 1.0, "TFLOPS", 1024)) == (
-        "fwd+bwd", "ours H16 D128 causal")
+        "fwd+bwd", "ours", "H16 D128 causal")
     assert _series(Row("layernorm", "65536x1024 ln+residual bf16 bwd", "ours", 1.0, 1.0, "GB/s", 1024)) == (
-        "bwd", "ours ln+residual bf16")
+        "bwd", "ours", "ln+residual bf16")
     assert _series(Row("rotary", "B16 H16 N4096 D128 rotary_dim 32 fwd", "eager", 1.0, 1.0, "GB/s", 128)) == (
-        "fwd", "eager H16 rotary_dim 32")
-    assert _series(Row("gemm", "4096^3", "cublas", 1.0, 1.0, "TFLOPS", 4096)) == ("", "cublas")
+        "fwd", "eager", "H16 rotary_dim 32")
+    assert _series(Row("gemm", "4096^3", "cublas", 1.0, 1.0, "TFLOPS", 4096)) == ("", "cublas", "")
+
+
+def test_plot_takes_implementation_names_with_spaces(tmp_path):
+    """The linear-attention and SSD tables name baselines "fla parallel_based", "ours 32-col tiles" (a device run
+    once failed here after the table had printed)."""
+    pytest.importorskip("matplotlib")
+    from benchmarks.__main__ import plot
+
+    rows = [Row("linear_attention", f"B4 H16 N{n} d16 dv64 based fwd", impl, 1.0, float(n), "Mtok/s", n)
+            for n in (1024, 4096) for impl in ("ours", "ours 32-col tiles", "fla parallel_based")]
+    assert [p.name for p in plot(rows, tmp_path)] == ["linear_attention.png"]
 
 
 def test_distributed_gap_summary_merges_streams_and_ranks_gaps():

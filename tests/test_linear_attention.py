@@ -305,13 +305,10 @@ def test_dynamic_sequence_length(form):
     assert tk_inductor.report().replaced.get("linear_attention") == 2  # the static graph and the dynamic one
 
 
-def test_kernel_supports_names_what_the_based_kernel_does_not_compute(monkeypatch):
+def test_kernel_supports_names_what_the_based_kernel_does_not_compute():
     assert "feature map 'identity'" in la.kernel_supports("identity", torch.bfloat16, 16, 64)
     assert "feature map 'based'" in la.kernel_supports("based", torch.bfloat16, 16, 64, has_weights=True)
     assert "dtype torch.float16" in la.kernel_supports("based", torch.float16, 16, 64)
     assert "feature dim 32" in la.kernel_supports("based", torch.bfloat16, 32, 64)
     assert "value dim 96" in la.kernel_supports("based", torch.bfloat16, 16, 96)
-    monkeypatch.setattr(la, "KERNEL_VALIDATED", False)
-    assert "not passed its GPU tests" in la.kernel_supports("based", torch.bfloat16, 16, 128)
-    monkeypatch.setattr(la, "KERNEL_VALIDATED", True)
     assert la.kernel_supports("based", torch.bfloat16, 16, 128) is None

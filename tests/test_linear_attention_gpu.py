@@ -1,8 +1,7 @@
 """The Based linear-attention kernel (csrc/kernels/linear_attention/based.cu) against the fp32 chunked reference,
 through the raw op tk_cuda::linear_attention, on random bf16 inputs: odd lengths (chunk tails), one and several
 chunks, dv 64 and 128 (one and two value tiles per head), normalised or not, strided inputs, and outputs poisoned
-before each call. `ops/linear_attention.KERNEL_VALIDATED` turns the kernel on for the op and the matcher once this
-file passes on the device."""
+before each call."""
 from __future__ import annotations
 
 import math
@@ -85,9 +84,12 @@ def test_based_forward_strided_inputs(ops):
     check(ops, q, k, v, 0.25, True)
 
 
-def test_based_forward_many_heads(ops):
-    """More (batch, head, value tile) blocks than SMs, at a model's shape (B4 H16 N4096 dv64 is the benchmark)."""
-    q, k, v = inputs(2, 16, 1024, 64, seed=11)
+@pytest.mark.parametrize("B,H,dv", [(4, 16, 64), (4, 32, 128)], ids=["tile32", "tile64"])  # the unset choice
+def test_based_forward_many_heads(ops, B, H, dv, monkeypatch):
+    """A model's head shape (the benchmark's Based layer is B4 H16 N4096 dv64: 64 blocks of 64 columns) and more
+    blocks than SMs, with the variant left to the kernel (based.cu, choose_variant)."""
+    monkeypatch.delenv("TK_BASED_VARIANT", raising=False)
+    q, k, v = inputs(B, H, 1024, dv, seed=11)
     check(ops, q, k, v, 0.25, True)
 
 

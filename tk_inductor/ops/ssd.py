@@ -29,9 +29,6 @@ FAMILY = "ssd"
 # The CUDA kernel (csrc/kernels/ssd/ssd.cu): forward only, state size n 64 or 128, head dim p a multiple of 64;
 # bf16 tensor-core products with fp32 states (inputs in other dtypes are converted by its binding).
 KERNEL_STATE_SIZES, KERNEL_P_TILE = (64, 128), 64
-# Written without a GPU; the op and the matcher use it only once it has passed tests/test_ssd_gpu.py on the device
-# (which calls the raw op tk_cuda::ssd directly). Then set this to True.
-KERNEL_VALIDATED = False
 
 
 def kernel_supports(n, p) -> str | None:
@@ -40,8 +37,6 @@ def kernel_supports(n, p) -> str | None:
         return f"state size {n} (the SSD kernel takes {' or '.join(map(str, KERNEL_STATE_SIZES))})"
     if not isinstance(p, int) or p <= 0 or p % KERNEL_P_TILE:
         return f"head dim {p} (the SSD kernel takes multiples of {KERNEL_P_TILE})"
-    if not KERNEL_VALIDATED:
-        return "the SSD kernel has not passed its GPU tests yet"
     return None
 
 

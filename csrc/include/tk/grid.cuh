@@ -48,6 +48,12 @@ inline int persistent_blocks(int tasks) {
     return tasks < blocks ? (tasks > 0 ? tasks : 1) : blocks;
 }
 
+// Blocks of `blocks` that one wave holds at `per_sm` resident blocks per SM: ceil(blocks / (SMs · per_sm)).
+inline long long waves_of(long long blocks, int per_sm) {
+    const long long slots = (long long)sm_count() * per_sm;
+    return slots > 0 ? (blocks + slots - 1) / slots : blocks;
+}
+
 struct tile_index {
     int row, col;
 };

@@ -19,9 +19,10 @@ namespace {
 using at::Tensor;
 namespace la = tk_linear_attention;
 
-// The kernel variant (linear_attention.h): TK_BASED_VARIANT, read on every call; unset = 0.
+// The kernel variant (linear_attention.h): TK_BASED_VARIANT, read on every call; unset = chosen by the kernel from
+// the block count.
 int variant() {
-  int v = 0;
+  int v = la::BASED_AUTO;
   TORCH_CHECK(tk::env_variant("TK_BASED_VARIANT", la::BASED_VARIANTS, v), "TK_BASED_VARIANT must be an integer in [0, ",
               la::BASED_VARIANTS, "), got '", std::getenv("TK_BASED_VARIANT"), "'");
   return v;

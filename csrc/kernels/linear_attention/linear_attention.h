@@ -21,9 +21,11 @@ struct BasedArgs {
   float scale;
   bool normalize;
   float eps;
-  int variant;  // 0: 64 value columns per block; 1: 32 (twice the blocks, for batch·heads that leave SMs idle)
+  // 0: 64 value columns per block; 1: 32 (twice the blocks, for batch·heads that leave SMs idle); BASED_AUTO: chosen
+  // by the block count (based.cu, launch_based)
+  int variant;
 };
-constexpr int BASED_VARIANTS = 2;
+constexpr int BASED_VARIANTS = 2, BASED_AUTO = -1;
 
 // nullptr on success, else why not (a bad argument or a launch error).
 const char* launch_based(const BasedArgs& a, cudaStream_t stream);

@@ -20,9 +20,10 @@ namespace {
 
 using at::Tensor;
 
-// The kernel variant (ssd.h): TK_SSD_VARIANT, read on every call so that one process can time both; unset = 0.
+// The kernel variant (ssd.h): TK_SSD_VARIANT, read on every call so that one process can time them all; unset =
+// chosen by the kernel from the block count.
 int variant() {
-  int v = 0;
+  int v = tk_ssd::AUTO;
   TORCH_CHECK(tk::env_variant("TK_SSD_VARIANT", tk_ssd::VARIANTS, v), "TK_SSD_VARIANT must be an integer in [0, ",
               tk_ssd::VARIANTS, "), got '", std::getenv("TK_SSD_VARIANT"), "'");
   return v;

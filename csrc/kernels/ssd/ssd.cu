@@ -249,6 +249,15 @@ const char* launch_n(const Args& a, cudaStream_t stream) {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
+// Measured on H200 (benchmarks/RESULTS.md, session 8): two blocks per SM (1) is 9-16% faster than one (0) once
+// the grid of 64-head-dim blocks spans more than one wave; a grid that fills at most half the SMs runs faster as
+// twice the blocks of 32 head dims (2: b1 nh32 p64 0.30 ms vs 0.36), and in between one wave of (0) is best.
+int choose_variant(const Args& a) {
+  const long long blocks = (long long)a.b * a.nh * (a.p / P_TILE);
+  if (2 * blocks <= tk::grid::sm_count()) return 2;
+  return tk::grid::waves_of(blocks, 1) == 1 ? 0 : 1;
+}
+
 }  // namespace
 
 const char* launch(const Args& a, cudaStream_t stream) {
@@ -256,8 +265,8 @@ const char* launch(const Args& a, cudaStream_t stream) {
   if (a.ng <= 0 || a.nh % a.ng != 0) return "nh must be a multiple of ng";
   if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
-  if (a.variant < 0 || a.variant >= VARIANTS) return "variant must be 0, 1 or 2";
-  switch (a.n * 4 + a.variant) {
+  if (a.variant < AUTO || a.variant >= VARIANTS) return "variant must be 0, 1 or 2 (or AUTO)";
+  switch (a.n * 4 + (a.variant == AUTO ? choose_variant(a) : a.variant)) {
     case 64 * 4 + 0: return launch_n<64, 64, 1>(a, stream);
     case 64 * 4 + 1: return launch_n<64, 64, 2>(a, stream);
     case 64 * 4 + 2: return launch_n<64, 32, 1>(a, stream);

@@ -23,10 +23,11 @@ struct Args {
   float* h_final;
   int b, l, nh, ng, p, n;
   // 0: 64 head dims per block, one block per SM (178 registers at n 128); 1: the same, two blocks per SM (128
-  // registers, a few spilled); 2: 32 head dims per block (twice the blocks, for batch·heads that leave SMs idle)
+  // registers, a few spilled); 2: 32 head dims per block (twice the blocks, for batch·heads that leave SMs idle);
+  // AUTO: chosen by the block count (ssd.cu, launch)
   int variant;
 };
-constexpr int VARIANTS = 3;
+constexpr int VARIANTS = 3, AUTO = -1;
 
 // Whether the kernel computes this state size (n).
 constexpr bool state_size_supported(int n) { return n == 64 || n == 128; }
