@@ -4,8 +4,9 @@
 #   TK_BENCH_COMMIT=<sha> E2E_TIMEOUT=230 bash benchmarks/device_full.sh "mamba2" "based build"
 # jobs: tests (GPU tests; TEST_K: a pytest -k filter), ops (every op benchmark), ops:<list> (those ops, e.g.
 # ops:ssd,attention), build (--build), or an e2e model name (E2E_MODES=thunderkittens: only those modes, e.g. a slow
-# model's modes split over two calls). Each job gets at most what is left of BUDGET seconds (default 545, under the device's 600 s per call), and each part writes its own
-# results.json (saved after every part, so a cut-off job keeps what finished). The device returns at most 8 files,
+# model's modes split over two calls). Each job gets at most what is left of BUDGET seconds (default 545, under the
+# device's 600 s per call), and each part writes its own results.json (saved after every part, so a cut-off job
+# keeps what finished). The device returns at most 8 files,
 # so the parts' folders come back as one parts.tgz; join them here with `python -m benchmarks --merge`.
 # Carry .tkcache (benchmarks/prebuild.sh) and .whl (baselines' wheels, e.g. fla-core).
 set -u
