@@ -111,6 +111,26 @@ def check_and_time(op: str, case: str, impls: dict[str, Callable[[], torch.Tenso
     return rows
 
 
+def backward_step(fn: Callable[[], torch.Tensor], leaves, grad_out: torch.Tensor, of: torch.Tensor):
+    """A forward+backward step to time: fn()'s output back-propagated with grad_out into fresh gradients of
+    `leaves`; returns of.grad, the value checked against the reference's."""
+    def step():
+        for t in leaves:
+            t.grad = None
+        fn().backward(grad_out)
+        return of.grad
+    return step
+
+
+def inductor_as_our_backend_runs_it() -> None:
+    """The torch work-arounds our backend applies before Inductor (tk_inductor._compat: torch 2.11's CantSplit fix,
+    split scans off), so a torch.compile baseline measures Inductor's kernels, not its bugs."""
+    from tk_inductor import _compat
+
+    _compat.apply()
+    _compat.disable_split_scans()
+
+
 def with_env(name: str, value: str, fn: Callable[[], object]):
     """fn() with the environment variable set (kernel variants the bindings read on every call), then restored."""
     old = os.environ.get(name)

@@ -92,10 +92,9 @@ def _compile(model, mode: str):
         # not the bug fixes: the CantSplit fix (without it torch 2.11's Inductor fails on Based-style models; it
         # changes no kernel) and split scans off (their codegen fails on HF Mamba2's cumsum; our backend turns
         # them off for any graph with a scan; the other models' scans are tiny: Llama's position ids).
-        from tk_inductor import _compat
+        from .common import inductor_as_our_backend_runs_it
 
-        _compat.apply()
-        _compat.disable_split_scans()
+        inductor_as_our_backend_runs_it()
         return torch.compile(model)
     return torch.compile(model, backend="thunderkittens")
 

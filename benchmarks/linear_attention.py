@@ -4,8 +4,10 @@ masked spelling a Based model writes (what Inductor gets without our kernel), in
 
 Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128
 at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
-reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). Forward only: the kernel has
-no backward yet. "ours" lets the kernel choose its tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are
+reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). Forward+backward at 65536 tokens
+and at the model's layer: ours is the kernel's forward with the reference's autograd as the backward (no backward
+kernel yet; what a training graph runs under reference_backward=linear_attention). The torch.compile baseline gets the
+work-arounds our backend applies to Inductor (torch 2.11's CantSplit fix). "ours" lets the kernel choose its tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are
 TK_BASED_VARIANT=0 and 1 (32: twice the blocks). Figure: Mtokens/s.
 
     python -m benchmarks.linear_attention [--quick]
@@ -16,7 +18,7 @@ import math
 
 import torch
 
-from .common import Row, check_and_time, op_main, progress, with_env
+from .common import Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_env
 
 DK = 16
 
@@ -29,6 +31,9 @@ def cases(quick: bool = False):
         yield 64, 16, 1024, 64
         yield 4, 16, 16384, 64
         yield 16, 16, 4096, 128
+
+
+TRAIN_CASES = ((4, 16, 4096, 64), (16, 16, 4096, 64))  # forward+backward: the model's layer, 65536 tokens
 
 
 def taylor(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +64,7 @@ def run(quick: bool = False) -> list[Row]:
         fla = {"fla parallel_based": parallel_based, "fla fused_chunk_based": fused_chunk_based}
     rows: list[Row] = []
     scale = DK**-0.5
+    inductor_as_our_backend_runs_it()
     compiled = torch.compile(quadratic, dynamic=False)
     for B, H, N, dv in cases(quick):
         name = f"B{B} H{H} N{N} d{DK} dv{dv} based fwd"
@@ -85,6 +91,34 @@ def run(quick: bool = False) -> list[Row]:
         if fla is None:
             rows.append(Row("linear_attention", name, "fla", None, note=fla_missing))
         del q, k, v, ref
+        torch.cuda.empty_cache()
+    for B, H, N, dv in TRAIN_CASES[:1] if quick else TRAIN_CASES:
+        # ours: the kernel's forward, the backward the reference's autograd (no backward kernel yet), as a training
+        # graph runs it under reference_backward=linear_attention
+        name = f"B{B} H{H} N{N} d{DK} dv{dv} based fwd+bwd"
+        progress(name)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        leaves = [torch.randn(B, N, H, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                  for d in (DK, DK, dv)]
+        q, k, v = leaves
+        do = torch.randn(B, H, N, dv, device="cuda", dtype=torch.bfloat16)
+        want = [t.detach().float().requires_grad_() for t in leaves]
+        la.linear_attention_reference(*(t.transpose(1, 2) for t in want), "based", None, None, scale, True,
+                                      1e-6).backward(do.float())
+
+        def heads(t):
+            return t.transpose(1, 2)
+
+        impls = {"ours (kernel fwd, reference bwd)": lambda: torch.ops.tk.linear_attention(
+            heads(q), heads(k), heads(v), "based", None, None, scale, True, 1e-6),
+                 "torch.compile": lambda: compiled(heads(q), heads(k), heads(v))}
+        if fla is not None:
+            for label, fn in fla.items():
+                impls[label] = (lambda f=fn: heads(f(q, k, v, scale, True)))
+        steps = {label: backward_step(fn, leaves, do, of=q) for label, fn in impls.items()}
+        rows += check_and_time("linear_attention", name, steps, want[0].grad, N, "Mtok/s",
+                               lambda ms: B * N / ms / 1e3, tol=2e-2)
+        del leaves, q, k, v, want
         torch.cuda.empty_cache()
     return rows
 

@@ -3,8 +3,10 @@ the fla-core wheel; SSD is simple GLA with q = C, k = B, v = dt·x, log-gate dt�
 the chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mamba2's torch path), in one run.
 
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
-Mamba2-370M's (nh 32) at l 4096; bf16 x, B, C, fp32 dt, A, D; final state returned. Forward only: the kernel has
-no backward yet. "ours" lets the kernel choose its variant by block count; "ours 1 block/SM" is TK_SSD_VARIANT=0,
+Mamba2-370M's (nh 32) at l 4096; bf16 x, B, C, fp32 dt, A, D; final state returned. Forward+backward at 65536
+tokens and at the e2e layer: ours is the kernel's forward with the reference's autograd as the backward (no backward
+kernel yet; what a training graph runs under reference_backward=ssd). The torch.compile baseline gets the work-arounds
+our backend applies to Inductor (split scans off). "ours" lets the kernel choose its variant by block count; "ours 1 block/SM" is TK_SSD_VARIANT=0,
 "ours 2 blocks/SM" is TK_SSD_VARIANT=1 (128 registers, two blocks per SM), "ours p32 tiles"
 TK_SSD_VARIANT=2 (32 head dims per block: twice the blocks). Also the e2e Mamba2's layer (b1 l4096 nh32). Figure:
 Mtokens/s.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Row, check_and_time, op_main, progress, with_env
+from .common import Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_env
 
 
 def cases(quick: bool = False):
@@ -28,6 +30,9 @@ def cases(quick: bool = False):
         yield 1, 4096, 32, 64, 128  # the e2e Mamba2's layer (1 x 4096 tokens: 32 blocks of 64 head dims)
 
 
+TRAIN_CASES = ((16, 4096, 80, 64, 128), (1, 4096, 32, 64, 128))  # forward+backward: 65536 tokens, the e2e layer
+
+
 def run(quick: bool = False) -> list[Row]:
     from tk_inductor import build
     from tk_inductor.ops import ssd as ssd_ops
@@ -38,17 +43,12 @@ def run(quick: bool = False) -> list[Row]:
     except ImportError as exc:
         chunk_simple_gla, fla_missing = None, f"fla not installed ({exc.name})"
     rows: list[Row] = []
+    inductor_as_our_backend_runs_it()
     compiled = torch.compile(ssd_ops.ssd_reference, dynamic=False)
     for b, l, nh, p, n in cases(quick):
         name = f"b{b} l{l} nh{nh} p{p} n{n} fwd"
         progress(name)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(b, l, nh, p, generator=g, device="cuda").to(torch.bfloat16)
-        dt = torch.nn.functional.softplus(torch.randn(b, l, nh, generator=g, device="cuda") - 1.0)
-        A = -torch.rand(nh, generator=g, device="cuda") * 2 - 0.05
-        B = (torch.randn(b, l, 1, n, generator=g, device="cuda") / n**0.5).to(torch.bfloat16)
-        C = torch.randn(b, l, 1, n, generator=g, device="cuda").to(torch.bfloat16)
-        D = torch.randn(nh, generator=g, device="cuda")
+        x, dt, A, B, C, D = inputs(b, l, nh, p, n)
         ref = ssd_ops.ssd_reference(x, dt, A, B, C, D, None, 64)[0].float()
 
         def ours():
@@ -59,25 +59,56 @@ def run(quick: bool = False) -> list[Row]:
             "ours 1 block/SM": lambda: with_env("TK_SSD_VARIANT", "0", ours),
             "ours 2 blocks/SM": lambda: with_env("TK_SSD_VARIANT", "1", ours),
             "ours p32 tiles": lambda: with_env("TK_SSD_VARIANT", "2", ours),
-            # HF Mamba2's chunk (256): the reference's chunk loop unrolls in the graph, 4x fewer steps to compile
+            # HF Mamba2's chunk (256)
             "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0],
         }
         if chunk_simple_gla is not None:
-            Bh, Ch = (t.expand(b, l, nh, n) for t in (B, C))  # one group: every head reads it
-            v = (x.float() * dt.unsqueeze(-1)).to(torch.bfloat16)
-            gate = dt * A
-
-            def fla():
-                o, _ = chunk_simple_gla(Ch, Bh, v, g=gate, scale=1.0, output_final_state=True)
-                return o + D[:, None] * x
-
-            impls["fla chunk_simple_gla"] = fla
+            impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
         rows += check_and_time("ssd", name, impls, ref, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)
         if chunk_simple_gla is None:
             rows.append(Row("ssd", name, "fla chunk_simple_gla", None, note=fla_missing))
         del x, B, C, ref
         torch.cuda.empty_cache()
+    for b, l, nh, p, n in TRAIN_CASES[:1] if quick else TRAIN_CASES:
+        # ours: the kernel's forward, the backward the reference's autograd (no backward kernel yet), as a training
+        # graph runs it under reference_backward=ssd
+        name = f"b{b} l{l} nh{nh} p{p} n{n} fwd+bwd"
+        progress(name)
+        leaves = [t.requires_grad_() for t in inputs(b, l, nh, p, n)]
+        x, dt, A, B, C, D = leaves
+        dy = torch.randn_like(x)
+        want = [t.detach().float().requires_grad_() for t in leaves]
+        ssd_ops.ssd_reference(*want[:6], None, 64)[0].backward(dy.float())
+        impls = {"ours (kernel fwd, reference bwd)": lambda: torch.ops.tk.ssd(x, dt, A, B, C, D, None, 64)[0],
+                 "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0]}
+        if chunk_simple_gla is not None:
+            impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
+        steps = {label: backward_step(fn, leaves, dy, of=x) for label, fn in impls.items()}
+        rows += check_and_time("ssd", name, steps, want[0].grad, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)
+        del leaves, x, B, C, want
+        torch.cuda.empty_cache()
     return rows
+
+
+def inputs(b, l, nh, p, n):
+    """x, dt, A, B, C, D: bf16 x, B, C (one group) and fp32 dt, A, D, as HF Mamba2 hands them over in bf16."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(b, l, nh, p, generator=g, device="cuda").to(torch.bfloat16)
+    dt = torch.nn.functional.softplus(torch.randn(b, l, nh, generator=g, device="cuda") - 1.0)
+    A = -torch.rand(nh, generator=g, device="cuda") * 2 - 0.05
+    B = (torch.randn(b, l, 1, n, generator=g, device="cuda") / n**0.5).to(torch.bfloat16)
+    C = torch.randn(b, l, 1, n, generator=g, device="cuda").to(torch.bfloat16)
+    D = torch.randn(nh, generator=g, device="cuda")
+    return x, dt, A, B, C, D
+
+
+def fla_ssd(chunk_simple_gla, x, dt, A, B, C, D):
+    """SSD as FLA's simple GLA: q = C, k = B (one group: every head reads it), v = dt·x, log-gate dt·A."""
+    b, l, nh, _ = x.shape
+    Bh, Ch = (t.expand(b, l, nh, t.shape[-1]) for t in (B, C))
+    v = (x.float() * dt.unsqueeze(-1)).to(torch.bfloat16)
+    o, _ = chunk_simple_gla(Ch, Bh, v, g=dt * A, scale=1.0, output_final_state=True)
+    return o + D[:, None] * x
 
 
 def main(argv=None) -> int:

@@ -76,6 +76,17 @@ def test_allowlist_from_env(monkeypatch):
     assert config.current().ops == ("layernorm", "attention")
 
 
+def test_reference_backward_from_env_and_options(monkeypatch):
+    assert config.current().reference_backward == ()
+    monkeypatch.setenv("TK_INDUCTOR_REFERENCE_BACKWARD", "ssd, linear_attention")
+    assert config.current().reference_backward == ("ssd", "linear_attention")
+    assert config.current({"reference_backward": []}).reference_backward == ()
+    with pytest.raises(ValueError, match="reference_backward: unknown op families"):
+        config.current({"reference_backward": "mamba"})
+    with pytest.raises(TypeError, match="reference_backward must be"):
+        config.current({"reference_backward": 1})
+
+
 def test_allowlist_unknown_family(monkeypatch):
     with pytest.raises(ValueError, match="flash"):
         config.current({"ops": ["attention", "flash"]})
@@ -129,6 +140,7 @@ def test_key_is_stable_and_covers_every_field():
     assert base.key() == Config().key()
     changed = {
         "ops": ("attention",),
+        "reference_backward": ("ssd",),
         "strict": True,
         "reference": True,
         "verbose": True,

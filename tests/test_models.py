@@ -8,6 +8,7 @@ The GPU test runs the real kernels in bf16.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 from typing import Callable
@@ -229,20 +230,30 @@ def test_llama_bf16_cuda_kernels_forward_and_training_step():
             assert rep.replaced.get(family, 0) >= 1, f"{family}: {rep}"
 
 
-def _inference_matches_eager(model, ids, family, outputs=lambda out: out):
-    """Compiled bf16 inference on CUDA equals eager within bf16 tolerance, and `family` ran as our kernel."""
-    from tk_inductor import build
+def _compiled_matches_eager(model, ids, family, outputs=lambda out: out, train=False):
+    """Compiled bf16 on CUDA equals eager within bf16 tolerance, and `family` ran as our kernel. In training (one
+    forward and backward, every parameter's gradient compared) the family's backward is its reference's autograd
+    (`reference_backward`: no backward kernel yet)."""
+    from tk_inductor import build, config
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the kernels need sm_90")
     _skip_missing((family,))
     torch._dynamo.reset()
     tk_inductor.reset()
-    compiled = torch.compile(model, backend="thunderkittens")
-    with torch.no_grad():
+    model.train(train)
+    ours = copy.deepcopy(model)
+    with config.patch(reference_backward=[family] if train else []), torch.set_grad_enabled(train):
+        compiled = torch.compile(ours, backend="thunderkittens")
         want, got = outputs(model(ids)), outputs(compiled(ids))
-    assert torch.isfinite(got).all()
-    assert _rel_err(got, want) <= 2e-2
+        assert torch.isfinite(got).all()
+        assert _rel_err(got, want) <= 2e-2
+        if train:
+            want.float().square().mean().backward()
+            got.float().square().mean().backward()
+            for (name, p_ref), p in zip(model.named_parameters(), ours.parameters()):
+                assert p.grad is not None and torch.isfinite(p.grad).all(), name
+                assert _rel_err(p.grad, p_ref.grad) <= 3e-2, name
     rep = tk_inductor.report()
     assert not rep.failed, rep.failed
     if family in build.families():
@@ -250,22 +261,24 @@ def _inference_matches_eager(model, ids, family, outputs=lambda out: out):
 
 
 @pytest.mark.gpu
-def test_based_bf16_cuda_kernel_inference():
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "train"])
+def test_based_bf16_cuda_kernel(train):
     """The benchmark's Based LM, small: its Taylor layers run the Based kernel (dk 16, dv 64)."""
     from benchmarks.models.based import BasedConfig, BasedLM
 
     torch.manual_seed(0)
-    model = BasedLM(BasedConfig(vocab_size=VOCAB, hidden=256, layers=2, heads=4)).cuda().bfloat16().eval()
+    model = BasedLM(BasedConfig(vocab_size=VOCAB, hidden=256, layers=2, heads=4)).cuda().bfloat16()
     ids = torch.randint(0, VOCAB, (2, 333), device="cuda")  # not a chunk multiple
-    _inference_matches_eager(model, ids, "linear_attention")
+    _compiled_matches_eager(model, ids, "linear_attention", train=train)
 
 
 @pytest.mark.gpu
-def test_mamba2_bf16_cuda_kernel_inference():
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "train"])
+def test_mamba2_bf16_cuda_kernel(train):
     """HF Mamba2 (torch path) at kernel sizes, state 64 and head dim 64: its scan runs the SSD kernel."""
     cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=128, num_heads=4, head_dim=64, state_size=64,
                                     n_groups=1, expand=2, num_hidden_layers=2, chunk_size=64, conv_kernel=4)
     torch.manual_seed(0)
-    model = transformers.Mamba2ForCausalLM(cfg).cuda().bfloat16().eval()
+    model = transformers.Mamba2ForCausalLM(cfg).cuda().bfloat16()
     ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
-    _inference_matches_eager(model, ids, "ssd", outputs=lambda out: out.logits)
+    _compiled_matches_eager(model, ids, "ssd", outputs=lambda out: out.logits, train=train)

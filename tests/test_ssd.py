@@ -283,6 +283,22 @@ def test_training_without_reference_keeps_it():
     assert ("ssd", "training, and the op has no backward kernel yet") in reports[0].kept
 
 
+def test_training_with_reference_backward_gets_past_the_training_rule():
+    """`reference_backward` lets a training graph take the op (its backward is the reference's autograd); on this
+    CPU the next rule keeps it: kernels are CUDA-only."""
+    cfg = config.current({"inner": "aot_eager", "reference_backward": "ssd"})
+    reports = []
+
+    def backend(gm, example_inputs):
+        reports.append(rewrite.run(gm, cfg)[0])
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(MulSumSSD(chunk=8), backend=backend)(*_spelling_inputs(requires_grad=True))
+    assert [r for f, r in reports[0].kept if f == "ssd"] == ["device cpu (kernels are CUDA-only; reference mode runs "
+                                                             "anywhere)"]
+
+
 # ---------------------------------------------------------------------------- HF Mamba2
 
 def _tiny_mamba2(layers=2):

@@ -37,23 +37,26 @@ def _env_flag(name: str) -> bool | None:
     return _as_bool(value, name)
 
 
-def _parse_ops(value) -> tuple[str, ...]:
+def _parse_ops(value, name: str = "ops") -> tuple[str, ...]:
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
     if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
-        raise TypeError(f"tk_inductor: ops must be a list of family names or a comma-separated string, not {value!r}")
+        raise TypeError(f"tk_inductor: {name} must be a list of family names or a comma-separated string, not {value!r}")
     ops = tuple(dict.fromkeys(sorted(value) if isinstance(value, (set, frozenset)) else value))  # keep order, drop repeats
     if "all" in ops:
         return FAMILIES
     unknown = [op for op in ops if op not in FAMILIES]
     if unknown:
-        raise ValueError(f"tk_inductor: unknown op families {unknown}; choose from {list(FAMILIES)} or 'all'")
+        raise ValueError(f"tk_inductor: {name}: unknown op families {unknown}; choose from {list(FAMILIES)} or 'all'")
     return ops
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     ops: tuple[str, ...] = FAMILIES  # allowlist of families the rewrite may replace
+    # families replaced in training graphs although they have no backward kernel: the forward runs the kernel, the
+    # backward the op's reference autograd (batched PyTorch, recomputing the forward in fp32)
+    reference_backward: tuple[str, ...] = ()
     strict: bool = False  # raise instead of warning and passing through
     reference: bool = False  # ops run their PyTorch reference (any device)
     verbose: bool = False  # print a one-line summary per compiled graph
@@ -76,8 +79,9 @@ def _from_mapping(values: dict) -> Config:
     if unknown:
         raise ValueError(f"tk_inductor: unknown options {unknown}; known: {sorted(_OPTION_TYPES)}")
     values = dict(values)
-    if "ops" in values:
-        values["ops"] = _parse_ops(values["ops"])
+    for name in ("ops", "reference_backward"):
+        if name in values:
+            values[name] = _parse_ops(values[name], name)
     for flag in ("strict", "reference", "verbose"):
         if flag in values:
             values[flag] = _as_bool(values[flag], f"options[{flag!r}]")
@@ -90,6 +94,8 @@ def from_environment(base: Config | None = None) -> Config:
     values = dataclasses.asdict(base or Config())
     if os.environ.get("TK_INDUCTOR_OPS"):
         values["ops"] = os.environ["TK_INDUCTOR_OPS"]
+    if os.environ.get("TK_INDUCTOR_REFERENCE_BACKWARD") is not None:
+        values["reference_backward"] = os.environ["TK_INDUCTOR_REFERENCE_BACKWARD"]
     for flag in ("strict", "reference", "verbose"):
         env = _env_flag(f"TK_INDUCTOR_{flag.upper()}")
         if env is not None:

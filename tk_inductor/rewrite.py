@@ -163,7 +163,7 @@ def _shared_reason(m: Match, cfg: Config) -> tuple[str | None, bool]:
     """(reason to keep, whether that reason is an environment failure to warn about)."""
     if m.family not in cfg.ops:
         return "not in the ops allowlist", False
-    if m.needs_grad and not m.has_backward_kernel and not cfg.reference:
+    if m.needs_grad and not m.has_backward_kernel and not cfg.reference and m.family not in cfg.reference_backward:
         return "training, and the op has no backward kernel yet", False
     if cfg.reference:
         return None, False

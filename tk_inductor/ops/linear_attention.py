@@ -126,16 +126,20 @@ def linear_attention_reference(q, k, v, feature_map, q_weight=None, k_weight=Non
     if normalize:  # the denominator is the same scan with a column of ones as the value
         v32 = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)
     B, H, N, F_ = fq.shape
-    state = fq.new_zeros(B, H, F_, v32.shape[-1])
+    pad = (-N) % chunk  # zero keys and values at the end: they add nothing to any state
+    nc = (N + pad) // chunk
+
+    def chunks(t):
+        return F.pad(t, (0, 0, 0, pad)).reshape(B, H, nc, chunk, t.shape[-1])
+
+    qc, kc, vc = chunks(fq), chunks(fk), chunks(v32)
+    # batched over chunks (no loop: the backward runs this as its autograd): the state before each chunk is the
+    # sum of the earlier chunks' φ(k)ᵀv, an exclusive cumulative sum
+    kv = kc.transpose(-1, -2) @ vc  # (B, H, c, F, dv): each chunk's own contribution
+    before = F.pad(kv.cumsum(dim=2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    outs = []
-    for start in range(0, N, chunk):
-        qc, kc, vc = fq[:, :, start:start + chunk], fk[:, :, start:start + chunk], v32[:, :, start:start + chunk]
-        n = qc.shape[2]
-        scores = (qc @ kc.transpose(-1, -2)).masked_fill(~causal[:n, :n], 0.0)
-        outs.append(scores @ vc + qc @ state)
-        state = state + kc.transpose(-1, -2) @ vc
-    o = torch.cat(outs, dim=2) if outs else v32.new_zeros(B, H, 0, v32.shape[-1])
+    scores = (qc @ kc.transpose(-1, -2)).masked_fill(~causal, 0.0)
+    o = (scores @ vc + qc @ before).reshape(B, H, nc * chunk, -1)[:, :, :N]
     if normalize:
         o = o[..., :-1] / (o[..., -1:] + eps)
     return o.to(v.dtype).contiguous()

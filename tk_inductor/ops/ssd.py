@@ -109,14 +109,15 @@ def ssd_reference(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 
     # 2. each chunk's own contribution to the state at its end
     to_end = torch.exp(a_cum[..., -1:] - a_cum)  # (b, h, c, l)
     chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, to_end, X)
-    # 3. inter-chunk recurrence, sequential over chunks like a kernel's register-resident state
-    state = x32.new_zeros(b, nh, p, n) if initial_state is None else initial_state.to(acc).clone()
-    chunk_decay = torch.exp(a_cum[..., -1])  # (b, h, c)
-    starts = []
-    for c in range(nc):
-        starts.append(state)
-        state = chunk_decay[:, :, c, None, None] * state + chunk_states[:, c]
-    starts = torch.stack(starts, dim=1) if starts else x32.new_zeros(b, 0, nh, p, n)  # (b, c, h, p, n)
+    # 3. inter-chunk recurrence, batched over chunks (no loop: the backward runs this as its autograd): the state
+    #    at the start of chunk z is Σ_{c<z} (the decay from chunk c's end to z's start) · chunk c's contribution,
+    #    with the initial state as a contribution "before chunk 0"
+    h0 = x32.new_zeros(b, nh, p, n) if initial_state is None else initial_state.to(acc)
+    contributions = torch.cat([h0.unsqueeze(1), chunk_states], dim=1)  # (b, c + 1, h, p, n)
+    chunk_log_decay = torch.nn.functional.pad(a_cum[..., -1], (1, 0))  # (b, h, c + 1): nothing before chunk 0
+    between = torch.exp(_segsum(chunk_log_decay))  # (b, h, z, c): contribution c's decay up to chunk z's start
+    states = torch.einsum("bhzc,bchpn->bzhpn", between, contributions)  # state at the start of each chunk, + final
+    starts, state = states[:, :-1], states[:, -1]
     # 4. the state at each chunk start, decayed to each position and read out through C
     y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, starts, torch.exp(a_cum))
     y = y.reshape(b, nc * chunk_size, nh, p)[:, :l]
