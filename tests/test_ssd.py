@@ -269,8 +269,8 @@ def test_not_provably_ssd_is_not_replaced(variant, why):
         torch.testing.assert_close(o, w)
 
 
-def test_training_without_reference_keeps_it():
-    cfg = config.current({"inner": "aot_eager"})
+def _training_reasons(module, options=None, l=24):
+    cfg = config.current({"inner": "aot_eager"} | (options or {}))
     reports = []
 
     def backend(gm, example_inputs):
@@ -278,25 +278,27 @@ def test_training_without_reference_keeps_it():
         return gm
 
     torch._dynamo.reset()
-    torch.compile(MulSumSSD(chunk=8), backend=backend)(*_spelling_inputs(requires_grad=True))
+    torch.compile(module, backend=backend)(*_spelling_inputs(l=l, requires_grad=True))
     assert "ssd" not in reports[0].replaced
-    assert ("ssd", "training, and the op has no backward kernel yet") in reports[0].kept
+    return [r for f, r in reports[0].kept if f == "ssd"]
 
 
-def test_training_with_reference_backward_gets_past_the_training_rule():
-    """`reference_backward` lets a training graph take the op (its backward is the reference's autograd); on this
-    CPU the next rule keeps it: kernels are CUDA-only."""
-    cfg = config.current({"inner": "aot_eager", "reference_backward": "ssd"})
-    reports = []
+CPU_REASON = "device cpu (kernels are CUDA-only; reference mode runs anywhere)"
 
-    def backend(gm, example_inputs):
-        reports.append(rewrite.run(gm, cfg)[0])
-        return gm
 
-    torch._dynamo.reset()
-    torch.compile(MulSumSSD(chunk=8), backend=backend)(*_spelling_inputs(requires_grad=True))
-    assert [r for f, r in reports[0].kept if f == "ssd"] == ["device cpu (kernels are CUDA-only; reference mode runs "
-                                                             "anywhere)"]
+def test_training_keeps_an_einsum_spelling():
+    """No backward kernel: Inductor's matmuls of an einsum spelling beat the reference's autograd."""
+    assert _training_reasons(MinimalSSD(chunk=8)) == ["training, and the op has no backward kernel yet"]
+
+
+def test_training_takes_the_multiply_and_sum_spelling():
+    """HF Mamba2's multiply-and-sum chains: the reference's autograd is measured faster than what Inductor makes of
+    them, so training takes the op too; on this CPU the next rule keeps it (kernels are CUDA-only)."""
+    assert _training_reasons(MulSumSSD(chunk=8)) == [CPU_REASON]
+
+
+def test_reference_backward_option_takes_any_spelling():
+    assert _training_reasons(MinimalSSD(chunk=8), {"reference_backward": "ssd"}) == [CPU_REASON]
 
 
 # ---------------------------------------------------------------------------- HF Mamba2

@@ -50,7 +50,10 @@ class Match:
     kwargs: dict = dataclasses.field(default_factory=dict)
     reason: str | None = None  # recognised but kept, and why
     needs_grad: bool = False  # set by the matcher when any differentiable input requires grad
-    has_backward_kernel: bool = True  # False: only replace in graphs that need no gradient
+    has_backward_kernel: bool = True  # False: only replace in graphs that need no gradient, unless...
+    # ...the op's reference autograd was measured faster than Inductor's compile of this spelling (the backward then
+    # runs the reference; config.reference_backward forces the same for a whole family)
+    reference_backward_faster: bool = False
     device: torch.device | None = None  # device of the inputs (from example values)
 
 
@@ -163,7 +166,8 @@ def _shared_reason(m: Match, cfg: Config) -> tuple[str | None, bool]:
     """(reason to keep, whether that reason is an environment failure to warn about)."""
     if m.family not in cfg.ops:
         return "not in the ops allowlist", False
-    if m.needs_grad and not m.has_backward_kernel and not cfg.reference and m.family not in cfg.reference_backward:
+    if m.needs_grad and not m.has_backward_kernel and not cfg.reference and not m.reference_backward_faster \
+            and m.family not in cfg.reference_backward:
         return "training, and the op has no backward kernel yet", False
     if cfg.reference:
         return None, False
