@@ -6,7 +6,8 @@ Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N
 at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
 reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). Forward+backward at 65536 tokens
 and at the model's layer: ours is the kernel's forward with the reference's autograd as the backward (no backward
-kernel yet; what a training graph runs under reference_backward=linear_attention). The torch.compile baseline gets the
+kernel yet; what a training graph runs under reference_backward=linear_attention), and "ours (compile_backward)" the
+same backward through torch.compile (TK_INDUCTOR_COMPILE_BACKWARD=1). The torch.compile baseline gets the
 work-arounds our backend applies to Inductor (torch 2.11's CantSplit fix). "ours" lets the kernel choose its tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are
 TK_BASED_VARIANT=0 and 1 (32: twice the blocks). Figure: Mtokens/s.
 
@@ -109,13 +110,18 @@ def run(quick: bool = False) -> list[Row]:
         def heads(t):
             return t.transpose(1, 2)
 
-        impls = {"ours (kernel fwd, reference bwd)": lambda: torch.ops.tk.linear_attention(
-            heads(q), heads(k), heads(v), "based", None, None, scale, True, 1e-6),
+        def ours():
+            return torch.ops.tk.linear_attention(heads(q), heads(k), heads(v), "based", None, None, scale, True, 1e-6)
+
+        impls = {"ours (kernel fwd, reference bwd)": ours,
                  "torch.compile": lambda: compiled(heads(q), heads(k), heads(v))}
         if fla is not None:
             for label, fn in fla.items():
                 impls[label] = (lambda f=fn: heads(f(q, k, v, scale, True)))
         steps = {label: backward_step(fn, leaves, do, of=q) for label, fn in impls.items()}
+        # the flag is read when the backward runs: set around the whole step
+        compiled_step = backward_step(ours, leaves, do, of=q)
+        steps["ours (compile_backward)"] = lambda: with_env("TK_INDUCTOR_COMPILE_BACKWARD", "1", compiled_step)
         rows += check_and_time("linear_attention", name, steps, want[0].grad, N, "Mtok/s",
                                lambda ms: B * N / ms / 1e3, tol=2e-2)
         del leaves, q, k, v, want

@@ -5,7 +5,8 @@ the chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mam
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
 Mamba2-370M's (nh 32) at l 4096; bf16 x, B, C, fp32 dt, A, D; final state returned. Forward+backward at 65536
 tokens and at the e2e layer: ours is the kernel's forward with the reference's autograd as the backward (no backward
-kernel yet; what a training graph runs under reference_backward=ssd). The torch.compile baseline gets the work-arounds
+kernel yet; what a training graph runs when it takes the SSD), and "ours (compile_backward)" the same backward
+through torch.compile (TK_INDUCTOR_COMPILE_BACKWARD=1). The torch.compile baseline gets the work-arounds
 our backend applies to Inductor (split scans off). "ours" lets the kernel choose its variant by block count; "ours 1 block/SM" is TK_SSD_VARIANT=0,
 "ours 2 blocks/SM" is TK_SSD_VARIANT=1 (128 registers, two blocks per SM), "ours p32 tiles"
 TK_SSD_VARIANT=2 (32 head dims per block: twice the blocks). Also the e2e Mamba2's layer (b1 l4096 nh32). Figure:
@@ -71,7 +72,7 @@ def run(quick: bool = False) -> list[Row]:
         torch.cuda.empty_cache()
     for b, l, nh, p, n in TRAIN_CASES[:1] if quick else TRAIN_CASES:
         # ours: the kernel's forward, the backward the reference's autograd (no backward kernel yet), as a training
-        # graph runs it under reference_backward=ssd
+        # graph runs it when it takes the SSD
         name = f"b{b} l{l} nh{nh} p{p} n{n} fwd+bwd"
         progress(name)
         leaves = [t.requires_grad_() for t in inputs(b, l, nh, p, n)]
@@ -79,11 +80,18 @@ def run(quick: bool = False) -> list[Row]:
         dy = torch.randn_like(x)
         want = [t.detach().float().requires_grad_() for t in leaves]
         ssd_ops.ssd_reference(*want[:6], None, 64)[0].backward(dy.float())
-        impls = {"ours (kernel fwd, reference bwd)": lambda: torch.ops.tk.ssd(x, dt, A, B, C, D, None, 64)[0],
+
+        def ours():
+            return torch.ops.tk.ssd(x, dt, A, B, C, D, None, 64)[0]
+
+        impls = {"ours (kernel fwd, reference bwd)": ours,
                  "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0]}
         if chunk_simple_gla is not None:
             impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
         steps = {label: backward_step(fn, leaves, dy, of=x) for label, fn in impls.items()}
+        # the flag is read when the backward runs: set around the whole step
+        compiled_step = backward_step(ours, leaves, dy, of=x)
+        steps["ours (compile_backward)"] = lambda: with_env("TK_INDUCTOR_COMPILE_BACKWARD", "1", compiled_step)
         rows += check_and_time("ssd", name, steps, want[0].grad, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)
         del leaves, x, B, C, want
         torch.cuda.empty_cache()

@@ -374,3 +374,40 @@ def test_kernel_supports_names_what_the_ssd_kernel_does_not_compute():
     assert "state size 32" in ssd_ops.kernel_supports(32, 64)
     assert "head dim 48" in ssd_ops.kernel_supports(128, 48)
     assert ssd_ops.kernel_supports(64, 128) is None
+
+
+# ---------------------------------------------------------------------------- the backward without a kernel
+
+def test_compiled_reference_backward_equals_eager():
+    """`compile_backward`: the reference's vjp through torch.compile (here Inductor's CPU code) gives the eager
+    gradients; on CUDA that is what a training graph's SSD backward runs with the option on."""
+    from tk_inductor.ops import _dispatch
+
+    x, dt, A, B, C, D, h0 = (t.float() for t in _inputs(l=37))
+    gy, gs = torch.randn_like(x), torch.randn(2, 4, 8, 6)
+    args = (gy, gs, x, dt, A, B, C, D, h0, 8)
+    want = ops._reference_grads(*args)
+    got = _dispatch.run_backward(ops._reference_grads, args, compiled=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_backward_failure_falls_back_to_eager(monkeypatch):
+    from tk_inductor.ops import _dispatch
+
+    def broken(fn):
+        def wrapper(*args):
+            raise RuntimeError("inductor says no")
+        return wrapper
+
+    monkeypatch.setattr(_dispatch, "_compiled", {})
+    monkeypatch.setattr(_dispatch, "_eager_only", set())
+    monkeypatch.setattr(torch, "compile", broken)
+    x, dt, A, B, C, D, h0 = (t.float() for t in _inputs(l=9))
+    args = (torch.randn_like(x), torch.randn(2, 4, 8, 6), x, dt, A, B, C, D, h0, 8)
+    with pytest.warns(RuntimeWarning, match="inductor says no.*eagerly from now on"):
+        got = _dispatch.run_backward(ops._reference_grads, args, compiled=True)
+    for g, w in zip(got, ops._reference_grads(*args)):
+        torch.testing.assert_close(g, w)
+    assert ops._reference_grads in _dispatch._eager_only
+    _dispatch.run_backward(ops._reference_grads, args, compiled=True)  # no second warning, no compile attempt

@@ -57,6 +57,8 @@ class Config:
     # families replaced in training graphs although they have no backward kernel: the forward runs the kernel, the
     # backward the op's reference autograd (batched PyTorch, recomputing the forward in fp32)
     reference_backward: tuple[str, ...] = ()
+    # on CUDA, a reference backward runs through torch.compile (Inductor fuses its elementwise work) instead of eagerly
+    compile_backward: bool = False
     strict: bool = False  # raise instead of warning and passing through
     reference: bool = False  # ops run their PyTorch reference (any device)
     verbose: bool = False  # print a one-line summary per compiled graph
@@ -82,7 +84,7 @@ def _from_mapping(values: dict) -> Config:
     for name in ("ops", "reference_backward"):
         if name in values:
             values[name] = _parse_ops(values[name], name)
-    for flag in ("strict", "reference", "verbose"):
+    for flag in ("strict", "reference", "verbose", "compile_backward"):
         if flag in values:
             values[flag] = _as_bool(values[flag], f"options[{flag!r}]")
     if values.get("inner", "inductor") not in ("inductor", "aot_eager"):
@@ -96,7 +98,7 @@ def from_environment(base: Config | None = None) -> Config:
         values["ops"] = os.environ["TK_INDUCTOR_OPS"]
     if os.environ.get("TK_INDUCTOR_REFERENCE_BACKWARD") is not None:
         values["reference_backward"] = os.environ["TK_INDUCTOR_REFERENCE_BACKWARD"]
-    for flag in ("strict", "reference", "verbose"):
+    for flag in ("strict", "reference", "verbose", "compile_backward"):
         env = _env_flag(f"TK_INDUCTOR_{flag.upper()}")
         if env is not None:
             values[flag] = env
@@ -117,11 +119,15 @@ def current(options: dict | None = None) -> Config:
     return cfg
 
 
+def flag_at_run_time(name: str) -> bool:
+    """`getattr(current(), name)` for a boolean field, without building a Config: ops ask on every call."""
+    if name in _overrides:
+        return bool(_overrides[name])
+    return bool(_env_flag(f"TK_INDUCTOR_{name.upper()}"))
+
+
 def reference_at_run_time() -> bool:
-    """`current().reference` without building a Config: ops ask this on every call."""
-    if "reference" in _overrides:
-        return bool(_overrides["reference"])
-    return bool(_env_flag("TK_INDUCTOR_REFERENCE"))
+    return flag_at_run_time("reference")
 
 
 @contextlib.contextmanager

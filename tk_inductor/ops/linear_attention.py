@@ -182,7 +182,13 @@ def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
             and _dispatch.has_kernel("linear_attention_backward"):
         return _dispatch.kernel("linear_attention_backward")(grad_o, q, k, v, feature_map, q_weight, k_weight,
                                                             scale, normalize, eps)
-    # torch.func.vjp, not torch.autograd: a custom op's body runs below the autograd dispatch key.
+    return _dispatch.reference_backward(_reference_grads, grad_o, q, k, v, feature_map, q_weight, k_weight, scale,
+                                        normalize, eps)
+
+
+def _reference_grads(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps):
+    """The reference's gradients, (dq, dk, dv, dq_weight, dk_weight): torch.func.vjp, not torch.autograd, as a
+    custom op's body runs below the autograd dispatch key (and torch.compile traces it whole)."""
     weights = (q_weight, k_weight)
 
     def forward(q_, k_, v_, *ws):

@@ -185,7 +185,13 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
     if x.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
             and _dispatch.has_kernel("ssd_backward"):
         return _dispatch.kernel("ssd_backward")(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
-    # torch.func.vjp, not torch.autograd: a custom op's body runs below the autograd dispatch key.
+    return _dispatch.reference_backward(_reference_grads, grad_y, grad_state, x, dt, A, B, C, D, initial_state,
+                                        chunk_size)
+
+
+def _reference_grads(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size):
+    """The reference's gradients, (dx, ddt, dA, dB, dC, dD, dinitial_state): torch.func.vjp, not torch.autograd, as
+    a custom op's body runs below the autograd dispatch key (and torch.compile traces it whole)."""
     inputs = (x, dt, A, B, C, D, initial_state)
     present = [i for i, t in enumerate(inputs) if t is not None]
 
