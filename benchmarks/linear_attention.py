@@ -1,15 +1,19 @@
-"""Linear-attention benchmark: ours (tk_cuda::linear_attention, Based forward) vs flash-linear-attention's Triton
+"""Linear-attention benchmark: ours (tk_cuda::linear_attention, Based) vs flash-linear-attention's Triton
 `parallel_based` and `fused_chunk_based` (carry the fla-core wheel) and vs torch.compile default of the quadratic
 masked spelling a Based model writes (what Inductor gets without our kernel), in one run.
 
 Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128
 at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
-reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). Forward+backward at 65536 tokens
-and at the model's layer: ours is the kernel's forward with the reference's autograd as the backward (no backward
-kernel yet; what a training graph runs under reference_backward=linear_attention), and "ours (compile_backward)" the
-same backward through torch.compile (TK_INDUCTOR_COMPILE_BACKWARD=1). The torch.compile baseline gets the
-work-arounds our backend applies to Inductor (torch 2.11's CantSplit fix). "ours" lets the kernel choose its tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are
-TK_BASED_VARIANT=0 and 1 (32: twice the blocks). Figure: Mtokens/s.
+reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). "ours" lets the kernel choose its
+tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are TK_BASED_VARIANT=0 and 1 (32: twice the blocks).
+
+Forward+backward at 65536 tokens and at the model's layer:
+- "ours (kernel fwd, reference bwd)": the op's autograd while the backward kernel is off, the reference's autograd
+  as the backward (what a training graph runs under reference_backward=linear_attention);
+- "ours (compile_backward)": the same backward through torch.compile (TK_INDUCTOR_COMPILE_BACKWARD=1);
+- "ours (backward kernel)": the forward and backward kernels called directly.
+The torch.compile baseline gets the work-arounds our backend applies to Inductor (torch 2.11's CantSplit fix).
+Figure: Mtokens/s.
 
     python -m benchmarks.linear_attention [--quick]
 """
@@ -122,6 +126,14 @@ def run(quick: bool = False) -> list[Row]:
         # the flag is read when the backward runs: set around the whole step
         compiled_step = backward_step(ours, leaves, do, of=q)
         steps["ours (compile_backward)"] = lambda: with_env("TK_INDUCTOR_COMPILE_BACKWARD", "1", compiled_step)
+
+        def kernels():  # both raw kernels, whether or not the op uses the backward one yet
+            args = (heads(q), heads(k), heads(v))
+            o = torch.ops.tk_cuda.linear_attention(*args, "based", None, None, scale, True, 1e-6)
+            grads = torch.ops.tk_cuda.linear_attention_backward(do, *args, o, "based", None, None, scale, True, 1e-6)
+            return grads[0].transpose(1, 2)
+
+        steps["ours (backward kernel)"] = kernels
         rows += check_and_time("linear_attention", name, steps, want[0].grad, N, "Mtok/s",
                                lambda ms: B * N / ms / 1e3, tol=2e-2)
         del leaves, q, k, v, want

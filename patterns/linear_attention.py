@@ -907,7 +907,8 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps) -> Match:
         reason=reason,
         # the output's example value knows whether grad mode was on (parameters' alone do not)
         needs_grad=bool(getattr(example(out), "requires_grad", False)),
-        has_backward_kernel=False,
+        # the Based backward kernel, once validated on the GPU (on other devices reference mode trains anyway)
+        has_backward_kernel=_ops.BACKWARD_KERNEL_VALIDATED,
         device=examples[0].device,
     )
 

@@ -115,3 +115,51 @@ def test_based_bad_variant(ops, monkeypatch):
 def test_empty_sequence(ops):
     q, k, v = inputs(1, 2, 0, 64)
     assert ops.linear_attention(q, k, v, "based", None, None, 0.25, True, 1e-6).shape == (1, 2, 0, 64)
+
+
+# ---------------------------------------------------------------------------- backward (tk_cuda::linear_attention_backward)
+
+BWD_TOL = 2e-2  # relative (norm-wise) error of each gradient vs the fp32 reference's autograd
+
+
+def check_backward(ops, q, k, v, scale, normalize, eps=1e-6, seed=0):
+    o = ops.linear_attention(q, k, v, "based", None, None, scale, normalize, eps)
+    do = torch.randn(v.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(v.dtype)
+    poison(v.shape)
+    dq, dk, dv, dqw, dkw = ops.linear_attention_backward(do, q, k, v, o, "based", None, None, scale, normalize, eps)
+    torch.cuda.synchronize()
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16 and dqw.numel() == 0 and dkw.numel() == 0
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    la.linear_attention_reference(*leaves, "based", None, None, scale, normalize, eps).backward(do.float())
+    for name, got, want in (("dq", dq, leaves[0].grad), ("dk", dk, leaves[1].grad), ("dv", dv, leaves[2].grad)):
+        assert not got.isnan().any(), f"{name}: unwritten or non-finite"
+        err = rel_err(got, want)
+        assert err < BWD_TOL, f"{name}: relative error {err:.3g} (N{q.shape[2]} dv{v.shape[3]} normalize={normalize})"
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("dv", [64, 128])
+@pytest.mark.parametrize("N", (1, 17, 64, 65, 200, 1000))
+def test_based_backward(ops, N, dv, normalize):
+    q, k, v = inputs(2, 3, N, dv, seed=N + dv + 1)
+    check_backward(ops, q, k, v, 1 / math.sqrt(16), normalize, seed=N)
+
+
+def test_based_backward_strided_and_many_heads(ops):
+    q, k, v = inputs(2, 16, 300, 64, layout="bnhd", seed=12)
+    check_backward(ops, q, k, v, 0.25, True)
+    q, k, v = inputs(4, 16, 1024, 64, seed=13)
+    check_backward(ops, q, k, v, 0.25, True)
+
+
+def test_based_backward_through_the_op(ops, monkeypatch):
+    """tk::linear_attention's autograd runs the backward kernel once BACKWARD_KERNEL_VALIDATED is set."""
+    monkeypatch.setattr(la, "BACKWARD_KERNEL_VALIDATED", True)
+    q, k, v = (t.requires_grad_() for t in inputs(1, 2, 150, 64, seed=14))
+    out = torch.ops.tk.linear_attention(q, k, v, "based", None, None, 0.25, True, 1e-6)
+    out.float().square().sum().backward()
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    la.linear_attention_reference(*leaves, "based", None, None, 0.25, True, 1e-6).float().square().sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in leaves)):
+        assert rel_err(got, want) < 3e-2

@@ -45,8 +45,11 @@ FAMILY = "linear_attention"
 FEATURE_MAPS = ("identity", "elu1", "based", "hedgehog")
 REFERENCE_CHUNK = 64
 
-# The CUDA kernel (csrc/kernels/linear_attention/based.cu): Based, bf16, dk 16, dv a multiple of 64, forward only.
+# The CUDA kernels (csrc/kernels/linear_attention/based.cu): Based, bf16, dk 16, dv a multiple of 64.
 KERNEL_DK, KERNEL_DV_TILE = 16, 64
+# The backward kernel was written without a GPU: the backward op and the matcher use it only once
+# tests/test_linear_attention_gpu.py has passed on the device (it calls tk_cuda::linear_attention_backward directly).
+BACKWARD_KERNEL_VALIDATED = False
 
 
 def kernel_supports(feature_map: str, dtype: torch.dtype, dk, dv, has_weights: bool = False) -> str | None:
@@ -150,8 +153,8 @@ def linear_attention_reference(q, k, v, feature_map, q_weight=None, k_weight=Non
 # Explicit schemas: the contract `tk_cuda::` kernels register verbatim.
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, str feature_map, Tensor? q_weight=None, Tensor? k_weight=None, "
           "float scale=1.0, bool normalize=False, float eps=0.0) -> Tensor")
-BACKWARD_SCHEMA = ("(Tensor grad_o, Tensor q, Tensor k, Tensor v, str feature_map, Tensor? q_weight, Tensor? k_weight, "
-                   "float scale, bool normalize, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, str feature_map, Tensor? q_weight, "
+                   "Tensor? k_weight, float scale, bool normalize, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("tk::linear_attention", mutates_args=(), schema=SCHEMA)
@@ -173,14 +176,16 @@ def _(q, k, v, feature_map, q_weight=None, k_weight=None, scale=1.0, normalize=F
 
 @torch.library.custom_op("tk::linear_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
 def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              feature_map: str, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                              scale: float, normalize: bool, eps: float
+                              o: torch.Tensor, feature_map: str, q_weight: torch.Tensor | None,
+                              k_weight: torch.Tensor | None, scale: float, normalize: bool, eps: float
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dq_weight, dk_weight); weight grads are empty tensors without weights."""
+    """(dq, dk, dv, dq_weight, dk_weight); weight grads are empty tensors without weights. o is the forward's
+    output (the kernel's denominator gradient needs do·o over whole rows)."""
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
-    if q.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, grad_o, q, k, v, q_weight, k_weight) \
-            and _dispatch.has_kernel("linear_attention_backward"):
-        return _dispatch.kernel("linear_attention_backward")(grad_o, q, k, v, feature_map, q_weight, k_weight,
+    if BACKWARD_KERNEL_VALIDATED \
+            and kernel_supports(feature_map, q.dtype, q.shape[-1], v.shape[-1], q_weight is not None) is None \
+            and _dispatch.use_kernel(FAMILY, grad_o, q, k, v, o) and _dispatch.has_kernel("linear_attention_backward"):
+        return _dispatch.kernel("linear_attention_backward")(grad_o, q, k, v, o, feature_map, q_weight, k_weight,
                                                             scale, normalize, eps)
     return _dispatch.reference_backward(_reference_grads, grad_o, q, k, v, feature_map, q_weight, k_weight, scale,
                                         normalize, eps)
@@ -204,22 +209,22 @@ def _reference_grads(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, no
 
 
 @linear_attention_backward.register_fake
-def _(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps):
+def _(grad_o, q, k, v, o, feature_map, q_weight, k_weight, scale, normalize, eps):
     dw = [q.new_empty(0) if w is None else w.new_empty(w.shape) for w in (q_weight, k_weight)]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dw[0], dw[1]
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps = inputs
-    ctx.save_for_backward(q, k, v, q_weight, k_weight)
+    ctx.save_for_backward(q, k, v, output, q_weight, k_weight)
     ctx.options = (feature_map, scale, normalize, eps)
 
 
 def _backward(ctx, grad_o):
-    q, k, v, q_weight, k_weight = ctx.saved_tensors
+    q, k, v, o, q_weight, k_weight = ctx.saved_tensors
     feature_map, scale, normalize, eps = ctx.options
     dq, dk, dv, dqw, dkw = torch.ops.tk.linear_attention_backward(
-        grad_o.contiguous(), q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
+        grad_o.contiguous(), q, k, v, o, feature_map, q_weight, k_weight, scale, normalize, eps)
     return (dq, dk, dv, None,
             dqw if q_weight is not None else None, dkw if k_weight is not None else None,
             None, None, None)

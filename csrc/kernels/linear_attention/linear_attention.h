@@ -30,4 +30,25 @@ constexpr int BASED_VARIANTS = 2, BASED_AUTO = -1;
 // nullptr on success, else why not (a bad argument or a launch error).
 const char* launch_based(const BasedArgs& a, cudaStream_t stream);
 
+// Based backward (based.cu): dq, dk (fp32, zeroed by the caller: value tiles add into them) and dv from do.
+// dout: (B, H, N, dv) bf16 contiguous; delta: (B, H, N) fp32 do·o per row, or null without normalising;
+// inv: (B, H, N) fp32 scratch for 1/(d + eps); dq, dk: (B, H, N, 16) fp32; dv_out: (B, H, N, dv) bf16 contiguous.
+struct BasedBwdArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const float* delta;
+  float* inv;
+  float* dq;
+  float* dk;
+  void* dv_out;
+  int B, H, N, dv;
+  int64_t q_stride[3], k_stride[3], v_stride[3];
+  float scale;
+  bool normalize;
+  float eps;
+};
+const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream);
+
 }  // namespace tk_linear_attention

@@ -225,6 +225,20 @@ template <register_tile D, register_tile S, class G> TK_DEVICE void map_indexed(
     });
 }
 
+// dst(r, c) = g(r, c, a(r, c), b(r, c)): the same with two sources of dst's shape and layout (a product masked by
+// position, weighted by another product). a or b may be dst.
+template <register_tile D, register_tile A, register_tile B, class G>
+TK_DEVICE void map_indexed(D& dst, const A& a, const B& b, G&& g) {
+    static_assert(D::rows == A::rows && D::cols == A::cols && std::is_same_v<typename D::layout, typename A::layout> &&
+                  D::rows == B::rows && D::cols == B::cols && std::is_same_v<typename D::layout, typename B::layout>,
+                  "map_indexed: shapes or layouts differ");
+    using L = typename D::layout;
+    detail::for_each(dst, [&](int i, int w, int k, int j) {
+        return g(BASE * i + base_row<L>(k, j), BASE * w + base_col<L>(k, j), detail::get(a, i, w, k, j),
+                 detail::get(b, i, w, k, j));
+    });
+}
+
 // ---- named maps, for tiles and vectors alike ----
 template <class X> concept register_value = register_tile<X> || register_vector<X>;
 // copy also converts between element types (fp32 <-> bf16 / fp16).
