@@ -343,6 +343,50 @@ __device__ __forceinline__ void atomic_add_rows(float* dst, const rt_fl<BASE, BA
   }
 }
 
+// The gradient of this warp's 16 rows of one side (q in kernel A, k in kernel B) from its half of the columns:
+//   intra-chunk: G = rows_v · all_vᵀ (+ intra_dd), W = G ∘ scale (1 + s) on the causal side, d = W · other;
+//   inter-chunk: per feature tile f ≤ 16, u = rows_v · state_fᵀ (+ inter_dd), through the side's map's Jacobian.
+// Kernel A: rows_v = dn, all_v = v, other = k, state = H; kernel B: rows_v = v, all_v = dn, other = q, state = R.
+// UPPER: the causal side is on and above the diagonal (key rows against later queries, kernel B).
+template <bool UPPER, class IntraDd, class InterDd>
+__device__ __forceinline__ void side_gradient(rt_fl<BASE, DK>& d, const BwdSmem& s, const QKTile& side,
+                                              const QKTile& other, const rt_bf<BASE, BWD_HALF>& rows_v,
+                                              const rt_bf<CHUNK, BWD_HALF>& all_v, const rt_fl<BASE, CHUNK>& sc,
+                                              int grp, int cols, float scale, float quad, float lin,
+                                              IntraDd&& intra_dd, InterDd&& inter_dd) {
+  const int r0 = BASE * grp + (laneid() >> 2);  // this lane's rows: r0 and r0 + 8
+  rt_fl<BASE, CHUNK> gw;
+  zero(gw);
+  mma_ABt(gw, rows_v, all_v, gw);
+  map_indexed(gw, gw, sc, [&](int r, int col, float gv, float dot) {
+    const bool causal = UPPER ? col >= BASE * grp + r : col <= BASE * grp + r;
+    return causal ? (gv + intra_dd(r, col)) * scale * (1.f + scale * dot) : 0.f;
+  });
+  rt_bf<BASE, CHUNK> w;
+  copy(w, gw);
+  rt_bf<CHUNK, DK, col_layout> oc;
+  load(oc, other);
+  zero(d);
+  mma_AB(d, w, oc, d);
+
+  rt_bf<BASE, DK> xr;
+  load(xr, side, BASE * grp, 0);
+  rt_fl<BASE, DK> x;
+  copy(x, xr);
+#pragma unroll 1
+  for (int f = 0; f <= DK; ++f) {
+    rt_bf<BASE, BWD_HALF> sf;
+    load(sf, s.state, BASE * f, cols);
+    rt_fl<BASE, BASE> u;
+    zero(u);
+    mma_ABt(u, rows_v, sf, u);
+    map_indexed(u, u, [&](int r, int b, float uv) { return uv + inter_dd(r, f, b); });
+    float xf[2] = {0.f, 0.f};
+    if (f < DK) xf[0] = __bfloat162float(side(r0, f)), xf[1] = __bfloat162float(side(r0 + 8, f));
+    feature_jacobian(d, u, x, xf, f, quad, lin);
+  }
+}
+
 // Kernel A, one chunk: each row's denominator (4 warps, one per 16 rows), then dn, dd, and dq.
 __device__ __forceinline__ void dq_chunk(BwdSmem& s, int buf, int c, const BasedBwdArgs& a, int vt, float* dq,
                                          float* inv_out) {
@@ -393,42 +437,16 @@ __device__ __forceinline__ void dq_chunk(BwdSmem& s, int buf, int c, const Based
   __syncthreads();
 
   const bool with_dd = a.normalize && vt == 0 && (warp & 1) == 0;  // the dd terms once per row
-  // intra-chunk: W = (dn vᵀ + dd) ∘ scale (1 + s), on and below the diagonal; dq = W k
   rt_bf<BASE, BWD_HALF> dnr;
   load(dnr, s.dn, BASE * grp, cols);
   rt_bf<CHUNK, BWD_HALF> vr;
   load(vr, s.v[buf], 0, cols);
-  rt_fl<BASE, CHUNK> gw;
-  zero(gw);
-  mma_ABt(gw, dnr, vr, gw);
-  map_indexed(gw, gw, sc, [&](int r, int col, float gv, float qk) {
-    const float x = scale * qk;
-    return col <= BASE * grp + r ? (gv + (with_dd ? s.dd[BASE * grp + r] : 0.f)) * scale * (1.f + x) : 0.f;
-  });
-  rt_bf<BASE, CHUNK> w;
-  copy(w, gw);
-  rt_bf<CHUNK, DK, col_layout> kc;
-  load(kc, s.k[buf]);
   rt_fl<BASE, DK> dqp;
-  zero(dqp);
-  mma_AB(dqp, w, kc, dqp);
-
-  // inter-chunk: u = H dn + z dd per feature tile, through φq's Jacobian
-  rt_fl<BASE, DK> qf;
-  copy(qf, qr);
-#pragma unroll 1
-  for (int f = 0; f <= DK; ++f) {
-    rt_bf<BASE, BWD_HALF> hf;
-    load(hf, s.state, BASE * f, cols);
-    rt_fl<BASE, BASE> u;
-    zero(u);
-    mma_ABt(u, dnr, hf, u);
-    if (with_dd)
-      map_indexed(u, u, [&](int r, int b, float uv) { return uv + s.dd[BASE * grp + r] * s.z[BASE * f + b]; });
-    float qa[2] = {0.f, 0.f};
-    if (f < DK) qa[0] = __bfloat162float(s.q[buf](r0, f)), qa[1] = __bfloat162float(s.q[buf](r0 + 8, f));
-    feature_jacobian(dqp, u, qf, qa, f, half_sq, scale);
-  }
+  const float* dd = s.dd + BASE * grp;  // dd of this warp's rows
+  side_gradient<false>(
+      dqp, s, s.q[buf], s.k[buf], dnr, vr, sc, grp, cols, scale, half_sq, scale,
+      [&](int r, int) { return with_dd ? dd[r] : 0.f; },
+      [&](int r, int f, int b) { return with_dd ? dd[r] * s.z[BASE * f + b] : 0.f; });
   atomic_add_rows(dq, dqp, c * CHUNK + BASE * grp, a.N);
 }
 
@@ -436,7 +454,7 @@ __device__ __forceinline__ void dq_chunk(BwdSmem& s, int buf, int c, const Based
 __device__ __forceinline__ void dkdv_chunk(BwdSmem& s, int buf, int c, const BasedBwdArgs& a, int vt, bf16* dv,
                                            float* dk) {
   const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = BWD_HALF * (warp & 1);
-  const float scale = a.scale, half_sq = 0.5f * scale * scale;
+  const float scale = a.scale;
   const int r0 = BASE * grp + (lane >> 2);  // this lane's key rows: r0 and r0 + 8
   rt_bf<BASE, DK> kr;
   load(kr, s.k[buf], BASE * grp, 0);
@@ -483,43 +501,17 @@ __device__ __forceinline__ void dkdv_chunk(BwdSmem& s, int buf, int c, const Bas
       *reinterpret_cast<bf16_2*>(dv + int64_t(n) * a.dv + cols + BASE * j + base_col<row_layout>(k, 0)) = pair;
     }
 
-  // dk, intra-chunk: Wᵀ = (v dnᵀ + dd) ∘ scale (1 + s), on and above the diagonal; dk = Wᵀ q
+  // dk: the same as kernel A's dq with the sides swapped; dd belongs to the query columns, and r holds R's
   const bool with_dd = a.normalize && vt == 0 && (warp & 1) == 0;  // the dd terms once per row
   rt_bf<BASE, BWD_HALF> vr;
   load(vr, s.v[buf], BASE * grp, cols);
   rt_bf<CHUNK, BWD_HALF> dnr;
   load(dnr, s.dn, 0, cols);
-  rt_fl<BASE, CHUNK> gw;
-  zero(gw);
-  mma_ABt(gw, vr, dnr, gw);
-  map_indexed(gw, gw, sc, [&](int r, int col, float gv, float kq) {
-    const float x = scale * kq;
-    return col >= BASE * grp + r ? (gv + (with_dd ? s.dd[col] : 0.f)) * scale * (1.f + x) : 0.f;
-  });
-  rt_bf<BASE, CHUNK> w;
-  copy(w, gw);
-  rt_bf<CHUNK, DK, col_layout> qc;
-  load(qc, s.q[buf]);
   rt_fl<BASE, DK> dkp;
-  zero(dkp);
-  mma_AB(dkp, w, qc, dkp);
-
-  // dk, inter-chunk: R v + r per feature tile, through φk's Jacobian
-  rt_fl<BASE, DK> kf;
-  copy(kf, kr);
-#pragma unroll 1
-  for (int f = 0; f <= DK; ++f) {
-    rt_bf<BASE, BWD_HALF> rf;
-    load(rf, s.state, BASE * f, cols);
-    rt_fl<BASE, BASE> u;
-    zero(u);
-    mma_ABt(u, vr, rf, u);
-    if (with_dd) map_indexed(u, u, [&](int, int b, float uv) { return uv + s.z[BASE * f + b]; });
-    float ka[2] = {0.f, 0.f};
-    if (f < DK) ka[0] = __bfloat162float(s.k[buf](r0, f)), ka[1] = __bfloat162float(s.k[buf](r0 + 8, f));
-    feature_jacobian(dkp, u, kf, ka, f, 1.f, 1.f);
-  }
-  (void)half_sq;
+  side_gradient<true>(
+      dkp, s, s.k[buf], s.q[buf], vr, dnr, sc, grp, cols, scale, 1.f, 1.f,
+      [&](int, int col) { return with_dd ? s.dd[col] : 0.f; },
+      [&](int, int f, int b) { return with_dd ? s.z[BASE * f + b] : 0.f; });
   atomic_add_rows(dk, dkp, c * CHUNK + BASE * grp, a.N);
 }
 
