@@ -1,7 +1,8 @@
-"""The Based linear-attention kernel (csrc/kernels/linear_attention/based.cu) against the fp32 chunked reference,
-through the raw op tk_cuda::linear_attention, on random bf16 inputs: odd lengths (chunk tails), one and several
-chunks, dv 64 and 128 (one and two value tiles per head), normalised or not, strided inputs, and outputs poisoned
-before each call."""
+"""The Based linear-attention kernels (csrc/kernels/linear_attention/based.cu, based_backward.cu) against the fp32
+chunked reference and its autograd, through the raw ops tk_cuda::linear_attention and
+tk_cuda::linear_attention_backward, on random bf16 inputs: odd lengths (chunk tails), one and several chunks, dv 64
+and 128 (one and two value tiles per head), normalised or not, strided inputs, and outputs poisoned before each
+call."""
 from __future__ import annotations
 
 import math

@@ -45,7 +45,8 @@ FAMILY = "linear_attention"
 FEATURE_MAPS = ("identity", "elu1", "based", "hedgehog")
 REFERENCE_CHUNK = 64
 
-# The CUDA kernels (csrc/kernels/linear_attention/based.cu): Based, bf16, dk 16, dv a multiple of 64.
+# The CUDA kernels (csrc/kernels/linear_attention/based.cu, based_backward.cu): Based, bf16, dk 16, dv a multiple of
+# 64.
 KERNEL_DK, KERNEL_DV_TILE = 16, 64
 # The backward kernel was written without a GPU: the backward op and the matcher use it only once
 # tests/test_linear_attention_gpu.py has passed on the device (it calls tk_cuda::linear_attention_backward directly).
