@@ -99,18 +99,7 @@ __device__ __forceinline__ void chunk_output(const Smem<DVT>& s, int buf, int c,
   if (a.normalize)
 #pragma unroll
     for (int i = 0; i < 2; ++i) inv[i] = 1.f / (quad_sum(zrow[i] + zq[i]) + a.eps);
-#pragma unroll
-  for (int j = 0; j < HALF / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int n = c * CHUNK + r0 + 8 * (k & 1);
-      if (n >= a.N) continue;
-      const float2 v = out.tiles[0][j].data[k];
-      bf16_2 pair;
-      pair.x = __float2bfloat16_rn(v.x * inv[k & 1]);
-      pair.y = __float2bfloat16_rn(v.y * inv[k & 1]);
-      *reinterpret_cast<bf16_2*>(o + int64_t(n) * a.dv + cols + BASE * j + base_col<row_layout>(k, 0)) = pair;
-    }
+  store_rows(o, a.dv, out, c * CHUNK + BASE * grp, a.N, cols, inv);
 }
 
 template <int DVT>

@@ -38,36 +38,67 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// Phase 2: add the chunk's keys to this warp's state tiles and publish them (and z) for the next chunk.
-template <int DVT, class S>
-__device__ __forceinline__ void chunk_state(S& s, int buf, rt_fl<BASE, DVT> (&acc)[OWNED]) {
+// A state update: for this warp's feature tiles f (w, w + 8, w + 16), state_f += φ(x)ᵀ values and, with
+// `with_vec`, vec_f += Σ_t weight(t) φ(x_t); then the bf16 copy of the state is published. φ is the feature map of
+// the tokens' 16-wide rows x with its quadratic and linear factors (φk: 1, 1; φq: scale²/2, scale). The forward and
+// the backward's dq scan add φk(k)ᵀ v and z = Σ φk; the backward's reverse scan adds φq(q)ᵀ dn and r = Σ dd φq.
+template <int DVT, class S, class Weight>
+__device__ __forceinline__ void state_update(S& s, const QKTile& x, const st<bf16, CHUNK, DVT>& values, float quad,
+                                             float lin, bool with_vec, Weight&& weight,
+                                             rt_fl<BASE, DVT> (&acc)[OWNED]) {
   const int warp = warpid(), lane = laneid();
   rt_bf<CHUNK, DVT, col_layout> vall;
-  load(vall, s.v[buf]);
-  // K (64 x 16) loaded in col layout: the registers of Kᵀ (features x tokens) in row layout
-  rt_bf<CHUNK, DK, col_layout> kc;
-  load(kc, s.k[buf]);
+  load(vall, values);
+  // x (64 x 16) loaded in col layout: the registers of xᵀ (features x tokens) in row layout
+  rt_bf<CHUNK, DK, col_layout> xc;
+  load(xc, x);
 #pragma unroll
   for (int i = 0; i < OWNED; ++i) {
     const int f = warp + WARPS * i;
     if (f >= TILES) break;
-    rt_bf<BASE, CHUNK> phi;  // φk(k)ᵀ rows of tile f: (feature b, token t)
-    float zs[2] = {0.f, 0.f};
-    map_indexed(phi, transposed(kc), [&](int b, int t, float kb) {
-      const float val = f < DK ? __bfloat162float(s.k[buf](t, f)) * kb : f == DK ? kb : (b == 0 ? 1.f : 0.f);
-      zs[b >> 3] += val;
+    rt_bf<BASE, CHUNK> phi;  // φ(x)ᵀ rows of tile f: (feature b, token t)
+    float vs[2] = {0.f, 0.f};
+    map_indexed(phi, transposed(xc), [&](int b, int t, float xb) {
+      const float val = f < DK ? quad * __bfloat162float(x(t, f)) * xb : f == DK ? lin * xb : (b == 0 ? 1.f : 0.f);
+      vs[b >> 3] += weight(t) * val;
       return val;
     });
     mma_AB(acc[i], phi, vall, acc[i]);
+    if (with_vec)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float sum = quad_sum(zs[r]);
-      if ((lane & 3) == 0) s.z[BASE * f + (lane >> 2) + 8 * r] += sum;
-    }
+      for (int r = 0; r < 2; ++r) {
+        const float sum = quad_sum(vs[r]);
+        if ((lane & 3) == 0) s.z[BASE * f + (lane >> 2) + 8 * r] += sum;
+      }
     rt_bf<BASE, DVT> copy_bf;
     copy(copy_bf, acc[i]);
     store(s.state, copy_bf, BASE * f, 0);
   }
+}
+
+// The forward's state update: state += φk(k)ᵀ v and z += Σ φk(k).
+template <int DVT, class S>
+__device__ __forceinline__ void chunk_state(S& s, int buf, rt_fl<BASE, DVT> (&acc)[OWNED]) {
+  state_update<DVT>(s, s.k[buf], s.v[buf], 1.f, 1.f, true, [](int) { return 1.f; }, acc);
+}
+
+// Rows row0 + r of a (·, ld) bf16 matrix from a 16-row register tile (this lane's rows r0 and r0 + 8 of the tile,
+// scaled by row_scale[0] and [1]), columns col0..; rows at or past N are skipped.
+template <int W>
+__device__ __forceinline__ void store_rows(bf16* dst, int64_t ld, const rt_fl<BASE, W>& t, int row0, int N, int col0,
+                                           const float (&row_scale)[2]) {
+#pragma unroll
+  for (int j = 0; j < W / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int n = row0 + base_row<row_layout>(k, 0);
+      if (n >= N) continue;
+      const float2 v = t.tiles[0][j].data[k];
+      bf16_2 pair;
+      pair.x = __float2bfloat16_rn(v.x * row_scale[k & 1]);
+      pair.y = __float2bfloat16_rn(v.y * row_scale[k & 1]);
+      *reinterpret_cast<bf16_2*>(dst + int64_t(n) * ld + col0 + BASE * j + base_col<row_layout>(k, 0)) = pair;
+    }
 }
 
 }  // namespace

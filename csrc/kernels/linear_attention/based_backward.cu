@@ -265,18 +265,7 @@ __device__ __forceinline__ void dkdv_chunk(BwdSmem& s, int buf, int c, const Bas
     load(rf, s.state, BASE * f, cols);
     mma_AB(dvp, p, rf, dvp);
   }
-#pragma unroll
-  for (int j = 0; j < BWD_HALF / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int n = c * CHUNK + r0 + 8 * (k & 1);
-      if (n >= a.N) continue;
-      const float2 v = dvp.tiles[0][j].data[k];
-      bf16_2 pair;
-      pair.x = __float2bfloat16_rn(v.x);
-      pair.y = __float2bfloat16_rn(v.y);
-      *reinterpret_cast<bf16_2*>(dv + int64_t(n) * a.dv + cols + BASE * j + base_col<row_layout>(k, 0)) = pair;
-    }
+  store_rows(dv, a.dv, dvp, c * CHUNK + BASE * grp, a.N, cols, {1.f, 1.f});
 
   // dk: the same as kernel A's dq with the sides swapped; dd belongs to the query columns, and r holds R's
   const bool with_dd = a.normalize && vt == 0 && (warp & 1) == 0;  // the dd terms once per row
@@ -290,41 +279,6 @@ __device__ __forceinline__ void dkdv_chunk(BwdSmem& s, int buf, int c, const Bas
       [&](int, int col) { return with_dd ? s.dd[col] : 0.f; },
       [&](int, int f, int b) { return with_dd ? s.z[BASE * f + b] : 0.f; });
   atomic_add_rows(dk, dkp, c * CHUNK + BASE * grp, a.N);
-}
-
-// Kernel B's state update: R += φq(q)ᵀ dn and r += φq(q)ᵀ dd for this warp's feature tiles (the forward's
-// chunk_state with q's scaled map and dn for k and v).
-__device__ __forceinline__ void reverse_state(BwdSmem& s, int buf, const BasedBwdArgs& a, bool with_dd,
-                                              rt_fl<BASE, BWD_DVT> (&acc)[OWNED]) {
-  const int warp = warpid(), lane = laneid();
-  const float scale = a.scale, half_sq = 0.5f * scale * scale;
-  rt_bf<CHUNK, BWD_DVT, col_layout> dnall;
-  load(dnall, s.dn);
-  rt_bf<CHUNK, DK, col_layout> qcol;
-  load(qcol, s.q[buf]);
-#pragma unroll
-  for (int i = 0; i < OWNED; ++i) {
-    const int f = warp + WARPS * i;
-    if (f >= TILES) break;
-    rt_bf<BASE, CHUNK> phi;  // φq(q)ᵀ rows of tile f: (feature b, token t)
-    float rs[2] = {0.f, 0.f};
-    map_indexed(phi, transposed(qcol), [&](int b, int t, float qb) {
-      const float val = f < DK ? half_sq * __bfloat162float(s.q[buf](t, f)) * qb
-                               : f == DK ? scale * qb : (b == 0 ? 1.f : 0.f);
-      rs[b >> 3] += val * s.dd[t];
-      return val;
-    });
-    mma_AB(acc[i], phi, dnall, acc[i]);
-    if (with_dd)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float sum = quad_sum(rs[r]);
-        if ((lane & 3) == 0) s.z[BASE * f + (lane >> 2) + 8 * r] += sum;
-      }
-    rt_bf<BASE, BWD_DVT> copy_bf;
-    copy(copy_bf, acc[i]);
-    store(s.state, copy_bf, BASE * f, 0);
-  }
 }
 
 __device__ __forceinline__ BwdRows bwd_rows(const BasedBwdArgs& a, int bh, int vt) {
@@ -397,7 +351,9 @@ __global__ void __launch_bounds__(THREADS, 1) based_bwd_dkdv_kernel(const BasedB
     dkdv_chunk(s, buf, c, a, vt, dv, dk);
     if (c == 0) break;
     __syncthreads();  // every warp has read the state before its owners change it
-    reverse_state(s, buf, a, with_dd, acc);
+    // R += φq(q)ᵀ dn and r += Σ dd φq(q)
+    state_update<BWD_DVT>(s, s.q[buf], s.dn, 0.5f * a.scale * a.scale, a.scale, with_dd,
+                          [&](int t) { return s.dd[t]; }, acc);
   }
 }
 
