@@ -239,12 +239,17 @@ def test_not_provably_causal_is_not_replaced(form):
         assert any(f == "linear_attention" and "not provably causal" in r for f, r in seen[0].kept)
 
 
-def test_training_without_reference_keeps_it():
-    """No backward kernel yet: in a graph that needs gradients the subgraph stays (outside reference mode)."""
+@pytest.mark.parametrize("validated", [False, True])
+def test_training_follows_the_backward_kernel(validated, monkeypatch):
+    """Until the Based backward kernel is validated, a graph that needs gradients keeps the subgraph (outside
+    reference mode); after, only the device rule keeps it here (kernels are CUDA-only)."""
+    monkeypatch.setattr(la, "BACKWARD_KERNEL_VALIDATED", validated)
     m = LinearAttention(feature_map="based", form="quadratic")
     seen = _rewritten_ops(m, torch.randn(2, 9, 32), options={"reference": False})
     assert "linear_attention" not in seen[0].replaced
-    assert ("linear_attention", "training, and the op has no backward kernel yet") in seen[0].kept
+    reasons = [r for f, r in seen[0].kept if f == "linear_attention"]
+    assert reasons and all(r.startswith("device cpu") if validated else
+                           r == "training, and the op has no backward kernel yet" for r in reasons)
 
 
 def test_inference_without_reference_on_cpu_is_kept_for_the_device():
