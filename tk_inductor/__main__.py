@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import subprocess
@@ -24,7 +25,7 @@ def doctor(_args) -> int:
     from . import build, config
 
     def row(name: str, value) -> None:
-        print(f"{name:<20}{value}")
+        print(f"{name:<24}{value}")  # "kernel linear_attention" plus a space
 
     row("python", f"{platform.python_version()} ({sys.executable})")
     row("torch", f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})")
@@ -43,7 +44,8 @@ def doctor(_args) -> int:
         row("nvcc", f"{nvcc}: {_nvcc_version(nvcc)}")
     try:
         cfg = config.current()
-        row("config", f"ops={','.join(cfg.ops)} strict={cfg.strict} reference={cfg.reference} verbose={cfg.verbose}")
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}  # every option, as resolved
+        row("config", " ".join(f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in fields.items()))
     except (ValueError, TypeError) as exc:
         row("config", f"INVALID: {exc}")
     from ._autoload import enabled
