@@ -286,9 +286,13 @@ def _training_reasons(module, options=None, l=24):
 CPU_REASON = "device cpu (kernels are CUDA-only; reference mode runs anywhere)"
 
 
-def test_training_keeps_an_einsum_spelling():
-    """No backward kernel: Inductor's matmuls of an einsum spelling beat the reference's autograd."""
-    assert _training_reasons(MinimalSSD(chunk=8)) == ["training, and the op has no backward kernel yet"]
+@pytest.mark.parametrize("validated", [False, True])
+def test_training_keeps_an_einsum_spelling_until_the_backward_kernel(validated, monkeypatch):
+    """Without a backward kernel, Inductor's matmuls of an einsum spelling beat the reference's autograd; once the
+    kernel is validated, training takes it (and on this CPU the device rule keeps it)."""
+    monkeypatch.setattr(ops, "BACKWARD_KERNEL_VALIDATED", validated)
+    want = CPU_REASON if validated else "training, and the op has no backward kernel yet"
+    assert _training_reasons(MinimalSSD(chunk=8)) == [want]
 
 
 def test_training_takes_the_multiply_and_sum_spelling():

@@ -107,3 +107,63 @@ def test_ssd_forward_empty_and_bad_shapes(ops):
     x, dt, A, B, C, D, _ = inputs(1, 8, 2, 1, 48, 64)
     with pytest.raises(RuntimeError, match="head dims"):
         ops.ssd(x, dt, A, B, C, D, None, 64)
+
+
+# ---------------------------------------------------------------------------- backward (tk_cuda::ssd_backward)
+
+BWD_TOL = 3e-2  # relative (norm-wise) error of each gradient vs the fp32 reference's autograd (bf16 operands)
+
+
+def check_backward(ops, x, dt, A, B, C, D, h0, grad_state=True, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, l, nh, p = x.shape
+    dy = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    dh = torch.randn(b, nh, p, B.shape[-1], device="cuda", generator=g) if grad_state else \
+        torch.zeros(b, nh, p, B.shape[-1], device="cuda")
+    got = ops.ssd_backward(dy, dh, x, dt, A, B, C, D, h0, 64)
+    torch.cuda.synchronize()
+    inputs = (x, dt, A, B, C, D, h0)
+    leaves = [None if t is None else t.detach().float().requires_grad_() for t in inputs]
+    y, state = ssd_ops.ssd_reference(*leaves, 64)
+    ((y * dy.float()).sum() + (state * dh).sum()).backward()
+    names = ("dx", "ddt", "dA", "dB", "dC", "dD", "dinitial_state")
+    for name, t, gv, leaf in zip(names, inputs, got, leaves):
+        if t is None:
+            assert gv.numel() == 0, name
+            continue
+        assert gv.shape == t.shape and gv.dtype == t.dtype, name
+        assert not gv.isnan().any(), f"{name}: non-finite"
+        err = rel_err(gv, leaf.grad)
+        assert err < BWD_TOL, f"{name}: relative error {err:.3g} (l{l} n{B.shape[-1]} p{p})"
+
+
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("l", [1, 17, 64, 65, 300])
+def test_ssd_backward(ops, l, n):
+    check_backward(ops, *inputs(2, l, 4, 2, 64, n, h0=True, seed=l + n), seed=l)
+
+
+@pytest.mark.parametrize("D,h0,grad_state", [(False, False, False), (True, False, True), (False, True, False)],
+                         ids=["plain", "D+dstate", "h0"])
+def test_ssd_backward_options(ops, D, h0, grad_state):
+    check_backward(ops, *inputs(1, 200, 4, 1, 128, 128, D=D, h0=h0, seed=7), grad_state=grad_state)
+
+
+def test_ssd_backward_hf_layout_and_many_blocks(ops):
+    x, dt, A, B, C, D, h0 = inputs(1, 333, 8, 1, 64, 128, layout="channels", seed=8)
+    check_backward(ops, x.float(), dt, A, B, C, D, h0)
+    check_backward(ops, *inputs(2, 1024, 32, 1, 64, 128, seed=9))
+
+
+def test_ssd_backward_through_the_op(ops, monkeypatch):
+    """tk::ssd's autograd runs the backward kernels once BACKWARD_KERNEL_VALIDATED is set."""
+    monkeypatch.setattr(ssd_ops, "BACKWARD_KERNEL_VALIDATED", True)
+    x, dt, A, B, C, D, h0 = inputs(1, 150, 4, 1, 64, 64, seed=10)
+    leaves = [t.requires_grad_() for t in (x, dt, B, C)]
+    y, state = torch.ops.tk.ssd(x, dt, A, B, C, D, None, 64)
+    (y.float().square().sum() + state.sum()).backward()
+    want = [t.detach().float().requires_grad_() for t in (x, dt, B, C)]
+    y32, s32 = ssd_ops.ssd_reference(want[0], want[1], A, want[2], want[3], D, None, 64)
+    (y32.square().sum() + s32.sum()).backward()
+    for got, w in zip(leaves, want):
+        assert rel_err(got.grad, w.grad) < 5e-2

@@ -29,6 +29,9 @@ FAMILY = "ssd"
 # The CUDA kernel (csrc/kernels/ssd/ssd.cu): forward only, state size n 64 or 128, head dim p a multiple of 64;
 # bf16 tensor-core products with fp32 states (inputs in other dtypes are converted by its binding).
 KERNEL_STATE_SIZES, KERNEL_P_TILE = (64, 128), 64
+# The backward kernels (csrc/kernels/ssd/ssd_backward.cu) were written without a GPU: the backward op and the
+# matcher use them only once tests/test_ssd_gpu.py has passed on the device (it calls tk_cuda::ssd_backward).
+BACKWARD_KERNEL_VALIDATED = False
 
 
 def kernel_supports(n, p) -> str | None:
@@ -182,7 +185,8 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, ddt, dA, dB, dC, dD, dinitial_state); dD / dinitial_state are empty without D / initial_state."""
     _validate(x, dt, A, B, C, D, initial_state, chunk_size)
-    if x.dtype != torch.float64 and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
+    if BACKWARD_KERNEL_VALIDATED and x.dtype != torch.float64 and kernel_supports(B.shape[-1], x.shape[-1]) is None \
+            and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
             and _dispatch.has_kernel("ssd_backward"):
         return _dispatch.kernel("ssd_backward")(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
     return _dispatch.reference_backward(_reference_grads, grad_y, grad_state, x, dt, A, B, C, D, initial_state,

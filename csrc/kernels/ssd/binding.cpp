@@ -1,6 +1,6 @@
-// Registers the SSD forward kernel as the raw op tk_cuda::ssd, with the schema of the user-facing tk::ssd.
-// tk_inductor/ops/ssd.py calls it only for what `kernel_supports` accepts (n 64 or 128, p a multiple of 64); the
-// checks here guard direct calls. The kernel takes one layout (ssd.h): inputs in other dtypes or strides (HF
+// Registers the SSD kernels as the raw ops tk_cuda::ssd and tk_cuda::ssd_backward, with the schemas of the
+// user-facing tk:: ops. tk_inductor/ops/ssd.py calls them only for what `kernel_supports` accepts (n 64 or 128, p a
+// multiple of 64); the checks here guard direct calls. The kernel takes one layout (ssd.h): inputs in other dtypes or strides (HF
 // Mamba2 hands over fp32 x and B/C with the sequence axis innermost) are converted here first.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -76,11 +76,71 @@ std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& 
   return {x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type()), h_final};
 }
 
+// (dx, ddt, dA, dB, dC, dD, dinitial_state), the op's schema and dtypes. The kernels give dX (X = dt·x), dB and dC
+// per head and dh0; the rest is elementwise on those (ssd/README.md, "Backward"): da is the reverse cumulative sum
+// of C·dC − B·dB (plus ⟨dh_final, h_final⟩ at the last position).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
+    const Tensor& grad_y, const Tensor& grad_state, const Tensor& x, const Tensor& dt, const Tensor& A,
+    const Tensor& B, const Tensor& C, const std::optional<Tensor>& D, const std::optional<Tensor>& initial_state,
+    int64_t chunk_size) {
+  (void)chunk_size;
+  const char* op = "tk_cuda::ssd_backward";
+  TORCH_CHECK(x.is_cuda() && grad_y.is_cuda() && grad_state.is_cuda(), op, ": inputs must be CUDA tensors");
+  TORCH_CHECK(x.dim() == 4 && grad_y.sizes() == x.sizes() && B.dim() == 4 && C.sizes() == B.sizes(), op,
+              ": grad_y must have x's shape (b, l, nh, p); B and C (b, l, ng, n)");
+  const int64_t b = x.size(0), l = x.size(1), nh = x.size(2), p = x.size(3), ng = B.size(2), n = B.size(3);
+  TORCH_CHECK(tk_ssd::state_size_supported(int(n)) && p % tk_ssd::P_TILE == 0 && p > 0 && nh % ng == 0, op,
+              ": the kernel takes n 64 or 128 and p a multiple of ", tk_ssd::P_TILE);
+  TORCH_CHECK(grad_state.sizes() == at::IntArrayRef({b, nh, p, n}), op, ": grad_state must be (b, nh, p, n)");
+  const bool has_d = D && D->defined(), has_h0 = initial_state && initial_state->defined();
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto f32 = x.options().dtype(at::kFloat);
+  const Tensor dtf = as(dt, at::kFloat), Af = as(A, at::kFloat), xf = as(x, at::kFloat), dyf = as(grad_y, at::kFloat);
+  Tensor dX = at::zeros({b, l, nh, p}, f32), dBh = at::zeros({b, l, nh, n}, f32), dCh = at::zeros({b, l, nh, n}, f32);
+  Tensor dh0 = as(grad_state, at::kFloat).clone(), h_final = has_h0 ? as(*initial_state, at::kFloat).clone()
+                                                                    : at::zeros({b, nh, p, n}, f32);
+  if (l > 0 && b > 0 && nh > 0) {
+    const Tensor xb = as(x, at::kBFloat16), dyb = as(grad_y, at::kBFloat16);
+    const Tensor Bb = as(B, at::kBFloat16), Cb = as(C, at::kBFloat16), dh = as(grad_state, at::kFloat);
+    const Tensor h0 = has_h0 ? as(*initial_state, at::kFloat) : Tensor();
+    tk_ssd::BwdArgs a{};
+    a.x = xb.data_ptr(), a.dy = dyb.data_ptr(), a.dt = dtf.data_ptr<float>(), a.A = Af.data_ptr<float>();
+    a.B = Bb.data_ptr(), a.C = Cb.data_ptr(), a.h0 = has_h0 ? h0.data_ptr<float>() : nullptr;
+    a.dh = dh.data_ptr<float>(), a.dX = dX.data_ptr<float>(), a.dB = dBh.data_ptr<float>();
+    a.dC = dCh.data_ptr<float>(), a.dh0 = dh0.data_ptr<float>(), a.h_final = h_final.data_ptr<float>();
+    a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
+    const char* err = tk_ssd::launch_backward(a, c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
+  }
+  const int64_t rep = nh / ng;
+  const Tensor Bh = as(B, at::kFloat).repeat_interleave(rep, 2), Ch = as(C, at::kFloat).repeat_interleave(rep, 2);
+  Tensor dlam = Ch.mul(dCh).sum(-1).sub(Bh.mul(dBh).sum(-1));  // (b, l, nh)
+  if (l > 0) dlam.select(1, l - 1).add_(as(grad_state, at::kFloat).mul(h_final).sum(at::IntArrayRef{-1, -2}));
+  const Tensor da = dlam.flip({1}).cumsum(1).flip({1});
+  const Tensor ddt = xf.mul(dX).sum(-1).add(Af.mul(da));
+  const Tensor dA = dtf.mul(da).sum(at::IntArrayRef{0, 1});
+  Tensor dx = dtf.unsqueeze(-1).mul(dX);
+  Tensor dD = at::empty({0}, f32);
+  if (has_d) {
+    dx = dx.add(as(*D, at::kFloat).view({1, 1, nh, 1}).mul(dyf));
+    dD = xf.mul(dyf).sum(at::IntArrayRef{0, 1, 3}).to(D->scalar_type());
+  }
+  const Tensor dB = dBh.view({b, l, ng, rep, n}).sum(3), dC = dCh.view({b, l, ng, rep, n}).sum(3);
+  Tensor dinit = has_h0 ? dh0.to(initial_state->scalar_type()) : at::empty({0}, f32);
+  return {dx.to(x.scalar_type()), ddt.to(dt.scalar_type()), dA.to(A.scalar_type()), dB.to(B.scalar_type()),
+          dC.to(C.scalar_type()), dD, dinit};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def("ssd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D=None, Tensor? initial_state=None, "
         "int chunk_size=64) -> (Tensor, Tensor)");
+  m.def("ssd_backward(Tensor grad_y, Tensor grad_state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+        "Tensor? D, Tensor? initial_state, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) { m.impl("ssd", &ssd); }
+TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {
+  m.impl("ssd", &ssd);
+  m.impl("ssd_backward", &ssd_backward);
+}

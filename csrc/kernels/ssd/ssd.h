@@ -35,4 +35,25 @@ constexpr bool state_size_supported(int n) { return n == 64 || n == 128; }
 // nullptr on success, else why not (a bad argument or a launch error).
 const char* launch(const Args& a, cudaStream_t stream);
 
+// Backward (ssd_backward.cu): from dy (b, l, nh, p) bf16 and dh (b, nh, p, n) fp32 (the final state's gradient, or
+// null), the gradients of X = dt·x (dX: (b, l, nh, p) fp32), of B and C per head (dB, dC: (b, l, nh, n) fp32, zeroed
+// by the caller: head-dim tiles add into them) and of the initial state (dh0: (b, nh, p, n) fp32). Inputs as Args.
+struct BwdArgs {
+  const void* x;
+  const void* dy;
+  const float* dt;
+  const float* A;
+  const void* B;
+  const void* C;
+  const float* h0;  // or nullptr
+  const float* dh;  // or nullptr
+  float* dX;
+  float* dB;
+  float* dC;
+  float* dh0;
+  float* h_final;  // the forward's final state again (kernel A's scan ends on it): the dt/A gradients need it
+  int b, l, nh, ng, p, n;
+};
+const char* launch_backward(const BwdArgs& a, cudaStream_t stream);
+
 }  // namespace tk_ssd

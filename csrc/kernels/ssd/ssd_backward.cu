@@ -1,0 +1,393 @@
+// Mamba-2 SSD backward (ssd.h): the gradients of X = dt·x, B, C and the initial state as two chunked scans of the
+// forward's shape; README "Backward" has the plan. Per (batch, head, 64 head dims), with Λ the inclusive cumulative
+// sum of a = dt·A inside the chunk:
+//   kernel A, chunks first to last over S = hᵀ (the forward's state, n x p):
+//     dC_t = Σ_{s≤t} exp(Λ_t − Λ_s) (dy_t·X_s) B_s + exp(Λ_t) S dy_t
+//   kernel B, chunks last to first over G = gᵀ, g = ∂L/∂h at the chunk's end (from dh_final):
+//     dX_s = Σ_{t≥s} exp(Λ_t − Λ_s) (B_s·C_t) dy_t + exp(Λ_end − Λ_s) Gᵀ B_s
+//     dB_s = Σ_{t≥s} exp(Λ_t − Λ_s) (X_s·dy_t) C_t + exp(Λ_end − Λ_s) G X_s
+//     G   ← exp(Λ_end) G + Σ_t exp(Λ_t) C_t dy_tᵀ;  dh0 = G after chunk 0
+// Kernel A also writes the final state (its scan ends on it), which dA's gradient needs.
+// dB and dC are per head and sum over the block's head-dim tiles by fp32 atomics (the binding zeroes them); the
+// binding then forms dt's and A's gradients from them (da = reverse cumulative sum of C·dC − B·dB).
+// Warps: 8. Outputs: warp w owns chunk rows 16·(w/2).. and half of the columns (head dims for dX, state dims for
+// dB and dC); the state: warp w < n/16 owns 16 state dims of S or G in fp32 registers, as in the forward.
+#include <tk/tk.cuh>
+#include <tk/ops/thread/cp_async.cuh>
+#include <tk/ops/warp/mma.cuh>
+
+#include "ssd.h"
+
+namespace tk_ssd {
+namespace {
+
+using namespace tk;
+
+constexpr int CHUNK = 64, PT = P_TILE, HALF = PT / 2, WARPS = 8, THREADS = WARPS * 32;
+
+template <int NS>
+struct BwdSmem {
+  st<bf16, CHUNK, PT> x[2], dy[2];
+  st<bf16, CHUNK, NS> b[2], c[2];
+  st<bf16, NS, PT> state;  // bf16 copy of S (kernel A) or G (kernel B) before the current chunk
+  float dt[2][CHUNK];
+};
+
+struct BwdRows {  // this block's rows in global memory (elements)
+  const bf16* x;
+  const bf16* dy;
+  const bf16* b;
+  const bf16* c;
+  const float* dt;
+  int64_t x_row, bc_row, dt_row;
+  int l;
+};
+
+template <int NS>
+__device__ __forceinline__ void load_bwd_chunk(BwdSmem<NS>& s, int buf, const BwdRows& g, int c) {
+  using XT = st<bf16, CHUNK, PT>;
+  using BT = st<bf16, CHUNK, NS>;
+  const int tid = threadIdx.x, n0 = c * CHUNK;
+#pragma unroll
+  for (int i = 0; i < CHUNK * PT / 8 / THREADS; ++i) {
+    const int t = tid + i * THREADS, r = t / (PT / 8), seg = t % (PT / 8), n = n0 + r;
+    const bool ok = n < g.l;
+    const int64_t off = ok ? n * g.x_row + seg * 8 : 0;
+    cp_async16(smem_addr(s.x[buf].data) + XT::offset(r, seg * 8), g.x + off, ok);
+    cp_async16(smem_addr(s.dy[buf].data) + XT::offset(r, seg * 8), g.dy + off, ok);
+  }
+#pragma unroll
+  for (int i = 0; i < CHUNK * NS / 8 / THREADS; ++i) {
+    const int t = tid + i * THREADS, r = t / (NS / 8), seg = t % (NS / 8), n = n0 + r;
+    const bool ok = n < g.l;
+    const int64_t off = ok ? n * g.bc_row + seg * 8 : 0;
+    cp_async16(smem_addr(s.b[buf].data) + BT::offset(r, seg * 8), g.b + off, ok);
+    cp_async16(smem_addr(s.c[buf].data) + BT::offset(r, seg * 8), g.c + off, ok);
+  }
+  if (tid < CHUNK) {
+    const bool ok = n0 + tid < g.l;
+    cp_async4(smem_addr(&s.dt[buf][tid]), g.dt + (ok ? (n0 + tid) * g.dt_row : 0), ok);
+  }
+  cp_async_commit();
+}
+
+// Λ inside the chunk (inclusive cumulative sum of dt·A), two tokens per lane: lane holds tokens 2·lane and
+// 2·lane + 1 (l0, l1; their dt in dt0, dt1), and every lane gets Λ_end.
+struct Decays {
+  float dt0, dt1, l0, l1, l_end;
+  // Λ and dt of token t (0..63). All lanes must call them (shuffles).
+  __device__ __forceinline__ float lam(int t) const {
+    const float v0 = __shfl_sync(0xffffffffu, l0, t >> 1), v1 = __shfl_sync(0xffffffffu, l1, t >> 1);
+    return (t & 1) ? v1 : v0;
+  }
+  __device__ __forceinline__ float dt(int t) const {
+    const float v0 = __shfl_sync(0xffffffffu, dt0, t >> 1), v1 = __shfl_sync(0xffffffffu, dt1, t >> 1);
+    return (t & 1) ? v1 : v0;
+  }
+};
+
+template <int NS>
+__device__ __forceinline__ Decays chunk_decays(const BwdSmem<NS>& s, int buf, float Ah) {
+  const int lane = laneid();
+  Decays d;
+  d.dt0 = s.dt[buf][2 * lane], d.dt1 = s.dt[buf][2 * lane + 1];
+  const float a0 = d.dt0 * Ah, a1 = d.dt1 * Ah;
+  float run = a0 + a1;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const float up = __shfl_up_sync(0xffffffffu, run, off);
+    if (lane >= off) run += up;
+  }
+  d.l1 = run, d.l0 = run - a1, d.l_end = __shfl_sync(0xffffffffu, run, 31);
+  return d;
+}
+
+// The owner warps' fp32 state rows (16 state dims x 64 head dims) from a (b, nh, p, n) fp32 tensor (or zero), and
+// back: the state is kept transposed (state dims as rows).
+__device__ __forceinline__ void read_state(rt_fl<BASE, PT>& S, const float* src, int64_t base, int ns, int warp) {
+#pragma unroll
+  for (int j = 0; j < PT / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float2 v = make_float2(0.f, 0.f);
+      if (src) {
+        const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
+        v.x = src[base + int64_t(cc) * ns + r];
+        v.y = src[base + int64_t(cc + 1) * ns + r];
+      }
+      S.tiles[0][j].data[k] = v;
+    }
+}
+
+__device__ __forceinline__ void write_state(float* dst, const rt_fl<BASE, PT>& S, int64_t base, int ns, int warp) {
+#pragma unroll
+  for (int j = 0; j < PT / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
+      dst[base + int64_t(cc) * ns + r] = S.tiles[0][j].data[k].x;
+      dst[base + int64_t(cc + 1) * ns + r] = S.tiles[0][j].data[k].y;
+    }
+}
+
+// state ← exp(Λ_end) state + Σ_t w_t · rowsᵀ_t values_t for this owner warp's 16 state dims: rows (tokens x n) is B
+// (kernel A, w_t = exp(Λ_end − Λ_t) dt_t, values x) or C (kernel B, w_t = exp(Λ_t), values dy). Publishes the bf16
+// copy.
+template <int NS, class Weight>
+__device__ __forceinline__ void state_step(rt_fl<BASE, PT>& S, BwdSmem<NS>& s, const st<bf16, CHUNK, NS>& rows,
+                                           const st<bf16, CHUNK, PT>& values, float keep, Weight&& weight) {
+  const int warp = warpid();
+#pragma unroll
+  for (int j = 0; j < PT / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) S.tiles[0][j].data[k].x *= keep, S.tiles[0][j].data[k].y *= keep;
+#pragma unroll
+  for (int j = 0; j < CHUNK / BASE; ++j) {
+    rt_bf<BASE, BASE, col_layout> rt;  // tokens 16j.. by this warp's 16 state dims: its transpose's registers
+    load(rt, rows, BASE * j, BASE * warp);
+    rt_bf<BASE, BASE> wr;
+    map_indexed(wr, transposed(rt), [&](int, int col, float v) { return v * weight(BASE * j + col); });
+    rt_bf<BASE, PT, col_layout> vj;
+    load(vj, values, BASE * j, 0);
+    mma_AB(S, wr, vj, S);
+  }
+  rt_bf<BASE, PT> copy_bf;
+  copy(copy_bf, S);
+  store(s.state, copy_bf, BASE * warp, 0);
+}
+
+// Adds a warp's 16-row fp32 tile to rows row0.. (columns col0..) of a (·, ld) fp32 matrix; rows at or past l skipped.
+template <int W>
+__device__ __forceinline__ void add_rows(float* dst, int64_t ld, const rt_fl<BASE, W>& t, int row0, int l,
+                                         int col0) {
+#pragma unroll
+  for (int j = 0; j < W / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = row0 + base_row<row_layout>(k, 0), col = col0 + BASE * j + base_col<row_layout>(k, 0);
+      if (r >= l) continue;
+      atomicAdd(dst + int64_t(r) * ld + col, t.tiles[0][j].data[k].x);
+      atomicAdd(dst + int64_t(r) * ld + col + 1, t.tiles[0][j].data[k].y);
+    }
+}
+
+struct Block {  // a block's (batch, head, head-dim tile) and its pointers
+  BwdRows g;
+  int64_t out_row_p, out_row_n, state_base;
+  int64_t p_off, n_off;  // offsets of the block's first row in the (b, l, nh, p) and (b, l, nh, n) outputs
+  float Ah;
+};
+
+__device__ __forceinline__ Block block_of(const BwdArgs& a, int ns) {
+  const int ptiles = a.p / PT;
+  const int pt = blockIdx.x % ptiles, bh = blockIdx.x / ptiles;
+  const int bi = bh / a.nh, h = bh % a.nh, grp_of_head = h / (a.nh / a.ng);
+  Block k;
+  k.g.x = static_cast<const bf16*>(a.x) + (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
+  k.g.dy = static_cast<const bf16*>(a.dy) + (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
+  k.g.b = static_cast<const bf16*>(a.B) + (int64_t(bi) * a.l * a.ng + grp_of_head) * ns;
+  k.g.c = static_cast<const bf16*>(a.C) + (int64_t(bi) * a.l * a.ng + grp_of_head) * ns;
+  k.g.dt = a.dt + int64_t(bi) * a.l * a.nh + h;
+  k.g.x_row = int64_t(a.nh) * a.p, k.g.bc_row = int64_t(a.ng) * ns, k.g.dt_row = a.nh;
+  k.g.l = a.l;
+  k.out_row_p = int64_t(a.nh) * a.p, k.out_row_n = int64_t(a.nh) * ns;
+  k.p_off = (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
+  k.n_off = (int64_t(bi) * a.l * a.nh + h) * ns;
+  k.state_base = (int64_t(bh) * a.p + pt * PT) * ns;
+  k.Ah = a.A[h];
+  return k;
+}
+
+// Kernel A: dC.
+template <int NS>
+__global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a) {
+  extern __shared__ uint8_t raw[];
+  BwdSmem<NS>& s = *reinterpret_cast<BwdSmem<NS>*>(align_shared<1024>(raw));
+  constexpr int NH = NS / 2;  // state dims per output warp
+  const Block blk = block_of(a, NS);
+  const int warp = warpid(), lane = laneid(), grp = warp >> 1, ncols = NH * (warp & 1);
+  const bool owner = warp < NS / BASE;
+  load_bwd_chunk(s, 0, blk.g, 0);
+  rt_fl<BASE, PT> S;
+  read_state(S, owner ? a.h0 : nullptr, blk.state_base, NS, warp);
+  if (owner) {
+    rt_bf<BASE, PT> copy_bf;
+    copy(copy_bf, S);
+    store(s.state, copy_bf, BASE * warp, 0);
+  }
+  const int chunks = (a.l + CHUNK - 1) / CHUNK;
+  for (int c = 0; c < chunks; ++c) {
+    const int buf = c & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c and S before it are visible; chunk c - 1's buffers are free
+    if (c + 1 < chunks) load_bwd_chunk(s, buf ^ 1, blk.g, c + 1);
+    const Decays d = chunk_decays(s, buf, blk.Ah);
+    {
+      const int t0 = BASE * grp + (lane >> 2);
+      const float lt[2] = {d.lam(t0), d.lam(t0 + 8)};
+      // intra-chunk: W = (dy_t·x_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal; dC = W B
+      rt_bf<BASE, PT> dyr;
+      load(dyr, s.dy[buf], BASE * grp, 0);
+      rt_bf<CHUNK, PT> xall;
+      load(xall, s.x[buf]);
+      rt_fl<BASE, CHUNK> m;
+      zero(m);
+      mma_ABt(m, dyr, xall, m);
+      rt_bf<BASE, CHUNK> w;
+      map_indexed(w, m, [&](int r, int src, float v) {
+        const float ls = d.lam(src), ds = d.dt(src);  // every lane shuffles
+        return src <= BASE * grp + r ? v * __expf(lt[r >> 3] - ls) * ds : 0.f;
+      });
+      rt_bf<CHUNK, NH, col_layout> bc;
+      load(bc, s.b[buf], 0, ncols);
+      rt_fl<BASE, NH> dc;
+      zero(dc);
+      mma_AB(dc, w, bc, dc);
+      // inter-chunk: exp(Λ_t) dy_t against S's rows (the decay folded into dy's rows)
+      const float decay[2] = {__expf(lt[0]), __expf(lt[1])};
+      map_indexed(dyr, dyr, [&](int r, int, float v) { return v * decay[r >> 3]; });
+      rt_bf<NH, PT> sr;
+      load(sr, s.state, ncols, 0);
+      mma_ABt(dc, dyr, sr, dc);
+      add_rows(a.dC + blk.n_off, blk.out_row_n, dc, c * CHUNK + BASE * grp, a.l, ncols);
+    }
+    __syncthreads();  // every warp has read S before its owners change it
+    if (owner)  // S ← exp(Λ_end) S + Σ_s exp(Λ_end − Λ_s) dt_s B_sᵀ x_s
+      state_step(S, s, s.b[buf], s.x[buf], __expf(d.l_end),
+                 [&](int t) { return __expf(d.l_end - d.lam(t)) * d.dt(t); });
+  }
+  if (owner) write_state(a.h_final, S, blk.state_base, NS, warp);
+}
+
+// Kernel B: dX, dB and dh0.
+template <int NS>
+__global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs a) {
+  extern __shared__ uint8_t raw[];
+  BwdSmem<NS>& s = *reinterpret_cast<BwdSmem<NS>*>(align_shared<1024>(raw));
+  constexpr int NH = NS / 2;
+  const Block blk = block_of(a, NS);
+  const int warp = warpid(), lane = laneid(), grp = warp >> 1, pcols = HALF * (warp & 1), ncols = NH * (warp & 1);
+  const bool owner = warp < NS / BASE;
+  const int chunks = (a.l + CHUNK - 1) / CHUNK;
+  load_bwd_chunk(s, (chunks - 1) & 1, blk.g, chunks - 1);
+  rt_fl<BASE, PT> G;
+  read_state(G, owner ? a.dh : nullptr, blk.state_base, NS, warp);
+  if (owner) {
+    rt_bf<BASE, PT> copy_bf;
+    copy(copy_bf, G);
+    store(s.state, copy_bf, BASE * warp, 0);
+  }
+  for (int c = chunks - 1; c >= 0; --c) {
+    const int buf = c & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c and G at its end are visible; chunk c + 1's buffers are free
+    if (c > 0) load_bwd_chunk(s, buf ^ 1, blk.g, c - 1);
+    const Decays d = chunk_decays(s, buf, blk.Ah);
+    {
+      const int s0 = BASE * grp + (lane >> 2);
+      const float ls[2] = {d.lam(s0), d.lam(s0 + 8)}, dts[2] = {d.dt(s0), d.dt(s0 + 8)};
+      const float to_end[2] = {__expf(d.l_end - ls[0]), __expf(d.l_end - ls[1])};
+      // dX, intra-chunk: (B_s·C_t) exp(Λ_t − Λ_s) for t ≥ s, times dy
+      rt_fl<BASE, CHUNK> bc;
+      zero(bc);
+#pragma unroll
+      for (int kk = 0; kk < NS / BASE; ++kk) {
+        rt_bf<BASE, BASE> bw;
+        load(bw, s.b[buf], BASE * grp, BASE * kk);
+        rt_bf<CHUNK, BASE> ck;
+        load(ck, s.c[buf], 0, BASE * kk);
+        mma_ABt(bc, bw, ck, bc);
+      }
+      rt_bf<BASE, CHUNK> pw;
+      map_indexed(pw, bc, [&](int r, int t, float v) {
+        const float lt = d.lam(t);  // every lane shuffles
+        return t >= BASE * grp + r ? v * __expf(lt - ls[r >> 3]) : 0.f;
+      });
+      rt_bf<CHUNK, HALF, col_layout> dyc;
+      load(dyc, s.dy[buf], 0, pcols);
+      rt_fl<BASE, HALF> dx;
+      zero(dx);
+      mma_AB(dx, pw, dyc, dx);
+      // dX, inter-chunk: exp(Λ_end − Λ_s) B_s against G (the decay folded into B's rows)
+#pragma unroll
+      for (int kk = 0; kk < NS / BASE; ++kk) {
+        rt_bf<BASE, BASE> bw;
+        load(bw, s.b[buf], BASE * grp, BASE * kk);
+        map_indexed(bw, bw, [&](int r, int, float v) { return v * to_end[r >> 3]; });
+        rt_bf<BASE, HALF, col_layout> gk;
+        load(gk, s.state, BASE * kk, pcols);
+        mma_AB(dx, bw, gk, dx);
+      }
+#pragma unroll
+      for (int j = 0; j < HALF / BASE; ++j)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int r = c * CHUNK + s0 + 8 * (k & 1);
+          if (r >= a.l) continue;
+          const int col = pcols + BASE * j + base_col<row_layout>(k, 0);
+          *reinterpret_cast<float2*>(a.dX + blk.p_off + r * blk.out_row_p + col) = dx.tiles[0][j].data[k];
+        }
+
+      // dB, intra-chunk: (x_s·dy_t) exp(Λ_t − Λ_s) dt_s for t ≥ s, times C
+      rt_bf<BASE, PT> xr;
+      load(xr, s.x[buf], BASE * grp, 0);
+      rt_bf<CHUNK, PT> dyall;
+      load(dyall, s.dy[buf]);
+      rt_fl<BASE, CHUNK> q;
+      zero(q);
+      mma_ABt(q, xr, dyall, q);
+      rt_bf<BASE, CHUNK> qw;
+      map_indexed(qw, q, [&](int r, int t, float v) {
+        const float lt = d.lam(t);  // every lane shuffles
+        return t >= BASE * grp + r ? v * __expf(lt - ls[r >> 3]) * dts[r >> 3] : 0.f;
+      });
+      rt_bf<CHUNK, NH, col_layout> cc;
+      load(cc, s.c[buf], 0, ncols);
+      rt_fl<BASE, NH> db;
+      zero(db);
+      mma_AB(db, qw, cc, db);
+      // dB, inter-chunk: exp(Λ_end − Λ_s) dt_s x_s against G's rows
+      map_indexed(xr, xr, [&](int r, int, float v) { return v * to_end[r >> 3] * dts[r >> 3]; });
+      rt_bf<NH, PT> gr;
+      load(gr, s.state, ncols, 0);
+      mma_ABt(db, xr, gr, db);
+      add_rows(a.dB + blk.n_off, blk.out_row_n, db, c * CHUNK + BASE * grp, a.l, ncols);
+    }
+    __syncthreads();  // every warp has read G before its owners change it
+    if (owner)  // G ← exp(Λ_end) G + Σ_t exp(Λ_t) C_t dy_tᵀ: ∂L/∂h at the chunk's start
+      state_step(G, s, s.c[buf], s.dy[buf], __expf(d.l_end), [&](int t) { return __expf(d.lam(t)); });
+  }
+  if (owner) write_state(a.dh0, G, blk.state_base, NS, warp);
+}
+
+template <int NS, class Kernel>
+const char* launch_bwd(Kernel kernel, const BwdArgs& a, cudaStream_t stream) {
+  const int64_t blocks = int64_t(a.b) * a.nh * (a.p / PT);
+  if (blocks > 0x7fffffff) return "too many (batch, head, head-dim tile) blocks for one launch";
+  const size_t smem = sizeof(BwdSmem<NS>) + 1024;
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (attr != cudaSuccess) return cudaGetErrorString(attr);
+  kernel<<<unsigned(blocks), THREADS, smem, stream>>>(a);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+template <int NS>
+const char* launch_bwd_n(const BwdArgs& a, cudaStream_t stream) {
+  if (const char* err = launch_bwd<NS>(ssd_bwd_dc_kernel<NS>, a, stream)) return err;
+  return launch_bwd<NS>(ssd_bwd_dxdb_kernel<NS>, a, stream);
+}
+
+}  // namespace
+
+const char* launch_backward(const BwdArgs& a, cudaStream_t stream) {
+  if (a.p <= 0 || a.p % P_TILE != 0) return "the head dim p must be a positive multiple of 64";
+  if (a.ng <= 0 || a.nh % a.ng != 0) return "nh must be a multiple of ng";
+  if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
+  if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
+  if (a.n == 64) return launch_bwd_n<64>(a, stream);
+  if (a.n == 128) return launch_bwd_n<128>(a, stream);
+  return "the state size n must be 64 or 128";
+}
+
+}  // namespace tk_ssd
