@@ -31,27 +31,33 @@ int variant() {
 
 Tensor as(const Tensor& t, at::ScalarType dtype) { return t.to(dtype).contiguous(); }
 
+// The checks both ops share; `op` names the raw op in the messages.
+void check_inputs(const char* op, const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B,
+                  const Tensor& C, const std::optional<Tensor>& D, const std::optional<Tensor>& initial_state) {
+  TORCH_CHECK(x.is_cuda() && dt.is_cuda() && A.is_cuda() && B.is_cuda() && C.is_cuda(), op,
+              ": inputs must be CUDA tensors");
+  TORCH_CHECK(x.dim() == 4 && dt.dim() == 3 && A.dim() == 1 && B.dim() == 4 && C.sizes() == B.sizes(), op,
+              ": x (b, l, nh, p), dt (b, l, nh), A (nh), B and C (b, l, ng, n)");
+  const int64_t b = x.size(0), l = x.size(1), nh = x.size(2), p = x.size(3), ng = B.size(2), n = B.size(3);
+  TORCH_CHECK(dt.size(0) == b && dt.size(1) == l && dt.size(2) == nh && A.size(0) == nh && B.size(0) == b &&
+                  B.size(1) == l && ng >= 1 && nh % ng == 0,
+              op, ": shapes disagree");
+  TORCH_CHECK(tk_ssd::state_size_supported(int(n)), op, ": the kernel takes state size n 64 or 128, got ", n);
+  TORCH_CHECK(p % tk_ssd::P_TILE == 0 && p > 0, op, ": the kernel takes head dims p that are multiples of ",
+              tk_ssd::P_TILE, ", got ", p);
+  if (D && D->defined()) TORCH_CHECK(D->dim() == 1 && D->size(0) == nh, op, ": D must be (nh)");
+  if (initial_state && initial_state->defined())
+    TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({b, nh, p, n}), op, ": initial_state must be (b, nh, p, n)");
+  TORCH_CHECK(b * nh * (p / tk_ssd::P_TILE) <= 0x7fffffff && l <= 0x7fffffff, op, ": too large");
+}
+
 std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B, const Tensor& C,
                                const std::optional<Tensor>& D, const std::optional<Tensor>& initial_state,
                                int64_t chunk_size) {
   (void)chunk_size;  // the result does not depend on it; the kernel uses chunks of 64
-  TORCH_CHECK(x.is_cuda() && dt.is_cuda() && A.is_cuda() && B.is_cuda() && C.is_cuda(),
-              "tk_cuda::ssd: inputs must be CUDA tensors");
-  TORCH_CHECK(x.dim() == 4 && dt.dim() == 3 && A.dim() == 1 && B.dim() == 4 && C.sizes() == B.sizes(),
-              "tk_cuda::ssd: x (b, l, nh, p), dt (b, l, nh), A (nh), B and C (b, l, ng, n)");
+  check_inputs("tk_cuda::ssd", x, dt, A, B, C, D, initial_state);
   const int64_t b = x.size(0), l = x.size(1), nh = x.size(2), p = x.size(3), ng = B.size(2), n = B.size(3);
-  TORCH_CHECK(dt.size(0) == b && dt.size(1) == l && dt.size(2) == nh && A.size(0) == nh && B.size(0) == b &&
-                  B.size(1) == l && ng >= 1 && nh % ng == 0,
-              "tk_cuda::ssd: shapes disagree");
-  TORCH_CHECK(tk_ssd::state_size_supported(int(n)), "tk_cuda::ssd: the kernel takes state size n 64 or 128, got ", n);
-  TORCH_CHECK(p % tk_ssd::P_TILE == 0 && p > 0, "tk_cuda::ssd: the kernel takes head dims p that are multiples of ",
-              tk_ssd::P_TILE, ", got ", p);
   const bool has_d = D && D->defined(), has_h0 = initial_state && initial_state->defined();
-  if (has_d) TORCH_CHECK(D->dim() == 1 && D->size(0) == nh, "tk_cuda::ssd: D must be (nh)");
-  if (has_h0)
-    TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({b, nh, p, n}),
-                "tk_cuda::ssd: initial_state must be (b, nh, p, n)");
-  TORCH_CHECK(b * nh * (p / tk_ssd::P_TILE) <= 0x7fffffff && l <= 0x7fffffff, "tk_cuda::ssd: too large");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto f32 = x.options().dtype(at::kFloat);
   if (l == 0 || b == 0 || nh == 0) {
@@ -85,23 +91,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     int64_t chunk_size) {
   (void)chunk_size;
   const char* op = "tk_cuda::ssd_backward";
-  TORCH_CHECK(x.is_cuda() && grad_y.is_cuda() && grad_state.is_cuda(), op, ": inputs must be CUDA tensors");
-  TORCH_CHECK(x.dim() == 4 && grad_y.sizes() == x.sizes() && B.dim() == 4 && C.sizes() == B.sizes(), op,
-              ": grad_y must have x's shape (b, l, nh, p); B and C (b, l, ng, n)");
+  check_inputs(op, x, dt, A, B, C, D, initial_state);
   const int64_t b = x.size(0), l = x.size(1), nh = x.size(2), p = x.size(3), ng = B.size(2), n = B.size(3);
-  TORCH_CHECK(tk_ssd::state_size_supported(int(n)) && p % tk_ssd::P_TILE == 0 && p > 0 && nh % ng == 0, op,
-              ": the kernel takes n 64 or 128 and p a multiple of ", tk_ssd::P_TILE);
-  TORCH_CHECK(grad_state.sizes() == at::IntArrayRef({b, nh, p, n}), op, ": grad_state must be (b, nh, p, n)");
+  TORCH_CHECK(grad_y.is_cuda() && grad_state.is_cuda() && grad_y.sizes() == x.sizes() &&
+                  grad_state.sizes() == at::IntArrayRef({b, nh, p, n}),
+              op, ": grad_y must be (b, l, nh, p) and grad_state (b, nh, p, n), on CUDA");
   const bool has_d = D && D->defined(), has_h0 = initial_state && initial_state->defined();
   const c10::cuda::CUDAGuard guard(x.device());
   const auto f32 = x.options().dtype(at::kFloat);
   const Tensor dtf = as(dt, at::kFloat), Af = as(A, at::kFloat), xf = as(x, at::kFloat), dyf = as(grad_y, at::kFloat);
+  const Tensor dh = as(grad_state, at::kFloat);
+  // what an empty sequence gives (the kernels overwrite dX, dh0 and h_final); dB, dC: head-dim tiles add into them
   Tensor dX = at::zeros({b, l, nh, p}, f32), dBh = at::zeros({b, l, nh, n}, f32), dCh = at::zeros({b, l, nh, n}, f32);
-  Tensor dh0 = as(grad_state, at::kFloat).clone(), h_final = has_h0 ? as(*initial_state, at::kFloat).clone()
-                                                                    : at::zeros({b, nh, p, n}, f32);
+  Tensor dh0 = dh.clone(), h_final = has_h0 ? as(*initial_state, at::kFloat).clone() : at::zeros({b, nh, p, n}, f32);
   if (l > 0 && b > 0 && nh > 0) {
     const Tensor xb = as(x, at::kBFloat16), dyb = as(grad_y, at::kBFloat16);
-    const Tensor Bb = as(B, at::kBFloat16), Cb = as(C, at::kBFloat16), dh = as(grad_state, at::kFloat);
+    const Tensor Bb = as(B, at::kBFloat16), Cb = as(C, at::kBFloat16);
     const Tensor h0 = has_h0 ? as(*initial_state, at::kFloat) : Tensor();
     tk_ssd::BwdArgs a{};
     a.x = xb.data_ptr(), a.dy = dyb.data_ptr(), a.dt = dtf.data_ptr<float>(), a.A = Af.data_ptr<float>();
@@ -115,18 +120,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
   const int64_t rep = nh / ng;
   const Tensor Bh = as(B, at::kFloat).repeat_interleave(rep, 2), Ch = as(C, at::kFloat).repeat_interleave(rep, 2);
   Tensor dlam = Ch.mul(dCh).sum(-1).sub(Bh.mul(dBh).sum(-1));  // (b, l, nh)
-  if (l > 0) dlam.select(1, l - 1).add_(as(grad_state, at::kFloat).mul(h_final).sum(at::IntArrayRef{-1, -2}));
+  if (l > 0) dlam.select(1, l - 1).add_(dh.mul(h_final).sum(at::IntArrayRef{-1, -2}));
   const Tensor da = dlam.flip({1}).cumsum(1).flip({1});
   const Tensor ddt = xf.mul(dX).sum(-1).add(Af.mul(da));
   const Tensor dA = dtf.mul(da).sum(at::IntArrayRef{0, 1});
   Tensor dx = dtf.unsqueeze(-1).mul(dX);
-  Tensor dD = at::empty({0}, f32);
+  Tensor dD = at::empty({0}, x.options());  // absent gradients: empty, in x's dtype (as the op's fake)
   if (has_d) {
     dx = dx.add(as(*D, at::kFloat).view({1, 1, nh, 1}).mul(dyf));
     dD = xf.mul(dyf).sum(at::IntArrayRef{0, 1, 3}).to(D->scalar_type());
   }
   const Tensor dB = dBh.view({b, l, ng, rep, n}).sum(3), dC = dCh.view({b, l, ng, rep, n}).sum(3);
-  Tensor dinit = has_h0 ? dh0.to(initial_state->scalar_type()) : at::empty({0}, f32);
+  Tensor dinit = has_h0 ? dh0.to(initial_state->scalar_type()) : at::empty({0}, x.options());
   return {dx.to(x.scalar_type()), ddt.to(dt.scalar_type()), dA.to(A.scalar_type()), dB.to(B.scalar_type()),
           dC.to(C.scalar_type()), dD, dinit};
 }
