@@ -127,6 +127,7 @@ def run(quick: bool = False) -> list[Row]:
         compiled_step = backward_step(ours, leaves, do, of=q)
         steps["ours (compile_backward)"] = lambda: with_env("TK_INDUCTOR_COMPILE_BACKWARD", "1", compiled_step)
 
+        @torch.no_grad()
         def kernels():  # both raw kernels, whether or not the op uses the backward one yet
             args = (heads(q), heads(k), heads(v))
             o = torch.ops.tk_cuda.linear_attention(*args, "based", None, None, scale, True, 1e-6)

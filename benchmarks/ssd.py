@@ -1,16 +1,18 @@
-"""SSD benchmark: ours (tk_cuda::ssd, Mamba-2 forward) vs flash-linear-attention's Triton `chunk_simple_gla` (carry
-the fla-core wheel; SSD is simple GLA with q = C, k = B, v = dt·x, log-gate dt·A) and vs torch.compile default of
-the chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mamba2's torch path), in one run.
+"""SSD benchmark: ours (tk_cuda::ssd, Mamba-2) vs flash-linear-attention's Triton `chunk_simple_gla` (carry the
+fla-core wheel; SSD is simple GLA with q = C, k = B, v = dt·x, log-gate dt·A) and vs torch.compile default of the
+chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mamba2's torch path), in one run.
 
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
-Mamba2-370M's (nh 32) at l 4096; bf16 x, B, C, fp32 dt, A, D; final state returned. Forward+backward at 65536
-tokens and at the e2e layer: ours is the kernel's forward with the reference's autograd as the backward (no backward
-kernel yet; what a training graph runs when it takes the SSD), and "ours (compile_backward)" the same backward
-through torch.compile (TK_INDUCTOR_COMPILE_BACKWARD=1). The torch.compile baseline gets the work-arounds
-our backend applies to Inductor (split scans off). "ours" lets the kernel choose its variant by block count; "ours 1 block/SM" is TK_SSD_VARIANT=0,
-"ours 2 blocks/SM" is TK_SSD_VARIANT=1 (128 registers, two blocks per SM), "ours p32 tiles"
-TK_SSD_VARIANT=2 (32 head dims per block: twice the blocks). Also the e2e Mamba2's layer (b1 l4096 nh32). Figure:
-Mtokens/s.
+Mamba2-370M's (nh 32) at l 4096 and the e2e Mamba2's layer (b1 l4096 nh32); bf16 x, B, C, fp32 dt, A, D; final
+state returned. "ours" lets the kernel choose its variant by block count; "ours 1 block/SM", "ours 2 blocks/SM"
+(128 registers) and "ours p32 tiles" (32 head dims per block: twice the blocks) are TK_SSD_VARIANT=0, 1 and 2.
+
+Forward+backward at 65536 tokens and at the e2e layer:
+- "ours (kernel fwd, reference bwd)": the op's autograd while the backward kernels are off, the reference's autograd
+  as the backward (what a training graph runs when it takes the SSD);
+- "ours (compile_backward)": the same backward through torch.compile (TK_INDUCTOR_COMPILE_BACKWARD=1);
+- "ours (backward kernel)": the forward and backward kernels called directly.
+The torch.compile baseline gets the work-arounds our backend applies to Inductor (split scans off). Figure: Mtokens/s.
 
     python -m benchmarks.ssd [--quick]
 """
@@ -92,6 +94,13 @@ def run(quick: bool = False) -> list[Row]:
         # the flag is read when the backward runs: set around the whole step
         compiled_step = backward_step(ours, leaves, dy, of=x)
         steps["ours (compile_backward)"] = lambda: with_env("TK_INDUCTOR_COMPILE_BACKWARD", "1", compiled_step)
+
+        @torch.no_grad()
+        def kernels():  # both raw kernels, whether or not the op uses the backward ones yet
+            y, state = torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)
+            return torch.ops.tk_cuda.ssd_backward(dy, torch.zeros_like(state), x, dt, A, B, C, D, None, 64)[0]
+
+        steps["ours (backward kernel)"] = kernels
         rows += check_and_time("ssd", name, steps, want[0].grad, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)
         del leaves, x, B, C, want
         torch.cuda.empty_cache()
