@@ -13,18 +13,10 @@
 // tokens, two per lane), so a chunk needs only the two block barriers around the state update. Loads are
 // cp.async, double-buffered; padded tokens past l load as zeros (dt = 0: no decay, no input), so the final state
 // is the state after token l.
-#include <tk/tk.cuh>
-#include <tk/ops/thread/cp_async.cuh>
-#include <tk/ops/warp/mma.cuh>
-
-#include "ssd.h"
+#include "ssd.cuh"
 
 namespace tk_ssd {
 namespace {
-
-using namespace tk;
-
-constexpr int CHUNK = 64, WARPS = 8, THREADS = WARPS * 32;
 
 // PT: head dims per block (64, or 32 for twice the blocks when batch·heads leave SMs idle).
 template <int NS, int PT>
@@ -34,48 +26,6 @@ struct Smem {
   st<bf16, NS, PT> state;  // bf16 copy of S (n x p) before the current chunk
   float dt[2][CHUNK];
 };
-
-template <int NS>
-struct Rows {  // this block's rows in global memory, and their strides (elements)
-  const bf16* x;
-  const bf16* b;
-  const bf16* c;
-  const float* dt;
-  int64_t x_row, bc_row, dt_row;
-  int l;
-};
-
-template <int NS, int PT>
-__device__ __forceinline__ void load_chunk(Smem<NS, PT>& s, int buf, const Rows<NS>& g, int c) {
-  using XT = st<bf16, CHUNK, PT>;
-  using BT = st<bf16, CHUNK, NS>;
-  const int tid = threadIdx.x, n0 = c * CHUNK;
-#pragma unroll
-  for (int i = 0; i < CHUNK * PT / 8 / THREADS; ++i) {  // x: PT / 8 segments of 8 per row
-    const int t = tid + i * THREADS, r = t / (PT / 8), seg = t % (PT / 8), n = n0 + r;
-    const bool ok = n < g.l;
-    cp_async16(smem_addr(s.x[buf].data) + XT::offset(r, seg * 8), g.x + (ok ? n * g.x_row + seg * 8 : 0), ok);
-  }
-#pragma unroll
-  for (int i = 0; i < CHUNK * NS / 8 / THREADS; ++i) {  // B and C: n/8 segments per row
-    const int t = tid + i * THREADS, r = t / (NS / 8), seg = t % (NS / 8), n = n0 + r;
-    const bool ok = n < g.l;
-    const int64_t off = ok ? n * g.bc_row + seg * 8 : 0;
-    cp_async16(smem_addr(s.b[buf].data) + BT::offset(r, seg * 8), g.b + off, ok);
-    cp_async16(smem_addr(s.c[buf].data) + BT::offset(r, seg * 8), g.c + off, ok);
-  }
-  if (tid < CHUNK) {
-    const bool ok = n0 + tid < g.l;
-    cp_async4(smem_addr(&s.dt[buf][tid]), g.dt + (ok ? (n0 + tid) * g.dt_row : 0), ok);
-  }
-  cp_async_commit();
-}
-
-// Λ of token t (0..63) from the lanes' pairs (lane holds tokens 2·lane and 2·lane + 1). All lanes must call it.
-__device__ __forceinline__ float lambda_at(float l0, float l1, int t) {
-  const float v0 = __shfl_sync(0xffffffffu, l0, t >> 1), v1 = __shfl_sync(0xffffffffu, l1, t >> 1);
-  return (t & 1) ? v1 : v0;
-}
 
 // MIN_BLOCKS: blocks per SM the register budget is set for (variant 1 = 2: more warps to hide mma.sync latency).
 template <int NS, int PT, int MIN_BLOCKS>
@@ -143,7 +93,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
     // ---- outputs: this warp's 16 rows x 32 head dims
     {
       const int t0 = BASE * grp + (lane >> 2);  // this lane's rows: t0 and t0 + 8
-      const float lt[2] = {lambda_at(l0, l1, t0), lambda_at(l0, l1, t0 + 8)};
+      const float lt[2] = {pair_at(l0, l1, t0), pair_at(l0, l1, t0 + 8)};
       rt_fl<BASE, CHUNK> cb;  // C_t · B_s
       zero(cb);
 #pragma unroll

@@ -12,18 +12,12 @@
 // binding then forms dt's and A's gradients from them (da = reverse cumulative sum of C·dC − B·dB).
 // Warps: 8. Outputs: warp w owns chunk rows 16·(w/2).. and half of the columns (head dims for dX, state dims for
 // dB and dC); the state: warp w < n/16 owns 16 state dims of S or G in fp32 registers, as in the forward.
-#include <tk/tk.cuh>
-#include <tk/ops/thread/cp_async.cuh>
-#include <tk/ops/warp/mma.cuh>
-
-#include "ssd.h"
+#include "ssd.cuh"
 
 namespace tk_ssd {
 namespace {
 
-using namespace tk;
-
-constexpr int CHUNK = 64, PT = P_TILE, HALF = PT / 2, WARPS = 8, THREADS = WARPS * 32;
+constexpr int PT = P_TILE, HALF = PT / 2;
 
 template <int NS>
 struct BwdSmem {
@@ -33,61 +27,42 @@ struct BwdSmem {
   float dt[2][CHUNK];
 };
 
-struct BwdRows {  // this block's rows in global memory (elements)
-  const bf16* x;
+template <int NS>
+struct BwdRows {  // this block's rows in global memory: the forward's, and dy (x's layout)
+  Rows<NS> in;
   const bf16* dy;
-  const bf16* b;
-  const bf16* c;
-  const float* dt;
-  int64_t x_row, bc_row, dt_row;
-  int l;
 };
 
+// Chunk c of x, B, C, dt (the forward's load) and dy into buffer `buf`.
 template <int NS>
-__device__ __forceinline__ void load_bwd_chunk(BwdSmem<NS>& s, int buf, const BwdRows& g, int c) {
+__device__ __forceinline__ void load_bwd_chunk(BwdSmem<NS>& s, int buf, const BwdRows<NS>& g, int c) {
+  load_chunk(s, buf, g.in, c);
   using XT = st<bf16, CHUNK, PT>;
-  using BT = st<bf16, CHUNK, NS>;
   const int tid = threadIdx.x, n0 = c * CHUNK;
 #pragma unroll
   for (int i = 0; i < CHUNK * PT / 8 / THREADS; ++i) {
     const int t = tid + i * THREADS, r = t / (PT / 8), seg = t % (PT / 8), n = n0 + r;
-    const bool ok = n < g.l;
-    const int64_t off = ok ? n * g.x_row + seg * 8 : 0;
-    cp_async16(smem_addr(s.x[buf].data) + XT::offset(r, seg * 8), g.x + off, ok);
-    cp_async16(smem_addr(s.dy[buf].data) + XT::offset(r, seg * 8), g.dy + off, ok);
-  }
-#pragma unroll
-  for (int i = 0; i < CHUNK * NS / 8 / THREADS; ++i) {
-    const int t = tid + i * THREADS, r = t / (NS / 8), seg = t % (NS / 8), n = n0 + r;
-    const bool ok = n < g.l;
-    const int64_t off = ok ? n * g.bc_row + seg * 8 : 0;
-    cp_async16(smem_addr(s.b[buf].data) + BT::offset(r, seg * 8), g.b + off, ok);
-    cp_async16(smem_addr(s.c[buf].data) + BT::offset(r, seg * 8), g.c + off, ok);
-  }
-  if (tid < CHUNK) {
-    const bool ok = n0 + tid < g.l;
-    cp_async4(smem_addr(&s.dt[buf][tid]), g.dt + (ok ? (n0 + tid) * g.dt_row : 0), ok);
+    const bool ok = n < g.in.l;
+    cp_async16(smem_addr(s.dy[buf].data) + XT::offset(r, seg * 8), g.dy + (ok ? n * g.in.x_row + seg * 8 : 0), ok);
   }
   cp_async_commit();
 }
 
-// Λ inside the chunk (inclusive cumulative sum of dt·A), two tokens per lane: lane holds tokens 2·lane and
-// 2·lane + 1 (l0, l1; their dt in dt0, dt1), and every lane gets Λ_end.
+// Λ inside a chunk (the inclusive cumulative sum of a = dt·A), two tokens per lane: lane holds tokens 2·lane and
+// 2·lane + 1 (Λ in l0, l1; dt in dt0, dt1); every lane holds Λ_end. Every warp computes it (a shuffle scan, as the
+// forward does inline).
 struct Decays {
   float dt0, dt1, l0, l1, l_end;
-  // Λ and dt of token t (0..63). All lanes must call them (shuffles).
-  __device__ __forceinline__ float lam(int t) const {
-    const float v0 = __shfl_sync(0xffffffffu, l0, t >> 1), v1 = __shfl_sync(0xffffffffu, l1, t >> 1);
-    return (t & 1) ? v1 : v0;
-  }
-  __device__ __forceinline__ float dt(int t) const {
-    const float v0 = __shfl_sync(0xffffffffu, dt0, t >> 1), v1 = __shfl_sync(0xffffffffu, dt1, t >> 1);
-    return (t & 1) ? v1 : v0;
-  }
+  // Λ or dt of token t (0..63); all lanes must call them (shuffles)
+  __device__ __forceinline__ float lam(int t) const { return pair_at(l0, l1, t); }
+  __device__ __forceinline__ float dt(int t) const { return pair_at(dt0, dt1, t); }
+  // the same for a t of one parity in every lane (a register tile's column in map_indexed): one shuffle
+  __device__ __forceinline__ float lam_col(int t) const { return __shfl_sync(0xffffffffu, t & 1 ? l1 : l0, t >> 1); }
+  __device__ __forceinline__ float dt_col(int t) const { return __shfl_sync(0xffffffffu, t & 1 ? dt1 : dt0, t >> 1); }
 };
 
-template <int NS>
-__device__ __forceinline__ Decays chunk_decays(const BwdSmem<NS>& s, int buf, float Ah) {
+template <class S>
+__device__ __forceinline__ Decays chunk_decays(const S& s, int buf, float Ah) {
   const int lane = laneid();
   Decays d;
   d.dt0 = s.dt[buf][2 * lane], d.dt1 = s.dt[buf][2 * lane + 1];
@@ -102,9 +77,10 @@ __device__ __forceinline__ Decays chunk_decays(const BwdSmem<NS>& s, int buf, fl
   return d;
 }
 
-// The owner warps' fp32 state rows (16 state dims x 64 head dims) from a (b, nh, p, n) fp32 tensor (or zero), and
-// back: the state is kept transposed (state dims as rows).
-__device__ __forceinline__ void read_state(rt_fl<BASE, PT>& S, const float* src, int64_t base, int ns, int warp) {
+// An owner warp's 16 state dims (rows of the transposed state, n x p) from a (b, nh, p, n) fp32 tensor at `base`
+// (zero without one), and back.
+template <int NS>
+__device__ __forceinline__ void read_state(rt_fl<BASE, PT>& S, const float* src, int64_t base, int warp) {
 #pragma unroll
   for (int j = 0; j < PT / BASE; ++j)
 #pragma unroll
@@ -112,48 +88,57 @@ __device__ __forceinline__ void read_state(rt_fl<BASE, PT>& S, const float* src,
       float2 v = make_float2(0.f, 0.f);
       if (src) {
         const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
-        v.x = src[base + int64_t(cc) * ns + r];
-        v.y = src[base + int64_t(cc + 1) * ns + r];
+        v.x = src[base + int64_t(cc) * NS + r];
+        v.y = src[base + int64_t(cc + 1) * NS + r];
       }
       S.tiles[0][j].data[k] = v;
     }
 }
 
-__device__ __forceinline__ void write_state(float* dst, const rt_fl<BASE, PT>& S, int64_t base, int ns, int warp) {
+template <int NS>
+__device__ __forceinline__ void write_state(float* dst, const rt_fl<BASE, PT>& S, int64_t base, int warp) {
 #pragma unroll
   for (int j = 0; j < PT / BASE; ++j)
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
-      dst[base + int64_t(cc) * ns + r] = S.tiles[0][j].data[k].x;
-      dst[base + int64_t(cc + 1) * ns + r] = S.tiles[0][j].data[k].y;
+      dst[base + int64_t(cc) * NS + r] = S.tiles[0][j].data[k].x;
+      dst[base + int64_t(cc + 1) * NS + r] = S.tiles[0][j].data[k].y;
     }
 }
 
-// state ← exp(Λ_end) state + Σ_t w_t · rowsᵀ_t values_t for this owner warp's 16 state dims: rows (tokens x n) is B
-// (kernel A, w_t = exp(Λ_end − Λ_t) dt_t, values x) or C (kernel B, w_t = exp(Λ_t), values dy). Publishes the bf16
-// copy.
-template <int NS, class Weight>
-__device__ __forceinline__ void state_step(rt_fl<BASE, PT>& S, BwdSmem<NS>& s, const st<bf16, CHUNK, NS>& rows,
+// Publishes an owner warp's state rows as the bf16 copy every warp reads.
+template <class S>
+__device__ __forceinline__ void publish_state(S& s, const rt_fl<BASE, PT>& state, int warp) {
+  rt_bf<BASE, PT> copy_bf;
+  copy(copy_bf, state);
+  store(s.state, copy_bf, BASE * warp, 0);
+}
+
+// state ← keep·state + Σ_t weight(t) rows_tᵀ values_t for this owner warp's 16 state dims, then published: rows
+// (tokens x n) is B with values x and weight exp(Λ_end − Λ_t) dt_t for h (kernel A; the forward's update, written
+// inline there), or C with values dy and weight exp(Λ_t) for ∂L/∂h (kernel B). weight gets a column index (one
+// parity in every lane: Decays' *_col lookups apply).
+template <int NS, class S, class Weight>
+__device__ __forceinline__ void state_step(rt_fl<BASE, PT>& state, S& s, const st<bf16, CHUNK, NS>& rows,
                                            const st<bf16, CHUNK, PT>& values, float keep, Weight&& weight) {
   const int warp = warpid();
 #pragma unroll
   for (int j = 0; j < PT / BASE; ++j)
 #pragma unroll
-    for (int k = 0; k < 4; ++k) S.tiles[0][j].data[k].x *= keep, S.tiles[0][j].data[k].y *= keep;
+    for (int k = 0; k < 4; ++k) state.tiles[0][j].data[k].x *= keep, state.tiles[0][j].data[k].y *= keep;
 #pragma unroll
   for (int j = 0; j < CHUNK / BASE; ++j) {
-    rt_bf<BASE, BASE, col_layout> rt;  // tokens 16j.. by this warp's 16 state dims: its transpose's registers
+    // tokens 16j.. by this warp's 16 state dims, loaded in col layout: the registers of its transpose
+    rt_bf<BASE, BASE, col_layout> rt;
     load(rt, rows, BASE * j, BASE * warp);
-    rt_bf<BASE, BASE> wr;
+    rt_bf<BASE, BASE> wr;  // rowsᵀ with each token's column scaled by its weight
     map_indexed(wr, transposed(rt), [&](int, int col, float v) { return v * weight(BASE * j + col); });
     rt_bf<BASE, PT, col_layout> vj;
     load(vj, values, BASE * j, 0);
-    mma_AB(S, wr, vj, S);
+    mma_AB(state, wr, vj, state);
   }
-  rt_bf<BASE, PT> copy_bf;
-  copy(copy_bf, S);
-  store(s.state, copy_bf, BASE * warp, 0);
+  publish_state(s, state, warp);
 }
 
 // Adds a warp's 16-row fp32 tile to rows row0.. (columns col0..) of a (·, ld) fp32 matrix; rows at or past l skipped.
@@ -171,29 +156,31 @@ __device__ __forceinline__ void add_rows(float* dst, int64_t ld, const rt_fl<BAS
     }
 }
 
+template <int NS>
 struct Block {  // a block's (batch, head, head-dim tile) and its pointers
-  BwdRows g;
+  BwdRows<NS> g;
   int64_t out_row_p, out_row_n, state_base;
   int64_t p_off, n_off;  // offsets of the block's first row in the (b, l, nh, p) and (b, l, nh, n) outputs
   float Ah;
 };
 
-__device__ __forceinline__ Block block_of(const BwdArgs& a, int ns) {
+template <int NS>
+__device__ __forceinline__ Block<NS> block_of(const BwdArgs& a) {
   const int ptiles = a.p / PT;
   const int pt = blockIdx.x % ptiles, bh = blockIdx.x / ptiles;
   const int bi = bh / a.nh, h = bh % a.nh, grp_of_head = h / (a.nh / a.ng);
-  Block k;
-  k.g.x = static_cast<const bf16*>(a.x) + (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
-  k.g.dy = static_cast<const bf16*>(a.dy) + (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
-  k.g.b = static_cast<const bf16*>(a.B) + (int64_t(bi) * a.l * a.ng + grp_of_head) * ns;
-  k.g.c = static_cast<const bf16*>(a.C) + (int64_t(bi) * a.l * a.ng + grp_of_head) * ns;
-  k.g.dt = a.dt + int64_t(bi) * a.l * a.nh + h;
-  k.g.x_row = int64_t(a.nh) * a.p, k.g.bc_row = int64_t(a.ng) * ns, k.g.dt_row = a.nh;
-  k.g.l = a.l;
-  k.out_row_p = int64_t(a.nh) * a.p, k.out_row_n = int64_t(a.nh) * ns;
+  Block<NS> k;
   k.p_off = (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
-  k.n_off = (int64_t(bi) * a.l * a.nh + h) * ns;
-  k.state_base = (int64_t(bh) * a.p + pt * PT) * ns;
+  k.n_off = (int64_t(bi) * a.l * a.nh + h) * NS;
+  k.g.in.x = static_cast<const bf16*>(a.x) + k.p_off;
+  k.g.dy = static_cast<const bf16*>(a.dy) + k.p_off;
+  k.g.in.b = static_cast<const bf16*>(a.B) + (int64_t(bi) * a.l * a.ng + grp_of_head) * NS;
+  k.g.in.c = static_cast<const bf16*>(a.C) + (int64_t(bi) * a.l * a.ng + grp_of_head) * NS;
+  k.g.in.dt = a.dt + int64_t(bi) * a.l * a.nh + h;
+  k.g.in.x_row = int64_t(a.nh) * a.p, k.g.in.bc_row = int64_t(a.ng) * NS, k.g.in.dt_row = a.nh;
+  k.g.in.l = a.l;
+  k.out_row_p = int64_t(a.nh) * a.p, k.out_row_n = int64_t(a.nh) * NS;
+  k.state_base = (int64_t(bh) * a.p + pt * PT) * NS;
   k.Ah = a.A[h];
   return k;
 }
@@ -204,17 +191,13 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a)
   extern __shared__ uint8_t raw[];
   BwdSmem<NS>& s = *reinterpret_cast<BwdSmem<NS>*>(align_shared<1024>(raw));
   constexpr int NH = NS / 2;  // state dims per output warp
-  const Block blk = block_of(a, NS);
+  const Block<NS> blk = block_of<NS>(a);
   const int warp = warpid(), lane = laneid(), grp = warp >> 1, ncols = NH * (warp & 1);
   const bool owner = warp < NS / BASE;
   load_bwd_chunk(s, 0, blk.g, 0);
   rt_fl<BASE, PT> S;
-  read_state(S, owner ? a.h0 : nullptr, blk.state_base, NS, warp);
-  if (owner) {
-    rt_bf<BASE, PT> copy_bf;
-    copy(copy_bf, S);
-    store(s.state, copy_bf, BASE * warp, 0);
-  }
+  read_state<NS>(S, owner ? a.h0 : nullptr, blk.state_base, warp);
+  if (owner) publish_state(s, S, warp);
   const int chunks = (a.l + CHUNK - 1) / CHUNK;
   for (int c = 0; c < chunks; ++c) {
     const int buf = c & 1;
@@ -235,7 +218,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a)
       mma_ABt(m, dyr, xall, m);
       rt_bf<BASE, CHUNK> w;
       map_indexed(w, m, [&](int r, int src, float v) {
-        const float ls = d.lam(src), ds = d.dt(src);  // every lane shuffles
+        const float ls = d.lam_col(src), ds = d.dt_col(src);  // every lane shuffles
         return src <= BASE * grp + r ? v * __expf(lt[r >> 3] - ls) * ds : 0.f;
       });
       rt_bf<CHUNK, NH, col_layout> bc;
@@ -254,9 +237,9 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a)
     __syncthreads();  // every warp has read S before its owners change it
     if (owner)  // S ← exp(Λ_end) S + Σ_s exp(Λ_end − Λ_s) dt_s B_sᵀ x_s
       state_step(S, s, s.b[buf], s.x[buf], __expf(d.l_end),
-                 [&](int t) { return __expf(d.l_end - d.lam(t)) * d.dt(t); });
+                 [&](int t) { return __expf(d.l_end - d.lam_col(t)) * d.dt_col(t); });
   }
-  if (owner) write_state(a.h_final, S, blk.state_base, NS, warp);
+  if (owner) write_state<NS>(a.h_final, S, blk.state_base, warp);
 }
 
 // Kernel B: dX, dB and dh0.
@@ -265,18 +248,14 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
   extern __shared__ uint8_t raw[];
   BwdSmem<NS>& s = *reinterpret_cast<BwdSmem<NS>*>(align_shared<1024>(raw));
   constexpr int NH = NS / 2;
-  const Block blk = block_of(a, NS);
+  const Block<NS> blk = block_of<NS>(a);
   const int warp = warpid(), lane = laneid(), grp = warp >> 1, pcols = HALF * (warp & 1), ncols = NH * (warp & 1);
   const bool owner = warp < NS / BASE;
   const int chunks = (a.l + CHUNK - 1) / CHUNK;
   load_bwd_chunk(s, (chunks - 1) & 1, blk.g, chunks - 1);
   rt_fl<BASE, PT> G;
-  read_state(G, owner ? a.dh : nullptr, blk.state_base, NS, warp);
-  if (owner) {
-    rt_bf<BASE, PT> copy_bf;
-    copy(copy_bf, G);
-    store(s.state, copy_bf, BASE * warp, 0);
-  }
+  read_state<NS>(G, owner ? a.dh : nullptr, blk.state_base, warp);
+  if (owner) publish_state(s, G, warp);
   for (int c = chunks - 1; c >= 0; --c) {
     const int buf = c & 1;
     cp_async_wait<0>();
@@ -300,7 +279,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
       }
       rt_bf<BASE, CHUNK> pw;
       map_indexed(pw, bc, [&](int r, int t, float v) {
-        const float lt = d.lam(t);  // every lane shuffles
+        const float lt = d.lam_col(t);  // every lane shuffles
         return t >= BASE * grp + r ? v * __expf(lt - ls[r >> 3]) : 0.f;
       });
       rt_bf<CHUNK, HALF, col_layout> dyc;
@@ -338,7 +317,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
       mma_ABt(q, xr, dyall, q);
       rt_bf<BASE, CHUNK> qw;
       map_indexed(qw, q, [&](int r, int t, float v) {
-        const float lt = d.lam(t);  // every lane shuffles
+        const float lt = d.lam_col(t);  // every lane shuffles
         return t >= BASE * grp + r ? v * __expf(lt - ls[r >> 3]) * dts[r >> 3] : 0.f;
       });
       rt_bf<CHUNK, NH, col_layout> cc;
@@ -355,9 +334,9 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
     }
     __syncthreads();  // every warp has read G before its owners change it
     if (owner)  // G ← exp(Λ_end) G + Σ_t exp(Λ_t) C_t dy_tᵀ: ∂L/∂h at the chunk's start
-      state_step(G, s, s.c[buf], s.dy[buf], __expf(d.l_end), [&](int t) { return __expf(d.lam(t)); });
+      state_step(G, s, s.c[buf], s.dy[buf], __expf(d.l_end), [&](int t) { return __expf(d.lam_col(t)); });
   }
-  if (owner) write_state(a.dh0, G, blk.state_base, NS, warp);
+  if (owner) write_state<NS>(a.dh0, G, blk.state_base, warp);
 }
 
 template <int NS, class Kernel>
