@@ -118,8 +118,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
   }
   const int64_t rep = nh / ng;
-  const Tensor Bh = as(B, at::kFloat).repeat_interleave(rep, 2), Ch = as(C, at::kFloat).repeat_interleave(rep, 2);
-  Tensor dlam = Ch.mul(dCh).sum(-1).sub(Bh.mul(dBh).sum(-1));  // (b, l, nh)
+  // per-head gradients against their group's B and C, broadcast over the group's heads rather than copied to them
+  const auto by_group = [&](const Tensor& per_head) { return per_head.view({b, l, ng, rep, n}); };
+  const Tensor Bg = as(B, at::kFloat).unsqueeze(3), Cg = as(C, at::kFloat).unsqueeze(3);  // (b, l, ng, 1, n)
+  Tensor dlam = Cg.mul(by_group(dCh)).sum(-1).sub(Bg.mul(by_group(dBh)).sum(-1)).view({b, l, nh});
   if (l > 0) dlam.select(1, l - 1).add_(dh.mul(h_final).sum(at::IntArrayRef{-1, -2}));
   const Tensor da = dlam.flip({1}).cumsum(1).flip({1});
   const Tensor ddt = xf.mul(dX).sum(-1).add(Af.mul(da));
@@ -130,7 +132,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     dx = dx.add(as(*D, at::kFloat).view({1, 1, nh, 1}).mul(dyf));
     dD = xf.mul(dyf).sum(at::IntArrayRef{0, 1, 3}).to(D->scalar_type());
   }
-  const Tensor dB = dBh.view({b, l, ng, rep, n}).sum(3), dC = dCh.view({b, l, ng, rep, n}).sum(3);
+  const Tensor dB = by_group(dBh).sum(3), dC = by_group(dCh).sum(3);
   Tensor dinit = has_h0 ? dh0.to(initial_state->scalar_type()) : at::empty({0}, x.options());
   return {dx.to(x.scalar_type()), ddt.to(dt.scalar_type()), dA.to(A.scalar_type()), dB.to(B.scalar_type()),
           dC.to(C.scalar_type()), dD, dinit};
