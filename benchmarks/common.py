@@ -131,6 +131,17 @@ def inductor_as_our_backend_runs_it() -> None:
     _compat.disable_split_scans()
 
 
+def with_attr(obj, name: str, value, fn: Callable[[], object]):
+    """fn() with obj.name set to value (e.g. a module's BACKWARD_KERNEL_VALIDATED, read when the backward runs),
+    then restored."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(obj, name, old)
+
+
 def with_env(name: str, value: str, fn: Callable[[], object]):
     """fn() with the environment variable set (kernel variants the bindings read on every call), then restored."""
     old = os.environ.get(name)

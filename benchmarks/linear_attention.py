@@ -8,10 +8,9 @@ reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's
 tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are TK_BASED_VARIANT=0 and 1 (32: twice the blocks).
 
 Forward+backward at 65536 tokens and at the model's layer:
-- "ours (kernel fwd, reference bwd)": the op's autograd while the backward kernel is off, the reference's autograd
-  as the backward (what a training graph runs under reference_backward=linear_attention);
-- "ours (compile_backward)": the same backward through torch.compile (TK_INDUCTOR_COMPILE_BACKWARD=1);
-- "ours (backward kernel)": the forward and backward kernels called directly.
+- "ours": the op's autograd, the forward and backward kernels;
+- "ours (kernel fwd, reference bwd)": the same with the backward kernel off: the reference's autograd as the
+  backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (torch 2.11's CantSplit fix).
 Figure: Mtokens/s.
 
@@ -23,7 +22,8 @@ import math
 
 import torch
 
-from .common import Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_env
+from .common import (Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_attr,
+                     with_env)
 
 DK = 16
 
@@ -98,8 +98,6 @@ def run(quick: bool = False) -> list[Row]:
         del q, k, v, ref
         torch.cuda.empty_cache()
     for B, H, N, dv in TRAIN_CASES[:1] if quick else TRAIN_CASES:
-        # ours: the kernel's forward, the backward the reference's autograd (no backward kernel yet), as a training
-        # graph runs it under reference_backward=linear_attention
         name = f"B{B} H{H} N{N} d{DK} dv{dv} based fwd+bwd"
         progress(name)
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -117,24 +115,15 @@ def run(quick: bool = False) -> list[Row]:
         def ours():
             return torch.ops.tk.linear_attention(heads(q), heads(k), heads(v), "based", None, None, scale, True, 1e-6)
 
-        impls = {"ours (kernel fwd, reference bwd)": ours,
+        impls = {"ours": ours,
                  "torch.compile": lambda: compiled(heads(q), heads(k), heads(v))}
         if fla is not None:
             for label, fn in fla.items():
                 impls[label] = (lambda f=fn: heads(f(q, k, v, scale, True)))
         steps = {label: backward_step(fn, leaves, do, of=q) for label, fn in impls.items()}
         # the flag is read when the backward runs: set around the whole step
-        compiled_step = backward_step(ours, leaves, do, of=q)
-        steps["ours (compile_backward)"] = lambda: with_env("TK_INDUCTOR_COMPILE_BACKWARD", "1", compiled_step)
-
-        @torch.no_grad()
-        def kernels():  # both raw kernels, whether or not the op uses the backward one yet
-            args = (heads(q), heads(k), heads(v))
-            o = torch.ops.tk_cuda.linear_attention(*args, "based", None, None, scale, True, 1e-6)
-            grads = torch.ops.tk_cuda.linear_attention_backward(do, *args, o, "based", None, None, scale, True, 1e-6)
-            return grads[0].transpose(1, 2)
-
-        steps["ours (backward kernel)"] = kernels
+        steps["ours (kernel fwd, reference bwd)"] = lambda: with_attr(la, "BACKWARD_KERNEL_VALIDATED", False,
+                                                                      steps["ours"])
         rows += check_and_time("linear_attention", name, steps, want[0].grad, N, "Mtok/s",
                                lambda ms: B * N / ms / 1e3, tol=2e-2)
         del leaves, q, k, v, want

@@ -8,10 +8,9 @@ state returned. "ours" lets the kernel choose its variant by block count; "ours 
 (128 registers) and "ours p32 tiles" (32 head dims per block: twice the blocks) are TK_SSD_VARIANT=0, 1 and 2.
 
 Forward+backward at 65536 tokens and at the e2e layer:
-- "ours (kernel fwd, reference bwd)": the op's autograd while the backward kernels are off, the reference's autograd
-  as the backward (what a training graph runs when it takes the SSD);
-- "ours (compile_backward)": the same backward through torch.compile (TK_INDUCTOR_COMPILE_BACKWARD=1);
-- "ours (backward kernel)": the forward and backward kernels called directly.
+- "ours": the op's autograd, the forward and backward kernels;
+- "ours (kernel fwd, reference bwd)": the same with the backward kernels off: the reference's autograd as the
+  backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (split scans off). Figure: Mtokens/s.
 
     python -m benchmarks.ssd [--quick]
@@ -20,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_env
+from .common import (Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_attr,
+                     with_env)
 
 
 def cases(quick: bool = False):
@@ -73,8 +73,6 @@ def run(quick: bool = False) -> list[Row]:
         del x, B, C, ref
         torch.cuda.empty_cache()
     for b, l, nh, p, n in TRAIN_CASES[:1] if quick else TRAIN_CASES:
-        # ours: the kernel's forward, the backward the reference's autograd (no backward kernel yet), as a training
-        # graph runs it when it takes the SSD
         name = f"b{b} l{l} nh{nh} p{p} n{n} fwd+bwd"
         progress(name)
         leaves = [t.requires_grad_() for t in inputs(b, l, nh, p, n)]
@@ -86,21 +84,14 @@ def run(quick: bool = False) -> list[Row]:
         def ours():
             return torch.ops.tk.ssd(x, dt, A, B, C, D, None, 64)[0]
 
-        impls = {"ours (kernel fwd, reference bwd)": ours,
+        impls = {"ours": ours,
                  "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0]}
         if chunk_simple_gla is not None:
             impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
         steps = {label: backward_step(fn, leaves, dy, of=x) for label, fn in impls.items()}
         # the flag is read when the backward runs: set around the whole step
-        compiled_step = backward_step(ours, leaves, dy, of=x)
-        steps["ours (compile_backward)"] = lambda: with_env("TK_INDUCTOR_COMPILE_BACKWARD", "1", compiled_step)
-
-        @torch.no_grad()
-        def kernels():  # both raw kernels, whether or not the op uses the backward ones yet
-            y, state = torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)
-            return torch.ops.tk_cuda.ssd_backward(dy, torch.zeros_like(state), x, dt, A, B, C, D, None, 64)[0]
-
-        steps["ours (backward kernel)"] = kernels
+        steps["ours (kernel fwd, reference bwd)"] = lambda: with_attr(ssd_ops, "BACKWARD_KERNEL_VALIDATED", False,
+                                                                      steps["ours"])
         rows += check_and_time("ssd", name, steps, want[0].grad, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)
         del leaves, x, B, C, want
         torch.cuda.empty_cache()

@@ -135,6 +135,11 @@ def check_backward(ops, q, k, v, scale, normalize, eps=1e-6, seed=0):
     la.linear_attention_reference(*leaves, "based", None, None, scale, normalize, eps).backward(do.float())
     for name, got, want in (("dq", dq, leaves[0].grad), ("dk", dk, leaves[1].grad), ("dv", dv, leaves[2].grad)):
         assert not got.isnan().any(), f"{name}: unwritten or non-finite"
+        if normalize and q.shape[2] == 1 and name != "dv":
+            # one token: o = v whatever q and k are, so dq = dk = 0 exactly; the kernel's dq, dk are then
+            # (do·v − do·o)·φ'·k / den, where o is the forward's bf16 output: only o's rounding (do, v, k ~ 1)
+            assert got.float().abs().max().item() < 0.1, f"{name}: {got.float().abs().max().item():.3g}, want 0"
+            continue
         err = rel_err(got, want)
         assert err < BWD_TOL, f"{name}: relative error {err:.3g} (N{q.shape[2]} dv{v.shape[3]} normalize={normalize})"
 

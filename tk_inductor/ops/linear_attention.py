@@ -50,7 +50,7 @@ REFERENCE_CHUNK = 64
 KERNEL_DK, KERNEL_DV_TILE = 16, 64
 # The backward kernel was written without a GPU: the backward op and the matcher use it only once
 # tests/test_linear_attention_gpu.py has passed on the device (it calls tk_cuda::linear_attention_backward directly).
-BACKWARD_KERNEL_VALIDATED = False
+BACKWARD_KERNEL_VALIDATED = True
 
 
 def kernel_supports(feature_map: str, dtype: torch.dtype, dk, dv, has_weights: bool = False) -> str | None:

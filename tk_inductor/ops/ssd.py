@@ -31,7 +31,7 @@ FAMILY = "ssd"
 KERNEL_STATE_SIZES, KERNEL_P_TILE = (64, 128), 64
 # The backward kernels (csrc/kernels/ssd/ssd_backward.cu) were written without a GPU: the backward op and the
 # matcher use them only once tests/test_ssd_gpu.py has passed on the device (it calls tk_cuda::ssd_backward).
-BACKWARD_KERNEL_VALIDATED = False
+BACKWARD_KERNEL_VALIDATED = True
 
 
 def kernel_supports(n, p) -> str | None:

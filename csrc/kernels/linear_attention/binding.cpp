@@ -93,8 +93,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor dq = at::zeros(q.sizes(), f32), dk = at::zeros(k.sizes(), f32);  // value tiles add into them
   Tensor dv = at::empty(v.sizes(), v.options());
-  Tensor none = at::empty({0}, q.options());
-  if (v.numel() == 0) return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none, none};
+  // the absent weight gradients: two empty tensors (a custom op's outputs must not alias one another)
+  const auto none = [&] { return at::empty({0}, q.options()); };
+  if (v.numel() == 0) return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none(), none()};
   const Tensor qq = loadable(q), kk = loadable(k), vv = loadable(v);
   const Tensor dout = grad_o.to(at::kBFloat16).contiguous();
   const Tensor delta = normalize ? dout.to(at::kFloat).mul(o.to(at::kFloat)).sum(-1).contiguous() : Tensor();
@@ -105,7 +106,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   a.dq = dq.data_ptr<float>(), a.dk = dk.data_ptr<float>(), a.dv_out = dv.data_ptr();
   const char* err = la::launch_based_backward(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
-  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none, none};
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none(), none()};
 }
 
 }  // namespace

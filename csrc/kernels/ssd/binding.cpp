@@ -83,8 +83,8 @@ std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& 
 }
 
 // (dx, ddt, dA, dB, dC, dD, dinitial_state), the op's schema and dtypes. The kernels give dX (X = dt·x), dB and dC
-// per head and dh0; the rest is elementwise on those (ssd/README.md, "Backward"): da is the reverse cumulative sum
-// of C·dC − B·dB (plus ⟨dh_final, h_final⟩ at the last position).
+// per head, dh0 and each chunk's anchor ⟨∂L/∂h, h⟩ at its end; the rest is elementwise on those (ssd/README.md,
+// "Backward"): da is C·dC − B·dB summed from the back inside each 64-token chunk, plus the chunk's anchor.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     const Tensor& grad_y, const Tensor& grad_state, const Tensor& x, const Tensor& dt, const Tensor& A,
     const Tensor& B, const Tensor& C, const std::optional<Tensor>& D, const std::optional<Tensor>& initial_state,
@@ -101,9 +101,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
   const auto f32 = x.options().dtype(at::kFloat);
   const Tensor dtf = as(dt, at::kFloat), Af = as(A, at::kFloat), xf = as(x, at::kFloat), dyf = as(grad_y, at::kFloat);
   const Tensor dh = as(grad_state, at::kFloat);
-  // what an empty sequence gives (the kernels overwrite dX, dh0 and h_final); dB, dC: head-dim tiles add into them
+  // what an empty sequence gives (the kernels overwrite dX and dh0); dB, dC, anchor: head-dim tiles add into them
+  constexpr int64_t chunk = 64;  // the kernels' (ssd.cuh CHUNK)
+  const int64_t chunks = (l + chunk - 1) / chunk;
   Tensor dX = at::zeros({b, l, nh, p}, f32), dBh = at::zeros({b, l, nh, n}, f32), dCh = at::zeros({b, l, nh, n}, f32);
-  Tensor dh0 = dh.clone(), h_final = has_h0 ? as(*initial_state, at::kFloat).clone() : at::zeros({b, nh, p, n}, f32);
+  Tensor dh0 = dh.clone(), anchor = at::zeros({b, nh, chunks}, f32);
   if (l > 0 && b > 0 && nh > 0) {
     const Tensor xb = as(x, at::kBFloat16), dyb = as(grad_y, at::kBFloat16);
     const Tensor Bb = as(B, at::kBFloat16), Cb = as(C, at::kBFloat16);
@@ -112,7 +114,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     a.x = xb.data_ptr(), a.dy = dyb.data_ptr(), a.dt = dtf.data_ptr<float>(), a.A = Af.data_ptr<float>();
     a.B = Bb.data_ptr(), a.C = Cb.data_ptr(), a.h0 = has_h0 ? h0.data_ptr<float>() : nullptr;
     a.dh = dh.data_ptr<float>(), a.dX = dX.data_ptr<float>(), a.dB = dBh.data_ptr<float>();
-    a.dC = dCh.data_ptr<float>(), a.dh0 = dh0.data_ptr<float>(), a.h_final = h_final.data_ptr<float>();
+    a.dC = dCh.data_ptr<float>(), a.dh0 = dh0.data_ptr<float>(), a.anchor = anchor.data_ptr<float>();
+    Tensor chunk_states = at::empty({b * nh * (p / 64), chunks, n * 64}, x.options().dtype(at::kBFloat16));
+    a.chunk_states = chunk_states.data_ptr();
     a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
     const char* err = tk_ssd::launch_backward(a, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
@@ -121,9 +125,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
   // per-head gradients against their group's B and C, broadcast over the group's heads rather than copied to them
   const auto by_group = [&](const Tensor& per_head) { return per_head.view({b, l, ng, rep, n}); };
   const Tensor Bg = as(B, at::kFloat).unsqueeze(3), Cg = as(C, at::kFloat).unsqueeze(3);  // (b, l, ng, 1, n)
-  Tensor dlam = Cg.mul(by_group(dCh)).sum(-1).sub(Bg.mul(by_group(dBh)).sum(-1)).view({b, l, nh});
-  if (l > 0) dlam.select(1, l - 1).add_(dh.mul(h_final).sum(at::IntArrayRef{-1, -2}));
-  const Tensor da = dlam.flip({1}).cumsum(1).flip({1});
+  const Tensor dlam = Cg.mul(by_group(dCh)).sum(-1).sub(Bg.mul(by_group(dBh)).sum(-1)).view({b, l, nh});
+  Tensor padded = at::zeros({b, chunks * chunk, nh}, f32);
+  padded.narrow(1, 0, l).copy_(dlam);
+  const Tensor da = padded.view({b, chunks, chunk, nh})
+                        .flip({2}).cumsum(2).flip({2})
+                        .add(anchor.permute({0, 2, 1}).unsqueeze(2))
+                        .view({b, chunks * chunk, nh})
+                        .narrow(1, 0, l);
   const Tensor ddt = xf.mul(dX).sum(-1).add(Af.mul(da));
   const Tensor dA = dtf.mul(da).sum(at::IntArrayRef{0, 1});
   Tensor dx = dtf.unsqueeze(-1).mul(dX);

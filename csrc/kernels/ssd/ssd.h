@@ -51,7 +51,8 @@ struct BwdArgs {
   float* dB;
   float* dC;
   float* dh0;
-  float* h_final;  // the forward's final state again (kernel A's scan ends on it): the dt/A gradients need it
+  void* chunk_states;  // bf16 (blocks, chunks, n·64) scratch: kernel A's chunk-end states for kernel B
+  float* anchor;       // (b, nh, chunks), zeroed: ⟨∂L/∂h, h⟩ at each chunk's end, for the dt/A gradients
   int b, l, nh, ng, p, n;
 };
 const char* launch_backward(const BwdArgs& a, cudaStream_t stream);
