@@ -232,8 +232,9 @@ def test_llama_bf16_cuda_kernels_forward_and_training_step():
 
 def _compiled_matches_eager(model, ids, family, outputs=lambda out: out, train=False):
     """Compiled bf16 on CUDA equals eager within bf16 tolerance, and `family` ran as our kernel. In training (one
-    forward and backward, every parameter's gradient compared) the family's backward is its reference's autograd
-    (`reference_backward`: no backward kernel yet)."""
+    forward and backward) every parameter's gradient is compared with an fp32 copy of the model: within 3e-2, or no
+    more than 1.5x off than eager bf16's own (sums over every token, e.g. Mamba2's dt_bias, cancel to small values
+    that bf16 does not resolve to 3e-2 either way)."""
     from tk_inductor import build, config
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -243,17 +244,19 @@ def _compiled_matches_eager(model, ids, family, outputs=lambda out: out, train=F
     tk_inductor.reset()
     model.train(train)
     ours = copy.deepcopy(model)
+    exact = copy.deepcopy(model).float()
     with config.patch(reference_backward=[family] if train else []), torch.set_grad_enabled(train):
         compiled = torch.compile(ours, backend="thunderkittens")
         want, got = outputs(model(ids)), outputs(compiled(ids))
         assert torch.isfinite(got).all()
         assert _rel_err(got, want) <= 2e-2
         if train:
-            want.float().square().mean().backward()
-            got.float().square().mean().backward()
-            for (name, p_ref), p in zip(model.named_parameters(), ours.parameters()):
+            for out in (want, got, outputs(exact(ids))):
+                out.float().square().mean().backward()
+            for (name, p_eager), p, p_exact in zip(model.named_parameters(), ours.parameters(), exact.parameters()):
                 assert p.grad is not None and torch.isfinite(p.grad).all(), name
-                assert _rel_err(p.grad, p_ref.grad) <= 3e-2, name
+                err, eager_err = _rel_err(p.grad, p_exact.grad), _rel_err(p_eager.grad, p_exact.grad)
+                assert err <= max(3e-2, 1.5 * eager_err), f"{name}: {err:.3g} vs fp32 (eager bf16: {eager_err:.3g})"
     rep = tk_inductor.report()
     assert not rep.failed, rep.failed
     if family in build.families():
