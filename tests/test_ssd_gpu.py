@@ -112,7 +112,7 @@ def test_ssd_forward_empty_and_bad_shapes(ops):
 # ---------------------------------------------------------------------------- backward (tk_cuda::ssd_backward)
 
 BWD_TOL = 3e-2  # relative (norm-wise) error of each gradient vs the fp32 reference's autograd (bf16 operands)
-DA_TOL = 1e-2  # A's gradient, relative to the scale of its terms (da_error): 0.5% measured, 3.5% of |dA| itself
+DA_TOL = BWD_TOL  # A's gradient, the same bound at the scale of its terms (da_error); |dA| itself is ~7x smaller
 
 
 def check_backward(ops, x, dt, A, B, C, D, h0, grad_state=True, seed=0):
