@@ -87,14 +87,6 @@ def test_reference_backward_from_env_and_options(monkeypatch):
         config.current({"reference_backward": 1})
 
 
-def test_compile_backward_flag(monkeypatch):
-    assert not config.current().compile_backward and not config.flag_at_run_time("compile_backward")
-    monkeypatch.setenv("TK_INDUCTOR_COMPILE_BACKWARD", "1")
-    assert config.current().compile_backward and config.flag_at_run_time("compile_backward")
-    with config.patch(compile_backward=False):
-        assert not config.flag_at_run_time("compile_backward")
-
-
 def test_allowlist_unknown_family(monkeypatch):
     with pytest.raises(ValueError, match="flash"):
         config.current({"ops": ["attention", "flash"]})
@@ -149,7 +141,6 @@ def test_key_is_stable_and_covers_every_field():
     changed = {
         "ops": ("attention",),
         "reference_backward": ("ssd",),
-        "compile_backward": True,
         "strict": True,
         "reference": True,
         "verbose": True,

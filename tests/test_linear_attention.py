@@ -317,16 +317,3 @@ def test_kernel_supports_names_what_the_based_kernel_does_not_compute():
     assert "feature dim 32" in la.kernel_supports("based", torch.bfloat16, 32, 64)
     assert "value dim 96" in la.kernel_supports("based", torch.bfloat16, 16, 96)
     assert la.kernel_supports("based", torch.bfloat16, 16, 128) is None
-
-
-def test_compiled_reference_backward_equals_eager():
-    """`compile_backward`: the reference's vjp through torch.compile (Inductor's CPU code here) gives the eager
-    gradients."""
-    from tk_inductor.ops import _dispatch
-
-    q, k, v = _inputs(B=1, H=2, N=70, dk=4, dv=8, dtype=torch.float32)
-    args = (torch.randn_like(v), q, k, v, "based", None, None, 0.5, True, 1e-6)
-    want = la._reference_grads(*args)
-    got = _dispatch.run_backward(la._reference_grads, args, compiled=True)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -57,8 +57,6 @@ class Config:
     # families replaced in training graphs although they have no backward kernel: the forward runs the kernel, the
     # backward the op's reference autograd (batched PyTorch, recomputing the forward in fp32)
     reference_backward: tuple[str, ...] = ()
-    # on CUDA, a reference backward runs through torch.compile (Inductor fuses its elementwise work) instead of eagerly
-    compile_backward: bool = False
     strict: bool = False  # raise instead of warning and passing through
     reference: bool = False  # ops run their PyTorch reference (any device)
     verbose: bool = False  # print a one-line summary per compiled graph
@@ -84,7 +82,7 @@ def _from_mapping(values: dict) -> Config:
     for name in ("ops", "reference_backward"):
         if name in values:
             values[name] = _parse_ops(values[name], name)
-    for flag in ("strict", "reference", "verbose", "compile_backward"):
+    for flag in ("strict", "reference", "verbose"):
         if flag in values:
             values[flag] = _as_bool(values[flag], f"options[{flag!r}]")
     if values.get("inner", "inductor") not in ("inductor", "aot_eager"):
@@ -98,7 +96,7 @@ def from_environment(base: Config | None = None) -> Config:
         values["ops"] = os.environ["TK_INDUCTOR_OPS"]
     if os.environ.get("TK_INDUCTOR_REFERENCE_BACKWARD") is not None:
         values["reference_backward"] = os.environ["TK_INDUCTOR_REFERENCE_BACKWARD"]
-    for flag in ("strict", "reference", "verbose", "compile_backward"):
+    for flag in ("strict", "reference", "verbose"):
         env = _env_flag(f"TK_INDUCTOR_{flag.upper()}")
         if env is not None:
             values[flag] = env

@@ -73,35 +73,3 @@ def has_kernel(name: str) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
-
-
-# ---------------------------------------------------------------------------- backward without a kernel
-
-_compiled: dict = {}  # reference backward function -> its torch.compile wrapper
-_eager_only: set = set()  # functions torch.compile failed on: eager from then on
-
-
-def reference_backward(fn, *args):
-    """fn(*args), a family's reference backward (a module-level function of tensors and constants, e.g. the
-    reference's vjp). On CUDA with `compile_backward` on (and reference mode off) it runs through torch.compile:
-    Inductor fuses the reference's elementwise work, which eager PyTorch runs op by op."""
-    on_cuda = all(a.is_cuda for a in args if isinstance(a, torch.Tensor))
-    compiled = on_cuda and config.flag_at_run_time("compile_backward") and not config.reference_at_run_time()
-    return run_backward(fn, args, compiled)
-
-
-def run_backward(fn, args, compiled: bool):
-    if not compiled or fn in _eager_only:
-        return fn(*args)
-    wrapper = _compiled.get(fn)
-    if wrapper is None:
-        wrapper = _compiled[fn] = torch.compile(fn)
-    try:
-        return wrapper(*args)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:  # an Inductor failure must not fail training: the eager backward is the same math
-        _eager_only.add(fn)
-        warnings.warn(f"tk_inductor: torch.compile failed on {fn.__module__}.{fn.__name__} ({type(exc).__name__}: "
-                      f"{str(exc)[:200]}); running it eagerly from now on", RuntimeWarning, stacklevel=2)
-        return fn(*args)

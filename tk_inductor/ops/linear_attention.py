@@ -26,9 +26,9 @@ How this lines up with flash-linear-attention (where they overlap the semantics 
   (a single normaliser, with a bias). Ours is the Hedgehog paper's two separate softmaxes without
   bias; the matcher leaves FLA's spelling alone.
 
-Autograd: the forward saves its inputs; `tk::linear_attention_backward` returns (dq, dk, dv, dq_weight,
-dk_weight) (weight grads are empty tensors when there is no weight) and recomputes the forward
-inside, which is what a chunked kernel does too (the running state is rebuilt chunk by chunk).
+Autograd: the forward saves its inputs and output; `tk::linear_attention_backward` returns (dq, dk, dv, dq_weight,
+dk_weight) (weight grads are empty tensors when there is no weight) and recomputes the forward's running state
+inside, chunk by chunk, as the Based backward kernel does.
 The reference is a chunked scan in fp32 (chunk 64): intra-chunk masked products plus an fp32 running
 state — the same algorithm a kernel with the state in registers runs, never an N×N matrix.
 """
@@ -48,8 +48,8 @@ REFERENCE_CHUNK = 64
 # The CUDA kernels (csrc/kernels/linear_attention/based.cu, based_backward.cu): Based, bf16, dk 16, dv a multiple of
 # 64.
 KERNEL_DK, KERNEL_DV_TILE = 16, 64
-# The backward kernel was written without a GPU: the backward op and the matcher use it only once
-# tests/test_linear_attention_gpu.py has passed on the device (it calls tk_cuda::linear_attention_backward directly).
+# The backward kernel, validated on the H200 in session 9 (tests/test_linear_attention_gpu.py). False: the backward op
+# and the matcher fall back to the reference (what to set while a changed kernel awaits its GPU run).
 BACKWARD_KERNEL_VALIDATED = True
 
 
@@ -188,8 +188,7 @@ def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
             and _dispatch.use_kernel(FAMILY, grad_o, q, k, v, o) and _dispatch.has_kernel("linear_attention_backward"):
         return _dispatch.kernel("linear_attention_backward")(grad_o, q, k, v, o, feature_map, q_weight, k_weight,
                                                             scale, normalize, eps)
-    return _dispatch.reference_backward(_reference_grads, grad_o, q, k, v, feature_map, q_weight, k_weight, scale,
-                                        normalize, eps)
+    return _reference_grads(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
 
 
 def _reference_grads(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps):

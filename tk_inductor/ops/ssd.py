@@ -16,7 +16,8 @@ The reference is the chunked SSD algorithm (chunk `chunk_size`, default 64): int
 recurrence of the states (the kernel keeps that state in registers) and the state→output term.
 `chunk_size` does not change the result beyond rounding; kernels may use their own.
 Autograd: `tk::ssd_backward` returns (dx, ddt, dA, dB, dC, dD, dinitial_state), the optional ones as
-empty tensors when absent; its reference recomputes the forward and differentiates it.
+empty tensors when absent: the CUDA kernels scan the chunks forwards (dC) and backwards (dX, dB, dh0) and the
+binding forms the rest; the reference recomputes the forward and differentiates it.
 """
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ from . import _dispatch
 
 FAMILY = "ssd"
 
-# The CUDA kernel (csrc/kernels/ssd/ssd.cu): forward only, state size n 64 or 128, head dim p a multiple of 64;
+# The CUDA kernels (csrc/kernels/ssd/ssd.cu, ssd_backward.cu): state size n 64 or 128, head dim p a multiple of 64;
 # bf16 tensor-core products with fp32 states (inputs in other dtypes are converted by its binding).
 KERNEL_STATE_SIZES, KERNEL_P_TILE = (64, 128), 64
-# The backward kernels (csrc/kernels/ssd/ssd_backward.cu) were written without a GPU: the backward op and the
-# matcher use them only once tests/test_ssd_gpu.py has passed on the device (it calls tk_cuda::ssd_backward).
+# The backward kernels (csrc/kernels/ssd/ssd_backward.cu), validated on the H200 in session 9 (tests/test_ssd_gpu.py).
+# False: the backward op and the matcher fall back to the reference (while a changed kernel awaits its GPU run).
 BACKWARD_KERNEL_VALIDATED = True
 
 
@@ -189,8 +190,7 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
             and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
             and _dispatch.has_kernel("ssd_backward"):
         return _dispatch.kernel("ssd_backward")(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
-    return _dispatch.reference_backward(_reference_grads, grad_y, grad_state, x, dt, A, B, C, D, initial_state,
-                                        chunk_size)
+    return _reference_grads(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
 
 
 def _reference_grads(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size):
