@@ -10,6 +10,8 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from tk_inductor.ops import linear_attention, ssd  # noqa: F401  (register tk::linear_attention, tk::ssd)
+
 from .common import backward_step
 
 CASES = {  # the fwd+bwd rows of benchmarks/ssd.py and benchmarks/linear_attention.py
