@@ -82,9 +82,10 @@ std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& 
   return {x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type()), h_final};
 }
 
-// (dx, ddt, dA, dB, dC, dD, dinitial_state), the op's schema and dtypes. The kernels give dX (X = dt·x), dB and dC
-// per head, dh0 and each chunk's anchor ⟨∂L/∂h, h⟩ at its end; the rest is elementwise on those (ssd/README.md,
-// "Backward"): da is C·dC − B·dB summed from the back inside each 64-token chunk, plus the chunk's anchor.
+// (dx, ddt, dA, dB, dC, dD, dinitial_state), the op's schema and dtypes. The kernels give dx, dB, dC, dD and dh0, and
+// per token dlam = C·dC − B·dB (per head) and Σ_p x·dX (X = dt·x), and each chunk's anchor ⟨∂L/∂h, h⟩ at its end; the
+// rest is small (b, l, nh) work (ssd/README.md, "Backward"): da is dlam summed from the back inside each 64-token
+// chunk plus the chunk's anchor, ddt = Σ_p x·dX + A·da, dA = Σ dt·da.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     const Tensor& grad_y, const Tensor& grad_state, const Tensor& x, const Tensor& dt, const Tensor& A,
     const Tensor& B, const Tensor& C, const std::optional<Tensor>& D, const std::optional<Tensor>& initial_state,
@@ -99,50 +100,46 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
   const bool has_d = D && D->defined(), has_h0 = initial_state && initial_state->defined();
   const c10::cuda::CUDAGuard guard(x.device());
   const auto f32 = x.options().dtype(at::kFloat);
-  const Tensor dtf = as(dt, at::kFloat), Af = as(A, at::kFloat), xf = as(x, at::kFloat), dyf = as(grad_y, at::kFloat);
-  const Tensor dh = as(grad_state, at::kFloat);
-  // what an empty sequence gives (the kernels overwrite dX and dh0); dB, dC, anchor: head-dim tiles add into them
+  const Tensor dtf = as(dt, at::kFloat), Af = as(A, at::kFloat), dh = as(grad_state, at::kFloat);
+  // what an empty sequence gives (the kernels write dx and dh0); the rest: heads and head-dim tiles add into them
   constexpr int64_t chunk = 64;  // the kernels' (ssd.cuh CHUNK)
   const int64_t chunks = (l + chunk - 1) / chunk;
-  Tensor dX = at::zeros({b, l, nh, p}, f32), dBh = at::zeros({b, l, nh, n}, f32), dCh = at::zeros({b, l, nh, n}, f32);
+  Tensor dx = at::empty({b, l, nh, p}, x.options().dtype(at::kBFloat16));
+  Tensor dB = at::zeros({b, l, ng, n}, f32), dC = at::zeros({b, l, ng, n}, f32);
+  Tensor dlam = at::zeros({b, l, nh}, f32), xdX = at::zeros({b, l, nh}, f32), dDf = at::zeros({nh}, f32);
   Tensor dh0 = dh.clone(), anchor = at::zeros({b, nh, chunks}, f32);
   if (l > 0 && b > 0 && nh > 0) {
     const Tensor xb = as(x, at::kBFloat16), dyb = as(grad_y, at::kBFloat16);
     const Tensor Bb = as(B, at::kBFloat16), Cb = as(C, at::kBFloat16);
-    const Tensor h0 = has_h0 ? as(*initial_state, at::kFloat) : Tensor();
+    const Tensor h0 = has_h0 ? as(*initial_state, at::kFloat) : Tensor(), Df = has_d ? as(*D, at::kFloat) : Tensor();
     tk_ssd::BwdArgs a{};
     a.x = xb.data_ptr(), a.dy = dyb.data_ptr(), a.dt = dtf.data_ptr<float>(), a.A = Af.data_ptr<float>();
     a.B = Bb.data_ptr(), a.C = Cb.data_ptr(), a.h0 = has_h0 ? h0.data_ptr<float>() : nullptr;
-    a.dh = dh.data_ptr<float>(), a.dX = dX.data_ptr<float>(), a.dB = dBh.data_ptr<float>();
-    a.dC = dCh.data_ptr<float>(), a.dh0 = dh0.data_ptr<float>(), a.anchor = anchor.data_ptr<float>();
+    a.D = has_d ? Df.data_ptr<float>() : nullptr, a.dh = dh.data_ptr<float>(), a.dx = dx.data_ptr();
+    a.dB = dB.data_ptr<float>(), a.dC = dC.data_ptr<float>(), a.dlam = dlam.data_ptr<float>();
+    a.xdX = xdX.data_ptr<float>(), a.dD = has_d ? dDf.data_ptr<float>() : nullptr;
+    a.dh0 = dh0.data_ptr<float>(), a.anchor = anchor.data_ptr<float>();
     Tensor chunk_states = at::empty({b * nh * (p / 64), chunks, n * 64}, x.options().dtype(at::kBFloat16));
     a.chunk_states = chunk_states.data_ptr();
     a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
     const char* err = tk_ssd::launch_backward(a, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
   }
-  const int64_t rep = nh / ng;
-  // per-head gradients against their group's B and C, broadcast over the group's heads rather than copied to them
-  const auto by_group = [&](const Tensor& per_head) { return per_head.view({b, l, ng, rep, n}); };
-  const Tensor Bg = as(B, at::kFloat).unsqueeze(3), Cg = as(C, at::kFloat).unsqueeze(3);  // (b, l, ng, 1, n)
-  const Tensor dlam = Cg.mul(by_group(dCh)).sum(-1).sub(Bg.mul(by_group(dBh)).sum(-1)).view({b, l, nh});
+  // da: dlam summed from the back inside each chunk, plus the chunk's anchor (the later chunks' exact share)
   Tensor padded = at::zeros({b, chunks * chunk, nh}, f32);
   padded.narrow(1, 0, l).copy_(dlam);
-  const Tensor per_chunk = padded.view({b, chunks, chunk, nh});
   // (the anchors also fix each chunk's own sum, anchor_{c-1} − anchor_c, but g's bf16 roundings make them no more
   // accurate than that sum: pinning the sums to them was worse in emulation, 3x worse at 64 tokens on the H200)
-  Tensor da = per_chunk.flip({2}).cumsum(2).flip({2}).add(anchor.permute({0, 2, 1}).unsqueeze(2));
-  da = da.view({b, chunks * chunk, nh}).narrow(1, 0, l);
-  const Tensor ddt = xf.mul(dX).sum(-1).add(Af.mul(da));
+  const Tensor da = padded.view({b, chunks, chunk, nh})
+                        .flip({2}).cumsum(2).flip({2})
+                        .add(anchor.permute({0, 2, 1}).unsqueeze(2))
+                        .view({b, chunks * chunk, nh})
+                        .narrow(1, 0, l);
+  const Tensor ddt = xdX.add(Af.mul(da));
   const Tensor dA = dtf.mul(da).sum(at::IntArrayRef{0, 1});
-  Tensor dx = dtf.unsqueeze(-1).mul(dX);
-  Tensor dD = at::empty({0}, x.options());  // absent gradients: empty, in x's dtype (as the op's fake)
-  if (has_d) {
-    dx = dx.add(as(*D, at::kFloat).view({1, 1, nh, 1}).mul(dyf));
-    dD = xf.mul(dyf).sum(at::IntArrayRef{0, 1, 3}).to(D->scalar_type());
-  }
-  const Tensor dB = by_group(dBh).sum(3), dC = by_group(dCh).sum(3);
-  Tensor dinit = has_h0 ? dh0.to(initial_state->scalar_type()) : at::empty({0}, x.options());
+  // absent gradients: empty, in x's dtype (as the op's fake)
+  const Tensor dD = has_d ? dDf.to(D->scalar_type()) : at::empty({0}, x.options());
+  const Tensor dinit = has_h0 ? dh0.to(initial_state->scalar_type()) : at::empty({0}, x.options());
   return {dx.to(x.scalar_type()), ddt.to(dt.scalar_type()), dA.to(A.scalar_type()), dB.to(B.scalar_type()),
           dC.to(C.scalar_type()), dD, dinit};
 }

@@ -36,8 +36,10 @@ constexpr bool state_size_supported(int n) { return n == 64 || n == 128; }
 const char* launch(const Args& a, cudaStream_t stream);
 
 // Backward (ssd_backward.cu): from dy (b, l, nh, p) bf16 and dh (b, nh, p, n) fp32 (the final state's gradient, or
-// null), the gradients of X = dt·x (dX: (b, l, nh, p) fp32), of B and C per head (dB, dC: (b, l, nh, n) fp32, zeroed
-// by the caller: head-dim tiles add into them) and of the initial state (dh0: (b, nh, p, n) fp32). Inputs as Args.
+// null): dx = dt·dX + D·dy (X = dt·x; (b, l, nh, p) bf16), the gradients of B and C ((b, l, ng, n) fp32), the per-token
+// sums dlam = C·dC_h − B·dB_h and xdX = Σ_p x·dX ((b, l, nh) fp32), dD = Σ x·dy ((nh) fp32, or null) and the initial
+// state's gradient (dh0: (b, nh, p, n) fp32). Every output but dx and dh0 is zeroed by the caller: heads and head-dim
+// tiles add into them. Inputs as Args.
 struct BwdArgs {
   const void* x;
   const void* dy;
@@ -47,9 +49,13 @@ struct BwdArgs {
   const void* C;
   const float* h0;  // or nullptr
   const float* dh;  // or nullptr
-  float* dX;
+  const float* D;  // (nh) or nullptr
+  void* dx;
   float* dB;
   float* dC;
+  float* dlam;
+  float* xdX;
+  float* dD;  // or nullptr
   float* dh0;
   void* chunk_states;  // bf16 (blocks, chunks, n·64) scratch: kernel A's chunk-end states for kernel B
   float* anchor;       // (b, nh, chunks), zeroed: ⟨∂L/∂h, h⟩ at each chunk's end, for the dt/A gradients

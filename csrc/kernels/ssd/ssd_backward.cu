@@ -7,8 +7,10 @@
 //     dX_s = Σ_{t≥s} exp(Λ_t − Λ_s) (B_s·C_t) dy_t + exp(Λ_end − Λ_s) Gᵀ B_s
 //     dB_s = Σ_{t≥s} exp(Λ_t − Λ_s) (X_s·dy_t) C_t + exp(Λ_end − Λ_s) G X_s
 //     G   ← exp(Λ_end) G + Σ_t exp(Λ_t) C_t dy_tᵀ;  dh0 = G after chunk 0
-// dB and dC are per head and sum over the block's head-dim tiles by fp32 atomics (the binding zeroes them); the
-// binding then forms dt's and A's gradients from them: da is C·dC − B·dB summed from the back inside each chunk,
+// The kernels also reduce what the binding needs, so that no per-head (b, l, nh, n) or fp32 (b, l, nh, p) tensor is
+// ever written: dB and dC go straight to their group's rows, and per token dlam = C·dC_h − B·dB_h and Σ_p x·dX, by
+// fp32 atomics over heads and head-dim tiles (the binding zeroes them); kernel B writes dx = dt·dX + D·dy in bf16 and
+// sums dD = Σ x·dy. The binding then forms dt's and A's gradients: da is dlam summed from the back inside each chunk,
 // plus the chunk's anchor ⟨g, h⟩ at its end (all later tokens' share, exactly). Summing over the whole sequence
 // instead accumulates bf16 rounding over thousands of nearly cancelling terms (measured: A's gradient 4–13% off at
 // 300 tokens). For the anchor, kernel A writes each chunk-end state h (its bf16 copy, as stored in shared memory)
@@ -201,11 +203,42 @@ __device__ __forceinline__ void add_rows(float* dst, int64_t ld, const rt_fl<BAS
     }
 }
 
+// Σ over this warp's columns col0.. of t(row, ·)·other(row, ·), other a bf16 shared tile of the chunk, for the lane's
+// two rows r0 = 16·(its row tile) + lane/4 and r0 + 8; summed over the quad of lanes sharing those rows.
+template <int W, class ST>
+__device__ __forceinline__ float2 row_dots(const rt_fl<BASE, W>& t, const ST& other, int r0, int col0) {
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < W / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = r0 + 8 * (k & 1), col = col0 + BASE * j + base_col<row_layout>(k, 0);
+      const float2 o = __bfloat1622float2(*reinterpret_cast<const bf16_2*>(&other(r, col)));
+      sum[k & 1] += t.tiles[0][j].data[k].x * o.x + t.tiles[0][j].data[k].y * o.y;
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+  }
+  return make_float2(sum[0], sum[1]);
+}
+
+// Adds `sign`·row_dots to the per-token (b, l, nh) sums at chunk rows r0 and r0 + 8 (one lane per quad; rows at or
+// past l skipped).
+__device__ __forceinline__ void add_token_sums(float* dst, int64_t ld, float2 v, int row0, int l) {
+  if ((laneid() & 3) != 0) return;
+  if (row0 < l) atomicAdd(dst + int64_t(row0) * ld, v.x);
+  if (row0 + 8 < l) atomicAdd(dst + int64_t(row0 + 8) * ld, v.y);
+}
+
 template <int NS>
 struct Block {  // a block's (batch, head, head-dim tile) and its pointers
   BwdRows<NS> g;
   int64_t out_row_p, out_row_n, state_base;
-  int64_t p_off, n_off;  // offsets of the block's first row in the (b, l, nh, p) and (b, l, nh, n) outputs
+  int64_t p_off, n_off;  // offsets of the block's first row in the (b, l, nh, p) and (b, l, ng, n) outputs
+  int64_t tok_off;        // ... and in the (b, l, nh) per-token sums (row stride nh)
+  int h;
   float Ah;
 };
 
@@ -216,7 +249,8 @@ __device__ __forceinline__ Block<NS> block_of(const BwdArgs& a) {
   const int bi = bh / a.nh, h = bh % a.nh, grp_of_head = h / (a.nh / a.ng);
   Block<NS> k;
   k.p_off = (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
-  k.n_off = (int64_t(bi) * a.l * a.nh + h) * NS;
+  k.n_off = (int64_t(bi) * a.l * a.ng + grp_of_head) * NS;  // the group's B / C rows
+  k.tok_off = int64_t(bi) * a.l * a.nh + h, k.h = h;
   k.g.in.x = static_cast<const bf16*>(a.x) + k.p_off;
   k.g.dy = static_cast<const bf16*>(a.dy) + k.p_off;
   k.g.in.b = static_cast<const bf16*>(a.B) + (int64_t(bi) * a.l * a.ng + grp_of_head) * NS;
@@ -224,13 +258,13 @@ __device__ __forceinline__ Block<NS> block_of(const BwdArgs& a) {
   k.g.in.dt = a.dt + int64_t(bi) * a.l * a.nh + h;
   k.g.in.x_row = int64_t(a.nh) * a.p, k.g.in.bc_row = int64_t(a.ng) * NS, k.g.in.dt_row = a.nh;
   k.g.in.l = a.l;
-  k.out_row_p = int64_t(a.nh) * a.p, k.out_row_n = int64_t(a.nh) * NS;
+  k.out_row_p = int64_t(a.nh) * a.p, k.out_row_n = int64_t(a.ng) * NS;
   k.state_base = (int64_t(bh) * a.p + pt * PT) * NS;
   k.Ah = a.A[h];
   return k;
 }
 
-// Kernel A: dC, and the chunk-end states.
+// Kernel A: dC and its per-token sums, and the chunk-end states.
 template <int NS>
 __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a) {
   extern __shared__ uint8_t raw[];
@@ -279,6 +313,8 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a)
       load(sr, s.state, ncols, 0);
       mma_ABt(dc, dyr, sr, dc);
       add_rows(a.dC + blk.n_off, blk.out_row_n, dc, c * CHUNK + BASE * grp, a.l, ncols);
+      add_token_sums(a.dlam + blk.tok_off, a.nh, row_dots(dc, s.c[buf], t0, ncols),
+                     c * CHUNK + t0, a.l);
     }
     __syncthreads();  // every warp has read S before its owners change it
     if (owner)  // S ← exp(Λ_end) S + Σ_s exp(Λ_end − Λ_s) dt_s B_sᵀ x_s
@@ -289,7 +325,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a)
   store_chunk_state(s, a, chunks - 1);
 }
 
-// Kernel B: dX, dB, dh0 and the chunk anchors.
+// Kernel B: dx, dB, dh0, the chunk anchors and the per-token sums.
 template <int NS>
 __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs a) {
   extern __shared__ uint8_t raw[];
@@ -299,6 +335,8 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
   const int warp = warpid(), lane = laneid(), grp = warp >> 1, pcols = HALF * (warp & 1), ncols = NH * (warp & 1);
   const bool owner = warp < NS / BASE;
   const int chunks = (a.l + CHUNK - 1) / CHUNK;
+  const float Dh = a.D ? a.D[blk.h] : 0.f;
+  float x_dy = 0.f;  // this lane's share of dD
   load_bwd_chunk(s, (chunks - 1) & 1, blk.g, chunks - 1);
   load_chunk_state(s, (chunks - 1) & 1, a, chunks - 1);
   rt_fl<BASE, PT> G;
@@ -346,15 +384,30 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
         load(gk, s.state, BASE * kk, pcols);
         mma_AB(dx, bw, gk, dx);
       }
+      {  // dx = dt·dX + D·dy in bf16; Σ_p x·dX per token; Σ x·dy for dD
+        float xdx[2] = {0.f, 0.f};
 #pragma unroll
-      for (int j = 0; j < HALF / BASE; ++j)
+        for (int j = 0; j < HALF / BASE; ++j)
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int r = c * CHUNK + s0 + 8 * (k & 1);
-          if (r >= a.l) continue;
-          const int col = pcols + BASE * j + base_col<row_layout>(k, 0);
-          *reinterpret_cast<float2*>(a.dX + blk.p_off + r * blk.out_row_p + col) = dx.tiles[0][j].data[k];
+          for (int k = 0; k < 4; ++k) {
+            const int rr = s0 + 8 * (k & 1), col = pcols + BASE * j + base_col<row_layout>(k, 0);
+            const float2 v = dx.tiles[0][j].data[k];
+            const float2 xv = __bfloat1622float2(*reinterpret_cast<const bf16_2*>(&s.x[buf](rr, col)));
+            const float2 dyv = __bfloat1622float2(*reinterpret_cast<const bf16_2*>(&s.dy[buf](rr, col)));
+            xdx[k & 1] += xv.x * v.x + xv.y * v.y;
+            x_dy += xv.x * dyv.x + xv.y * dyv.y;  // rows past l are zero-filled
+            const int r = c * CHUNK + rr;
+            if (r >= a.l) continue;
+            *reinterpret_cast<bf16_2*>(static_cast<bf16*>(a.dx) + blk.p_off + r * blk.out_row_p + col) =
+                __floats2bfloat162_rn(dts[k & 1] * v.x + Dh * dyv.x, dts[k & 1] * v.y + Dh * dyv.y);
+          }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          xdx[h] += __shfl_xor_sync(0xffffffffu, xdx[h], 1);
+          xdx[h] += __shfl_xor_sync(0xffffffffu, xdx[h], 2);
         }
+        add_token_sums(a.xdX + blk.tok_off, a.nh, make_float2(xdx[0], xdx[1]), c * CHUNK + s0, a.l);
+      }
 
       // dB, intra-chunk: (x_s·dy_t) exp(Λ_t − Λ_s) dt_s for t ≥ s, times C
       rt_bf<BASE, PT> xr;
@@ -380,12 +433,19 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
       load(gr, s.state, ncols, 0);
       mma_ABt(db, xr, gr, db);
       add_rows(a.dB + blk.n_off, blk.out_row_n, db, c * CHUNK + BASE * grp, a.l, ncols);
+      const float2 bdb = row_dots(db, s.b[buf], s0, ncols);
+      add_token_sums(a.dlam + blk.tok_off, a.nh, make_float2(-bdb.x, -bdb.y), c * CHUNK + s0, a.l);
     }
     __syncthreads();  // every warp has read G before its owners change it
     if (owner)  // G ← exp(Λ_end) G + Σ_t exp(Λ_t) C_t dy_tᵀ: ∂L/∂h at the chunk's start
       state_step(G, s, s.c[buf], s.dy[buf], __expf(d.l_end), [&](int t) { return __expf(d.lam_col(t)); });
   }
   if (owner) write_state<NS>(a.dh0, G, blk.state_base, warp);
+  if (a.dD) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x_dy += __shfl_xor_sync(0xffffffffu, x_dy, off);
+    if (lane == 0) atomicAdd(a.dD + blk.h, x_dy);
+  }
 }
 
 template <int NS, class Kernel>
