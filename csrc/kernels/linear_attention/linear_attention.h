@@ -38,8 +38,7 @@ struct BasedBwdArgs {
   const void* k;
   const void* v;
   const void* dout;
-  const void* o;  // the forward's output (B, H, N, dv) bf16 contiguous, for delta
-  float* delta;   // (B, H, N) scratch: do·o per row (normalised only)
+  const float* delta;
   float* inv;
   float* dq;
   float* dk;
