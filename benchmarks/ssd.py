@@ -9,6 +9,7 @@ state returned. "ours" lets the kernel choose its variant by block count; "ours 
 
 Forward+backward at 65536 tokens and at the e2e layer:
 - "ours": the op's autograd, the forward and backward kernels;
+- "ours p32 bwd": the same with the backward's 32-head-dim variant (TK_SSD_BWD_VARIANT=1: twice the blocks);
 - "ours (kernel fwd, reference bwd)": the same with the backward kernels off: the reference's autograd as the
   backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (split scans off). Figure: Mtokens/s.
@@ -90,6 +91,7 @@ def run(quick: bool = False) -> list[Row]:
             impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
         steps = {label: backward_step(fn, leaves, dy, of=x) for label, fn in impls.items()}
         # the flag is read when the backward runs: set around the whole step
+        steps["ours p32 bwd"] = lambda: with_env("TK_SSD_BWD_VARIANT", "1", steps["ours"])
         steps["ours (kernel fwd, reference bwd)"] = lambda: with_attr(ssd_ops, "BACKWARD_KERNEL_VALIDATED", False,
                                                                       steps["ours"])
         rows += check_and_time("ssd", name, steps, want[0].grad, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)

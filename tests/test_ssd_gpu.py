@@ -152,19 +152,25 @@ def da_error(dA, leaves, dy):
     return ((dA.float() - grads[2]).norm() / scale.norm().clamp_min(1e-6)).item()
 
 
+@pytest.mark.parametrize("variant", [0, 1], ids=["p64", "p32"])  # TK_SSD_BWD_VARIANT (ssd.h BwdArgs)
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("l", [1, 17, 64, 65, 300])
-def test_ssd_backward(ops, l, n):
+def test_ssd_backward(ops, l, n, variant, monkeypatch):
+    monkeypatch.setenv("TK_SSD_BWD_VARIANT", str(variant))
     check_backward(ops, *inputs(2, l, 4, 2, 64, n, h0=True, seed=l + n), seed=l)
 
 
 @pytest.mark.parametrize("D,h0,grad_state", [(False, False, False), (True, False, True), (False, True, False)],
                          ids=["plain", "D+dstate", "h0"])
-def test_ssd_backward_options(ops, D, h0, grad_state):
+@pytest.mark.parametrize("variant", ["", "1"], ids=["unset", "p32"])
+def test_ssd_backward_options(ops, D, h0, grad_state, variant, monkeypatch):
+    monkeypatch.setenv("TK_SSD_BWD_VARIANT", variant)
     check_backward(ops, *inputs(1, 200, 4, 1, 128, 128, D=D, h0=h0, seed=7), grad_state=grad_state)
 
 
-def test_ssd_backward_hf_layout_and_many_blocks(ops):
+@pytest.mark.parametrize("variant", ["", "1"], ids=["unset", "p32"])
+def test_ssd_backward_hf_layout_and_many_blocks(ops, variant, monkeypatch):
+    monkeypatch.setenv("TK_SSD_BWD_VARIANT", variant)
     x, dt, A, B, C, D, h0 = inputs(1, 333, 8, 1, 64, 128, layout="channels", seed=8)
     check_backward(ops, x.float(), dt, A, B, C, D, h0)
     check_backward(ops, *inputs(2, 1024, 32, 1, 64, 128, seed=9))
@@ -182,3 +188,10 @@ def test_ssd_backward_through_the_op(ops, monkeypatch):
     (y32.square().sum() + s32.sum()).backward()
     for got, w in zip(leaves, want):
         assert rel_err(got.grad, w.grad) < 5e-2
+
+
+def test_ssd_backward_bad_variant(ops, monkeypatch):
+    monkeypatch.setenv("TK_SSD_BWD_VARIANT", "2")
+    x, dt, A, B, C, D, _ = inputs(1, 8, 2, 1, 64, 64)
+    with pytest.raises(RuntimeError, match="TK_SSD_BWD_VARIANT"):
+        ops.ssd_backward(torch.randn_like(x), torch.zeros(1, 2, 64, 64, device="cuda"), x, dt, A, B, C, D, None, 64)

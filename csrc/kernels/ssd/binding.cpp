@@ -29,6 +29,15 @@ int variant() {
   return v;
 }
 
+// The backward's (ssd.h BwdArgs): TK_SSD_BWD_VARIANT, the same way.
+int backward_variant() {
+  int v = tk_ssd::AUTO;
+  TORCH_CHECK(tk::env_variant("TK_SSD_BWD_VARIANT", tk_ssd::BWD_VARIANTS, v),
+              "TK_SSD_BWD_VARIANT must be an integer in [0, ", tk_ssd::BWD_VARIANTS, "), got '",
+              std::getenv("TK_SSD_BWD_VARIANT"), "'");
+  return v;
+}
+
 Tensor as(const Tensor& t, at::ScalarType dtype) { return t.to(dtype).contiguous(); }
 
 // The checks both ops share; `op` names the raw op in the messages.
@@ -122,6 +131,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     Tensor chunk_states = at::empty({b * nh * (p / 64), chunks, n * 64}, x.options().dtype(at::kBFloat16));
     a.chunk_states = chunk_states.data_ptr();
     a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
+    a.variant = backward_variant();
     const char* err = tk_ssd::launch_backward(a, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
   }

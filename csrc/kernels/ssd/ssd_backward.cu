@@ -22,9 +22,7 @@
 namespace tk_ssd {
 namespace {
 
-constexpr int PT = P_TILE, HALF = PT / 2;
-
-template <int NS>
+template <int NS, int PT>
 struct BwdSmem {
   st<bf16, CHUNK, PT> x[2], dy[2];
   st<bf16, CHUNK, NS> b[2], c[2];
@@ -33,15 +31,15 @@ struct BwdSmem {
   float dt[2][CHUNK];
 };
 
-template <int NS>
+template <int NS, int PT>
 struct BwdRows {  // this block's rows in global memory: the forward's, and dy (x's layout)
   Rows<NS> in;
   const bf16* dy;
 };
 
 // Chunk c of x, B, C, dt (the forward's load) and dy into buffer `buf`.
-template <int NS>
-__device__ __forceinline__ void load_bwd_chunk(BwdSmem<NS>& s, int buf, const BwdRows<NS>& g, int c) {
+template <int NS, int PT>
+__device__ __forceinline__ void load_bwd_chunk(BwdSmem<NS, PT>& s, int buf, const BwdRows<NS, PT>& g, int c) {
   load_chunk(s, buf, g.in, c);
   using XT = st<bf16, CHUNK, PT>;
   const int tid = threadIdx.x, n0 = c * CHUNK;
@@ -56,31 +54,31 @@ __device__ __forceinline__ void load_bwd_chunk(BwdSmem<NS>& s, int buf, const Bw
 
 // The bf16 state tiles of chunk c's end in a (blocks, chunks, n·PT) buffer, in shared memory's own order: kernel A
 // stores its copy of S, kernel B loads it (one cp.async group) and dots it with its copy of G.
-template <int NS>
+template <int NS, int PT>
 __device__ __forceinline__ bf16* chunk_state(const BwdArgs& a, int c) {
   const int chunks = (a.l + CHUNK - 1) / CHUNK;
   return static_cast<bf16*>(a.chunk_states) + (int64_t(blockIdx.x) * chunks + c) * (NS * PT);
 }
 
-template <int NS>
-__device__ __forceinline__ void store_chunk_state(const BwdSmem<NS>& s, const BwdArgs& a, int c) {
+template <int NS, int PT>
+__device__ __forceinline__ void store_chunk_state(const BwdSmem<NS, PT>& s, const BwdArgs& a, int c) {
   const uint4* src = reinterpret_cast<const uint4*>(s.state.data);
-  uint4* dst = reinterpret_cast<uint4*>(chunk_state<NS>(a, c));
+  uint4* dst = reinterpret_cast<uint4*>(chunk_state<NS, PT>(a, c));
 #pragma unroll
   for (int i = threadIdx.x; i < NS * PT / 8; i += THREADS) dst[i] = src[i];
 }
 
-template <int NS>
-__device__ __forceinline__ void load_chunk_state(BwdSmem<NS>& s, int buf, const BwdArgs& a, int c) {
-  const bf16* src = chunk_state<NS>(a, c);
+template <int NS, int PT>
+__device__ __forceinline__ void load_chunk_state(BwdSmem<NS, PT>& s, int buf, const BwdArgs& a, int c) {
+  const bf16* src = chunk_state<NS, PT>(a, c);
 #pragma unroll
   for (int i = threadIdx.x; i < NS * PT / 8; i += THREADS) cp_async16(smem_addr(s.h[buf].data) + 16 * i, src + 8 * i);
   cp_async_commit();
 }
 
 // ⟨G, h⟩ over the block's tile (both bf16 in shared memory, same layout), added to the anchor of chunk c.
-template <int NS>
-__device__ __forceinline__ void add_anchor(const BwdSmem<NS>& s, int buf, const BwdArgs& a, int c) {
+template <int NS, int PT>
+__device__ __forceinline__ void add_anchor(const BwdSmem<NS, PT>& s, int buf, const BwdArgs& a, int c) {
   const __nv_bfloat162* g = reinterpret_cast<const __nv_bfloat162*>(s.state.data);
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(s.h[buf].data);
   float sum = 0.f;
@@ -126,7 +124,7 @@ __device__ __forceinline__ Decays chunk_decays(const S& s, int buf, float Ah) {
 
 // An owner warp's 16 state dims (rows of the transposed state, n x p) from a (b, nh, p, n) fp32 tensor at `base`
 // (zero without one), and back.
-template <int NS>
+template <int NS, int PT>
 __device__ __forceinline__ void read_state(rt_fl<BASE, PT>& S, const float* src, int64_t base, int warp) {
 #pragma unroll
   for (int j = 0; j < PT / BASE; ++j)
@@ -142,7 +140,7 @@ __device__ __forceinline__ void read_state(rt_fl<BASE, PT>& S, const float* src,
     }
 }
 
-template <int NS>
+template <int NS, int PT>
 __device__ __forceinline__ void write_state(float* dst, const rt_fl<BASE, PT>& S, int64_t base, int warp) {
 #pragma unroll
   for (int j = 0; j < PT / BASE; ++j)
@@ -155,7 +153,7 @@ __device__ __forceinline__ void write_state(float* dst, const rt_fl<BASE, PT>& S
 }
 
 // Publishes an owner warp's state rows as the bf16 copy every warp reads.
-template <class S>
+template <int PT, class S>
 __device__ __forceinline__ void publish_state(S& s, const rt_fl<BASE, PT>& state, int warp) {
   rt_bf<BASE, PT> copy_bf;
   copy(copy_bf, state);
@@ -166,7 +164,7 @@ __device__ __forceinline__ void publish_state(S& s, const rt_fl<BASE, PT>& state
 // (tokens x n) is B with values x and weight exp(Λ_end − Λ_t) dt_t for h (kernel A; the forward's update, written
 // inline there), or C with values dy and weight exp(Λ_t) for ∂L/∂h (kernel B). weight gets a column index (one
 // parity in every lane: Decays' *_col lookups apply).
-template <int NS, class S, class Weight>
+template <int NS, int PT, class S, class Weight>
 __device__ __forceinline__ void state_step(rt_fl<BASE, PT>& state, S& s, const st<bf16, CHUNK, NS>& rows,
                                            const st<bf16, CHUNK, PT>& values, float keep, Weight&& weight) {
   const int warp = warpid();
@@ -232,9 +230,9 @@ __device__ __forceinline__ void add_token_sums(float* dst, int64_t ld, float2 v,
   if (row0 + 8 < l) atomicAdd(dst + int64_t(row0 + 8) * ld, v.y);
 }
 
-template <int NS>
+template <int NS, int PT>
 struct Block {  // a block's (batch, head, head-dim tile) and its pointers
-  BwdRows<NS> g;
+  BwdRows<NS, PT> g;
   int64_t out_row_p, out_row_n, state_base;
   int64_t p_off, n_off;  // offsets of the block's first row in the (b, l, nh, p) and (b, l, ng, n) outputs
   int64_t tok_off;        // ... and in the (b, l, nh) per-token sums (row stride nh)
@@ -242,12 +240,12 @@ struct Block {  // a block's (batch, head, head-dim tile) and its pointers
   float Ah;
 };
 
-template <int NS>
-__device__ __forceinline__ Block<NS> block_of(const BwdArgs& a) {
+template <int NS, int PT>
+__device__ __forceinline__ Block<NS, PT> block_of(const BwdArgs& a) {
   const int ptiles = a.p / PT;
   const int pt = blockIdx.x % ptiles, bh = blockIdx.x / ptiles;
   const int bi = bh / a.nh, h = bh % a.nh, grp_of_head = h / (a.nh / a.ng);
-  Block<NS> k;
+  Block<NS, PT> k;
   k.p_off = (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
   k.n_off = (int64_t(bi) * a.l * a.ng + grp_of_head) * NS;  // the group's B / C rows
   k.tok_off = int64_t(bi) * a.l * a.nh + h, k.h = h;
@@ -265,17 +263,17 @@ __device__ __forceinline__ Block<NS> block_of(const BwdArgs& a) {
 }
 
 // Kernel A: dC and its per-token sums, and the chunk-end states.
-template <int NS>
+template <int NS, int PT>
 __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a) {
   extern __shared__ uint8_t raw[];
-  BwdSmem<NS>& s = *reinterpret_cast<BwdSmem<NS>*>(align_shared<1024>(raw));
+  BwdSmem<NS, PT>& s = *reinterpret_cast<BwdSmem<NS, PT>*>(align_shared<1024>(raw));
   constexpr int NH = NS / 2;  // state dims per output warp
-  const Block<NS> blk = block_of<NS>(a);
+  const Block<NS, PT> blk = block_of<NS, PT>(a);
   const int warp = warpid(), lane = laneid(), grp = warp >> 1, ncols = NH * (warp & 1);
   const bool owner = warp < NS / BASE;
   load_bwd_chunk(s, 0, blk.g, 0);
   rt_fl<BASE, PT> S;
-  read_state<NS>(S, owner ? a.h0 : nullptr, blk.state_base, warp);
+  read_state<NS, PT>(S, owner ? a.h0 : nullptr, blk.state_base, warp);
   if (owner) publish_state(s, S, warp);
   const int chunks = (a.l + CHUNK - 1) / CHUNK;
   for (int c = 0; c < chunks; ++c) {
@@ -326,12 +324,13 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a)
 }
 
 // Kernel B: dx, dB, dh0, the chunk anchors and the per-token sums.
-template <int NS>
+template <int NS, int PT>
 __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs a) {
   extern __shared__ uint8_t raw[];
-  BwdSmem<NS>& s = *reinterpret_cast<BwdSmem<NS>*>(align_shared<1024>(raw));
+  BwdSmem<NS, PT>& s = *reinterpret_cast<BwdSmem<NS, PT>*>(align_shared<1024>(raw));
   constexpr int NH = NS / 2;
-  const Block<NS> blk = block_of<NS>(a);
+  const Block<NS, PT> blk = block_of<NS, PT>(a);
+  constexpr int HALF = PT / 2;  // head dims per dx warp
   const int warp = warpid(), lane = laneid(), grp = warp >> 1, pcols = HALF * (warp & 1), ncols = NH * (warp & 1);
   const bool owner = warp < NS / BASE;
   const int chunks = (a.l + CHUNK - 1) / CHUNK;
@@ -340,7 +339,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
   load_bwd_chunk(s, (chunks - 1) & 1, blk.g, chunks - 1);
   load_chunk_state(s, (chunks - 1) & 1, a, chunks - 1);
   rt_fl<BASE, PT> G;
-  read_state<NS>(G, owner ? a.dh : nullptr, blk.state_base, warp);
+  read_state<NS, PT>(G, owner ? a.dh : nullptr, blk.state_base, warp);
   if (owner) publish_state(s, G, warp);
   for (int c = chunks - 1; c >= 0; --c) {
     const int buf = c & 1;
@@ -440,7 +439,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
     if (owner)  // G ← exp(Λ_end) G + Σ_t exp(Λ_t) C_t dy_tᵀ: ∂L/∂h at the chunk's start
       state_step(G, s, s.c[buf], s.dy[buf], __expf(d.l_end), [&](int t) { return __expf(d.lam_col(t)); });
   }
-  if (owner) write_state<NS>(a.dh0, G, blk.state_base, warp);
+  if (owner) write_state<NS, PT>(a.dh0, G, blk.state_base, warp);
   if (a.dD) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) x_dy += __shfl_xor_sync(0xffffffffu, x_dy, off);
@@ -448,11 +447,11 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
   }
 }
 
-template <int NS, class Kernel>
+template <int NS, int PT, class Kernel>
 const char* launch_bwd(Kernel kernel, const BwdArgs& a, cudaStream_t stream) {
   const int64_t blocks = int64_t(a.b) * a.nh * (a.p / PT);
   if (blocks > 0x7fffffff) return "too many (batch, head, head-dim tile) blocks for one launch";
-  const size_t smem = sizeof(BwdSmem<NS>) + 1024;
+  const size_t smem = sizeof(BwdSmem<NS, PT>) + 1024;
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (attr != cudaSuccess) return cudaGetErrorString(attr);
   kernel<<<unsigned(blocks), THREADS, smem, stream>>>(a);
@@ -460,10 +459,10 @@ const char* launch_bwd(Kernel kernel, const BwdArgs& a, cudaStream_t stream) {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-template <int NS>
+template <int NS, int PT>
 const char* launch_bwd_n(const BwdArgs& a, cudaStream_t stream) {
-  if (const char* err = launch_bwd<NS>(ssd_bwd_dc_kernel<NS>, a, stream)) return err;
-  return launch_bwd<NS>(ssd_bwd_dxdb_kernel<NS>, a, stream);
+  if (const char* err = launch_bwd<NS, PT>(ssd_bwd_dc_kernel<NS, PT>, a, stream)) return err;
+  return launch_bwd<NS, PT>(ssd_bwd_dxdb_kernel<NS, PT>, a, stream);
 }
 
 }  // namespace
@@ -473,8 +472,12 @@ const char* launch_backward(const BwdArgs& a, cudaStream_t stream) {
   if (a.ng <= 0 || a.nh % a.ng != 0) return "nh must be a multiple of ng";
   if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
-  if (a.n == 64) return launch_bwd_n<64>(a, stream);
-  if (a.n == 128) return launch_bwd_n<128>(a, stream);
+  if (a.variant < AUTO || a.variant >= BWD_VARIANTS) return "variant must be 0 or 1 (or AUTO)";
+  // AUTO: 64 head dims per block. Variant 1 (32, twice the blocks) awaits its first GPU run (tests/test_ssd_gpu.py
+  // forces it); then AUTO should pick it where the forward picks its 32-head-dim variant (ssd.cu, choose_variant).
+  const bool p32 = a.variant == 1;
+  if (a.n == 64) return p32 ? launch_bwd_n<64, 32>(a, stream) : launch_bwd_n<64, 64>(a, stream);
+  if (a.n == 128) return p32 ? launch_bwd_n<128, 32>(a, stream) : launch_bwd_n<128, 64>(a, stream);
   return "the state size n must be 64 or 128";
 }
 
