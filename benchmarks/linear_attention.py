@@ -9,6 +9,7 @@ tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are TK_BASED_VA
 
 Forward+backward at 65536 tokens and at the model's layer:
 - "ours": the op's autograd, the forward and backward kernels;
+- "ours 32-col bwd": the same with the backward's 32-column variant (TK_BASED_BWD_VARIANT=1: twice the blocks);
 - "ours (kernel fwd, reference bwd)": the same with the backward kernel off: the reference's autograd as the
   backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (torch 2.11's CantSplit fix).
@@ -122,6 +123,7 @@ def run(quick: bool = False) -> list[Row]:
                 impls[label] = (lambda f=fn: heads(f(q, k, v, scale, True)))
         steps = {label: backward_step(fn, leaves, do, of=q) for label, fn in impls.items()}
         # the flag is read when the backward runs: set around the whole step
+        steps["ours 32-col bwd"] = lambda: with_env("TK_BASED_BWD_VARIANT", "1", steps["ours"])
         steps["ours (kernel fwd, reference bwd)"] = lambda: with_attr(la, "BACKWARD_KERNEL_VALIDATED", False,
                                                                       steps["ours"])
         rows += check_and_time("linear_attention", name, steps, want[0].grad, N, "Mtok/s",

@@ -111,6 +111,11 @@ def test_based_bad_variant(ops, monkeypatch):
     q, k, v = inputs(1, 1, 8, 64)
     with pytest.raises(RuntimeError, match="TK_BASED_VARIANT"):
         ops.linear_attention(q, k, v, "based", None, None, 1.0, False, 0.0)
+    monkeypatch.delenv("TK_BASED_VARIANT")
+    monkeypatch.setenv("TK_BASED_BWD_VARIANT", "2")
+    o = ops.linear_attention(q, k, v, "based", None, None, 1.0, False, 0.0)
+    with pytest.raises(RuntimeError, match="TK_BASED_BWD_VARIANT"):
+        ops.linear_attention_backward(o, q, k, v, o, "based", None, None, 1.0, False, 0.0)
 
 
 def test_empty_sequence(ops):
@@ -144,15 +149,19 @@ def check_backward(ops, q, k, v, scale, normalize, eps=1e-6, seed=0):
         assert err < BWD_TOL, f"{name}: relative error {err:.3g} (N{q.shape[2]} dv{v.shape[3]} normalize={normalize})"
 
 
+@pytest.mark.parametrize("variant", [0, 1], ids=["tile64", "tile32"])  # TK_BASED_BWD_VARIANT
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
 @pytest.mark.parametrize("dv", [64, 128])
 @pytest.mark.parametrize("N", (1, 17, 64, 65, 200, 1000))
-def test_based_backward(ops, N, dv, normalize):
+def test_based_backward(ops, N, dv, normalize, variant, monkeypatch):
+    monkeypatch.setenv("TK_BASED_BWD_VARIANT", str(variant))
     q, k, v = inputs(2, 3, N, dv, seed=N + dv + 1)
     check_backward(ops, q, k, v, 1 / math.sqrt(16), normalize, seed=N)
 
 
-def test_based_backward_strided_and_many_heads(ops):
+@pytest.mark.parametrize("variant", ["", "1"], ids=["unset", "tile32"])
+def test_based_backward_strided_and_many_heads(ops, variant, monkeypatch):
+    monkeypatch.setenv("TK_BASED_BWD_VARIANT", variant)
     q, k, v = inputs(2, 16, 300, 64, layout="bnhd", seed=12)
     check_backward(ops, q, k, v, 0.25, True)
     q, k, v = inputs(4, 16, 1024, 64, seed=13)

@@ -14,13 +14,13 @@ namespace {
 //     dk_j = scale Σ_{i≥j, this chunk} g_ij (1 + s_ij) q_i + J_φk(k_j)ᵀ (R v_j + r)
 // Everything but the denominator is linear in the value columns, so each warp of a pair takes half of the block's
 // columns and adds its partial dq / dk (fp32, with the other value tiles') by atomics; dv has no sum.
-constexpr int BWD_DVT = 64, BWD_HALF = BWD_DVT / 2;
-
+// DVT: value columns per block (64, or 32 for twice the blocks).
+template <int DVT>
 struct BwdSmem {
   QKTile q[2], k[2];
-  VTile<BWD_DVT> v[2], dout[2];
-  VTile<BWD_DVT> dn;              // do / (d + eps), this chunk
-  StateTile<BWD_DVT> state;       // A: H, B: R (bf16 copy before the current chunk)
+  VTile<DVT> v[2], dout[2];
+  VTile<DVT> dn;              // do / (d + eps), this chunk
+  StateTile<DVT> state;       // A: H, B: R (bf16 copy before the current chunk)
   float z[FEATURES];              // A: z = Σ φk; B: r = Σ φq dd
   float delta[2][CHUNK];          // do·o per row (zero without normalising)
   float inv[2][CHUNK];            // B: 1/(d + eps) per row, from kernel A
@@ -35,7 +35,8 @@ struct BwdRows {
   int dv;
 };
 
-__device__ __forceinline__ void load_bwd_chunk(BwdSmem& s, int buf, const BwdRows& g, int c, bool with_inv) {
+template <int DVT>
+__device__ __forceinline__ void load_bwd_chunk(BwdSmem<DVT>& s, int buf, const BwdRows& g, int c, bool with_inv) {
   const int tid = threadIdx.x, n0 = c * CHUNK;
   {
     const bool is_q = tid < 128;
@@ -46,10 +47,10 @@ __device__ __forceinline__ void load_bwd_chunk(BwdSmem& s, int buf, const BwdRow
     cp_async16(smem_addr(dst.data) + QKTile::offset(r, seg * 8), src, ok);
   }
 #pragma unroll
-  for (int i = 0; i < CHUNK * BWD_DVT / 8 / THREADS; ++i) {
-    const int t = tid + i * THREADS, r = t / (BWD_DVT / 8), seg = t % (BWD_DVT / 8), n = n0 + r;
+  for (int i = 0; i < CHUNK * DVT / 8 / THREADS; ++i) {
+    const int t = tid + i * THREADS, r = t / (DVT / 8), seg = t % (DVT / 8), n = n0 + r;
     const bool ok = n < g.in.N;
-    const int off = VTile<BWD_DVT>::offset(r, seg * 8);
+    const int off = VTile<DVT>::offset(r, seg * 8);
     cp_async16(smem_addr(s.v[buf].data) + off, g.in.v + (ok ? int64_t(n) * g.in.vn + seg * 8 : 0), ok);
     cp_async16(smem_addr(s.dout[buf].data) + off, g.dout + (ok ? int64_t(n) * g.dv + seg * 8 : 0), ok);
   }
@@ -63,9 +64,10 @@ __device__ __forceinline__ void load_bwd_chunk(BwdSmem& s, int buf, const BwdRow
 }
 
 // dn = do · inv (bf16) and dd = -delta · inv for the chunk in `buf`; inv is s.inv[buf] (1 without normalising).
-__device__ __forceinline__ void scale_dout(BwdSmem& s, int buf, bool normalize) {
-  for (int i = threadIdx.x; i < CHUNK * BWD_DVT; i += THREADS) {
-    const int r = i / BWD_DVT, col = i % BWD_DVT;
+template <int DVT>
+__device__ __forceinline__ void scale_dout(BwdSmem<DVT>& s, int buf, bool normalize) {
+  for (int i = threadIdx.x; i < CHUNK * DVT; i += THREADS) {
+    const int r = i / DVT, col = i % DVT;
     const float inv = normalize ? s.inv[buf][r] : 1.f;
     s.dn(r, col) = __float2bfloat16_rn(__bfloat162float(s.dout[buf](r, col)) * inv);
   }
@@ -125,10 +127,10 @@ __device__ __forceinline__ void atomic_add_rows(float* dst, const rt_fl<BASE, BA
 //   inter-chunk: per feature tile f ≤ 16, u = rows_v · state_fᵀ (+ inter_dd), through the side's map's Jacobian.
 // Kernel A: rows_v = dn, all_v = v, other = k, state = H; kernel B: rows_v = v, all_v = dn, other = q, state = R.
 // UPPER: the causal side is on and above the diagonal (key rows against later queries, kernel B).
-template <bool UPPER, class IntraDd, class InterDd>
-__device__ __forceinline__ void side_gradient(rt_fl<BASE, DK>& d, const BwdSmem& s, const QKTile& side,
-                                              const QKTile& other, const rt_bf<BASE, BWD_HALF>& rows_v,
-                                              const rt_bf<CHUNK, BWD_HALF>& all_v, const rt_fl<BASE, CHUNK>& sc,
+template <bool UPPER, int DVT, class IntraDd, class InterDd>
+__device__ __forceinline__ void side_gradient(rt_fl<BASE, DK>& d, const BwdSmem<DVT>& s, const QKTile& side,
+                                              const QKTile& other, const rt_bf<BASE, DVT / 2>& rows_v,
+                                              const rt_bf<CHUNK, DVT / 2>& all_v, const rt_fl<BASE, CHUNK>& sc,
                                               int grp, int cols, float scale, float quad, float lin,
                                               IntraDd&& intra_dd, InterDd&& inter_dd) {
   const int r0 = BASE * grp + (laneid() >> 2);  // this lane's rows: r0 and r0 + 8
@@ -152,7 +154,7 @@ __device__ __forceinline__ void side_gradient(rt_fl<BASE, DK>& d, const BwdSmem&
   copy(x, xr);
 #pragma unroll 1
   for (int f = 0; f <= DK; ++f) {
-    rt_bf<BASE, BWD_HALF> sf;
+    rt_bf<BASE, DVT / 2> sf;
     load(sf, s.state, BASE * f, cols);
     rt_fl<BASE, BASE> u;
     zero(u);
@@ -165,9 +167,10 @@ __device__ __forceinline__ void side_gradient(rt_fl<BASE, DK>& d, const BwdSmem&
 }
 
 // Kernel A, one chunk: each row's denominator (4 warps, one per 16 rows), then dn, dd, and dq.
-__device__ __forceinline__ void dq_chunk(BwdSmem& s, int buf, int c, const BasedBwdArgs& a, int vt, float* dq,
+template <int DVT>
+__device__ __forceinline__ void dq_chunk(BwdSmem<DVT>& s, int buf, int c, const BasedBwdArgs& a, int vt, float* dq,
                                          float* inv_out) {
-  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = BWD_HALF * (warp & 1);
+  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = (DVT / 2) * (warp & 1);
   const float scale = a.scale, half_sq = 0.5f * scale * scale;
   const int r0 = BASE * grp + (lane >> 2);  // this lane's chunk rows: r0 and r0 + 8
   rt_bf<BASE, DK> qr;
@@ -214,9 +217,9 @@ __device__ __forceinline__ void dq_chunk(BwdSmem& s, int buf, int c, const Based
   __syncthreads();
 
   const bool with_dd = a.normalize && vt == 0 && (warp & 1) == 0;  // the dd terms once per row
-  rt_bf<BASE, BWD_HALF> dnr;
+  rt_bf<BASE, DVT / 2> dnr;
   load(dnr, s.dn, BASE * grp, cols);
-  rt_bf<CHUNK, BWD_HALF> vr;
+  rt_bf<CHUNK, DVT / 2> vr;
   load(vr, s.v[buf], 0, cols);
   rt_fl<BASE, DK> dqp;
   const float* dd = s.dd + BASE * grp;  // dd of this warp's rows
@@ -228,9 +231,10 @@ __device__ __forceinline__ void dq_chunk(BwdSmem& s, int buf, int c, const Based
 }
 
 // Kernel B, one chunk: dv and dk for this warp's 16 key rows and half of the block's columns.
-__device__ __forceinline__ void dkdv_chunk(BwdSmem& s, int buf, int c, const BasedBwdArgs& a, int vt, bf16* dv,
+template <int DVT>
+__device__ __forceinline__ void dkdv_chunk(BwdSmem<DVT>& s, int buf, int c, const BasedBwdArgs& a, int vt, bf16* dv,
                                            float* dk) {
-  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = BWD_HALF * (warp & 1);
+  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = (DVT / 2) * (warp & 1);
   const float scale = a.scale;
   const int r0 = BASE * grp + (lane >> 2);  // this lane's key rows: r0 and r0 + 8
   rt_bf<BASE, DK> kr;
@@ -247,9 +251,9 @@ __device__ __forceinline__ void dkdv_chunk(BwdSmem& s, int buf, int c, const Bas
     const float x = scale * kq;
     return col >= BASE * grp + r ? 1.f + x + 0.5f * x * x : 0.f;
   });
-  rt_bf<CHUNK, BWD_HALF, col_layout> dnc;
+  rt_bf<CHUNK, DVT / 2, col_layout> dnc;
   load(dnc, s.dn, 0, cols);
-  rt_fl<BASE, BWD_HALF> dvp;
+  rt_fl<BASE, DVT / 2> dvp;
   zero(dvp);
   mma_AB(dvp, kappa, dnc, dvp);
   // dv, inter-chunk: φk(k) · R, one feature tile at a time (the forward's inter-chunk product, q and k swapped)
@@ -261,7 +265,7 @@ __device__ __forceinline__ void dkdv_chunk(BwdSmem& s, int buf, int c, const Bas
     map_indexed(p, kr, [&](int r, int b, float kb) {
       return f < DK ? ka[r >> 3] * kb : f == DK ? kb : (b == 0 ? 1.f : 0.f);
     });
-    rt_bf<BASE, BWD_HALF, col_layout> rf;
+    rt_bf<BASE, DVT / 2, col_layout> rf;
     load(rf, s.state, BASE * f, cols);
     mma_AB(dvp, p, rf, dvp);
   }
@@ -269,9 +273,9 @@ __device__ __forceinline__ void dkdv_chunk(BwdSmem& s, int buf, int c, const Bas
 
   // dk: the same as kernel A's dq with the sides swapped; dd belongs to the query columns, and r holds R's
   const bool with_dd = a.normalize && vt == 0 && (warp & 1) == 0;  // the dd terms once per row
-  rt_bf<BASE, BWD_HALF> vr;
+  rt_bf<BASE, DVT / 2> vr;
   load(vr, s.v[buf], BASE * grp, cols);
-  rt_bf<CHUNK, BWD_HALF> dnr;
+  rt_bf<CHUNK, DVT / 2> dnr;
   load(dnr, s.dn, 0, cols);
   rt_fl<BASE, DK> dkp;
   side_gradient<true>(
@@ -281,38 +285,41 @@ __device__ __forceinline__ void dkdv_chunk(BwdSmem& s, int buf, int c, const Bas
   atomic_add_rows(dk, dkp, c * CHUNK + BASE * grp, a.N);
 }
 
+template <int DVT>
 __device__ __forceinline__ BwdRows bwd_rows(const BasedBwdArgs& a, int bh, int vt) {
   const int b = bh / a.H, h = bh % a.H;
   BwdRows g;
   g.in.q = static_cast<const bf16*>(a.q) + b * a.q_stride[0] + h * a.q_stride[1];
   g.in.k = static_cast<const bf16*>(a.k) + b * a.k_stride[0] + h * a.k_stride[1];
-  g.in.v = static_cast<const bf16*>(a.v) + b * a.v_stride[0] + h * a.v_stride[1] + vt * BWD_DVT;
+  g.in.v = static_cast<const bf16*>(a.v) + b * a.v_stride[0] + h * a.v_stride[1] + vt * DVT;
   g.in.qn = a.q_stride[2], g.in.kn = a.k_stride[2], g.in.vn = a.v_stride[2];
   g.in.N = a.N;
-  g.dout = static_cast<const bf16*>(a.dout) + int64_t(bh) * a.N * a.dv + vt * BWD_DVT;
+  g.dout = static_cast<const bf16*>(a.dout) + int64_t(bh) * a.N * a.dv + vt * DVT;
   g.delta = a.delta ? a.delta + int64_t(bh) * a.N : nullptr;
   g.inv = a.inv + int64_t(bh) * a.N;
   g.dv = a.dv;
   return g;
 }
 
-__device__ __forceinline__ void clear_state(BwdSmem& s) {
-  for (int i = threadIdx.x; i < StateTile<BWD_DVT>::bytes / 16; i += THREADS)
+template <int DVT>
+__device__ __forceinline__ void clear_state(BwdSmem<DVT>& s) {
+  for (int i = threadIdx.x; i < StateTile<DVT>::bytes / 16; i += THREADS)
     reinterpret_cast<uint4*>(s.state.data)[i] = make_uint4(0, 0, 0, 0);
   for (int i = threadIdx.x; i < FEATURES; i += THREADS) s.z[i] = 0.f;
 }
 
+template <int DVT>
 __global__ void __launch_bounds__(THREADS, 1) based_bwd_dq_kernel(const BasedBwdArgs a) {
   extern __shared__ uint8_t raw[];
-  BwdSmem& s = *reinterpret_cast<BwdSmem*>(align_shared<1024>(raw));
-  const int tiles_v = a.dv / BWD_DVT, bh = blockIdx.x / tiles_v, vt = blockIdx.x % tiles_v;
-  const BwdRows g = bwd_rows(a, bh, vt);
+  BwdSmem<DVT>& s = *reinterpret_cast<BwdSmem<DVT>*>(align_shared<1024>(raw));
+  const int tiles_v = a.dv / DVT, bh = blockIdx.x / tiles_v, vt = blockIdx.x % tiles_v;
+  const BwdRows g = bwd_rows<DVT>(a, bh, vt);
   float* dq = a.dq + int64_t(bh) * a.N * DK;
   float* inv_out = a.inv + int64_t(bh) * a.N;
   const int chunks = (a.N + CHUNK - 1) / CHUNK;
   load_bwd_chunk(s, 0, g, 0, false);
   clear_state(s);
-  rt_fl<BASE, BWD_DVT> acc[OWNED];
+  rt_fl<BASE, DVT> acc[OWNED];
 #pragma unroll
   for (int i = 0; i < OWNED; ++i) zero(acc[i]);
   for (int c = 0; c < chunks; ++c) {
@@ -323,22 +330,23 @@ __global__ void __launch_bounds__(THREADS, 1) based_bwd_dq_kernel(const BasedBwd
     dq_chunk(s, buf, c, a, vt, dq, inv_out);
     if (c + 1 == chunks) break;
     __syncthreads();  // every warp has read the state before its owners change it
-    chunk_state<BWD_DVT>(s, buf, acc);
+    chunk_state<DVT>(s, buf, acc);
   }
 }
 
+template <int DVT>
 __global__ void __launch_bounds__(THREADS, 1) based_bwd_dkdv_kernel(const BasedBwdArgs a) {
   extern __shared__ uint8_t raw[];
-  BwdSmem& s = *reinterpret_cast<BwdSmem*>(align_shared<1024>(raw));
-  const int tiles_v = a.dv / BWD_DVT, bh = blockIdx.x / tiles_v, vt = blockIdx.x % tiles_v;
-  const BwdRows g = bwd_rows(a, bh, vt);
-  bf16* dv = static_cast<bf16*>(a.dv_out) + int64_t(bh) * a.N * a.dv + vt * BWD_DVT;
+  BwdSmem<DVT>& s = *reinterpret_cast<BwdSmem<DVT>*>(align_shared<1024>(raw));
+  const int tiles_v = a.dv / DVT, bh = blockIdx.x / tiles_v, vt = blockIdx.x % tiles_v;
+  const BwdRows g = bwd_rows<DVT>(a, bh, vt);
+  bf16* dv = static_cast<bf16*>(a.dv_out) + int64_t(bh) * a.N * a.dv + vt * DVT;
   float* dk = a.dk + int64_t(bh) * a.N * DK;
   const bool with_dd = a.normalize && vt == 0;
   const int chunks = (a.N + CHUNK - 1) / CHUNK;
   load_bwd_chunk(s, (chunks - 1) & 1, g, chunks - 1, a.normalize);
   clear_state(s);
-  rt_fl<BASE, BWD_DVT> acc[OWNED];
+  rt_fl<BASE, DVT> acc[OWNED];
 #pragma unroll
   for (int i = 0; i < OWNED; ++i) zero(acc[i]);
   for (int c = chunks - 1; c >= 0; --c) {
@@ -352,16 +360,16 @@ __global__ void __launch_bounds__(THREADS, 1) based_bwd_dkdv_kernel(const BasedB
     if (c == 0) break;
     __syncthreads();  // every warp has read the state before its owners change it
     // R += φq(q)ᵀ dn and r += Σ dd φq(q)
-    state_update<BWD_DVT>(s, s.q[buf], s.dn, 0.5f * a.scale * a.scale, a.scale, with_dd,
+    state_update<DVT>(s, s.q[buf], s.dn, 0.5f * a.scale * a.scale, a.scale, with_dd,
                           [&](int t) { return s.dd[t]; }, acc);
   }
 }
 
-template <class Kernel>
+template <int DVT, class Kernel>
 const char* launch_bwd(Kernel kernel, const BasedBwdArgs& a, cudaStream_t stream) {
-  const int64_t blocks = int64_t(a.B) * a.H * (a.dv / BWD_DVT);
+  const int64_t blocks = int64_t(a.B) * a.H * (a.dv / DVT);
   if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
-  const size_t smem = sizeof(BwdSmem) + 1024;
+  const size_t smem = sizeof(BwdSmem<DVT>) + 1024;
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (attr != cudaSuccess) return cudaGetErrorString(attr);
   kernel<<<unsigned(blocks), THREADS, smem, stream>>>(a);
@@ -369,14 +377,22 @@ const char* launch_bwd(Kernel kernel, const BasedBwdArgs& a, cudaStream_t stream
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
+template <int DVT>
+const char* launch_variant(const BasedBwdArgs& a, cudaStream_t stream) {
+  if (const char* err = launch_bwd<DVT>(based_bwd_dq_kernel<DVT>, a, stream)) return err;
+  return launch_bwd<DVT>(based_bwd_dkdv_kernel<DVT>, a, stream);
+}
+
 }  // namespace
 
 const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream) {
   if (a.dv <= 0 || a.dv % BASED_DV_TILE != 0) return "dv must be a positive multiple of 64";
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
+  if (a.variant < BASED_AUTO || a.variant >= BASED_VARIANTS) return "variant must be 0 or 1 (or BASED_AUTO)";
+  // BASED_AUTO: 64 value columns per block. Variant 1 (32, twice the blocks) awaits its first GPU run
+  // (tests/test_linear_attention_gpu.py forces it); then AUTO should pick it as the forward does (based.cu).
   // dq first: it also writes 1/(d + eps), which the reverse scan reads
-  if (const char* err = launch_bwd(based_bwd_dq_kernel, a, stream)) return err;
-  return launch_bwd(based_bwd_dkdv_kernel, a, stream);
+  return a.variant == 1 ? launch_variant<32>(a, stream) : launch_variant<64>(a, stream);
 }
 
 }  // namespace tk_linear_attention

@@ -21,12 +21,12 @@ namespace {
 using at::Tensor;
 namespace la = tk_linear_attention;
 
-// The kernel variant (linear_attention.h): TK_BASED_VARIANT, read on every call; unset = chosen by the kernel from
-// the block count.
-int variant() {
+// The kernel variants (linear_attention.h): TK_BASED_VARIANT (forward) and TK_BASED_BWD_VARIANT (backward), read on
+// every call; unset = chosen by the kernel from the block count.
+int variant(const char* name = "TK_BASED_VARIANT") {
   int v = la::BASED_AUTO;
-  TORCH_CHECK(tk::env_variant("TK_BASED_VARIANT", la::BASED_VARIANTS, v), "TK_BASED_VARIANT must be an integer in [0, ",
-              la::BASED_VARIANTS, "), got '", std::getenv("TK_BASED_VARIANT"), "'");
+  TORCH_CHECK(tk::env_variant(name, la::BASED_VARIANTS, v), name, " must be an integer in [0, ", la::BASED_VARIANTS,
+              "), got '", std::getenv(name), "'");
   return v;
 }
 
@@ -104,6 +104,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.dout = dout.data_ptr(), a.delta = normalize ? delta.data_ptr<float>() : nullptr, a.inv = inv.data_ptr<float>();
   a.dq = dq.data_ptr<float>(), a.dk = dk.data_ptr<float>(), a.dv_out = dv.data_ptr();
+  a.variant = variant("TK_BASED_BWD_VARIANT");
   const char* err = la::launch_based_backward(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none(), none()};
