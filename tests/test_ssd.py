@@ -378,3 +378,46 @@ def test_kernel_supports_names_what_the_ssd_kernel_does_not_compute():
     assert "state size 32" in ssd_ops.kernel_supports(32, 64)
     assert "head dim 48" in ssd_ops.kernel_supports(128, 48)
     assert ssd_ops.kernel_supports(64, 128) is None
+
+
+# ---------------------------------------------------------------------------- sequence split (small grids)
+
+@pytest.mark.parametrize("S", [2, 4])
+@pytest.mark.parametrize("D, h0", [(True, True), (False, False)])
+def test_split_forward_is_the_same_scan(S, D, h0):
+    """ssd_split with the reference as its per-segment forward gives the reference's (y, final state): the carried
+    states make the segments exact (fp64)."""
+    x, dt, A, B, C, Dv, init = _inputs(l=256, D=D, h0=h0, seed=S)
+    want = ops.ssd_reference(x, dt, A, B, C, Dv, init, 64)
+    got = ops.ssd_split(lambda *a: ops.ssd_reference(*a, 64), x, dt, A, B, C, Dv, init, S)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("S", [2, 4])
+@pytest.mark.parametrize("D, h0", [(True, True), (False, False)])
+def test_split_backward_is_the_same_gradient(S, D, h0):
+    """ssd_split_backward with the reference's gradients per segment gives the reference's gradients: each segment
+    gets its true initial state and the true gradient at its end (fp64)."""
+    x, dt, A, B, C, Dv, init = _inputs(l=256, D=D, h0=h0, seed=10 + S)
+    gy, gs = torch.randn_like(x), torch.randn(2, 4, 8, 6, dtype=torch.float64)
+    args = (gy, gs, x, dt, A, B, C, Dv, init, 64)
+    want = ops._reference_grads(*args)
+    got = ops.ssd_split_backward(ops._reference_grads, *args, S)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_split_segments():
+    # the e2e Mamba2 layer (b1 nh32 p64: 32 blocks) on 132 SMs: 4 segments of 1024 tokens
+    assert ops.split_segments(1, 4096, 32, 64, 132) == 4
+    assert ops.split_segments(16, 4096, 80, 64, 132) == 1  # 1280 blocks: no split
+    assert ops.split_segments(1, 1000, 32, 64, 132) == 1  # 64·S must divide l
+    assert ops.split_segments(1, 1024, 8, 64, 132) == 2  # segments of at least SPLIT_MIN_TOKENS
+    assert ops.split_segments(1, 65536, 1, 64, 132) == 128  # one block: 128 segments of 512, one wave
+
+
+def test_split_off_until_validated(monkeypatch):
+    monkeypatch.setattr(ops, "SPLIT_VALIDATED", False)
+    assert ops._segments_for(torch.zeros(1, 4096, 32, 64)) == 1  # no split, and no device query

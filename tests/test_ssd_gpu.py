@@ -195,3 +195,48 @@ def test_ssd_backward_bad_variant(ops, monkeypatch):
     x, dt, A, B, C, D, _ = inputs(1, 8, 2, 1, 64, 64)
     with pytest.raises(RuntimeError, match="TK_SSD_BWD_VARIANT"):
         ops.ssd_backward(torch.randn_like(x), torch.zeros(1, 2, 64, 64, device="cuda"), x, dt, A, B, C, D, None, 64)
+
+
+# ---------------------------------------------------------------------------- sequence split (ops/ssd.py)
+
+@pytest.mark.parametrize("S", [2, 4])
+@pytest.mark.parametrize("D,h0", [(True, False), (False, True)], ids=["D", "h0"])
+def test_ssd_split_forward(ops, S, D, h0):
+    """The forward kernel on S segments plus the carried states equals the fp32 reference."""
+    x, dt, A, B, C, Dv, init = inputs(1, 2048, 8, 1, 64, 128, D=D, h0=h0, seed=20 + S)
+    y, state = ssd_ops.ssd_split(lambda *a: ops.ssd(*a, 64), x, dt, A, B, C, Dv, init, S)
+    want_y, want_state = ssd_ops.ssd_reference(x.float(), dt.float(), A, B.float(), C.float(), Dv, init, 64)
+    assert y.dtype == x.dtype and state.dtype == torch.float32
+    assert rel_err(y, want_y) < TOL, f"y: relative error {rel_err(y, want_y):.3g}"
+    assert rel_err(state, want_state) < TOL, f"final state: relative error {rel_err(state, want_state):.3g}"
+
+
+@pytest.mark.parametrize("S", [2, 4])
+@pytest.mark.parametrize("D,h0", [(True, False), (False, True)], ids=["D", "h0"])
+def test_ssd_split_backward(ops, S, D, h0):
+    """The backward kernels on S segments, each given its true initial state and end gradient, equal the reference's
+    autograd (the same checks as check_backward)."""
+    x, dt, A, B, C, Dv, init = inputs(1, 2048, 8, 1, 64, 128, D=D, h0=h0, seed=30 + S)
+    raw = lambda gy, gs, *a: ssd_ops.ssd_split_backward(ops.ssd_backward, gy, gs, *a, S)  # noqa: E731
+    check_backward(_Ops(ssd_backward=raw), x, dt, A, B, C, Dv, init, seed=S)
+
+
+class _Ops:  # check_backward's `ops` with another ssd_backward
+    def __init__(self, ssd_backward):
+        self.ssd_backward = ssd_backward
+
+
+def test_ssd_split_through_the_op(ops, monkeypatch):
+    """With SPLIT_VALIDATED, tk::ssd splits the e2e Mamba2 layer's small grid (b1 nh32: 32 blocks) and trains."""
+    monkeypatch.setattr(ssd_ops, "SPLIT_VALIDATED", True)
+    x, dt, A, B, C, D, _ = inputs(1, 4096, 32, 1, 64, 128, seed=40)
+    assert ssd_ops._segments_for(x) > 1
+    leaves = [t.requires_grad_() for t in (x, dt, B, C)]
+    y, state = torch.ops.tk.ssd(x, dt, A, B, C, D, None, 64)
+    (y.float().square().mean() + state.square().mean()).backward()
+    want = [t.detach().float().requires_grad_() for t in (x, dt, B, C)]
+    y32, s32 = ssd_ops.ssd_reference(want[0], want[1], A, want[2], want[3], D, None, 64)
+    assert rel_err(y, y32) < TOL
+    (y32.square().mean() + s32.square().mean()).backward()
+    for got, w in zip(leaves, want):
+        assert rel_err(got.grad, w.grad) < 5e-2
