@@ -214,7 +214,9 @@ def ssd_split(forward, x, dt, A, B, C, D, initial_state, S: int):
     starts = x.new_zeros(b, S, nh, p, n, dtype=acc)
     if initial_state is not None:
         starts[:, 0] = initial_state.to(acc)
-    y, ends = forward(_by_segment(x, S), _by_segment(dt, S), A, _by_segment(B, S), _by_segment(C, S), D,
+    # x in fp32: the raw op then returns y unrounded (it converts x for its kernel itself), so the carried share
+    # below is added before y's one rounding
+    y, ends = forward(_by_segment(x, S).to(acc), _by_segment(dt, S), A, _by_segment(B, S), _by_segment(C, S), D,
                       starts.reshape(b * S, nh, p, n))
     y, ends = y.reshape(b, S, L, nh, p).to(acc), ends.reshape(b, S, nh, p, n).to(acc)
     lam = _segment_log_decays(dt, A, S, acc)
@@ -254,8 +256,9 @@ def ssd_split_backward(backward, grad_y, grad_state, x, dt, A, B, C, D, initial_
     dh = torch.stack(ends, 1).reshape(b * S, nh, p, n)
     dx, ddt, dA, dB, dC, dD, dinit = backward(_by_segment(grad_y, S), dh, _by_segment(x, S), _by_segment(dt, S), A,
                                               _by_segment(B, S), _by_segment(C, S), D, h0, chunk_size)
-    dinit = dinit.reshape(b, S, nh, p, n)[:, 0].to(initial_state.dtype).contiguous() if initial_state is not None \
-        else x.new_empty(0)  # absent: empty, as the op's fake
+    # segment 0's (a copy: not a view keeping all S segments' alive); absent: empty, as the op's fake
+    dinit = dinit.reshape(b, S, nh, p, n)[:, 0].to(initial_state.dtype).clone() if initial_state is not None \
+        else x.new_empty(0)
     return dx.reshape(x.shape), ddt.reshape(dt.shape), dA, dB.reshape(B.shape), dC.reshape(C.shape), dD, dinit
 
 

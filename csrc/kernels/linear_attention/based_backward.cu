@@ -17,6 +17,7 @@ namespace {
 // DVT: value columns per block (64, or 32 for twice the blocks).
 template <int DVT>
 struct BwdSmem {
+  static_assert(DVT % 32 == 0 && CHUNK * DVT / 8 % THREADS == 0, "a block takes 32 or 64 value columns");
   QKTile q[2], k[2];
   VTile<DVT> v[2], dout[2];
   VTile<DVT> dn;              // do / (d + eps), this chunk

@@ -128,7 +128,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     a.dB = dB.data_ptr<float>(), a.dC = dC.data_ptr<float>(), a.dlam = dlam.data_ptr<float>();
     a.xdX = xdX.data_ptr<float>(), a.dD = has_d ? dDf.data_ptr<float>() : nullptr;
     a.dh0 = dh0.data_ptr<float>(), a.anchor = anchor.data_ptr<float>();
-    Tensor chunk_states = at::empty({b * nh * (p / 64), chunks, n * 64}, x.options().dtype(at::kBFloat16));
+    Tensor chunk_states = at::empty({b * nh * p * chunks * n}, x.options().dtype(at::kBFloat16));  // any head-dim tile
     a.chunk_states = chunk_states.data_ptr();
     a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
     a.variant = backward_variant();

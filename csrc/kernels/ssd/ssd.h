@@ -57,7 +57,7 @@ struct BwdArgs {
   float* xdX;
   float* dD;  // or nullptr
   float* dh0;
-  void* chunk_states;  // bf16 (blocks, chunks, n·64) scratch: kernel A's chunk-end states for kernel B
+  void* chunk_states;  // bf16 (blocks, chunks, n·PT) scratch, b·nh·p·chunks·n in all: kernel A's chunk-end states
   float* anchor;       // (b, nh, chunks), zeroed: ⟨∂L/∂h, h⟩ at each chunk's end, for the dt/A gradients
   int b, l, nh, ng, p, n;
   // 0: 64 head dims per block; 1: 32 (twice the blocks, for batch·heads that leave SMs idle; not yet run on a GPU,

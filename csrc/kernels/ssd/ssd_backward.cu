@@ -1,6 +1,6 @@
 // Mamba-2 SSD backward (ssd.h): the gradients of X = dt·x, B, C and the initial state as two chunked scans of the
-// forward's shape; README "Backward" has the plan. Per (batch, head, 64 head dims), with Λ the inclusive cumulative
-// sum of a = dt·A inside the chunk:
+// forward's shape; README "Backward" has the plan. Per (batch, head, tile of PT = 64 or 32 head dims), with Λ the
+// inclusive cumulative sum of a = dt·A inside the chunk:
 //   kernel A, chunks first to last over S = hᵀ (the forward's state, n x p):
 //     dC_t = Σ_{s≤t} exp(Λ_t − Λ_s) (dy_t·X_s) B_s + exp(Λ_t) S dy_t
 //   kernel B, chunks last to first over G = gᵀ, g = ∂L/∂h at the chunk's end (from dh_final):
@@ -24,6 +24,7 @@ namespace {
 
 template <int NS, int PT>
 struct BwdSmem {
+  static_assert(PT % 32 == 0 && CHUNK * PT / 8 % THREADS == 0, "a block takes 32 or 64 head dims");
   st<bf16, CHUNK, PT> x[2], dy[2];
   st<bf16, CHUNK, NS> b[2], c[2];
   st<bf16, NS, PT> state;  // bf16 copy of S (kernel A) or G (kernel B) before the current chunk
