@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <type_traits>
+#include <tk/common.cuh>
 
 namespace tk_layernorm {
 
@@ -95,10 +96,6 @@ __device__ __forceinline__ void store8(T* dst, const float (&src)[8]) {
   store_pack(dst, pack<T>(src));
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using tk::warp_sum;
 
 }  // namespace tk_layernorm

@@ -33,11 +33,6 @@ struct Rows {  // this block's (batch, head) rows; v and o already offset to the
   int N;
 };
 
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
 // A state update: for this warp's feature tiles f (w, w + 8, w + 16), state_f += φ(x)ᵀ values and, with
 // `with_vec`, vec_f += Σ_t weight(t) φ(x_t); then the bf16 copy of the state is published. φ is the feature map of
 // the tokens' 16-wide rows x with its quadratic and linear factors (φk: 1, 1; φq: scale²/2, scale). The forward and

@@ -52,7 +52,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
   const bool owner = warp < NS / BASE;
   load_chunk(s, 0, g, 0);
 
-  // the state rows this warp owns (S = hᵀ: rows are state dims, columns head dims), from h0 or zero
+  // the state rows this warp owns (S = hᵀ: rows are state dims, columns head dims), from h0 or zero (read_state's
+  // loop, kept inline for the same reason as the scan below)
   rt_fl<BASE, PT> S;
 #pragma unroll
   for (int j = 0; j < PT / BASE; ++j)
@@ -66,11 +67,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
       }
       S.tiles[0][j].data[k] = v;
     }
-  if (owner) {
-    rt_bf<BASE, PT> copy_bf;
-    copy(copy_bf, S);
-    store(s.state, copy_bf, BASE * warp, 0);
-  }
+  if (owner) publish_state(s, S, warp);
 
   const int chunks = (a.l + CHUNK - 1) / CHUNK;
   for (int c = 0; c < chunks; ++c) {
@@ -79,7 +76,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
     __syncthreads();  // chunk c and the state before it are visible; chunk c - 1's buffers are free
     if (c + 1 < chunks) load_chunk(s, buf ^ 1, g, c + 1);
 
-    // Λ: inclusive cumulative sum of dt·A over the chunk, two tokens per lane
+    // Λ: inclusive cumulative sum of dt·A over the chunk, two tokens per lane (chunk_decays' scan, kept inline: as a
+    // call the compiler schedules the whole kernel differently)
     const float dt0 = s.dt[buf][2 * lane], dt1 = s.dt[buf][2 * lane + 1];
     const float a0 = dt0 * Ah, a1 = dt1 * Ah;
     float run = a0 + a1;
@@ -89,11 +87,12 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
       if (lane >= off) run += up;
     }
     const float l1 = run, l0 = run - a1, l_end = __shfl_sync(0xffffffffu, l1, 31);
+    const Decays d{dt0, dt1, l0, l1, l_end};
 
     // ---- outputs: this warp's 16 rows x 32 head dims
     {
       const int t0 = BASE * grp + (lane >> 2);  // this lane's rows: t0 and t0 + 8
-      const float lt[2] = {pair_at(l0, l1, t0), pair_at(l0, l1, t0 + 8)};
+      const float lt[2] = {d.lam(t0), d.lam(t0 + 8)};
       rt_fl<BASE, CHUNK> cb;  // C_t · B_s
       zero(cb);
 #pragma unroll
@@ -105,11 +104,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
         mma_ABt(cb, cw, bk, cb);
       }
       rt_bf<BASE, CHUNK> w;  // (C_t·B_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal
-      map_indexed(w, cb, [&](int r, int src, float v) {
-        const float ls = __shfl_sync(0xffffffffu, src & 1 ? l1 : l0, src >> 1);  // every lane shuffles
-        const float ds = __shfl_sync(0xffffffffu, src & 1 ? dt1 : dt0, src >> 1);
-        return src <= BASE * grp + r ? v * __expf(lt[r >> 3] - ls) * ds : 0.f;
-      });
+      causal_decay<false>(w, cb, d, lt, BASE * grp, [&](int, int src) { return d.dt_col(src); });
       rt_bf<CHUNK, HALF, col_layout> xr;
       load(xr, s.x[buf], 0, cols);
       rt_fl<BASE, HALF> out;
@@ -147,7 +142,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
 
     // ---- state: S ← exp(Λ_end) S + Σ_s exp(Λ_end − Λ_s) dt_s B_sᵀ x_s
     if (owner) {
-      const float keep = __expf(l_end);
+      const float keep = __expf(d.l_end);
 #pragma unroll
       for (int j = 0; j < PT / BASE; ++j)
 #pragma unroll
@@ -160,29 +155,18 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
         rt_bf<BASE, BASE> wb;  // Bᵀ with each token's column scaled by exp(Λ_end − Λ_s) dt_s
         map_indexed(wb, transposed(bt), [&](int, int col, float v) {
           const int src = BASE * j + col;
-          const float ls = __shfl_sync(0xffffffffu, src & 1 ? l1 : l0, src >> 1);
-          const float ds = __shfl_sync(0xffffffffu, src & 1 ? dt1 : dt0, src >> 1);
-          return v * __expf(l_end - ls) * ds;
+          const float ls = d.lam_col(src), ds = d.dt_col(src);
+          return v * __expf(d.l_end - ls) * ds;
         });
         rt_bf<BASE, PT, col_layout> xj;
         load(xj, s.x[buf], BASE * j, 0);
         mma_AB(S, wb, xj, S);
       }
-      rt_bf<BASE, PT> copy_bf;
-      copy(copy_bf, S);
-      store(s.state, copy_bf, BASE * warp, 0);
+      publish_state(s, S, warp);
     }
   }
 
-  if (owner)  // the final state, transposed back to (p, n)
-#pragma unroll
-    for (int j = 0; j < PT / BASE; ++j)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
-        a.h_final[state_base + int64_t(cc) * NS + r] = S.tiles[0][j].data[k].x;
-        a.h_final[state_base + int64_t(cc + 1) * NS + r] = S.tiles[0][j].data[k].y;
-      }
+  if (owner) write_state<NS>(a.h_final, S, state_base, warp);  // the final state, transposed back to (p, n)
 }
 
 template <int NS, int PT, int MIN_BLOCKS>

@@ -80,85 +80,17 @@ __device__ __forceinline__ void load_chunk_state(BwdSmem<NS, PT>& s, int buf, co
 // ⟨G, h⟩ over the block's tile (both bf16 in shared memory, same layout), added to the anchor of chunk c.
 template <int NS, int PT>
 __device__ __forceinline__ void add_anchor(const BwdSmem<NS, PT>& s, int buf, const BwdArgs& a, int c) {
-  const __nv_bfloat162* g = reinterpret_cast<const __nv_bfloat162*>(s.state.data);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(s.h[buf].data);
+  const bf16_2* g = reinterpret_cast<const bf16_2*>(s.state.data);
+  const bf16_2* h = reinterpret_cast<const bf16_2*>(s.h[buf].data);
   float sum = 0.f;
 #pragma unroll
   for (int i = threadIdx.x; i < NS * PT / 2; i += THREADS) {
     const float2 gf = __bfloat1622float2(g[i]), hf = __bfloat1622float2(h[i]);
     sum += gf.x * hf.x + gf.y * hf.y;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  sum = warp_sum(sum);
   const int chunks = (a.l + CHUNK - 1) / CHUNK, bh = blockIdx.x / (a.p / PT);
   if (laneid() == 0) atomicAdd(a.anchor + int64_t(bh) * chunks + c, sum);
-}
-
-// Λ inside a chunk (the inclusive cumulative sum of a = dt·A), two tokens per lane: lane holds tokens 2·lane and
-// 2·lane + 1 (Λ in l0, l1; dt in dt0, dt1); every lane holds Λ_end. Every warp computes it (a shuffle scan, as the
-// forward does inline).
-struct Decays {
-  float dt0, dt1, l0, l1, l_end;
-  // Λ or dt of token t (0..63); all lanes must call them (shuffles)
-  __device__ __forceinline__ float lam(int t) const { return pair_at(l0, l1, t); }
-  __device__ __forceinline__ float dt(int t) const { return pair_at(dt0, dt1, t); }
-  // the same for a t of one parity in every lane (a register tile's column in map_indexed): one shuffle
-  __device__ __forceinline__ float lam_col(int t) const { return __shfl_sync(0xffffffffu, t & 1 ? l1 : l0, t >> 1); }
-  __device__ __forceinline__ float dt_col(int t) const { return __shfl_sync(0xffffffffu, t & 1 ? dt1 : dt0, t >> 1); }
-};
-
-template <class S>
-__device__ __forceinline__ Decays chunk_decays(const S& s, int buf, float Ah) {
-  const int lane = laneid();
-  Decays d;
-  d.dt0 = s.dt[buf][2 * lane], d.dt1 = s.dt[buf][2 * lane + 1];
-  const float a0 = d.dt0 * Ah, a1 = d.dt1 * Ah;
-  float run = a0 + a1;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const float up = __shfl_up_sync(0xffffffffu, run, off);
-    if (lane >= off) run += up;
-  }
-  d.l1 = run, d.l0 = run - a1, d.l_end = __shfl_sync(0xffffffffu, run, 31);
-  return d;
-}
-
-// An owner warp's 16 state dims (rows of the transposed state, n x p) from a (b, nh, p, n) fp32 tensor at `base`
-// (zero without one), and back.
-template <int NS, int PT>
-__device__ __forceinline__ void read_state(rt_fl<BASE, PT>& S, const float* src, int64_t base, int warp) {
-#pragma unroll
-  for (int j = 0; j < PT / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float2 v = make_float2(0.f, 0.f);
-      if (src) {
-        const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
-        v.x = src[base + int64_t(cc) * NS + r];
-        v.y = src[base + int64_t(cc + 1) * NS + r];
-      }
-      S.tiles[0][j].data[k] = v;
-    }
-}
-
-template <int NS, int PT>
-__device__ __forceinline__ void write_state(float* dst, const rt_fl<BASE, PT>& S, int64_t base, int warp) {
-#pragma unroll
-  for (int j = 0; j < PT / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
-      dst[base + int64_t(cc) * NS + r] = S.tiles[0][j].data[k].x;
-      dst[base + int64_t(cc + 1) * NS + r] = S.tiles[0][j].data[k].y;
-    }
-}
-
-// Publishes an owner warp's state rows as the bf16 copy every warp reads.
-template <int PT, class S>
-__device__ __forceinline__ void publish_state(S& s, const rt_fl<BASE, PT>& state, int warp) {
-  rt_bf<BASE, PT> copy_bf;
-  copy(copy_bf, state);
-  store(s.state, copy_bf, BASE * warp, 0);
 }
 
 // state ← keep·state + Σ_t weight(t) rows_tᵀ values_t for this owner warp's 16 state dims, then published: rows
@@ -215,12 +147,7 @@ __device__ __forceinline__ float2 row_dots(const rt_fl<BASE, W>& t, const ST& ot
       const float2 o = __bfloat1622float2(*reinterpret_cast<const bf16_2*>(&other(r, col)));
       sum[k & 1] += t.tiles[0][j].data[k].x * o.x + t.tiles[0][j].data[k].y * o.y;
     }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
-    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
-  }
-  return make_float2(sum[0], sum[1]);
+  return make_float2(quad_sum(sum[0]), quad_sum(sum[1]));
 }
 
 // Adds `sign`·row_dots to the per-token (b, l, nh) sums at chunk rows r0 and r0 + 8 (one lane per quad; rows at or
@@ -296,10 +223,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dc_kernel(const BwdArgs a)
       zero(m);
       mma_ABt(m, dyr, xall, m);
       rt_bf<BASE, CHUNK> w;
-      map_indexed(w, m, [&](int r, int src, float v) {
-        const float ls = d.lam_col(src), ds = d.dt_col(src);  // every lane shuffles
-        return src <= BASE * grp + r ? v * __expf(lt[r >> 3] - ls) * ds : 0.f;
-      });
+      causal_decay<false>(w, m, d, lt, BASE * grp, [&](int, int src) { return d.dt_col(src); });
       rt_bf<CHUNK, NH, col_layout> bc;
       load(bc, s.b[buf], 0, ncols);
       rt_fl<BASE, NH> dc;
@@ -365,10 +289,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
         mma_ABt(bc, bw, ck, bc);
       }
       rt_bf<BASE, CHUNK> pw;
-      map_indexed(pw, bc, [&](int r, int t, float v) {
-        const float lt = d.lam_col(t);  // every lane shuffles
-        return t >= BASE * grp + r ? v * __expf(lt - ls[r >> 3]) : 0.f;
-      });
+      causal_decay<true>(pw, bc, d, ls, BASE * grp, [](int, int) { return 1.f; });
       rt_bf<CHUNK, HALF, col_layout> dyc;
       load(dyc, s.dy[buf], 0, pcols);
       rt_fl<BASE, HALF> dx;
@@ -401,12 +322,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
             *reinterpret_cast<bf16_2*>(static_cast<bf16*>(a.dx) + blk.p_off + r * blk.out_row_p + col) =
                 __floats2bfloat162_rn(dts[k & 1] * v.x + Dh * dyv.x, dts[k & 1] * v.y + Dh * dyv.y);
           }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          xdx[h] += __shfl_xor_sync(0xffffffffu, xdx[h], 1);
-          xdx[h] += __shfl_xor_sync(0xffffffffu, xdx[h], 2);
-        }
-        add_token_sums(a.xdX + blk.tok_off, a.nh, make_float2(xdx[0], xdx[1]), c * CHUNK + s0, a.l);
+        add_token_sums(a.xdX + blk.tok_off, a.nh, make_float2(quad_sum(xdx[0]), quad_sum(xdx[1])), c * CHUNK + s0, a.l);
       }
 
       // dB, intra-chunk: (x_s·dy_t) exp(Λ_t − Λ_s) dt_s for t ≥ s, times C
@@ -418,10 +334,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
       zero(q);
       mma_ABt(q, xr, dyall, q);
       rt_bf<BASE, CHUNK> qw;
-      map_indexed(qw, q, [&](int r, int t, float v) {
-        const float lt = d.lam_col(t);  // every lane shuffles
-        return t >= BASE * grp + r ? v * __expf(lt - ls[r >> 3]) * dts[r >> 3] : 0.f;
-      });
+      causal_decay<true>(qw, q, d, ls, BASE * grp, [&](int r, int) { return dts[r >> 3]; });
       rt_bf<CHUNK, NH, col_layout> cc;
       load(cc, s.c[buf], 0, ncols);
       rt_fl<BASE, NH> db;
@@ -442,8 +355,7 @@ __global__ void __launch_bounds__(THREADS, 1) ssd_bwd_dxdb_kernel(const BwdArgs 
   }
   if (owner) write_state<NS, PT>(a.dh0, G, blk.state_base, warp);
   if (a.dD) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) x_dy += __shfl_xor_sync(0xffffffffu, x_dy, off);
+    x_dy = warp_sum(x_dy);
     if (lane == 0) atomicAdd(a.dD + blk.h, x_dy);
   }
 }
