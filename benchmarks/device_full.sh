@@ -3,11 +3,13 @@
 #   TK_BENCH_COMMIT=<sha> bash benchmarks/device_full.sh "tests ops gpt2-medium" "llama-sdpa llama-eager"
 #   TK_BENCH_COMMIT=<sha> E2E_TIMEOUT=230 bash benchmarks/device_full.sh "mamba2" "based build"
 # jobs: tests (GPU tests; TEST_K: a pytest -k filter), ops (every op benchmark), ops:<list> (those ops, e.g.
-# ops:ssd,attention), build (--build), or an e2e model name (E2E_MODES=thunderkittens: only those modes, e.g. a slow
-# model's modes split over two calls). Each job gets at most what is left of BUDGET seconds (default 545, under the
-# device's 600 s per call), and each part writes its own results.json (saved after every part, so a cut-off job
-# keeps what finished). The device returns at most 8 files,
-# so the parts' folders come back as one parts.tgz; join them here with `python -m benchmarks --merge`.
+# ops:ssd,attention), profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under
+# Nsight Compute: speed of light, memory, occupancy, warp stalls), build (--build), or an e2e model name
+# (E2E_MODES=thunderkittens: only those modes, e.g. a slow model's modes split over two calls; E2E_ENV="NAME=value
+# ...": the environment of the e2e jobs only). Each job gets at most what is left of BUDGET seconds (default 545,
+# under the device's 600 s per call), and each part writes its own results.json (saved after every part, so a
+# cut-off job keeps what finished). The device returns at most 8 files, so the parts' folders come back as one
+# parts.tgz; join them here with `python -m benchmarks --merge`.
 # Carry .tkcache (benchmarks/prebuild.sh) and .whl (baselines' wheels, e.g. fla-core).
 set -u
 : "${TK_BENCH_COMMIT:?name the commit you shipped (the device copy of .git is stale)}"
@@ -29,8 +31,12 @@ job() {  # gpu name
              ${TEST_K:+-k "$TEST_K"} >"$OUT/gpu_tests.log" 2>&1 ;;
     ops) timeout $(( left < 330 ? left : 330 )) python3 -m benchmarks --out "$OUT/ops" >"$OUT/ops.log" 2>&1 ;;
     ops:*) timeout $left python3 -m benchmarks --ops ${2#ops:} --out "$OUT/${2//[:,]/_}" >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
+    profile:*) timeout $left python3 -m benchmarks.profile_backward --ops ${2#profile:} >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
+    ncu:*) timeout $left ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+             --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+             python3 -m benchmarks.profile_backward --ops ${2#ncu:} --steps 1 --ncu >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     build) timeout $left python3 -m benchmarks --ops none --build --out "$OUT/build" >"$OUT/build.log" 2>&1 ;;
-    *) timeout $left python3 -m benchmarks --ops none --e2e --models $2 --e2e-timeout ${E2E_TIMEOUT:-170} \
+    *) env ${E2E_ENV:-} timeout $left python3 -m benchmarks --ops none --e2e --models $2 --e2e-timeout ${E2E_TIMEOUT:-170} \
          ${E2E_MODES:+--modes $E2E_MODES} --out "$OUT/$2" >"$OUT/$2.log" 2>&1 ;;
   esac
   echo "== GPU$1 $2: rc $? in $(( $(date +%s) - t0 )) s"

@@ -421,3 +421,18 @@ def test_split_segments():
 def test_split_off_until_validated(monkeypatch):
     monkeypatch.setattr(ops, "SPLIT_VALIDATED", False)
     assert ops._segments_for(torch.zeros(1, 4096, 32, 64)) == 1  # no split, and no device query
+
+
+def test_split_environment_override(monkeypatch):
+    """TK_SSD_SPLIT=0/1 overrides SPLIT_VALIDATED either way; anything else is an error, not a silent default."""
+    monkeypatch.setattr(ops, "SPLIT_VALIDATED", True)
+    monkeypatch.setenv("TK_SSD_SPLIT", "0")
+    assert ops._segments_for(torch.zeros(1, 4096, 32, 64)) == 1
+    monkeypatch.setattr(ops, "SPLIT_VALIDATED", False)
+    monkeypatch.setenv("TK_SSD_SPLIT", "1")
+    assert ops._split_enabled()
+    monkeypatch.setenv("TK_SSD_SPLIT", "yes")
+    with pytest.raises(ValueError, match="TK_SSD_SPLIT"):
+        ops._split_enabled()
+    monkeypatch.delenv("TK_SSD_SPLIT")
+    assert not ops._split_enabled()

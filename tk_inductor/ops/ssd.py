@@ -22,6 +22,7 @@ binding forms the rest; the reference recomputes the forward and differentiates 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -180,9 +181,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _split_enabled() -> bool:
+    """SPLIT_VALIDATED, unless TK_SSD_SPLIT says otherwise ("0" off, "1" on: a benchmark times the split before it is
+    validated)."""
+    value = os.environ.get("TK_SSD_SPLIT", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"TK_SSD_SPLIT must be 0 or 1, got {value!r}")
+    return SPLIT_VALIDATED if value == "" else value == "1"
+
+
 def _segments_for(x: torch.Tensor) -> int:
-    """S for the kernels' grid on x's device (1 until SPLIT_VALIDATED)."""
-    if not SPLIT_VALIDATED:
+    """S for the kernels' grid on x's device (1 unless the split is enabled)."""
+    if not _split_enabled():
         return 1
     b, l, nh, p = x.shape
     return split_segments(b, l, nh, p, _sm_count(x.device))
