@@ -4,7 +4,8 @@
 #   TK_BENCH_COMMIT=<sha> E2E_TIMEOUT=230 bash benchmarks/device_full.sh "mamba2" "based build"
 # jobs: tests (GPU tests; TEST_K: a pytest -k filter), ops (every op benchmark), ops:<list> (those ops, e.g.
 # ops:ssd,attention), profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under
-# Nsight Compute: speed of light, memory, occupancy, warp stalls), build (--build), or an e2e model name
+# Nsight Compute: speed of light, memory, occupancy, warp stalls), sweep_ln (layernorm variants: SWEEP_LN_FWD,
+# SWEEP_LN_BWD lists, default all), build (--build), or an e2e model name
 # (E2E_MODES=thunderkittens: only those modes, e.g. a slow model's modes split over two calls; E2E_ENV="NAME=value
 # ...": the environment of the e2e jobs only). Each job gets at most what is left of BUDGET seconds (default 545,
 # under the device's 600 s per call), and each part writes its own results.json (saved after every part, so a
@@ -35,6 +36,8 @@ job() {  # gpu name
     ncu:*) timeout $left ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
              python3 -m benchmarks.profile_backward --ops ${2#ncu:} --steps 1 --ncu >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
+    sweep_ln) timeout $left python3 -m benchmarks.sweep_ln --no-compile ${SWEEP_LN_FWD:+--variants-fwd $SWEEP_LN_FWD} \
+                ${SWEEP_LN_BWD:+--variants-bwd $SWEEP_LN_BWD} >"$OUT/sweep_ln.log" 2>&1 ;;
     build) timeout $left python3 -m benchmarks --ops none --build --out "$OUT/build" >"$OUT/build.log" 2>&1 ;;
     *) env ${E2E_ENV:-} timeout $left python3 -m benchmarks --ops none --e2e --models $2 --e2e-timeout ${E2E_TIMEOUT:-170} \
          ${E2E_MODES:+--modes $E2E_MODES} --out "$OUT/$2" >"$OUT/$2.log" 2>&1 ;;

@@ -8,8 +8,9 @@ reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's
 tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are TK_BASED_VARIANT=0 and 1 (32: twice the blocks).
 
 Forward+backward at 65536 tokens and at the model's layer:
-- "ours": the op's autograd, the forward and backward kernels;
-- "ours 32-col bwd": the same with the backward's 32-column variant (TK_BASED_BWD_VARIANT=1: twice the blocks);
+- "ours": the op's autograd, the forward and backward kernels (each choosing its tile by block count);
+- "ours 64-col bwd", "ours 32-col bwd": the same with the backward's tile forced (TK_BASED_BWD_VARIANT=0 and 1: 64
+  or 32 value columns per block);
 - "ours (kernel fwd, reference bwd)": the same with the backward kernel off: the reference's autograd as the
   backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (torch 2.11's CantSplit fix).
@@ -123,6 +124,7 @@ def run(quick: bool = False) -> list[Row]:
                 impls[label] = (lambda f=fn: heads(f(q, k, v, scale, True)))
         steps = {label: backward_step(fn, leaves, do, of=q) for label, fn in impls.items()}
         # the flag is read when the backward runs: set around the whole step
+        steps["ours 64-col bwd"] = lambda: with_env("TK_BASED_BWD_VARIANT", "0", steps["ours"])
         steps["ours 32-col bwd"] = lambda: with_env("TK_BASED_BWD_VARIANT", "1", steps["ours"])
         steps["ours (kernel fwd, reference bwd)"] = lambda: with_attr(la, "BACKWARD_KERNEL_VALIDATED", False,
                                                                       steps["ours"])

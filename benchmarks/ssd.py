@@ -6,12 +6,13 @@ Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 toke
 Mamba2-370M's (nh 32) at l 4096 and the e2e Mamba2's layer (b1 l4096 nh32); bf16 x, B, C, fp32 dt, A, D; final
 state returned. "ours" lets the kernel choose its variant by block count; "ours 1 block/SM", "ours 2 blocks/SM"
 (128 registers) and "ours p32 tiles" (32 head dims per block: twice the blocks) are TK_SSD_VARIANT=0, 1 and 2;
-"ours split" is tk::ssd with the sequence split on (ops/ssd.py SPLIT_VALIDATED: small grids only, else the same).
+"ours split" is tk::ssd with the sequence split on (TK_SSD_SPLIT=1: small grids only, else the same).
 
 Forward+backward at 65536 tokens and at the e2e layer:
-- "ours": the op's autograd, the forward and backward kernels;
-- "ours p32 bwd": the same with the backward's 32-head-dim variant (TK_SSD_BWD_VARIANT=1: twice the blocks);
-- "ours split": the same with the sequence split on (SPLIT_VALIDATED; it splits only grids of at most half the SMs);
+- "ours": the op's autograd, the forward and backward kernels (each choosing its variant by block count);
+- "ours p64 bwd", "ours p32 bwd": the same with the backward's variant forced (TK_SSD_BWD_VARIANT=0 and 1: 64 or 32
+  head dims per block);
+- "ours split": the same with the sequence split on (TK_SSD_SPLIT=1; it splits only grids of at most half the SMs);
 - "ours (kernel fwd, reference bwd)": the same with the backward kernels off: the reference's autograd as the
   backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (split scans off). Figure: Mtokens/s.
@@ -65,8 +66,7 @@ def run(quick: bool = False) -> list[Row]:
             "ours 1 block/SM": lambda: with_env("TK_SSD_VARIANT", "0", ours),
             "ours 2 blocks/SM": lambda: with_env("TK_SSD_VARIANT", "1", ours),
             "ours p32 tiles": lambda: with_env("TK_SSD_VARIANT", "2", ours),
-            "ours split": lambda: with_attr(ssd_ops, "SPLIT_VALIDATED", True,
-                                            lambda: torch.ops.tk.ssd(x, dt, A, B, C, D, None, 64)[0]),
+            "ours split": lambda: with_env("TK_SSD_SPLIT", "1", lambda: torch.ops.tk.ssd(x, dt, A, B, C, D, None, 64)[0]),
             # HF Mamba2's chunk (256)
             "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0],
         }
@@ -95,8 +95,9 @@ def run(quick: bool = False) -> list[Row]:
             impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
         steps = {label: backward_step(fn, leaves, dy, of=x) for label, fn in impls.items()}
         # the flag is read when the backward runs: set around the whole step
+        steps["ours p64 bwd"] = lambda: with_env("TK_SSD_BWD_VARIANT", "0", steps["ours"])
         steps["ours p32 bwd"] = lambda: with_env("TK_SSD_BWD_VARIANT", "1", steps["ours"])
-        steps["ours split"] = lambda: with_attr(ssd_ops, "SPLIT_VALIDATED", True, steps["ours"])
+        steps["ours split"] = lambda: with_env("TK_SSD_SPLIT", "1", steps["ours"])
         steps["ours (kernel fwd, reference bwd)"] = lambda: with_attr(ssd_ops, "BACKWARD_KERNEL_VALIDATED", False,
                                                                       steps["ours"])
         rows += check_and_time("ssd", name, steps, want[0].grad, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)

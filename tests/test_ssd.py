@@ -418,17 +418,17 @@ def test_split_segments():
     assert ops.split_segments(1, 65536, 1, 64, 132) == 128  # one block: 128 segments of 512, one wave
 
 
-def test_split_off_until_validated(monkeypatch):
-    monkeypatch.setattr(ops, "SPLIT_VALIDATED", False)
+def test_split_off_by_default(monkeypatch):
+    monkeypatch.setattr(ops, "SPLIT_BY_DEFAULT", False)
     assert ops._segments_for(torch.zeros(1, 4096, 32, 64)) == 1  # no split, and no device query
 
 
 def test_split_environment_override(monkeypatch):
-    """TK_SSD_SPLIT=0/1 overrides SPLIT_VALIDATED either way; anything else is an error, not a silent default."""
-    monkeypatch.setattr(ops, "SPLIT_VALIDATED", True)
+    """TK_SSD_SPLIT=0/1 overrides SPLIT_BY_DEFAULT either way; anything else is an error, not a silent default."""
+    monkeypatch.setattr(ops, "SPLIT_BY_DEFAULT", True)
     monkeypatch.setenv("TK_SSD_SPLIT", "0")
     assert ops._segments_for(torch.zeros(1, 4096, 32, 64)) == 1
-    monkeypatch.setattr(ops, "SPLIT_VALIDATED", False)
+    monkeypatch.setattr(ops, "SPLIT_BY_DEFAULT", False)
     monkeypatch.setenv("TK_SSD_SPLIT", "1")
     assert ops._split_enabled()
     monkeypatch.setenv("TK_SSD_SPLIT", "yes")

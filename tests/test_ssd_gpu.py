@@ -227,8 +227,8 @@ class _Ops:  # check_backward's `ops` with another ssd_backward
 
 
 def test_ssd_split_through_the_op(ops, monkeypatch):
-    """With SPLIT_VALIDATED, tk::ssd splits the e2e Mamba2 layer's small grid (b1 nh32: 32 blocks) and trains."""
-    monkeypatch.setattr(ssd_ops, "SPLIT_VALIDATED", True)
+    """With SPLIT_BY_DEFAULT, tk::ssd splits the e2e Mamba2 layer's small grid (b1 nh32: 32 blocks) and trains."""
+    monkeypatch.setattr(ssd_ops, "SPLIT_BY_DEFAULT", True)
     x, dt, A, B, C, D, _ = inputs(1, 4096, 32, 1, 64, 128, seed=40)
     assert ssd_ops._segments_for(x) > 1
     leaves = [t.requires_grad_() for t in (x, dt, B, C)]

@@ -20,8 +20,12 @@ template <int THREADS, class S>
 constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 
 // NAMED: the row sums wait on their row group's barrier only, not the block's (variant 6).
-template <typename T, class S, int STAGES, int THREADS, bool NAMED = false>
+// KEEP: w lives in fp32 registers, and the row's dy and x̂ stay in registers from the row sums to the second
+// pass, instead of being read from shared memory and unpacked again (variant 7): fewer instructions per
+// element, for splits of at most 2 vectors per thread, where 128 registers hold them next to dw/db.
+template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
+  static_assert(!KEEP || S::VECS <= 2, "KEEP holds 3 vectors of 8 floats per row vector in registers");
   extern __shared__ uint4 staging_smem[];
   __shared__ float2 red[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -35,11 +39,16 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   const Staging<T, S, STAGES, true> st{staging_smem, dh_g ? 3 : 2};
 
   // w is the same for every row this thread sees: copied once into the thread's fixed slot (it lands
-  // with the first commit group).
+  // with the first commit group), or with KEEP loaded once into registers.
+  float wk[S::VECS][8];
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
-    if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
+    if constexpr (KEEP) {
+      if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
+    } else {
+      if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
+    }
   }
   float acc_w[S::VECS][8], acc_b[S::VECS][8];
 #pragma unroll
@@ -84,19 +93,32 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     const float mean = live && a.mean ? st.read_stat(stage, 0) : 0.f;
     const float rstd = live ? st.read_stat(stage, 1) : 0.f;
     float sg = 0.f, sgx = 0.f;
+    float dyk[S::VECS][8], xk[S::VECS][8];  // KEEP: the row's dy and x̂
 #pragma unroll
     for (int v = 0; v < S::VECS; ++v) {
       const int vi = v * S::TPR + lane;
       if (live && vi < nvec) {
-        float dy[8], xh[8], wv[8];
-        unpack(dy, st.read(stage, kDy, v));
-        unpack(xh, st.read(stage, kH, v));
-        if (has_w) unpack(wv, st.read_fixed(v));
+        if constexpr (KEEP) {
+          unpack(dyk[v], st.read(stage, kDy, v));
+          unpack(xk[v], st.read(stage, kH, v));
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float g = has_w ? dy[i] * wv[i] : dy[i];
-          sg += g;
-          sgx += g * ((xh[i] - mean) * rstd);
+          for (int i = 0; i < 8; ++i) {
+            xk[v][i] = fmaf(xk[v][i], rstd, -mean * rstd);  // one FMA: (h - mean)·rstd up to rounding
+            const float g = has_w ? dyk[v][i] * wk[v][i] : dyk[v][i];
+            sg += g;
+            sgx += g * xk[v][i];
+          }
+        } else {
+          float dy[8], xh[8], wv[8];
+          unpack(dy, st.read(stage, kDy, v));
+          unpack(xh, st.read(stage, kH, v));
+          if (has_w) unpack(wv, st.read_fixed(v));
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float g = has_w ? dy[i] * wv[i] : dy[i];
+            sg += g;
+            sgx += g * ((xh[i] - mean) * rstd);
+          }
         }
       }
     }
@@ -109,6 +131,13 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
       for (int v = 0; v < S::VECS; ++v) {
         const int vi = v * S::TPR + lane;
         if (vi >= nvec) continue;
+        if constexpr (KEEP) {
+          float dres[8];
+          if (dh_g) unpack(dres, st.read(stage, kDh, v));
+          backward_vec_xhat<T>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr, rstd, mean_g,
+                               mean_gx, acc_w[v], acc_b[v]);
+          continue;
+        }
         float dy[8], xh[8], wv[8], dres[8];
         unpack(dy, st.read(stage, kDy, v));
         unpack(xh, st.read(stage, kH, v));
@@ -139,15 +168,15 @@ size_t staging_bytes(const BackwardArgs& args) {
 }
 
 // f(kernel, smem bytes, block, rows per block, stages) for one instantiation.
-template <typename T, class S, int STAGES, int THREADS, bool NAMED, typename F>
+template <typename T, class S, int STAGES, int THREADS, bool NAMED, bool KEEP = false, typename F>
 cudaError_t pick(const BackwardArgs& args, F&& f) {
-  return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED>, staging_bytes<T, S, STAGES>(args), S::BLOCK, S::ROWS,
-           std::integral_constant<int, STAGES>{});
+  return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP>, staging_bytes<T, S, STAGES>(args), S::BLOCK,
+           S::ROWS, std::integral_constant<int, STAGES>{});
 }
 
 }  // namespace
 
-// Variants 4..6 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
+// Variants 4..8 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
 // hidden sizes where they differ from variant 3 (see effective_variant).
 namespace pipe_wide {
 int backward_blocks(const BackwardArgs& args, DType dtype);
@@ -156,10 +185,11 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStre
 
 // 4, 5: past hidden 8192 a 512-thread block of 4 vectors would have 128 registers and spill. 6: up to 512
 // a row is one warp (no barrier), past 2048 a block holds one row (row-group barriers are block barriers).
-// Variant 3 runs there.
+// 7, 8: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
 inline int effective_variant(const BackwardArgs& args) {
   if ((args.variant == 4 || args.variant == 5) && args.hidden > 8192) return 3;
   if (args.variant == 6 && (args.hidden <= 512 || args.hidden > 2048)) return 3;
+  if ((args.variant == 7 || args.variant == 8) && args.hidden > 8192) return 3;
   return args.variant;
 }
 

@@ -378,6 +378,7 @@ const char* launch_bwd(Kernel kernel, const BasedBwdArgs& a, cudaStream_t stream
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
+// dq first: it also writes 1/(d + eps), which the reverse scan reads
 template <int DVT>
 const char* launch_variant(const BasedBwdArgs& a, cudaStream_t stream) {
   if (const char* err = launch_bwd<DVT>(based_bwd_dq_kernel<DVT>, a, stream)) return err;
@@ -390,10 +391,12 @@ const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream) {
   if (a.dv <= 0 || a.dv % BASED_DV_TILE != 0) return "dv must be a positive multiple of 64";
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
   if (a.variant < BASED_AUTO || a.variant >= BASED_VARIANTS) return "variant must be 0 or 1 (or BASED_AUTO)";
-  // BASED_AUTO: 64 value columns per block. Variant 1 (32, twice the blocks) awaits its first GPU run
-  // (tests/test_linear_attention_gpu.py forces it); then AUTO should pick it as the forward does (based.cu).
-  // dq first: it also writes 1/(d + eps), which the reverse scan reads
-  return a.variant == 1 ? launch_variant<32>(a, stream) : launch_variant<64>(a, stream);
+  // BASED_AUTO: 32 value columns per block (twice the blocks) where the forward takes them, when the doubled grid
+  // still fits in one wave. Measured on H200 (RESULTS.md, session 10), fwd+bwd: B4 H16 N4096 2.14 ms vs 2.36; at
+  // B16 (256 blocks) 7.9 ms vs 5.4.
+  const long long blocks = (long long)a.B * a.H * (a.dv / BASED_DV_TILE);
+  const int variant = a.variant == BASED_AUTO ? (tk::grid::waves_of(2 * blocks, 1) == 1 ? 1 : 0) : a.variant;
+  return variant == 1 ? launch_variant<32>(a, stream) : launch_variant<64>(a, stream);
 }
 
 }  // namespace tk_linear_attention
