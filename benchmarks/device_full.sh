@@ -35,6 +35,7 @@ job() {  # gpu name
     profile:*) timeout $left python3 -m benchmarks.profile_backward --ops ${2#profile:} >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     ncu:*) timeout $left ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__inst_executed.sum" \
              python3 -m benchmarks.profile_backward --ops ${2#ncu:} --steps 1 --ncu >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     sweep_ln) timeout $left python3 -m benchmarks.sweep_ln --no-compile ${SWEEP_LN_FWD:+--variants-fwd $SWEEP_LN_FWD} \
                 ${SWEEP_LN_BWD:+--variants-bwd $SWEEP_LN_BWD} >"$OUT/sweep_ln.log" 2>&1 ;;

@@ -20,12 +20,13 @@ template <int THREADS, class S>
 constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 
 // NAMED: the row sums wait on their row group's barrier only, not the block's (variant 6).
-// KEEP: w lives in fp32 registers, and the row's dy and x̂ stay in registers from the row sums to the second
-// pass, instead of being read from shared memory and unpacked again (variant 7): fewer instructions per
-// element, for splits of at most 2 vectors per thread, where 128 registers hold them next to dw/db.
+// KEEP: the row's dy and x̂ stay in registers from the row sums to the second pass, instead of being read
+// from shared memory and unpacked again (variants 7, 8): fewer instructions per element. With at most 2
+// vectors per thread w lives in fp32 registers too (W_REGS); with 4 (168 registers at most: spills, so no
+// variant uses it) it would stay in shared memory.
 template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
-  static_assert(!KEEP || S::VECS <= 2, "KEEP holds 3 vectors of 8 floats per row vector in registers");
+  constexpr bool W_REGS = KEEP && S::VECS <= 2;
   extern __shared__ uint4 staging_smem[];
   __shared__ float2 red[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -39,12 +40,12 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   const Staging<T, S, STAGES, true> st{staging_smem, dh_g ? 3 : 2};
 
   // w is the same for every row this thread sees: copied once into the thread's fixed slot (it lands
-  // with the first commit group), or with KEEP loaded once into registers.
+  // with the first commit group), or with W_REGS loaded once into registers.
   float wk[S::VECS][8];
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
-    if constexpr (KEEP) {
+    if constexpr (W_REGS) {
       if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
     } else {
       if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
@@ -101,6 +102,9 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         if constexpr (KEEP) {
           unpack(dyk[v], st.read(stage, kDy, v));
           unpack(xk[v], st.read(stage, kH, v));
+          if constexpr (!W_REGS) {
+            if (has_w) unpack(wk[v], st.read_fixed(v));
+          }
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             xk[v][i] = fmaf(xk[v][i], rstd, -mean * rstd);  // one FMA: (h - mean)·rstd up to rounding
@@ -126,7 +130,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     const float mean_g = a.rms ? 0.f : sums.x * inv_n;
     const float mean_gx = sums.y * inv_n;
     if (live) {
-      // The row is read from shared memory again rather than kept in registers: registers hold dw/db.
+      // Without KEEP the row is read from shared memory again: the registers hold dw/db.
 #pragma unroll
       for (int v = 0; v < S::VECS; ++v) {
         const int vi = v * S::TPR + lane;
@@ -134,6 +138,9 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         if constexpr (KEEP) {
           float dres[8];
           if (dh_g) unpack(dres, st.read(stage, kDh, v));
+          if constexpr (!W_REGS) {
+            if (has_w) unpack(wk[v], st.read_fixed(v));
+          }
           backward_vec_xhat<T>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr, rstd, mean_g,
                                mean_gx, acc_w[v], acc_b[v]);
           continue;
