@@ -20,13 +20,12 @@ template <int THREADS, class S>
 constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 
 // NAMED: the row sums wait on their row group's barrier only, not the block's (variant 6).
-// KEEP: the row's dy and x̂ stay in registers from the row sums to the second pass, instead of being read
-// from shared memory and unpacked again (variants 7, 8): fewer instructions per element. With at most 2
-// vectors per thread w lives in fp32 registers too (W_REGS); with 4 (168 registers at most: spills, so no
-// variant uses it) it would stay in shared memory.
+// KEEP (variants 7, 8; at most 2 vectors per thread): the first pass also sums dw/db and leaves g = dy·w
+// and x̂ in registers, so the second pass is two FMAs and an add per element, where it read dy, h and w
+// from shared memory again and unpacked them. w lives in fp32 registers (1 when absent: no selects).
 template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
-  constexpr bool W_REGS = KEEP && S::VECS <= 2;
+  static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, g and x̂ (3 x 8 floats per vector) in registers");
   extern __shared__ uint4 staging_smem[];
   __shared__ float2 red[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -40,13 +39,18 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   const Staging<T, S, STAGES, true> st{staging_smem, dh_g ? 3 : 2};
 
   // w is the same for every row this thread sees: copied once into the thread's fixed slot (it lands
-  // with the first commit group), or with W_REGS loaded once into registers.
+  // with the first commit group), or with KEEP loaded once into registers.
   float wk[S::VECS][8];
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
-    if constexpr (W_REGS) {
-      if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
+    if constexpr (KEEP) {
+      if (has_w && vi < nvec) {
+        unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) wk[v][i] = 1.f;
+      }
     } else {
       if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
     }
@@ -94,23 +98,23 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     const float mean = live && a.mean ? st.read_stat(stage, 0) : 0.f;
     const float rstd = live ? st.read_stat(stage, 1) : 0.f;
     float sg = 0.f, sgx = 0.f;
-    float dyk[S::VECS][8], xk[S::VECS][8];  // KEEP: the row's dy and x̂
+    float gk[S::VECS][8], xk[S::VECS][8];  // KEEP: the row's g = dy·w and x̂
 #pragma unroll
     for (int v = 0; v < S::VECS; ++v) {
       const int vi = v * S::TPR + lane;
       if (live && vi < nvec) {
         if constexpr (KEEP) {
-          unpack(dyk[v], st.read(stage, kDy, v));
+          float dy[8];
+          unpack(dy, st.read(stage, kDy, v));
           unpack(xk[v], st.read(stage, kH, v));
-          if constexpr (!W_REGS) {
-            if (has_w) unpack(wk[v], st.read_fixed(v));
-          }
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             xk[v][i] = fmaf(xk[v][i], rstd, -mean * rstd);  // one FMA: (h - mean)·rstd up to rounding
-            const float g = has_w ? dyk[v][i] * wk[v][i] : dyk[v][i];
-            sg += g;
-            sgx += g * xk[v][i];
+            gk[v][i] = dy[i] * wk[v][i];
+            sg += gk[v][i];
+            sgx += gk[v][i] * xk[v][i];
+            acc_w[v][i] += dy[i] * xk[v][i];
+            acc_b[v][i] += dy[i];
           }
         } else {
           float dy[8], xh[8], wv[8];
@@ -129,6 +133,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     const float2 sums = row_sum2<S, NAMED>(sg, sgx, red);
     const float mean_g = a.rms ? 0.f : sums.x * inv_n;
     const float mean_gx = sums.y * inv_n;
+    const float c_0 = -rstd * mean_g, c_x = -rstd * mean_gx;  // KEEP: dn = rstd·g + c_0 + x̂·c_x
     if (live) {
       // Without KEEP the row is read from shared memory again: the registers hold dw/db.
 #pragma unroll
@@ -137,12 +142,15 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         if (vi >= nvec) continue;
         if constexpr (KEEP) {
           float dres[8];
-          if (dh_g) unpack(dres, st.read(stage, kDh, v));
-          if constexpr (!W_REGS) {
-            if (has_w) unpack(wk[v], st.read_fixed(v));
+          if (dh_g) {  // a uniform branch, not a select per element
+            unpack(dres, st.read(stage, kDh, v));
+#pragma unroll
+            for (int i = 0; i < 8; ++i) dres[i] += fmaf(gk[v][i], rstd, fmaf(xk[v][i], c_x, c_0));
+          } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) dres[i] = fmaf(gk[v][i], rstd, fmaf(xk[v][i], c_x, c_0));
           }
-          backward_vec_xhat<T>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr, rstd, mean_g,
-                               mean_gx, acc_w[v], acc_b[v]);
+          store_grads<T>(a, drop, base, vi, dres);
           continue;
         }
         float dy[8], xh[8], wv[8], dres[8];
