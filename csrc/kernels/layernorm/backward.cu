@@ -121,10 +121,13 @@ int legacy_blocks(int64_t rows, int hidden, DType dtype) {
 
 }  // namespace
 
-int backward_partial_rows(const BackwardArgs& args, DType dtype) {
+int backward_blocks(const BackwardArgs& args, DType dtype) {
   if (args.variant < 0 || args.variant >= kBackwardVariants) return 0;
-  if (args.variant != 0 && pipe::backward_blocks(args, dtype) > 0) return pipe::backward_partial_rows(args, dtype);
-  return legacy_blocks(args.rows, args.hidden, dtype);  // the pipe variant does not fit: legacy runs
+  if (args.variant != 0) {
+    const int blocks = pipe::backward_blocks(args, dtype);
+    if (blocks > 0) return blocks;  // else the pipe variant does not fit: legacy runs
+  }
+  return legacy_blocks(args.rows, args.hidden, dtype);
 }
 
 cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream) {
@@ -132,10 +135,9 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream)
   if (args.variant < 0 || args.variant >= kBackwardVariants) return cudaErrorInvalidValue;
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    // The same choice as backward_partial_rows, which sized `partial`.
+    // The same choice as backward_blocks, which sized `partial`.
     const int piped = args.variant != 0 ? pipe::backward_blocks(args, dtype) : 0;
     const int blocks = piped > 0 ? piped : legacy_blocks(args.rows, args.hidden, dtype);
-    const int partial_rows = piped > 0 ? pipe::backward_partial_rows(args, dtype) : blocks;
     cudaError_t err = piped > 0 ? pipe::backward(args, dtype, blocks, stream)
                                 : with_split<true>(args.hidden, [&](auto s) {
                                     using S = decltype(s);
@@ -144,7 +146,7 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream)
                                   });
     if (err != cudaSuccess || (!args.dw && !args.db)) return err;
     const dim3 grid((args.hidden + 31) / 32, 2);
-    column_sum_kernel<T><<<grid, dim3(32, 32), 0, stream>>>(args.partial, partial_rows, args.hidden,
+    column_sum_kernel<T><<<grid, dim3(32, 32), 0, stream>>>(args.partial, blocks, args.hidden,
                                                              static_cast<T*>(args.dw), static_cast<T*>(args.db));
     return cudaGetLastError();
   });

@@ -1,5 +1,5 @@
 // Backward, persistent "pipe" variants 1..3 and the dispatcher of all pipe variants; the kernel is in
-// backward_pipe.cuh, variants 4..9 in backward_pipe_wide.cu.
+// backward_pipe.cuh, variants 4..8 in backward_pipe_wide.cu.
 #include "backward_pipe.cuh"
 
 namespace tk_layernorm {
@@ -33,12 +33,6 @@ int backward_blocks(const BackwardArgs& args, DType dtype) {
     return cudaSuccess;
   });
   return blocks;
-}
-
-int backward_partial_rows(const BackwardArgs& args, DType dtype) {
-  BackwardArgs a = args;
-  a.variant = effective_variant(args);
-  return a.variant >= 4 ? pipe_wide::backward_partial_rows(a, dtype) : backward_blocks(a, dtype);
 }
 
 cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream) {

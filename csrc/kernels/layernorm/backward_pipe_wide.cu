@@ -1,4 +1,4 @@
-// Backward, persistent "pipe" variants 4..9 (the kernel is in backward_pipe.cuh; backward_pipe.cu
+// Backward, persistent "pipe" variants 4..8 (the kernel is in backward_pipe.cuh; backward_pipe.cu
 // dispatches here after mapping the hidden sizes where they equal variant 3 to it).
 #include "backward_pipe.cuh"
 
@@ -32,13 +32,6 @@ cudaError_t with_wide_variant(const BackwardArgs& args, DType dtype, F&& f) {
           using S = decltype(s);
           return pick<T, S, 4, 512, false, (S::BLOCK <= 512)>(args, f);
         });
-      // 9: variant 7 with the balanced tail (plan_tail), up to hidden 8192 (effective_variant).
-      case 9:
-        return with_pipe_split<true, 2>(args.hidden, [&](auto s) {
-          using S = decltype(s);
-          if constexpr (S::BLOCK <= 512) return pick<T, S, 3, 512, false, true, true>(args, f);
-          return cudaErrorInvalidValue;
-        });
       default: return cudaErrorInvalidValue;
     }
   });
@@ -57,30 +50,9 @@ int backward_blocks(const BackwardArgs& args, DType dtype) {
   return blocks;
 }
 
-int backward_partial_rows(const BackwardArgs& args, DType dtype) {
-  int rows = 0;
-  with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int rows_per_block, auto stages) {
-    const int blocks = persistent_grid<decltype(stages)::value>(kernel, block, smem, args.rows, rows_per_block);
-    if (blocks > 0 && args.variant == 9) {
-      BackwardArgs a = args;
-      plan_tail(a, blocks, rows_per_block, decltype(stages)::value);
-      rows = a.partial_rows;
-    } else {
-      rows = blocks;
-    }
-    return cudaSuccess;
-  });
-  return rows;
-}
-
 cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream) {
-  return with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int rows_per_block, auto stages) {
-    BackwardArgs a = args;
-    if (args.variant == 9) {
-      if (!args.counters) return cudaErrorInvalidValue;
-      plan_tail(a, blocks, rows_per_block, decltype(stages)::value);
-    }
-    kernel<<<blocks, block, smem, stream>>>(a);
+  return with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int, auto) {
+    kernel<<<blocks, block, smem, stream>>>(args);
     return cudaGetLastError();
   });
 }

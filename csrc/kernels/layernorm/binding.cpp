@@ -9,11 +9,8 @@
 
 #include <cmath>
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <tuple>
-#include <utility>
 
 #include "layernorm.h"
 #include "tk/env.h"
@@ -39,18 +36,6 @@ int variant_from_env(const char* name, int fallback, int count) {
   TORCH_CHECK(tk::env_variant(name, count, v), "tk_cuda::layernorm: ", name, " must be an integer in [0, ", count,
               "), got '", std::getenv(name), "'");
   return v;
-}
-
-// The balanced tail's two counters (variant 9) for the current stream of x's device: zeroed once here, and
-// left at zero by every launch, so launches in stream order share them; other streams get their own.
-int* tail_counters(const Tensor& x) {
-  static std::mutex lock;
-  static std::map<std::pair<int, cudaStream_t>, Tensor> buffers;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  const std::lock_guard<std::mutex> guard(lock);
-  Tensor& t = buffers[{int(x.device().index()), stream}];
-  if (!t.defined()) t = at::zeros({2}, x.options().dtype(at::kInt));
-  return t.data_ptr<int>();
 }
 
 const void* ptr_or_null(const OptTensor& t) { return t && t->defined() ? t->data_ptr() : nullptr; }
@@ -168,11 +153,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
   a.rms = rms;
   a.dropout = dropout_args(p, rng);
   a.variant = variant_from_env("TK_LN_BWD_VARIANT", tk_layernorm::kDefaultBackwardVariant, tk_layernorm::kBackwardVariants);
-  a.counters = tail_counters(h);
   // The grid (and so the partial buffer) depends on the variant and on which operands are present.
-  const int partial_rows = tk_layernorm::backward_partial_rows(a, dtype);
-  TORCH_CHECK(partial_rows > 0, "tk_cuda::layernorm_backward: no launch configuration");
-  Tensor partial = (has_weight || has_bias) ? at::empty({2, partial_rows, hidden}, h.options().dtype(at::kFloat))
+  const int blocks = tk_layernorm::backward_blocks(a, dtype);
+  TORCH_CHECK(blocks > 0, "tk_cuda::layernorm_backward: no launch configuration");
+  Tensor partial = (has_weight || has_bias) ? at::empty({2, blocks, hidden}, h.options().dtype(at::kFloat))
                                             : at::empty({0}, h.options().dtype(at::kFloat));
   a.partial = partial.numel() ? partial.data_ptr<float>() : nullptr;
   const cudaError_t err = tk_layernorm::backward(a, dtype, c10::cuda::getCurrentCUDAStream());

@@ -27,12 +27,9 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //   backward 7: variant 3 with the row's dy and x̂ kept in registers between the row sums and the second
 //     pass, and w in fp32 registers: fewer shared-memory reads and conversions per element; 8: the same with
 //     4 stages. Variant 3 past hidden 8192 (1024-thread blocks: 64 registers).
-//   backward 9: variant 7 with a balanced tail: each block takes its row groups in a fixed order for about
-//     7/8 of the rows, then the rest in chunks whose numbers it draws from a counter, each chunk with its own
-//     dw/db partial row (deterministic): the static split left SMs idle for ~9% of the kernel (ncu).
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
-constexpr int kForwardVariants = 8, kBackwardVariants = 10;
+constexpr int kForwardVariants = 8, kBackwardVariants = 9;
 // From the H200 sweeps (RESULTS.md): the legacy kernel with one row per block and 2 vectors per thread (5)
 // reached 94-98% of copy against 92-97% for legacy (0) and 85-90% for the pipe forwards; the 2-vector pipe
 // backward (3) reached 82-92% of copy against 47-65% for the legacy one (4, 5 and 6 within 2% of it); keeping
@@ -69,7 +66,7 @@ struct BackwardArgs {
   void* dx;                // (rows, hidden) = dres · mask · scale, or nullptr when no dropout
   void* dw;                // (hidden,) or nullptr
   void* db;                // (hidden,) or nullptr
-  float* partial;          // workspace: (2, backward_partial_rows, hidden) fp32
+  float* partial;          // workspace: (2, backward_blocks, hidden) fp32
   const void* dy;
   const void* dh;          // nullable: gradient arriving at h from its other uses
   const void* h;           // the normalised input (x when h was not stored)
@@ -81,21 +78,14 @@ struct BackwardArgs {
   bool rms;
   DropoutArgs dropout;
   int variant = kDefaultBackwardVariant;
-  // Balanced tail (variant 9): two ints, zero between launches on this stream (the kernel leaves them so).
-  // The dispatcher fills the plan below; the caller only provides `counters`.
-  int* counters = nullptr;
-  int static_iters = 0;    // row groups each block takes in a fixed order before the tail
-  int chunk_groups = 0;    // row groups of a tail chunk (taken whole, by the block that draws its number)
-  int tail_chunks = 0;
-  int partial_rows = 0;    // blocks + tail_chunks: one partial row per block and per tail chunk
 };
 
 cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream);
 
-// Rows of the dw/db workspace for these args (all but `partial` filled in): `partial` holds 2 * rows * hidden
-// floats, one row per block of the grid and (variant 9) per tail chunk. Fixed for given (args' shapes and
-// variant, dtype, device), and so is which rows sum into each, so the dw/db reduction is deterministic.
-int backward_partial_rows(const BackwardArgs& args, DType dtype);
+// Blocks of the backward's persistent grid for these args (all but `partial` filled in); the workspace
+// `partial` holds 2 * blocks * hidden floats. Fixed for given (args' shapes and variant, dtype, device),
+// so the dw/db reduction order is deterministic.
+int backward_blocks(const BackwardArgs& args, DType dtype);
 cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream);
 
 // The pipe variants (forward_pipe.cu, backward_pipe.cu). They return cudaErrorNotSupported, launching
@@ -103,7 +93,6 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream)
 namespace pipe {
 cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream);
 int backward_blocks(const BackwardArgs& args, DType dtype);  // 0: does not fit
-int backward_partial_rows(const BackwardArgs& args, DType dtype);
 cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream);
 }  // namespace pipe
 
