@@ -20,12 +20,13 @@ template <int THREADS, class S>
 constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 
 // NAMED: the row sums wait on their row group's barrier only, not the block's (variant 6).
-// KEEP (variants 7, 8; at most 2 vectors per thread): the first pass also sums dw/db and leaves g = dy·w
-// and x̂ in registers, so the second pass is two FMAs and an add per element, where it read dy, h and w
-// from shared memory again and unpacked them. w lives in fp32 registers (1 when absent: no selects).
+// KEEP (variant 7; at most 2 vectors per thread): the row's dy and x̂ stay in registers from the row sums
+// to the second pass, instead of being read from shared memory and unpacked again, and w lives in fp32
+// registers. (Keeping g = dy·w instead and summing dw/db in the first pass cut the instructions further,
+// ~14 per element against ~19, but ran 4% slower at hidden 8192 on the H200.)
 template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
-  static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, g and x̂ (3 x 8 floats per vector) in registers");
+  static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, dy and x̂ (3 x 8 floats per vector) in registers");
   extern __shared__ uint4 staging_smem[];
   __shared__ float2 red[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -45,12 +46,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
     if constexpr (KEEP) {
-      if (has_w && vi < nvec) {
-        unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) wk[v][i] = 1.f;
-      }
+      if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
     } else {
       if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
     }
@@ -98,23 +94,20 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     const float mean = live && a.mean ? st.read_stat(stage, 0) : 0.f;
     const float rstd = live ? st.read_stat(stage, 1) : 0.f;
     float sg = 0.f, sgx = 0.f;
-    float gk[S::VECS][8], xk[S::VECS][8];  // KEEP: the row's g = dy·w and x̂
+    float dyk[S::VECS][8], xk[S::VECS][8];  // KEEP: the row's dy and x̂
 #pragma unroll
     for (int v = 0; v < S::VECS; ++v) {
       const int vi = v * S::TPR + lane;
       if (live && vi < nvec) {
         if constexpr (KEEP) {
-          float dy[8];
-          unpack(dy, st.read(stage, kDy, v));
+          unpack(dyk[v], st.read(stage, kDy, v));
           unpack(xk[v], st.read(stage, kH, v));
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             xk[v][i] = fmaf(xk[v][i], rstd, -mean * rstd);  // one FMA: (h - mean)·rstd up to rounding
-            gk[v][i] = dy[i] * wk[v][i];
-            sg += gk[v][i];
-            sgx += gk[v][i] * xk[v][i];
-            acc_w[v][i] += dy[i] * xk[v][i];
-            acc_b[v][i] += dy[i];
+            const float g = has_w ? dyk[v][i] * wk[v][i] : dyk[v][i];
+            sg += g;
+            sgx += g * xk[v][i];
           }
         } else {
           float dy[8], xh[8], wv[8];
@@ -133,7 +126,6 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     const float2 sums = row_sum2<S, NAMED>(sg, sgx, red);
     const float mean_g = a.rms ? 0.f : sums.x * inv_n;
     const float mean_gx = sums.y * inv_n;
-    const float c_0 = -rstd * mean_g, c_x = -rstd * mean_gx;  // KEEP: dn = rstd·g + c_0 + x̂·c_x
     if (live) {
       // Without KEEP the row is read from shared memory again: the registers hold dw/db.
 #pragma unroll
@@ -142,15 +134,9 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         if (vi >= nvec) continue;
         if constexpr (KEEP) {
           float dres[8];
-          if (dh_g) {  // a uniform branch, not a select per element
-            unpack(dres, st.read(stage, kDh, v));
-#pragma unroll
-            for (int i = 0; i < 8; ++i) dres[i] += fmaf(gk[v][i], rstd, fmaf(xk[v][i], c_x, c_0));
-          } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) dres[i] = fmaf(gk[v][i], rstd, fmaf(xk[v][i], c_x, c_0));
-          }
-          store_grads<T>(a, drop, base, vi, dres);
+          if (dh_g) unpack(dres, st.read(stage, kDh, v));
+          backward_vec_xhat<T>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr, rstd, mean_g,
+                               mean_gx, acc_w[v], acc_b[v]);
           continue;
         }
         float dy[8], xh[8], wv[8], dres[8];
@@ -191,7 +177,7 @@ cudaError_t pick(const BackwardArgs& args, F&& f) {
 
 }  // namespace
 
-// Variants 4..8 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
+// Variants 4..7 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
 // hidden sizes where they differ from variant 3 (see effective_variant).
 namespace pipe_wide {
 int backward_blocks(const BackwardArgs& args, DType dtype);
@@ -200,11 +186,11 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStre
 
 // 4, 5: past hidden 8192 a 512-thread block of 4 vectors would have 128 registers and spill. 6: up to 512
 // a row is one warp (no barrier), past 2048 a block holds one row (row-group barriers are block barriers).
-// 7, 8: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
+// 7: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
 inline int effective_variant(const BackwardArgs& args) {
   if ((args.variant == 4 || args.variant == 5) && args.hidden > 8192) return 3;
   if (args.variant == 6 && (args.hidden <= 512 || args.hidden > 2048)) return 3;
-  if ((args.variant == 7 || args.variant == 8) && args.hidden > 8192) return 3;
+  if (args.variant == 7 && args.hidden > 8192) return 3;
   return args.variant;
 }
 

@@ -1,4 +1,4 @@
-// Backward, persistent "pipe" variants 4..8 (the kernel is in backward_pipe.cuh; backward_pipe.cu
+// Backward, persistent "pipe" variants 4..7 (the kernel is in backward_pipe.cuh; backward_pipe.cu
 // dispatches here after mapping the hidden sizes where they equal variant 3 to it).
 #include "backward_pipe.cuh"
 
@@ -21,16 +21,10 @@ cudaError_t with_wide_variant(const BackwardArgs& args, DType dtype, F&& f) {
         return pick<T, Split<128, 2>, 3, 512, true>(args, f);
       // Variant 3 with the row in registers between its two passes and w in fp32 registers (KEEP), up to
       // hidden 8192 (past it a block of 1024 threads has 64 registers: effective_variant gives 3).
-      // 8: the same with 4 stages (a third more bytes in flight).
       case 7:
         return with_pipe_split<true, 2>(args.hidden, [&](auto s) {
           using S = decltype(s);
           return pick<T, S, 3, 512, false, (S::BLOCK <= 512)>(args, f);
-        });
-      case 8:
-        return with_pipe_split<true, 2>(args.hidden, [&](auto s) {
-          using S = decltype(s);
-          return pick<T, S, 4, 512, false, (S::BLOCK <= 512)>(args, f);
         });
       default: return cudaErrorInvalidValue;
     }
