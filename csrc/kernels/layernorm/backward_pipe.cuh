@@ -23,7 +23,7 @@ constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 // KEEP (variant 7; at most 2 vectors per thread): the row's dy and x̂ stay in registers from the row sums
 // to the second pass, instead of being read from shared memory and unpacked again, and w lives in fp32
 // registers. (Keeping g = dy·w instead and summing dw/db in the first pass cut the instructions further,
-// ~14 per element against ~19, but ran 4% slower at hidden 8192 on the H200.)
+// ~14 per element against ~23, but ran 4% slower at hidden 8192 on the H200.)
 template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
   static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, dy and x̂ (3 x 8 floats per vector) in registers");

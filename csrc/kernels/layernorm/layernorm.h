@@ -24,10 +24,10 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     128-thread blocks, 384 threads per SM, 3 (4) or 2 (5) stages; variant 3 past hidden 8192.
 //   backward 6: variant 3 with row-group (named) barriers instead of block barriers (hidden 513..2048,
 //     where a block holds several multi-warp rows; variant 3 elsewhere).
-//   backward 7: variant 3 with g = dy·w and x̂ kept in registers between the row sums and the second pass
-//     (dw/db summed in the first), w in fp32 registers: ~14 instructions per element instead of ~23.
-//     Variant 3 past hidden 8192 (1024-thread blocks: 64 registers).
-//   tried and removed (H200, 2026-11-30): 7 with 4 stages (no faster), 7 with 4 vectors per thread (spills),
+//   backward 7: variant 3 with the row's dy and x̂ kept in registers between the row sums and the second
+//     pass, and w in fp32 registers. Variant 3 past hidden 8192 (1024-thread blocks: 64 registers).
+//   tried and removed (H200, 2026-11-30): 7 keeping g = dy·w and summing dw/db in the first pass (fewer
+//     instructions, 4% slower at 8192), 7 with 4 stages (no faster), 7 with 4 vectors per thread (spills),
 //     7 with a dynamically balanced tail (SMs evened out, kernel 19-34% slower).
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.

@@ -48,8 +48,8 @@ struct BasedBwdArgs {
   float scale;
   bool normalize;
   float eps;
-  // 0: 64 value columns per block; 1: 32 (twice the blocks; not yet run on a GPU, so BASED_AUTO picks 0 until it has
-  // been); BASED_AUTO: chosen by the launch (based_backward.cu)
+  // 0: 64 value columns per block; 1: 32 (twice the blocks); BASED_AUTO: chosen by the launch by block count
+  // (based_backward.cu)
   int variant;
 };
 const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream);

@@ -60,8 +60,8 @@ struct BwdArgs {
   void* chunk_states;  // bf16 (blocks, chunks, n·PT) scratch, b·nh·p·chunks·n in all: kernel A's chunk-end states
   float* anchor;       // (b, nh, chunks), zeroed: ⟨∂L/∂h, h⟩ at each chunk's end, for the dt/A gradients
   int b, l, nh, ng, p, n;
-  // 0: 64 head dims per block; 1: 32 (twice the blocks, for batch·heads that leave SMs idle; not yet run on a GPU,
-  // so AUTO picks 0 until it has been); AUTO: chosen by the launch (ssd_backward.cu)
+  // 0: 64 head dims per block; 1: 32 (twice the blocks, for batch·heads that leave SMs idle); AUTO: chosen by the
+  // launch by block count (ssd_backward.cu)
   int variant;
 };
 constexpr int BWD_VARIANTS = 2;
