@@ -1,5 +1,6 @@
 """LayerNorm / RMSNorm (+ residual) benchmark: ours (tk_cuda::layernorm) vs torch.compile default and
-FLA's Triton layer norm, against the measured device-to-device copy ceiling, in one run.
+FLA's Triton layer norm, forward and backward, against the measured device-to-device copy ceiling, in one run.
+The baselines' backward is their autograd from (y, h) into x, residual, w and b (one graph, kept between calls).
 
 Shapes: rows 65536, hidden 1024/2048/4096/8192, bf16, `h = x + residual; y = LayerNorm(h)·w + b`
 returning (y, h) (pre-norm residual block); RMSNorm at 4096; our backward (dy, dh -> dres, dw, db).
@@ -12,15 +13,16 @@ Every implementation's output is checked against the fp32 reference before it is
 "ours" is the default kernel variant; TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT pick another (see
 csrc/kernels/layernorm/layernorm.h), and benchmarks/sweep_ln.py checks and times them all side by side.
 
-Measured 2026-11-29, one H200 (torch 2.11, Triton 3.6, fla-core 0.6.0), copy ceiling 4274 GB/s:
+Measured 2026-11-30 (session 10, a597be0), one H200 (torch 2.11, Triton 3.6, fla-core 0.6.0), copy ceiling 4246 GB/s:
     case (bf16, rows 65536)      ours GB/s (% copy)  torch.compile  FLA    ours/compile  ours/FLA
-    ln+residual 1024   fwd       3915 (92%)          4079           4037   0.96          0.97
-    ln+residual 2048   fwd       4067 (95%)          3920           4154   1.04          0.98
-    ln+residual 4096   fwd       4136 (97%)          3940           4127   1.05          1.00
-    ln+residual 8192   fwd       4102 (96%)          4049           4109   1.01          1.00
-    rms+residual 4096  fwd       4121 (96%)          4047           4128   1.02          1.00
-    backward (dy, dh -> dres, dw, db): 2752 / 2812 / 2037 / 2493 GB/s at 1024 / 2048 / 4096 / 8192,
-    rms 4096 2040 GB/s (48-66% of copy: the weak spot).
+    ln+residual 1024   fwd       3979 (94%)          4031           2365*  0.99          1.68
+    ln+residual 2048   fwd       4125 (97%)          3875           4133   1.06          1.00
+    ln+residual 4096   fwd       4107 (97%)          3897           4097   1.05          1.00
+    ln+residual 8192   fwd       4154 (98%)          4016           4117   1.03          1.01
+    rms+residual 4096  fwd       4095 (96%)          4013           4086   1.02          1.00
+    backward (dy, dh -> dres, dw, db): 3528 / 3801 / 3946 / 4222 GB/s at 1024 / 2048 / 4096 / 8192 (83 / 90 / 93 /
+    99% of copy), rms 4096 3949 GB/s; the baselines' backward rows were added after that run.
+    (* FLA's 1024 forward ran 3987-4015 GB/s in the session's other runs.)
 """
 from __future__ import annotations
 
@@ -83,9 +85,10 @@ def run(quick: bool = False) -> list[Row]:
         b = None if rms else mk(hidden)
         ref_y, ref_h = _eager(x.float(), r.float(), w.float(), None if b is None else b.float(), rms)
         nbytes = _fwd_bytes(rows, hidden, rms)
+        compiled = torch.compile(lambda *a: _eager(*a, rms), dynamic=False)
         impls = {
             "ours": lambda: torch.ops.tk_cuda.layernorm(x, r, w, b, None, EPS, 0.0, rms)[:2],
-            "torch.compile": (lambda f=torch.compile(lambda *a: _eager(*a, rms), dynamic=False): f(x, r, w, b)),
+            "torch.compile": lambda: compiled(x, r, w, b),
         }
         if fla_ln is not None:
             impls["fla"] = lambda: fla_ln(x, w, b, residual=r, eps=EPS, prenorm=True, is_rms_norm=rms)
@@ -105,18 +108,37 @@ def run(quick: bool = False) -> list[Row]:
             y, h, mean, rstd, rng = torch.ops.tk_cuda.layernorm(x, r, w, b, None, EPS, 0.0, rms)
             dy, dh = mk(rows, hidden), mk(rows, hidden)
             bwd = lambda: torch.ops.tk_cuda.layernorm_backward(dy, dh, h, w, mean, rstd, rng, 0.0, rms, b is not None)
+            ref = ln_ops.reference_backward(dy.float(), dh.float(), h.float(), w.float(), mean, rstd, rng, 0.0, rms, b is not None)
+            bwd_bytes = (4 * rows * hidden + (2 if rms else 3) * hidden) * 2
             try:
                 out = bwd()
-                ref = ln_ops.reference_backward(dy.float(), dh.float(), h.float(), w.float(), mean, rstd, rng, 0.0, rms, b is not None)
                 for got, want in zip(out, ref):
                     if want.numel():
                         check_close(f"ours {name} backward", got, want)
                 ms = median_ms(bwd)
-                bwd_bytes = (4 * rows * hidden + (2 if rms else 3) * hidden) * 2
                 rows_out.append(Row("layernorm", f"{name} bwd", "ours", ms, bwd_bytes / ms / 1e6, "GB/s", hidden))
             except (RuntimeError, AssertionError) as exc:
                 rows_out.append(Row("layernorm", f"{name} bwd", "ours", None, note=f"failed: {str(exc)[:120]}"))
-        del x, r, w, b, ref_y, ref_h
+        # The baselines' backward: autograd of their (y, h) into x, residual, w (and b), the graph kept between
+        # calls. x's and the residual's gradients are both dres (h = x + residual), checked against ours'.
+        leaves = [t.detach().requires_grad_() for t in (x, r, w, b) if t is not None]
+        baselines = {"torch.compile": lambda xl, rl, wl, *bl: compiled(xl, rl, wl, *(bl or (None,)))}
+        if fla_ln is not None:
+            baselines["fla"] = lambda xl, rl, wl, *bl: fla_ln(xl, wl, *(bl or (None,)), residual=rl, eps=EPS,
+                                                              prenorm=True, is_rms_norm=rms)
+        for impl, forward in baselines.items():
+            try:
+                yl, hl = forward(*leaves)
+                step = lambda: torch.autograd.grad((yl, hl), leaves, (dy, dh), retain_graph=True)
+                grads = step()
+                check_close(f"{impl} {name} backward dx", grads[0], ref[0], tol=2e-2)
+                ms = median_ms(step)
+                rows_out.append(Row("layernorm", f"{name} bwd", impl, ms, bwd_bytes / ms / 1e6, "GB/s", hidden))
+            except Exception as exc:  # a baseline that fails is a row, not the end of the run
+                rows_out.append(Row("layernorm", f"{name} bwd", impl, None, note=f"failed: {str(exc)[:120]}"))
+            finally:
+                yl = hl = step = grads = None
+        del x, r, w, b, ref_y, ref_h, leaves, ref
         torch.cuda.empty_cache()
     return rows_out
 
