@@ -20,7 +20,7 @@ template <int THREADS, class S>
 constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 
 // NAMED: the row sums wait on their row group's barrier only, not the block's (variant 6).
-// KEEP (variant 7; at most 2 vectors per thread): the row's dy and x̂ stay in registers from the row sums
+// KEEP (variants 7-9; at most 2 vectors per thread): the row's dy and x̂ stay in registers from the row sums
 // to the second pass, instead of being read from shared memory and unpacked again, and w lives in fp32
 // registers. (Keeping g = dy·w instead and summing dw/db in the first pass cut the instructions further,
 // ~14 per element against ~23, but ran 4% slower at hidden 8192 on the H200.)
@@ -177,7 +177,7 @@ cudaError_t pick(const BackwardArgs& args, F&& f) {
 
 }  // namespace
 
-// Variants 4..7 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
+// Variants 4..9 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
 // hidden sizes where they differ from variant 3 (see effective_variant).
 namespace pipe_wide {
 int backward_blocks(const BackwardArgs& args, DType dtype);
@@ -186,11 +186,11 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStre
 
 // 4, 5: past hidden 8192 a 512-thread block of 4 vectors would have 128 registers and spill. 6: up to 512
 // a row is one warp (no barrier), past 2048 a block holds one row (row-group barriers are block barriers).
-// 7: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
+// 7-9: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
 inline int effective_variant(const BackwardArgs& args) {
   if ((args.variant == 4 || args.variant == 5) && args.hidden > 8192) return 3;
   if (args.variant == 6 && (args.hidden <= 512 || args.hidden > 2048)) return 3;
-  if (args.variant == 7 && args.hidden > 8192) return 3;
+  if (args.variant >= 7 && args.hidden > 8192) return 3;
   return args.variant;
 }
 

@@ -1,4 +1,4 @@
-// Backward, persistent "pipe" variants 4..7 (the kernel is in backward_pipe.cuh; backward_pipe.cu
+// Backward, persistent "pipe" variants 4..9 (the kernel is in backward_pipe.cuh; backward_pipe.cu
 // dispatches here after mapping the hidden sizes where they equal variant 3 to it).
 #include "backward_pipe.cuh"
 
@@ -23,6 +23,19 @@ cudaError_t with_wide_variant(const BackwardArgs& args, DType dtype, F&& f) {
       // hidden 8192 (past it a block of 1024 threads has 64 registers: effective_variant gives 3).
       case 7:
         return with_pipe_split<true, 2>(args.hidden, [&](auto s) {
+          using S = decltype(s);
+          return pick<T, S, 3, 512, false, (S::BLOCK <= 512)>(args, f);
+        });
+      // 8, 9: variant 7 in blocks of at least 128 threads (8: two rows of 64 at hidden 1024, 4 blocks per SM) or
+      // of one row (9: 8 blocks of 64 threads per SM at 1024): smaller barrier domains, more blocks to even out
+      // the SMs, at the cost of more dw/db partial rows (one per block: 8.6 MB at every size for 9).
+      case 8:
+        return with_pipe_split<true, 2, 128>(args.hidden, [&](auto s) {
+          using S = decltype(s);
+          return pick<T, S, 3, 512, false, (S::BLOCK <= 512)>(args, f);
+        });
+      case 9:
+        return with_pipe_split<true, 2, 32>(args.hidden, [&](auto s) {
           using S = decltype(s);
           return pick<T, S, 3, 512, false, (S::BLOCK <= 512)>(args, f);
         });

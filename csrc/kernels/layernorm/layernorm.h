@@ -26,12 +26,14 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     where a block holds several multi-warp rows; variant 3 elsewhere).
 //   backward 7: variant 3 with the row's dy and x̂ kept in registers between the row sums and the second
 //     pass, and w in fp32 registers. Variant 3 past hidden 8192 (1024-thread blocks: 64 registers).
+//   backward 8, 9: variant 7 in blocks of >= 128 threads (8) or of one row each (9): more, smaller blocks.
+//     Written after session 10's last GPU run: not yet run on a GPU.
 //   tried and removed (H200, 2026-11-30): 7 keeping g = dy·w and summing dw/db in the first pass (fewer
 //     instructions, 4% slower at 8192), 7 with 4 stages (no faster), 7 with 4 vectors per thread (spills),
 //     7 with a dynamically balanced tail (SMs evened out, kernel 19-34% slower).
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
-constexpr int kForwardVariants = 8, kBackwardVariants = 8;
+constexpr int kForwardVariants = 8, kBackwardVariants = 10;
 // From the H200 sweeps (RESULTS.md): the legacy kernel with one row per block and 2 vectors per thread (5)
 // reached 94-98% of copy against 92-97% for legacy (0) and 85-90% for the pipe forwards; the 2-vector pipe
 // backward (3) reached 82-92% of copy against 47-65% for the legacy one (4, 5 and 6 within 2% of it); keeping
