@@ -38,7 +38,8 @@ struct BasedBwdArgs {
   const void* k;
   const void* v;
   const void* dout;
-  const float* delta;
+  const void* o;  // the forward's output (B, H, N, dv) bf16 contiguous, for delta
+  float* delta;   // (B, H, N) scratch: do·o per row (normalised only)
   float* inv;
   float* dq;
   float* dk;
