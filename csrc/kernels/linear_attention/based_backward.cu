@@ -397,8 +397,7 @@ __global__ void __launch_bounds__(256) based_bwd_delta_kernel(const BasedBwdArgs
     const float2 d = __bfloat1622float2(dout[i]), y = __bfloat1622float2(o[i]);
     sum += d.x * y.x + d.y * y.y;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  sum = warp_sum(sum);
   if (laneid() == 0) a.delta[row] = sum;
 }
 
