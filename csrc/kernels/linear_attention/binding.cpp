@@ -87,8 +87,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
     double scale, bool normalize, double eps) {
   const char* op = "tk_cuda::linear_attention_backward";
   check_inputs(op, q, k, v, feature_map, q_weight, k_weight);
-  TORCH_CHECK(grad_o.sizes() == v.sizes() && o.sizes() == v.sizes() && grad_o.is_cuda() && o.is_cuda(), op,
-              ": grad_o and o must have v's shape");
+  TORCH_CHECK(grad_o.sizes() == v.sizes() && o.sizes() == v.sizes() && grad_o.device() == q.device() &&
+                  o.device() == q.device(), op,
+              ": grad_o and o must have v's shape, on q's device");
   const c10::cuda::CUDAGuard guard(q.device());
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor dq = at::zeros(q.sizes(), f32), dk = at::zeros(k.sizes(), f32);  // value tiles add into them
@@ -98,11 +99,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   if (v.numel() == 0) return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none(), none()};
   const Tensor qq = loadable(q), kk = loadable(k), vv = loadable(v);
   const Tensor dout = grad_o.to(at::kBFloat16).contiguous();
-  const Tensor delta = normalize ? dout.to(at::kFloat).mul(o.to(at::kFloat)).sum(-1).contiguous() : Tensor();
+  const Tensor ob = normalize ? o.to(at::kBFloat16).contiguous() : Tensor();  // only the delta kernel reads it
+  Tensor delta = normalize ? at::empty({q.size(0), q.size(1), q.size(2)}, f32) : Tensor();  // the launch fills it
   Tensor inv = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
   la::BasedBwdArgs a{};
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
-  a.dout = dout.data_ptr(), a.delta = normalize ? delta.data_ptr<float>() : nullptr, a.inv = inv.data_ptr<float>();
+  a.dout = dout.data_ptr(), a.o = normalize ? ob.data_ptr() : nullptr;
+  a.delta = normalize ? delta.data_ptr<float>() : nullptr;
+  a.inv = inv.data_ptr<float>();
   a.dq = dq.data_ptr<float>(), a.dk = dk.data_ptr<float>(), a.dv_out = dv.data_ptr();
   a.variant = variant("TK_BASED_BWD_VARIANT");
   const char* err = la::launch_based_backward(a, c10::cuda::getCurrentCUDAStream());

@@ -31,14 +31,16 @@ constexpr int BASED_VARIANTS = 2, BASED_AUTO = -1;
 const char* launch_based(const BasedArgs& a, cudaStream_t stream);
 
 // Based backward (based_backward.cu): dq, dk (fp32, zeroed by the caller: value tiles add into them) and dv from do.
-// dout: (B, H, N, dv) bf16 contiguous; delta: (B, H, N) fp32 do·o per row, or null without normalising;
+// dout, o: (B, H, N, dv) bf16 contiguous (o: normalising only); delta: (B, H, N) fp32 scratch the launch fills with
+// do·o per row (null without normalising);
 // inv: (B, H, N) fp32 scratch for 1/(d + eps); dq, dk: (B, H, N, 16) fp32; dv_out: (B, H, N, dv) bf16 contiguous.
 struct BasedBwdArgs {
   const void* q;
   const void* k;
   const void* v;
   const void* dout;
-  const float* delta;
+  const void* o;  // the forward's output (B, H, N, dv) bf16 contiguous, for delta
+  float* delta;   // (B, H, N) scratch: do·o per row (normalised only)
   float* inv;
   float* dq;
   float* dk;
