@@ -5,7 +5,8 @@
 # jobs: tests (GPU tests; TEST_K: a pytest -k filter), ops (every op benchmark), ops:<list> (those ops, e.g.
 # ops:ssd,attention), profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under
 # Nsight Compute: speed of light, memory, occupancy, warp stalls), sweep_ln (layernorm variants: SWEEP_LN_FWD,
-# SWEEP_LN_BWD lists, default all), build (--build), or an e2e model name
+# SWEEP_LN_BWD lists, default all), sweep_attn (attention variants; SWEEP_ATTN_ARGS, e.g. "--no-backward
+# --variants 1,6"), build (--build), or an e2e model name
 # (E2E_MODES=thunderkittens: only those modes, e.g. a slow model's modes split over two calls; E2E_ENV="NAME=value
 # ...": the environment of the e2e jobs only). Each job gets at most what is left of BUDGET seconds (default 545,
 # under the device's 600 s per call), and each part writes its own results.json (saved after every part, so a
@@ -39,6 +40,7 @@ job() {  # gpu name
              python3 -m benchmarks.profile_backward --ops ${2#ncu:} --steps 1 --ncu >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     sweep_ln) timeout $left python3 -m benchmarks.sweep_ln --no-compile ${SWEEP_LN_FWD:+--variants-fwd $SWEEP_LN_FWD} \
                 ${SWEEP_LN_BWD:+--variants-bwd $SWEEP_LN_BWD} >"$OUT/sweep_ln.log" 2>&1 ;;
+    sweep_attn) timeout $left python3 -m benchmarks.sweep_attn ${SWEEP_ATTN_ARGS:-} >"$OUT/sweep_attn.log" 2>&1 ;;
     build) timeout $left python3 -m benchmarks --ops none --build --out "$OUT/build" >"$OUT/build.log" 2>&1 ;;
     *) env ${E2E_ENV:-} timeout $left python3 -m benchmarks --ops none --e2e --models $2 --e2e-timeout ${E2E_TIMEOUT:-170} \
          ${E2E_MODES:+--modes $E2E_MODES} --out "$OUT/$2" >"$OUT/$2.log" 2>&1 ;;

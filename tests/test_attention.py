@@ -1203,3 +1203,7 @@ def test_variant_lists_match_the_kernels():
     assert list(gpu.BWD_VARIANTS) == list(sweep_attn.BWD_VARIANTS) == list(range(bwd))
     for names in sweep_attn.BWD_VARIANT_NAMES.values():
         assert sorted(names) == list(range(bwd))
+    fwd = int(re.search(r"int attention_forward_variants\(\) \{ return (\d+); \}", (src / "forward.cu").read_text()).group(1))
+    assert list(gpu.FWD_VARIANTS) == list(sweep_attn.VARIANTS) == list(range(fwd))
+    for names in sweep_attn.VARIANT_NAMES.values():
+        assert sorted(names) == list(range(fwd))

@@ -23,11 +23,15 @@ namespace {
 // POLY = k > 0: every k-th 8-column chunk of P takes exp2 from an FMA
 // polynomial instead of the MUFU unit (at D = 64 the MUFU exp2 rate, 16 per
 // clock per SM, is as low as the tensor cores' rate per score).
-template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool TURNS_ = true, int POLY_ = 0>
+// OTMA: O leaves through shared memory and a TMA store per 64-column panel (full 128-byte lines, clipped at N by
+// the TMA unit) instead of 4-byte stores from registers, which fill only half of each 32-byte sector and hold
+// the warpgroup in the store queue at the end of every task.
+template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool TURNS_ = true, int POLY_ = 0, bool OTMA_ = false>
 struct FwdCfg {
   static constexpr int D = D_, NC = NC_, BN = BN_, STAGES = STAGES_, POLY = POLY_;
-  static constexpr bool PP = PP_, TURNS = TURNS_;
+  static constexpr bool PP = PP_, TURNS = TURNS_, OTMA = OTMA_;
   static_assert(PP || POLY == 0, "the polynomial exp2 belongs to the ping-pong schedule");
+  static_assert(PP || !OTMA, "the TMA store of O belongs to the ping-pong schedule");
   static_assert(NC == 2 || NC == 3, "2 or 3 consumer warpgroups");
   static_assert(PP || TURNS, "turn barriers belong to the ping-pong schedule");
   static constexpr int REG_PROD = NC == 2 ? 24 : 32;
@@ -45,7 +49,8 @@ struct Fwd {
   static_assert(BN % 16 == 0 && BN <= 256, "key tile");
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
-  static constexpr int SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + 1024 /*align*/ + 256 /*barriers*/;
+  static constexpr int O_BYTES = C::OTMA ? BM * D * 2 : 0;  // the O stage (OTMA)
+  static constexpr int SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 1024 /*align*/ + 256 /*barriers*/;
   static_assert(SMEM <= 232448, "shared memory per block");
   static_assert(2 + 4 * STAGES <= 31, "barriers fit their 256 bytes, less the task slot");
   static constexpr int S_REGS = BN / 2;  // 64 x BN fp32 accumulator per thread
@@ -57,7 +62,7 @@ struct Fwd {
 // serves both (v_empty == k_empty).
 template <class K_, bool SPLIT_EMPTY>
 struct FwdSmem {
-  uint8_t *sQ, *sK, *sV;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice
+  uint8_t *sQ, *sK, *sV, *sO;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice, [PANELS][BM][64] (OTMA)
   uint64_t *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
   // dynamic schedule: the task the producer hands the consumers with q_full (the barriers' last 8 bytes)
   __device__ __forceinline__ volatile int* task() const { return reinterpret_cast<volatile int*>(q_full + 31); }
@@ -65,7 +70,8 @@ struct FwdSmem {
     sQ = tk::align_shared<1024>(raw);
     sK = sQ + K_::Q_BYTES;
     sV = sK + K_::STAGES * K_::KV_BYTES;
-    q_full = reinterpret_cast<uint64_t*>(sV + K_::STAGES * K_::KV_BYTES);
+    sO = sV + K_::STAGES * K_::KV_BYTES;
+    q_full = reinterpret_cast<uint64_t*>(sO + K_::O_BYTES);
     q_empty = q_full + 1;
     k_full = q_full + 2;
     v_full = k_full + K_::STAGES;
@@ -471,7 +477,8 @@ struct PP {
 template <typename T, typename Cfg, bool DYN>
 __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     attention_fwd_pp_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
-                            const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
+                            const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap omap,
+                            const FwdParams p) {
   using K_ = Fwd<T, Cfg>;
   using S = PP<T, Cfg>;
   constexpr int D = K_::D, NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM;
@@ -599,6 +606,11 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 
     // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE.
     const int b = bh / p.Hq, h = bh % p.Hq;
+    if constexpr (Cfg::OTMA) {
+      // This warpgroup's rows of the O stage: free once its previous store has read them (named barrier 4 + c).
+      if (tid == 0) bulk_wait_read();
+      named_bar_sync(4 + c, 128);
+    }
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       float l = sum[h2];
@@ -606,29 +618,54 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const float inv = 1.f / l;
       const int row = r0 + 8 * h2;
-      if (row < p.N) {
-        T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * D;
+      if constexpr (Cfg::OTMA) {
+        const uint32_t sO_u = smem_u32(sm.sO);
 #pragma unroll
-        for (int ch = 0; ch < D / 8; ++ch) {
-          const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
-          *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
+        for (int ch = 0; ch < D / 8; ++ch)
+          st_shared(sO_u + (ch / 8) * BM * 128 + swz128(64 * c + row_in + 8 * h2, 8 * (ch % 8) + col_in, 2),
+                    pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv));
+      }
+      if (row < p.N) {
+        if constexpr (!Cfg::OTMA) {
+          T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * D;
+#pragma unroll
+          for (int ch = 0; ch < D / 8; ++ch) {
+            const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
+            *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
+          }
         }
         if ((lane & 3) == 0)
           p.lse[static_cast<int64_t>(bh) * p.N + row] = (mx[h2] * sl2 + log2f(l)) * 0.69314718055994531f;
       }
     }
+    if constexpr (Cfg::OTMA) {
+      fence_async_smem();  // the rows written above, visible to the TMA unit
+      named_bar_sync(4 + c, 128);
+      if (tid == 0 && m0 + 64 * c < p.N) {
+#pragma unroll
+        for (int pn = 0; pn < K_::PANELS; ++pn)
+          tma_store_4d(&omap, sm.sO + pn * BM * 128 + 64 * c * 128, pn * 64, m0 + 64 * c, h, b);
+        bulk_commit();
+      }
+    }
   }
   if (c == 0) S::turn_wait(c);  // consume the last warpgroup's final hand-over
+  if constexpr (Cfg::OTMA)
+    if (tid == 0) bulk_wait_all();  // the stores read shared memory until they are done
 }
 
 template <typename T, typename Cfg, bool DYN>
 const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
                        float scale, int num_sms, int* next_task, cudaStream_t stream) {
   using K_ = Fwd<T, Cfg>;
-  CUtensorMap qm, km, vm;
+  CUtensorMap qm, km, vm, om{};  // om: OTMA only
   if (const char* e = make_map(&qm, dt, q, K_::BM)) return e;
   if (const char* e = make_map(&km, dt, k, K_::BN)) return e;
   if (const char* e = make_map(&vm, dt, v, K_::BN)) return e;
+  if constexpr (Cfg::OTMA) {  // o: (B, N, Hq, D) contiguous, as a (B, Hq, N, D) view; stored 64 rows per warpgroup
+    const View4 ov{o, q.B, q.H, q.S, q.D, q.S * q.H * q.D, q.D, q.H * q.D};
+    if (const char* e = make_map(&om, dt, ov, 64)) return e;
+  }
   FwdParams p;
   p.B = q.B;
   p.Hq = q.H;
@@ -655,7 +692,10 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention forward kernel";
   const int grid = std::min(p.tasks, num_sms * tk::grid::waves());
-  kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, p);
+  if constexpr (Cfg::PP)
+    kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, om, p);
+  else
+    kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, p);
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention forward launch failed";
 }
 
@@ -672,6 +712,7 @@ struct FwdVariants<128> {
   using V3 = FwdCfg<128, 2, 176, 2, true>;
   using V4 = FwdCfg<128, 2, 128, 2, true, false>;
   using V5 = FwdCfg<128, 2, 128, 2, true, true, 4>;
+  using V6 = FwdCfg<128, 2, 128, 2, true, true, 0, true>;
   // H200 sweeps (benchmarks/RESULTS.md): under causal, with the dynamic schedule that is its default, v1 is the best
   // (session 5: 451-576 TF vs v4's 441-564). Without a mask v4 led until session 5 (static schedule); in session 7
   // v1 led it by 9-14% in both sweeps (65536 tokens: 563 vs 496 TF at N2048, 593 vs 540 at N8192).
@@ -685,6 +726,7 @@ struct FwdVariants<64> {
   using V3 = FwdCfg<64, 2, 192, 4, true>;
   using V4 = FwdCfg<64, 3, 128, 4, true, false>;
   using V5 = FwdCfg<64, 3, 128, 4, true, true, 4>;
+  using V6 = FwdCfg<64, 3, 128, 4, true, true, 0, true>;
   // v1 (BM192) is best without a mask. Under causal with the static schedule its lower warpgroups idled on short
   // rows (0.74x cuDNN at N2048; v3 0.89x); the dynamic schedule fills those gaps and v1 is best again (session 5:
   // 0.97-1.01x cuDNN at 65536 tokens; v3 0.87-0.92x).
@@ -712,13 +754,14 @@ const char* launch_variant(int variant, DType dt, const View4& q, const View4& k
     case 3: return launch_sched<T, typename Vs::V3>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
     case 4: return launch_sched<T, typename Vs::V4>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
     case 5: return launch_sched<T, typename Vs::V5>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+    case 6: return launch_sched<T, typename Vs::V6>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
     default: return "unknown attention forward variant";
   }
 }
 
 }  // namespace
 
-int attention_forward_variants() { return 6; }
+int attention_forward_variants() { return 7; }
 
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                               bool causal, float scale, int variant, int num_sms, int* next_task,

@@ -78,6 +78,9 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
 template <typename T>
 __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, int blocks, int hidden, T* dw, T* db) {
   __shared__ float slices[32][33];
+  // Launched as a programmatic dependent of the main kernel (its launch overlaps that kernel's tail): wait here
+  // until the main kernel has finished and its partials are visible. A no-op on a plain launch.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   T* out = blockIdx.y == 0 ? dw : db;
   if (!out) return;  // uniform per block
   const float* src = partial + int64_t(blockIdx.y) * blocks * hidden;
@@ -145,10 +148,17 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream)
                                     return cudaGetLastError();
                                   });
     if (err != cudaSuccess || (!args.dw && !args.db)) return err;
-    const dim3 grid((args.hidden + 31) / 32, 2);
-    column_sum_kernel<T><<<grid, dim3(32, 32), 0, stream>>>(args.partial, blocks, args.hidden,
-                                                             static_cast<T*>(args.dw), static_cast<T*>(args.db));
-    return cudaGetLastError();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((args.hidden + 31) / 32, 2);
+    cfg.blockDim = dim3(32, 32);
+    cfg.stream = stream;
+    cudaLaunchAttribute pdl[1];
+    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = pdl;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, column_sum_kernel<T>, static_cast<const float*>(args.partial), blocks,
+                              args.hidden, static_cast<T*>(args.dw), static_cast<T*>(args.db));
   });
 }
 

@@ -26,8 +26,8 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     where a block holds several multi-warp rows; variant 3 elsewhere).
 //   backward 7: variant 3 with the row's dy and x̂ kept in registers between the row sums and the second
 //     pass, and w in fp32 registers. Variant 3 past hidden 8192 (1024-thread blocks: 64 registers).
-//   backward 8, 9: variant 7 in blocks of >= 128 threads (8) or of one row each (9): more, smaller blocks.
-//     Written after session 10's last GPU run: not yet run on a GPU.
+//   backward 8, 9: variant 7 in blocks of >= 128 threads (8) or of one row each (9): more, smaller blocks
+//     (at hidden 1024, 8: two rows a block, 4 blocks per SM; 9: 8 blocks of 64 threads per SM).
 //   tried and removed (H200, 2026-11-30): 7 keeping g = dy·w and summing dw/db in the first pass (fewer
 //     instructions, 4% slower at 8192), 7 with 4 stages (no faster), 7 with 4 vectors per thread (spills),
 //     7 with a dynamically balanced tail (SMs evened out, kernel 19-34% slower).
@@ -38,8 +38,10 @@ constexpr int kForwardVariants = 8, kBackwardVariants = 10;
 // reached 94-98% of copy against 92-97% for legacy (0) and 85-90% for the pipe forwards; the 2-vector pipe
 // backward (3) reached 82-92% of copy against 47-65% for the legacy one (4, 5 and 6 within 2% of it); keeping
 // the row in registers (7) took hidden 8192 from 90% to 101% of copy (the reads outnumber the writes 3:1, which
-// HBM serves faster than copy's 1:1), 1024 from 82% to 84%, and stayed within 1% at 2048 and 4096.
-constexpr int kDefaultForwardVariant = 5, kDefaultBackwardVariant = 7;
+// HBM serves faster than copy's 1:1), 1024 from 82% to 84%, and stayed within 1% at 2048 and 4096; 7 in
+// smaller blocks (8) evens out the SMs' share of rows: 83 -> 85% at 1024, 89 -> 91% at 2048, equal or better
+// elsewhere, while one row per block (9) lost at 1024 (77%): its dw/db partial rows cost more than they even out.
+constexpr int kDefaultForwardVariant = 5, kDefaultBackwardVariant = 8;
 
 struct DropoutArgs {
   bool enabled = false;
