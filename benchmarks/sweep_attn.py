@@ -60,14 +60,16 @@ def _set_tokens(tokens: int) -> None:
 
 _set_tokens(int(os.environ.get("SWEEP_ATTN_TOKENS", 65536)))  # --tokens; children read the variable
 CHILD_TIMEOUT_S = 40
-BWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7)
+BWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7, 8)  # --bwd-variants sweeps a subset
 BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backward.cu
     128: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "BM64 S2 dS^T x2", 3: "BM64 S3 dS^T x2",
           4: "BM64 S2 lse/delta in smem", 5: "BM64 S2 lse/delta in smem, dQ by key halves",
-          6: "BM64 S2 lse/delta in smem, mask branch", 7: "BM64 S2 lse/delta in smem, dQ by key halves, mask branch"},
+          6: "BM64 S2 lse/delta in smem, mask branch", 7: "BM64 S2 lse/delta in smem, dQ by key halves, mask branch",
+          8: "BM64 S2 lse/delta in smem, mask branch, dQ deferred 2 steps"},
     64: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "wide BM128 S2", 3: "wide BM128 S2 dQ stage x2",
          4: "wide BM128 S2 lse/delta in smem", 5: "BM64 S2 lse/delta in smem",
-         6: "wide BM128 S2 lse/delta in smem, mask branch", 7: "BM64 S2 lse/delta in smem, mask branch"},
+         6: "wide BM128 S2 lse/delta in smem, mask branch", 7: "BM64 S2 lse/delta in smem, mask branch",
+         8: "BM64 S2 lse/delta in smem, mask branch, dQ deferred 2 steps"},
 }
 
 
@@ -382,13 +384,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-forward", action="store_true", help="skip the forward variants")
     ap.add_argument("--tokens", type=int, default=None, help="B*N of the timed cases (default 65536; >= 2048)")
     ap.add_argument("--variants", default=None, help="forward variants to check and time, e.g. 1,6 (default: all)")
+    ap.add_argument("--bwd-variants", default=None, help="backward variants to check and time (default: all)")
     args = ap.parse_args(argv)
-    if args.variants:
-        global VARIANTS
-        picked = tuple(int(v) for v in args.variants.split(","))
-        if not set(picked) <= set(VARIANTS):
-            ap.error(f"--variants: known forward variants are {VARIANTS}")
-        VARIANTS = picked
+    global VARIANTS, BWD_VARIANTS
+    for flag, known, value in (("--variants", VARIANTS, args.variants), ("--bwd-variants", BWD_VARIANTS, args.bwd_variants)):
+        if value:
+            picked = tuple(int(v) for v in value.split(","))
+            if not set(picked) <= set(known):
+                ap.error(f"{flag}: the known variants are {known}")
+            if flag == "--variants":
+                VARIANTS = picked
+            else:
+                BWD_VARIANTS = picked
     if args.tokens is not None:
         if args.tokens < 2048:
             ap.error("--tokens must be >= 2048")
