@@ -38,8 +38,8 @@ constexpr int BWD_STAGES = 2;
 // into dq_accum and a 32 KB dQ stage per consumer.
 // MASKB: branch around the mask (bwd_probs).
 // DQD: dQ deferred by DQD_LAG steps. Step it issues dQ of step it - 2 (from the dS^T buffer that both consumers
-// filled two steps before) and stages it, then runs its own S^T .. dK, writes its dS^T into buffer it % 3 and
-// waits for its dV and dK. The consumers meet only at the buffers' mbarriers (ds_full: both wrote it; ds_free:
+// filled two steps before) together with its own S^T, stages dQ while S^T runs, issues dP^T, then computes its
+// gradients and writes its dS^T into buffer it % 3; its dV and dK are waited for at the top of the next step. The consumers meet only at the buffers' mbarriers (ds_full: both wrote it; ds_free:
 // both read it), which a consumer up to a step ahead of the other passes without waiting: the named barriers
 // around dS^T, which lined the two up at every step (their exponentials at the same time, the tensor cores idle),
 // are gone, so one consumer's GEMMs can run under the other's exponentials.
@@ -410,23 +410,21 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 
   if constexpr (K_::DQD) {
     constexpr int NB = K_::DS_BUFS, LAG = K_::DQD_LAG;
-    // dQ of step x, from the buffer both consumers filled at step x.
-    auto dq_step = [&](int x) {
-      const int buf = x % NB;
-      bar_wait(&sm.ds_full[buf], (x / NB) & 1);
-      float dq[K_::DQ_COLS / 2];
-      issue_dq(dq, buf * K_::DS_BYTES);
-      wgmma_wait<0>();
+    static_assert(LAG == 2, "the prologue below is peeled for two steps");
+    float dq[K_::DQ_COLS / 2];
+    // dQ of step x, from the buffer both consumers filled at step x, staged and reduced once it is done.
+    auto dq_issue = [&](int x) {
+      bar_wait(&sm.ds_full[x % NB], (x / NB) & 1);
+      issue_dq(dq, (x % NB) * K_::DS_BYTES);
+    };
+    auto dq_finish = [&](int x) {
       fence_regs(dq);
       __syncwarp();
-      if (lane == 0) bar_arrive(&sm.ds_free[buf]);
+      if (lane == 0) bar_arrive(&sm.ds_free[x % NB]);
       stage_dq(dq, row_of(x), head_of(x));
     };
-    for (int it = 0; it < steps; ++it) {
-      if (it >= LAG) dq_step(it - LAG);
-      issue_s(it, st);
-      issue_dp(it, dpt);
-      wgmma_wait<1>();
+    // S^T has landed: the step's gradients, then its dS^T into buffer it % NB.
+    auto back = [&](int it) {
       fence_regs(st);
       grads(it);
       const int buf = it % NB;
@@ -434,15 +432,50 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       write_ds(buf * K_::DS_BYTES);
       __syncwarp();
       if (lane == 0) bar_arrive(&sm.ds_full[buf]);
-      wgmma_wait<0>();  // dV and dK: the stage and the A registers are free
+    };
+    // dV and dK of step it are done: its ring stage and the A registers are free.
+    auto release = [&](int it) {
+      wgmma_wait<0>();
       fence_regs(dk);
       fence_regs(dv);
       fence_regs(pa);
       fence_regs(dsa);
       __syncwarp();
       if (lane == 0) bar_arrive(&q_empty[it % STAGES]);
+    };
+    // Steps 0 and 1 have no dQ to run yet. From step 2 on, dQ(it - 2) and S^T(it) are issued together, and dQ is
+    // staged while S^T runs; dP^T follows the staging (with it in flight too, D = 128 runs out of registers and
+    // ptxas serializes the wgmmas, C7512).
+    if (steps > 0) {
+      issue_s(0, st);
+      issue_dp(0, dpt);
+      wgmma_wait<1>();
+      back(0);
     }
-    for (int x = max(0, steps - LAG); x < steps; ++x) dq_step(x);
+    if (steps > 1) {
+      release(0);
+      issue_s(1, st);
+      issue_dp(1, dpt);
+      wgmma_wait<1>();
+      back(1);
+    }
+    for (int it = LAG; it < steps; ++it) {
+      release(it - 1);
+      dq_issue(it - LAG);
+      issue_s(it, st);
+      wgmma_wait<1>();
+      dq_finish(it - LAG);
+      wgmma_fence();
+      issue_dp(it, dpt);
+      wgmma_wait<1>();
+      back(it);
+    }
+    if (steps > 0) release(steps - 1);
+    for (int x = max(0, steps - LAG); x < steps; ++x) {
+      dq_issue(x);
+      wgmma_wait<0>();
+      dq_finish(x);
+    }
   } else {
     // One step (one streamed (Q, dO) tile). PIPE: S^T of `it` was issued by
     // the step before (or the prologue), before that step's dQ staging, so the
