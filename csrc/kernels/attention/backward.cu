@@ -37,19 +37,11 @@ constexpr int BWD_STAGES = 2;
 // consumers run independently, so one's exponentials can overlap the other's GEMMs), at twice the reduce-adds
 // into dq_accum and a 32 KB dQ stage per consumer.
 // MASKB: branch around the mask (bwd_probs).
-// DQD: dQ deferred by DQD_LAG steps. Step it issues dQ of step it - 2 (from the dS^T buffer that both consumers
-// filled two steps before) together with its own S^T, stages dQ while S^T runs, issues dP^T, then computes its
-// gradients and writes its dS^T into buffer it % 3; its dV and dK are waited for at the top of the next step. The consumers meet only at the buffers' mbarriers (ds_full: both wrote it; ds_free:
-// both read it), which a consumer up to a step ahead of the other passes without waiting: the named barriers
-// around dS^T, which lined the two up at every step (their exponentials at the same time, the tensor cores idle),
-// are gone, so one consumer's GEMMs can run under the other's exponentials.
 template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false, bool DQD_ = false>
+          bool MASKB_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_, DQD = DQD_;
-  static constexpr int DQD_LAG = 2;
-  static_assert(!DQD || (!DS2 && !DQK), "DQD brings its own dS^T buffers; dQ by columns (D = 128) or own keys (64)");
+  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
@@ -62,8 +54,7 @@ struct Bwd {
   static constexpr bool DQ_SPLIT_COLS = (D == 128) && !DQK_;
   static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
   static constexpr int DQ_STAGE_BYTES = 64 * DQ_COLS * 4;  // per consumer: 64 rows x DQ_COLS fp32 columns
-  static constexpr int DS_BUFS = DQD ? DQD_LAG + 1 : DS2 ? 2 : 1, DQ_BUFS = 1;
-  static constexpr int DS_BARS = DQD ? DS_BUFS : 0;  // ds_full / ds_free mbarriers (BwdSmem)
+  static constexpr int DS_BUFS = DS2 ? 2 : 1, DQ_BUFS = 1;
   static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES +
                               STAGES * STATS_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
@@ -85,7 +76,6 @@ struct BwdSmem {
   uint8_t *sK, *sV, *sQ, *sdO, *sdS, *sdQ;
   float* sStats;  // [STAGES][2][BM]: lse2, delta (STATS only)
   uint64_t *kv_full, *q_full, *q_empty;
-  uint64_t *ds_full, *ds_free;  // [DS_BARS] each (Bwd's DQD)
   __device__ __forceinline__ explicit BwdSmem(uint8_t* raw) {
     sK = tk::align_shared<1024>(raw);
     sV = sK + K_::KV_BYTES;
@@ -97,8 +87,6 @@ struct BwdSmem {
     kv_full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(sStats) + K_::STAGES * K_::STATS_BYTES);
     q_full = kv_full + 1;
     q_empty = q_full + K_::STAGES;
-    ds_full = q_empty + K_::STAGES;
-    ds_free = ds_full + K_::DS_BARS;
   }
   __device__ __forceinline__ void init() const {
     if (threadIdx.x == 0) {
@@ -106,10 +94,6 @@ struct BwdSmem {
       for (int s = 0; s < K_::STAGES; ++s) {
         bar_init(&q_full[s], 1);
         bar_init(&q_empty[s], K_::NC * 4);
-      }
-      for (int i = 0; i < K_::DS_BARS; ++i) {  // one arrival per consumer warp
-        bar_init(&ds_full[i], K_::NC * 4);
-        bar_init(&ds_free[i], K_::NC * 4);
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -234,13 +218,12 @@ __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdPar
 }
 
 template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false, bool DQD_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DQD_>::THREADS, 1)
+          bool MASKB_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DQD_>;
-  static_assert(!K_::DQD || !PIPE, "DQD and the S^T prefetch are separate schedules");
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -311,21 +294,37 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 
   bar_wait(kv_full, 0);
   float st[BM / 2], dpt[BM / 2];
-  uint32_t pa[BM / 16][4], dsa[BM / 16][4];  // P^T and dS^T as A fragments, read by the in-flight dV and dK
-  // Step it's query head (b * Hq + h) and first query row.
-  auto head_of = [&](int it) { return (b * p.Hkv + hk) * p.group + it / steps_per_head; };
-  auto row_of = [&](int it) { return (mb_start + it % steps_per_head) * BM; };
-
-  // From S^T (landed) and dP^T (in flight) of step it: P^T, dV += P^T dO, dS^T = P^T (dP^T - delta) (left in
-  // dpt), dK += dS^T Q. dV and dK stay in flight.
-  auto grads = [&](int it) {
-    const int i0 = row_of(it), bh = head_of(it);
+  // One step (one streamed (Q, dO) tile). PIPE: S^T of `it` was issued by
+  // the step before (or the prologue), before that step's dQ staging, so the
+  // tensor cores work through the staging; `next` says whether to issue the
+  // one of it + 1. The loop is peeled so that S^T is always wgmma-defined at
+  // the top of a step, and the step waits for it with wait<0> before issuing
+  // dP^T: ptxas cannot follow a wait<1> across the loop and would serialize.
+  auto step = [&](int it, auto next) {
+    const int g = it / steps_per_head;
+    const int mb = mb_start + it % steps_per_head;
+    const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
+    const int i0 = mb * BM;
     const int s = it % STAGES;
     const uint32_t qs = sQ_u + s * K_::Q_BYTES, dos = sdO_u + s * K_::Q_BYTES;
+
     const float* lse_row = K_::STATS ? sm.sStats + s * 2 * BM : p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
     const float* del_row = K_::STATS ? sm.sStats + s * 2 * BM + BM : p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
+    if constexpr (PIPE) {
+      (void)next;
+      wgmma_wait<0>();
+      fence_regs(st);
+      wgmma_fence();
+      issue_dp(it, dpt);
+    } else {
+      issue_s(it, st);
+      issue_dp(it, dpt);
+      wgmma_wait<1>();
+      fence_regs(st);
+    }
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
     bwd_probs<BM, K_::STATS, K_::STATS, K_::MASKB>(st, lse_row, p, i0, j0, col_in, need_mask);
+    uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
     wgmma_wait<0>();
@@ -342,6 +341,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[4 * ch + e] = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
     }
+    uint32_t dsa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(dsa[kk], dpt, kk);
     // dK += dS^T Q (fence: the A registers were written after the last fence)
@@ -350,9 +350,11 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     for (int kk = 0; kk < BM / 16; ++kk)
       wgmma_op<T>::template rs<1>(dk, dsa[kk], desc_mnmajor(qs + kk * 16 * 128, BM * 128), 1);
     wgmma_commit();
-  };
-  // This consumer's 64 key rows of dS^T (in dpt) into the dS^T buffer at byte offset ds_off, visible to wgmma.
-  auto write_ds = [&](uint32_t ds_off) {
+
+    // dS^T to shared memory for dQ = dS K. Wait until the previous dQ of both
+    // consumers has finished reading the buffer (DS2: see Bwd).
+    if constexpr (K_::DQ_SPLIT_COLS && !K_::DS2) named_bar_sync(1, NC * 128);
+    const uint32_t ds_off = K_::DS2 ? (it & 1) * K_::DS_BYTES : 0;
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
 #pragma unroll
@@ -364,9 +366,21 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       }
     }
     fence_async_smem();
-  };
-  // dQ = dS K from the dS^T buffer at ds_off, one commit group.
-  auto issue_dq = [&](float (&dq)[K_::DQ_COLS / 2], uint32_t ds_off) {
+    if constexpr (K_::DQ_SPLIT_COLS)
+      named_bar_sync(2, NC * 128);
+    else
+      named_bar_sync(1 + c, 128);
+
+    if constexpr (K_::DQK) {
+      // dV and dK are done, so the A registers of P^T and dS^T are free before dQ's 64 accumulators go live:
+      // with all of them live at once, ptxas runs short of registers and serializes the wgmmas (C7512).
+      wgmma_wait<0>();
+      fence_regs(dv);
+      fence_regs(dk);
+      fence_regs(pa);
+      fence_regs(dsa);
+    }
+    float dq[K_::DQ_COLS / 2];
     wgmma_fence();
     if constexpr (K_::DQ_SPLIT_COLS) {
       // columns [64c, 64c+64) of dQ, contracting over all BN keys
@@ -378,14 +392,26 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       // all D columns, contracting over this consumer's 64 keys
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(sdS_u + ds_off + (64 * c + 16 * kk) * 128, BN * 128),
+        wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(sdS_u + (64 * c + 16 * kk) * 128, BN * 128),
                                        desc_mnmajor(sK_u + (64 * c + 16 * kk) * 128, BN * 128), kk > 0);
     }
     wgmma_commit();
-  };
-  // dQ accumulation: stage this consumer's dQ block (rows i0 of head bh) in shared memory and let the TMA unit
-  // add it into dq_accum (rows past N land in its padding), so no atomics sit on the consumers' critical path.
-  auto stage_dq = [&](const float (&dq)[K_::DQ_COLS / 2], int i0, int bh) {
+    wgmma_wait<0>();
+    fence_regs(dq);
+    fence_regs(dk);
+    fence_regs(dv);
+    if constexpr (!K_::DQK) {  // (DQK: released before dQ)
+      fence_regs(pa);
+      fence_regs(dsa);
+    }
+    __syncwarp();
+    if (lane == 0) bar_arrive(&q_empty[s]);
+    if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
+    if constexpr (PIPE && decltype(next)::value) issue_s(it + 1, st);
+
+    // dQ accumulation: stage this consumer's 64 x 64 fp32 block in shared
+    // memory and let the TMA unit add it into dq_accum (rows past N land in
+    // its padding), so no atomics sit on the consumers' critical path.
     uint8_t* stage = sdQ + c * K_::DQ_STAGE_BYTES;
     if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
     named_bar_sync(3 + c, 128);
@@ -407,140 +433,14 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       bulk_commit();
     }
   };
-
-  if constexpr (K_::DQD) {
-    constexpr int NB = K_::DS_BUFS, LAG = K_::DQD_LAG;
-    static_assert(LAG == 2, "the prologue below is peeled for two steps");
-    float dq[K_::DQ_COLS / 2];
-    // dQ of step x, from the buffer both consumers filled at step x, staged and reduced once it is done.
-    auto dq_issue = [&](int x) {
-      bar_wait(&sm.ds_full[x % NB], (x / NB) & 1);
-      issue_dq(dq, (x % NB) * K_::DS_BYTES);
-    };
-    auto dq_finish = [&](int x) {
-      fence_regs(dq);
-      __syncwarp();
-      if (lane == 0) bar_arrive(&sm.ds_free[x % NB]);
-      stage_dq(dq, row_of(x), head_of(x));
-    };
-    // S^T has landed: the step's gradients, then its dS^T into buffer it % NB.
-    auto back = [&](int it) {
-      fence_regs(st);
-      grads(it);
-      const int buf = it % NB;
-      if (it >= NB) bar_wait(&sm.ds_free[buf], (it / NB - 1) & 1);  // both consumers' dQ of step it - NB read it
-      write_ds(buf * K_::DS_BYTES);
-      __syncwarp();
-      if (lane == 0) bar_arrive(&sm.ds_full[buf]);
-    };
-    // dV and dK of step it are done: its ring stage and the A registers are free.
-    auto release = [&](int it) {
-      wgmma_wait<0>();
-      fence_regs(dk);
-      fence_regs(dv);
-      fence_regs(pa);
-      fence_regs(dsa);
-      __syncwarp();
-      if (lane == 0) bar_arrive(&q_empty[it % STAGES]);
-    };
-    // Steps 0 and 1 have no dQ to run yet. From step 2 on, dQ(it - 2) and S^T(it) are issued together, and dQ is
-    // staged while S^T runs; dP^T follows the staging (with it in flight too, D = 128 runs out of registers and
-    // ptxas serializes the wgmmas, C7512).
+  if constexpr (PIPE) {
     if (steps > 0) {
       issue_s(0, st);
-      issue_dp(0, dpt);
-      wgmma_wait<1>();
-      back(0);
-    }
-    if (steps > 1) {
-      release(0);
-      issue_s(1, st);
-      issue_dp(1, dpt);
-      wgmma_wait<1>();
-      back(1);
-    }
-    for (int it = LAG; it < steps; ++it) {
-      release(it - 1);
-      dq_issue(it - LAG);
-      issue_s(it, st);
-      wgmma_wait<1>();
-      dq_finish(it - LAG);
-      wgmma_fence();
-      issue_dp(it, dpt);
-      wgmma_wait<1>();
-      back(it);
-    }
-    if (steps > 0) release(steps - 1);
-    for (int x = max(0, steps - LAG); x < steps; ++x) {
-      dq_issue(x);
-      wgmma_wait<0>();
-      dq_finish(x);
+      for (int it = 0; it < steps - 1; ++it) step(it, std::true_type{});
+      step(steps - 1, std::false_type{});
     }
   } else {
-    // One step (one streamed (Q, dO) tile). PIPE: S^T of `it` was issued by
-    // the step before (or the prologue), before that step's dQ staging, so the
-    // tensor cores work through the staging; `next` says whether to issue the
-    // one of it + 1. The loop is peeled so that S^T is always wgmma-defined at
-    // the top of a step, and the step waits for it with wait<0> before issuing
-    // dP^T: ptxas cannot follow a wait<1> across the loop and would serialize.
-    auto step = [&](int it, auto next) {
-      if constexpr (PIPE) {
-        (void)next;
-        wgmma_wait<0>();
-        fence_regs(st);
-        wgmma_fence();
-        issue_dp(it, dpt);
-      } else {
-        issue_s(it, st);
-        issue_dp(it, dpt);
-        wgmma_wait<1>();
-        fence_regs(st);
-      }
-      grads(it);
-      // dS^T to shared memory for dQ = dS K. Wait until the previous dQ of both
-      // consumers has finished reading the buffer (DS2: see Bwd).
-      if constexpr (K_::DQ_SPLIT_COLS && !K_::DS2) named_bar_sync(1, NC * 128);
-      const uint32_t ds_off = K_::DS2 ? (it & 1) * K_::DS_BYTES : 0;
-      write_ds(ds_off);
-      if constexpr (K_::DQ_SPLIT_COLS)
-        named_bar_sync(2, NC * 128);
-      else
-        named_bar_sync(1 + c, 128);
-
-      if constexpr (K_::DQK) {
-        // dV and dK are done, so the A registers of P^T and dS^T are free before dQ's 64 accumulators go live:
-        // with all of them live at once, ptxas runs short of registers and serializes the wgmmas (C7512).
-        wgmma_wait<0>();
-        fence_regs(dv);
-        fence_regs(dk);
-        fence_regs(pa);
-        fence_regs(dsa);
-      }
-      float dq[K_::DQ_COLS / 2];
-      issue_dq(dq, ds_off);
-      wgmma_wait<0>();
-      fence_regs(dq);
-      fence_regs(dk);
-      fence_regs(dv);
-      if constexpr (!K_::DQK) {  // (DQK: released before dQ)
-        fence_regs(pa);
-        fence_regs(dsa);
-      }
-      __syncwarp();
-      if (lane == 0) bar_arrive(&q_empty[it % STAGES]);
-      if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
-      if constexpr (PIPE && decltype(next)::value) issue_s(it + 1, st);
-      stage_dq(dq, row_of(it), head_of(it));
-    };
-    if constexpr (PIPE) {
-      if (steps > 0) {
-        issue_s(0, st);
-        for (int it = 0; it < steps - 1; ++it) step(it, std::true_type{});
-        step(steps - 1, std::false_type{});
-      }
-    } else {
-      for (int it = 0; it < steps; ++it) step(it, std::false_type{});
-    }
+    for (int it = 0; it < steps; ++it) step(it, std::false_type{});
   }
   if (tid == 0) bulk_wait_all();
 
@@ -595,7 +495,7 @@ struct BwdWide {
   static constexpr int DQ_BOXES = 2;                  // as in Bwd: consumer c owns rows [64c, 64c + 64)
   __device__ static constexpr int dq_col(int, int bx) { return 32 * bx; }
   __device__ static constexpr int dq_row(int c) { return 64 * c; }
-  static constexpr int DS_BUFS = 2, DS_BARS = 0;
+  static constexpr int DS_BUFS = 2;
   static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES +
                               STAGES * STATS_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
@@ -866,7 +766,7 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 // attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
 template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool DQK = false,
-          bool MASKB = false, bool DQD = false>
+          bool MASKB = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
@@ -875,7 +775,6 @@ struct BwdCfg {
   static constexpr bool stats = STATS;
   static constexpr bool dqk = DQK;  // Tile64 at D = 128: dQ by key halves (Bwd's DQK)
   static constexpr bool maskb = MASKB;  // branch around the mask (bwd_probs)
-  static constexpr bool dqd = DQD;      // Tile64: dQ deferred (Bwd's DQD)
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -936,14 +835,13 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, BwdParams);
   if constexpr (WIDE) {
-    static_assert(!Cfg::dqd, "DQD is the 64-row kernel's schedule");
     using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb>;
     kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dqd>;
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dqd>;
+    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb>;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -973,8 +871,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // DQK); at D = 64, 0 with STATS (the 64-row kernel, which already splits dQ by keys). 6: 4 with the mask branched
 // around (bwd_probs' MASKB), at both head dims. 7: 5 + MASKB. Session 7 sweep: 6 is the fastest everywhere
 // (vs 4: D128 +0-1.5%, D64 +0.5-3%); 5 and 7 lose 6-8% at D128 (the doubled dq reduce-adds cost more than the
-// consumers' overlap wins) and 20% at D64 (the 64-row kernel). 8: the 64-row kernel with STATS, MASKB and dQ
-// deferred by two steps (Bwd's DQD), at both head dims.
+// consumers' overlap wins) and 20% at D64 (the 64-row kernel).
 template <int D>
 struct BwdVariants;
 template <>
@@ -988,7 +885,6 @@ struct BwdVariants<128> {
   using V5 = BwdCfg<Kind::Tile64, false, 2, false, true, true>;
   using V6 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
   using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, true, true>;
-  using V8 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true>;
 };
 template <>
 struct BwdVariants<64> {
@@ -1001,9 +897,8 @@ struct BwdVariants<64> {
   using V5 = BwdCfg<Kind::Tile64, false, 2, false, true>;
   using V6 = BwdCfg<Kind::Wide, false, 2, false, true, false, true>;
   using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
-  using V8 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true>;
 };
-constexpr int BWD_VARIANTS = 9;
+constexpr int BWD_VARIANTS = 8;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -1020,8 +915,7 @@ int bwd_bm(int D, int variant) {
            : variant == 4 ? Vs::V4::BM
            : variant == 5 ? Vs::V5::BM
            : variant == 6 ? Vs::V6::BM
-           : variant == 7 ? Vs::V7::BM
-                          : Vs::V8::BM;
+                          : Vs::V7::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -1055,8 +949,7 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 4 ? TK_ATTN_BWD_V(T, D, V4)                                                                \
    : variant == 5 ? TK_ATTN_BWD_V(T, D, V5)                                                                \
    : variant == 6 ? TK_ATTN_BWD_V(T, D, V6)                                                                \
-   : variant == 7 ? TK_ATTN_BWD_V(T, D, V7)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V8))
+                  : TK_ATTN_BWD_V(T, D, V7))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
