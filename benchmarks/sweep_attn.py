@@ -39,12 +39,13 @@ import torch.nn.functional as F
 
 from .common import median_ms, no_gpu
 
-VARIANTS = (0, 1, 2, 3, 4, 5, 6)  # --variants sweeps a subset
+VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7)  # --variants sweeps a subset
 VARIANT_NAMES = {  # must match FwdVariants in csrc/kernels/attention/forward.cu
     128: {0: "serial BN128 S2", 1: "pp BN128 S2", 2: "pp BN128 S3", 3: "pp BN176 S2", 4: "intra-only BN128 S2",
-          5: "pp BN128 S2 poly-exp 1/4", 6: "pp BN128 S2 O by TMA store"},
+          5: "pp BN128 S2 poly-exp 1/4", 6: "pp BN128 S2 O by TMA store", 7: "pp BN128 S2 O by TMA, next task's S_0 early"},
     64: {0: "serial BM192 BN128", 1: "pp BM192 BN128", 2: "pp BM128 BN128", 3: "pp BM128 BN192",
-         4: "intra-only BM192 BN128", 5: "pp BM192 BN128 poly-exp 1/4", 6: "pp BM192 BN128 O by TMA store"},
+         4: "intra-only BM192 BN128", 5: "pp BM192 BN128 poly-exp 1/4", 6: "pp BM192 BN128 O by TMA store",
+         7: "pp BM192 BN128 O by TMA, next task's S_0 early"},
 }
 LENGTHS = (1, 17, 1000, 4096)
 OUT_TOL, LSE_ATOL, GRAD_TOL = 1e-2, 2e-3, 2e-2

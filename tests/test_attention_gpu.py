@@ -20,7 +20,7 @@ pytestmark = [
 
 LENGTHS = (1, 17, 128, 1000, 4096)
 # Forward kernel variants (TK_ATTN_FWD_VARIANT; see csrc/kernels/attention/README.md).
-FWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6)
+FWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7)
 # TK_ATTN_BWD_VARIANT; at D = 64, 2 to 4 are the 128-row q tile kernel (other padding and tails),
 # at D = 128 2 and 3 the 64-row kernel with dS^T double-buffered (3: and a 3-stage ring); 4 reads
 # lse2/delta from the ring stage (bulk-copied by the producer) instead of global memory; 5 is 4 with dQ by key

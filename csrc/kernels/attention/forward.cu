@@ -26,10 +26,14 @@ namespace {
 // OTMA: O leaves through shared memory and a TMA store per 64-column panel (full 128-byte lines, clipped at N by
 // the TMA unit) instead of 4-byte stores from registers, which fill only half of each 32-byte sector and hold
 // the warpgroup in the store queue at the end of every task.
-template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool TURNS_ = true, int POLY_ = 0, bool OTMA_ = false>
+// XTASK: a warpgroup issues the next task's first QK^T before it finishes the current task (normalises and
+// stores O), so the tensor cores are not idle while both warpgroups do their epilogues.
+template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool TURNS_ = true, int POLY_ = 0, bool OTMA_ = false,
+          bool XTASK_ = false>
 struct FwdCfg {
   static constexpr int D = D_, NC = NC_, BN = BN_, STAGES = STAGES_, POLY = POLY_;
-  static constexpr bool PP = PP_, TURNS = TURNS_, OTMA = OTMA_;
+  static constexpr bool PP = PP_, TURNS = TURNS_, OTMA = OTMA_, XTASK = XTASK_;
+  static_assert(!XTASK || OTMA, "XTASK's branch-free finish stores O by TMA");
   static_assert(PP || POLY == 0, "the polynomial exp2 belongs to the ping-pong schedule");
   static_assert(PP || !OTMA, "the TMA store of O belongs to the ping-pong schedule");
   static_assert(NC == 2 || NC == 3, "2 or 3 consumer warpgroups");
@@ -509,46 +513,61 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   const float sl2 = p.scale_log2;
   if (c == NC - 1) S::turn_pass(c);  // warpgroup 0 takes the first turn
 
-  int it = 0, ti = 0;
-  for (int t = blockIdx.x; t < p.tasks; t += DYN ? consumer_step(sm, t, ti + 1) : gridDim.x, ++ti) {
-    int bh, qb;
-    decode_task(p, t, bh, qb);
-    const int m0 = qb * BM;
-    const int r0 = m0 + 64 * c + row_in;
-    const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
-    const int nblk = (kv_end + BN - 1) / BN;  // blocks the producer streams
-    // This warpgroup's own blocks (causal: its 64 rows end before the tile's),
-    // and how many leading blocks need no mask at all.
-    const int my_end = p.causal ? min(kv_end, m0 + 64 * c + 64) : kv_end;
-    const int nb = (my_end + BN - 1) / BN;
-    const int nfree = (p.causal ? min(p.M, m0 + 64 * c + 1) : p.M) / BN;
+  // A task's place and extent for this warpgroup.
+  struct Task {
+    int bh, m0, r0;
+    int nblk;   // key blocks the producer streams
+    int nb;     // this warpgroup's own blocks (causal: its 64 rows end before the tile's)
+    int nfree;  // leading blocks that need no mask at all
+  };
+  auto task_of = [&](int t) {
+    Task k;
+    int qb;
+    decode_task(p, t, k.bh, qb);
+    k.m0 = qb * BM;
+    k.r0 = k.m0 + 64 * c + row_in;
+    const int kv_end = p.causal ? min(p.M, min(p.N, k.m0 + BM)) : p.M;
+    k.nblk = (kv_end + BN - 1) / BN;
+    const int my_end = p.causal ? min(kv_end, k.m0 + 64 * c + 64) : kv_end;
+    k.nb = (my_end + BN - 1) / BN;
+    k.nfree = (p.causal ? min(p.M, k.m0 + 64 * c + 1) : p.M) / BN;
+    return k;
+  };
 
-    float o[K_::O_REGS];
+  int it = 0;  // key blocks consumed so far: the ring's phases
+  float o[K_::O_REGS];
+  float mx[2], sum[2], alpha[2];
+  float sc[K_::S_REGS];
+  uint32_t pa[BN / 16][4];
+
+  // Round 0 of a task whose Q arrives with q_full's phase ti: S_0 issued on this warpgroup's turn ...
+  auto round0_issue = [&](int ti) {
+    bar_wait(q_full, ti & 1);
+    const int s = it % STAGES;
+    bar_wait(&k_full[s], (it / STAGES) & 1);
+    S::turn_wait(c);
+    wgmma_fence();
+    S::issue_qk(sc, sQ_u, sK_u + s * K_::KV_BYTES);
+    S::turn_pass(c);
+  };
+  // ... and, once it is done, its softmax starts the task's statistics; O starts at zero.
+  auto round0_finish = [&](const Task& k) {
+    wgmma_wait<0>();
+    fence_regs(sc);
+    warp_arrive(&k_empty[it % STAGES], lane);
 #pragma unroll
     for (int i = 0; i < K_::O_REGS; ++i) o[i] = 0.f;
-    float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f}, alpha[2];
-    float sc[K_::S_REGS];
-    uint32_t pa[BN / 16][4];
-
-    // Round 0: S_0.
-    bar_wait(q_full, ti & 1);
-    {
-      const int s = it % STAGES;
-      bar_wait(&k_full[s], (it / STAGES) & 1);
-      S::turn_wait(c);
-      wgmma_fence();
-      S::issue_qk(sc, sQ_u, sK_u + s * K_::KV_BYTES);
-      S::turn_pass(c);
-      wgmma_wait<0>();
-      fence_regs(sc);
-      warp_arrive(&k_empty[s], lane);
-      if (nfree > 0)
-        S::template softmax<false>(sc, mx, sum, alpha, sl2, 0, r0, col_in, p);
-      else
-        S::template softmax<true>(sc, mx, sum, alpha, sl2, 0, r0, col_in, p);
-      S::to_a(pa, sc);
-    }
-    // Rounds 1 .. nb-1: S_{j+1} and PV_j; the softmax of S_{j+1} overlaps PV_j.
+    mx[0] = mx[1] = -INFINITY;
+    sum[0] = sum[1] = 0.f;
+    if (k.nfree > 0)
+      S::template softmax<false>(sc, mx, sum, alpha, sl2, 0, k.r0, col_in, p);
+    else
+      S::template softmax<true>(sc, mx, sum, alpha, sl2, 0, k.r0, col_in, p);
+    S::to_a(pa, sc);
+  };
+  // Rounds 1 .. nb-1 (S_{j+1} and PV_j; the softmax of S_{j+1} overlaps PV_j), the last PV, and the turns of
+  // the blocks fully masked for this warpgroup.
+  auto rounds = [&](const Task& k) {
     auto round = [&](int j, auto masked) {
       constexpr bool MASK = decltype(masked)::value;
       const int pos = it + j, pos1 = pos + 1;
@@ -563,7 +582,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       wgmma_wait<1>();
       fence_regs(sc);
       warp_arrive(&k_empty[s1], lane);
-      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (j + 1) * BN, r0, col_in, p);
+      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (j + 1) * BN, k.r0, col_in, p);
       wgmma_wait<0>();
       fence_regs(o);
       S::hold(pa);
@@ -571,14 +590,14 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       S::rescale(o, alpha);
       S::to_a(pa, sc);
     };
-    const int split = min(nb - 1, max(nfree - 1, 0));  // rounds j < split compute an unmasked S_{j+1}
+    const int split = min(k.nb - 1, max(k.nfree - 1, 0));  // rounds j < split compute an unmasked S_{j+1}
     for (int j = 0; j < split; ++j) round(j, std::false_type{});
-    for (int j = split; j < nb - 1; ++j) round(j, std::true_type{});
+    for (int j = split; j < k.nb - 1; ++j) round(j, std::true_type{});
     __syncwarp();
     if (lane == 0) bar_arrive(q_empty);  // this warpgroup's last QK^T is done
     // Last round: PV_{nb-1}.
     {
-      const int pos = it + nb - 1;
+      const int pos = it + k.nb - 1;
       const int s = pos % STAGES;
       bar_wait(&v_full[s], (pos / STAGES) & 1);
       S::turn_wait(c);
@@ -593,7 +612,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     // Blocks fully masked for this warpgroup (causal): release their stages
     // once they have landed, and keep taking (empty) turns so every warpgroup
     // runs nblk + 1 rounds per task.
-    for (int j = nb; j < nblk; ++j) {
+    for (int j = k.nb; j < k.nblk; ++j) {
       const int pos = it + j, s = pos % STAGES;
       bar_wait(&k_full[s], (pos / STAGES) & 1);
       warp_arrive(&k_empty[s], lane);
@@ -602,13 +621,15 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       S::turn_wait(c);
       S::turn_pass(c);
     }
-    it += nblk;
-
-    // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE.
-    const int b = bh / p.Hq, h = bh % p.Hq;
+    it += k.nblk;
+  };
+  // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE. XTASK: the next task's S_0 is in
+  // flight, so the OTMA path has no branches (ptxas would serialize the wgmma): predicated stores, MUFU rcp/lg2.
+  auto finish = [&](const Task& k) {
+    const int b = k.bh / p.Hq, h = k.bh % p.Hq;
     if constexpr (Cfg::OTMA) {
       // This warpgroup's rows of the O stage: free once its previous store has read them (named barrier 4 + c).
-      if (tid == 0) bulk_wait_read();
+      bulk_wait_read_if(tid == 0);
       named_bar_sync(4 + c, 128);
     }
 #pragma unroll
@@ -616,37 +637,69 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       float l = sum[h2];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = 1.f / l;
-      const int row = r0 + 8 * h2;
+      const int row = k.r0 + 8 * h2;
       if constexpr (Cfg::OTMA) {
+        const float inv = rcp_approx(l);
         const uint32_t sO_u = smem_u32(sm.sO);
 #pragma unroll
         for (int ch = 0; ch < D / 8; ++ch)
           st_shared(sO_u + (ch / 8) * BM * 128 + swz128(64 * c + row_in + 8 * h2, 8 * (ch % 8) + col_in, 2),
                     pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv));
-      }
-      if (row < p.N) {
-        if constexpr (!Cfg::OTMA) {
-          T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * D;
+        st_global_if(row < p.N && (lane & 3) == 0, p.lse + static_cast<int64_t>(k.bh) * p.N + row,
+                     (mx[h2] * sl2 + lg2_approx(l)) * 0.69314718055994531f);
+      } else if (row < p.N) {
+        const float inv = 1.f / l;
+        T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * D;
 #pragma unroll
-          for (int ch = 0; ch < D / 8; ++ch) {
-            const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
-            *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
-          }
+        for (int ch = 0; ch < D / 8; ++ch) {
+          const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
+          *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
         }
         if ((lane & 3) == 0)
-          p.lse[static_cast<int64_t>(bh) * p.N + row] = (mx[h2] * sl2 + log2f(l)) * 0.69314718055994531f;
+          p.lse[static_cast<int64_t>(k.bh) * p.N + row] = (mx[h2] * sl2 + log2f(l)) * 0.69314718055994531f;
       }
     }
     if constexpr (Cfg::OTMA) {
       fence_async_smem();  // the rows written above, visible to the TMA unit
       named_bar_sync(4 + c, 128);
-      if (tid == 0 && m0 + 64 * c < p.N) {
+      const bool store = tid == 0 && k.m0 + 64 * c < p.N;
 #pragma unroll
-        for (int pn = 0; pn < K_::PANELS; ++pn)
-          tma_store_4d(&omap, sm.sO + pn * BM * 128 + 64 * c * 128, pn * 64, m0 + 64 * c, h, b);
-        bulk_commit();
+      for (int pn = 0; pn < K_::PANELS; ++pn)
+        tma_store_4d_if(store, &omap, sm.sO + pn * BM * 128 + 64 * c * 128, pn * 64, k.m0 + 64 * c, h, b);
+      bulk_commit_if(store);
+    }
+  };
+
+  if constexpr (!Cfg::XTASK) {
+    int ti = 0;
+    for (int t = blockIdx.x; t < p.tasks; t += DYN ? consumer_step(sm, t, ti + 1) : gridDim.x, ++ti) {
+      const Task k = task_of(t);
+      round0_issue(ti);
+      round0_finish(k);
+      rounds(k);
+      finish(k);
+    }
+  } else if (blockIdx.x < p.tasks) {
+    // XTASK: the next task's S_0 is issued before this task's finish, so the tensor cores have it to work on
+    // while both warpgroups normalise and store O (the turn order is the same as above).
+    int t = blockIdx.x, ti = 0;
+    Task k = task_of(t);
+    round0_issue(ti);
+    round0_finish(k);
+    while (true) {
+      rounds(k);
+      const int tn = t + (DYN ? int(consumer_step(sm, t, ti + 1)) : int(gridDim.x));
+      if (tn >= p.tasks) {
+        finish(k);
+        break;
       }
+      const Task kn = task_of(tn);
+      round0_issue(ti + 1);
+      finish(k);
+      round0_finish(kn);
+      k = kn;
+      t = tn;
+      ++ti;
     }
   }
   if (c == 0) S::turn_wait(c);  // consume the last warpgroup's final hand-over
@@ -713,6 +766,7 @@ struct FwdVariants<128> {
   using V4 = FwdCfg<128, 2, 128, 2, true, false>;
   using V5 = FwdCfg<128, 2, 128, 2, true, true, 4>;
   using V6 = FwdCfg<128, 2, 128, 2, true, true, 0, true>;
+  using V7 = FwdCfg<128, 2, 128, 2, true, true, 0, true, true>;
   // H200 sweeps (benchmarks/RESULTS.md): under causal, with the dynamic schedule that is its default, v1 is the best
   // (session 5: 451-576 TF vs v4's 441-564). Without a mask v4 led until session 5 (static schedule); in session 7
   // v1 led it by 9-14% in both sweeps (65536 tokens: 563 vs 496 TF at N2048, 593 vs 540 at N8192). Session 11:
@@ -728,6 +782,7 @@ struct FwdVariants<64> {
   using V4 = FwdCfg<64, 3, 128, 4, true, false>;
   using V5 = FwdCfg<64, 3, 128, 4, true, true, 4>;
   using V6 = FwdCfg<64, 3, 128, 4, true, true, 0, true>;
+  using V7 = FwdCfg<64, 3, 128, 4, true, true, 0, true, true>;
   // v1 (BM192) is best without a mask. Under causal with the static schedule its lower warpgroups idled on short
   // rows (0.74x cuDNN at N2048; v3 0.89x); the dynamic schedule fills those gaps and v1 is best again (session 5:
   // 0.97-1.01x cuDNN at 65536 tokens; v3 0.87-0.92x).
@@ -757,13 +812,14 @@ const char* launch_variant(int variant, DType dt, const View4& q, const View4& k
     case 4: return launch_sched<T, typename Vs::V4>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
     case 5: return launch_sched<T, typename Vs::V5>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
     case 6: return launch_sched<T, typename Vs::V6>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+    case 7: return launch_sched<T, typename Vs::V7>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
     default: return "unknown attention forward variant";
   }
 }
 
 }  // namespace
 
-int attention_forward_variants() { return 7; }
+int attention_forward_variants() { return 8; }
 
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                               bool causal, float scale, int variant, int num_sms, int* next_task,
