@@ -770,8 +770,10 @@ struct FwdVariants<128> {
   // H200 sweeps (benchmarks/RESULTS.md): under causal, with the dynamic schedule that is its default, v1 is the best
   // (session 5: 451-576 TF vs v4's 441-564). Without a mask v4 led until session 5 (static schedule); in session 7
   // v1 led it by 9-14% in both sweeps (65536 tokens: 563 vs 496 TF at N2048, 593 vs 540 at N8192). Session 11:
-  // v6 (v1 storing O by TMA) geomean 0.958x cuDNN against v1's 0.932x (N2048 unmasked 576 vs 545 TF).
-  static constexpr int DEFAULT = 6, DEFAULT_CAUSAL = 6;
+  // v6 (v1 storing O by TMA) geomean 0.958x cuDNN against v1's 0.932x (N2048 unmasked 576 vs 545 TF); v7 (v6 with
+  // the next task's S_0 under the finish) 593 vs v6's 572 TF at N2048 unmasked, equal at N8192, but 4% behind v6
+  // under causal (474 vs 495, 573 vs 594 TF; the dynamic schedule's v7 kernels spill 44-52 bytes).
+  static constexpr int DEFAULT = 7, DEFAULT_CAUSAL = 6;
 };
 template <>
 struct FwdVariants<64> {
@@ -786,7 +788,8 @@ struct FwdVariants<64> {
   // v1 (BM192) is best without a mask. Under causal with the static schedule its lower warpgroups idled on short
   // rows (0.74x cuDNN at N2048; v3 0.89x); the dynamic schedule fills those gaps and v1 is best again (session 5:
   // 0.97-1.01x cuDNN at 65536 tokens; v3 0.87-0.92x).
-  // Session 11: v6 (v1 storing O by TMA) geomean 0.960x cuDNN against v1's 0.944x, ahead in all four cases.
+  // Session 11: v6 (v1 storing O by TMA) geomean 0.960x cuDNN against v1's 0.944x, ahead in all four cases; v7
+  // (the next task's S_0 under the finish; 3 consumer warpgroups at 160 registers: spills 52-60 bytes) 0.953x.
   static constexpr int DEFAULT = 6, DEFAULT_CAUSAL = 6;
 };
 
