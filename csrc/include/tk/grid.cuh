@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 
 #include "common.cuh"
 
@@ -66,6 +67,28 @@ TK_HOST_DEVICE tile_index supergroup(int task, int rows, int cols, int group) {
     const int per_group = group * cols, g = task / per_group, in_group = task % per_group;
     const int height = (g + 1) * group <= rows ? group : rows - g * group;
     return {g * group + in_group % height, in_group / height};
+}
+
+// Programmatic dependent launch. A kernel launched by `launch_dependent` may be scheduled while the stream's
+// previous kernel drains (its launch latency and prologue overlap that kernel's tail); it must call
+// `wait_prior_grid()` before it touches global memory, which returns once the previous kernel has finished and
+// its writes are visible. On a plain launch the wait is a no-op.
+__device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             Args&&... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace tk::grid

@@ -9,6 +9,7 @@ namespace {
 
 template <typename T, class S>
 __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
+  tk::grid::wait_prior_grid();  // launched by launch_dependent
   __shared__ float2 red[S::BLOCK / 32];
   __shared__ float acc_smem[S::ROWS > 1 ? S::MAX_HIDDEN : 1];
   const int lane = threadIdx.x % S::TPR;
@@ -78,9 +79,7 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
 template <typename T>
 __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, int blocks, int hidden, T* dw, T* db) {
   __shared__ float slices[32][33];
-  // Launched as a programmatic dependent of the main kernel (its launch overlaps that kernel's tail): wait here
-  // until the main kernel has finished and its partials are visible. A no-op on a plain launch.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  tk::grid::wait_prior_grid();  // launch_dependent: the main kernel's partials
   T* out = blockIdx.y == 0 ? dw : db;
   if (!out) return;  // uniform per block
   const float* src = partial + int64_t(blockIdx.y) * blocks * hidden;
@@ -144,21 +143,13 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream)
     cudaError_t err = piped > 0 ? pipe::backward(args, dtype, blocks, stream)
                                 : with_split<true>(args.hidden, [&](auto s) {
                                     using S = decltype(s);
-                                    backward_kernel<T, S><<<blocks, S::BLOCK, 0, stream>>>(args);
-                                    return cudaGetLastError();
+                                    return tk::grid::launch_dependent(backward_kernel<T, S>, blocks, S::BLOCK, 0,
+                                                                      stream, args);
                                   });
     if (err != cudaSuccess || (!args.dw && !args.db)) return err;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((args.hidden + 31) / 32, 2);
-    cfg.blockDim = dim3(32, 32);
-    cfg.stream = stream;
-    cudaLaunchAttribute pdl[1];
-    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    pdl[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = pdl;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, column_sum_kernel<T>, static_cast<const float*>(args.partial), blocks,
-                              args.hidden, static_cast<T*>(args.dw), static_cast<T*>(args.db));
+    return tk::grid::launch_dependent(column_sum_kernel<T>, dim3((args.hidden + 31) / 32, 2), dim3(32, 32), 0, stream,
+                                      static_cast<const float*>(args.partial), blocks, args.hidden,
+                                      static_cast<T*>(args.dw), static_cast<T*>(args.db));
   });
 }
 

@@ -40,8 +40,7 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStre
   a.variant = effective_variant(args);
   if (a.variant >= 4) return pipe_wide::backward(a, dtype, blocks, stream);
   return with_variant(a, dtype, [&](auto kernel, size_t smem, int block, int, auto) {
-    kernel<<<blocks, block, smem, stream>>>(a);
-    return cudaGetLastError();
+    return tk::grid::launch_dependent(kernel, blocks, block, smem, stream, a);
   });
 }
 

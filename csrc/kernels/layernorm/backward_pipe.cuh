@@ -27,6 +27,7 @@ constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
   static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, dy and x̂ (3 x 8 floats per vector) in registers");
+  tk::grid::wait_prior_grid();  // launched by launch_dependent
   extern __shared__ uint4 staging_smem[];
   __shared__ float2 red[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;

@@ -59,8 +59,7 @@ int backward_blocks(const BackwardArgs& args, DType dtype) {
 
 cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream) {
   return with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int, auto) {
-    kernel<<<blocks, block, smem, stream>>>(args);
-    return cudaGetLastError();
+    return tk::grid::launch_dependent(kernel, blocks, block, smem, stream, args);
   });
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 #include "layernorm.h"
 #include "vec.cuh"
+#include "tk/grid.cuh"
 
 namespace tk_layernorm {
 

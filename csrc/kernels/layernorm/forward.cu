@@ -12,6 +12,7 @@ namespace {
 // cover HBM latency.
 template <typename T, class S>
 __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::BLOCK) forward_kernel(ForwardArgs a) {
+  tk::grid::wait_prior_grid();  // launched by launch_dependent
   __shared__ float smem[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
   const int64_t row = int64_t(blockIdx.x) * S::ROWS + threadIdx.x / S::TPR;
@@ -115,8 +116,7 @@ cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream) {
       using S = decltype(s);
       const int64_t blocks = (args.rows + S::ROWS - 1) / S::ROWS;
       if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-      forward_kernel<T, S><<<unsigned(blocks), S::BLOCK, 0, stream>>>(args);
-      return cudaGetLastError();
+      return tk::grid::launch_dependent(forward_kernel<T, S>, unsigned(blocks), S::BLOCK, 0, stream, args);
     };
     // 4, 5: the same kernel, one row per block (1 or 2 vectors per thread). 7: the legacy split, one row per
     // block (a warp per block up to hidden 1024: a block's slot frees as soon as its row is done).

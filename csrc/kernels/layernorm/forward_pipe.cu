@@ -28,6 +28,7 @@ constexpr int kMinForwardBlocks = S::BLOCK < (sizeof(T) == 4 ? 256 : 512) ? (siz
 
 template <typename T, class S, int STAGES>
 __global__ void __launch_bounds__(S::BLOCK, (kMinForwardBlocks<T, S>)) forward_pipe_kernel(ForwardArgs a) {
+  tk::grid::wait_prior_grid();  // launched by launch_dependent
   extern __shared__ uint4 staging_smem[];
   __shared__ float smem[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -112,6 +113,7 @@ constexpr int kMinLeanBlocks = S::BLOCK < (sizeof(T) == 4 ? 512 : 1024) ? (sizeo
 
 template <typename T, class S, int STAGES>
 __global__ void __launch_bounds__(S::BLOCK, (kMinLeanBlocks<T, S>)) forward_lean_kernel(ForwardArgs a) {
+  tk::grid::wait_prior_grid();  // launched by launch_dependent
   extern __shared__ uint4 staging_smem[];
   __shared__ float smem[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -206,8 +208,7 @@ cudaError_t launch(const ForwardArgs& args, cudaStream_t stream) {
   }();
   const int blocks = persistent_grid<STAGES>(kernel, S::BLOCK, smem, args.rows, S::ROWS);
   if (blocks == 0) return cudaErrorNotSupported;
-  kernel<<<blocks, S::BLOCK, smem, stream>>>(args);
-  return cudaGetLastError();
+  return tk::grid::launch_dependent(kernel, blocks, S::BLOCK, smem, stream, args);
 }
 
 }  // namespace
