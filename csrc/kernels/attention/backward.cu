@@ -37,11 +37,12 @@ constexpr int BWD_STAGES = 2;
 // consumers run independently, so one's exponentials can overlap the other's GEMMs), at twice the reduce-adds
 // into dq_accum and a 32 KB dQ stage per consumer.
 // MASKB: branch around the mask (bwd_probs).
+// DKV: dK and dV leave through shared memory (the drained (Q, dO) ring) and TMA stores (store_dkdv).
 template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false>
+          bool MASKB_ = false, bool DKV_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_;
+  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_, DKV = DKV_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
@@ -217,13 +218,71 @@ __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdPar
   }
 }
 
+// The TMA maps of dK and dV (B, Hkv, M, D), boxes of 64 columns x 64 keys (DKV).
+struct DkvMaps {
+  CUtensorMap dk, dv;
+};
+
+// dK (scaled) and dV of consumer c's 64 keys, j0 and j0 + 8 being this thread's rows. DKV: once both consumers are
+// past their last step (the other's last wgmmas may still read the ring), each writes its tiles into the drained
+// (Q, dO) ring and one thread stores them by TMA (full 128-byte lines, keys past M clipped); else 4-byte stores
+// from registers, which fill half of each 32-byte sector.
+template <typename T, int D, class K_>
+__device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParams& p, const DkvMaps& maps,
+                                           const float (&dk)[D / 2], const float (&dv)[D / 2], int b, int hk, int n0,
+                                           int c, int tid, int j0, int col_in) {
+  if constexpr (K_::DKV) {
+    constexpr int TILE = 64 * D * 2;  // one consumer's dK (or dV), [D / 64 panels][64 keys][64]
+    static_assert(K_::STAGES * K_::Q_BYTES >= K_::NC * TILE, "dK and dV tiles fit in the (Q, dO) ring");
+    named_bar_sync(1, K_::NC * 128);
+    const uint32_t k_u = smem_u32(sm.sQ) + c * TILE, v_u = smem_u32(sm.sdO) + c * TILE;
+    const int row_in = j0 - n0 - 64 * c;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+      for (int ch = 0; ch < D / 8; ++ch) {
+        const uint32_t off = (ch / 8) * 64 * 128 + swz128(row_in + 8 * h2, 8 * (ch % 8) + col_in, 2);
+        st_shared(k_u + off, pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale));
+        st_shared(v_u + off, pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]));
+      }
+    fence_async_smem();
+    named_bar_sync(3 + c, 128);
+    if (tid == 0) {
+#pragma unroll
+      for (int pn = 0; pn < D / 64; ++pn) {
+        tma_store_4d(&maps.dk, sm.sQ + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
+        tma_store_4d(&maps.dv, sm.sdO + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
+      }
+      bulk_commit();
+      bulk_wait_all();  // shared memory stays allocated until the stores have read it
+    }
+  } else {
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int j = j0 + 8 * h2;
+      if (j < p.M) {
+        const int64_t off = ((static_cast<int64_t>(b) * p.Hkv + hk) * p.M + j) * D;
+        T* dkr = static_cast<T*>(p.dk) + off;
+        T* dvr = static_cast<T*>(p.dv) + off;
+#pragma unroll
+        for (int ch = 0; ch < D / 8; ++ch) {
+          *reinterpret_cast<uint32_t*>(dkr + 8 * ch + col_in) =
+              pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(dvr + 8 * ch + col_in) = pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]);
+        }
+      }
+    }
+  }
+}
+
 template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>::THREADS, 1)
+          bool MASKB_ = false, bool DKV_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
-                         const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>;
+                         const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
+                         const BwdParams p) {
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -444,22 +503,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>
   }
   if (tid == 0) bulk_wait_all();
 
-  // dK (scaled) and dV for this consumer's 64 keys.
-#pragma unroll
-  for (int h2 = 0; h2 < 2; ++h2) {
-    const int j = j0 + 8 * h2;
-    if (j < p.M) {
-      const int64_t off = ((static_cast<int64_t>(b) * p.Hkv + hk) * p.M + j) * D;
-      T* dkr = static_cast<T*>(p.dk) + off;
-      T* dvr = static_cast<T*>(p.dv) + off;
-#pragma unroll
-      for (int ch = 0; ch < D / 8; ++ch) {
-        *reinterpret_cast<uint32_t*>(dkr + 8 * ch + col_in) =
-            pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvr + 8 * ch + col_in) = pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]);
-      }
-    }
-  }
+  store_dkdv<T, D, K_>(sm, p, dkv, dk, dv, b, hk, n0, c, tid, j0, col_in);
 }
 
 // D = 64 with q tiles of 128 rows (variants 2, 3). At D = 64 every GEMM of the
@@ -478,10 +522,10 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_>
 // previous reduce to have read it (of step it - 2 now) moves before the
 // step's CTA-wide barrier and the staging needs one named barrier, not two.
 // STATS: as in Bwd.
-template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false, bool MASKB_ = false>
+template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false, bool MASKB_ = false, bool DKV_ = false>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DQ2 = DQ2_, STATS = STATS_, MASKB = MASKB_;
+  static constexpr bool DQ2 = DQ2_, STATS = STATS_, MASKB = MASKB_, DKV = DKV_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
@@ -505,12 +549,13 @@ struct BwdWide {
 // shared-memory source.
 __device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 
-template <typename T, int STAGES_, bool DQ2_, bool STATS_, bool MASKB_>
-__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_>::THREADS, 1)
+template <typename T, int STAGES_, bool DQ2_, bool STATS_, bool MASKB_, bool DKV_>
+__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
-                              const __grid_constant__ CUtensorMap dqmap, const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_>;
+                              const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
+                              const BwdParams p) {
+  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
@@ -674,22 +719,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_>::THR
   }
   if (tid == 0) bulk_wait_all();
 
-  // dK (scaled) and dV for this consumer's 64 keys.
-#pragma unroll
-  for (int h2 = 0; h2 < 2; ++h2) {
-    const int j = j0 + 8 * h2;
-    if (j < p.M) {
-      const int64_t off = ((static_cast<int64_t>(b) * p.Hkv + hk) * p.M + j) * 64;
-      T* dkr = static_cast<T*>(p.dk) + off;
-      T* dvr = static_cast<T*>(p.dv) + off;
-#pragma unroll
-      for (int ch = 0; ch < 8; ++ch) {
-        *reinterpret_cast<uint32_t*>(dkr + 8 * ch + col_in) =
-            pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvr + 8 * ch + col_in) = pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]);
-      }
-    }
-  }
+  store_dkdv<T, 64, K_>(sm, p, dkv, dk, dv, b, hk, n0, c, tid, j0, col_in);
 }
 
 template <typename T>
@@ -766,7 +796,7 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 // attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
 template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool DQK = false,
-          bool MASKB = false>
+          bool MASKB = false, bool DKV = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
@@ -775,6 +805,7 @@ struct BwdCfg {
   static constexpr bool stats = STATS;
   static constexpr bool dqk = DQK;  // Tile64 at D = 128: dQ by key halves (Bwd's DQK)
   static constexpr bool maskb = MASKB;  // branch around the mask (bwd_probs)
+  static constexpr bool dkv = DKV;      // dK, dV stored by TMA (store_dkdv)
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -814,6 +845,13 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   if (const char* e = make_map(&dom, dt, dout, BM)) return e;
   CUtensorMap dqm;
   if (const char* e = make_map_f32(&dqm, dq_accum, D, Npad, BH)) return e;
+  DkvMaps dkvm{};
+  if constexpr (Cfg::dkv) {  // dk, dv: (B, Hkv, M, D) contiguous
+    const View4 dkview{dk, k.B, k.H, k.S, D, k.H * k.S * D, k.S * D, D};
+    const View4 dvview{dv, k.B, k.H, k.S, D, k.H * k.S * D, k.S * D, D};
+    if (const char* e = make_map(&dkvm.dk, dt, dkview, 64)) return e;
+    if (const char* e = make_map(&dkvm.dv, dt, dvview, 64)) return e;
+  }
   BwdParams p;
   p.B = q.B;
   p.Hq = q.H;
@@ -833,21 +871,21 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.nk = static_cast<int>((k.S + BWD_BN - 1) / BWD_BN);
   p.section = bwd_section(sections, num_sms, p.nk, k.B * k.H, p.group, q.S, D);
   int smem, threads;
-  void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, BwdParams);
+  void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, DkvMaps, BwdParams);
   if constexpr (WIDE) {
-    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb>;
-    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb>;
+    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv>;
+    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb>;
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb>;
+    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv>;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention backward kernel";
-  kern<<<static_cast<unsigned>(p.nk * k.B * k.H), threads, smem, stream>>>(qm, km, vm, dom, dqm, p);
+  kern<<<static_cast<unsigned>(p.nk * k.B * k.H), threads, smem, stream>>>(qm, km, vm, dom, dqm, dkvm, p);
   if (cudaGetLastError() != cudaSuccess) return "attention backward launch failed";
   {
     const int64_t groups = BH * q.S * D / 8;
@@ -871,7 +909,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // DQK); at D = 64, 0 with STATS (the 64-row kernel, which already splits dQ by keys). 6: 4 with the mask branched
 // around (bwd_probs' MASKB), at both head dims. 7: 5 + MASKB. Session 7 sweep: 6 is the fastest everywhere
 // (vs 4: D128 +0-1.5%, D64 +0.5-3%); 5 and 7 lose 6-8% at D128 (the doubled dq reduce-adds cost more than the
-// consumers' overlap wins) and 20% at D64 (the 64-row kernel).
+// consumers' overlap wins) and 20% at D64 (the 64-row kernel). 8: 6 with dK and dV stored by TMA (DKV).
 template <int D>
 struct BwdVariants;
 template <>
@@ -885,6 +923,7 @@ struct BwdVariants<128> {
   using V5 = BwdCfg<Kind::Tile64, false, 2, false, true, true>;
   using V6 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
   using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, true, true>;
+  using V8 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true>;
 };
 template <>
 struct BwdVariants<64> {
@@ -897,8 +936,9 @@ struct BwdVariants<64> {
   using V5 = BwdCfg<Kind::Tile64, false, 2, false, true>;
   using V6 = BwdCfg<Kind::Wide, false, 2, false, true, false, true>;
   using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
+  using V8 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true>;
 };
-constexpr int BWD_VARIANTS = 8;
+constexpr int BWD_VARIANTS = 9;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -915,7 +955,8 @@ int bwd_bm(int D, int variant) {
            : variant == 4 ? Vs::V4::BM
            : variant == 5 ? Vs::V5::BM
            : variant == 6 ? Vs::V6::BM
-                          : Vs::V7::BM;
+           : variant == 7 ? Vs::V7::BM
+                          : Vs::V8::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -949,7 +990,8 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 4 ? TK_ATTN_BWD_V(T, D, V4)                                                                \
    : variant == 5 ? TK_ATTN_BWD_V(T, D, V5)                                                                \
    : variant == 6 ? TK_ATTN_BWD_V(T, D, V6)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V7))
+   : variant == 7 ? TK_ATTN_BWD_V(T, D, V7)                                                                \
+                  : TK_ATTN_BWD_V(T, D, V8))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
