@@ -24,7 +24,14 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+t_build=$(date +%s)
 python3 -m tk_inductor build 2>&1 | tail -1
+# A carried .tkcache that matches the sources loads in seconds; a stale one (a csrc edit after prebuild.sh) costs a
+# minute or more of device time per family: say so, for the next call.
+if [ $(( $(date +%s) - t_build )) -gt 20 ]; then
+  echo "WARNING: the kernel build took $(( $(date +%s) - t_build )) s here: .tkcache did not match the sources" \
+       "(run benchmarks/prebuild.sh after every csrc edit)"
+fi
 job() {  # gpu name
   local left=$(( END - $(date +%s) )); [ $left -lt 30 ] && { echo "skip $2 (no time)"; return; }
   local t0=$(date +%s); export CUDA_VISIBLE_DEVICES=$1
