@@ -388,15 +388,17 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-variants", default=None, help="backward variants to check and time (default: all)")
     args = ap.parse_args(argv)
     global VARIANTS, BWD_VARIANTS
-    for flag, known, value in (("--variants", VARIANTS, args.variants), ("--bwd-variants", BWD_VARIANTS, args.bwd_variants)):
-        if value:
-            picked = tuple(int(v) for v in value.split(","))
-            if not set(picked) <= set(known):
-                ap.error(f"{flag}: the known variants are {known}")
-            if flag == "--variants":
-                VARIANTS = picked
-            else:
-                BWD_VARIANTS = picked
+
+    def subset(flag: str, known: tuple[int, ...], value: str | None) -> tuple[int, ...]:
+        if not value:
+            return known
+        picked = tuple(int(v) for v in value.split(","))
+        if not set(picked) <= set(known):
+            ap.error(f"{flag}: the known variants are {known}")
+        return picked
+
+    VARIANTS = subset("--variants", VARIANTS, args.variants)
+    BWD_VARIANTS = subset("--bwd-variants", BWD_VARIANTS, args.bwd_variants)
     if args.tokens is not None:
         if args.tokens < 2048:
             ap.error("--tokens must be >= 2048")
