@@ -5,7 +5,7 @@
 # jobs: tests (GPU tests; TEST_K: a pytest -k filter), ops (every op benchmark), ops:<list> (those ops, e.g.
 # ops:ssd,attention), profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under
 # Nsight Compute: speed of light, memory, occupancy, warp stalls), sweep_ln (layernorm variants: SWEEP_LN_FWD,
-# SWEEP_LN_BWD lists, default all), sweep_attn (attention variants; SWEEP_ATTN_ARGS, e.g. "--no-backward
+# SWEEP_LN_BWD lists, default all; sweep_ln:NAME=value runs it with that variable set, e.g. TK_GRID_WAVES=2), sweep_attn (attention variants; SWEEP_ATTN_ARGS, e.g. "--no-backward
 # --variants 1,6"), build (--build), or an e2e model name
 # (E2E_MODES=thunderkittens: only those modes, e.g. a slow model's modes split over two calls; E2E_ENV="NAME=value
 # ...": the environment of the e2e jobs only). Each job gets at most what is left of BUDGET seconds (default 545,
@@ -45,8 +45,10 @@ job() {  # gpu name
              --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
              --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__inst_executed.sum" \
              python3 -m benchmarks.profile_backward --ops ${2#ncu:} --steps 1 --ncu >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
-    sweep_ln) timeout $left python3 -m benchmarks.sweep_ln --no-compile ${SWEEP_LN_FWD:+--variants-fwd $SWEEP_LN_FWD} \
-                ${SWEEP_LN_BWD:+--variants-bwd $SWEEP_LN_BWD} >"$OUT/sweep_ln.log" 2>&1 ;;
+    sweep_ln|sweep_ln:*) local tag=${2#sweep_ln}; tag=${tag#:}; local dir="$OUT${tag:+/sweep_ln_$tag}"; mkdir -p "$dir"
+      env ${tag:+$tag} OUT="$dir" timeout $left python3 -m benchmarks.sweep_ln --no-compile \
+        ${SWEEP_LN_FWD:+--variants-fwd $SWEEP_LN_FWD} ${SWEEP_LN_BWD:+--variants-bwd $SWEEP_LN_BWD} \
+        >"$OUT/sweep_ln${tag:+_$tag}.log" 2>&1 ;;
     sweep_attn) timeout $left python3 -m benchmarks.sweep_attn ${SWEEP_ATTN_ARGS:-} >"$OUT/sweep_attn.log" 2>&1 ;;
     build) timeout $left python3 -m benchmarks --ops none --build --out "$OUT/build" >"$OUT/build.log" 2>&1 ;;
     *) env ${E2E_ENV:-} timeout $left python3 -m benchmarks --ops none --e2e --models $2 --e2e-timeout ${E2E_TIMEOUT:-170} \
