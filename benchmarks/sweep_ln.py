@@ -8,7 +8,7 @@ Variants are picked per call by TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT (csrc/kern
     backward 0 legacy | 1 persistent, 3 stages, 1 vector/thread, 1024 threads/SM | 2 same, 768 | 3 2 vectors, 512
              | 4, 5 4 vectors/thread (a warp per row at hidden <= 1024), 384 threads/SM, 3 / 2 stages
              | 6 variant 3 with row-group barriers | 7 variant 3 with the row kept in registers | 8, 9 variant 7
-             in blocks of >= 128 threads / one row | 10, 11 variant 8 on a chunked grid, clusters of 4 / 8
+             in blocks of >= 128 threads / of one row
 
 1. correctness (PASS/FAIL per variant): rows 1, 17, 1000 x hidden 8, 1000, 1024, 4096, 16384, bf16, with and
    without residual / weight / bias / dropout, LayerNorm and RMSNorm, plus fp32 and fp16 spot checks; forward
@@ -43,7 +43,7 @@ HIDDEN = (1024, 2048, 4096, 8192)
 COMPILE_ORDER = (1024, 4096, 8192, 2048)
 EPS = 1e-5
 FWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7)
-BWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+BWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 

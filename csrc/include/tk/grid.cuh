@@ -75,31 +75,20 @@ TK_HOST_DEVICE tile_index supergroup(int task, int rows, int cols, int group) {
 // its writes are visible. On a plain launch the wait is a no-op.
 __device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
-// `cluster` > 1: blocks run in 1-D clusters of that many (grid.x a multiple of it; tk/sync/cluster.cuh).
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent_clustered(unsigned cluster, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                                       cudaStream_t stream, Args&&... args) {
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             Args&&... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[2];
+    cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = cluster;
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = cluster > 1 ? 2 : 1;
+    cfg.numAttrs = 1;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-
-template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                             Args&&... args) {
-    return launch_dependent_clustered(1, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace tk::grid

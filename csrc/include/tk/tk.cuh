@@ -6,7 +6,6 @@
 #include "types/st.cuh"
 #include "types/gl.cuh"
 #include "sync/semaphore.cuh"
-#include "sync/cluster.cuh"
 #include "ops/thread/tma.cuh"
 #include "ops/warp/register.cuh"
 #include "ops/warp/shared.cuh"

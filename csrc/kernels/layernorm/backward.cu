@@ -1,7 +1,6 @@
 // Backward: dres = dnorm(h) + dh, dx = dres·mask·scale (mask regenerated from the seed), and dw/db.
 // dw/db: each block of a persistent grid accumulates its rows' contributions in fp32 registers and
-// writes one partial row (the chunked variants: one per cluster of blocks); a second kernel sums the partials
-// in a fixed order (deterministic).
+// writes one partial row; a second kernel sums the partials over blocks in a fixed order (deterministic).
 // This file holds the legacy variant, the column sum and the dispatcher; backward_pipe.cu the others.
 #include "rows.cuh"
 
@@ -76,42 +75,27 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
   if (a.db) write_partial<S>(acc_b, a.partial + stride + int64_t(blockIdx.x) * a.hidden, a.hidden, acc_smem);
 }
 
-// out[c] = sum over the partial rows of partial[partials][c], in a fixed order: kSumSlices strided slices of the
-// rows, then the slices in 16 runs of 8, then the runs. A block takes 8 columns (two float4 per row: whole
-// 32-byte sectors), so hidden 1024 spreads over 256 blocks; the kernel is pure latency, a few loads deep.
-constexpr int kSumSlices = 128;
-
-__device__ __forceinline__ void add4(float4& a, const float4& b) { a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w; }
-
+// out[c] = sum over blocks of partial[blocks][c], in a fixed order: 32 strided slices, then the slices in order.
 template <typename T>
-__global__ void __launch_bounds__(2 * kSumSlices) column_sum_kernel(const float* partial, int partials, int hidden, T* dw,
-                                                                    T* db) {
-  __shared__ float4 slices[kSumSlices][2];
-  __shared__ float4 runs[kSumSlices / 8][2];
+__global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, int blocks, int hidden, T* dw, T* db) {
+  __shared__ float slices[32][33];
   tk::grid::wait_prior_grid();  // launch_dependent: the main kernel's partials
   T* out = blockIdx.y == 0 ? dw : db;
   if (!out) return;  // uniform per block
-  const float* src = partial + int64_t(blockIdx.y) * partials * hidden;
-  const int x = threadIdx.x, y = threadIdx.y;
-  const int col = blockIdx.x * 8 + x * 4;  // hidden % 8 == 0: every column exists
-  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4  // independent loads in flight
-  for (int k = y; k < partials; k += kSumSlices) add4(s, *reinterpret_cast<const float4*>(src + int64_t(k) * hidden + col));
-  slices[y][x] = s;
-  __syncthreads();
-  if (y < kSumSlices / 8) {
-    float4 r = slices[8 * y][x];
-#pragma unroll
-    for (int j = 1; j < 8; ++j) add4(r, slices[8 * y + j][x]);
-    runs[y][x] = r;
+  const float* src = partial + int64_t(blockIdx.y) * blocks * hidden;
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  float s = 0.f;
+  if (col < hidden) {
+#pragma unroll 8  // independent loads in flight: this kernel is pure latency
+    for (int k = threadIdx.y; k < blocks; k += 32) s += src[int64_t(k) * hidden + col];
   }
+  slices[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
-  if (y == 0) {
-    float4 t = runs[0][x];
-#pragma unroll
-    for (int j = 1; j < kSumSlices / 8; ++j) add4(t, runs[j][x]);
-    out[col] = from_float<T>(t.x), out[col + 1] = from_float<T>(t.y);
-    out[col + 2] = from_float<T>(t.z), out[col + 3] = from_float<T>(t.w);
+  if (threadIdx.y == 0 && col < hidden) {
+    float total = 0.f;
+#pragma unroll 8
+    for (int j = 0; j < 32; ++j) total += slices[j][threadIdx.x];
+    out[col] = from_float<T>(total);
   }
 }
 
@@ -139,11 +123,11 @@ int legacy_blocks(int64_t rows, int hidden, DType dtype) {
 
 }  // namespace
 
-int backward_partial_rows(const BackwardArgs& args, DType dtype) {
+int backward_blocks(const BackwardArgs& args, DType dtype) {
   if (args.variant < 0 || args.variant >= kBackwardVariants) return 0;
   if (args.variant != 0) {
-    const int partials = pipe::backward_partial_rows(args, dtype);
-    if (partials > 0) return partials;  // else the pipe variant does not fit: legacy runs
+    const int blocks = pipe::backward_blocks(args, dtype);
+    if (blocks > 0) return blocks;  // else the pipe variant does not fit: legacy runs
   }
   return legacy_blocks(args.rows, args.hidden, dtype);
 }
@@ -153,18 +137,18 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream)
   if (args.variant < 0 || args.variant >= kBackwardVariants) return cudaErrorInvalidValue;
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    // The same choice as backward_partial_rows, which sized `partial`.
-    const int piped = args.variant != 0 ? pipe::backward_partial_rows(args, dtype) : 0;
-    const int partials = piped > 0 ? piped : legacy_blocks(args.rows, args.hidden, dtype);
-    cudaError_t err = piped > 0 ? pipe::backward(args, dtype, partials, stream)
+    // The same choice as backward_blocks, which sized `partial`.
+    const int piped = args.variant != 0 ? pipe::backward_blocks(args, dtype) : 0;
+    const int blocks = piped > 0 ? piped : legacy_blocks(args.rows, args.hidden, dtype);
+    cudaError_t err = piped > 0 ? pipe::backward(args, dtype, blocks, stream)
                                 : with_split<true>(args.hidden, [&](auto s) {
                                     using S = decltype(s);
-                                    return tk::grid::launch_dependent(backward_kernel<T, S>, partials, S::BLOCK, 0,
+                                    return tk::grid::launch_dependent(backward_kernel<T, S>, blocks, S::BLOCK, 0,
                                                                       stream, args);
                                   });
     if (err != cudaSuccess || (!args.dw && !args.db)) return err;
-    return tk::grid::launch_dependent(column_sum_kernel<T>, dim3(args.hidden / 8, 2), dim3(2, kSumSlices), 0, stream,
-                                      static_cast<const float*>(args.partial), partials, args.hidden,
+    return tk::grid::launch_dependent(column_sum_kernel<T>, dim3((args.hidden + 31) / 32, 2), dim3(32, 32), 0, stream,
+                                      static_cast<const float*>(args.partial), blocks, args.hidden,
                                       static_cast<T*>(args.dw), static_cast<T*>(args.db));
   });
 }

@@ -1,5 +1,5 @@
 // Backward, persistent "pipe" variants 1..3 and the dispatcher of all pipe variants; the kernel is in
-// backward_pipe.cuh, variants 4..11 in backward_pipe_wide.cu.
+// backward_pipe.cuh, variants 4..9 in backward_pipe_wide.cu.
 #include "backward_pipe.cuh"
 
 namespace tk_layernorm {
@@ -23,24 +23,23 @@ cudaError_t with_variant(const BackwardArgs& args, DType dtype, F&& f) {
 
 namespace pipe {
 
-int backward_partial_rows(const BackwardArgs& args, DType dtype) {
+int backward_blocks(const BackwardArgs& args, DType dtype) {
   BackwardArgs a = args;
   a.variant = effective_variant(args);
-  if (a.variant >= 4) return pipe_wide::backward_partial_rows(a, dtype);
-  int blocks = 0;  // persistent: one partial row per block
-  with_variant(a, dtype, [&](auto kernel, size_t smem, int block, int rows_per_block, auto stages, auto) {
+  if (a.variant >= 4) return pipe_wide::backward_blocks(a, dtype);
+  int blocks = 0;
+  with_variant(a, dtype, [&](auto kernel, size_t smem, int block, int rows_per_block, auto stages) {
     blocks = persistent_grid<decltype(stages)::value>(kernel, block, smem, a.rows, rows_per_block);
     return cudaSuccess;
   });
   return blocks;
 }
 
-cudaError_t backward(const BackwardArgs& args, DType dtype, int partials, cudaStream_t stream) {
+cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream) {
   BackwardArgs a = args;
   a.variant = effective_variant(args);
-  if (a.variant >= 4) return pipe_wide::backward(a, dtype, partials, stream);
-  const int blocks = partials;
-  return with_variant(a, dtype, [&](auto kernel, size_t smem, int block, int, auto, auto) {
+  if (a.variant >= 4) return pipe_wide::backward(a, dtype, blocks, stream);
+  return with_variant(a, dtype, [&](auto kernel, size_t smem, int block, int, auto) {
     return tk::grid::launch_dependent(kernel, blocks, block, smem, stream, a);
   });
 }

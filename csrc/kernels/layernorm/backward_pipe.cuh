@@ -8,40 +8,11 @@
 
 #include "pipeline.cuh"
 #include "rows.cuh"
-#include "tk/sync/cluster.cuh"
 
 namespace tk_layernorm {
 namespace {
 
 constexpr int kDy = 0, kH = 1, kDh = 2;  // staged operands
-
-// The cluster's dw and db partial row (cluster_partial): each block sums its row groups' accumulators into
-// smem ([2][S::MAX_HIDDEN]: dw, db), then block r of the cluster adds every block's sums, in rank order, for
-// the float4 columns r, r + CLUSTER, ... (with the block's threads) and writes partial row clusterid.x.
-template <class S, int CLUSTER>
-__device__ __forceinline__ void cluster_partial(const BackwardArgs& a, float (&acc_w)[S::VECS][8],
-                                                float (&acc_b)[S::VECS][8], float* smem) {
-  block_sum<S>(acc_w, smem, a.hidden);
-  block_sum<S>(acc_b, smem + S::MAX_HIDDEN, a.hidden);
-  tk::cluster::sync();  // every block's sums are written and visible
-  const uint32_t sums = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int n4 = a.hidden / 4;
-  const int64_t stride = int64_t(gridDim.x / CLUSTER) * a.hidden;  // from the dw partials to the db ones
-  float* out = a.partial + int64_t(tk::cluster::id()) * a.hidden;
-  for (int j = int(tk::cluster::rank()) * S::BLOCK + int(threadIdx.x); j < 2 * n4; j += CLUSTER * S::BLOCK) {
-    const int which = j >= n4 ? 1 : 0, c4 = j - which * n4;
-    if (which ? !a.db : !a.dw) continue;
-    const uint32_t at = sums + 16u * uint32_t(which * (S::MAX_HIDDEN / 4) + c4);
-    float4 part[CLUSTER];
-#pragma unroll
-    for (int r = 0; r < CLUSTER; ++r) part[r] = tk::cluster::load4(tk::cluster::map(at, r));
-    float4 s = part[0];
-#pragma unroll
-    for (int r = 1; r < CLUSTER; ++r) s.x += part[r].x, s.y += part[r].y, s.z += part[r].z, s.w += part[r].w;
-    *reinterpret_cast<float4*>(out + which * stride + c4 * 4) = s;
-  }
-  tk::cluster::sync();  // no block leaves while another may still read its shared memory
-}
 
 // THREADS: resident threads per SM the register budget is set for (1024: <= 64 registers, where ptxas
 // spills a few words; 768: <= 80; 512: <= 128).
@@ -53,12 +24,7 @@ constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 // to the second pass, instead of being read from shared memory and unpacked again, and w lives in fp32
 // registers. (Keeping g = dy·w instead and summing dw/db in the first pass cut the instructions further,
 // ~14 per element against ~23, but ran 4% slower at hidden 8192 on the H200.)
-// CLUSTER > 0 (variants 10, 11): not persistent. Block b takes the b-th contiguous chunk of row groups, so the
-// hardware hands chunks to the SMs that free up first (a persistent grid's fixed shares end unevenly: ncu
-// showed the average SM idle 9% of the kernel), and the CLUSTER blocks of a cluster add their dw/db sums
-// through distributed shared memory into one partial row, so the partials cost no more than the persistent
-// grid's. Which block runs a chunk, and which SM, does not change the result.
-template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false, int CLUSTER = 0>
+template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
   static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, dy and x̂ (3 x 8 floats per vector) in registers");
   tk::grid::wait_prior_grid();  // launched by launch_dependent
@@ -93,13 +59,12 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     for (int i = 0; i < 8; ++i) acc_w[v][i] = acc_b[v][i] = 0.f;
 
   const int rows = int(a.rows);
-  const auto [iters, step, first] = CLUSTER > 0 ? chunk_walk<S>(rows) : row_walk<S>(rows);
-  const int end = CLUSTER > 0 ? chunk_end<S>(rows) : rows;  // past this block's last row
+  const auto [iters, step, first] = row_walk<S>(rows);
   int row = first;    // this iteration's row
   int ahead = first;  // the row the next issue loads
   // One commit group per iteration, empty past the end, so wait_group counts stay uniform.
   const auto issue = [&](int stage) {
-    if (ahead < end) {
+    if (ahead < rows) {
       const int64_t base = int64_t(ahead) * a.hidden;
 #pragma unroll
       for (int v = 0; v < S::VECS; ++v) {
@@ -125,7 +90,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     // Refill the stage read in the previous iteration (only this thread reads its slots: no barrier).
     issue(stage == 0 ? STAGES - 1 : stage - 1);
     cp_async_wait<STAGES - 1>();  // this iteration's group has landed
-    const bool live = row < end;
+    const bool live = row < rows;
     const int64_t base = int64_t(row) * a.hidden;
     const float mean = live && a.mean ? st.read_stat(stage, 0) : 0.f;
     const float rstd = live ? st.read_stat(stage, 1) : 0.f;
@@ -192,44 +157,37 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   cp_async_wait<0>();
   __syncthreads();
   float* acc_smem = reinterpret_cast<float*>(staging_smem);  // >= S::MAX_HIDDEN floats (Staging::bytes)
-  if constexpr (CLUSTER > 0) {
-    if (a.dw || a.db) cluster_partial<S, CLUSTER>(a, acc_w, acc_b, acc_smem);  // uniform over the grid
-    return;
-  }
   const int64_t stride = int64_t(gridDim.x) * a.hidden;
   if (a.dw) write_partial<S>(acc_w, a.partial + int64_t(blockIdx.x) * a.hidden, a.hidden, acc_smem);
   if (a.db) write_partial<S>(acc_b, a.partial + stride + int64_t(blockIdx.x) * a.hidden, a.hidden, acc_smem);
 }
 
-template <typename T, class S, int STAGES, int CLUSTER = 0>
+template <typename T, class S, int STAGES>
 size_t staging_bytes(const BackwardArgs& args) {
-  // write_partial's sums, or cluster_partial's dw and db sums
-  constexpr size_t floor = CLUSTER > 0 ? 2 * size_t(S::MAX_HIDDEN) * sizeof(float)
-                           : S::ROWS > 1 ? size_t(S::MAX_HIDDEN) * sizeof(float)
-                                         : 0;
+  constexpr size_t floor = S::ROWS > 1 ? size_t(S::MAX_HIDDEN) * sizeof(float) : 0;  // write_partial's sums
   const size_t bytes = Staging<T, S, STAGES, true>::bytes(args.dh ? 3 : 2);
   return bytes > floor ? bytes : floor;
 }
 
-// f(kernel, smem bytes, block, rows per block, stages, cluster) for one instantiation.
-template <typename T, class S, int STAGES, int THREADS, bool NAMED, bool KEEP = false, int CLUSTER = 0, typename F>
+// f(kernel, smem bytes, block, rows per block, stages) for one instantiation.
+template <typename T, class S, int STAGES, int THREADS, bool NAMED, bool KEEP = false, typename F>
 cudaError_t pick(const BackwardArgs& args, F&& f) {
-  return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP, CLUSTER>, staging_bytes<T, S, STAGES, CLUSTER>(args),
-           S::BLOCK, S::ROWS, std::integral_constant<int, STAGES>{}, std::integral_constant<int, CLUSTER>{});
+  return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP>, staging_bytes<T, S, STAGES>(args), S::BLOCK,
+           S::ROWS, std::integral_constant<int, STAGES>{});
 }
 
 }  // namespace
 
-// Variants 4..11 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
+// Variants 4..9 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
 // hidden sizes where they differ from variant 3 (see effective_variant).
 namespace pipe_wide {
-int backward_partial_rows(const BackwardArgs& args, DType dtype);
-cudaError_t backward(const BackwardArgs& args, DType dtype, int partials, cudaStream_t stream);
+int backward_blocks(const BackwardArgs& args, DType dtype);
+cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream);
 }  // namespace pipe_wide
 
 // 4, 5: past hidden 8192 a 512-thread block of 4 vectors would have 128 registers and spill. 6: up to 512
 // a row is one warp (no barrier), past 2048 a block holds one row (row-group barriers are block barriers).
-// 7-11: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
+// 7-9: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
 inline int effective_variant(const BackwardArgs& args) {
   if ((args.variant == 4 || args.variant == 5) && args.hidden > 8192) return 3;
   if (args.variant == 6 && (args.hidden <= 512 || args.hidden > 2048)) return 3;

@@ -1,4 +1,4 @@
-// Backward, "pipe" variants 4..11 (the kernel is in backward_pipe.cuh; backward_pipe.cu
+// Backward, persistent "pipe" variants 4..9 (the kernel is in backward_pipe.cuh; backward_pipe.cu
 // dispatches here after mapping the hidden sizes where they equal variant 3 to it).
 #include "backward_pipe.cuh"
 
@@ -39,18 +39,6 @@ cudaError_t with_wide_variant(const BackwardArgs& args, DType dtype, F&& f) {
           using S = decltype(s);
           return pick<T, S, 3, 512, false, (S::BLOCK <= 512)>(args, f);
         });
-      // 10, 11: variant 8's kernel on a chunked grid, 32-row chunks, in clusters of 4 (10) or 8 (11) blocks that
-      // write one dw/db partial row each (128 / 256 rows a partial: at hidden 1024 as many partials as 8's).
-      case 10:
-        return with_pipe_split<true, 2, 128>(args.hidden, [&](auto s) {
-          using S = decltype(s);
-          return pick<T, S, 3, 512, false, (S::BLOCK <= 512), 4>(args, f);
-        });
-      case 11:
-        return with_pipe_split<true, 2, 128>(args.hidden, [&](auto s) {
-          using S = decltype(s);
-          return pick<T, S, 3, 512, false, (S::BLOCK <= 512), 8>(args, f);
-        });
       default: return cudaErrorInvalidValue;
     }
   });
@@ -60,24 +48,18 @@ cudaError_t with_wide_variant(const BackwardArgs& args, DType dtype, F&& f) {
 
 namespace pipe_wide {
 
-constexpr int kChunkRows = 32;  // rows of a chunk in the chunked variants
-
-int backward_partial_rows(const BackwardArgs& args, DType dtype) {
-  int partials = 0;
-  with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int rows_per_block, auto stages, auto cluster) {
-    constexpr int C = decltype(cluster)::value, STAGES = decltype(stages)::value;
-    partials = C > 0 ? chunked_grid<STAGES>(kernel, block, smem, args.rows, rows_per_block, kChunkRows, C) / C
-                     : persistent_grid<STAGES>(kernel, block, smem, args.rows, rows_per_block);
+int backward_blocks(const BackwardArgs& args, DType dtype) {
+  int blocks = 0;
+  with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int rows_per_block, auto stages) {
+    blocks = persistent_grid<decltype(stages)::value>(kernel, block, smem, args.rows, rows_per_block);
     return cudaSuccess;
   });
-  return partials;
+  return blocks;
 }
 
-cudaError_t backward(const BackwardArgs& args, DType dtype, int partials, cudaStream_t stream) {
-  return with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int, auto, auto cluster) {
-    constexpr int C = decltype(cluster)::value;
-    return tk::grid::launch_dependent_clustered(C > 0 ? C : 1, kernel, partials * (C > 0 ? C : 1), block, smem, stream,
-                                                args);
+cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream) {
+  return with_wide_variant(args, dtype, [&](auto kernel, size_t smem, int block, int, auto) {
+    return tk::grid::launch_dependent(kernel, blocks, block, smem, stream, args);
   });
 }
 

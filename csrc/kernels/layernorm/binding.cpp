@@ -154,9 +154,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
   a.dropout = dropout_args(p, rng);
   a.variant = variant_from_env("TK_LN_BWD_VARIANT", tk_layernorm::kDefaultBackwardVariant, tk_layernorm::kBackwardVariants);
   // The grid (and so the partial buffer) depends on the variant and on which operands are present.
-  const int partials = tk_layernorm::backward_partial_rows(a, dtype);
-  TORCH_CHECK(partials > 0, "tk_cuda::layernorm_backward: no launch configuration");
-  Tensor partial = (has_weight || has_bias) ? at::empty({2, partials, hidden}, h.options().dtype(at::kFloat))
+  const int blocks = tk_layernorm::backward_blocks(a, dtype);
+  TORCH_CHECK(blocks > 0, "tk_cuda::layernorm_backward: no launch configuration");
+  Tensor partial = (has_weight || has_bias) ? at::empty({2, blocks, hidden}, h.options().dtype(at::kFloat))
                                             : at::empty({0}, h.options().dtype(at::kFloat));
   a.partial = partial.numel() ? partial.data_ptr<float>() : nullptr;
   const cudaError_t err = tk_layernorm::backward(a, dtype, c10::cuda::getCurrentCUDAStream());

@@ -28,15 +28,15 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     pass, and w in fp32 registers. Variant 3 past hidden 8192 (1024-thread blocks: 64 registers).
 //   backward 8, 9: variant 7 in blocks of >= 128 threads (8) or of one row each (9): more, smaller blocks
 //     (at hidden 1024, 8: two rows a block, 4 blocks per SM; 9: 8 blocks of 64 threads per SM).
-//   backward 10, 11: variant 8's kernel on a chunked, not persistent, grid: each block a contiguous chunk of
-//     32 rows, so the hardware hands chunks to the SMs that free up first; the blocks of a cluster of 4 (10)
-//     or 8 (11) add their dw/db sums through distributed shared memory into one partial row.
 //   tried and removed (H200, 2026-11-30): 7 keeping g = dy·w and summing dw/db in the first pass (fewer
 //     instructions, 4% slower at 8192), 7 with 4 stages (no faster), 7 with 4 vectors per thread (spills),
-//     7 with a dynamically balanced tail (SMs evened out, kernel 19-34% slower).
+//     7 with a dynamically balanced tail (SMs evened out, kernel 19-34% slower); 8's kernel on a chunked grid,
+//     a contiguous 32-row chunk per block, clusters of 4 or 8 blocks adding their dw/db sums through
+//     distributed shared memory into one partial row (048656e: 152 vs 139 us at hidden 1024, 1234 vs 991 us at
+//     8192; the persistent grid's blocks sweep the rows together, chunks scatter the reads over the tensors).
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
-constexpr int kForwardVariants = 8, kBackwardVariants = 12;
+constexpr int kForwardVariants = 8, kBackwardVariants = 10;
 // From the H200 sweeps (RESULTS.md): the legacy kernel with one row per block and 2 vectors per thread (5)
 // reached 94-98% of copy against 92-97% for legacy (0) and 85-90% for the pipe forwards; the 2-vector pipe
 // backward (3) reached 82-92% of copy against 47-65% for the legacy one (4, 5 and 6 within 2% of it); keeping
@@ -75,7 +75,7 @@ struct BackwardArgs {
   void* dx;                // (rows, hidden) = dres · mask · scale, or nullptr when no dropout
   void* dw;                // (hidden,) or nullptr
   void* db;                // (hidden,) or nullptr
-  float* partial;          // workspace: (2, backward_partial_rows, hidden) fp32
+  float* partial;          // workspace: (2, backward_blocks, hidden) fp32
   const void* dy;
   const void* dh;          // nullable: gradient arriving at h from its other uses
   const void* h;           // the normalised input (x when h was not stored)
@@ -91,18 +91,18 @@ struct BackwardArgs {
 
 cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream);
 
-// dw/db partial rows the backward writes for these args (all but `partial` filled in): one per block of a
-// persistent grid, one per cluster of a chunked one. The workspace `partial` holds 2 * that * hidden floats.
-// Fixed for given (args' shapes and variant, dtype, device), so the dw/db reduction order is deterministic.
-int backward_partial_rows(const BackwardArgs& args, DType dtype);
+// Blocks of the backward's persistent grid for these args (all but `partial` filled in); the workspace
+// `partial` holds 2 * blocks * hidden floats. Fixed for given (args' shapes and variant, dtype, device),
+// so the dw/db reduction order is deterministic.
+int backward_blocks(const BackwardArgs& args, DType dtype);
 cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream);
 
 // The pipe variants (forward_pipe.cu, backward_pipe.cu). They return cudaErrorNotSupported, launching
 // nothing, when their staging does not fit; the dispatchers above then run legacy.
 namespace pipe {
 cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream);
-int backward_partial_rows(const BackwardArgs& args, DType dtype);  // 0: does not fit
-cudaError_t backward(const BackwardArgs& args, DType dtype, int partials, cudaStream_t stream);
+int backward_blocks(const BackwardArgs& args, DType dtype);  // 0: does not fit
+cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream);
 }  // namespace pipe
 
 }  // namespace tk_layernorm

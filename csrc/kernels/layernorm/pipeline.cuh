@@ -106,24 +106,6 @@ __device__ __forceinline__ RowWalk row_walk(int rows) {
           int(blockIdx.x) * S::ROWS + int(threadIdx.x) / S::TPR};
 }
 
-// The walk of the chunked (non-persistent) kernels: block b takes the contiguous row groups
-// [b·per, (b+1)·per), per = ceil(groups / gridDim.x), and stops at chunk_end.
-template <class S>
-__device__ __forceinline__ int chunk_groups(int rows) {
-  const int groups = (rows + S::ROWS - 1) / S::ROWS;
-  return (groups + int(gridDim.x) - 1) / int(gridDim.x);
-}
-template <class S>
-__device__ __forceinline__ RowWalk chunk_walk(int rows) {
-  const int per = chunk_groups<S>(rows);
-  return {per, S::ROWS, int(blockIdx.x) * per * S::ROWS + int(threadIdx.x) / S::TPR};
-}
-template <class S>
-__device__ __forceinline__ int chunk_end(int rows) {
-  const int end = (int(blockIdx.x) + 1) * chunk_groups<S>(rows) * S::ROWS;
-  return end < rows ? end : rows;
-}
-
 // Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory (0: it cannot run), and
 // the SM count. Cached per (kernel, smem, device): the queries cost microseconds, a small launch less.
 struct Residency {
@@ -144,20 +126,6 @@ int persistent_grid(K* kernel, int block, size_t smem, int64_t rows, int rows_pe
   const int64_t per_block = (tasks + resident - 1) / resident;
   const int64_t blocks = tasks < 1 ? 1 : (tasks + per_block - 1) / per_block;
   if (rows + (STAGES + 1) * blocks * rows_per_block >= (int64_t(1) << 31)) return 0;
-  return int(blocks);
-}
-
-// Grid of a chunked kernel: chunks of `chunk_rows` rows (whole row groups), in whole clusters. 0 when the
-// kernel does not fit, or when its 32-bit row counts could overflow.
-template <int STAGES, typename K>
-int chunked_grid(K* kernel, int block, size_t smem, int64_t rows, int rows_per_block, int chunk_rows, int cluster) {
-  if (residency(reinterpret_cast<const void*>(kernel), block, smem).per_sm <= 0) return 0;  // also sets the smem limit
-  const int64_t groups = (rows + rows_per_block - 1) / rows_per_block;
-  const int64_t per = (chunk_rows + rows_per_block - 1) / rows_per_block;
-  int64_t blocks = (groups + per - 1) / per;
-  blocks = blocks < 1 ? cluster : (blocks + cluster - 1) / cluster * cluster;
-  if (rows + (per * (cluster + 1) + STAGES + 1) * int64_t(rows_per_block) >= (int64_t(1) << 31))
-    return 0;
   return int(blocks);
 }
 

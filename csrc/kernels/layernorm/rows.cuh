@@ -181,27 +181,6 @@ __device__ __forceinline__ void backward_vec(const BackwardArgs& a, const Dropou
   backward_vec_xhat<T>(a, drop, base, vi, dy, xh, wv, has_w, dres, add_dh, rstd, mean_g, mean_gx, acc_w, acc_b);
 }
 
-// The same sums left in smem[column] (for a combine across blocks): row groups added in order.
-template <class S>
-__device__ __forceinline__ void block_sum(const float (&acc)[S::VECS][8], float* smem /* [S::MAX_HIDDEN] */, int hidden) {
-  const int lane = threadIdx.x % S::TPR, group = threadIdx.x / S::TPR;
-  const int nvec = hidden / 8;
-  for (int g = 0; g < S::ROWS; ++g) {
-    if (group == g) {
-#pragma unroll
-      for (int v = 0; v < S::VECS; ++v) {
-        if (v * S::TPR + lane >= nvec) continue;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float& slot = smem[(v * S::TPR + lane) * 8 + i];
-          slot = g == 0 ? acc[v][i] : slot + acc[v][i];
-        }
-      }
-    }
-    if (S::ROWS > 1) __syncthreads();
-  }
-}
-
 // Sum the ROWS row-groups' accumulators of a block (sequentially, fixed order) and write the block's partial.
 // Every thread of the block calls it.
 template <class S>
