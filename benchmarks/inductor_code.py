@@ -1,0 +1,73 @@
+"""What torch.compile's baseline does for the layernorm forward: the Triton kernels Inductor generates (their
+source, with the launch configuration Inductor chose) and their device time next to ours, in one profile.
+For the cases where the baseline is close to ours (hidden 1024: 0.99x), to see what it does differently.
+
+    python -m benchmarks.inductor_code [--hidden 1024] [--out FILE]
+
+Prints the kernel times; writes the generated code to FILE (default $OUT/inductor_code_<hidden>.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from .common import no_gpu
+
+
+def kernel_times(fn, reps: int = 20) -> dict[str, float]:
+    """Median device time (us) per kernel name over `reps` calls of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            times.setdefault(e.name[:90], []).append(float(e.time_range.elapsed_us()))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.inductor_code", description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--rows", type=int, default=65536)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if no_gpu():
+        print("no CUDA device: nothing to do")
+        return 0
+    from torch._inductor.utils import run_and_get_code
+
+    from tk_inductor import build
+
+    from .sweep_ln import _eager, variants
+
+    build.load("layernorm")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+    x, r, w, b = mk(args.rows, args.hidden), mk(args.rows, args.hidden), mk(args.hidden), mk(args.hidden)
+    compiled = torch.compile(_eager, dynamic=False)
+    with torch.no_grad():
+        _, code = run_and_get_code(compiled, x, r, w, b)
+        out = args.out or os.path.join(os.environ.get("OUT", "."), f"inductor_code_{args.hidden}.py")
+        with open(out, "w") as f:
+            f.write("\n\n# ----\n\n".join(code))
+        print(f"generated code: {out}")
+        rows = [("torch.compile", kernel_times(lambda: compiled(x, r, w, b)))]
+        for v in (0, 4, 5, 7):
+            with variants(fwd=v):
+                rows.append((f"ours v{v}", kernel_times(lambda: torch.ops.tk_cuda.layernorm(x, r, w, b, None, 1e-5, 0.0, False))))
+    for who, times in rows:
+        for name, us in times.items():
+            print(f"{who:14s} {us:8.1f} us  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
