@@ -16,8 +16,12 @@ import torch
 from .common import no_gpu
 
 
-def kernel_times(fn, reps: int = 20) -> dict[str, float]:
-    """Median device time (us) per kernel name over `reps` calls of fn."""
+def kernel_times(fn, reps: int = 20) -> dict[str, tuple[float, str]]:
+    """Median device time (us) per kernel name over `reps` calls of fn, with its grid, block and registers (from
+    the profiler's trace)."""
+    import json
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -26,11 +30,18 @@ def kernel_times(fn, reps: int = 20) -> dict[str, float]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name)).get("traceEvents", [])
     times: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            times.setdefault(e.name[:90], []).append(float(e.time_range.elapsed_us()))
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    shape: dict[str, str] = {}
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        name, args = e["name"][:90], e.get("args", {})
+        times.setdefault(name, []).append(float(e.get("dur", 0.0)))
+        shape[name] = f"grid {args.get('grid')} block {args.get('block')} regs {args.get('registers per thread')}"
+    return {k: (sorted(v)[len(v) // 2], shape[k]) for k, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -64,8 +75,8 @@ def main(argv=None) -> int:
             with variants(fwd=v):
                 rows.append((f"ours v{v}", kernel_times(lambda: torch.ops.tk_cuda.layernorm(x, r, w, b, None, 1e-5, 0.0, False))))
     for who, times in rows:
-        for name, us in times.items():
-            print(f"{who:14s} {us:8.1f} us  {name}")
+        for name, (us, shape) in times.items():
+            print(f"{who:14s} {us:8.1f} us  {shape}  {name}")
     return 0
 
 
