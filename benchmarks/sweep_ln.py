@@ -4,7 +4,7 @@ then timed against torch.compile default on the same eager code, in one device r
 Variants are picked per call by TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT (csrc/kernels/layernorm/layernorm.h):
     forward  0 legacy | 1, 2, 3 persistent, 2 / 3 / 4 stages of cp.async staging | 4, 5 legacy, one row per
              block, 1 / 2 vectors/thread | 6 persistent, 2 stages, row in shared memory only, <= 64 registers
-             | 7 legacy split, one row per block
+             | 7 legacy split, one row per block | 8, 9 7 and 5 with w, b loaded early and h stored last
     backward 0 legacy | 1 persistent, 3 stages, 1 vector/thread, 1024 threads/SM | 2 same, 768 | 3 2 vectors, 512
              | 4, 5 4 vectors/thread (a warp per row at hidden <= 1024), 384 threads/SM, 3 / 2 stages
              | 6 variant 3 with row-group barriers | 7 variant 3 with the row kept in registers | 8, 9 variant 7
@@ -20,7 +20,7 @@ Variants are picked per call by TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT (csrc/kern
    torch.compile (default mode) of the same eager code, its training graph's forward and autograd backward,
    timed after all of ours, sizes in COMPILE_ORDER until the time budget (--budget-s) is spent.
 
-    python -m benchmarks.sweep_ln [--variants-fwd 0,...,7] [--variants-bwd 0,...,6] [--no-compile]
+    python -m benchmarks.sweep_ln [--variants-fwd 0,...,9] [--variants-bwd 0,...,9] [--no-compile]
 
 Prints one table, writes $OUT/sweep_ln.json (OUT defaults to ".").
 """
@@ -42,7 +42,7 @@ ROWS = 65536
 HIDDEN = (1024, 2048, 4096, 8192)
 COMPILE_ORDER = (1024, 4096, 8192, 2048)
 EPS = 1e-5
-FWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7)
+FWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
 BWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 

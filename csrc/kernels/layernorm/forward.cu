@@ -3,15 +3,26 @@
 // This file holds the legacy variant (a block per ROWS rows, statistics inline: moving them into
 // row_stats made ptxas spill at 64 registers), its one-row-per-block splits (variants 4, 5, 7) and the
 // dispatcher; forward_pipe.cu the others.
+#include <type_traits>
+
 #include "rows.cuh"
 
 namespace tk_layernorm {
 namespace {
 
 // At least 1024 resident threads per SM (registers <= 64; 512 for fp32 rows): enough rows in flight to
-// cover HBM latency.
-template <typename T, class S>
-__global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::BLOCK) forward_kernel(ForwardArgs a) {
+// cover HBM latency. EARLY (variants 8, 9): the order of torch.compile's kernel, which at hidden 1024 ran 128.3 us
+// against variant 7's 130.6 with the same split (a warp per row, H200): w and b are loaded with x and the
+// residual, so the row does not wait on a second round trip after its statistics, and h is stored with y at
+// the end; 640 threads per SM (<= 102 registers; fp32: 384) hold w and b.
+template <typename T, class S, bool EARLY>
+constexpr int fwd_min_blocks() {
+  constexpr int threads = sizeof(T) == 4 ? (EARLY ? 384 : 512) : (EARLY ? 640 : 1024);
+  return threads / S::BLOCK > 0 ? threads / S::BLOCK : 1;
+}
+
+template <typename T, class S, bool EARLY = false>
+__global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<T, S, EARLY>())) forward_kernel(ForwardArgs a) {
   tk::grid::wait_prior_grid();  // launched by launch_dependent
   __shared__ float smem[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -34,6 +45,10 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
       if (res) rr[v] = load_pack(res + vi * 8);
     }
   }
+  const T* w = static_cast<const T*>(a.weight);
+  const T* b = static_cast<const T*>(a.bias);
+  Pack8<T> wr[S::VECS], br[S::VECS];
+  if constexpr (EARLY) load_wb<T, S>(wr, br, w, b, lane, nvec);
   // The row lives in registers as T (half the registers of fp32 for 16-bit types); h is rounded to T
   // anyway, so unpacking it again below is exact.
   Pack8<T> hp[S::VECS];
@@ -46,7 +61,7 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
       // Statistics of the h that is stored and that eager would normalise: rounded to T.
       hp[v] = make_h(xr[v], rr[v], res != nullptr, drop, a.dropout.enabled, uint64_t(base) + uint64_t(vi) * 8);
       unpack(h, hp[v]);
-      if (res || a.dropout.enabled) store_pack(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
+      if (!EARLY && (res || a.dropout.enabled)) store_pack(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) h[i] = 0.f;
@@ -85,15 +100,13 @@ __global__ void __launch_bounds__(S::BLOCK, (sizeof(T) == 4 ? 512 : 1024) / S::B
     if (a.mean) a.mean[row] = mean;
   }
 
-  const T* w = static_cast<const T*>(a.weight);
-  const T* b = static_cast<const T*>(a.bias);
   T* y = static_cast<T*>(a.y) + base;
-  Pack8<T> wr[S::VECS], br[S::VECS];
-  load_wb<T, S>(wr, br, w, b, lane, nvec);
+  if constexpr (!EARLY) load_wb<T, S>(wr, br, w, b, lane, nvec);
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
     if (vi >= nvec) continue;
+    if (EARLY && (res || a.dropout.enabled)) store_pack(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
     float out[8];
     norm_vec(out, hp[v], mean, rstd, wr[v], w != nullptr, br[v], b != nullptr);
     store8(y + vi * 8, out);
@@ -106,23 +119,29 @@ cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 8 || args.hidden > kMaxHidden || args.rows < 0) return cudaErrorInvalidValue;
   if (args.rows == 0) return cudaSuccess;
   if (args.variant < 0 || args.variant >= kForwardVariants) return cudaErrorInvalidValue;
-  if (args.variant != 0 && args.variant != 4 && args.variant != 5 && args.variant != 7) {
+  if (args.variant == 1 || args.variant == 2 || args.variant == 3 || args.variant == 6) {
     const cudaError_t err = pipe::forward(args, dtype, stream);
     if (err != cudaErrorNotSupported) return err;
   }
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    const auto launch = [&](auto s) {
+    const auto launch_as = [&](auto s, auto early) {
       using S = decltype(s);
       const int64_t blocks = (args.rows + S::ROWS - 1) / S::ROWS;
       if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-      return tk::grid::launch_dependent(forward_kernel<T, S>, unsigned(blocks), S::BLOCK, 0, stream, args);
+      return tk::grid::launch_dependent(forward_kernel<T, S, decltype(early)::value>, unsigned(blocks), S::BLOCK, 0,
+                                        stream, args);
     };
+    const auto launch = [&](auto s) { return launch_as(s, std::false_type{}); };
+    const auto launch_early = [&](auto s) { return launch_as(s, std::true_type{}); };
     // 4, 5: the same kernel, one row per block (1 or 2 vectors per thread). 7: the legacy split, one row per
     // block (a warp per block up to hidden 1024: a block's slot frees as soon as its row is done).
     if (args.variant == 4) return with_row_split<1>(args.hidden, launch);
     if (args.variant == 5) return with_row_split<2>(args.hidden, launch);
     if (args.variant == 7) return with_split<false, 32>(args.hidden, launch);
+    // 8, 9: 7 and 5 with w and b loaded early and h stored last (EARLY).
+    if (args.variant == 8) return with_split<false, 32>(args.hidden, launch_early);
+    if (args.variant == 9) return with_row_split<2>(args.hidden, launch_early);
     return with_split<false>(args.hidden, launch);
   });
 }
