@@ -5,7 +5,9 @@ The baselines' backward is their autograd from (y, h) into x, residual, w and b 
 Shapes: rows 65536, hidden 1024/2048/4096/8192, bf16, `h = x + residual; y = LayerNorm(h)·w + b`
 returning (y, h) (pre-norm residual block); RMSNorm at 4096; our backward (dy, dh -> dres, dw, db).
 GB/s count minimal bytes: every input read once and every output written once
-(forward: x, residual, y, h and w, b; backward: dy, dh, h, dres and w, dw, db).
+(forward: x, residual, y, h and w, b; backward: dy, dh, h, dres and w, dw, db). The forward is the inference
+forward on both sides: torch.compile under no_grad, ours with stats=False (no mean/rstd, as the backend emits
+it where no backward can run; the training forward also writes 8 bytes a row of statistics).
 Every implementation's output is checked against the fp32 reference before it is timed.
 
     python -m benchmarks.layernorm [--quick]
@@ -91,7 +93,8 @@ def run(quick: bool = False) -> list[Row]:
         nbytes = _fwd_bytes(rows, hidden, rms)
         compiled = torch.compile(lambda *a: _eager(*a, rms), dynamic=False)
         impls = {
-            "ours": lambda: torch.ops.tk_cuda.layernorm(x, r, w, b, None, EPS, 0.0, rms)[:2],
+            # the inference forward, as the backend emits it under no_grad: no mean/rstd (stats=False)
+            "ours": lambda: torch.ops.tk_cuda.layernorm(x, r, w, b, None, EPS, 0.0, rms, False)[:2],
             "torch.compile": lambda: compiled(x, r, w, b),
         }
         if fla_ln is not None:

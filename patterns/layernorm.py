@@ -296,7 +296,10 @@ def find(graph: fx.Graph) -> Iterable[Match]:
             family=FAMILY,
             outputs=[norm.out, h_node, None, None, None],
             target=torch.ops.tk.layernorm.default,
-            args=(x, residual, norm.weight, norm.bias, None, float(norm.eps) if isinstance(norm.eps, (int, float)) else 0.0, p, norm.rms),
+            # stats: keep mean/rstd only where a backward can run (grad mode on, a differentiable input needs grad);
+            # Dynamo guards grad mode and requires_grad, so a graph compiled without them recompiles with them.
+            args=(x, residual, norm.weight, norm.bias, None, float(norm.eps) if isinstance(norm.eps, (int, float)) else 0.0, p,
+                  norm.rms, needs_grad and torch.is_grad_enabled()),
             reason=reason,
             needs_grad=needs_grad,
             has_backward_kernel=True,

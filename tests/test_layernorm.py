@@ -466,3 +466,41 @@ def test_runtime_eps_under_dynamic_true_is_kept_with_reason():
     torch.testing.assert_close(c(x, r), m(x, r))
     assert "layernorm" not in tk_inductor.report().replaced
     assert any(f == "layernorm" and "run-time" in why for f, why in tk_inductor.report().kept)
+
+
+@pytest.mark.parametrize("mode", ["train", "no_grad", "frozen"])
+def test_stats_only_where_a_backward_can_run(mode):
+    """The matcher asks for mean/rstd (stats=True) only when grad mode is on and an input needs grad: an
+    inference graph's op writes no statistics (~1% of the forward at hidden 1024)."""
+    import contextlib
+
+    from patterns import layernorm as P
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(P.find(gm.graph))
+        return gm
+
+    torch._dynamo.reset()
+    m = ResidualLN()
+    if mode == "frozen":
+        m.requires_grad_(False)
+    x, r = torch.randn(2, 5, 64, requires_grad=mode == "train"), torch.randn(2, 5, 64)
+    with torch.no_grad() if mode == "no_grad" else contextlib.nullcontext():
+        torch.compile(m, backend=backend)(x, r)
+    (match,) = seen
+    assert match.args[-1] is (mode == "train")
+
+
+def test_stats_false_outputs_and_no_backward():
+    torch.manual_seed(0)
+    x, r, w, b = torch.randn(6, 64), torch.randn(6, 64), torch.randn(64), torch.randn(64)
+    full = torch.ops.tk.layernorm(x, r, w, b, None, 1e-5, 0.0, False)
+    lean = torch.ops.tk.layernorm(x, r, w, b, None, 1e-5, 0.0, False, stats=False)
+    torch.testing.assert_close(lean[0], full[0], rtol=0, atol=0)
+    torch.testing.assert_close(lean[1], full[1], rtol=0, atol=0)
+    assert lean[2].numel() == 0 and lean[3].numel() == 0
+    xg = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="stats=False"):
+        torch.ops.tk.layernorm(xg, r, w, b, None, 1e-5, 0.0, False, stats=False)

@@ -54,7 +54,7 @@ def _ln_inputs(rows, hidden, dtype, residual, weight, bias, seed=0):
 # (forward, backward) kernel variants, selected per call through the environment (layernorm.h): the
 # legacy kernels and each persistent one stay correct, whichever is the default. Every variant of
 # either direction appears (checked below).
-LN_VARIANTS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (7, 7), (8, 8), (9, 9)]
+LN_VARIANTS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (7, 7), (8, 8), (5, 9)]
 
 
 def test_ln_variants_cover_every_kernel_variant():
@@ -115,6 +115,19 @@ def test_layernorm_backward_is_deterministic(ln_variant):
     c = torch.ops.tk.layernorm_backward(dy, None, h, w, mean, rstd, rng, 0.0, False, True)
     for u, v in zip(a, c):
         assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("hidden", [1024, 4104])
+def test_layernorm_without_stats(hidden, rms, ln_variant):
+    """stats=False (inference): the same y and h bit for bit, no mean/rstd; p > 0 keeps the same mask."""
+    x, r, w, b = _ln_inputs(1001, hidden, torch.bfloat16, True, True, not rms)
+    for p in (0.0, 0.1):
+        rng = philox.draw_seed() if p else None
+        full = _ln_kernel(x, r, w, b, rng, 1e-5, p, rms)
+        lean = torch.ops.tk.layernorm(x, r, w, b, rng, 1e-5, p, rms, stats=False)
+        assert torch.equal(lean[0], full[0]) and torch.equal(lean[1], full[1])
+        assert lean[2].numel() == 0 and lean[3].numel() == 0
 
 
 def test_layernorm_variant_switch_rejects_bad_values(monkeypatch):

@@ -8,6 +8,8 @@ Statistics are fp32. Returns (y, h, mean, rstd, rng): h is empty when it equals 
 no dropout), mean is empty for RMSNorm, rng is the (seed, offset) pair the dropout mask was drawn
 with (CPU int64, zeros without dropout) so the backward regenerates the mask instead of storing it.
 When `rng` is None and p > 0 a fresh pair is drawn from the default CPU generator (philox.draw_seed).
+With stats=False (inference: the backend passes it where the graph needs no gradient) mean and rstd are empty
+and never written, and the op cannot be differentiated.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def _check(x, residual, weight, bias, rng, eps, p, rms) -> None:
 
 # ---------------------------------------------------------------------------- references
 
-def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms: bool):
+def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms: bool, stats: bool = True):
     """Plain PyTorch, fp32 statistics; dropout through the bit-identical philox reference."""
     dtype = x.dtype
     hidden = x.shape[-1]
@@ -80,7 +82,9 @@ def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms:
     if bias is not None:
         norm = norm + bias.float()
     rng_out = rng.clone() if p > 0.0 else torch.zeros(_EMPTY_RNG, dtype=torch.int64)
-    return norm.to(dtype), h, mean, rstd.reshape(rows).contiguous(), rng_out
+    if not stats:
+        mean, rstd = (torch.empty(0, dtype=torch.float32, device=x.device) for _ in range(2))
+    return norm.to(dtype), h, mean, rstd.reshape(-1).contiguous(), rng_out
 
 
 def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, has_bias: bool):
@@ -111,7 +115,7 @@ def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, 
 
 # ---------------------------------------------------------------------------- the ops
 
-FORWARD_VARIANTS, BACKWARD_VARIANTS = 10, 10  # kernel variants (csrc/kernels/layernorm/layernorm.h)
+FORWARD_VARIANTS, BACKWARD_VARIANTS = 9, 10  # kernel variants (csrc/kernels/layernorm/layernorm.h)
 
 
 def _check_variant_env(name: str, count: int) -> None:
@@ -132,6 +136,7 @@ def layernorm(
     eps: float,
     p: float,
     rms: bool,
+    stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(x, residual, weight, bias, rng, eps, p, rms)
     if p > 0.0 and rng is None:
@@ -139,15 +144,15 @@ def layernorm(
     if _dispatch.use_kernel(FAMILY, x, residual, weight, bias):
         _check_variant_env("TK_LN_FWD_VARIANT", FORWARD_VARIANTS)
         contig = [t.contiguous() if t is not None else None for t in (x, residual, weight, bias)]
-        return _dispatch.kernel("layernorm")(*contig, rng, eps, p, rms)
-    return reference_forward(x, residual, weight, bias, rng, eps, p, rms)
+        return _dispatch.kernel("layernorm")(*contig, rng, eps, p, rms, stats)
+    return reference_forward(x, residual, weight, bias, rng, eps, p, rms, stats)
 
 
 @layernorm.register_fake
-def _(x, residual, weight, bias, rng, eps, p, rms):
+def _(x, residual, weight, bias, rng, eps, p, rms, stats=True):
     _check(x, residual, weight, bias, rng, eps, p, rms)
     hidden = x.shape[-1]
-    rows = x.numel() // hidden
+    rows = x.numel() // hidden if stats else 0
     y = x.new_empty(x.shape)  # contiguous, like the kernel and the reference
     h = x.new_empty(x.shape) if (residual is not None or p > 0.0) else x.new_empty(0)
     mean = x.new_empty(0 if rms else rows, dtype=torch.float32)
@@ -189,7 +194,9 @@ def _(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias):
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, rng, eps, p, rms = inputs
+    x, residual, weight, bias, rng, eps, p, rms, stats = inputs
+    _dispatch.check(stats, "tk::layernorm: called with stats=False (no mean/rstd kept), so it has no backward; "
+                    "pass stats=True where gradients are needed", RuntimeError)
     y, h, mean, rstd, rng_out = output
     stored_h = residual is not None or p > 0.0
     ctx.save_for_backward(h if stored_h else x, weight, mean, rstd, rng_out)
@@ -205,7 +212,7 @@ def _backward(ctx, dy, dh, dmean, drstd, drng):
     dres, dx, dw, db = torch.ops.tk.layernorm_backward(dy, dh, h, weight, mean, rstd, rng, ctx.p, ctx.rms, ctx.has_bias)
     dx = dx if ctx.p > 0.0 else dres
     return (dx, dres if ctx.has_residual else None, dw if weight is not None else None,
-            db if ctx.has_bias else None, None, None, None, None)
+            db if ctx.has_bias else None, None, None, None, None, None)
 
 
 layernorm.register_autograd(_backward, setup_context=_setup_context)

@@ -11,10 +11,10 @@ namespace tk_layernorm {
 namespace {
 
 // At least 1024 resident threads per SM (registers <= 64; 512 for fp32 rows): enough rows in flight to
-// cover HBM latency. EARLY (variants 8, 9): the order of torch.compile's kernel, which at hidden 1024 ran 128.3 us
-// against variant 7's 130.6 with the same split (a warp per row, H200): w and b are loaded with x and the
-// residual, so the row does not wait on a second round trip after its statistics, and h is stored with y at
-// the end; 640 threads per SM (<= 102 registers; fp32: 384) hold w and b.
+// cover HBM latency. EARLY (variant 8): the order of torch.compile's kernel at hidden 1024: w and b are loaded with
+// x and the residual, so the row does not wait on a second round trip after its statistics, and h is stored with
+// y at the end; 640 threads per SM (<= 102 registers; fp32: 384) hold w and b. (H200, hidden 1024: variant 5
+// 129.0 us, 5 with EARLY 128.5, torch.compile 127.6; 7 with EARLY, Inductor's split, 130.5 against 7's 130.2.)
 template <typename T, class S, bool EARLY>
 constexpr int fwd_min_blocks() {
   constexpr int threads = sizeof(T) == 4 ? (EARLY ? 384 : 512) : (EARLY ? 640 : 1024);
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<T, S, EARLY>())) for
   }
   const float rstd = rsqrtf(row_sum<S>(sq, smem) * inv_n + a.eps);
   if (!live) return;  // no block-wide sync below
-  if (lane == 0) {
+  if (lane == 0 && a.rstd) {  // nullptr: inference, no statistics kept
     a.rstd[row] = rstd;
     if (a.mean) a.mean[row] = mean;
   }
@@ -133,15 +133,18 @@ cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream) {
                                         stream, args);
     };
     const auto launch = [&](auto s) { return launch_as(s, std::false_type{}); };
-    const auto launch_early = [&](auto s) { return launch_as(s, std::true_type{}); };
     // 4, 5: the same kernel, one row per block (1 or 2 vectors per thread). 7: the legacy split, one row per
     // block (a warp per block up to hidden 1024: a block's slot frees as soon as its row is done).
     if (args.variant == 4) return with_row_split<1>(args.hidden, launch);
     if (args.variant == 5) return with_row_split<2>(args.hidden, launch);
     if (args.variant == 7) return with_split<false, 32>(args.hidden, launch);
-    // 8, 9: 7 and 5 with w and b loaded early and h stored last (EARLY).
-    if (args.variant == 8) return with_split<false, 32>(args.hidden, launch_early);
-    if (args.variant == 9) return with_row_split<2>(args.hidden, launch_early);
+    // 8: 5 with w and b loaded early and h stored last (EARLY) where its block has at most 128 threads (hidden
+    // <= 2048): a 512-thread block holding w and b needs more than 64 registers, so one block per SM (8192: 1.59 ms
+    // against 1.03).
+    if (args.variant == 8)
+      return with_row_split<2>(args.hidden, [&](auto s) {
+        return launch_as(s, std::bool_constant<(decltype(s)::BLOCK <= 128)>{});
+      });
     return with_split<false>(args.hidden, launch);
   });
 }

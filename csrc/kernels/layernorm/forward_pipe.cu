@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinForwardBlocks<T, S>)) forward_p
     }
     const float2 stats = row_stats<T, S>(hp, sum, lane, nvec, a.hidden, a.eps, a.rms, smem);
     if (live) {
-      if (lane == 0) {
+      if (lane == 0 && a.rstd) {  // nullptr: inference, no statistics kept
         a.rstd[row] = stats.y;
         if (a.mean) a.mean[row] = stats.x;
       }
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinLeanBlocks<T, S>)) forward_lean
     const float rstd = rsqrtf(row_sum<S>(sq, smem) * inv_n + a.eps);
     // Pass 3: y.
     if (live) {
-      if (lane == 0) {
+      if (lane == 0 && a.rstd) {  // nullptr: inference, no statistics kept
         a.rstd[row] = rstd;
         if (a.mean) a.mean[row] = mean;
       }

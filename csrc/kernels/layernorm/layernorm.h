@@ -17,8 +17,10 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     many short blocks: the shape of torch.compile's kernel, which beat legacy at hidden 1024).
 //   forward 6: persistent, 2 stages, the row kept in shared memory only and w / b re-read: <= 64 registers.
 //   forward 7: legacy, its own split, one row per block (32-thread blocks up to hidden 1024).
-//   forward 8, 9: 7 and 5 with w and b loaded together with x and the residual, and h stored with y at the end
-//     (torch.compile's order: one warp per row at hidden 1024, 96 registers, 128.3 us against 7's 130.6).
+//   forward 8: 5 with w and b loaded together with x and the residual, and h stored with y at the end
+//     (torch.compile's order), where its block has at most 128 threads (hidden <= 2048); 5 elsewhere.
+//   tried and removed (H200, 2026-11-30): 7 in that order (Inductor's own split, a warp per row at 1024: 130.5 us
+//     against 7's 130.2 and Inductor's 127.6).
 //   tried and removed: forward 8, 5 with evict-first (.cs) x/residual/h/y, 89-93% of copy vs 5's 94-98% (H200, 2026-11-29).
 //   backward 1..3: persistent grid, rows staged 3 deep in shared memory with cp.async; 1 vector per thread
 //     with registers for 1024 resident threads per SM (1) or 768 (2); 2 vectors per thread, 512 threads (3).
@@ -38,7 +40,7 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     8192; the persistent grid's blocks sweep the rows together, chunks scatter the reads over the tensors).
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
-constexpr int kForwardVariants = 10, kBackwardVariants = 10;
+constexpr int kForwardVariants = 9, kBackwardVariants = 10;
 // From the H200 sweeps (RESULTS.md): the legacy kernel with one row per block and 2 vectors per thread (5)
 // reached 94-98% of copy against 92-97% for legacy (0) and 85-90% for the pipe forwards; the 2-vector pipe
 // backward (3) reached 82-92% of copy against 47-65% for the legacy one (4, 5 and 6 within 2% of it); keeping
@@ -58,8 +60,8 @@ struct DropoutArgs {
 struct ForwardArgs {
   void* y;                 // (rows, hidden)
   void* h;                 // (rows, hidden) or nullptr: not written (plain norm: h == x)
-  float* mean;             // (rows,) or nullptr (RMSNorm)
-  float* rstd;             // (rows,)
+  float* mean;             // (rows,) or nullptr (RMSNorm, or no statistics)
+  float* rstd;             // (rows,) or nullptr: no statistics (inference: nothing will run the backward)
   const void* x;
   const void* residual;    // nullable
   const void* weight;      // (hidden,) nullable
