@@ -18,7 +18,7 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //   forward 6: persistent, 2 stages, the row kept in shared memory only and w / b re-read: <= 64 registers.
 //   forward 7: legacy, its own split, one row per block (32-thread blocks up to hidden 1024).
 //   forward 8: 5 with w and b loaded together with x and the residual, and h stored with y at the end
-//     (torch.compile's order), where its block has at most 128 threads (hidden <= 2048); 5 elsewhere.
+//     (torch.compile's order), where its block has at most 64 threads (hidden <= 1024); 5 elsewhere.
 //   tried and removed (H200, 2026-11-30): 7 in that order (Inductor's own split, a warp per row at 1024: 130.5 us
 //     against 7's 130.2 and Inductor's 127.6).
 //   tried and removed: forward 8, 5 with evict-first (.cs) x/residual/h/y, 89-93% of copy vs 5's 94-98% (H200, 2026-11-29).
@@ -48,7 +48,8 @@ constexpr int kForwardVariants = 9, kBackwardVariants = 10;
 // HBM serves faster than copy's 1:1), 1024 from 82% to 84%, and stayed within 1% at 2048 and 4096; 7 in
 // smaller blocks (8) evens out the SMs' share of rows: 83 -> 85% at 1024, 89 -> 91% at 2048, equal or better
 // elsewhere, while one row per block (9) lost at 1024 (77%): its dw/db partial rows cost more than they even out.
-constexpr int kDefaultForwardVariant = 5, kDefaultBackwardVariant = 8;
+// Forward 8 (5 in torch.compile's order at hidden <= 1024) took the inference forward at 1024 from 4061 to 4082 GB/s.
+constexpr int kDefaultForwardVariant = 8, kDefaultBackwardVariant = 8;
 
 struct DropoutArgs {
   bool enabled = false;
