@@ -38,11 +38,17 @@ constexpr int BWD_STAGES = 2;
 // into dq_accum and a 32 KB dQ stage per consumer.
 // MASKB: branch around the mask (bwd_probs).
 // DKV: dK and dV leave through shared memory (the drained (Q, dO) ring) and TMA stores (store_dkdv).
+// TURNS: the consumers take turns at the tensor cores, as the forward's ping-pong does. A step is three turns per
+// consumer: [S^T, dP^T], [dV, dK] (dS^T computed and stored inside the turn), [dQ]; consumer 0 goes first. So one
+// consumer's exponentials and dS^T run while the other's GEMMs do, and the turn order replaces the CTA-wide
+// barriers around dS^T: consumer c's dQ turn comes after the other's [dV, dK] turn, which stored its half (D = 128
+// needs DS2: the next step's write to a buffer comes after both dQs that read it have completed).
 template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false, bool DKV_ = false>
+          bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_, DKV = DKV_;
+  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_, DKV = DKV_, TURNS = TURNS_;
+  static_assert(!TURNS || ((D == 64 || DS2) && !DQK_), "TURNS: dS^T double-buffered at D = 128, dQ by columns");
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
@@ -276,13 +282,14 @@ __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParam
 }
 
 template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false, bool DKV_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_>::THREADS, 1)
+          bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false>
+__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
                          const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_>;
+  static_assert(!TURNS_ || !PIPE, "TURNS issues S^T on its own turn");
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -323,6 +330,15 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
   float dk[D / 2], dv[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  // TURNS: wait for this consumer's turn at the tensor cores / hand it to the other (named barriers 6, 7; both
+  // consumers arrive or wait on each, 256 threads).
+  const auto turn_wait = [&] {
+    if constexpr (K_::TURNS) named_bar_sync(6 + c, NC * 128);
+  };
+  const auto turn_pass = [&] {
+    if constexpr (K_::TURNS) named_bar_arrive(6 + (c + 1) % NC, NC * 128);
+  };
 
   // S^T = K Q^T (after waiting for the step's tile) and dP^T = V dO^T of
   // step `it_`, one commit group each.
@@ -376,8 +392,11 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       wgmma_fence();
       issue_dp(it, dpt);
     } else {
+      if constexpr (K_::TURNS) bar_wait(&q_full[s], (it / STAGES) & 1);  // before the turn: not while holding it
+      turn_wait();
       issue_s(it, st);
       issue_dp(it, dpt);
+      turn_pass();
       wgmma_wait<1>();
       fence_regs(st);
     }
@@ -388,6 +407,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
     wgmma_wait<0>();
     fence_regs(dpt);
+    turn_wait();
     // dV += P^T dO (dO is [query][d]: MN-major B operand)
     wgmma_fence();
 #pragma unroll
@@ -412,7 +432,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 
     // dS^T to shared memory for dQ = dS K. Wait until the previous dQ of both
     // consumers has finished reading the buffer (DS2: see Bwd).
-    if constexpr (K_::DQ_SPLIT_COLS && !K_::DS2) named_bar_sync(1, NC * 128);
+    if constexpr (K_::DQ_SPLIT_COLS && !K_::DS2 && !K_::TURNS) named_bar_sync(1, NC * 128);
     const uint32_t ds_off = K_::DS2 ? (it & 1) * K_::DS_BYTES : 0;
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
@@ -425,10 +445,16 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       }
     }
     fence_async_smem();
-    if constexpr (K_::DQ_SPLIT_COLS)
+    if constexpr (K_::TURNS) {
+      // bar.arrive orders the dS^T stores before the other consumer's wait for its dQ turn
+      if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T complete before own dQ
+      turn_pass();
+      turn_wait();
+    } else if constexpr (K_::DQ_SPLIT_COLS) {
       named_bar_sync(2, NC * 128);
-    else
+    } else {
       named_bar_sync(1 + c, 128);
+    }
 
     if constexpr (K_::DQK) {
       // dV and dK are done, so the A registers of P^T and dS^T are free before dQ's 64 accumulators go live:
@@ -455,6 +481,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
                                        desc_mnmajor(sK_u + (64 * c + 16 * kk) * 128, BN * 128), kk > 0);
     }
     wgmma_commit();
+    turn_pass();
     wgmma_wait<0>();
     fence_regs(dq);
     fence_regs(dk);
@@ -499,7 +526,9 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       step(steps - 1, std::false_type{});
     }
   } else {
+    if (c == NC - 1) turn_pass();  // consumer 0 takes the first turn
     for (int it = 0; it < steps; ++it) step(it, std::false_type{});
+    if (c == 0) turn_wait();  // the last consumer's final hand-over
   }
   if (tid == 0) bulk_wait_all();
 
@@ -796,7 +825,7 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 // attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
 template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool DQK = false,
-          bool MASKB = false, bool DKV = false>
+          bool MASKB = false, bool DKV = false, bool TURNS = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
@@ -806,6 +835,7 @@ struct BwdCfg {
   static constexpr bool dqk = DQK;  // Tile64 at D = 128: dQ by key halves (Bwd's DQK)
   static constexpr bool maskb = MASKB;  // branch around the mask (bwd_probs)
   static constexpr bool dkv = DKV;      // dK, dV stored by TMA (store_dkdv)
+  static constexpr bool turns = TURNS;  // Tile64: the consumers take turns at the tensor cores (Bwd's TURNS)
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -873,13 +903,15 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, DkvMaps, BwdParams);
   if constexpr (WIDE) {
+    static_assert(!Cfg::turns, "the wide kernel has no turns");
     using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv>;
     kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv>;
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv>;
+    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv, Cfg::turns>;
+    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv,
+                                Cfg::turns>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -925,6 +957,7 @@ struct BwdVariants<128> {
   using V6 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
   using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, true, true>;
   using V8 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true>;
+  using V9 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, true>;  // 8 + DS2 + TURNS
 };
 template <>
 struct BwdVariants<64> {
@@ -938,8 +971,9 @@ struct BwdVariants<64> {
   using V6 = BwdCfg<Kind::Wide, false, 2, false, true, false, true>;
   using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
   using V8 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true>;
+  using V9 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, true>;  // 7 + DKV + TURNS
 };
-constexpr int BWD_VARIANTS = 9;
+constexpr int BWD_VARIANTS = 10;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -957,7 +991,8 @@ int bwd_bm(int D, int variant) {
            : variant == 5 ? Vs::V5::BM
            : variant == 6 ? Vs::V6::BM
            : variant == 7 ? Vs::V7::BM
-                          : Vs::V8::BM;
+           : variant == 8 ? Vs::V8::BM
+                          : Vs::V9::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -992,7 +1027,8 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 5 ? TK_ATTN_BWD_V(T, D, V5)                                                                \
    : variant == 6 ? TK_ATTN_BWD_V(T, D, V6)                                                                \
    : variant == 7 ? TK_ATTN_BWD_V(T, D, V7)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V8))
+   : variant == 8 ? TK_ATTN_BWD_V(T, D, V8)                                                                \
+                  : TK_ATTN_BWD_V(T, D, V9))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
