@@ -3,10 +3,11 @@
 #   TK_BENCH_COMMIT=<sha> bash benchmarks/device_full.sh "tests ops gpt2-medium" "llama-sdpa llama-eager"
 #   TK_BENCH_COMMIT=<sha> E2E_TIMEOUT=230 bash benchmarks/device_full.sh "mamba2" "based build"
 # jobs: tests (GPU tests; TEST_K: a pytest -k filter), ops (every op benchmark), ops:<list> (those ops, e.g.
-# ops:ssd,attention), profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under
-# Nsight Compute: speed of light, memory, occupancy, warp stalls), sweep_ln (layernorm variants: SWEEP_LN_FWD,
-# SWEEP_LN_BWD lists, default all; sweep_ln:NAME=value runs it with that variable set, e.g. TK_GRID_WAVES=2), sweep_attn (attention variants; SWEEP_ATTN_ARGS, e.g. "--no-backward
-# --variants 1,6"), build (--build), or an e2e model name
+# ops:ssd,attention; ops:<list>@NAME=value runs them with that variable set, e.g. ops:attention@TK_ATTN_BWD_VARIANT=9),
+# profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under Nsight Compute: speed of
+# light, memory, occupancy, warp stalls), sweep_ln (layernorm variants: SWEEP_LN_FWD, SWEEP_LN_BWD lists, default
+# all; sweep_ln:NAME=value runs it with that variable set, e.g. TK_GRID_WAVES=2), sweep_attn (attention variants;
+# SWEEP_ATTN_ARGS, e.g. "--no-backward --variants 1,6"), build (--build), or an e2e model name
 # (E2E_MODES=thunderkittens: only those modes, e.g. a slow model's modes split over two calls; E2E_ENV="NAME=value
 # ...": the environment of the e2e jobs only). Each job gets at most what is left of BUDGET seconds (default 545,
 # under the device's 600 s per call), and each part writes its own results.json (saved after every part, so a
@@ -39,7 +40,8 @@ job() {  # gpu name
     tests) timeout $(( left < 240 ? left : 240 )) python3 -m pytest -q -m gpu -p no:cacheprovider tests \
              ${TEST_K:+-k "$TEST_K"} >"$OUT/gpu_tests.log" 2>&1 ;;
     ops) timeout $(( left < 330 ? left : 330 )) python3 -m benchmarks --out "$OUT/ops" >"$OUT/ops.log" 2>&1 ;;
-    ops:*) timeout $left python3 -m benchmarks --ops ${2#ops:} --out "$OUT/${2//[:,]/_}" >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
+    ops:*) local spec=${2#ops:}; local ops=${spec%%@*}; local env=; [ "$spec" != "$ops" ] && env=${spec#*@}
+      local tag=${2//[:,@=]/_}; env $env timeout $left python3 -m benchmarks --ops $ops --out "$OUT/$tag" >"$OUT/$tag.log" 2>&1 ;;
     profile:*) timeout $left python3 -m benchmarks.profile_backward --ops ${2#profile:} >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     ncu:*) timeout $left ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \

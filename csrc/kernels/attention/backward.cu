@@ -942,7 +942,9 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // around (bwd_probs' MASKB), at both head dims. 7: 5 + MASKB. Session 7 sweep: 6 is the fastest everywhere
 // (vs 4: D128 +0-1.5%, D64 +0.5-3%); 5 and 7 lose 6-8% at D128 (the doubled dq reduce-adds cost more than the
 // consumers' overlap wins) and 20% at D64 (the 64-row kernel). 8: 6 with dK and dV stored by TMA (DKV); session 11
-// sweep (53cd261): ahead of 6 in 7 of 8 cases, geomean 0.935x cuDNN vs 0.908x (D128), 0.97x vs 0.94x (D64).
+// sweep (53cd261): ahead of 6 in 7 of 8 cases, geomean 0.935x cuDNN vs 0.908x (D128), 0.97x vs 0.94x (D64). 9: the
+// 64-row kernel with the consumers taking turns (Bwd's TURNS; at D = 128 also DS2); session 12 sweep (3dce4d2):
+// D128 within +-2% of 8 (-2% at N2048, +1-2% elsewhere), D64 0.69-0.79x cuDNN (the wide 8: 0.86-1.03x).
 template <int D>
 struct BwdVariants;
 template <>
