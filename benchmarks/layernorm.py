@@ -15,20 +15,19 @@ Every implementation's output is checked against the fp32 reference before it is
 "ours" is the default kernel variant; TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT pick another (see
 csrc/kernels/layernorm/layernorm.h), and benchmarks/sweep_ln.py checks and times them all side by side.
 
-Measured 2026-11-30 (session 11, 1d56bff), one H200 (torch 2.11, Triton 3.6, fla-core 0.6.0), copy ceiling 4272 GB/s:
+Measured 2026-11-30 (session 12, f593f9b), one H200 (torch 2.11, Triton 3.6, fla-core 0.6.0), copy ceiling 4272 GB/s:
     case (bf16, rows 65536)      ours GB/s (% copy)  torch.compile  FLA    ours/compile  ours/FLA
-    ln+residual 1024   fwd       3997 (94%)          4052           3118*  0.99          1.28
-    ln+residual 2048   fwd       4152 (97%)          3917           4154   1.06          1.00
-    ln+residual 4096   fwd       4128 (97%)          3908           4095   1.06          1.01
-    ln+residual 8192   fwd       4180 (98%)          4061           4136   1.03          1.01
-    rms+residual 4096  fwd       4121 (96%)          3200           4113   1.29          1.00
-    ln+residual 1024   bwd       3668 (86%)          1137*          799    3.23          4.59
-    ln+residual 2048   bwd       3872 (91%)          2398           1332   1.61          2.91
-    ln+residual 4096   bwd       3910 (92%)          3371           2152   1.16          1.82
-    ln+residual 8192   bwd       4280 (100%)         3228           3197   1.33          1.34
-    rms+residual 4096  bwd       3962 (93%)          1670           2307   2.37          1.72
-    (* FLA's 1024 forward ran 3598-4019 GB/s in the session's other runs; torch.compile's 1024 backward 0.184-0.558
-    ms.)
+    ln+residual 1024   fwd       4064 (95%)          4058           4015   1.00          1.01
+    ln+residual 2048   fwd       4167 (98%)          3922           4154   1.06          1.00
+    ln+residual 4096   fwd       4135 (97%)          3948           4112   1.05          1.01
+    ln+residual 8192   fwd       4182 (98%)          4051           4122   1.03          1.01
+    rms+residual 4096  fwd       4124 (97%)          3203           4123   1.29          1.00
+    ln+residual 1024   bwd       3672 (86%)          2563*          800    1.43          4.59
+    ln+residual 2048   bwd       3876 (91%)          3239           1332   1.20          2.91
+    ln+residual 4096   bwd       3920 (92%)          3375           2152   1.16          1.82
+    ln+residual 8192   bwd       4242 (99%)          3229           3199   1.31          1.33
+    rms+residual 4096  bwd       3943 (92%)          1669           2325   2.36          1.70
+    (* torch.compile's 1024 backward ran 0.209-0.490 ms in the session's runs; FLA's 1024 forward 1664-4015 GB/s.)
 """
 from __future__ import annotations
 
