@@ -331,14 +331,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  // TURNS: wait for this consumer's turn at the tensor cores / hand it to the other (named barriers 6, 7; both
-  // consumers arrive or wait on each, 256 threads).
-  const auto turn_wait = [&] {
-    if constexpr (K_::TURNS) named_bar_sync(6 + c, NC * 128);
-  };
-  const auto turn_pass = [&] {
-    if constexpr (K_::TURNS) named_bar_arrive(6 + (c + 1) % NC, NC * 128);
-  };
+  // TURNS: this consumer's turns at the tensor cores (named barriers 6 + c).
+  using Turn = Turns<K_::TURNS, 6, NC>;
 
   // S^T = K Q^T (after waiting for the step's tile) and dP^T = V dO^T of
   // step `it_`, one commit group each.
@@ -393,10 +387,10 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       issue_dp(it, dpt);
     } else {
       if constexpr (K_::TURNS) bar_wait(&q_full[s], (it / STAGES) & 1);  // before the turn: not while holding it
-      turn_wait();
-      issue_s(it, st);
-      issue_dp(it, dpt);
-      turn_pass();
+      Turn::take(c, [&] {
+        issue_s(it, st);
+        issue_dp(it, dpt);
+      });
       wgmma_wait<1>();
       fence_regs(st);
     }
@@ -407,7 +401,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
     wgmma_wait<0>();
     fence_regs(dpt);
-    turn_wait();
+    Turn::wait(c);
     // dV += P^T dO (dO is [query][d]: MN-major B operand)
     wgmma_fence();
 #pragma unroll
@@ -448,8 +442,8 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     if constexpr (K_::TURNS) {
       // bar.arrive orders the dS^T stores before the other consumer's wait for its dQ turn
       if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T complete before own dQ
-      turn_pass();
-      turn_wait();
+      Turn::pass(c);
+      Turn::wait(c);
     } else if constexpr (K_::DQ_SPLIT_COLS) {
       named_bar_sync(2, NC * 128);
     } else {
@@ -481,7 +475,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
                                        desc_mnmajor(sK_u + (64 * c + 16 * kk) * 128, BN * 128), kk > 0);
     }
     wgmma_commit();
-    turn_pass();
+    Turn::pass(c);
     wgmma_wait<0>();
     fence_regs(dq);
     fence_regs(dk);
@@ -526,9 +520,9 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       step(steps - 1, std::false_type{});
     }
   } else {
-    if (c == NC - 1) turn_pass();  // consumer 0 takes the first turn
+    if (c == NC - 1) Turn::pass(c);  // consumer 0 takes the first turn
     for (int it = 0; it < steps; ++it) step(it, std::false_type{});
-    if (c == 0) turn_wait();  // the last consumer's final hand-over
+    if (c == 0) Turn::wait(c);  // the last consumer's final hand-over
   }
   if (tid == 0) bulk_wait_all();
 

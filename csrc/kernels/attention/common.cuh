@@ -261,6 +261,28 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
 }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Turns at the tensor cores for NC consumer warpgroups (the forward's ping-pong, the backward's TURNS): consumer c
+// waits on named barrier FIRST + c, and passes the turn by arriving on the next consumer's (256 threads: the
+// waiter and the one handing over). ON = false: no-ops.
+// The last consumer passes once before the loop so that consumer 0 goes first, and consumer 0 takes that final
+// hand-over after it.
+template <bool ON, int FIRST, int NC>
+struct Turns {
+  static __device__ __forceinline__ void wait(int c) {
+    if constexpr (ON) named_bar_sync(FIRST + c, 256);
+  }
+  static __device__ __forceinline__ void pass(int c) {
+    if constexpr (ON) named_bar_arrive(FIRST + (c + 1) % NC, 256);
+  }
+  // One turn: wait, issue (the caller's wgmmas), pass.
+  template <typename F>
+  static __device__ __forceinline__ void take(int c, F&& issue) {
+    wait(c);
+    issue();
+    pass(c);
+  }
+};
+
 template <int R>
 __device__ __forceinline__ void reg_alloc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));

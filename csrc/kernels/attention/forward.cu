@@ -390,14 +390,8 @@ struct PP {
   using K_ = Fwd<T, Cfg>;
   static constexpr int D = K_::D, BN = K_::BN, BM = K_::BM;
 
-  // Wait for this warpgroup's turn at the tensor cores / hand it to the next
-  // (named barrier 1 + c is warpgroup c's; 0 is __syncthreads).
-  static __device__ __forceinline__ void turn_wait(int c) {
-    if constexpr (Cfg::TURNS) named_bar_sync(1 + c, 256);
-  }
-  static __device__ __forceinline__ void turn_pass(int c) {
-    if constexpr (Cfg::TURNS) named_bar_arrive(1 + (c + 1) % Cfg::NC, 256);
-  }
+  // This warpgroup's turns at the tensor cores (named barrier 1 + c is warpgroup c's; 0 is __syncthreads).
+  using Turn = Turns<Cfg::TURNS, 1, Cfg::NC>;
 
   static __device__ __forceinline__ void issue_qk(float (&sc)[K_::S_REGS], uint32_t sQ_u, uint32_t sK_s) {
 #pragma unroll
@@ -511,7 +505,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   const uint32_t sQ_u = smem_u32(sQ) + c * 64 * 128;
   const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV);
   const float sl2 = p.scale_log2;
-  if (c == NC - 1) S::turn_pass(c);  // warpgroup 0 takes the first turn
+  if (c == NC - 1) S::Turn::pass(c);  // warpgroup 0 takes the first turn
 
   // A task's place and extent for this warpgroup.
   struct Task {
@@ -545,10 +539,10 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     bar_wait(q_full, ti & 1);
     const int s = it % STAGES;
     bar_wait(&k_full[s], (it / STAGES) & 1);
-    S::turn_wait(c);
-    wgmma_fence();
-    S::issue_qk(sc, sQ_u, sK_u + s * K_::KV_BYTES);
-    S::turn_pass(c);
+    S::Turn::take(c, [&] {
+      wgmma_fence();
+      S::issue_qk(sc, sQ_u, sK_u + s * K_::KV_BYTES);
+    });
   };
   // ... and, once it is done, its softmax starts the task's statistics; O starts at zero.
   auto round0_finish = [&](const Task& k) {
@@ -574,11 +568,11 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       const int s = pos % STAGES, s1 = pos1 % STAGES;
       bar_wait(&k_full[s1], (pos1 / STAGES) & 1);
       bar_wait(&v_full[s], (pos / STAGES) & 1);
-      S::turn_wait(c);
-      wgmma_fence();
-      S::issue_qk(sc, sQ_u, sK_u + s1 * K_::KV_BYTES);
-      S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
-      S::turn_pass(c);
+      S::Turn::take(c, [&] {
+        wgmma_fence();
+        S::issue_qk(sc, sQ_u, sK_u + s1 * K_::KV_BYTES);
+        S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
+      });
       wgmma_wait<1>();
       fence_regs(sc);
       warp_arrive(&k_empty[s1], lane);
@@ -600,10 +594,10 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       const int pos = it + k.nb - 1;
       const int s = pos % STAGES;
       bar_wait(&v_full[s], (pos / STAGES) & 1);
-      S::turn_wait(c);
-      wgmma_fence();
-      S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
-      S::turn_pass(c);
+      S::Turn::take(c, [&] {
+        wgmma_fence();
+        S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
+      });
       wgmma_wait<0>();
       fence_regs(o);
       S::hold(pa);
@@ -618,8 +612,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       warp_arrive(&k_empty[s], lane);
       bar_wait(&v_full[s], (pos / STAGES) & 1);
       warp_arrive(&v_empty[s], lane);
-      S::turn_wait(c);
-      S::turn_pass(c);
+      S::Turn::wait(c);
+      S::Turn::pass(c);
     }
     it += k.nblk;
   };
@@ -702,7 +696,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       ++ti;
     }
   }
-  if (c == 0) S::turn_wait(c);  // consume the last warpgroup's final hand-over
+  if (c == 0) S::Turn::wait(c);  // consume the last warpgroup's final hand-over
   if constexpr (Cfg::OTMA)
     if (tid == 0) bulk_wait_all();  // the stores read shared memory until they are done
 }
