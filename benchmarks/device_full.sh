@@ -4,7 +4,8 @@
 #   TK_BENCH_COMMIT=<sha> E2E_TIMEOUT=230 bash benchmarks/device_full.sh "mamba2" "based build"
 # jobs: tests (GPU tests; TEST_K: a pytest -k filter), ops (every op benchmark), ops:<list> (those ops, e.g.
 # ops:ssd,attention; ops:<list>@NAME=value runs them with that variable set, e.g. ops:attention@TK_ATTN_BWD_VARIANT=9),
-# profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under Nsight Compute: speed of
+# timeline:<list>[@NAME=value] (benchmarks.profile_backward --timeline: kernel times and the gaps between them, do_bench
+# style), profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under Nsight Compute: speed of
 # light, memory, occupancy, warp stalls), sweep_ln (layernorm variants: SWEEP_LN_FWD, SWEEP_LN_BWD lists, default
 # all; sweep_ln:NAME=value runs it with that variable set, e.g. TK_GRID_WAVES=2), sweep_attn (attention variants;
 # SWEEP_ATTN_ARGS, e.g. "--no-backward --variants 1,6"), build (--build), or an e2e model name
@@ -42,6 +43,9 @@ job() {  # gpu name
     ops) timeout $(( left < 330 ? left : 330 )) python3 -m benchmarks --out "$OUT/ops" >"$OUT/ops.log" 2>&1 ;;
     ops:*) local spec=${2#ops:}; local ops=${spec%%@*}; local env=; [ "$spec" != "$ops" ] && env=${spec#*@}
       local tag=${2//[:,@=]/_}; env $env timeout $left python3 -m benchmarks --ops $ops --out "$OUT/$tag" >"$OUT/$tag.log" 2>&1 ;;
+    timeline:*) local spec=${2#timeline:}; local ops=${spec%%@*}; local env=; [ "$spec" != "$ops" ] && env=${spec#*@}
+      env $env timeout $left python3 -m benchmarks.profile_backward --timeline --steps 30 --ops $ops \
+        >"$OUT/${2//[:,@=]/_}.log" 2>&1 ;;
     profile:*) timeout $left python3 -m benchmarks.profile_backward --ops ${2#profile:} >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     ncu:*) timeout $left ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \

@@ -4,6 +4,10 @@ layernorm: the raw backward (its main kernel and the dw/db column sum).
 
     python -m benchmarks.profile_backward [--ops ssd,linear_attention,layernorm] [--steps 5]
 
+With --timeline the steps run as triton's do_bench runs them (L2 flushed by a 256 MB memset, then an event pair
+around the step) under torch.profiler, and each kernel's median duration and the median gap before it are printed
+next to the events' median time: where a step's time goes besides its kernels.
+
 With --ncu the steps run between cudaProfilerStart/Stop instead, without torch.profiler, for Nsight Compute:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -12,6 +16,7 @@ With --ncu the steps run between cudaProfilerStart/Stop instead, without torch.p
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -53,12 +58,46 @@ def layernorm_step(rows, hidden):
 STEPS = {"ssd": ssd_step, "linear_attention": based_step, "layernorm": layernorm_step}
 
 
+def timeline(step, steps: int) -> str:
+    """Median duration of each kernel of a step and of the gap before it (the first kernel's gap is from the end
+    of the L2-flush memset), against the median event time of the step, as do_bench measures it."""
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for start, end in pairs:
+            flush.zero_()
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0),
+                     key=lambda e: e.time_range.start)
+    iters, cur = [], None
+    for e in kernels:  # an iteration: the flush's kernel, then the step's kernels up to the next flush
+        if "elementwise" in e.name or "fill" in e.name.lower():
+            cur = [e]
+            iters.append(cur)
+        elif cur is not None:
+            cur.append(e)
+    iters = [it for it in iters if len(it) > 1]
+    lines = [f"event time (median of {steps}): {statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e3:.1f} us"]
+    n = min(len(it) for it in iters)
+    for k in range(1, n):
+        gap = statistics.median(it[k].time_range.start - it[k - 1].time_range.end for it in iters)
+        dur = statistics.median(it[k].time_range.elapsed_us() for it in iters)
+        lines.append(f"  gap {gap:7.1f} us, then {dur:8.1f} us  {iters[0][k].name[:90]}")
+    span = statistics.median(it[n - 1].time_range.end - it[0].time_range.end for it in iters)
+    lines.append(f"  flush end to last kernel end: {span:.1f} us")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ops", default="ssd,linear_attention")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rows", type=int, default=15)
     p.add_argument("--ncu", action="store_true", help="no torch.profiler: the steps between cudaProfilerStart/Stop")
+    p.add_argument("--timeline", action="store_true", help="kernel durations and the gaps between them, do_bench style")
     args = p.parse_args(argv)
     from tk_inductor import build
 
@@ -75,6 +114,12 @@ def main(argv=None) -> int:
                 torch.cuda.cudart().cudaProfilerStop()
                 print(f"== {op} {case}: {args.steps} steps under Nsight Compute")
                 del step
+                continue
+            if args.timeline:
+                print(f"== {op} {case}: {args.steps} do_bench-style steps")
+                print(timeline(step, args.steps))
+                del step
+                torch.cuda.empty_cache()
                 continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.steps):

@@ -75,6 +75,11 @@ TK_HOST_DEVICE tile_index supergroup(int task, int rows, int cols, int group) {
 // its writes are visible. On a plain launch the wait is a no-op.
 __device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
+// Lets the stream's next kernel, if launched by `launch_dependent`, be scheduled before this grid finishes (by
+// default once every block has exited): its blocks take SMs as this grid's blocks leave them, and wait in
+// wait_prior_grid() until this grid is done. No effect on a plain next launch.
+__device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                              Args&&... args) {
