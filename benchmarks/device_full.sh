@@ -6,7 +6,7 @@
 # ops:ssd,attention; ops:<list>@NAME=value runs them with that variable set, e.g. ops:attention@TK_ATTN_BWD_VARIANT=9),
 # timeline:<list>[@NAME=value] (benchmarks.profile_backward --timeline: kernel times and the gaps between them, do_bench
 # style), profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under Nsight Compute: speed of
-# light, memory, occupancy, warp stalls), sweep_ln (layernorm variants: SWEEP_LN_FWD, SWEEP_LN_BWD lists, default
+# light, memory, occupancy, warp stalls; NCU_METRICS: more metrics, comma-separated), sweep_ln (layernorm variants: SWEEP_LN_FWD, SWEEP_LN_BWD lists, default
 # all; sweep_ln:NAME=value runs it with that variable set, e.g. TK_GRID_WAVES=2), sweep_attn (attention variants;
 # SWEEP_ATTN_ARGS, e.g. "--no-backward --variants 1,6"), build (--build), or an e2e model name
 # (E2E_MODES=thunderkittens: only those modes, e.g. a slow model's modes split over two calls; E2E_ENV="NAME=value
@@ -49,7 +49,7 @@ job() {  # gpu name
     profile:*) timeout $left python3 -m benchmarks.profile_backward --ops ${2#profile:} >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     ncu:*) timeout $left ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__inst_executed.sum" \
+             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS}" \
              python3 -m benchmarks.profile_backward --ops ${2#ncu:} --steps 1 --ncu >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     sweep_ln|sweep_ln:*) local tag=${2#sweep_ln}; tag=${tag#:}; local dir="$OUT${tag:+/sweep_ln_$tag}"; mkdir -p "$dir"
       env ${tag:+$tag} OUT="$dir" timeout $left python3 -m benchmarks.sweep_ln --no-compile \

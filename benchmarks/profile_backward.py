@@ -30,6 +30,7 @@ CASES = {  # the fwd+bwd rows of benchmarks/ssd.py and benchmarks/linear_attenti
     "linear_attention": [(4, 16, 4096), (16, 16, 4096)],  # B, H, N (dk 16, dv 64)
     "layernorm": [(65536, 1024), (65536, 2048), (65536, 4096), (65536, 8192)],  # rows, hidden (LN, w and b)
 }
+CASES["layernorm_fwd"] = CASES["copy"] = CASES["layernorm"][:1]
 
 
 def ssd_step(b, l, nh):
@@ -55,7 +56,20 @@ def layernorm_step(rows, hidden):
     return lambda: torch.ops.tk_cuda.layernorm_backward(dy, dh, h, w, mean, rstd, rng, 0.0, False, True)
 
 
-STEPS = {"ssd": ssd_step, "linear_attention": based_step, "layernorm": layernorm_step}
+def layernorm_fwd_step(rows, hidden):
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)
+    x, r, w, b = mk(rows, hidden), mk(rows, hidden), mk(hidden), mk(hidden)
+    return lambda: torch.ops.tk_cuda.layernorm(x, r, w, b, None, 1e-5, 0.0, False, False)  # inference: no stats
+
+
+def copy_step(rows, hidden):
+    src = torch.randn(2 * rows, hidden, device="cuda", dtype=torch.bfloat16)  # the LN backward's bytes, 1:1
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+STEPS = {"ssd": ssd_step, "linear_attention": based_step, "layernorm": layernorm_step,
+         "layernorm_fwd": layernorm_fwd_step, "copy": copy_step}
 
 
 def timeline(step, steps: int) -> str:
@@ -102,7 +116,8 @@ def main(argv=None) -> int:
     from tk_inductor import build
 
     for op in args.ops.split(","):
-        build.load(op)
+        if op != "copy":
+            build.load(op.removesuffix("_fwd"))
         for case in CASES[op]:
             step = STEPS[op](*case)
             step(), torch.cuda.synchronize()  # warm-up: first launches, allocator

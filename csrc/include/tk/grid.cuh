@@ -92,7 +92,8 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, s
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    const char* pdl = std::getenv("TK_PDL");  // EXPERIMENT: TK_PDL=0 launches plainly
+    cfg.numAttrs = pdl && pdl[0] == '0' ? 0 : 1;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
