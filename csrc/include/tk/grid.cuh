@@ -75,11 +75,6 @@ TK_HOST_DEVICE tile_index supergroup(int task, int rows, int cols, int group) {
 // its writes are visible. On a plain launch the wait is a no-op.
 __device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
-// Lets the stream's next kernel, if launched by `launch_dependent`, be scheduled before this grid finishes (by
-// default once every block has exited): its blocks take SMs as this grid's blocks leave them, and wait in
-// wait_prior_grid() until this grid is done. No effect on a plain next launch.
-__device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                              Args&&... args) {
@@ -92,8 +87,7 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, s
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    const char* pdl = std::getenv("TK_PDL");  // EXPERIMENT: TK_PDL=0 launches plainly
-    cfg.numAttrs = pdl && pdl[0] == '0' ? 0 : 1;
+    cfg.numAttrs = 1;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 

@@ -28,7 +28,6 @@ template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
   static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, dy and x̂ (3 x 8 floats per vector) in registers");
   tk::grid::wait_prior_grid();  // launched by launch_dependent
-  if (a.trigger == 1) tk::grid::allow_dependents();
   extern __shared__ uint4 staging_smem[];
   __shared__ float2 red[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -156,7 +155,6 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   // The staging area sums the row groups' partials now: every copy must have landed (only empty groups
   // can be pending) and every thread be done reading its slots.
   cp_async_wait<0>();
-  if (a.trigger == 2) tk::grid::allow_dependents();
   __syncthreads();
   float* acc_smem = reinterpret_cast<float*>(staging_smem);  // >= S::MAX_HIDDEN floats (Staging::bytes)
   const int64_t stride = int64_t(gridDim.x) * a.hidden;

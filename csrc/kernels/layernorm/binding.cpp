@@ -156,7 +156,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
   a.rms = rms;
   a.dropout = dropout_args(p, rng);
   a.variant = variant_from_env("TK_LN_BWD_VARIANT", tk_layernorm::kDefaultBackwardVariant, tk_layernorm::kBackwardVariants);
-  a.trigger = variant_from_env("TK_LN_BWD_TRIGGER", 0, 3);  // EXPERIMENT
   // The grid (and so the partial buffer) depends on the variant and on which operands are present.
   const int blocks = tk_layernorm::backward_blocks(a, dtype);
   TORCH_CHECK(blocks > 0, "tk_cuda::layernorm_backward: no launch configuration");

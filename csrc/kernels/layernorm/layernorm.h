@@ -92,7 +92,6 @@ struct BackwardArgs {
   bool rms;
   DropoutArgs dropout;
   int variant = kDefaultBackwardVariant;
-  int trigger = 0;  // EXPERIMENT: allow_dependents 1 at the start, 2 after the row loop
 };
 
 cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream);
