@@ -11,7 +11,6 @@
 // casts dq_accum.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <type_traits>
 
 #include "attention.h"
@@ -120,7 +119,6 @@ struct BwdParams {
   void* dv;
   int nk;       // key blocks per kv head
   int section;  // kv heads per section of the block order (bwd_section)
-  int rotate;   // EXPERIMENT
 };
 
 // Block blockIdx.x -> (batch * kv head, key block) by section_decode, key block ranks first-to-last: under causal
@@ -133,21 +131,11 @@ __device__ __forceinline__ void decode_bwd_block(const BwdParams& p, int& b, int
   hk = bh - b * p.Hkv;
 }
 
-// EXPERIMENT (TK_ATTN_BWD_ROTATE): the key blocks of a head start their walk over the q blocks spread evenly
-// over it, so the blocks of a head running together do not reduce-add into the same dQ tile at the same time.
-__device__ __forceinline__ int bwd_rot(const BwdParams& p, int kb, int steps_per_head) {
-  return p.rotate && steps_per_head > 0 ? static_cast<int>(static_cast<int64_t>(kb) * steps_per_head / p.nk) : 0;
-}
-
 // A backward block's place: batch b, kv head hk, keys [n0, n0 + BN), and its steps: one (Q, dO) tile per q
 // block from mb_start on, for every query head of the GQA group (step it: head it / steps_per_head).
 struct BwdBlock {
-  int b, hk, n0, mb_start, steps_per_head, steps, rot;
-  // q block of step it; EXPERIMENT rot: each head's walk starts rot tiles in and wraps
-  __device__ __forceinline__ int mb(int it) const {
-    const int r = it % steps_per_head + rot;
-    return mb_start + (r >= steps_per_head ? r - steps_per_head : r);
-  }
+  int b, hk, n0, mb_start, steps_per_head, steps;
+  __device__ __forceinline__ int mb(int it) const { return mb_start + it % steps_per_head; }  // q block of step it
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / steps_per_head; }
 };
 
@@ -318,14 +306,14 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
   const int nqb = (p.N + BM - 1) / BM;
   const int steps_per_head = max(0, nqb - mb_start);
   const int steps = steps_per_head * p.group;
-  const BwdBlock blk{b, hk, n0, mb_start, steps_per_head, steps, bwd_rot(p, kb, steps_per_head)};
 
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    bwd_producer<K_>(sm, p, blk, &qmap, &kmap, &vmap, &domap, tid);
+    bwd_producer<K_>(sm, p, BwdBlock{b, hk, n0, mb_start, steps_per_head, steps}, &qmap, &kmap, &vmap, &domap,
+                     tid);
     return;
   }
 
@@ -383,7 +371,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
   // dP^T: ptxas cannot follow a wait<1> across the loop and would serialize.
   auto step = [&](int it, auto next) {
     const int g = it / steps_per_head;
-    const int mb = blk.mb(it);
+    const int mb = mb_start + it % steps_per_head;
     const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
     const int i0 = mb * BM;
     const int s = it % STAGES;
@@ -608,14 +596,14 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
   const int nqb = (p.N + BM - 1) / BM;
   const int steps_per_head = max(0, nqb - mb_start);
   const int steps = steps_per_head * p.group;
-  const BwdBlock blk{b, hk, n0, mb_start, steps_per_head, steps, bwd_rot(p, kb, steps_per_head)};
 
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    bwd_producer<K_>(sm, p, blk, &qmap, &kmap, &vmap, &domap, tid);
+    bwd_producer<K_>(sm, p, BwdBlock{b, hk, n0, mb_start, steps_per_head, steps}, &qmap, &kmap, &vmap, &domap,
+                     tid);
     return;
   }
 
@@ -636,7 +624,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
   bar_wait(kv_full, 0);
   for (int it = 0; it < steps; ++it) {
     const int g = it / steps_per_head;
-    const int mb = blk.mb(it);
+    const int mb = mb_start + it % steps_per_head;
     const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
     const int i0 = mb * BM;
     const int s = it % STAGES;
@@ -906,10 +894,6 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.dv = dv;
   p.nk = static_cast<int>((k.S + BWD_BN - 1) / BWD_BN);
   p.section = bwd_section(sections, num_sms, p.nk, k.B * k.H, p.group, q.S, D);
-  {
-    const char* r = std::getenv("TK_ATTN_BWD_ROTATE");  // EXPERIMENT
-    p.rotate = r && r[0] == '1';
-  }
   int smem, threads;
   void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, DkvMaps, BwdParams);
   if constexpr (WIDE) {
