@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 
   // ---------------- consumers ----------------
   reg_alloc<240>();
-  const int c = wg - 1;
+  const int c = __shfl_sync(0xffffffffu, wg - 1, 0);  // from lane 0: the compiler then keeps it (and the descriptors) uniform
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
@@ -339,24 +339,24 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
   auto issue_s = [&](int it_, float (&st_)[BM / 2]) {
     const int s_ = it_ % STAGES;
     bar_wait(&q_full[s_], (it_ / STAGES) & 1);
+    const uint64_t ka = desc_kmajor(sK_u + c * 64 * 128), qb = desc_kmajor(sQ_u + s_ * K_::Q_BYTES);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t koff = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      const uint32_t koff = (kk / 4) * BN * 128 + (kk % 4) * 32;
       const uint32_t qoff = (kk / 4) * BM * 128 + (kk % 4) * 32;
-      wgmma_op<T>::template ss<0, 0>(st_, desc_kmajor(sK_u + koff), desc_kmajor(sQ_u + s_ * K_::Q_BYTES + qoff),
-                                     kk > 0);
+      wgmma_op<T>::template ss<0, 0>(st_, desc_add(ka, koff), desc_add(qb, qoff), kk > 0);
     }
     wgmma_commit();
   };
   auto issue_dp = [&](int it_, float (&dpt_)[BM / 2]) {
     const int s_ = it_ % STAGES;
+    const uint64_t va = desc_kmajor(sV_u + c * 64 * 128), ob = desc_kmajor(sdO_u + s_ * K_::Q_BYTES);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t voff = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      const uint32_t voff = (kk / 4) * BN * 128 + (kk % 4) * 32;
       const uint32_t ooff = (kk / 4) * BM * 128 + (kk % 4) * 32;
-      wgmma_op<T>::template ss<0, 0>(dpt_, desc_kmajor(sV_u + voff), desc_kmajor(sdO_u + s_ * K_::Q_BYTES + ooff),
-                                     kk > 0);
+      wgmma_op<T>::template ss<0, 0>(dpt_, desc_add(va, voff), desc_add(ob, ooff), kk > 0);
     }
     wgmma_commit();
   };
@@ -369,9 +369,11 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
   // one of it + 1. The loop is peeled so that S^T is always wgmma-defined at
   // the top of a step, and the step waits for it with wait<0> before issuing
   // dP^T: ptxas cannot follow a wait<1> across the loop and would serialize.
+  // (head in the group, q block) of the step, advanced at its end: no division per step.
+  int g_it = 0, mb_it = mb_start;
   auto step = [&](int it, auto next) {
-    const int g = it / steps_per_head;
-    const int mb = mb_start + it % steps_per_head;
+    const int g = g_it;
+    const int mb = mb_it;
     const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
     const int i0 = mb * BM;
     const int s = it % STAGES;
@@ -403,10 +405,10 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     fence_regs(dpt);
     Turn::wait(c);
     // dV += P^T dO (dO is [query][d]: MN-major B operand)
+    const uint64_t dob = desc_mnmajor(dos, BM * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      wgmma_op<T>::template rs<1>(dv, pa[kk], desc_mnmajor(dos + kk * 16 * 128, BM * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], desc_add(dob, kk * 16 * 128), 1);
     wgmma_commit();
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
@@ -418,10 +420,10 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(dsa[kk], dpt, kk);
     // dK += dS^T Q (fence: the A registers were written after the last fence)
+    const uint64_t qsb = desc_mnmajor(qs, BM * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      wgmma_op<T>::template rs<1>(dk, dsa[kk], desc_mnmajor(qs + kk * 16 * 128, BM * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], desc_add(qsb, kk * 16 * 128), 1);
     wgmma_commit();
 
     // dS^T to shared memory for dQ = dS K. Wait until the previous dQ of both
@@ -463,16 +465,16 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     wgmma_fence();
     if constexpr (K_::DQ_SPLIT_COLS) {
       // columns [64c, 64c+64) of dQ, contracting over all BN keys
+      const uint64_t dsa0 = desc_mnmajor(sdS_u + ds_off, BN * 128), kb0 = desc_mnmajor(sK_u + c * BN * 128, BN * 128);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(sdS_u + ds_off + kk * 16 * 128, BN * 128),
-                                       desc_mnmajor(sK_u + c * BN * 128 + kk * 16 * 128, BN * 128), kk > 0);
+        wgmma_op<T>::template ss<1, 1>(dq, desc_add(dsa0, kk * 16 * 128), desc_add(kb0, kk * 16 * 128), kk > 0);
     } else {
       // all D columns, contracting over this consumer's 64 keys
+      const uint64_t dsa0 = desc_mnmajor(sdS_u + 64 * c * 128, BN * 128), kb0 = desc_mnmajor(sK_u + 64 * c * 128, BN * 128);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(sdS_u + (64 * c + 16 * kk) * 128, BN * 128),
-                                       desc_mnmajor(sK_u + (64 * c + 16 * kk) * 128, BN * 128), kk > 0);
+        wgmma_op<T>::template ss<1, 1>(dq, desc_add(dsa0, 16 * kk * 128), desc_add(kb0, 16 * kk * 128), kk > 0);
     }
     wgmma_commit();
     Turn::pass(c);
@@ -512,6 +514,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
         tma_reduce_add_3d(&dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
       bulk_commit();
     }
+    mb_it = mb_it + 1 < nqb ? mb_it + 1 : (++g_it, mb_start);
   };
   if constexpr (PIPE) {
     if (steps > 0) {
@@ -609,7 +612,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
 
   // ---------------- consumers ----------------
   reg_alloc<240>();
-  const int c = wg - 1;
+  const int c = __shfl_sync(0xffffffffu, wg - 1, 0);  // from lane 0: the compiler then keeps it (and the descriptors) uniform
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
@@ -622,9 +625,9 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
   for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.f;
 
   bar_wait(kv_full, 0);
-  for (int it = 0; it < steps; ++it) {
-    const int g = it / steps_per_head;
-    const int mb = mb_start + it % steps_per_head;
+  // (head in the group, q block) of step it, advanced with it: no division per step.
+  int g = 0, mb = mb_start;
+  for (int it = 0; it < steps; ++it, mb = mb + 1 < nqb ? mb + 1 : (++g, mb_start)) {
     const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
     const int i0 = mb * BM;
     const int s = it % STAGES;
@@ -635,14 +638,14 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     // S^T = K_c Q^T and dP^T = V_c dO^T: 64 keys x 128 queries each.
     float st[BM / 2], dpt[BM / 2];
     bar_wait(&q_full[s], (it / STAGES) & 1);
+    const uint64_t ka = desc_kmajor(sK_u + c * 64 * 128), qb = desc_kmajor(qs);
+    const uint64_t va = desc_kmajor(sV_u + c * 64 * 128), ob = desc_kmajor(dos);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_op<T>::template ss<0, 0>(st, desc_kmajor(sK_u + c * 64 * 128 + kk * 32), desc_kmajor(qs + kk * 32), kk > 0);
+    for (int kk = 0; kk < 4; ++kk) wgmma_op<T>::template ss<0, 0>(st, desc_add(ka, kk * 32), desc_add(qb, kk * 32), kk > 0);
     wgmma_commit();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_op<T>::template ss<0, 0>(dpt, desc_kmajor(sV_u + c * 64 * 128 + kk * 32), desc_kmajor(dos + kk * 32), kk > 0);
+    for (int kk = 0; kk < 4; ++kk) wgmma_op<T>::template ss<0, 0>(dpt, desc_add(va, kk * 32), desc_add(ob, kk * 32), kk > 0);
     wgmma_commit();
     wgmma_wait<1>();
     fence_regs(st);
@@ -667,13 +670,12 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
       acc_to_a<T>(pa[kk], st, kk);
       acc_to_a<T>(dsa[kk], dpt, kk);
     }
+    const uint64_t dob = desc_mnmajor(dos, BM * 128), qsb = desc_mnmajor(qs, BM * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      wgmma_op<T>::template rs<1>(dv, pa[kk], desc_mnmajor(dos + kk * 16 * 128, BM * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], desc_add(dob, kk * 16 * 128), 1);
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      wgmma_op<T>::template rs<1>(dk, dsa[kk], desc_mnmajor(qs + kk * 16 * 128, BM * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], desc_add(qsb, kk * 16 * 128), 1);
     wgmma_commit();
 
     // dS^T to buffer it % 2 ([query panel][key][query]). The buffer was last
@@ -700,11 +702,11 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     // (query-major panel c of dS^T), B = K (MN-major).
     float dq[32];
     const uint32_t ds_u = sdS_u + (it & 1) * K_::DS_BYTES + c * K_::DS_PANEL;
+    const uint64_t dsa0 = desc_mnmajor(ds_u, K_::DS_PANEL), kb0 = desc_mnmajor(sK_u, BN * 128);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      wgmma_op<T>::template ss<1, 1>(dq, desc_mnmajor(ds_u + kk * 16 * 128, K_::DS_PANEL),
-                                     desc_mnmajor(sK_u + kk * 16 * 128, BN * 128), kk > 0);
+      wgmma_op<T>::template ss<1, 1>(dq, desc_add(dsa0, kk * 16 * 128), desc_add(kb0, kk * 16 * 128), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(dq);

@@ -192,6 +192,13 @@ __device__ __forceinline__ uint64_t desc_kmajor(uint32_t saddr) {
 __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t saddr, uint32_t panel_bytes) {
   return desc_encode(saddr) | (desc_encode(panel_bytes) << 16) | (desc_encode(1024) << 32) | (1ull << 62);
 }
+// The descriptor of the operand `bytes` (a multiple of 16) further on: the start address is the low field, in
+// 16-byte units, and shared addresses stay below 256 KB, so the sum never carries out of it. A GEMM's k-steps
+// then cost one integer add each instead of re-encoding the address (the encoding took ~8 instructions per wgmma,
+// on the path between a wait and the next issue).
+__device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(desc) + (bytes >> 4));
+}
 
 template <typename T>
 struct wgmma_op;

@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 
   // ---------------- consumers ----------------
   reg_alloc<Cfg::REG_CONS>();
-  const int c = wg - 1;
+  const int c = __shfl_sync(0xffffffffu, wg - 1, 0);  // from lane 0: the compiler then keeps it (and the descriptors) uniform
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;  // this thread's first row inside the warpgroup's 64
   const int col_in = 2 * (lane % 4);        // first column inside each 8-column chunk
@@ -249,11 +249,12 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       const uint32_t ph = (it / STAGES) & 1;
       float sc[K_::S_REGS];
       bar_wait(&k_full[s], ph);
+      const uint64_t qa = desc_kmajor(sQ_u), kb = desc_kmajor(sK_u + s * K_::KV_BYTES);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t da = desc_kmajor(sQ_u + (kk / 4) * BM * 128 + (kk % 4) * 32);
-        const uint64_t db = desc_kmajor(sK_u + s * K_::KV_BYTES + (kk / 4) * BN * 128 + (kk % 4) * 32);
+        const uint64_t da = desc_add(qa, (kk / 4) * BM * 128 + (kk % 4) * 32);
+        const uint64_t db = desc_add(kb, (kk / 4) * BN * 128 + (kk % 4) * 32);
         wgmma_op<T>::template ss<0, 0>(sc, da, db, kk > 0);
       }
       wgmma_commit();
@@ -313,12 +314,10 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
       bar_wait(&v_full[s], ph);
+      const uint64_t vb = desc_mnmajor(sV_u + s * K_::KV_BYTES, BN * 128);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const uint64_t db = desc_mnmajor(sV_u + s * K_::KV_BYTES + kk * 16 * 128, BN * 128);
-        wgmma_op<T>::template rs<1>(o, pa[kk], db, 1);
-      }
+      for (int kk = 0; kk < BN / 16; ++kk) wgmma_op<T>::template rs<1>(o, pa[kk], desc_add(vb, kk * 16 * 128), 1);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
@@ -394,21 +393,20 @@ struct PP {
   using Turn = Turns<Cfg::TURNS, 1, Cfg::NC>;
 
   static __device__ __forceinline__ void issue_qk(float (&sc)[K_::S_REGS], uint32_t sQ_u, uint32_t sK_s) {
+    const uint64_t qa = desc_kmajor(sQ_u), kb = desc_kmajor(sK_s);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da = desc_kmajor(sQ_u + (kk / 4) * BM * 128 + (kk % 4) * 32);
-      const uint64_t db = desc_kmajor(sK_s + (kk / 4) * BN * 128 + (kk % 4) * 32);
+      const uint64_t da = desc_add(qa, (kk / 4) * BM * 128 + (kk % 4) * 32);
+      const uint64_t db = desc_add(kb, (kk / 4) * BN * 128 + (kk % 4) * 32);
       wgmma_op<T>::template ss<0, 0>(sc, da, db, kk > 0);
     }
     wgmma_commit();
   }
   static __device__ __forceinline__ void issue_pv(float (&o)[K_::O_REGS], const uint32_t (&pa)[BN / 16][4],
                                                   uint32_t sV_s) {
+    const uint64_t vb = desc_mnmajor(sV_s, BN * 128);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t db = desc_mnmajor(sV_s + kk * 16 * 128, BN * 128);
-      wgmma_op<T>::template rs<1>(o, pa[kk], db, 1);
-    }
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_op<T>::template rs<1>(o, pa[kk], desc_add(vb, kk * 16 * 128), 1);
     wgmma_commit();
   }
 
@@ -498,7 +496,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 
   // ---------------- consumers ----------------
   reg_alloc<Cfg::REG_CONS>();
-  const int c = wg - 1;
+  const int c = __shfl_sync(0xffffffffu, wg - 1, 0);  // from lane 0: the compiler then keeps it (and the descriptors) uniform
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
