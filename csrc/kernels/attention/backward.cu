@@ -947,7 +947,7 @@ template <>
 struct BwdVariants<128> {
   static constexpr int DEFAULT = 8;
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
-  using V1 = BwdCfg<Kind::Tile64, true, 2, false, true, false, true, true>;  // EXPERIMENT: 8 + PIPE
+  using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
   using V3 = BwdCfg<Kind::Tile64, false, 3, true>;
   using V4 = BwdCfg<Kind::Tile64, false, 2, false, true>;
