@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t koff = (kk / 4) * BN * 128 + (kk % 4) * 32;
       const uint32_t qoff = (kk / 4) * BM * 128 + (kk % 4) * 32;
-      wgmma_op<T>::template ss<0, 0>(st_, desc_add(ka, koff), desc_add(qb, qoff), kk > 0);
+      wgmma_op<T>::template ss<0, 0>(st_, tk::desc::add(ka, koff), tk::desc::add(qb, qoff), kk > 0);
     }
     wgmma_commit();
   };
@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t voff = (kk / 4) * BN * 128 + (kk % 4) * 32;
       const uint32_t ooff = (kk / 4) * BM * 128 + (kk % 4) * 32;
-      wgmma_op<T>::template ss<0, 0>(dpt_, desc_add(va, voff), desc_add(ob, ooff), kk > 0);
+      wgmma_op<T>::template ss<0, 0>(dpt_, tk::desc::add(va, voff), tk::desc::add(ob, ooff), kk > 0);
     }
     wgmma_commit();
   };
@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     const uint64_t dob = desc_mnmajor(dos, BM * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], desc_add(dob, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], tk::desc::add(dob, kk * 16 * 128), 1);
     wgmma_commit();
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     const uint64_t qsb = desc_mnmajor(qs, BM * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], desc_add(qsb, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], tk::desc::add(qsb, kk * 16 * 128), 1);
     wgmma_commit();
 
     // dS^T to shared memory for dQ = dS K. Wait until the previous dQ of both
@@ -468,13 +468,13 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       const uint64_t dsa0 = desc_mnmajor(sdS_u + ds_off, BN * 128), kb0 = desc_mnmajor(sK_u + c * BN * 128, BN * 128);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, desc_add(dsa0, kk * 16 * 128), desc_add(kb0, kk * 16 * 128), kk > 0);
+        wgmma_op<T>::template ss<1, 1>(dq, tk::desc::add(dsa0, kk * 16 * 128), tk::desc::add(kb0, kk * 16 * 128), kk > 0);
     } else {
       // all D columns, contracting over this consumer's 64 keys
       const uint64_t dsa0 = desc_mnmajor(sdS_u + 64 * c * 128, BN * 128), kb0 = desc_mnmajor(sK_u + 64 * c * 128, BN * 128);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, desc_add(dsa0, 16 * kk * 128), desc_add(kb0, 16 * kk * 128), kk > 0);
+        wgmma_op<T>::template ss<1, 1>(dq, tk::desc::add(dsa0, 16 * kk * 128), tk::desc::add(kb0, 16 * kk * 128), kk > 0);
     }
     wgmma_commit();
     Turn::pass(c);
@@ -642,10 +642,10 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     const uint64_t va = desc_kmajor(sV_u + c * 64 * 128), ob = desc_kmajor(dos);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_op<T>::template ss<0, 0>(st, desc_add(ka, kk * 32), desc_add(qb, kk * 32), kk > 0);
+    for (int kk = 0; kk < 4; ++kk) wgmma_op<T>::template ss<0, 0>(st, tk::desc::add(ka, kk * 32), tk::desc::add(qb, kk * 32), kk > 0);
     wgmma_commit();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_op<T>::template ss<0, 0>(dpt, desc_add(va, kk * 32), desc_add(ob, kk * 32), kk > 0);
+    for (int kk = 0; kk < 4; ++kk) wgmma_op<T>::template ss<0, 0>(dpt, tk::desc::add(va, kk * 32), tk::desc::add(ob, kk * 32), kk > 0);
     wgmma_commit();
     wgmma_wait<1>();
     fence_regs(st);
@@ -673,9 +673,9 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     const uint64_t dob = desc_mnmajor(dos, BM * 128), qsb = desc_mnmajor(qs, BM * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], desc_add(dob, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], tk::desc::add(dob, kk * 16 * 128), 1);
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], desc_add(qsb, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], tk::desc::add(qsb, kk * 16 * 128), 1);
     wgmma_commit();
 
     // dS^T to buffer it % 2 ([query panel][key][query]). The buffer was last
@@ -706,7 +706,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      wgmma_op<T>::template ss<1, 1>(dq, desc_add(dsa0, kk * 16 * 128), desc_add(kb0, kk * 16 * 128), kk > 0);
+      wgmma_op<T>::template ss<1, 1>(dq, tk::desc::add(dsa0, kk * 16 * 128), tk::desc::add(kb0, kk * 16 * 128), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(dq);

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "tk/common.cuh"
+#include "tk/ops/warpgroup/descriptor.cuh"
 #include "wgmma.cuh"
 
 namespace tk_attn {
@@ -181,25 +182,17 @@ __device__ __forceinline__ void fence_regs(uint32_t (&a)[KK][4]) {
 // Shared tiles are stored as column panels of 64 elements (128 bytes per row,
 // the TMA box width for 128-byte swizzle), each panel [rows][64], 1024-byte
 // aligned. Descriptor fields are in 16-byte units.
-__device__ __forceinline__ uint64_t desc_encode(uint64_t x) { return (x & 0x3FFFF) >> 4; }
+using tk::desc::encode;
 // K-major operand (the contraction dim is the contiguous one): 8-row groups
 // 1024 bytes apart; leading offset unused with 128-byte swizzle.
 __device__ __forceinline__ uint64_t desc_kmajor(uint32_t saddr) {
-  return desc_encode(saddr) | (desc_encode(16) << 16) | (desc_encode(1024) << 32) | (1ull << 62);
+  return encode(saddr) | (encode(16) << 16) | (encode(1024) << 32) | (1ull << 62);
 }
 // MN-major operand (the output dim is contiguous): 64-wide panels `panel_bytes`
 // apart, 8-row groups of the contraction dim 1024 bytes apart.
 __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t saddr, uint32_t panel_bytes) {
-  return desc_encode(saddr) | (desc_encode(panel_bytes) << 16) | (desc_encode(1024) << 32) | (1ull << 62);
+  return encode(saddr) | (encode(panel_bytes) << 16) | (encode(1024) << 32) | (1ull << 62);
 }
-// The descriptor of the operand `bytes` (a multiple of 16) further on: the start address is the low field, in
-// 16-byte units, and shared addresses stay below 256 KB, so the sum never carries out of it. A GEMM's k-steps
-// then cost one integer add each instead of re-encoding the address (the encoding took ~8 instructions per wgmma,
-// on the path between a wait and the next issue).
-__device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
-  return (desc & 0xFFFFFFFF00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(desc) + (bytes >> 4));
-}
-
 template <typename T>
 struct wgmma_op;
 template <>

@@ -8,29 +8,28 @@
 // With accumulate = 0 the old D is ignored (D = product). Each call fences, issues K/16 wgmmas
 // and commits them as one group; call mma_async_wait<n>(...) before reading D or reusing inputs.
 #pragma once
+#include "descriptor.cuh"
 #include "wgmma_ptx.cuh"
 #include "../../types/st.cuh"
 
 namespace tk {
 
 namespace detail::wgmma {
-TK_DEVICE uint64_t encode(uint64_t x) { return (x & 0x3FFFF) >> 4; }
-// Descriptor of the chunk-th 16-deep K slice of tile t. K-major: K runs along t's columns;
-// MN-major: K runs along t's rows. Strides follow the st layout (column blocks of one swizzle span).
-template <int MNMajor, shared_tile ST> TK_DEVICE uint64_t descriptor(const ST& t, int chunk) {
+using desc::encode;
+using desc::add;
+// Byte offset of the chunk-th 16-deep K slice of tile type ST from its start. K-major: K runs along the
+// columns; MN-major: K runs along the rows. Strides follow the st layout (column blocks of one swizzle span).
+template <int MNMajor, shared_tile ST> TK_DEVICE constexpr uint32_t chunk_offset(int chunk) {
+    constexpr int sw = ST::swizzle_bytes, per_span = sw / 32;  // 16 two-byte elements = 32 bytes per chunk
+    return MNMajor ? chunk * 16 * sw : (chunk % per_span) * 32 + (chunk / per_span) * ST::rows * sw;
+}
+// Descriptor of tile t's first K slice; a slice's is that plus its chunk_offset (desc::add).
+template <int MNMajor, shared_tile ST> TK_DEVICE uint64_t descriptor(const ST& t) {
     constexpr int sw = ST::swizzle_bytes;
     static_assert(sw != 0, "wgmma operands must be swizzled shared tiles");
     constexpr uint64_t mode = sw == 128 ? 1 : sw == 64 ? 2 : 3;
-    uint64_t addr = smem_addr(t.data), lbo;
-    if constexpr (MNMajor) {
-        addr += chunk * 16 * sw;  // 16 rows of one span
-        lbo = uint64_t(ST::rows) * sw;  // next column block along M/N
-    } else {
-        constexpr int per_span = sw / 32;  // 16 two-byte elements = 32 bytes per chunk
-        addr += (chunk % per_span) * 32 + (chunk / per_span) * ST::rows * sw;
-        lbo = 16;  // unused for swizzled K-major
-    }
-    return encode(addr) | encode(lbo) << 16 | encode(8 * sw) << 32 | mode << 62;
+    constexpr uint64_t lbo = MNMajor ? uint64_t(ST::rows) * sw : 16;  // next column block along M/N; unused K-major
+    return encode(smem_addr(t.data)) | encode(lbo) << 16 | encode(8 * sw) << 32 | mode << 62;
 }
 template <class D> TK_DEVICE void fence_operand(D& d) {
 #pragma unroll
@@ -51,15 +50,18 @@ template <int TA, int TB, register_tile D, class A, shared_tile B> TK_DEVICE voi
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     if constexpr (register_tile<A>) {
         static_assert(TA == 0 && A::rows == 16 && A::cols == K && A::is_row, "register A must be rt<T, 16, K> row layout");
+        const uint64_t db = descriptor<TB>(b);
 #pragma unroll
         for (int c = 0; c < K / 16; ++c)
-            ptx<T, N>::template rs<TB>(d, reinterpret_cast<const uint32_t*>(a.tiles[0][c].data), descriptor<TB>(b, c),
-                                        c == 0 ? accumulate : 1);
+            ptx<T, N>::template rs<TB>(d, reinterpret_cast<const uint32_t*>(a.tiles[0][c].data),
+                                        add(db, chunk_offset<TB, B>(c)), c == 0 ? accumulate : 1);
     } else {
         static_assert((TA ? A::cols : A::rows) == 64 && (TA ? A::rows : A::cols) == K, "shared A must be 64 x K (or K x 64)");
+        const uint64_t da = descriptor<TA>(a), db = descriptor<TB>(b);
 #pragma unroll
         for (int c = 0; c < K / 16; ++c)
-            ptx<T, N>::template ss<TA, TB>(d, descriptor<TA>(a, c), descriptor<TB>(b, c), c == 0 ? accumulate : 1);
+            ptx<T, N>::template ss<TA, TB>(d, add(da, chunk_offset<TA, A>(c)), add(db, chunk_offset<TB, B>(c)),
+                                           c == 0 ? accumulate : 1);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     fence_operand(d);
