@@ -64,9 +64,10 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
       float dy[8], xh[8], wv[8], dres[8];
       unpack(dy, dy_raw[v]);
       unpack(xh, h_raw[v]);
-      if (w) load8(wv, w + vi * 8); else fill8(wv, 1.f);
-      if (a.dh) load8(dres, static_cast<const T*>(a.dh) + base + vi * 8); else fill8(dres, 0.f);
-      backward_vec<T>(a, drop, base, vi, dy, xh, wv, dres, mean, rstd, mean_g, mean_gx, acc_w[v], acc_b[v]);
+      if (w) load8(wv, w + vi * 8);
+      if (a.dh) load8(dres, static_cast<const T*>(a.dh) + base + vi * 8);
+      backward_vec<T>(a, drop, base, vi, dy, xh, wv, w != nullptr, dres, a.dh != nullptr, mean, rstd, mean_g, mean_gx,
+                      acc_w[v], acc_b[v]);
     }
   }
   const int64_t stride = int64_t(gridDim.x) * a.hidden;

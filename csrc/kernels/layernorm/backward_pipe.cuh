@@ -41,14 +41,13 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   const Staging<T, S, STAGES, true> st{staging_smem, dh_g ? 3 : 2};
 
   // w is the same for every row this thread sees: copied once into the thread's fixed slot (it lands
-  // with the first commit group), or with KEEP loaded once into registers (ones without a weight: g = dy·w
-  // then needs no select).
+  // with the first commit group), or with KEEP loaded once into registers.
   float wk[S::VECS][8];
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
     if constexpr (KEEP) {
-      if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8)); else fill8(wk[v], 1.f);
+      if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
     } else {
       if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
     }
@@ -107,7 +106,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             xk[v][i] = fmaf(xk[v][i], rstd, -mean * rstd);  // one FMA: (h - mean)·rstd up to rounding
-            const float g = dyk[v][i] * wk[v][i];
+            const float g = has_w ? dyk[v][i] * wk[v][i] : dyk[v][i];
             sg += g;
             sgx += g * xk[v][i];
           }
@@ -115,10 +114,10 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
           float dy[8], xh[8], wv[8];
           unpack(dy, st.read(stage, kDy, v));
           unpack(xh, st.read(stage, kH, v));
-          if (has_w) unpack(wv, st.read_fixed(v)); else fill8(wv, 1.f);
+          if (has_w) unpack(wv, st.read_fixed(v));
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            const float g = dy[i] * wv[i];
+            const float g = has_w ? dy[i] * wv[i] : dy[i];
             sg += g;
             sgx += g * ((xh[i] - mean) * rstd);
           }
@@ -136,17 +135,18 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         if (vi >= nvec) continue;
         if constexpr (KEEP) {
           float dres[8];
-          if (dh_g) unpack(dres, st.read(stage, kDh, v)); else fill8(dres, 0.f);
-          backward_vec_xhat<T>(a, drop, base, vi, dyk[v], xk[v], wk[v], dres, rstd, mean_g, mean_gx, acc_w[v],
-                               acc_b[v]);
+          if (dh_g) unpack(dres, st.read(stage, kDh, v));
+          backward_vec_xhat<T>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr, rstd, mean_g,
+                               mean_gx, acc_w[v], acc_b[v]);
           continue;
         }
         float dy[8], xh[8], wv[8], dres[8];
         unpack(dy, st.read(stage, kDy, v));
         unpack(xh, st.read(stage, kH, v));
-        if (has_w) unpack(wv, st.read_fixed(v)); else fill8(wv, 1.f);
-        if (dh_g) unpack(dres, st.read(stage, kDh, v)); else fill8(dres, 0.f);
-        backward_vec<T>(a, drop, base, vi, dy, xh, wv, dres, mean, rstd, mean_g, mean_gx, acc_w[v], acc_b[v]);
+        if (has_w) unpack(wv, st.read_fixed(v));
+        if (dh_g) unpack(dres, st.read(stage, kDh, v));
+        backward_vec<T>(a, drop, base, vi, dy, xh, wv, has_w, dres, dh_g != nullptr, mean, rstd, mean_g, mean_gx,
+                        acc_w[v], acc_b[v]);
       }
     }
     stage = stage + 1 == STAGES ? 0 : stage + 1;

@@ -151,18 +151,18 @@ __device__ __forceinline__ void store_grads(const BackwardArgs& a, const Dropout
 }
 
 // The backward of one vector from its normalised x̂ (xh), once the row sums are known:
-// dres = rstd·(g − mean_g − x̂·mean_gx) + the incoming dh, the dw/db partials, and dx through the regenerated
-// dropout mask. The callers pass wv = 1 without a weight and dres = 0 (on entry) without an incoming dh: the
-// same arithmetic then serves every case, with no per-element select.
+// dres = rstd·(g − mean_g − x̂·mean_gx), plus the incoming dh (in dres on entry when add_dh), the dw/db
+// partials, and dx through the regenerated dropout mask.
 template <typename T>
 __device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi,
                                                   const float (&dy)[8], const float (&xh)[8], const float (&wv)[8],
-                                                  float (&dres)[8], float rstd, float mean_g, float mean_gx,
-                                                  float (&acc_w)[8], float (&acc_b)[8]) {
+                                                  bool has_w, float (&dres)[8], bool add_dh, float rstd, float mean_g,
+                                                  float mean_gx, float (&acc_w)[8], float (&acc_b)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float g = dy[i] * wv[i];
-    dres[i] += rstd * (g - mean_g - xh[i] * mean_gx);
+    const float g = has_w ? dy[i] * wv[i] : dy[i];
+    const float dn = rstd * (g - mean_g - xh[i] * mean_gx);
+    dres[i] = add_dh ? dres[i] + dn : dn;
     acc_w[i] += dy[i] * xh[i];
     acc_b[i] += dy[i];
   }
@@ -173,12 +173,12 @@ __device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const D
 // (rows, hidden) tensors.
 template <typename T>
 __device__ __forceinline__ void backward_vec(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi, const float (&dy)[8],
-                                             float (&xh)[8], const float (&wv)[8], float (&dres)[8], float mean,
-                                             float rstd, float mean_g, float mean_gx, float (&acc_w)[8],
-                                             float (&acc_b)[8]) {
+                                             float (&xh)[8], const float (&wv)[8], bool has_w, float (&dres)[8],
+                                             bool add_dh, float mean, float rstd, float mean_g, float mean_gx,
+                                             float (&acc_w)[8], float (&acc_b)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) xh[i] = (xh[i] - mean) * rstd;
-  backward_vec_xhat<T>(a, drop, base, vi, dy, xh, wv, dres, rstd, mean_g, mean_gx, acc_w, acc_b);
+  backward_vec_xhat<T>(a, drop, base, vi, dy, xh, wv, has_w, dres, add_dh, rstd, mean_g, mean_gx, acc_w, acc_b);
 }
 
 // Sum the ROWS row-groups' accumulators of a block (sequentially, fixed order) and write the block's partial.

@@ -86,11 +86,6 @@ __device__ __forceinline__ Pack8<T> pack(const float (&src)[8]) {
   return p;
 }
 
-__device__ __forceinline__ void fill8(float (&dst)[8], float v) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) dst[i] = v;
-}
-
 template <typename T>
 __device__ __forceinline__ void load8(float (&dst)[8], const T* src) {
   unpack(dst, load_pack(src));
