@@ -31,6 +31,7 @@ CASES = {  # the fwd+bwd rows of benchmarks/ssd.py and benchmarks/linear_attenti
     "layernorm": [(65536, 1024), (65536, 2048), (65536, 4096), (65536, 8192)],  # rows, hidden (LN, w and b)
 }
 CASES["layernorm_fwd"] = CASES["copy"] = CASES["layernorm"][:1]
+FAMILY = {"layernorm_fwd": "layernorm", "copy": None}  # the kernel family an op's steps need (default: the op's)
 
 
 def ssd_step(b, l, nh):
@@ -72,6 +73,15 @@ STEPS = {"ssd": ssd_step, "linear_attention": based_step, "layernorm": layernorm
          "layernorm_fwd": layernorm_fwd_step, "copy": copy_step}
 
 
+def iterations(kernels: list, steps: int) -> list[list]:
+    """`steps` iterations' kernels in start order, one list per iteration: each launches the same kernels, the
+    flush first (told apart by position, not by name: a step may run elementwise kernels of its own)."""
+    if not kernels or len(kernels) % steps:
+        raise RuntimeError(f"{len(kernels)} kernels recorded in {steps} steps: not the same kernels every step")
+    n = len(kernels) // steps
+    return [kernels[i * n:(i + 1) * n] for i in range(steps)]
+
+
 def timeline(step, steps: int) -> str:
     """Median duration of each kernel of a step and of the gap before it (the first kernel's gap is from the end
     of the L2-flush memset), against the median event time of the step, as do_bench measures it."""
@@ -86,14 +96,7 @@ def timeline(step, steps: int) -> str:
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0),
                      key=lambda e: e.time_range.start)
-    iters, cur = [], None
-    for e in kernels:  # an iteration: the flush's kernel, then the step's kernels up to the next flush
-        if "elementwise" in e.name or "fill" in e.name.lower():
-            cur = [e]
-            iters.append(cur)
-        elif cur is not None:
-            cur.append(e)
-    iters = [it for it in iters if len(it) > 1]
+    iters = iterations(kernels, steps)
     lines = [f"event time (median of {steps}): {statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e3:.1f} us"]
     n = min(len(it) for it in iters)
     for k in range(1, n):
@@ -116,8 +119,8 @@ def main(argv=None) -> int:
     from tk_inductor import build
 
     for op in args.ops.split(","):
-        if op != "copy":
-            build.load(op.removesuffix("_fwd"))
+        if (family := FAMILY.get(op, op)) is not None:
+            build.load(family)
         for case in CASES[op]:
             step = STEPS[op](*case)
             step(), torch.cuda.synchronize()  # warm-up: first launches, allocator

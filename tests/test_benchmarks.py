@@ -325,3 +325,13 @@ def test_with_env_sets_and_restores(monkeypatch):
     with pytest.raises(KeyError):
         with_env("TK_SSD_VARIANT", "1", lambda: {}["x"])
     assert os.environ["TK_SSD_VARIANT"] == "0"
+
+
+def test_timeline_splits_iterations_by_position():
+    from benchmarks.profile_backward import iterations
+
+    # a step whose own kernels include an elementwise one, like the flush: iterations are told apart by count
+    names = ["fill", "main", "elementwise", "sum"] * 3
+    assert iterations(names, 3) == [["fill", "main", "elementwise", "sum"]] * 3
+    with pytest.raises(RuntimeError, match="not the same kernels"):
+        iterations(names[:-1], 3)

@@ -33,6 +33,10 @@ template <int ALIGN, class T> TK_DEVICE T* align_shared(T* raw) {
 }
 
 TK_DEVICE int laneid() { return threadIdx.x & 31; }
+// v as lane 0 has it: the compiler then treats it as warp-uniform and keeps what derives from it (a warpgroup's
+// shared-memory bases, its wgmma descriptors) in uniform registers, where a threadIdx-derived value costs an R2UR
+// per wgmma.
+TK_DEVICE int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 TK_DEVICE int warpid() { return threadIdx.x >> 5; }
 TK_DEVICE int warpgroupid() { return threadIdx.x >> 7; }
 TK_DEVICE int warpid_in_group() { return (threadIdx.x >> 5) & 3; }

@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 
   // ---------------- consumers ----------------
   reg_alloc<240>();
-  const int c = __shfl_sync(0xffffffffu, wg - 1, 0);  // from lane 0: the compiler then keeps it (and the descriptors) uniform
+  const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
@@ -342,22 +342,16 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     const uint64_t ka = desc_kmajor(sK_u + c * 64 * 128), qb = desc_kmajor(sQ_u + s_ * K_::Q_BYTES);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t koff = (kk / 4) * BN * 128 + (kk % 4) * 32;
-      const uint32_t qoff = (kk / 4) * BM * 128 + (kk % 4) * 32;
-      wgmma_op<T>::template ss<0, 0>(st_, tk::desc::add(ka, koff), tk::desc::add(qb, qoff), kk > 0);
-    }
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_op<T>::template ss<0, 0>(st_, kmajor_step(ka, kk, BN), kmajor_step(qb, kk, BM), kk > 0);
     wgmma_commit();
   };
   auto issue_dp = [&](int it_, float (&dpt_)[BM / 2]) {
     const int s_ = it_ % STAGES;
     const uint64_t va = desc_kmajor(sV_u + c * 64 * 128), ob = desc_kmajor(sdO_u + s_ * K_::Q_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t voff = (kk / 4) * BN * 128 + (kk % 4) * 32;
-      const uint32_t ooff = (kk / 4) * BM * 128 + (kk % 4) * 32;
-      wgmma_op<T>::template ss<0, 0>(dpt_, tk::desc::add(va, voff), tk::desc::add(ob, ooff), kk > 0);
-    }
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_op<T>::template ss<0, 0>(dpt_, kmajor_step(va, kk, BN), kmajor_step(ob, kk, BM), kk > 0);
     wgmma_commit();
   };
 
@@ -408,7 +402,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     const uint64_t dob = desc_mnmajor(dos, BM * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], tk::desc::add(dob, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
     wgmma_commit();
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
@@ -423,7 +417,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     const uint64_t qsb = desc_mnmajor(qs, BM * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], tk::desc::add(qsb, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], mnmajor_step(qsb, kk), 1);
     wgmma_commit();
 
     // dS^T to shared memory for dQ = dS K. Wait until the previous dQ of both
@@ -468,13 +462,13 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       const uint64_t dsa0 = desc_mnmajor(sdS_u + ds_off, BN * 128), kb0 = desc_mnmajor(sK_u + c * BN * 128, BN * 128);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, tk::desc::add(dsa0, kk * 16 * 128), tk::desc::add(kb0, kk * 16 * 128), kk > 0);
+        wgmma_op<T>::template ss<1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
     } else {
       // all D columns, contracting over this consumer's 64 keys
       const uint64_t dsa0 = desc_mnmajor(sdS_u + 64 * c * 128, BN * 128), kb0 = desc_mnmajor(sK_u + 64 * c * 128, BN * 128);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, tk::desc::add(dsa0, 16 * kk * 128), tk::desc::add(kb0, 16 * kk * 128), kk > 0);
+        wgmma_op<T>::template ss<1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
     }
     wgmma_commit();
     Turn::pass(c);
@@ -612,7 +606,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
 
   // ---------------- consumers ----------------
   reg_alloc<240>();
-  const int c = __shfl_sync(0xffffffffu, wg - 1, 0);  // from lane 0: the compiler then keeps it (and the descriptors) uniform
+  const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
@@ -625,9 +619,8 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
   for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.f;
 
   bar_wait(kv_full, 0);
-  // (head in the group, q block) of step it, advanced with it: no division per step.
-  int g = 0, mb = mb_start;
-  for (int it = 0; it < steps; ++it, mb = mb + 1 < nqb ? mb + 1 : (++g, mb_start)) {
+  int g = 0, mb = mb_start;  // (head in the group, q block) of step it
+  for (int it = 0; it < steps; ++it, mb = mb + 1 < nqb ? mb + 1 : (++g, mb_start)) {  // no division per step
     const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
     const int i0 = mb * BM;
     const int s = it % STAGES;
@@ -642,10 +635,12 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     const uint64_t va = desc_kmajor(sV_u + c * 64 * 128), ob = desc_kmajor(dos);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_op<T>::template ss<0, 0>(st, tk::desc::add(ka, kk * 32), tk::desc::add(qb, kk * 32), kk > 0);
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_op<T>::template ss<0, 0>(st, kmajor_step(ka, kk, BN), kmajor_step(qb, kk, BM), kk > 0);
     wgmma_commit();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_op<T>::template ss<0, 0>(dpt, tk::desc::add(va, kk * 32), tk::desc::add(ob, kk * 32), kk > 0);
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_op<T>::template ss<0, 0>(dpt, kmajor_step(va, kk, BN), kmajor_step(ob, kk, BM), kk > 0);
     wgmma_commit();
     wgmma_wait<1>();
     fence_regs(st);
@@ -673,9 +668,9 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     const uint64_t dob = desc_mnmajor(dos, BM * 128), qsb = desc_mnmajor(qs, BM * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], tk::desc::add(dob, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], tk::desc::add(qsb, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], mnmajor_step(qsb, kk), 1);
     wgmma_commit();
 
     // dS^T to buffer it % 2 ([query panel][key][query]). The buffer was last
@@ -706,7 +701,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      wgmma_op<T>::template ss<1, 1>(dq, tk::desc::add(dsa0, kk * 16 * 128), tk::desc::add(kb0, kk * 16 * 128), kk > 0);
+      wgmma_op<T>::template ss<1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(dq);

@@ -193,6 +193,14 @@ __device__ __forceinline__ uint64_t desc_kmajor(uint32_t saddr) {
 __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t saddr, uint32_t panel_bytes) {
   return encode(saddr) | (encode(panel_bytes) << 16) | (encode(1024) << 32) | (1ull << 62);
 }
+// The descriptor of the k-th 16-deep slice from the operand's base descriptor d (one add, not a re-encoding):
+// K-major panels of `rows` rows, or MN-major.
+__device__ __forceinline__ uint64_t kmajor_step(uint64_t d, int k, int rows) {
+  return tk::desc::add(d, tk::desc::kmajor_offset<128>(k, rows));
+}
+__device__ __forceinline__ uint64_t mnmajor_step(uint64_t d, int k) {
+  return tk::desc::add(d, tk::desc::mnmajor_offset<128>(k));
+}
 template <typename T>
 struct wgmma_op;
 template <>

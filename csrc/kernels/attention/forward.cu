@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 
   // ---------------- consumers ----------------
   reg_alloc<Cfg::REG_CONS>();
-  const int c = __shfl_sync(0xffffffffu, wg - 1, 0);  // from lane 0: the compiler then keeps it (and the descriptors) uniform
+  const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;  // this thread's first row inside the warpgroup's 64
   const int col_in = 2 * (lane % 4);        // first column inside each 8-column chunk
@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t da = tk::desc::add(qa, (kk / 4) * BM * 128 + (kk % 4) * 32);
-        const uint64_t db = tk::desc::add(kb, (kk / 4) * BN * 128 + (kk % 4) * 32);
+        const uint64_t da = kmajor_step(qa, kk, BM);
+        const uint64_t db = kmajor_step(kb, kk, BN);
         wgmma_op<T>::template ss<0, 0>(sc, da, db, kk > 0);
       }
       wgmma_commit();
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       const uint64_t vb = desc_mnmajor(sV_u + s * K_::KV_BYTES, BN * 128);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) wgmma_op<T>::template rs<1>(o, pa[kk], tk::desc::add(vb, kk * 16 * 128), 1);
+      for (int kk = 0; kk < BN / 16; ++kk) wgmma_op<T>::template rs<1>(o, pa[kk], mnmajor_step(vb, kk), 1);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
@@ -396,8 +396,8 @@ struct PP {
     const uint64_t qa = desc_kmajor(sQ_u), kb = desc_kmajor(sK_s);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da = tk::desc::add(qa, (kk / 4) * BM * 128 + (kk % 4) * 32);
-      const uint64_t db = tk::desc::add(kb, (kk / 4) * BN * 128 + (kk % 4) * 32);
+      const uint64_t da = kmajor_step(qa, kk, BM);
+      const uint64_t db = kmajor_step(kb, kk, BN);
       wgmma_op<T>::template ss<0, 0>(sc, da, db, kk > 0);
     }
     wgmma_commit();
@@ -406,7 +406,7 @@ struct PP {
                                                   uint32_t sV_s) {
     const uint64_t vb = desc_mnmajor(sV_s, BN * 128);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_op<T>::template rs<1>(o, pa[kk], tk::desc::add(vb, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_op<T>::template rs<1>(o, pa[kk], mnmajor_step(vb, kk), 1);
     wgmma_commit();
   }
 
@@ -496,7 +496,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 
   // ---------------- consumers ----------------
   reg_alloc<Cfg::REG_CONS>();
-  const int c = __shfl_sync(0xffffffffu, wg - 1, 0);  // from lane 0: the compiler then keeps it (and the descriptors) uniform
+  const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);

@@ -17,11 +17,11 @@ namespace tk {
 namespace detail::wgmma {
 using desc::encode;
 using desc::add;
-// Byte offset of the chunk-th 16-deep K slice of tile type ST from its start. K-major: K runs along the
-// columns; MN-major: K runs along the rows. Strides follow the st layout (column blocks of one swizzle span).
+// Byte offset of the chunk-th 16-deep K slice of tile type ST from its start (K-major: K along the columns;
+// MN-major: along the rows).
 template <int MNMajor, shared_tile ST> TK_DEVICE constexpr uint32_t chunk_offset(int chunk) {
-    constexpr int sw = ST::swizzle_bytes, per_span = sw / 32;  // 16 two-byte elements = 32 bytes per chunk
-    return MNMajor ? chunk * 16 * sw : (chunk % per_span) * 32 + (chunk / per_span) * ST::rows * sw;
+    constexpr int sw = ST::swizzle_bytes;
+    return MNMajor ? desc::mnmajor_offset<sw>(chunk) : desc::kmajor_offset<sw>(chunk, ST::rows);
 }
 // Descriptor of tile t's first K slice; a slice's is that plus its chunk_offset (desc::add).
 template <int MNMajor, shared_tile ST> TK_DEVICE uint64_t descriptor(const ST& t) {
