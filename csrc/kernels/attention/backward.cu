@@ -43,11 +43,15 @@ constexpr int BWD_STAGES = 2;
 // consumer's exponentials and dS^T run while the other's GEMMs do, and the turn order replaces the CTA-wide
 // barriers around dS^T: consumer c's dQ turn comes after the other's [dV, dK] turn, which stored its half (D = 128
 // needs DS2: the next step's write to a buffer comes after both dQs that read it have completed).
+// STSM: dS^T goes to shared memory by stmatrix (store_ds); STSMQ: the dQ staging too (stage_dq). PSTATS: lse2 and
+// delta in stats_slot order (StatsPairs).
 template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false>
+          bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false, bool STSM_ = false, bool STSMQ_ = false,
+          bool PSTATS_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
   static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_, DKV = DKV_, TURNS = TURNS_;
+  static constexpr bool STSM = STSM_, STSMQ = STSMQ_, PSTATS = PSTATS_;
   static_assert(!TURNS || ((D == 64 || DS2) && !DQK_), "TURNS: dS^T double-buffered at D = 128, dQ by columns");
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
@@ -71,6 +75,7 @@ struct Bwd {
   // Consumer c's staged dQ block: DQ_BOXES boxes of 32 fp32 columns, box bx at column dq_col(c, bx) and row
   // dq_row(c) of the q tile in dq_accum.
   static constexpr int DQ_BOXES = DQ_COLS / 32;
+  static constexpr int DS_PANEL = BN * 128;  // one [BN keys][64 queries] panel of dS^T
   __device__ static constexpr int dq_col(int c, int bx) { return (DQ_SPLIT_COLS ? 64 * c : 0) + 32 * bx; }
   __device__ static constexpr int dq_row(int) { return 0; }
 };
@@ -147,20 +152,45 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   return y;
 }
 
+// PSTATS: lse2 and delta are laid out in groups of 32 rows with row 8 k + 2 q + e at slot 8 q + 2 k + e, so that
+// the pairs one thread reads (rows 8 k + col_in, +1 of chunks k; col_in = 2 q) are contiguous over four chunks: one
+// 16-byte load per two chunks instead of two 8-byte ones (the consumers' shared-memory instructions queue on MIO).
+__host__ __device__ constexpr int stats_slot(int r) {
+  return (r & ~31) | (((r >> 1) & 3) << 3) | (((r >> 3) & 3) << 1) | (r & 1);
+}
+
+// The (lse2 or delta) pair of chunk ch for this thread: values of rows 8 ch + col_in, +1 of `row`, from shared
+// (SHARED) or global memory. Called for ch = 0, 1, ... in order (PSTATS: the even chunk loads both).
+template <bool SHARED, bool PSTATS>
+struct StatsPairs {
+  const float* row;
+  int col_in;
+  float4 quad;
+  __device__ __forceinline__ float2 operator()(int ch) {
+    if constexpr (PSTATS) {
+      if (ch % 2 == 0) quad = load_quad<SHARED>(row + 32 * (ch / 4) + 4 * col_in + 2 * (ch % 4));
+      return ch % 2 ? make_float2(quad.z, quad.w) : make_float2(quad.x, quad.y);
+    } else {
+      return load_pair<SHARED>(row + 8 * ch + col_in);
+    }
+  }
+};
+
 // P^T = 2^(S^T * scale_log2 - lse2) in place over this thread's part of a consumer's 64 keys x BM queries (rows
 // j0, j0 + 8; columns i0 + 8 ch + col_in, +1), zero on the causal upper triangle and on keys past M (their
 // zero-filled rows would otherwise give 2^-lse2, which can overflow for extreme scales). need_mask says whether
 // this consumer's block of the step has any such entry. STATS: lse_row is in shared memory (else global). FTZ: 2^x
 // by the MUFU alone (ex2_ftz). MASKB: a warp-uniform branch picks a masked or an unmasked compiled block; else the
 // mask's arithmetic is predicated into every step.
-template <int BM, bool STATS, bool FTZ, bool MASKB>
+template <int BM, bool STATS, bool FTZ, bool MASKB, bool PSTATS = false>
 __device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_row, const BwdParams& p, int i0,
                                           int j0, int col_in, bool need_mask) {
   // mode 0: no mask; 1: masked; 2: masked where need_mask
   const auto block = [&](auto mode) {
+    StatsPairs<STATS, PSTATS> lse{lse_row, col_in};
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 l2 = load_pair<STATS>(lse_row + 8 * ch + col_in);
+      const float2 l2 = lse(ch);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
@@ -191,6 +221,50 @@ __device__ __forceinline__ void load_stats(float* dst, const BwdParams& p, int b
   const int64_t row = static_cast<int64_t>(bh) * p.Npad + i0;
   bulk_load_1d(dst, p.lse2 + row, BM * 4, bar);
   bulk_load_1d(dst + BM, p.delta + row, BM * 4, bar);
+}
+
+// This warp's part of dS^T -- the A slices of dK += dS^T Q: key rows jw + lane / 4, +8; query columns 16 kk +
+// 2 (lane % 4), +1, +8, +9 -- into the buffer at ds_u ([query panel][BN keys][64], 128-byte swizzle). STSM: one
+// stmatrix per slice instead of four 4-byte stores.
+template <int BM, int PANEL, bool STSM>
+__device__ __forceinline__ void store_ds(uint32_t ds_u, const uint32_t (&dsa)[BM / 16][4], int jw, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < BM / 16; ++kk) {
+    const int ip = (16 * kk) / 64 * PANEL;  // the slice's query panel
+    if constexpr (STSM) {
+      stsm_x4(ds_u + ip + swz128(jw + stsm_row(lane), (16 * kk) % 64 + stsm_byte(lane) / 2, 2), dsa[kk][0],
+              dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+    } else {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int jr = jw + lane / 4 + 8 * (r & 1);
+        const int ic = (16 * kk) % 64 + 8 * (r >> 1) + 2 * (lane % 4);
+        st_shared(ds_u + ip + swz128(jr, ic, 2), dsa[kk][r]);
+      }
+    }
+  }
+}
+
+// This warp's dQ accumulator (rows rw + lane / 4, +8 of the consumer's 64; 8-column chunks) into its stage at
+// stage_u: [COLS / 32 boxes][64 rows][32 fp32], 128-byte swizzle, the layout of the reduce-add's boxes. STSM: by
+// stmatrix, one instruction per 8-column chunk instead of two 8-byte stores; stmatrix puts a lane's register in
+// 4 bytes of a 16-byte row, so each chunk lands as its 4 even columns, then its 4 odd ones. dq_accum holds that
+// order and the post kernel (PERM) restores it.
+template <int COLS, bool STSM>
+__device__ __forceinline__ void stage_dq(uint32_t stage_u, const float (&dq)[COLS / 2], int rw, int lane) {
+#pragma unroll
+  for (int ch = 0; ch < COLS / 8; ++ch) {
+    const uint32_t box = stage_u + (8 * ch / 32) * 8192;
+    if constexpr (STSM) {
+      stsm_x4(box + swz128(rw + stsm_row(lane), (8 * ch) % 32 + stsm_byte(lane) / 4, 4), __float_as_uint(dq[4 * ch]),
+              __float_as_uint(dq[4 * ch + 2]), __float_as_uint(dq[4 * ch + 1]), __float_as_uint(dq[4 * ch + 3]));
+    } else {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2)
+        st_shared(box + swz128(rw + lane / 4 + 8 * h2, (8 * ch) % 32 + 2 * (lane % 4), 4), dq[4 * ch + 2 * h2],
+                  dq[4 * ch + 2 * h2 + 1]);
+    }
+  }
 }
 
 // The producer warpgroup of both backward kernels. Thread 0 loads the block's K and V once, then streams the
@@ -282,13 +356,15 @@ __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParam
 }
 
 template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false>
-__global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_>::THREADS, 1)
+          bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false, bool STSM_ = false, bool STSMQ_ = false,
+          bool PSTATS_ = false>
+__global__ void __launch_bounds__(
+    Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_, STSM_, STSMQ_, PSTATS_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
                          const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_, STSM_, STSMQ_, PSTATS_>;
   static_assert(!TURNS_ || !PIPE, "TURNS issues S^T on its own turn");
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
@@ -391,7 +467,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
       fence_regs(st);
     }
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
-    bwd_probs<BM, K_::STATS, K_::STATS, K_::MASKB>(st, lse_row, p, i0, j0, col_in, need_mask);
+    bwd_probs<BM, K_::STATS, K_::STATS, K_::MASKB, K_::PSTATS>(st, lse_row, p, i0, j0, col_in, need_mask);
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
@@ -404,9 +480,10 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
     wgmma_commit();
+    StatsPairs<K_::STATS, K_::PSTATS> del{del_row, col_in};
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 dl = load_pair<K_::STATS>(del_row + 8 * ch + col_in);
+      const float2 dl = del(ch);
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[4 * ch + e] = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
     }
@@ -424,16 +501,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     // consumers has finished reading the buffer (DS2: see Bwd).
     if constexpr (K_::DQ_SPLIT_COLS && !K_::DS2 && !K_::TURNS) named_bar_sync(1, NC * 128);
     const uint32_t ds_off = K_::DS2 ? (it & 1) * K_::DS_BYTES : 0;
-#pragma unroll
-    for (int ch = 0; ch < BM / 8; ++ch) {
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int jr = 64 * c + row_in + 8 * h2;  // key row inside the block
-        const int ic = 8 * ch + col_in;           // query column
-        const uint32_t v = pack2<T>(dpt[4 * ch + 2 * h2], dpt[4 * ch + 2 * h2 + 1]);
-        st_shared(sdS_u + ds_off + swz128(jr, ic, 2), v);
-      }
-    }
+    store_ds<BM, K_::DS_PANEL, K_::STSM>(sdS_u + ds_off, dsa, 64 * c + 16 * warp, lane);
     fence_async_smem();
     if constexpr (K_::TURNS) {
       // bar.arrive orders the dS^T stores before the other consumer's wait for its dQ turn
@@ -491,15 +559,7 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
     uint8_t* stage = sdQ + c * K_::DQ_STAGE_BYTES;
     if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
     named_bar_sync(3 + c, 128);
-#pragma unroll
-    for (int ch = 0; ch < K_::DQ_COLS / 8; ++ch) {
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int col = 8 * ch + col_in;
-        st_shared(smem_u32(stage) + (col / 32) * 8192 + swz128(row_in + 8 * h2, col % 32, 4), dq[4 * ch + 2 * h2],
-                  dq[4 * ch + 2 * h2 + 1]);
-      }
-    }
+    stage_dq<K_::DQ_COLS, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
     fence_async_smem();
     named_bar_sync(3 + c, 128);
     if (tid == 0) {
@@ -542,10 +602,12 @@ __global__ void __launch_bounds__(Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_,
 // previous reduce to have read it (of step it - 2 now) moves before the
 // step's CTA-wide barrier and the staging needs one named barrier, not two.
 // STATS: as in Bwd.
-template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false, bool MASKB_ = false, bool DKV_ = false>
+template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false, bool MASKB_ = false, bool DKV_ = false,
+          bool STSM_ = false, bool STSMQ_ = false, bool PSTATS_ = false>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DQ2 = DQ2_, STATS = STATS_, MASKB = MASKB_, DKV = DKV_;
+  static constexpr bool DQ2 = DQ2_, STATS = STATS_, MASKB = MASKB_, DKV = DKV_, STSM = STSM_, STSMQ = STSMQ_;
+  static constexpr bool PSTATS = PSTATS_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
@@ -569,13 +631,14 @@ struct BwdWide {
 // shared-memory source.
 __device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 
-template <typename T, int STAGES_, bool DQ2_, bool STATS_, bool MASKB_, bool DKV_>
-__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_>::THREADS, 1)
+template <typename T, int STAGES_, bool DQ2_, bool STATS_, bool MASKB_, bool DKV_, bool STSM_, bool STSMQ_,
+          bool PSTATS_>
+__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_, STSM_, STSMQ_, PSTATS_>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                               const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
                               const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_>;
+  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_, STSM_, STSMQ_, PSTATS_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
@@ -645,7 +708,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     wgmma_wait<1>();
     fence_regs(st);
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
-    bwd_probs<BM, K_::STATS, true, K_::MASKB>(st, lse_row, p, i0, j0, col_in, need_mask);
+    bwd_probs<BM, K_::STATS, true, K_::MASKB, K_::PSTATS>(st, lse_row, p, i0, j0, col_in, need_mask);
     wgmma_wait<0>();
     fence_regs(dpt);
     // dS^T = P^T (dP^T - delta) in place, then dV += P^T dO and dK += dS^T Q
@@ -654,9 +717,10 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     // math, as the 64-row kernel does) keeps the fp32 P^T live as well, and
     // ptxas then runs out of registers and serializes every wgmma (C7512).
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
+    StatsPairs<K_::STATS, K_::PSTATS> del{del_row, col_in};
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 dl = load_pair<K_::STATS>(del_row + 8 * ch + col_in);
+      const float2 dl = del(ch);
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[4 * ch + e] = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
     }
@@ -676,17 +740,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     // dS^T to buffer it % 2 ([query panel][key][query]). The buffer was last
     // read by step it - 2's dQ; both consumers finished that before arriving
     // at step it - 1's barrier, which this thread has passed.
-    uint8_t* ds_buf = sdS + (it & 1) * K_::DS_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        // dsa[kk][r]: key row row_in + 8 (r & 1), query columns 16 kk + 8 (r >> 1) + col_in, +1
-        const int jr = 64 * c + row_in + 8 * (r & 1);
-        const int ic = 16 * kk + 8 * (r >> 1) + col_in;
-        st_shared(smem_u32(ds_buf) + (ic / 64) * K_::DS_PANEL + swz128(jr, ic % 64, 2), dsa[kk][r]);
-      }
-    }
+    store_ds<BM, K_::DS_PANEL, K_::STSM>(sdS_u + (it & 1) * K_::DS_BYTES, dsa, 64 * c + 16 * warp, lane);
     fence_async_smem();
     if constexpr (K_::DQ2) {
       if (tid == 0) bulk_wait_read_1();  // step it - 2's reduce has read this step's stage
@@ -719,15 +773,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
       if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
       named_bar_sync(3 + c, 128);
     }
-#pragma unroll
-    for (int ch = 0; ch < 8; ++ch) {
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int col = 8 * ch + col_in;
-        st_shared(smem_u32(stage) + (col / 32) * 8192 + swz128(row_in + 8 * h2, col % 32, 4), dq[4 * ch + 2 * h2],
-                  dq[4 * ch + 2 * h2 + 1]);
-      }
-    }
+    stage_dq<64, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
     fence_async_smem();
     named_bar_sync(3 + c, 128);
     if (tid == 0) {
@@ -753,8 +799,8 @@ __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x)
 // row of dq_accum zeroed (one pass instead of a separate fill). D / 8 lanes
 // per row with 16-byte loads (o and dO rows are 16-byte aligned: tma_ready in
 // the binding). Rows in [N, Npad) get delta 0 and lse2 +inf so the main
-// kernel needs no bounds.
-template <typename T, int D>
+// kernel needs no bounds. PSTATS: delta and lse2 go to their stats_slot.
+template <typename T, int D, bool PSTATS>
 __global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, float* lse2, float* delta,
                                          float* dq_accum, int Npad) {
   constexpr int LPR = D / 8;  // lanes per row: a power of two dividing 32
@@ -787,14 +833,16 @@ __global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, 
   for (int off = LPR / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (live && l == 0) {
     const int64_t bh = w / Npad;
-    delta[w] = row < o.S ? acc : 0.f;
-    lse2[w] = row < o.S ? lse[bh * o.S + row] * 1.4426950408889634f : INFINITY;
+    const int64_t slot = PSTATS ? w - row + stats_slot(row) : w;  // Npad is a multiple of 32
+    delta[slot] = row < o.S ? acc : 0.f;
+    lse2[slot] = row < o.S ? lse[bh * o.S + row] * 1.4426950408889634f : INFINITY;
   }
 }
 
 // dq = dq_accum * scale, cast; 8 elements per thread (D is a multiple of 8, so
-// a group never crosses a row).
-template <typename T, int D>
+// a group never crosses a row). PERM: each 8-column group of dq_accum holds its
+// even columns, then its odd ones (stage_dq by stmatrix).
+template <typename T, int D, bool PERM>
 __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t BH, int N, int Npad, float scale) {
   const int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   const int64_t total = BH * N * D;
@@ -802,7 +850,12 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
   const int64_t bh = idx / (static_cast<int64_t>(N) * D);
   const int64_t rem = idx - bh * N * D;
   const float4* src = reinterpret_cast<const float4*>(dq_accum + bh * Npad * D + rem);
-  const float4 a = src[0], c = src[1];
+  float4 a = src[0], c = src[1];
+  if constexpr (PERM) {  // a = columns 0 2 4 6, c = 1 3 5 7
+    const float4 ev = a, od = c;
+    a = make_float4(ev.x, od.x, ev.y, od.y);
+    c = make_float4(ev.z, od.z, ev.w, od.w);
+  }
   uint4 out;
   out.x = pack2<T>(a.x * scale, a.y * scale);
   out.y = pack2<T>(a.z * scale, a.w * scale);
@@ -816,7 +869,8 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 // attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
 enum class Kind { Tile64, Wide };
 template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool DQK = false,
-          bool MASKB = false, bool DKV = false, bool TURNS = false>
+          bool MASKB = false, bool DKV = false, bool TURNS = false, bool STSM = false, bool STSMQ = false,
+          bool PSTATS = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
@@ -827,6 +881,9 @@ struct BwdCfg {
   static constexpr bool maskb = MASKB;  // branch around the mask (bwd_probs)
   static constexpr bool dkv = DKV;      // dK, dV stored by TMA (store_dkdv)
   static constexpr bool turns = TURNS;  // Tile64: the consumers take turns at the tensor cores (Bwd's TURNS)
+  static constexpr bool stsm = STSM;    // dS^T stored by stmatrix (store_ds)
+  static constexpr bool stsmq = STSMQ;  // the dQ staging by stmatrix, dq_accum permuted (stage_dq)
+  static constexpr bool pstats = PSTATS;  // lse2 and delta in stats_slot order (StatsPairs)
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -856,7 +913,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   {
     const int64_t lanes = BH * Npad * (D / 8);
     const int threads = 256;
-    attention_bwd_pre_kernel<T, D><<<static_cast<unsigned>((lanes + threads - 1) / threads), threads, 0, stream>>>(
+    attention_bwd_pre_kernel<T, D, Cfg::pstats><<<static_cast<unsigned>((lanes + threads - 1) / threads), threads, 0, stream>>>(
         dout, o, lse, lse2, delta, dq_accum, Npad);
   }
   CUtensorMap qm, km, vm, dom;
@@ -895,14 +952,17 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, DkvMaps, BwdParams);
   if constexpr (WIDE) {
     static_assert(!Cfg::turns, "the wide kernel has no turns");
-    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv>;
-    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv>;
+    using K_ =
+        BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv, Cfg::stsm, Cfg::stsmq, Cfg::pstats>;
+    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv, Cfg::stsm,
+                                     Cfg::stsmq, Cfg::pstats>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv, Cfg::turns>;
+    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv, Cfg::turns, Cfg::stsm,
+                   Cfg::stsmq, Cfg::pstats>;
     kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv,
-                                Cfg::turns>;
+                                Cfg::turns, Cfg::stsm, Cfg::stsmq, Cfg::pstats>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -913,7 +973,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   {
     const int64_t groups = BH * q.S * D / 8;
     const int threads = 256;
-    attention_bwd_post_kernel<T, D><<<static_cast<unsigned>((groups + threads - 1) / threads), threads, 0, stream>>>(
+    attention_bwd_post_kernel<T, D, Cfg::stsmq><<<static_cast<unsigned>((groups + threads - 1) / threads), threads, 0, stream>>>(
         dq_accum, static_cast<T*>(dq), BH, static_cast<int>(q.S), Npad, scale);
   }
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention backward post-process launch failed";
@@ -935,7 +995,9 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // consumers' overlap wins) and 20% at D64 (the 64-row kernel). 8: 6 with dK and dV stored by TMA (DKV); session 11
 // sweep (53cd261): ahead of 6 in 7 of 8 cases, geomean 0.935x cuDNN vs 0.908x (D128), 0.97x vs 0.94x (D64). 9: the
 // 64-row kernel with the consumers taking turns (Bwd's TURNS; at D = 128 also DS2); session 12 sweep (3dce4d2):
-// D128 within +-2% of 8 (-2% at N2048, +1-2% elsewhere), D64 0.69-0.79x cuDNN (the wide 8: 0.86-1.03x).
+// D128 within +-2% of 8 (-2% at N2048, +1-2% elsewhere), D64 0.69-0.79x cuDNN (the wide 8: 0.86-1.03x). 10: 8 with
+// dS^T stored by stmatrix (STSM); 11: 10 with the dQ staging by stmatrix too (STSMQ, dq_accum permuted); 12: 11
+// with lse2 and delta permuted for 16-byte loads (PSTATS).
 template <int D>
 struct BwdVariants;
 template <>
@@ -951,6 +1013,9 @@ struct BwdVariants<128> {
   using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, true, true>;
   using V8 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true>;
   using V9 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, true>;  // 8 + DS2 + TURNS
+  using V10 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true>;        // 8 + STSM
+  using V11 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true>;  // 10 + STSMQ
+  using V12 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true>;  // 11 + PSTATS
 };
 template <>
 struct BwdVariants<64> {
@@ -965,8 +1030,11 @@ struct BwdVariants<64> {
   using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
   using V8 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true>;
   using V9 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, true>;  // 7 + DKV + TURNS
+  using V10 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true>;        // 8 + STSM
+  using V11 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true, true>;  // 10 + STSMQ
+  using V12 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true, true, true>;  // 11 + PSTATS
 };
-constexpr int BWD_VARIANTS = 10;
+constexpr int BWD_VARIANTS = 13;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -985,7 +1053,10 @@ int bwd_bm(int D, int variant) {
            : variant == 6 ? Vs::V6::BM
            : variant == 7 ? Vs::V7::BM
            : variant == 8 ? Vs::V8::BM
-                          : Vs::V9::BM;
+           : variant == 9 ? Vs::V9::BM
+           : variant == 10 ? Vs::V10::BM
+           : variant == 11 ? Vs::V11::BM
+                           : Vs::V12::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -1021,7 +1092,10 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 6 ? TK_ATTN_BWD_V(T, D, V6)                                                                \
    : variant == 7 ? TK_ATTN_BWD_V(T, D, V7)                                                                \
    : variant == 8 ? TK_ATTN_BWD_V(T, D, V8)                                                                \
-                  : TK_ATTN_BWD_V(T, D, V9))
+   : variant == 9 ? TK_ATTN_BWD_V(T, D, V9)                                                                \
+   : variant == 10 ? TK_ATTN_BWD_V(T, D, V10)                                                              \
+   : variant == 11 ? TK_ATTN_BWD_V(T, D, V11)                                                              \
+                   : TK_ATTN_BWD_V(T, D, V12))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD

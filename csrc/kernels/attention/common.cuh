@@ -50,6 +50,19 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
 __device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
+// stmatrix .x4: four 8 x 8 matrices of 16-byte rows, register i to matrix i (lane l holds bytes 4 (l % 4) .. +3 of
+// row l / 4); lane l hands the address of row l % 8 of matrix l / 8. One instruction stores what sixteen
+// st.shared.b32 would: the backward's consumers were stalled on the MIO queue behind their shared stores (ncu).
+__device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+// This lane's stsm_x4 address inside a block of 16 rows x 32 bytes whose matrices are (rows 0-7, bytes 0-15),
+// (rows 8-15, bytes 0-15), (rows 0-7, bytes 16-31), (rows 8-15, bytes 16-31): acc_to_a's register order.
+__device__ __forceinline__ int stsm_row(int lane) { return (lane & 7) + 8 * ((lane >> 3) & 1); }
+__device__ __forceinline__ int stsm_byte(int lane) { return 16 * (lane >> 4); }
+
 // Two adjacent floats from shared (SHARED) or global memory.
 template <bool SHARED>
 __device__ __forceinline__ float2 load_pair(const float* p) {
@@ -59,6 +72,18 @@ __device__ __forceinline__ float2 load_pair(const float* p) {
     return v;
   } else {
     return *reinterpret_cast<const float2*>(p);
+  }
+}
+// Four adjacent floats (16-byte aligned) from shared (SHARED) or global memory.
+template <bool SHARED>
+__device__ __forceinline__ float4 load_quad(const float* p) {
+  if constexpr (SHARED) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(smem_u32(p)));
+    return v;
+  } else {
+    return *reinterpret_cast<const float4*>(p);
   }
 }
 
