@@ -44,14 +44,15 @@ constexpr int BWD_STAGES = 2;
 // barriers around dS^T: consumer c's dQ turn comes after the other's [dV, dK] turn, which stored its half (D = 128
 // needs DS2: the next step's write to a buffer comes after both dQs that read it have completed).
 // STSM: dS^T goes to shared memory by stmatrix (store_ds); STSMQ: the dQ staging too (stage_dq). PSTATS: lse2 and
-// delta in stats_slot order (StatsPairs).
+// delta in stats_slot order (StatsPairs). PRODQ: a producer warp issues the dQ reduce-adds (bwd_dq_reducer): a
+// consumer hands its staged block over by an mbarrier instead of two named barriers and one thread's TMA issue.
 template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
           bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false, bool STSM_ = false, bool STSMQ_ = false,
-          bool PSTATS_ = false>
+          bool PSTATS_ = false, bool PRODQ_ = false>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
   static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_, DKV = DKV_, TURNS = TURNS_;
-  static constexpr bool STSM = STSM_, STSMQ = STSMQ_, PSTATS = PSTATS_;
+  static constexpr bool STSM = STSM_, STSMQ = STSMQ_, PSTATS = PSTATS_, PRODQ = PRODQ_;
   static_assert(!TURNS || ((D == 64 || DS2) && !DQK_), "TURNS: dS^T double-buffered at D = 128, dQ by columns");
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
@@ -88,6 +89,7 @@ struct BwdSmem {
   uint8_t *sK, *sV, *sQ, *sdO, *sdS, *sdQ;
   float* sStats;  // [STAGES][2][BM]: lse2, delta (STATS only)
   uint64_t *kv_full, *q_full, *q_empty;
+  uint64_t *dq_full, *dq_empty;  // per consumer: its dQ block staged / read by the reduce (PRODQ)
   __device__ __forceinline__ explicit BwdSmem(uint8_t* raw) {
     sK = tk::align_shared<1024>(raw);
     sV = sK + K_::KV_BYTES;
@@ -99,6 +101,9 @@ struct BwdSmem {
     kv_full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(sStats) + K_::STAGES * K_::STATS_BYTES);
     q_full = kv_full + 1;
     q_empty = q_full + K_::STAGES;
+    dq_full = q_empty + K_::STAGES;
+    dq_empty = dq_full + K_::NC;
+    static_assert((1 + 2 * K_::STAGES + 2 * K_::NC) * 8 <= 256, "the barriers fit in SMEM's last 256 bytes");
   }
   __device__ __forceinline__ void init() const {
     if (threadIdx.x == 0) {
@@ -106,6 +111,10 @@ struct BwdSmem {
       for (int s = 0; s < K_::STAGES; ++s) {
         bar_init(&q_full[s], 1);
         bar_init(&q_empty[s], K_::NC * 4);
+      }
+      for (int c = 0; c < K_::NC; ++c) {
+        bar_init(&dq_full[c], 4);  // lane 0 of each of the consumer's warps
+        bar_init(&dq_empty[c], 1);
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -298,6 +307,29 @@ __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdPar
   }
 }
 
+// PRODQ: one producer thread adds the consumers' staged dQ blocks into dq_accum, step by step: wait until consumer c
+// has staged (dq_full[c]), issue its boxes' reduce-adds, and once they have read the stage, hand it back
+// (dq_empty[c]).
+template <class K_>
+__device__ __forceinline__ void bwd_dq_reducer(const BwdSmem<K_>& sm, const BwdParams& p, const BwdBlock& blk,
+                                               const CUtensorMap* dqmap) {
+  for (int it = 0; it < blk.steps; ++it) {
+    const int bh = blk.b * p.Hq + blk.head(it, p), i0 = blk.mb(it) * K_::BM;
+#pragma unroll
+    for (int c = 0; c < K_::NC; ++c) {
+      const uint8_t* stage = sm.sdQ + c * K_::DQ_STAGE_BYTES;
+      bar_wait(&sm.dq_full[c], it & 1);
+#pragma unroll
+      for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
+        tma_reduce_add_3d(dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
+      bulk_commit();
+      bulk_wait_read();
+      bar_arrive(&sm.dq_empty[c]);
+    }
+  }
+  bulk_wait_all();
+}
+
 // The TMA maps of dK and dV (B, Hkv, M, D), boxes of 64 columns x 64 keys (DKV).
 struct DkvMaps {
   CUtensorMap dk, dv;
@@ -357,14 +389,14 @@ __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParam
 
 template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
           bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false, bool STSM_ = false, bool STSMQ_ = false,
-          bool PSTATS_ = false>
+          bool PSTATS_ = false, bool PRODQ_ = false>
 __global__ void __launch_bounds__(
-    Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_, STSM_, STSMQ_, PSTATS_>::THREADS, 1)
+    Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_, STSM_, STSMQ_, PSTATS_, PRODQ_>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
                          const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_, STSM_, STSMQ_, PSTATS_>;
+  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_, STSM_, STSMQ_, PSTATS_, PRODQ_>;
   static_assert(!TURNS_ || !PIPE, "TURNS issues S^T on its own turn");
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
@@ -388,8 +420,11 @@ __global__ void __launch_bounds__(
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    bwd_producer<K_>(sm, p, BwdBlock{b, hk, n0, mb_start, steps_per_head, steps}, &qmap, &kmap, &vmap, &domap,
-                     tid);
+    const BwdBlock blk{b, hk, n0, mb_start, steps_per_head, steps};
+    bwd_producer<K_>(sm, p, blk, &qmap, &kmap, &vmap, &domap, tid);
+    if constexpr (K_::PRODQ) {
+      if (tid == 32) bwd_dq_reducer<K_>(sm, p, blk, &dqmap);
+    }
     return;
   }
 
@@ -557,6 +592,13 @@ __global__ void __launch_bounds__(
     // memory and let the TMA unit add it into dq_accum (rows past N land in
     // its padding), so no atomics sit on the consumers' critical path.
     uint8_t* stage = sdQ + c * K_::DQ_STAGE_BYTES;
+    if constexpr (K_::PRODQ) {
+      if (it > 0) bar_wait(&sm.dq_empty[c], (it - 1) & 1);  // the reducer has read the previous block
+      stage_dq<K_::DQ_COLS, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
+      fence_async_smem();
+      __syncwarp();
+      if (lane == 0) bar_arrive(&sm.dq_full[c]);
+    } else {
     if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
     named_bar_sync(3 + c, 128);
     stage_dq<K_::DQ_COLS, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
@@ -567,6 +609,7 @@ __global__ void __launch_bounds__(
       for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
         tma_reduce_add_3d(&dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
       bulk_commit();
+    }
     }
     mb_it = mb_it + 1 < nqb ? mb_it + 1 : (++g_it, mb_start);
   };
@@ -870,7 +913,7 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
 enum class Kind { Tile64, Wide };
 template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool DQK = false,
           bool MASKB = false, bool DKV = false, bool TURNS = false, bool STSM = false, bool STSMQ = false,
-          bool PSTATS = false>
+          bool PSTATS = false, bool PRODQ = false>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr bool pipe = PIPE;
@@ -884,6 +927,7 @@ struct BwdCfg {
   static constexpr bool stsm = STSM;    // dS^T stored by stmatrix (store_ds)
   static constexpr bool stsmq = STSMQ;  // the dQ staging by stmatrix, dq_accum permuted (stage_dq)
   static constexpr bool pstats = PSTATS;  // lse2 and delta in stats_slot order (StatsPairs)
+  static constexpr bool prodq = PRODQ;    // Tile64: a producer warp issues the dQ reduce-adds (Bwd's PRODQ)
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -951,7 +995,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, DkvMaps, BwdParams);
   if constexpr (WIDE) {
-    static_assert(!Cfg::turns, "the wide kernel has no turns");
+    static_assert(!Cfg::turns && !Cfg::prodq, "the wide kernel has no turns and no dQ reducer");
     using K_ =
         BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv, Cfg::stsm, Cfg::stsmq, Cfg::pstats>;
     kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv, Cfg::stsm,
@@ -960,9 +1004,9 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
     threads = K_::THREADS;
   } else {
     using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv, Cfg::turns, Cfg::stsm,
-                   Cfg::stsmq, Cfg::pstats>;
+                   Cfg::stsmq, Cfg::pstats, Cfg::prodq>;
     kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv,
-                                Cfg::turns, Cfg::stsm, Cfg::stsmq, Cfg::pstats>;
+                                Cfg::turns, Cfg::stsm, Cfg::stsmq, Cfg::pstats, Cfg::prodq>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -997,7 +1041,10 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // 64-row kernel with the consumers taking turns (Bwd's TURNS; at D = 128 also DS2); session 12 sweep (3dce4d2):
 // D128 within +-2% of 8 (-2% at N2048, +1-2% elsewhere), D64 0.69-0.79x cuDNN (the wide 8: 0.86-1.03x). 10: 8 with
 // dS^T stored by stmatrix (STSM); 11: 10 with the dQ staging by stmatrix too (STSMQ, dq_accum permuted); 12: 11
-// with lse2 and delta permuted for 16-byte loads (PSTATS).
+// with lse2 and delta permuted for 16-byte loads (PSTATS). 13, 14: D = 128: 12 with dS^T double-buffered (DS2), and
+// with the consumers taking turns (TURNS); D = 64: the 64-row kernel with 12's stores and loads, without and with
+// TURNS. 15, 16: 12 and 13 (D = 128), 13 and 14 (D = 64) with a producer warp issuing the dQ reduce-adds
+// (PRODQ).
 template <int D>
 struct BwdVariants;
 template <>
@@ -1016,6 +1063,10 @@ struct BwdVariants<128> {
   using V10 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true>;        // 8 + STSM
   using V11 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true>;  // 10 + STSMQ
   using V12 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true>;  // 11 + PSTATS
+  using V13 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, false, true, true, true>;   // 12 + DS2
+  using V14 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, true, true, true, true>;    // 13 + TURNS
+  using V15 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true, true>;  // 12+PRODQ
+  using V16 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, false, true, true, true, true>;  // 13+PRODQ
 };
 template <>
 struct BwdVariants<64> {
@@ -1033,8 +1084,13 @@ struct BwdVariants<64> {
   using V10 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true>;        // 8 + STSM
   using V11 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true, true>;  // 10 + STSMQ
   using V12 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true, true, true>;  // 11 + PSTATS
+  // the 64-row kernel with 12's stores and loads: 13 plain, 14 with TURNS (9)
+  using V13 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true>;
+  using V14 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, true, true, true, true>;
+  using V15 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true, true>;  // 13+PRODQ
+  using V16 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, true, true, true, true, true>;   // 14+PRODQ
 };
-constexpr int BWD_VARIANTS = 13;
+constexpr int BWD_VARIANTS = 17;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -1056,7 +1112,11 @@ int bwd_bm(int D, int variant) {
            : variant == 9 ? Vs::V9::BM
            : variant == 10 ? Vs::V10::BM
            : variant == 11 ? Vs::V11::BM
-                           : Vs::V12::BM;
+           : variant == 12 ? Vs::V12::BM
+           : variant == 13 ? Vs::V13::BM
+           : variant == 14 ? Vs::V14::BM
+           : variant == 15 ? Vs::V15::BM
+                           : Vs::V16::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -1095,7 +1155,11 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 9 ? TK_ATTN_BWD_V(T, D, V9)                                                                \
    : variant == 10 ? TK_ATTN_BWD_V(T, D, V10)                                                              \
    : variant == 11 ? TK_ATTN_BWD_V(T, D, V11)                                                              \
-                   : TK_ATTN_BWD_V(T, D, V12))
+   : variant == 12 ? TK_ATTN_BWD_V(T, D, V12)                                                              \
+   : variant == 13 ? TK_ATTN_BWD_V(T, D, V13)                                                              \
+   : variant == 14 ? TK_ATTN_BWD_V(T, D, V14)                                                              \
+   : variant == 15 ? TK_ATTN_BWD_V(T, D, V15)                                                              \
+                   : TK_ATTN_BWD_V(T, D, V16))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
