@@ -61,7 +61,7 @@ def _set_tokens(tokens: int) -> None:
 
 _set_tokens(int(os.environ.get("SWEEP_ATTN_TOKENS", 65536)))  # --tokens; children read the variable
 CHILD_TIMEOUT_S = 40
-BWD_VARIANTS = tuple(range(17))  # --bwd-variants sweeps a subset
+BWD_VARIANTS = tuple(range(18))  # --bwd-variants sweeps a subset
 BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backward.cu
     128: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "BM64 S2 dS^T x2", 3: "BM64 S3 dS^T x2",
           4: "BM64 S2 lse/delta in smem", 5: "BM64 S2 lse/delta in smem, dQ by key halves",
@@ -73,7 +73,7 @@ BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backwa
           12: "BM64 S2 lse/delta in smem, mask branch, dK/dV by TMA, dS^T and dQ staging by stmatrix, "
               "lse/delta permuted (16-byte loads)",
           13: "b12 + dS^T x2", 14: "b12 + dS^T x2, consumers take turns", 15: "b12 + dQ reduce by a producer warp",
-          16: "b13 + dQ reduce by a producer warp"},
+          16: "b13 + dQ reduce by a producer warp", 17: "b14 + dQ reduce by a producer warp"},
     64: {0: "BM64 S2", 1: "BM64 S2 next-S^T prefetch", 2: "wide BM128 S2", 3: "wide BM128 S2 dQ stage x2",
          4: "wide BM128 S2 lse/delta in smem", 5: "BM64 S2 lse/delta in smem",
          6: "wide BM128 S2 lse/delta in smem, mask branch", 7: "BM64 S2 lse/delta in smem, mask branch",
@@ -85,7 +85,7 @@ BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backwa
              "lse/delta permuted (16-byte loads)",
          13: "BM64 S2 lse/delta in smem, mask branch, dK/dV by TMA, b12's stmatrix and 16-byte stats",
          14: "b13 + consumers take turns", 15: "b13 + dQ reduce by a producer warp",
-         16: "b14 + dQ reduce by a producer warp"},
+         16: "b14 + dQ reduce by a producer warp", 17: "b12 + dQ reduce by a producer warp"},
 }
 
 

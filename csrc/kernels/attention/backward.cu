@@ -276,6 +276,40 @@ __device__ __forceinline__ void stage_dq(uint32_t stage_u, const float (&dq)[COL
   }
 }
 
+// Consumer c's dQ block of step `it` (dq: this warp's rows; COLS columns) into its stage and on to dq_accum at
+// (bh, q rows from i0) by TMA reduce-add, so no atomics sit on the consumers' critical path (rows past N land in
+// dq_accum's padding). PRODQ: the reducer warp issues the reduce-adds (bwd_dq_reducer), handed over by mbarriers;
+// else thread 0 does, behind two named barriers. DQ_BUFS = 2 (the wide kernel's DQ2): the stage alternates and the
+// wait for its previous reduce came before the step's CTA-wide barrier.
+template <class K_, int COLS>
+__device__ __forceinline__ void hand_over_dq(const BwdSmem<K_>& sm, const CUtensorMap* dqmap,
+                                             const float (&dq)[COLS / 2], int it, int c, int tid, int i0, int bh) {
+  const int warp = tid / 32, lane = tid % 32;
+  uint8_t* stage = sm.sdQ + (c * K_::DQ_BUFS + (K_::DQ_BUFS > 1 ? (it & 1) : 0)) * K_::DQ_STAGE_BYTES;
+  if constexpr (K_::PRODQ) {
+    static_assert(K_::DQ_BUFS == 1, "the reducer hands back one stage per consumer");
+    if (it > 0) bar_wait(&sm.dq_empty[c], (it - 1) & 1);  // the reducer has read the previous block
+    stage_dq<COLS, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
+    fence_async_smem();
+    __syncwarp();
+    if (lane == 0) bar_arrive(&sm.dq_full[c]);
+  } else {
+    if constexpr (K_::DQ_BUFS == 1) {
+      if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
+      named_bar_sync(3 + c, 128);
+    }
+    stage_dq<COLS, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
+    fence_async_smem();
+    named_bar_sync(3 + c, 128);
+    if (tid == 0) {
+#pragma unroll
+      for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
+        tma_reduce_add_3d(dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
+      bulk_commit();
+    }
+  }
+}
+
 // The producer warpgroup of both backward kernels. Thread 0 loads the block's K and V once, then streams the
 // steps' (Q, dO) tiles (STATS: and their lse2/delta rows) through the ring.
 template <class K_>
@@ -346,7 +380,7 @@ __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParam
   if constexpr (K_::DKV) {
     constexpr int TILE = 64 * D * 2;  // one consumer's dK (or dV), [D / 64 panels][64 keys][64]
     static_assert(K_::STAGES * K_::Q_BYTES >= K_::NC * TILE, "dK and dV tiles fit in the (Q, dO) ring");
-    named_bar_sync(1, K_::NC * 128);
+    named_bar_sync(5, K_::NC * 128);  // an id of its own: the 64-row kernel at D = 64 syncs on 1 + c with 128
     const uint32_t k_u = smem_u32(sm.sQ) + c * TILE, v_u = smem_u32(sm.sdO) + c * TILE;
     const int row_in = j0 - n0 - 64 * c;
 #pragma unroll
@@ -403,7 +437,7 @@ __global__ void __launch_bounds__(
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
   // dQ staging: [NC][64 cols / 32][64 rows][32 fp32], 128-byte swizzle
   const BwdSmem<K_> sm(smem_raw);
-  uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS, *sdQ = sm.sdQ;
+  uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS;
   uint64_t *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
   int b, hk, kb;
@@ -587,30 +621,7 @@ __global__ void __launch_bounds__(
     if (lane == 0) bar_arrive(&q_empty[s]);
     if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
     if constexpr (PIPE && decltype(next)::value) issue_s(it + 1, st);
-
-    // dQ accumulation: stage this consumer's 64 x 64 fp32 block in shared
-    // memory and let the TMA unit add it into dq_accum (rows past N land in
-    // its padding), so no atomics sit on the consumers' critical path.
-    uint8_t* stage = sdQ + c * K_::DQ_STAGE_BYTES;
-    if constexpr (K_::PRODQ) {
-      if (it > 0) bar_wait(&sm.dq_empty[c], (it - 1) & 1);  // the reducer has read the previous block
-      stage_dq<K_::DQ_COLS, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
-      fence_async_smem();
-      __syncwarp();
-      if (lane == 0) bar_arrive(&sm.dq_full[c]);
-    } else {
-    if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
-    named_bar_sync(3 + c, 128);
-    stage_dq<K_::DQ_COLS, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
-    fence_async_smem();
-    named_bar_sync(3 + c, 128);
-    if (tid == 0) {
-#pragma unroll
-      for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
-        tma_reduce_add_3d(&dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
-      bulk_commit();
-    }
-    }
+    hand_over_dq<K_, K_::DQ_COLS>(sm, &dqmap, dq, it, c, tid, i0, bh);
     mb_it = mb_it + 1 < nqb ? mb_it + 1 : (++g_it, mb_start);
   };
   if constexpr (PIPE) {
@@ -646,11 +657,11 @@ __global__ void __launch_bounds__(
 // step's CTA-wide barrier and the staging needs one named barrier, not two.
 // STATS: as in Bwd.
 template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false, bool MASKB_ = false, bool DKV_ = false,
-          bool STSM_ = false, bool STSMQ_ = false, bool PSTATS_ = false>
+          bool STSM_ = false, bool STSMQ_ = false, bool PSTATS_ = false, bool PRODQ_ = false>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
   static constexpr bool DQ2 = DQ2_, STATS = STATS_, MASKB = MASKB_, DKV = DKV_, STSM = STSM_, STSMQ = STSMQ_;
-  static constexpr bool PSTATS = PSTATS_;
+  static constexpr bool PSTATS = PSTATS_, PRODQ = PRODQ_;
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
@@ -675,19 +686,20 @@ struct BwdWide {
 __device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 
 template <typename T, int STAGES_, bool DQ2_, bool STATS_, bool MASKB_, bool DKV_, bool STSM_, bool STSMQ_,
-          bool PSTATS_>
-__global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_, STSM_, STSMQ_, PSTATS_>::THREADS, 1)
+          bool PSTATS_, bool PRODQ_>
+__global__ void __launch_bounds__(
+    BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_, STSM_, STSMQ_, PSTATS_, PRODQ_>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                               const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
                               const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_, STSM_, STSMQ_, PSTATS_>;
+  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_, STSM_, STSMQ_, PSTATS_, PRODQ_>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
   // dQ staging: [NC][DQ_BUFS][2 column halves][64 rows][32 fp32], 128-byte swizzle
   const BwdSmem<K_> sm(smem_raw);
-  uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS, *sdQ = sm.sdQ;
+  uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS;
   uint64_t *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
   int b, hk, kb;
@@ -705,8 +717,11 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    bwd_producer<K_>(sm, p, BwdBlock{b, hk, n0, mb_start, steps_per_head, steps}, &qmap, &kmap, &vmap, &domap,
-                     tid);
+    const BwdBlock blk{b, hk, n0, mb_start, steps_per_head, steps};
+    bwd_producer<K_>(sm, p, blk, &qmap, &kmap, &vmap, &domap, tid);
+    if constexpr (K_::PRODQ) {
+      if (tid == 32) bwd_dq_reducer<K_>(sm, p, blk, &dqmap);
+    }
     return;
   }
 
@@ -809,22 +824,7 @@ __global__ void __launch_bounds__(BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[s]);
 
-    // Stage this consumer's 64 x 64 fp32 rows and let the TMA unit add them
-    // into dq_accum (rows past N land in its padding).
-    uint8_t* stage = sdQ + (c * K_::DQ_BUFS + (K_::DQ2 ? (it & 1) : 0)) * K_::DQ_STAGE_BYTES;
-    if constexpr (!K_::DQ2) {
-      if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
-      named_bar_sync(3 + c, 128);
-    }
-    stage_dq<64, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
-    fence_async_smem();
-    named_bar_sync(3 + c, 128);
-    if (tid == 0) {
-#pragma unroll
-      for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
-        tma_reduce_add_3d(&dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
-      bulk_commit();
-    }
+    hand_over_dq<K_, 64>(sm, &dqmap, dq, it, c, tid, i0, bh);
   }
   if (tid == 0) bulk_wait_all();
 
@@ -927,7 +927,7 @@ struct BwdCfg {
   static constexpr bool stsm = STSM;    // dS^T stored by stmatrix (store_ds)
   static constexpr bool stsmq = STSMQ;  // the dQ staging by stmatrix, dq_accum permuted (stage_dq)
   static constexpr bool pstats = PSTATS;  // lse2 and delta in stats_slot order (StatsPairs)
-  static constexpr bool prodq = PRODQ;    // Tile64: a producer warp issues the dQ reduce-adds (Bwd's PRODQ)
+  static constexpr bool prodq = PRODQ;    // a producer warp issues the dQ reduce-adds (Bwd's PRODQ)
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
@@ -995,11 +995,11 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, DkvMaps, BwdParams);
   if constexpr (WIDE) {
-    static_assert(!Cfg::turns && !Cfg::prodq, "the wide kernel has no turns and no dQ reducer");
-    using K_ =
-        BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv, Cfg::stsm, Cfg::stsmq, Cfg::pstats>;
+    static_assert(!Cfg::turns, "the wide kernel has no turns");
+    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv, Cfg::stsm, Cfg::stsmq,
+                       Cfg::pstats, Cfg::prodq>;
     kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv, Cfg::stsm,
-                                     Cfg::stsmq, Cfg::pstats>;
+                                     Cfg::stsmq, Cfg::pstats, Cfg::prodq>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
@@ -1044,7 +1044,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // with lse2 and delta permuted for 16-byte loads (PSTATS). 13, 14: D = 128: 12 with dS^T double-buffered (DS2), and
 // with the consumers taking turns (TURNS); D = 64: the 64-row kernel with 12's stores and loads, without and with
 // TURNS. 15, 16: 12 and 13 (D = 128), 13 and 14 (D = 64) with a producer warp issuing the dQ reduce-adds
-// (PRODQ).
+// (PRODQ). 17: 14 + PRODQ (D = 128), 12 + PRODQ (D = 64, the wide kernel).
 template <int D>
 struct BwdVariants;
 template <>
@@ -1067,6 +1067,7 @@ struct BwdVariants<128> {
   using V14 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, true, true, true, true>;    // 13 + TURNS
   using V15 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true, true>;  // 12+PRODQ
   using V16 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, false, true, true, true, true>;  // 13+PRODQ
+  using V17 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, true, true, true, true, true>;   // 14+PRODQ
 };
 template <>
 struct BwdVariants<64> {
@@ -1089,8 +1090,9 @@ struct BwdVariants<64> {
   using V14 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, true, true, true, true>;
   using V15 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true, true>;  // 13+PRODQ
   using V16 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, true, true, true, true, true>;   // 14+PRODQ
+  using V17 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true, true, true, true>;   // 12+PRODQ
 };
-constexpr int BWD_VARIANTS = 17;
+constexpr int BWD_VARIANTS = 18;
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
@@ -1116,7 +1118,8 @@ int bwd_bm(int D, int variant) {
            : variant == 13 ? Vs::V13::BM
            : variant == 14 ? Vs::V14::BM
            : variant == 15 ? Vs::V15::BM
-                           : Vs::V16::BM;
+           : variant == 16 ? Vs::V16::BM
+                           : Vs::V17::BM;
   };
   return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
 }
@@ -1159,7 +1162,8 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
    : variant == 13 ? TK_ATTN_BWD_V(T, D, V13)                                                              \
    : variant == 14 ? TK_ATTN_BWD_V(T, D, V14)                                                              \
    : variant == 15 ? TK_ATTN_BWD_V(T, D, V15)                                                              \
-                   : TK_ATTN_BWD_V(T, D, V16))
+   : variant == 16 ? TK_ATTN_BWD_V(T, D, V16)                                                              \
+                   : TK_ATTN_BWD_V(T, D, V17))
   if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
   if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
 #undef TK_ATTN_BWD
