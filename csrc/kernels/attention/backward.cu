@@ -1044,12 +1044,14 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
 // with lse2 and delta permuted for 16-byte loads (PSTATS). 13, 14: D = 128: 12 with dS^T double-buffered (DS2), and
 // with the consumers taking turns (TURNS); D = 64: the 64-row kernel with 12's stores and loads, without and with
 // TURNS. 15, 16: 12 and 13 (D = 128), 13 and 14 (D = 64) with a producer warp issuing the dQ reduce-adds
-// (PRODQ). 17: 14 + PRODQ (D = 128), 12 + PRODQ (D = 64, the wide kernel).
+// (PRODQ). 17: 14 + PRODQ (D = 128), 12 + PRODQ (D = 64, the wide kernel). Session 14 sweep (7a7efc7, backward
+// alone vs cuDNN): D128 b14 1.03-1.09x (b8 0.93-0.97x, b12 0.99-1.06x, b17 1.02-1.07x); D64 b17 1.00-1.09x (b8
+// 1.02-1.06x, b12 0.93-1.06x); the defaults since.
 template <int D>
 struct BwdVariants;
 template <>
 struct BwdVariants<128> {
-  static constexpr int DEFAULT = 8;
+  static constexpr int DEFAULT = 14;
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
@@ -1071,7 +1073,7 @@ struct BwdVariants<128> {
 };
 template <>
 struct BwdVariants<64> {
-  static constexpr int DEFAULT = 8;
+  static constexpr int DEFAULT = 17;
   using V0 = BwdCfg<Kind::Tile64, false, 2>;
   using V1 = BwdCfg<Kind::Tile64, true, 2>;
   using V2 = BwdCfg<Kind::Wide, false, 2>;
