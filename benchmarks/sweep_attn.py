@@ -52,14 +52,16 @@ OUT_TOL, LSE_ATOL, GRAD_TOL = 1e-2, 2e-3, 2e-2
 HIDDEN = 2048
 
 
-def _set_tokens(tokens: int) -> None:
+def _set_tokens(tokens: int, lengths: tuple[int, ...] = (2048, 8192)) -> None:
     """B*N of the timed cases, and the (D, N, causal) cases themselves (N <= B*N)."""
     global TOKENS, TIMED, BWD_TIMED
     TOKENS = tokens
-    TIMED = BWD_TIMED = list(itertools.product((128, 64), [n for n in (2048, 8192) if n <= tokens], (False, True)))
+    TIMED = BWD_TIMED = list(itertools.product((128, 64), [n for n in lengths if n <= tokens], (False, True)))
 
 
-_set_tokens(int(os.environ.get("SWEEP_ATTN_TOKENS", 65536)))  # --tokens; children read the variable
+# --tokens, --lengths; the children read the variables
+_set_tokens(int(os.environ.get("SWEEP_ATTN_TOKENS", 65536)),
+            tuple(int(n) for n in os.environ.get("SWEEP_ATTN_LENGTHS", "2048,8192").split(",")))
 CHILD_TIMEOUT_S = 40
 BWD_VARIANTS = tuple(range(18))  # --bwd-variants sweeps a subset
 BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backward.cu
@@ -399,6 +401,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-backward", action="store_true", help="skip the backward variants")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward variants")
     ap.add_argument("--tokens", type=int, default=None, help="B*N of the timed cases (default 65536; >= 2048)")
+    ap.add_argument("--lengths", default=None, help="sequence lengths N of the timed cases (default 2048,8192)")
     ap.add_argument("--variants", default=None, help="forward variants to check and time, e.g. 1,6 (default: all)")
     ap.add_argument("--bwd-variants", default=None, help="backward variants to check and time (default: all)")
     args = ap.parse_args(argv)
@@ -418,7 +421,13 @@ def main(argv=None) -> int:
         if args.tokens < 2048:
             ap.error("--tokens must be >= 2048")
         os.environ["SWEEP_ATTN_TOKENS"] = str(args.tokens)  # for the children
-        _set_tokens(args.tokens)
+    if args.lengths is not None:
+        if not all(n.isdigit() and int(n) >= 1 for n in args.lengths.split(",")):
+            ap.error("--lengths: comma-separated positive integers")
+        os.environ["SWEEP_ATTN_LENGTHS"] = args.lengths
+    if args.tokens is not None or args.lengths is not None:
+        _set_tokens(int(os.environ.get("SWEEP_ATTN_TOKENS", 65536)),
+                    tuple(int(n) for n in os.environ.get("SWEEP_ATTN_LENGTHS", "2048,8192").split(",")))
     if (why := no_gpu()) is not None:
         print(f"python -m benchmarks.sweep_attn: {why}")
         return 2
