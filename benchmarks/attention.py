@@ -4,7 +4,9 @@ F.scaled_dot_product_attention with the cuDNN and flash backends, in one run.
 Shapes: B*N = 65536 tokens, H*D = 2048, N in 1024..16384, D in {64, 128},
 causal and not; forward and forward+backward. TFLOPS count 4*B*H*N^2*D for the
 forward (halved for causal) and 2.5x that for the backward. Every case's
-output is checked against cuDNN before it is timed.
+output is checked against cuDNN before it is timed; the implementations are
+timed in three interleaved rounds (median_ms_rounds), so none is always the one
+that runs after the others.
 
     python -m benchmarks.attention [--quick]
 """
@@ -16,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .common import Row, check_close, median_ms, progress, rel_error
+from .common import Row, check_close, median_ms_rounds, progress, rel_error
 
 TOKENS = 65536
 HIDDEN = 2048
@@ -55,6 +57,22 @@ def _ours_fwd_bwd(q, k, v, do, causal, scale):
     return torch.ops.tk_cuda.attention_backward(do, q, k, v, o, lse, causal, scale)
 
 
+def _timed(case: str, fns: dict, flops: float, n: int, notes: dict | None = None) -> list[Row]:
+    """Rows of one case: every implementation timed in interleaved rounds; one that fails gets a row saying so and
+    the others are timed without it."""
+    fns = dict(fns)
+    rows = []
+    for impl, fn in list(fns.items()):
+        try:
+            fn()  # a failing implementation drops out before the rounds
+        except RuntimeError as exc:
+            rows.append(Row("attention", case, impl, None, note=f"failed: {str(exc)[:80]}"))
+            del fns[impl]
+    for impl, ms in median_ms_rounds(fns).items():
+        rows.append(Row("attention", case, impl, ms, flops / ms / 1e9, "TFLOPS", n, (notes or {}).get(impl, "")))
+    return rows
+
+
 def run(quick: bool = False, backward: bool = True) -> list[Row]:
     from torch.nn.attention import SDPBackend
 
@@ -77,39 +95,31 @@ def run(quick: bool = False, backward: bool = True) -> list[Row]:
             rows.append(Row("attention", f"{name} fwd", "ours", None, note=f"wrong output: {exc}"))
         del ref
         # forward
-        for impl, fn in impls:
-            try:
-                ms = median_ms(fn)
-                rows.append(Row("attention", f"{name} fwd", impl, ms, _flops(B, H, N, D, causal, False) / ms / 1e9, "TFLOPS", N))
-            except RuntimeError as exc:
-                rows.append(Row("attention", f"{name} fwd", impl, None, note=f"failed: {str(exc)[:80]}"))
+        rows += _timed(f"{name} fwd", dict(impls), _flops(B, H, N, D, causal, False), N)
         if not backward:
             del q, k, v, do
             torch.cuda.empty_cache()
             continue
         # forward + backward
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        for impl, f in baselines.items():
-            def step(f=f):
-                qg.grad = kg.grad = vg.grad = None
-                f(qg, kg, vg, causal, scale).backward(do)
 
-            try:
-                ms = median_ms(step)
-                rows.append(Row("attention", f"{name} fwd+bwd", impl, ms, _flops(B, H, N, D, causal, True) / ms / 1e9, "TFLOPS", N))
-            except RuntimeError as exc:
-                rows.append(Row("attention", f"{name} fwd+bwd", impl, None, note=f"failed: {str(exc)[:80]}"))
+        def step(f):
+            qg.grad = kg.grad = vg.grad = None
+            f(qg, kg, vg, causal, scale).backward(do)
+
+        steps = {impl: (lambda f=f: step(f)) for impl, f in baselines.items()}
         ours_grads = _ours_fwd_bwd(q, k, v, do, causal, scale)
         qg.grad = kg.grad = vg.grad = None
         baselines["cudnn"](qg, kg, vg, causal, scale).backward(do)
         errs = [rel_error(a, b.grad) for a, b in zip(ours_grads, (qg, kg, vg))]
         note = "grads rel err vs cudnn " + "/".join(f"{e:.1e}" for e in errs)
+        del ours_grads
         if max(errs) > 2e-2:
             rows.append(Row("attention", f"{name} fwd+bwd", "ours", None, note=f"wrong gradients: {note}"))
         else:
-            ms = median_ms(lambda: _ours_fwd_bwd(q, k, v, do, causal, scale))
-            rows.append(Row("attention", f"{name} fwd+bwd", "ours", ms, _flops(B, H, N, D, causal, True) / ms / 1e9, "TFLOPS", N, note))
-        del q, k, v, do, qg, kg, vg, ours_grads
+            steps = {"ours": lambda: _ours_fwd_bwd(q, k, v, do, causal, scale), **steps}
+        rows += _timed(f"{name} fwd+bwd", steps, _flops(B, H, N, D, causal, True), N, {"ours": note})
+        del q, k, v, do, qg, kg, vg
         torch.cuda.empty_cache()
     return rows
 

@@ -58,6 +58,18 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 2
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def median_ms_rounds(fns: dict[str, Callable[[], object]], rounds: int = 3, rep_ms: float = 80) -> dict[str, float]:
+    """Median of per-round medians (median_ms) of several implementations timed in turn, each round starting one
+    later in the list: whichever runs right after the others' long stretch of tensor-core work (warmer, maybe at a
+    lower clock) is not always the same one."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(median_ms(fns[name], warmup_ms=10, rep_ms=rep_ms))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def median_ms_events(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
     """Median over `iters` event-timed calls, for long calls (whole models) where do_bench's budget is too small."""
     for _ in range(warmup):
