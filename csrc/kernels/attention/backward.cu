@@ -11,6 +11,7 @@
 // casts dq_accum.
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 
 #include "attention.h"
@@ -23,8 +24,38 @@ namespace {
 constexpr int BWD_BM = 64;   // query rows per streamed tile
 constexpr int BWD_BN = 128;  // keys per CTA (64 per consumer warpgroup)
 constexpr int BWD_NC = 2;
-constexpr int BWD_STAGES = 2;
 
+// A backward variant's configuration: Kind::Tile64 = attention_bwd_kernel (64-row q tiles), Kind::Wide =
+// attention_bwd_wide_kernel (D = 64 only, 128-row q tiles); the ring's stages; and a set of bwd:: flags, each
+// explained where the kernels read it (Bwd, BwdWide).
+enum class Kind { Tile64, Wide };
+namespace bwd {
+enum : unsigned {
+  PIPE = 1u << 0,    // Tile64: the next step's S^T issued before this step's dQ staging
+  DBUF = 1u << 1,    // Tile64 at D = 128: dS^T double-buffered (DS2); Wide: the dQ stage double-buffered (DQ2)
+  STATS = 1u << 2,   // lse2 and delta through the ring stage
+  DQK = 1u << 3,     // Tile64 at D = 128: dQ by key halves
+  MASKB = 1u << 4,   // branch around the mask (bwd_probs)
+  DKV = 1u << 5,     // dK, dV stored by TMA (store_dkdv)
+  TURNS = 1u << 6,   // Tile64: the consumers take turns at the tensor cores
+  STSM = 1u << 7,    // dS^T stored by stmatrix (store_ds)
+  STSMQ = 1u << 8,   // the dQ staging by stmatrix, dq_accum permuted (stage_dq)
+  PSTATS = 1u << 9,  // lse2 and delta in stats_slot order (StatsPairs)
+  PRODQ = 1u << 10,  // a producer warp issues the dQ reduce-adds (bwd_dq_reducer)
+};
+}  // namespace bwd
+template <Kind KIND, int STAGES, unsigned FLAGS = 0>
+struct BwdCfg {
+  static constexpr Kind kind = KIND;
+  static constexpr int stages = STAGES;
+  static constexpr bool pipe = FLAGS & bwd::PIPE, dbuf = FLAGS & bwd::DBUF, stats = FLAGS & bwd::STATS,
+                        dqk = FLAGS & bwd::DQK, maskb = FLAGS & bwd::MASKB, dkv = FLAGS & bwd::DKV,
+                        turns = FLAGS & bwd::TURNS, stsm = FLAGS & bwd::STSM, stsmq = FLAGS & bwd::STSMQ,
+                        pstats = FLAGS & bwd::PSTATS, prodq = FLAGS & bwd::PRODQ;
+  static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
+};
+
+// The 64-row kernel's shape and flags (Cfg: a BwdCfg; DS2 is bwd::DBUF, the others keep their names).
 // DS2: dS^T double-buffered (D = 128): the write of step it goes to buffer
 // it % 2, last read by step it - 2's dQ, which both consumers finished before
 // step it - 1's barrier; so the barrier before the write is not needed.
@@ -46,14 +77,15 @@ constexpr int BWD_STAGES = 2;
 // STSM: dS^T goes to shared memory by stmatrix (store_ds); STSMQ: the dQ staging too (stage_dq). PSTATS: lse2 and
 // delta in stats_slot order (StatsPairs). PRODQ: a producer warp issues the dQ reduce-adds (bwd_dq_reducer): a
 // consumer hands its staged block over by an mbarrier instead of two named barriers and one thread's TMA issue.
-template <typename T, int D, int STAGES_ = BWD_STAGES, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false, bool STSM_ = false, bool STSMQ_ = false,
-          bool PSTATS_ = false, bool PRODQ_ = false>
+template <typename T, int D, class Cfg>
 struct Bwd {
-  static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DS2 = DS2_, STATS = STATS_, DQK = DQK_, MASKB = MASKB_, DKV = DKV_, TURNS = TURNS_;
-  static constexpr bool STSM = STSM_, STSMQ = STSMQ_, PSTATS = PSTATS_, PRODQ = PRODQ_;
-  static_assert(!TURNS || ((D == 64 || DS2) && !DQK_), "TURNS: dS^T double-buffered at D = 128, dQ by columns");
+  static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = Cfg::stages;
+  static constexpr bool PIPE = Cfg::pipe, DS2 = Cfg::dbuf, STATS = Cfg::stats, DQK = Cfg::dqk, MASKB = Cfg::maskb,
+                        DKV = Cfg::dkv, TURNS = Cfg::turns;
+  static constexpr bool STSM = Cfg::stsm, STSMQ = Cfg::stsmq, PSTATS = Cfg::pstats, PRODQ = Cfg::prodq;
+  static_assert(Cfg::kind == Kind::Tile64, "the 64-row kernel");
+  static_assert(!TURNS || ((D == 64 || DS2) && !DQK), "TURNS: dS^T double-buffered at D = 128, dQ by columns");
+  static_assert(!TURNS || !PIPE, "TURNS issues S^T on its own turn");
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
@@ -63,7 +95,7 @@ struct Bwd {
   static constexpr int KV_BYTES = BN * D * 2;  // K or V
   static constexpr int Q_BYTES = BM * D * 2;   // Q or dO tile
   static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
-  static constexpr bool DQ_SPLIT_COLS = (D == 128) && !DQK_;
+  static constexpr bool DQ_SPLIT_COLS = (D == 128) && !DQK;
   static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
   static constexpr int DQ_STAGE_BYTES = 64 * DQ_COLS * 4;  // per consumer: 64 rows x DQ_COLS fp32 columns
   static constexpr int DS_BUFS = DS2 ? 2 : 1, DQ_BUFS = 1;
@@ -421,17 +453,14 @@ __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParam
   }
 }
 
-template <typename T, int D, bool PIPE, int STAGES_, bool DS2_ = false, bool STATS_ = false, bool DQK_ = false,
-          bool MASKB_ = false, bool DKV_ = false, bool TURNS_ = false, bool STSM_ = false, bool STSMQ_ = false,
-          bool PSTATS_ = false, bool PRODQ_ = false>
-__global__ void __launch_bounds__(
-    Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_, STSM_, STSMQ_, PSTATS_, PRODQ_>::THREADS, 1)
+template <typename T, int D, class Cfg>
+__global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                          const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
                          const BwdParams p) {
-  using K_ = Bwd<T, D, STAGES_, DS2_, STATS_, DQK_, MASKB_, DKV_, TURNS_, STSM_, STSMQ_, PSTATS_, PRODQ_>;
-  static_assert(!TURNS_ || !PIPE, "TURNS issues S^T on its own turn");
+  using K_ = Bwd<T, D, Cfg>;
+  constexpr bool PIPE = K_::PIPE;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -656,12 +685,13 @@ __global__ void __launch_bounds__(
 // previous reduce to have read it (of step it - 2 now) moves before the
 // step's CTA-wide barrier and the staging needs one named barrier, not two.
 // STATS: as in Bwd.
-template <typename T, int STAGES_, bool DQ2_ = false, bool STATS_ = false, bool MASKB_ = false, bool DKV_ = false,
-          bool STSM_ = false, bool STSMQ_ = false, bool PSTATS_ = false, bool PRODQ_ = false>
+template <typename T, class Cfg>
 struct BwdWide {
-  static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = STAGES_;
-  static constexpr bool DQ2 = DQ2_, STATS = STATS_, MASKB = MASKB_, DKV = DKV_, STSM = STSM_, STSMQ = STSMQ_;
-  static constexpr bool PSTATS = PSTATS_, PRODQ = PRODQ_;
+  static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = Cfg::stages;
+  static constexpr bool DQ2 = Cfg::dbuf, STATS = Cfg::stats, MASKB = Cfg::maskb, DKV = Cfg::dkv, STSM = Cfg::stsm,
+                        STSMQ = Cfg::stsmq, PSTATS = Cfg::pstats, PRODQ = Cfg::prodq;
+  static_assert(Cfg::kind == Kind::Wide && Cfg::BM == BM && !Cfg::pipe && !Cfg::dqk && !Cfg::turns,
+                "the wide kernel: no PIPE, DQK or TURNS");
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
@@ -685,15 +715,13 @@ struct BwdWide {
 // shared-memory source.
 __device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 
-template <typename T, int STAGES_, bool DQ2_, bool STATS_, bool MASKB_, bool DKV_, bool STSM_, bool STSMQ_,
-          bool PSTATS_, bool PRODQ_>
-__global__ void __launch_bounds__(
-    BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_, STSM_, STSMQ_, PSTATS_, PRODQ_>::THREADS, 1)
+template <typename T, class Cfg>
+__global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
                               const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
                               const BwdParams p) {
-  using K_ = BwdWide<T, STAGES_, DQ2_, STATS_, MASKB_, DKV_, STSM_, STSMQ_, PSTATS_, PRODQ_>;
+  using K_ = BwdWide<T, Cfg>;
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
@@ -907,30 +935,6 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
   *reinterpret_cast<uint4*>(dq + idx) = out;
 }
 
-// Kernel configuration of one variant: Kind::Tile64 = attention_bwd_kernel
-// (64-row q tiles; PIPE, STAGES, DBUF = DS2), Kind::Wide =
-// attention_bwd_wide_kernel (D = 64 only, 128-row q tiles; STAGES, DBUF = DQ2).
-enum class Kind { Tile64, Wide };
-template <Kind KIND, bool PIPE, int STAGES, bool DBUF = false, bool STATS = false, bool DQK = false,
-          bool MASKB = false, bool DKV = false, bool TURNS = false, bool STSM = false, bool STSMQ = false,
-          bool PSTATS = false, bool PRODQ = false>
-struct BwdCfg {
-  static constexpr Kind kind = KIND;
-  static constexpr bool pipe = PIPE;
-  static constexpr int stages = STAGES;
-  static constexpr bool dbuf = DBUF;
-  static constexpr bool stats = STATS;
-  static constexpr bool dqk = DQK;  // Tile64 at D = 128: dQ by key halves (Bwd's DQK)
-  static constexpr bool maskb = MASKB;  // branch around the mask (bwd_probs)
-  static constexpr bool dkv = DKV;      // dK, dV stored by TMA (store_dkdv)
-  static constexpr bool turns = TURNS;  // Tile64: the consumers take turns at the tensor cores (Bwd's TURNS)
-  static constexpr bool stsm = STSM;    // dS^T stored by stmatrix (store_ds)
-  static constexpr bool stsmq = STSMQ;  // the dQ staging by stmatrix, dq_accum permuted (stage_dq)
-  static constexpr bool pstats = PSTATS;  // lse2 and delta in stats_slot order (StatsPairs)
-  static constexpr bool prodq = PRODQ;    // a producer warp issues the dQ reduce-adds (Bwd's PRODQ)
-  static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
-};
-
 // Rows of the padded lse2 / delta / dq_accum: a multiple of the q tile.
 int64_t bwd_npad(int64_t N, int bm) { return (N + bm - 1) / bm * bm; }
 
@@ -949,8 +953,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
                        const float* lse, void* dq, void* dk, void* dv, float* dq_accum, float* lse2, float* delta,
                        bool causal, float scale, int num_sms, bool sections, cudaStream_t stream) {
   constexpr bool WIDE = Cfg::kind == Kind::Wide;
-  static_assert(!WIDE || (D == 64 && !Cfg::pipe && !Cfg::dqk && Cfg::BM == 128),
-                "the wide kernel is D = 64, without PIPE or DQK");
+  static_assert(!WIDE || D == 64, "the wide kernel is D = 64");
   constexpr int BM = Cfg::BM;
   const int Npad = static_cast<int>(bwd_npad(q.S, BM));
   const int64_t BH = q.B * q.H;
@@ -995,18 +998,13 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   int smem, threads;
   void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, DkvMaps, BwdParams);
   if constexpr (WIDE) {
-    static_assert(!Cfg::turns, "the wide kernel has no turns");
-    using K_ = BwdWide<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv, Cfg::stsm, Cfg::stsmq,
-                       Cfg::pstats, Cfg::prodq>;
-    kern = attention_bwd_wide_kernel<T, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::maskb, Cfg::dkv, Cfg::stsm,
-                                     Cfg::stsmq, Cfg::pstats, Cfg::prodq>;
+    using K_ = BwdWide<T, Cfg>;
+    kern = attention_bwd_wide_kernel<T, Cfg>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
-    using K_ = Bwd<T, D, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv, Cfg::turns, Cfg::stsm,
-                   Cfg::stsmq, Cfg::pstats, Cfg::prodq>;
-    kern = attention_bwd_kernel<T, D, Cfg::pipe, Cfg::stages, Cfg::dbuf, Cfg::stats, Cfg::dqk, Cfg::maskb, Cfg::dkv,
-                                Cfg::turns, Cfg::stsm, Cfg::stsmq, Cfg::pstats, Cfg::prodq>;
+    using K_ = Bwd<T, D, Cfg>;
+    kern = attention_bwd_kernel<T, D, Cfg>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -1052,78 +1050,71 @@ struct BwdVariants;
 template <>
 struct BwdVariants<128> {
   static constexpr int DEFAULT = 14;
-  using V0 = BwdCfg<Kind::Tile64, false, 2>;
-  using V1 = BwdCfg<Kind::Tile64, true, 2>;
-  using V2 = BwdCfg<Kind::Tile64, false, 2, true>;
-  using V3 = BwdCfg<Kind::Tile64, false, 3, true>;
-  using V4 = BwdCfg<Kind::Tile64, false, 2, false, true>;
-  using V5 = BwdCfg<Kind::Tile64, false, 2, false, true, true>;
-  using V6 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
-  using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, true, true>;
-  using V8 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true>;
-  using V9 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, true>;  // 8 + DS2 + TURNS
-  using V10 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true>;        // 8 + STSM
-  using V11 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true>;  // 10 + STSMQ
-  using V12 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true>;  // 11 + PSTATS
-  using V13 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, false, true, true, true>;   // 12 + DS2
-  using V14 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, true, true, true, true>;    // 13 + TURNS
-  using V15 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true, true>;  // 12+PRODQ
-  using V16 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, false, true, true, true, true>;  // 13+PRODQ
-  using V17 = BwdCfg<Kind::Tile64, false, 2, true, true, false, true, true, true, true, true, true, true>;   // 14+PRODQ
+  static constexpr unsigned B8 = bwd::STATS | bwd::MASKB | bwd::DKV, B12 = B8 | bwd::STSM | bwd::STSMQ | bwd::PSTATS;
+  using List = std::tuple<BwdCfg<Kind::Tile64, 2>,                                        // 0
+                          BwdCfg<Kind::Tile64, 2, bwd::PIPE>,                             // 1
+                          BwdCfg<Kind::Tile64, 2, bwd::DBUF>,                             // 2
+                          BwdCfg<Kind::Tile64, 3, bwd::DBUF>,                             // 3
+                          BwdCfg<Kind::Tile64, 2, bwd::STATS>,                            // 4
+                          BwdCfg<Kind::Tile64, 2, bwd::STATS | bwd::DQK>,                 // 5
+                          BwdCfg<Kind::Tile64, 2, bwd::STATS | bwd::MASKB>,               // 6
+                          BwdCfg<Kind::Tile64, 2, bwd::STATS | bwd::DQK | bwd::MASKB>,    // 7
+                          BwdCfg<Kind::Tile64, 2, B8>,                                    // 8
+                          BwdCfg<Kind::Tile64, 2, B8 | bwd::DBUF | bwd::TURNS>,           // 9
+                          BwdCfg<Kind::Tile64, 2, B8 | bwd::STSM>,                        // 10
+                          BwdCfg<Kind::Tile64, 2, B8 | bwd::STSM | bwd::STSMQ>,           // 11
+                          BwdCfg<Kind::Tile64, 2, B12>,                                   // 12
+                          BwdCfg<Kind::Tile64, 2, B12 | bwd::DBUF>,                       // 13
+                          BwdCfg<Kind::Tile64, 2, B12 | bwd::DBUF | bwd::TURNS>,          // 14
+                          BwdCfg<Kind::Tile64, 2, B12 | bwd::PRODQ>,                      // 15
+                          BwdCfg<Kind::Tile64, 2, B12 | bwd::DBUF | bwd::PRODQ>,          // 16
+                          BwdCfg<Kind::Tile64, 2, B12 | bwd::DBUF | bwd::TURNS | bwd::PRODQ>>;  // 17
 };
 template <>
 struct BwdVariants<64> {
   static constexpr int DEFAULT = 17;
-  using V0 = BwdCfg<Kind::Tile64, false, 2>;
-  using V1 = BwdCfg<Kind::Tile64, true, 2>;
-  using V2 = BwdCfg<Kind::Wide, false, 2>;
-  using V3 = BwdCfg<Kind::Wide, false, 2, true>;
-  using V4 = BwdCfg<Kind::Wide, false, 2, false, true>;  // V3 + STATS does not fit in shared memory
-  using V5 = BwdCfg<Kind::Tile64, false, 2, false, true>;
-  using V6 = BwdCfg<Kind::Wide, false, 2, false, true, false, true>;
-  using V7 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true>;
-  using V8 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true>;
-  using V9 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, true>;  // 7 + DKV + TURNS
-  using V10 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true>;        // 8 + STSM
-  using V11 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true, true>;  // 10 + STSMQ
-  using V12 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true, true, true>;  // 11 + PSTATS
-  // the 64-row kernel with 12's stores and loads: 13 plain, 14 with TURNS (9)
-  using V13 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true>;
-  using V14 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, true, true, true, true>;
-  using V15 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, false, true, true, true, true>;  // 13+PRODQ
-  using V16 = BwdCfg<Kind::Tile64, false, 2, false, true, false, true, true, true, true, true, true, true>;   // 14+PRODQ
-  using V17 = BwdCfg<Kind::Wide, false, 2, false, true, false, true, true, false, true, true, true, true>;   // 12+PRODQ
+  static constexpr unsigned B8 = bwd::STATS | bwd::MASKB | bwd::DKV, B12 = B8 | bwd::STSM | bwd::STSMQ | bwd::PSTATS;
+  using List = std::tuple<BwdCfg<Kind::Tile64, 2>,                                        // 0
+                          BwdCfg<Kind::Tile64, 2, bwd::PIPE>,                             // 1
+                          BwdCfg<Kind::Wide, 2>,                                          // 2
+                          BwdCfg<Kind::Wide, 2, bwd::DBUF>,                               // 3
+                          BwdCfg<Kind::Wide, 2, bwd::STATS>,  // 4 (3 + STATS does not fit in shared memory)
+                          BwdCfg<Kind::Tile64, 2, bwd::STATS>,                            // 5
+                          BwdCfg<Kind::Wide, 2, bwd::STATS | bwd::MASKB>,                 // 6
+                          BwdCfg<Kind::Tile64, 2, bwd::STATS | bwd::MASKB>,               // 7
+                          BwdCfg<Kind::Wide, 2, B8>,                                      // 8
+                          BwdCfg<Kind::Tile64, 2, B8 | bwd::TURNS>,                       // 9
+                          BwdCfg<Kind::Wide, 2, B8 | bwd::STSM>,                          // 10
+                          BwdCfg<Kind::Wide, 2, B8 | bwd::STSM | bwd::STSMQ>,             // 11
+                          BwdCfg<Kind::Wide, 2, B12>,                                     // 12
+                          BwdCfg<Kind::Tile64, 2, B12>,                                   // 13
+                          BwdCfg<Kind::Tile64, 2, B12 | bwd::TURNS>,                      // 14
+                          BwdCfg<Kind::Tile64, 2, B12 | bwd::PRODQ>,                      // 15
+                          BwdCfg<Kind::Tile64, 2, B12 | bwd::TURNS | bwd::PRODQ>,         // 16
+                          BwdCfg<Kind::Wide, 2, B12 | bwd::PRODQ>>;                       // 17
 };
-constexpr int BWD_VARIANTS = 18;
+constexpr int BWD_VARIANTS = 18;  // (tests and sweep_attn read this line)
+static_assert(std::tuple_size_v<BwdVariants<128>::List> == BWD_VARIANTS &&
+                  std::tuple_size_v<BwdVariants<64>::List> == BWD_VARIANTS,
+              "every variant at both head dims");
 
 int bwd_variant(int D, int variant) {
   return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
 }
 
+// f(cfg) for the BwdCfg of variant v (0 <= v < BWD_VARIANTS) at head dim D: the one runtime-to-template dispatch.
+template <int D, int I = 0, typename F>
+auto with_bwd_variant(int v, F&& f) {
+  if constexpr (I + 1 < BWD_VARIANTS) {
+    if (v != I) return with_bwd_variant<D, I + 1>(v, f);
+  }
+  return f(std::tuple_element_t<I, typename BwdVariants<D>::List>{});
+}
+
 int bwd_bm(int D, int variant) {
   variant = bwd_variant(D, variant);
-  const auto pick = [&](auto vs) {
-    using Vs = decltype(vs);
-    return variant == 0   ? Vs::V0::BM
-           : variant == 1 ? Vs::V1::BM
-           : variant == 2 ? Vs::V2::BM
-           : variant == 3 ? Vs::V3::BM
-           : variant == 4 ? Vs::V4::BM
-           : variant == 5 ? Vs::V5::BM
-           : variant == 6 ? Vs::V6::BM
-           : variant == 7 ? Vs::V7::BM
-           : variant == 8 ? Vs::V8::BM
-           : variant == 9 ? Vs::V9::BM
-           : variant == 10 ? Vs::V10::BM
-           : variant == 11 ? Vs::V11::BM
-           : variant == 12 ? Vs::V12::BM
-           : variant == 13 ? Vs::V13::BM
-           : variant == 14 ? Vs::V14::BM
-           : variant == 15 ? Vs::V15::BM
-           : variant == 16 ? Vs::V16::BM
-                           : Vs::V17::BM;
-  };
-  return D == 64 ? pick(BwdVariants<64>{}) : pick(BwdVariants<128>{});
+  const auto bm = [](auto cfg) { return decltype(cfg)::BM; };
+  return D == 64 ? with_bwd_variant<64>(variant, bm) : with_bwd_variant<128>(variant, bm);
 }
 
 }  // namespace
@@ -1144,32 +1135,18 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
                                bool sections, cudaStream_t stream) {
   variant = bwd_variant(static_cast<int>(q.D), variant);
   if (variant >= BWD_VARIANTS) return "unknown attention backward variant";
-#define TK_ATTN_BWD_V(T, D, V) \
-  launch_bwd<T, D, typename BwdVariants<D>::V>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal, scale, \
-                                              num_sms, sections, stream)
-#define TK_ATTN_BWD(T, D)                                                                                  \
-  (variant == 0   ? TK_ATTN_BWD_V(T, D, V0)                                                                \
-   : variant == 1 ? TK_ATTN_BWD_V(T, D, V1)                                                                \
-   : variant == 2 ? TK_ATTN_BWD_V(T, D, V2)                                                                \
-   : variant == 3 ? TK_ATTN_BWD_V(T, D, V3)                                                                \
-   : variant == 4 ? TK_ATTN_BWD_V(T, D, V4)                                                                \
-   : variant == 5 ? TK_ATTN_BWD_V(T, D, V5)                                                                \
-   : variant == 6 ? TK_ATTN_BWD_V(T, D, V6)                                                                \
-   : variant == 7 ? TK_ATTN_BWD_V(T, D, V7)                                                                \
-   : variant == 8 ? TK_ATTN_BWD_V(T, D, V8)                                                                \
-   : variant == 9 ? TK_ATTN_BWD_V(T, D, V9)                                                                \
-   : variant == 10 ? TK_ATTN_BWD_V(T, D, V10)                                                              \
-   : variant == 11 ? TK_ATTN_BWD_V(T, D, V11)                                                              \
-   : variant == 12 ? TK_ATTN_BWD_V(T, D, V12)                                                              \
-   : variant == 13 ? TK_ATTN_BWD_V(T, D, V13)                                                              \
-   : variant == 14 ? TK_ATTN_BWD_V(T, D, V14)                                                              \
-   : variant == 15 ? TK_ATTN_BWD_V(T, D, V15)                                                              \
-   : variant == 16 ? TK_ATTN_BWD_V(T, D, V16)                                                              \
-                   : TK_ATTN_BWD_V(T, D, V17))
-  if (q.D == 128) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 128) : TK_ATTN_BWD(__half, 128);
-  if (q.D == 64) return dt == DType::bf16 ? TK_ATTN_BWD(__nv_bfloat16, 64) : TK_ATTN_BWD(__half, 64);
-#undef TK_ATTN_BWD
-#undef TK_ATTN_BWD_V
+  const auto run = [&](auto t, auto d) {
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value;
+    return with_bwd_variant<D>(variant, [&](auto cfg) {
+      return launch_bwd<T, D, decltype(cfg)>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal,
+                                             scale, num_sms, sections, stream);
+    });
+  };
+  using D128 = std::integral_constant<int, 128>;
+  using D64 = std::integral_constant<int, 64>;
+  if (q.D == 128) return dt == DType::bf16 ? run(__nv_bfloat16{}, D128{}) : run(__half{}, D128{});
+  if (q.D == 64) return dt == DType::bf16 ? run(__nv_bfloat16{}, D64{}) : run(__half{}, D64{});
   return "head dim must be 64 or 128";
 }
 
