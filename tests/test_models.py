@@ -78,6 +78,7 @@ class Case:
     attention_count: int | None = None  # exact, when attention is replaced: one per layer
     kept: tuple[str, ...] = ()  # families that must not be replaced
     padding_mask: bool = False
+    atol: float = 1e-5  # absolute tolerance against eager (rtol 1e-4)
 
 
 CASES = {
@@ -86,7 +87,9 @@ CASES = {
     "gpt2": Case(_gpt2, ("attention", "layernorm"), attention_count=2),
     "bert-padding": Case(_bert, ("layernorm",), kept=("attention",), padding_mask=True),
     "gpt-neox": Case(_neox, ("attention", "rotary", "layernorm"), attention_count=2),
-    "mamba2": Case(_mamba2, ("ssd",)),
+    # The ssd reference is a chunked scan of its own, not HF's: fp32 sums in another order, which the embedding's
+    # gradient (a sum over many rows) shows as ~2e-5 absolute on single elements (transformers 5.24).
+    "mamba2": Case(_mamba2, ("ssd",), atol=1e-4),
 }
 
 
@@ -130,7 +133,7 @@ def test_model_matches_eager_in_reference_mode(name):
     ids = torch.randint(0, VOCAB, (2, 24))
     mask = _padding_mask(2, 24) if case.padding_mask else None
     compiled = torch.compile(model, backend="thunderkittens", options={"reference": True, "inner": "aot_eager"})
-    _assert_equal_to_eager(model, compiled, ids, mask)
+    _assert_equal_to_eager(model, compiled, ids, mask, atol=case.atol)
 
     rep = tk_inductor.report()
     assert not rep.failed, rep.failed
