@@ -21,8 +21,14 @@ if [ ! -d "$ENV_DIR/torch/torch" ]; then
   "$PY" -m pip install -q --no-deps --no-compile --target "$ENV_DIR/torch" "$ENV_DIR"/wheels/torch-*.whl
   "$PY" -m pip install -q --no-compile --target "$ENV_DIR/deps" typing_extensions sympy networkx jinja2 filelock \
     fsspec setuptools ninja
-  # torch's CUDA build loads the CUDA runtime libraries at import: borrow them from this machine's torch install.
-  ln -sfn "$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))')/nvidia" "$ENV_DIR/deps/nvidia"
+fi
+# torch's CUDA build loads the CUDA runtime libraries at import: borrow them from this machine's torch install
+# (checked on every run: a first run on a machine without torch left the link dangling or missing).
+if [ ! -e "$ENV_DIR/deps/nvidia" ]; then
+  NV=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null) ||
+    { echo "prebuild: this machine's python3 has no CUDA libraries (the nvidia packages): install the project first," \
+           "python3 -m pip install -e '.[test]' (it brings torch's CUDA build)"; exit 2; }
+  ln -sfn "$NV/nvidia" "$ENV_DIR/deps/nvidia"
 fi
 export PATH="$ENV_DIR/deps/bin:$PATH" PYTHONPATH="$ENV_DIR/torch:$ENV_DIR/deps:$REPO" TK_INDUCTOR_CACHE_DIR="$REPO/.tkcache"
 "$PY" -c "import torch, sys; print('prebuild: torch', torch.__version__, 'CUDA', torch.version.cuda, 'Python', sys.version.split()[0])"
