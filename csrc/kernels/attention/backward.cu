@@ -273,8 +273,8 @@ __device__ __forceinline__ void store_ds(uint32_t ds_u, const uint32_t (&dsa)[BM
   for (int kk = 0; kk < BM / 16; ++kk) {
     const int ip = (16 * kk) / 64 * PANEL;  // the slice's query panel
     if constexpr (STSM) {
-      stsm_x4(ds_u + ip + swz128(jw + stsm_row(lane), (16 * kk) % 64 + stsm_byte(lane) / 2, 2), dsa[kk][0],
-              dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+      stmatrix_x4(ds_u + ip + swz128(jw + stsm_row(lane), (16 * kk) % 64 + stsm_byte(lane) / 2, 2), dsa[kk][0],
+                  dsa[kk][1], dsa[kk][2], dsa[kk][3]);
     } else {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
@@ -297,8 +297,9 @@ __device__ __forceinline__ void stage_dq(uint32_t stage_u, const float (&dq)[COL
   for (int ch = 0; ch < COLS / 8; ++ch) {
     const uint32_t box = stage_u + (8 * ch / 32) * 8192;
     if constexpr (STSM) {
-      stsm_x4(box + swz128(rw + stsm_row(lane), (8 * ch) % 32 + stsm_byte(lane) / 4, 4), __float_as_uint(dq[4 * ch]),
-              __float_as_uint(dq[4 * ch + 2]), __float_as_uint(dq[4 * ch + 1]), __float_as_uint(dq[4 * ch + 3]));
+      stmatrix_x4(box + swz128(rw + stsm_row(lane), (8 * ch) % 32 + stsm_byte(lane) / 4, 4),
+                  __float_as_uint(dq[4 * ch]), __float_as_uint(dq[4 * ch + 2]), __float_as_uint(dq[4 * ch + 1]),
+                  __float_as_uint(dq[4 * ch + 3]));
     } else {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2)

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "tk/common.cuh"
+#include "tk/ops/warp/matrix.cuh"
 #include "tk/ops/warpgroup/descriptor.cuh"
 #include "wgmma.cuh"
 
@@ -50,17 +51,12 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
 __device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
-// stmatrix .x4: four 8 x 8 matrices of 16-byte rows, register i to matrix i (lane l holds bytes 4 (l % 4) .. +3 of
-// row l / 4); lane l hands the address of row l % 8 of matrix l / 8. One instruction stores what sixteen
-// st.shared.b32 would: the backward's consumers were stalled on the MIO queue behind their shared stores (ncu).
-__device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3)
-               : "memory");
-}
-// This lane's stsm_x4 address inside a block of 16 rows x 32 bytes whose matrices are (rows 0-7, bytes 0-15),
-// (rows 8-15, bytes 0-15), (rows 0-7, bytes 16-31), (rows 8-15, bytes 16-31): acc_to_a's register order.
-__device__ __forceinline__ int stsm_row(int lane) { return (lane & 7) + 8 * ((lane >> 3) & 1); }
+// stmatrix .x4 (tk/ops/warp/matrix.cuh): one instruction stores what sixteen st.shared.b32 would; the backward's
+// consumers were stalled on the MIO queue behind their shared stores (ncu). This lane's address inside a block of
+// 16 rows x 32 bytes in acc_to_a's register order (the matrices at rows 0/8 x bytes 0/16): its row and byte column,
+// in bytes so that the fp32 dQ staging uses it too.
+using tk::stmatrix_x4;
+__device__ __forceinline__ int stsm_row(int lane) { return (lane & 7) + tk::x4_mrow(lane); }
 __device__ __forceinline__ int stsm_byte(int lane) { return 16 * (lane >> 4); }
 
 // Two adjacent floats from shared (SHARED) or global memory.

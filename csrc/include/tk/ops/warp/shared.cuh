@@ -3,6 +3,7 @@
 // stmatrix (.trans for col layout): 16-byte rows of 8 different rows, which the swizzle puts in
 // 8 different bank groups; other combinations convert element by element.
 #pragma once
+#include "matrix.cuh"
 #include "../../types/rv.cuh"
 #include "../../types/st.cuh"
 
@@ -11,10 +12,10 @@ namespace tk {
 namespace detail {
 // Address of the 8-element row segment this lane hands to ldmatrix/stmatrix x4 for base tile (r0, c0).
 template <class RT, class ST> TK_DEVICE uint32_t ldsm_addr(const ST& s, int r0, int c0) {
-    const int lane = laneid(), m = lane >> 3, rr = lane & 7;
+    const int lane = laneid(), rr = lane & 7;
     // x4 matrix order = register order: row layout (0,0) (8,0) (0,8) (8,8); col layout (0,0) (0,8) (8,0) (8,8).
-    const int r = r0 + rr + (RT::is_row ? 8 * (m & 1) : 8 * (m >> 1));
-    const int c = c0 + (RT::is_row ? 8 * (m >> 1) : 8 * (m & 1));
+    const int r = r0 + rr + (RT::is_row ? x4_mrow(lane) : x4_mcol(lane));
+    const int c = c0 + (RT::is_row ? x4_mcol(lane) : x4_mrow(lane));
     return smem_addr(s.data) + ST::offset(r, c);
 }
 template <class RT, class ST> constexpr bool use_ldsm =
@@ -30,14 +31,7 @@ template <register_tile RT, shared_tile ST> TK_DEVICE void load(RT& dst, const S
             const int r0 = row0 + 16 * i, c0 = col0 + 16 * w;
             auto& t = dst.tiles[i][w];
             if constexpr (detail::use_ldsm<RT, ST>) {
-                uint32_t* d = reinterpret_cast<uint32_t*>(t.data);
-                const uint32_t a = detail::ldsm_addr<RT>(src, r0, c0);
-                if constexpr (RT::is_row)
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(a));
-                else
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(a));
+                ldmatrix_x4<!RT::is_row>(*reinterpret_cast<uint32_t(*)[4]>(t.data), detail::ldsm_addr<RT>(src, r0, c0));
             } else {
                 using L = typename RT::layout;
 #pragma unroll
@@ -59,13 +53,7 @@ template <shared_tile ST, register_tile RT> TK_DEVICE void store(ST& dst, const 
             const auto& t = src.tiles[i][w];
             if constexpr (detail::use_ldsm<RT, ST>) {
                 const uint32_t* d = reinterpret_cast<const uint32_t*>(t.data);
-                const uint32_t a = detail::ldsm_addr<RT>(dst, r0, c0);
-                if constexpr (RT::is_row)
-                    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
-                                 ::"r"(a), "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3]) : "memory");
-                else
-                    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
-                                 ::"r"(a), "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3]) : "memory");
+                stmatrix_x4<!RT::is_row>(detail::ldsm_addr<RT>(dst, r0, c0), d[0], d[1], d[2], d[3]);
             } else {
                 using L = typename RT::layout;
 #pragma unroll
