@@ -52,16 +52,16 @@ OUT_TOL, LSE_ATOL, GRAD_TOL = 1e-2, 2e-3, 2e-2
 HIDDEN = 2048
 
 
-def _set_tokens(tokens: int, lengths: tuple[int, ...] = (2048, 8192)) -> None:
-    """B*N of the timed cases, and the (D, N, causal) cases themselves (N <= B*N)."""
+def _set_timed() -> None:
+    """B*N of the timed cases, and the (D, N, causal) cases themselves (N <= B*N), from SWEEP_ATTN_TOKENS and
+    SWEEP_ATTN_LENGTHS (--tokens, --lengths set them, and the children read them)."""
     global TOKENS, TIMED, BWD_TIMED
-    TOKENS = tokens
-    TIMED = BWD_TIMED = list(itertools.product((128, 64), [n for n in lengths if n <= tokens], (False, True)))
+    TOKENS = int(os.environ.get("SWEEP_ATTN_TOKENS", 65536))
+    lengths = [int(n) for n in os.environ.get("SWEEP_ATTN_LENGTHS", "2048,8192").split(",")]
+    TIMED = BWD_TIMED = list(itertools.product((128, 64), [n for n in lengths if n <= TOKENS], (False, True)))
 
 
-# --tokens, --lengths; the children read the variables
-_set_tokens(int(os.environ.get("SWEEP_ATTN_TOKENS", 65536)),
-            tuple(int(n) for n in os.environ.get("SWEEP_ATTN_LENGTHS", "2048,8192").split(",")))
+_set_timed()
 CHILD_TIMEOUT_S = 40
 BWD_VARIANTS = tuple(range(18))  # --bwd-variants sweeps a subset
 BWD_VARIANT_NAMES = {  # must match BwdVariants in csrc/kernels/attention/backward.cu
@@ -425,9 +425,7 @@ def main(argv=None) -> int:
         if not all(n.isdigit() and int(n) >= 1 for n in args.lengths.split(",")):
             ap.error("--lengths: comma-separated positive integers")
         os.environ["SWEEP_ATTN_LENGTHS"] = args.lengths
-    if args.tokens is not None or args.lengths is not None:
-        _set_tokens(int(os.environ.get("SWEEP_ATTN_TOKENS", 65536)),
-                    tuple(int(n) for n in os.environ.get("SWEEP_ATTN_LENGTHS", "2048,8192").split(",")))
+    _set_timed()
     if (why := no_gpu()) is not None:
         print(f"python -m benchmarks.sweep_attn: {why}")
         return 2
