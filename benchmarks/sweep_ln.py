@@ -44,7 +44,7 @@ HIDDEN = (1024, 2048, 4096, 8192)
 COMPILE_ORDER = (1024, 4096, 8192, 2048)
 EPS = 1e-5
 FWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
-BWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+BWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 

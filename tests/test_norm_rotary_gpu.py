@@ -54,7 +54,7 @@ def _ln_inputs(rows, hidden, dtype, residual, weight, bias, seed=0):
 # (forward, backward) kernel variants, selected per call through the environment (layernorm.h): the
 # legacy kernels and each persistent one stay correct, whichever is the default. Every variant of
 # either direction appears (checked below).
-LN_VARIANTS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (7, 7), (8, 8), (5, 9)]
+LN_VARIANTS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (7, 7), (8, 8), (5, 9), (8, 10), (8, 11)]
 
 
 def test_ln_variants_cover_every_kernel_variant():

@@ -115,7 +115,7 @@ def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, 
 
 # ---------------------------------------------------------------------------- the ops
 
-FORWARD_VARIANTS, BACKWARD_VARIANTS = 9, 10  # kernel variants (csrc/kernels/layernorm/layernorm.h)
+FORWARD_VARIANTS, BACKWARD_VARIANTS = 9, 12  # kernel variants (csrc/kernels/layernorm/layernorm.h)
 
 
 def _check_variant_env(name: str, count: int) -> None:

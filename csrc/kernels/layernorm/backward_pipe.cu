@@ -1,5 +1,5 @@
 // Backward, persistent "pipe" variants 1..3 and the dispatcher of all pipe variants; the kernel is in
-// backward_pipe.cuh, variants 4..9 in backward_pipe_wide.cu.
+// backward_pipe.cuh, variants 4..11 in backward_pipe_wide.cu.
 #include "backward_pipe.cuh"
 
 namespace tk_layernorm {

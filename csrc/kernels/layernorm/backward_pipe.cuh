@@ -20,13 +20,17 @@ template <int THREADS, class S>
 constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 
 // NAMED: the row sums wait on their row group's barrier only, not the block's (variant 6).
-// KEEP (variants 7-9; at most 2 vectors per thread): the row's dy and x̂ stay in registers from the row sums
+// KEEP (variants 7-11; at most 2 vectors per thread): the row's dy and x̂ stay in registers from the row sums
 // to the second pass, instead of being read from shared memory and unpacked again, and w lives in fp32
 // registers. (Keeping g = dy·w instead and summing dw/db in the first pass cut the instructions further,
 // ~14 per element against ~23, but ran 4% slower at hidden 8192 on the H200.)
-template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false>
+// LEAN (variants 10, 11; with KEEP): the first row groups' copies are issued before w is loaded (w's load no
+// longer delays them), one lane per warp copies the row's mean and rstd and shuffles them to the others
+// (a 4-byte cp.async per thread was a quarter of the copies), and the staging has no w area.
+template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false, bool LEAN = false>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
   static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, dy and x̂ (3 x 8 floats per vector) in registers");
+  static_assert(!LEAN || KEEP, "LEAN keeps w in registers");
   tk::grid::wait_prior_grid();  // launched by launch_dependent
   extern __shared__ uint4 staging_smem[];
   __shared__ float2 red[S::BLOCK / 32];
@@ -38,20 +42,23 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   const T* dh_g = static_cast<const T*>(a.dh);
   const bool has_w = a.weight != nullptr;
   const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
-  const Staging<T, S, STAGES, true> st{staging_smem, dh_g ? 3 : 2};
+  const Staging<T, S, STAGES, true, !LEAN> st{staging_smem, dh_g ? 3 : 2};
 
   // w is the same for every row this thread sees: copied once into the thread's fixed slot (it lands
   // with the first commit group), or with KEEP loaded once into registers.
   float wk[S::VECS][8];
+  const auto load_w = [&] {
 #pragma unroll
-  for (int v = 0; v < S::VECS; ++v) {
-    const int vi = v * S::TPR + lane;
-    if constexpr (KEEP) {
-      if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
-    } else {
-      if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
+    for (int v = 0; v < S::VECS; ++v) {
+      const int vi = v * S::TPR + lane;
+      if constexpr (KEEP) {
+        if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
+      } else {
+        if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
+      }
     }
-  }
+  };
+  if constexpr (!LEAN) load_w();
   float acc_w[S::VECS][8], acc_b[S::VECS][8];
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v)
@@ -75,8 +82,10 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
           if (dh_g) st.copy(stage, kDh, v, dh_g + base + vi * 8);
         }
       }
-      if (a.mean) st.copy_stat(stage, 0, a.mean + ahead);
-      st.copy_stat(stage, 1, a.rstd + ahead);
+      if (!LEAN || threadIdx.x % 32 == 0) {
+        if (a.mean) st.copy_stat(stage, 0, a.mean + ahead);
+        st.copy_stat(stage, 1, a.rstd + ahead);
+      }
     }
     cp_async_commit();
     ahead += step;
@@ -84,6 +93,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  if constexpr (LEAN) load_w();
   int stage = 0;
 #pragma unroll 1
   for (int it = 0; it < iters; ++it, row += step) {
@@ -92,8 +102,18 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     cp_async_wait<STAGES - 1>();  // this iteration's group has landed
     const bool live = row < rows;
     const int64_t base = int64_t(row) * a.hidden;
-    const float mean = live && a.mean ? st.read_stat(stage, 0) : 0.f;
-    const float rstd = live ? st.read_stat(stage, 1) : 0.f;
+    float mean = 0.f, rstd = 0.f;
+    if constexpr (LEAN) {  // a row is whole warps: lane 0 holds the warp's row statistics
+      if (threadIdx.x % 32 == 0 && live) {
+        if (a.mean) mean = st.read_stat(stage, 0);
+        rstd = st.read_stat(stage, 1);
+      }
+      mean = __shfl_sync(0xffffffffu, mean, 0);
+      rstd = __shfl_sync(0xffffffffu, rstd, 0);
+    } else {
+      mean = live && a.mean ? st.read_stat(stage, 0) : 0.f;
+      rstd = live ? st.read_stat(stage, 1) : 0.f;
+    }
     float sg = 0.f, sgx = 0.f;
     float dyk[S::VECS][8], xk[S::VECS][8];  // KEEP: the row's dy and x̂
 #pragma unroll
@@ -162,23 +182,27 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   if (a.db) write_partial<S>(acc_b, a.partial + stride + int64_t(blockIdx.x) * a.hidden, a.hidden, acc_smem);
 }
 
-template <typename T, class S, int STAGES>
+template <typename T, class S, int STAGES, bool LEAN = false>
 size_t staging_bytes(const BackwardArgs& args) {
   constexpr size_t floor = S::ROWS > 1 ? size_t(S::MAX_HIDDEN) * sizeof(float) : 0;  // write_partial's sums
-  const size_t bytes = Staging<T, S, STAGES, true>::bytes(args.dh ? 3 : 2);
+  const size_t bytes = Staging<T, S, STAGES, true, !LEAN>::bytes(args.dh ? 3 : 2);
   return bytes > floor ? bytes : floor;
 }
 
-// f(kernel, smem bytes, block, rows per block, stages) for one instantiation.
-template <typename T, class S, int STAGES, int THREADS, bool NAMED, bool KEEP = false, typename F>
+// f(kernel, smem bytes, block, rows per block, stages) for one instantiation. PER_SM > 0: the shared memory
+// is padded so that at most PER_SM blocks are resident on an SM (variant 11).
+template <typename T, class S, int STAGES, int THREADS, bool NAMED, bool KEEP = false, bool LEAN = false,
+          int PER_SM = 0, typename F>
 cudaError_t pick(const BackwardArgs& args, F&& f) {
-  return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP>, staging_bytes<T, S, STAGES>(args), S::BLOCK,
-           S::ROWS, std::integral_constant<int, STAGES>{});
+  size_t smem = staging_bytes<T, S, STAGES, LEAN>(args);
+  if constexpr (PER_SM > 0) smem = smem_for_residency(smem, PER_SM);
+  return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP, LEAN>, smem, S::BLOCK, S::ROWS,
+           std::integral_constant<int, STAGES>{});
 }
 
 }  // namespace
 
-// Variants 4..9 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
+// Variants 4..11 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
 // hidden sizes where they differ from variant 3 (see effective_variant).
 namespace pipe_wide {
 int backward_blocks(const BackwardArgs& args, DType dtype);
@@ -187,7 +211,7 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStre
 
 // 4, 5: past hidden 8192 a 512-thread block of 4 vectors would have 128 registers and spill. 6: up to 512
 // a row is one warp (no barrier), past 2048 a block holds one row (row-group barriers are block barriers).
-// 7-9: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
+// 7-11: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
 inline int effective_variant(const BackwardArgs& args) {
   if ((args.variant == 4 || args.variant == 5) && args.hidden > 8192) return 3;
   if (args.variant == 6 && (args.hidden <= 512 || args.hidden > 2048)) return 3;

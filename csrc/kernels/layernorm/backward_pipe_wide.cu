@@ -1,4 +1,4 @@
-// Backward, persistent "pipe" variants 4..9 (the kernel is in backward_pipe.cuh; backward_pipe.cu
+// Backward, persistent "pipe" variants 4..11 (the kernel is in backward_pipe.cuh; backward_pipe.cu
 // dispatches here after mapping the hidden sizes where they equal variant 3 to it).
 #include "backward_pipe.cuh"
 
@@ -38,6 +38,20 @@ cudaError_t with_wide_variant(const BackwardArgs& args, DType dtype, F&& f) {
         return with_pipe_split<true, 2, 32>(args.hidden, [&](auto s) {
           using S = decltype(s);
           return pick<T, S, 3, 512, false, (S::BLOCK <= 512)>(args, f);
+        });
+      // 10: variant 8, LEAN. 11: 10 with at most 256 resident threads per SM (two 128-thread blocks at hidden
+      // <= 2048; one block above): on the H200 at hidden 1024 the grid moved its bytes faster with 2 blocks
+      // per SM than with 3 or 4 (and with 3 or more stages alike), and its column sum has half the rows.
+      case 10:
+        return with_pipe_split<true, 2, 128>(args.hidden, [&](auto s) {
+          using S = decltype(s);
+          return pick<T, S, 3, 512, false, (S::BLOCK <= 512), (S::BLOCK <= 512)>(args, f);
+        });
+      case 11:
+        return with_pipe_split<true, 2, 128>(args.hidden, [&](auto s) {
+          using S = decltype(s);
+          constexpr int per_sm = S::BLOCK < 256 ? 256 / S::BLOCK : 1;
+          return pick<T, S, 3, 512, false, (S::BLOCK <= 512), (S::BLOCK <= 512), per_sm>(args, f);
         });
       default: return cudaErrorInvalidValue;
     }

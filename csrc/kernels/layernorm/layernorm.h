@@ -32,6 +32,9 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     pass, and w in fp32 registers. Variant 3 past hidden 8192 (1024-thread blocks: 64 registers).
 //   backward 8, 9: variant 7 in blocks of >= 128 threads (8) or of one row each (9): more, smaller blocks
 //     (at hidden 1024, 8: two rows a block, 4 blocks per SM; 9: 8 blocks of 64 threads per SM).
+//   backward 10: 8 with w loaded after the first copies are issued, the row statistics copied by one lane per
+//     warp (not by every thread) and no w area in shared memory (LEAN in backward_pipe.cuh).
+//   backward 11: 10 with at most 256 resident threads per SM (two blocks at hidden <= 2048).
 //   tried and removed (H200, 2026-11-30): 7 keeping g = dy·w and summing dw/db in the first pass (fewer
 //     instructions, 4% slower at 8192), 7 with 4 stages (no faster), 7 with 4 vectors per thread (spills),
 //     7 with a dynamically balanced tail (SMs evened out, kernel 19-34% slower); 8's kernel on a chunked grid,
@@ -40,7 +43,7 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     8192; the persistent grid's blocks sweep the rows together, chunks scatter the reads over the tensors).
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
-constexpr int kForwardVariants = 9, kBackwardVariants = 10;
+constexpr int kForwardVariants = 9, kBackwardVariants = 12;
 // From the H200 sweeps (RESULTS.md): the legacy kernel with one row per block and 2 vectors per thread (5)
 // reached 94-98% of copy against 92-97% for legacy (0) and 85-90% for the pipe forwards; the 2-vector pipe
 // backward (3) reached 82-92% of copy against 47-65% for the legacy one (4, 5 and 6 within 2% of it); keeping

@@ -38,16 +38,17 @@ __device__ __forceinline__ float ld_shared4(uint32_t smem) {
 }
 
 // Dynamic shared memory laid out as [STAGES][ops][VECS][CHUNKS][BLOCK] 16-byte chunks, then (when
-// STATS) [VECS][CHUNKS][BLOCK] chunks for a per-thread constant vector (the weight: shared memory is
-// cheaper than registers there) and [STAGES][2][BLOCK] floats for the row's mean and rstd. `ops` is a
-// runtime count so absent operands (no residual, no dh) cost no shared memory and no occupancy.
-template <typename T, class S, int STAGES, bool STATS>
+// STATS and FIXED) [VECS][CHUNKS][BLOCK] chunks for a per-thread constant vector (the weight: shared memory
+// is cheaper than registers there) and (when STATS) [STAGES][2][BLOCK] floats for the row's mean and rstd.
+// `ops` is a runtime count so absent operands (no residual, no dh) cost no shared memory and no occupancy.
+template <typename T, class S, int STAGES, bool STATS, bool FIXED = STATS>
 struct Staging {
   static constexpr int CHUNKS = int(sizeof(T)) / 2;  // 16-byte chunks per 8 elements
+  static constexpr uint32_t FIXED_BYTES = STATS && FIXED ? S::VECS * CHUNKS * 16 * S::BLOCK : 0;
 
   static constexpr size_t bytes(int ops) {
-    return (size_t(STAGES) * ops * S::VECS * CHUNKS * 16 +
-            (STATS ? S::VECS * CHUNKS * 16 + STAGES * 2 * sizeof(float) : 0)) * S::BLOCK;
+    return size_t(STAGES) * ops * S::VECS * CHUNKS * 16 * S::BLOCK + FIXED_BYTES +
+           (STATS ? STAGES * 2 * sizeof(float) * S::BLOCK : 0);
   }
 
   uint32_t base;  // shared-window address of the area, plus this thread's column
@@ -61,7 +62,7 @@ struct Staging {
   }
   __device__ __forceinline__ uint32_t fixed(int v) const { return slot(STAGES, 0, 0) + 16u * uint32_t(v * CHUNKS * S::BLOCK); }
   __device__ __forceinline__ uint32_t stat(int stage, int k) const {
-    const uint32_t stats = fixed(S::VECS) - 12u * threadIdx.x;  // floats: 4 bytes per thread, not 16
+    const uint32_t stats = slot(STAGES, 0, 0) + FIXED_BYTES - 12u * threadIdx.x;  // floats: 4 bytes per thread, not 16
     return stats + 4u * uint32_t((stage * 2 + k) * S::BLOCK);
   }
   __device__ __forceinline__ void copy_at(uint32_t dst, const T* src) const {
@@ -112,6 +113,10 @@ struct Residency {
   int per_sm = 0, sms = 0;
 };
 Residency residency(const void* kernel, int block, size_t smem);
+
+// At least `smem` bytes of dynamic shared memory, and enough that at most `per_sm` blocks fit on an SM: a cap
+// on a persistent grid's blocks per SM that the hardware honours (a smaller grid alone may be packed unevenly).
+size_t smem_for_residency(size_t smem, int per_sm);
 
 // Persistent grid: at most as many blocks as are resident at once, each looping over the same number of
 // row groups (tasks): with 16384 groups on 528 resident blocks, 512 blocks of 32 groups finish together,

@@ -40,4 +40,21 @@ Residency residency(const void* kernel, int block, size_t smem) {
   return r;
 }
 
+size_t smem_for_residency(size_t smem, int per_sm) {
+  static std::mutex lock;
+  static int sm_bytes[64] = {}, reserved[64] = {};
+  int device = 0;
+  if (per_sm <= 0 || cudaGetDevice(&device) != cudaSuccess || device >= 64) return smem;
+  {
+    const std::lock_guard<std::mutex> guard(lock);
+    if (sm_bytes[device] == 0) {
+      cudaDeviceGetAttribute(&sm_bytes[device], cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+      cudaDeviceGetAttribute(&reserved[device], cudaDevAttrReservedSharedMemoryPerBlock, device);
+    }
+  }
+  // per_sm + 1 blocks of (pad + the per-block reservation) bytes exceed the SM's shared memory.
+  const long long pad = (long long)sm_bytes[device] / (per_sm + 1) - reserved[device] + 1;
+  return pad > (long long)smem ? size_t(pad) : smem;
+}
+
 }  // namespace tk_layernorm
