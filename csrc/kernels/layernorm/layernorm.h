@@ -33,7 +33,8 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //   backward 8, 9: variant 7 in blocks of >= 128 threads (8) or of one row each (9): more, smaller blocks
 //     (at hidden 1024, 8: two rows a block, 4 blocks per SM; 9: 8 blocks of 64 threads per SM).
 //   backward 10: 8 with w loaded after the first copies are issued, the row statistics copied by one lane per
-//     warp (not by every thread) and no w area in shared memory (LEAN in backward_pipe.cuh).
+//     warp (not by every thread), no w area in shared memory and evict-first dres / dx stores (LEAN in
+//     backward_pipe.cuh).
 //   backward 11: 10 with at most 256 resident threads per SM (two blocks at hidden <= 2048).
 //   tried and removed (H200, 2026-11-30): 7 keeping g = dy·w and summing dw/db in the first pass (fewer
 //     instructions, 4% slower at 8192), 7 with 4 stages (no faster), 7 with 4 vectors per thread (spills),

@@ -42,11 +42,16 @@ __device__ __forceinline__ Pack8<T> load_pack(const T* src) {
   return p;
 }
 
-template <typename T>
+// STREAM: st.global.cs, evict-first in L2 (an output nothing in the kernel reads again).
+template <typename T, bool STREAM = false>
 __device__ __forceinline__ void store_pack(T* dst, const Pack8<T>& p) {
   uint4* d = reinterpret_cast<uint4*>(dst);
 #pragma unroll
-  for (int i = 0; i < int(sizeof(T)) / 2; ++i) d[i] = make_uint4(p.w[4 * i], p.w[4 * i + 1], p.w[4 * i + 2], p.w[4 * i + 3]);
+  for (int i = 0; i < int(sizeof(T)) / 2; ++i) {
+    const uint4 q = make_uint4(p.w[4 * i], p.w[4 * i + 1], p.w[4 * i + 2], p.w[4 * i + 3]);
+    if constexpr (STREAM) __stcs(d + i, q);
+    else d[i] = q;
+  }
 }
 
 template <typename T>
@@ -91,9 +96,9 @@ __device__ __forceinline__ void load8(float (&dst)[8], const T* src) {
   unpack(dst, load_pack(src));
 }
 
-template <typename T>
+template <typename T, bool STREAM = false>
 __device__ __forceinline__ void store8(T* dst, const float (&src)[8]) {
-  store_pack(dst, pack<T>(src));
+  store_pack<T, STREAM>(dst, pack<T>(src));
 }
 
 using tk::warp_sum;
