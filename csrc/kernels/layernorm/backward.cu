@@ -86,20 +86,10 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
   const int col = blockIdx.x * 32 + threadIdx.x;
   float s = 0.f;
   if (col < hidden) {
-    // This kernel is pure latency: a slice's loads (up to 16; 17 for a 521-block grid) are all issued before
-    // the first add, then added in order.
-    constexpr int kBatch = 16;
-    for (int k0 = threadIdx.y; k0 < blocks; k0 += 32 * kBatch) {
-      float v[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int k = k0 + 32 * j;
-        v[j] = k < blocks ? src[int64_t(k) * hidden + col] : 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j)
-        if (k0 + 32 * j < blocks) s += v[j];  // skipped, not + 0.f: a -0.f sum stays -0.f
-    }
+    // Independent loads in flight: this kernel is pure latency. (Issuing all of a slice's loads, up to 16, before
+    // the first add ran 1 us slower per call on the H200 at hidden 1024, 263 partial rows.)
+#pragma unroll 8
+    for (int k = threadIdx.y; k < blocks; k += 32) s += src[int64_t(k) * hidden + col];
   }
   slices[threadIdx.y][threadIdx.x] = s;
   __syncthreads();

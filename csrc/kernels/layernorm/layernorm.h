@@ -35,7 +35,8 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //   backward 10: 8 with w loaded after the first copies are issued, the row statistics copied by one lane per
 //     warp (not by every thread), no w area in shared memory and evict-first dres / dx stores (LEAN in
 //     backward_pipe.cuh).
-//   backward 11: 10 with at most 256 resident threads per SM (two blocks at hidden <= 2048).
+//   backward 11: 10 with at most 256 resident threads per SM (two blocks at hidden <= 2048), up to hidden 4096;
+//     variant 8 above.
 //   tried and removed (H200, 2026-11-30): 7 keeping g = dy·w and summing dw/db in the first pass (fewer
 //     instructions, 4% slower at 8192), 7 with 4 stages (no faster), 7 with 4 vectors per thread (spills),
 //     7 with a dynamically balanced tail (SMs evened out, kernel 19-34% slower); 8's kernel on a chunked grid,
@@ -53,7 +54,10 @@ constexpr int kForwardVariants = 9, kBackwardVariants = 12;
 // smaller blocks (8) evens out the SMs' share of rows: 83 -> 85% at 1024, 89 -> 91% at 2048, equal or better
 // elsewhere, while one row per block (9) lost at 1024 (77%): its dw/db partial rows cost more than they even out.
 // Forward 8 (5 in torch.compile's order at hidden <= 1024) took the inference forward at 1024 from 4061 to 4082 GB/s.
-constexpr int kDefaultForwardVariant = 8, kDefaultBackwardVariant = 8;
+// Backward 11 (H200, 2026-11-30, session 15): at hidden 1024 fewer resident blocks moved the bytes faster (4, 3, 2
+// blocks of 128 threads per SM: 87.7, 89.2, 90.5% of copy with LEAN), one lane per warp copying the row statistics
+// and w loaded after the first copies saved 3 us a call, evict-first stores ~3 us more.
+constexpr int kDefaultForwardVariant = 8, kDefaultBackwardVariant = 11;
 
 struct DropoutArgs {
   bool enabled = false;
