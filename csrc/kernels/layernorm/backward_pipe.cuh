@@ -28,7 +28,9 @@ constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
 // longer delays them), one lane per warp copies the row's mean and rstd and shuffles them to the others
 // (a 4-byte cp.async per thread was a quarter of the copies), the staging has no w area, and dres / dx are
 // stored evict-first (st.global.cs: H200, hidden 1024, 2 blocks per SM: 137.3 against 140.1 us a call).
-template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false, bool LEAN = false>
+// DROPOUT = false (LEAN only): launched only without dropout; the kernel has no dx code.
+template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false, bool LEAN = false,
+          bool DROPOUT = true>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
   static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, dy and x̂ (3 x 8 floats per vector) in registers");
   static_assert(!LEAN || KEEP, "LEAN keeps w in registers");
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         if constexpr (KEEP) {
           float dres[8];
           if (dh_g) unpack(dres, st.read(stage, kDh, v));
-          backward_vec_xhat<T, LEAN>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr, rstd, mean_g,
+          backward_vec_xhat<T, LEAN, DROPOUT>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr, rstd, mean_g,
                                mean_gx, acc_w[v], acc_b[v]);
           continue;
         }
@@ -191,12 +193,18 @@ size_t staging_bytes(const BackwardArgs& args) {
 }
 
 // f(kernel, smem bytes, block, rows per block, stages) for one instantiation. PER_SM > 0: the shared memory
-// is padded so that at most PER_SM blocks are resident on an SM (variant 11).
+// is padded so that at most PER_SM blocks are resident on an SM (variant 11). LEAN: a kernel without the
+// dropout code runs the calls without dropout (that code, though never taken, cost 2% at hidden 1024).
 template <typename T, class S, int STAGES, int THREADS, bool NAMED, bool KEEP = false, bool LEAN = false,
           int PER_SM = 0, typename F>
 cudaError_t pick(const BackwardArgs& args, F&& f) {
   size_t smem = staging_bytes<T, S, STAGES, LEAN>(args);
   if constexpr (PER_SM > 0) smem = smem_for_residency(smem, PER_SM);
+  if constexpr (LEAN) {
+    if (!args.dropout.enabled)
+      return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP, LEAN, false>, smem, S::BLOCK, S::ROWS,
+               std::integral_constant<int, STAGES>{});
+  }
   return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP, LEAN>, smem, S::BLOCK, S::ROWS,
            std::integral_constant<int, STAGES>{});
 }

@@ -136,11 +136,12 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem /* [S:
 }
 
 // dres (and dx through the regenerated dropout mask) of the vector at element base + vi * 8 (STREAM: store8's).
-template <typename T, bool STREAM = false>
+// DROPOUT = false: the caller knows a.dropout.enabled is false (no dx code in the kernel).
+template <typename T, bool STREAM = false, bool DROPOUT = true>
 __device__ __forceinline__ void store_grads(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi,
                                             const float (&dres)[8]) {
   store8<T, STREAM>(static_cast<T*>(a.dres) + base + vi * 8, dres);
-  if (a.dropout.enabled) {
+  if (DROPOUT && a.dropout.enabled) {
     // dx sees dres rounded to T, as autograd through eager dropout would.
     const uint32_t keep = drop.keep8(uint64_t(base) + uint64_t(vi) * 8);
     float dx[8];
@@ -152,8 +153,8 @@ __device__ __forceinline__ void store_grads(const BackwardArgs& a, const Dropout
 
 // The backward of one vector from its normalised x̂ (xh), once the row sums are known:
 // dres = rstd·(g − mean_g − x̂·mean_gx), plus the incoming dh (in dres on entry when add_dh), the dw/db
-// partials, and dx through the regenerated dropout mask (STREAM: evict-first stores).
-template <typename T, bool STREAM = false>
+// partials, and dx through the regenerated dropout mask (STREAM, DROPOUT: store_grads').
+template <typename T, bool STREAM = false, bool DROPOUT = true>
 __device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi,
                                                   const float (&dy)[8], const float (&xh)[8], const float (&wv)[8],
                                                   bool has_w, float (&dres)[8], bool add_dh, float rstd, float mean_g,
@@ -166,7 +167,7 @@ __device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const D
     acc_w[i] += dy[i] * xh[i];
     acc_b[i] += dy[i];
   }
-  store_grads<T, STREAM>(a, drop, base, vi, dres);
+  store_grads<T, STREAM, DROPOUT>(a, drop, base, vi, dres);
 }
 
 // The same from h (in xh, normalised here in place). The vector starts at element base + vi * 8 of the
