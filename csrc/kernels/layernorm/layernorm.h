@@ -43,6 +43,8 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //     a contiguous 32-row chunk per block, clusters of 4 or 8 blocks adding their dw/db sums through
 //     distributed shared memory into one partial row (048656e: 152 vs 139 us at hidden 1024, 1234 vs 991 us at
 //     8192; the persistent grid's blocks sweep the rows together, chunks scatter the reads over the tensors).
+//   tried outside the library (session 15, RESULTS.md): 10 with row groups claimed from a counter (SMs evened out,
+//     calls 2-6% slower), with L2::256B prefetch or evict-first loads, one or four rows per block, 4-8 stages.
 // A pipe variant whose staging does not fit in shared memory (fp32 at the largest hidden sizes), or that
 // would count rows past 2^31, runs legacy.
 constexpr int kForwardVariants = 9, kBackwardVariants = 12;
