@@ -160,8 +160,8 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         if constexpr (KEEP) {
           float dres[8];
           if (dh_g) unpack(dres, st.read(stage, kDh, v));
-          backward_vec_xhat<T, LEAN, DROPOUT>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr, rstd, mean_g,
-                               mean_gx, acc_w[v], acc_b[v]);
+          backward_vec_xhat<T, LEAN, DROPOUT>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr,
+                                              rstd, mean_g, mean_gx, acc_w[v], acc_b[v]);
           continue;
         }
         float dy[8], xh[8], wv[8], dres[8];
@@ -222,12 +222,13 @@ cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStre
 // 4, 5: past hidden 8192 a 512-thread block of 4 vectors would have 128 registers and spill. 6: up to 512
 // a row is one warp (no barrier), past 2048 a block holds one row (row-group barriers are block barriers).
 // 7-11: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
-// 11 (the default): past 4096, variant 8 (LEAN ran 1-2% slower than 8 at hidden 8192 on the H200).
+// 11 (the default): variant 8 past 4096 (LEAN ran 1-2% slower than 8 at hidden 8192 on the H200) and up to 512,
+// where its other splits (4 rows of a warp per block) with 2 blocks per SM were never timed.
 inline int effective_variant(const BackwardArgs& args) {
   if ((args.variant == 4 || args.variant == 5) && args.hidden > 8192) return 3;
   if (args.variant == 6 && (args.hidden <= 512 || args.hidden > 2048)) return 3;
   if (args.variant >= 7 && args.hidden > 8192) return 3;
-  if (args.variant == 11 && args.hidden > 4096) return 8;
+  if (args.variant == 11 && (args.hidden > 4096 || args.hidden <= 512)) return 8;
   return args.variant;
 }
 

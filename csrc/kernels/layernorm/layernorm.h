@@ -35,8 +35,8 @@ constexpr int kMaxHidden = 16384;  // hidden % 8 == 0 and hidden <= kMaxHidden
 //   backward 10: 8 with w loaded after the first copies are issued, the row statistics copied by one lane per
 //     warp (not by every thread), no w area in shared memory and evict-first dres / dx stores (LEAN in
 //     backward_pipe.cuh).
-//   backward 11: 10 with at most 256 resident threads per SM (two blocks at hidden <= 2048), up to hidden 4096;
-//     variant 8 above.
+//   backward 11: 10 with at most 256 resident threads per SM (two blocks at hidden <= 2048) at hidden 513..4096;
+//     variant 8 elsewhere.
 //   tried and removed (H200, 2026-11-30): 7 keeping g = dy·w and summing dw/db in the first pass (fewer
 //     instructions, 4% slower at 8192), 7 with 4 stages (no faster), 7 with 4 vectors per thread (spills),
 //     7 with a dynamically balanced tail (SMs evened out, kernel 19-34% slower); 8's kernel on a chunked grid,
