@@ -193,14 +193,13 @@ size_t staging_bytes(const BackwardArgs& args) {
   return bytes > floor ? bytes : floor;
 }
 
-// f(kernel, smem bytes, block, rows per block, stages) for one instantiation. PER_SM > 0: the shared memory
-// is padded so that at most PER_SM blocks are resident on an SM (variant 11). LEAN: a kernel without the
+// f(kernel, smem bytes, block, rows per block, stages) for one instantiation. per_sm > 0: the shared memory
+// is padded so that at most per_sm blocks are resident on an SM (variant 11). LEAN: a kernel without the
 // dropout code runs the calls without dropout (that code, though never taken, cost 2% at hidden 1024).
-template <typename T, class S, int STAGES, int THREADS, bool NAMED, bool KEEP = false, bool LEAN = false,
-          int PER_SM = 0, typename F>
-cudaError_t pick(const BackwardArgs& args, F&& f) {
+template <typename T, class S, int STAGES, int THREADS, bool NAMED, bool KEEP = false, bool LEAN = false, typename F>
+cudaError_t pick(const BackwardArgs& args, F&& f, int per_sm = 0) {
   size_t smem = staging_bytes<T, S, STAGES, LEAN>(args);
-  if constexpr (PER_SM > 0) smem = smem_for_residency(smem, PER_SM);
+  if (per_sm > 0) smem = smem_for_residency(smem, per_sm);
   if constexpr (LEAN) {
     if (!args.dropout.enabled)
       return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP, LEAN, false>, smem, S::BLOCK, S::ROWS,

@@ -43,15 +43,11 @@ cudaError_t with_wide_variant(const BackwardArgs& args, DType dtype, F&& f) {
       // <= 2048; one block above): on the H200 at hidden 1024 the grid moved its bytes faster with 2 blocks
       // per SM than with 3 or 4 (and with 3 or more stages alike), and its column sum has half the rows.
       case 10:
-        return with_pipe_split<true, 2, 128>(args.hidden, [&](auto s) {
-          using S = decltype(s);
-          return pick<T, S, 3, 512, false, (S::BLOCK <= 512), (S::BLOCK <= 512)>(args, f);
-        });
       case 11:
         return with_pipe_split<true, 2, 128>(args.hidden, [&](auto s) {
           using S = decltype(s);
-          constexpr int per_sm = S::BLOCK < 256 ? 256 / S::BLOCK : 1;
-          return pick<T, S, 3, 512, false, (S::BLOCK <= 512), (S::BLOCK <= 512), per_sm>(args, f);
+          const int per_sm = args.variant == 11 ? (S::BLOCK < 256 ? 256 / S::BLOCK : 1) : 0;
+          return pick<T, S, 3, 512, false, (S::BLOCK <= 512), (S::BLOCK <= 512)>(args, f, per_sm);
         });
       default: return cudaErrorInvalidValue;
     }
