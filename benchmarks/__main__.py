@@ -202,6 +202,10 @@ def main(argv=None) -> int:
         return _report(meta, rows, out)
     import torch
 
+    if not torch.cuda.is_available():
+        print("python -m benchmarks: no CUDA device visible; the benchmarks time GPU kernels (an sm_90 GPU: H100/H200). "
+              "--merge works without one.", file=sys.stderr)
+        return 2
     meta = {
         "date": datetime.date.today().isoformat(),
         "commit": _commit(),

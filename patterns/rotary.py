@@ -14,9 +14,14 @@ copies the pass-through channels. rotary_dim = cos.shape[-1]; cos/sin are passed
 op broadcasts them: HF's (B, N, r) unsqueezed at dim 1 or 2, GPT-J's repeat_interleave'd tables).
 Two matches with the same cos, sin and variant (q and k of one layer) become one launch.
 
-Kept, with the reason: cos/sin that require grad (learned tables), cos/sin of another dtype than
-x (fp32 tables on bf16 activations promote the result), outputs whose layout is neither x's nor
-contiguous, cos/sin that do not broadcast to x's rotary part, odd rotary dims.
+Dtypes: cos/sin may have another dtype than x (fp32 tables on bf16 activations, as HF computes them
+under autocast): the result is promoted, as in eager. When the result's only use is a cast to
+another dtype (autocast's cast in front of attention, made explicit by tk_inductor/autocast.py),
+the op writes that dtype directly: the same single rounding of the fp32 result.
+
+Kept, with the reason: cos/sin that require grad (learned tables), outputs whose layout is neither
+x's nor contiguous, cos/sin that do not broadcast to x's rotary part, odd rotary dims, and (kernel
+mode on CUDA) dtype combinations the kernel does not take.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
+from tk_inductor import config
 from tk_inductor.ops import rotary as rotary_ops
 from tk_inductor.rewrite import Match
 
@@ -221,10 +227,50 @@ def _partial_output(add: fx.Node, x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
             continue
         if not _dim_is_last(dim, tu.dim()):
             continue
-        rest = _last_slice(parts[1])
+        rest = _last_slice(_upcast_source(parts[1]))
         if rest is not None and rest[0] is base and rest[1] == stop and rest[2] == int(_tensor(base).shape[-1]) and rest[3] == 1:
             return base, user
     return None
+
+
+# ---------------------------------------------------------------------------- dtypes
+
+def _cast_dtype(node: Any) -> torch.dtype | None:
+    """The dtype `node` casts its input to (`.to(dtype)`, `.float()`, `.half()`, `.bfloat16()`), or None."""
+    if not isinstance(node, fx.Node) or node.op != "call_method" or not node.args:
+        return None
+    if node.target in ("float", "half", "bfloat16"):
+        return {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}[node.target]
+    if node.target != "to":
+        return None
+    dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
+    t, src = _tensor(node), _tensor(node.args[0])
+    if len(dtypes) != 1 or t is None or src is None or t.device != src.device or t.dtype != dtypes[0]:
+        return None
+    return dtypes[0]
+
+
+def _upcast_source(node: Any) -> Any:
+    """`node` with an exact widening cast (16-bit to fp32) stripped: the value it casts."""
+    dtype = _cast_dtype(node)
+    src = _tensor(node.args[0]) if dtype is not None else None
+    if src is not None and dtype == torch.float32 and src.dtype in (torch.float16, torch.bfloat16):
+        return node.args[0]
+    return node
+
+
+def _fused_cast(out: fx.Node) -> tuple[fx.Node, torch.dtype] | None:
+    """The cast that is the result's only use (autocast's cast to the attention dtype): (cast node, its dtype)."""
+    if len(out.users) != 1:
+        return None
+    user = next(iter(out.users))
+    dtype = _cast_dtype(user)
+    tu, to = _tensor(user), _tensor(out)
+    if dtype is None or dtype not in rotary_ops.DTYPES or user.args[0] is not out or to is None:
+        return None
+    if tu.stride() != to.stride():
+        return None
+    return user, dtype
 
 
 def _reason(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor | None, interleaved: bool):
@@ -232,12 +278,13 @@ def _reason(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
         return "no example values", None
     if cos.requires_grad or sin.requires_grad:
         return "cos/sin require grad (learned rotary tables; the kernel has no cos/sin gradient)", None
-    if x.dtype not in rotary_ops.DTYPES:
-        return f"dtype {x.dtype}", None
-    if cos.dtype != x.dtype or sin.dtype != x.dtype:
-        return f"cos/sin dtype {cos.dtype} differs from x's {x.dtype} (the result is promoted)", None
-    if out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape):
-        return f"output {out.dtype} {tuple(out.shape)} differs from x's {x.dtype} {tuple(x.shape)}", None
+    for name, t in (("x", x), ("cos", cos)):
+        if t.dtype not in rotary_ops.DTYPES:
+            return f"{name} dtype {t.dtype}", None
+    if sin.dtype != cos.dtype:
+        return f"sin dtype {sin.dtype} differs from cos's {cos.dtype}", None
+    if out.dtype != torch.promote_types(x.dtype, cos.dtype) or tuple(out.shape) != tuple(x.shape):
+        return f"output {out.dtype} {tuple(out.shape)} is not x's {tuple(x.shape)} promoted with cos/sin's dtype", None
     if tuple(cos.shape) != tuple(sin.shape):
         return "cos and sin have different shapes", None
     if not 1 <= x.dim() <= 4 or cos.dim() > x.dim():
@@ -320,11 +367,18 @@ def find(graph: fx.Graph) -> Iterable[Match]:
         reason, flags = _reason(tx, tc, ts, to, interleaved)
         if reason is None and partial is None and tc.shape[-1] != tx.shape[-1]:
             reason = "cos/sin cover fewer channels than x, without a pass-through concatenation"
-        singles.append((x, cos, sin, interleaved, flags or set(), out, reason, tx))
+        out_dtype = None
+        if reason is None and (fused := _fused_cast(out)) is not None:
+            out, out_dtype = fused
+        if reason is None and tx.device.type == "cuda" and not config.current().reference:
+            dtype = out_dtype or to.dtype
+            if not rotary_ops.kernel_supports(tx.dtype, tc.dtype, dtype):
+                reason = f"no kernel for x {tx.dtype}, cos/sin {tc.dtype}, output {dtype}"
+        singles.append((x, cos, sin, interleaved, flags or set(), out, reason, tx, out_dtype))
 
     # q and k of one layer share cos/sin: one launch for both.
     used = set()
-    for i, (x, cos, sin, inter, flags, out, reason, tx) in enumerate(singles):
+    for i, (x, cos, sin, inter, flags, out, reason, tx, out_dtype) in enumerate(singles):
         if i in used:
             continue
         used.add(i)
@@ -332,7 +386,7 @@ def find(graph: fx.Graph) -> Iterable[Match]:
         if reason is None:
             for j in range(i + 1, len(singles)):
                 y = singles[j]
-                if j in used or y[6] is not None or y[3] != inter or not (flags & y[4]):
+                if j in used or y[6] is not None or y[3] != inter or not (flags & y[4]) or y[8] != out_dtype:
                     continue
                 if not (_same_value(y[1], cos) and _same_value(y[2], sin)):
                     continue
@@ -354,7 +408,7 @@ def find(graph: fx.Graph) -> Iterable[Match]:
             family=FAMILY,
             outputs=[out, k_out],
             target=torch.ops.tk.rotary.default,
-            args=(x, k, cos, sin, inter, False, contiguous),
+            args=(x, k, cos, sin, inter, False, contiguous, out_dtype),
             reason=reason,
             needs_grad=needs_grad,
             has_backward_kernel=True,

@@ -6,6 +6,8 @@ kernels live). GPU tests are marked `gpu` and skipped without CUDA.
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -19,6 +21,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_TORCH_CONFIGS = ("torch._inductor.config", "torch._functorch.config", "torch._dynamo.config")
+
+
+def _config_state() -> dict[str, dict]:
+    """The visible options of torch's config modules that are loaded, by module."""
+    state = {}
+    for name in _TORCH_CONFIGS:
+        module = sys.modules.get(name)
+        if module is not None:
+            state[name] = {k: v for k, v in module.get_config_copy().items()}
+            state[name]["<hidden>"] = sorted(k for k, e in module._config.items() if getattr(e, "hide", False))
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _torch_config_untouched():
+    """Every test leaves torch's Inductor/functorch/Dynamo config as it found it (patch with the modules' own
+    `patch()`: `monkeypatch.setattr` on them deletes the option on undo in pytest >= 9.2, breaking later tests)."""
+    before = _config_state()
+    yield
+    after = _config_state()
+    changed = []
+    for name, options in before.items():
+        now = after.get(name, {})
+        changed += [f"{name}.{k}" for k, v in options.items() if k not in now or now[k] is not v and now[k] != v]
+    assert not changed, f"the test left torch config changed: {changed}"
 
 
 @pytest.fixture(autouse=True)

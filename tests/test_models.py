@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import math
 from typing import Callable
 
 import pytest
@@ -78,7 +79,6 @@ class Case:
     attention_count: int | None = None  # exact, when attention is replaced: one per layer
     kept: tuple[str, ...] = ()  # families that must not be replaced
     padding_mask: bool = False
-    atol: float = 1e-5  # absolute tolerance against eager (rtol 1e-4)
 
 
 CASES = {
@@ -87,9 +87,7 @@ CASES = {
     "gpt2": Case(_gpt2, ("attention", "layernorm"), attention_count=2),
     "bert-padding": Case(_bert, ("layernorm",), kept=("attention",), padding_mask=True),
     "gpt-neox": Case(_neox, ("attention", "rotary", "layernorm"), attention_count=2),
-    # The ssd reference is a chunked scan of its own, not HF's: fp32 sums in another order, which the embedding's
-    # gradient (a sum over many rows) shows as ~2e-5 absolute on single elements (transformers 5.24).
-    "mamba2": Case(_mamba2, ("ssd",), atol=1e-4),
+    "mamba2": Case(_mamba2, ("ssd",)),
 }
 
 
@@ -113,15 +111,32 @@ def _forward_backward(model, run, ids, mask, weight):
     return out.detach(), grads
 
 
-def _assert_equal_to_eager(model, compiled, ids, mask, rtol=1e-4, atol=1e-5):
+def _tolerance(ref: torch.Tensor, terms: int, slack: float = 4.0, floor: float = 0.0) -> dict:
+    """assert_close tolerances for a value that the compiled graph sums in another order than eager.
+
+    Reordering a sum of `terms` rounded terms moves it by about eps * sqrt(terms) of the terms' magnitude, so that
+    is the absolute tolerance (times `slack`). The magnitude is the tensor's largest element, or `floor` where that
+    is larger: a gradient that is zero in exact arithmetic (a key bias under softmax) is a cancellation of terms as
+    large as the model's other gradients. A fixed atol is either loose for small tensors or flaky for the embedding
+    gradient, a sum over every token."""
+    eps = torch.finfo(ref.dtype).eps
+    scale = max(ref.detach().abs().max().item() if ref.numel() else 0.0, floor, 1e-12)
+    return {"rtol": 1e-4, "atol": slack * eps * math.sqrt(terms) * scale}
+
+
+def _assert_equal_to_eager(model, compiled, ids, mask, slack: float = 4.0):
     torch.manual_seed(1)
     weight = torch.randn(*ids.shape, model.config.vocab_size if hasattr(model, "lm_head") else model.config.hidden_size)
     out_ref, grads_ref = _forward_backward(model, model, ids, mask, weight)
     out, grads = _forward_backward(model, compiled, ids, mask, weight)
-    torch.testing.assert_close(out, out_ref, rtol=rtol, atol=atol)
+    # Every parameter gradient sums over the tokens, and each backward matmul over the hidden size.
+    terms = ids.numel() * model.config.hidden_size
+    torch.testing.assert_close(out, out_ref, **_tolerance(out_ref, model.config.hidden_size, slack))
     assert grads.keys() == grads_ref.keys() and grads_ref
+    floor = 1e-2 * max(g.abs().max().item() for g in grads_ref.values())
     for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(grads[name], grads_ref[name], **_tolerance(grads_ref[name], terms, slack, floor),
+                                   msg=lambda m: f"grad of {name}: {m}")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -133,7 +148,7 @@ def test_model_matches_eager_in_reference_mode(name):
     ids = torch.randint(0, VOCAB, (2, 24))
     mask = _padding_mask(2, 24) if case.padding_mask else None
     compiled = torch.compile(model, backend="thunderkittens", options={"reference": True, "inner": "aot_eager"})
-    _assert_equal_to_eager(model, compiled, ids, mask, atol=case.atol)
+    _assert_equal_to_eager(model, compiled, ids, mask)
 
     rep = tk_inductor.report()
     assert not rep.failed, rep.failed
@@ -163,12 +178,10 @@ def test_llama_through_inductor_and_new_sequence_length():
     torch.manual_seed(0)
     model = _llama("sdpa").train()
     compiled = torch.compile(model, backend="thunderkittens", options={"reference": True})
-    # Inductor reorders fp32 reductions (the embedding gradient sums many
-    # rows), so allow what plain torch.compile would differ by too.
-    tol = {"rtol": 1e-3, "atol": 1e-4}
-    _assert_equal_to_eager(model, compiled, torch.randint(0, VOCAB, (2, 16)), None, **tol)
+    # Inductor also fuses and reorders fp32 reductions across kernels: more slack than aot_eager needs.
+    _assert_equal_to_eager(model, compiled, torch.randint(0, VOCAB, (2, 16)), None, slack=32.0)
     first = dict(tk_inductor.report().replaced)
-    _assert_equal_to_eager(model, compiled, torch.randint(0, VOCAB, (2, 11)), None, **tol)
+    _assert_equal_to_eager(model, compiled, torch.randint(0, VOCAB, (2, 11)), None, slack=32.0)
     assert first["attention"] == 2
     assert tk_inductor.report().replaced["attention"] == 4, str(tk_inductor.report())
 

@@ -246,24 +246,47 @@ def test_rotary(dtype, interleaved, layout, D, rd):
                 assert torch.equal(qo[..., rd:], q[..., rd:])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (x, cos/sin, y) dtypes beside one dtype throughout: fp32 tables on 16-bit x writing the promoted fp32 result or
+# its cast back, and the backward of the promoted forward (fp32 gradients, 16-bit input gradients).
+MIXED = [(torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.float32, torch.bfloat16),
+         (torch.float16, torch.float32, torch.float32), (torch.float16, torch.float32, torch.float16),
+         (torch.float32, torch.float32, torch.bfloat16), (torch.float32, torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("x_dtype, table_dtype, out_dtype", MIXED)
 @pytest.mark.parametrize("layout", ["BHND", "BNHD"])
-def test_rotary_every_variant(dtype, layout):
-    """Each kernel variant (any may become the default) on full, partial and narrow-vector shapes."""
-    names = torch.ops.tk_cuda.rotary_variants()
-    assert len(names) > 1 and 0 <= torch.ops.tk_cuda.rotary_default_variant() < len(names)
+def test_rotary_mixed_dtypes(x_dtype, table_dtype, out_dtype, layout):
+    assert rot_ops.kernel_supports(x_dtype, table_dtype, out_dtype)
     for D, rd in ((128, 128), (128, 32), (80, 40), (18, 10)):
-        q, k, cos, sin = _rot_inputs(2, 5, 37, D, rd, dtype, layout, True)
-        args = rot_ops._kernel_operands(q, k, cos, sin)
+        q, k, _, _ = _rot_inputs(2, 5, 37, D, rd, x_dtype, layout, True)
+        _, _, cos, sin = _rot_inputs(2, 5, 37, D, rd, table_dtype, layout, True, seed=1)
         for interleaved in (False, True):
             for backward in (False, True):
-                qe, ke = rot_ops.reference(q, k, cos, sin, interleaved, backward, False)
-                for v, name in enumerate(names):
-                    poison((tuple(q.shape), dtype), (tuple(k.shape), dtype))
-                    qo, ko = torch.ops.tk_cuda.rotary_variant(*args, interleaved, backward, False, v)
-                    case = (name, D, rd, interleaved, backward)
-                    assert rel_err(qo, qe) < TOL[dtype] and rel_err(ko, ke) < TOL[dtype], case
-                    assert torch.equal(qo[..., rd:], q[..., rd:]) and torch.equal(ko[..., rd:], k[..., rd:]), case
+                poison((tuple(q.shape), out_dtype), (tuple(k.shape), out_dtype))
+                qo, ko = torch.ops.tk.rotary(q, k, cos, sin, interleaved, backward, False, out_dtype)
+                qe, ke = rot_ops.reference(q, k, cos, sin, interleaved, backward, False, out_dtype)
+                case = (D, rd, interleaved, backward)
+                assert qo.dtype == ko.dtype == out_dtype, case
+                assert rel_err(qo, qe) < TOL[out_dtype] and rel_err(ko, ke) < TOL[out_dtype], case
+                assert torch.equal(qo[..., rd:], q[..., rd:].to(out_dtype)), case
+
+
+def test_rotary_per_head_tables_and_wide_heads():
+    """Shapes the tile kernel leaves to the row kernel: tables that vary over heads, very wide heads."""
+    for dtype, table_dtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        g = torch.Generator(device="cuda").manual_seed(3)
+        q = torch.randn(2, 4, 33, 64, generator=g, device="cuda").to(dtype)
+        cos = torch.randn(2, 4, 33, 64, generator=g, device="cuda").to(table_dtype)
+        sin = torch.randn(2, 4, 33, 64, generator=g, device="cuda").to(table_dtype)
+        for backward in (False, True):
+            qo, _ = torch.ops.tk.rotary(q, None, cos, sin, False, backward, False)
+            qe, _ = rot_ops.reference(q, None, cos, sin, False, backward, False)
+            assert rel_err(qo, qe) < TOL[qo.dtype]
+        wide = torch.randn(1, 2, 3, 8192, generator=g, device="cuda").to(dtype)
+        wc = torch.randn(1, 1, 3, 8192, generator=g, device="cuda").to(table_dtype)
+        qo, _ = torch.ops.tk.rotary(wide, None, wc, wc, True, False, False)
+        qe, _ = rot_ops.reference(wide, None, wc, wc, True, False, False)
+        assert rel_err(qo, qe) < TOL[qo.dtype]
 
 
 def test_rotary_single_and_autograd():

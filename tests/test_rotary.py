@@ -286,14 +286,65 @@ def test_kept_learned_tables():
     assert not rep.replaced.get("rotary") and any("require grad" in r for f, r in rep.kept if f == "rotary"), str(rep)
 
 
-def test_kept_promoting_tables():
-    q = torch.randn(2, 3, 5, 16, dtype=torch.bfloat16)
-    cos, sin = tables(2, 5, 16, False)  # fp32 tables on bf16 activations: the result is fp32
+def test_promoting_tables_replaced_with_eagers_dtype():
+    """fp32 tables on bf16 activations (HF's tables under autocast): the result is fp32, as in eager."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = tables(2, 5, 16, False)
     tk_inductor.reset()
     m = ChunkNegRope()
-    torch.testing.assert_close(compiled(m)(q, cos.unsqueeze(1), sin.unsqueeze(1)), m(q, cos.unsqueeze(1), sin.unsqueeze(1)))
-    rep = tk_inductor.report()
-    assert not rep.replaced.get("rotary") and any("dtype" in r for f, r in rep.kept if f == "rotary"), str(rep)
+    out = compiled(m)(q, cos.unsqueeze(1), sin.unsqueeze(1))
+    ref = m(q, cos.unsqueeze(1), sin.unsqueeze(1))
+    assert out.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(ref)
+    (ga,), (gb,) = torch.autograd.grad(out, q, g), torch.autograd.grad(ref, q, g)
+    assert ga.dtype == torch.bfloat16
+    torch.testing.assert_close(ga, gb, rtol=1e-2, atol=1e-2)
+    assert tk_inductor.report().replaced.get("rotary") == 1, str(tk_inductor.report())
+
+
+class CastBack(nn.Module):
+    """The promoted result cast back (autocast's cast in front of attention, written out)."""
+
+    def forward(self, q, k, cos, sin):
+        return (rotate_half(q) * sin + q * cos).to(q.dtype), (k * cos + rotate_half(k) * sin).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cast_after_promotion_is_fused(dtype):
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 5, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 1, 5, 16, dtype=dtype, requires_grad=True)
+    cos, sin = (t.unsqueeze(1) for t in tables(2, 5, 16, False))
+    tk_inductor.reset()
+    m = CastBack()
+    out = compiled(m)(q, k, cos, sin)
+    ref = m(q, k, cos, sin)
+    for a, b in zip(out, ref):
+        assert a.dtype == b.dtype == dtype
+        torch.testing.assert_close(a, b)  # one rounding of the same fp32 value
+    assert tk_inductor.report().replaced.get("rotary") == 1, str(tk_inductor.report())
+    g = [torch.randn_like(t) for t in ref]
+    ga = torch.autograd.grad(out, (q, k), g)
+    gb = torch.autograd.grad(ref, (q, k), g)
+    for a, b in zip(ga, gb):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float32])
+def test_op_output_dtype(out_dtype):
+    q = torch.randn(2, 3, 5, 16, dtype=torch.bfloat16)
+    cos, sin = (t.unsqueeze(1) for t in tables(2, 5, 16, False))
+    qo, ko = torch.ops.tk.rotary(q, None, cos, sin, False, False, False, out_dtype)
+    want = out_dtype or torch.float32
+    assert qo.dtype == ko.dtype == want
+    torch.testing.assert_close(qo, eager(q.float(), cos, sin, False).to(want))
+    with pytest.raises(TypeError, match="out_dtype"):
+        torch.ops.tk.rotary(q, None, cos, sin, False, False, False, torch.int32)
+    with pytest.raises(TypeError, match="sin dtype"):
+        torch.ops.tk.rotary(q, None, cos, sin.double().float().bfloat16(), False, False, False)
 
 
 class WrongSign(nn.Module):

@@ -1,4 +1,4 @@
-"""Command line: `python -m tk_inductor doctor | build` (also installed as `tk-inductor`)."""
+"""Command line: `python -m tk_inductor demo | doctor | build` (also installed as `tk-inductor`)."""
 from __future__ import annotations
 
 import argparse
@@ -29,9 +29,11 @@ def doctor(_args) -> int:
 
     row("python", f"{platform.python_version()} ({sys.executable})")
     row("torch", f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})")
+    sm90 = False
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)
+            sm90 = sm90 or cap == (9, 0)
             note = "" if cap == (9, 0) else "  (kernels need sm_90: subgraphs stay with Inductor)"
             row(f"gpu {i}", f"{torch.cuda.get_device_name(i)}, sm_{cap[0]}{cap[1]}{note}")
         row("cuda runtime", torch.version.cuda)
@@ -58,6 +60,9 @@ def doctor(_args) -> int:
     families = build.families()
     if not families:
         row("kernels", f"no kernel sources under {build.KERNELS}")
+    elif not sm90:
+        row("kernels", "no build needed: this machine has no sm_90 GPU, so no kernel would run here")
+        return 0
     for family in families:
         state = "built" if build.is_built(family) else "not built (run: python -m tk_inductor build)"
         row(f"kernel {family}", f"{state}  [{build.build_dir(family)}]")
@@ -100,8 +105,15 @@ def build_command(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # the demo parses its own options
+        from .demo import main as demo
+
+        return demo(argv[1:])
     parser = argparse.ArgumentParser(prog="tk-inductor", description="tk_inductor: torch.compile backend with fused CUDA kernels")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="compile a built-in Llama-style model with the backend, check it, time it on a GPU "
+                   "(`demo --help` for its options)")
     sub.add_parser("doctor", help="print GPU, CUDA, torch, compiler, cache and which kernels are built").set_defaults(func=doctor)
     b = sub.add_parser("build", help="build the kernels ahead of time")
     b.add_argument("--families", help="comma-separated families (default: every family with sources)")

@@ -1,6 +1,7 @@
 """Run the pattern families over a Dynamo (torch-IR) graph: match -> check -> replace.
 
-Each family lives in `tk_inductor.patterns.<family>` and exposes
+Autocast's casts are made explicit first (tk_inductor/autocast.py), so a graph compiled under `torch.autocast`
+is matched as in one precision. Each family lives in `tk_inductor.patterns.<family>` and exposes
 
     def find(graph: torch.fx.Graph) -> Iterable[Match]
 
@@ -297,12 +298,15 @@ def run(gm: fx.GraphModule, cfg: Config, *, recurse: bool = True) -> tuple[Graph
     Exceptions from matchers propagate; `apply` restores the graph."""
     from torch._inductor.pattern_matcher import stable_topological_sort
 
+    from . import autocast
+
     graph_report = GraphReport()
     failures: list[str] = []
     finders = _family_finders()
     for mod in _graph_modules(gm, recurse):
         graph = mod.graph
-        changed = False
+        # Under autocast the matchers must see the dtype each op runs in (tk_inductor/autocast.py).
+        changed = autocast.make_explicit(graph) > 0
         remap: dict[fx.Node, fx.Node] = {}
         for family, find in finders.items():
             for m in list(find(graph)):
@@ -382,7 +386,21 @@ def apply(gm: fx.GraphModule, cfg: Config, *, recurse: bool = True) -> GraphRepo
             mod.graph = graph
             mod.recompile()
         raise RewriteError("tk_inductor (strict): " + "; ".join(dict.fromkeys(failures)))
-    for failure in dict.fromkeys(failures):
-        _warn_once(f"tk_inductor: kept {failure}; passing it through to the inner compiler")
+    if failures:
+        _warn_once(_failure_warning(failures))
     _record(graph_report, cfg)
     return graph_report
+
+
+def _failure_warning(failures: list[str]) -> str:
+    """One warning for a graph's environment failures ("family: reason"), the families grouped by reason.
+
+    On a machine without a usable GPU every family fails for the same reason; one line says so."""
+    by_reason: dict[str, list[str]] = {}
+    for failure in failures:
+        family, _, reason = failure.partition(": ")
+        families = by_reason.setdefault(reason, [])
+        if family not in families:
+            families.append(family)
+    parts = [f"{', '.join(families)}: {reason}" for reason, families in by_reason.items()]
+    return f"tk_inductor: kept {'; '.join(parts)}; passing them through to the inner compiler"

@@ -8,6 +8,10 @@ shared over batch and heads: HF passes (B, N, rotary_dim) unsqueezed). x may be 
 (B, N, H, D)-strided: only the last dim must have unit stride. backward=True applies the transposed
 map x·cos + rotᵀ(x·sin), the vector-Jacobian product, which reads the partner channel's sin.
 Outputs keep x's layout (empty_like), or are contiguous with contiguous=True (what a `cat` gives).
+
+Dtypes: computed in fp32; y has `out_dtype`, by default what eager's `x * cos + rot(x) * sin` gives
+(x's and cos's dtypes promoted: fp32 tables on bf16 activations give fp32, as under autocast). An
+`out_dtype` below that is the promoted result cast down, rounded once (the matcher fuses such a cast).
 """
 from __future__ import annotations
 
@@ -17,15 +21,35 @@ from . import _dispatch
 
 FAMILY = "rotary"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
 
 
-def _check(q, k, cos, sin, interleaved):
+def kernel_supports(x_dtype: torch.dtype, table_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """The (x, cos/sin, y) dtypes the CUDA kernel takes (csrc/kernels/rotary/rotary.h `supported`); the
+    reference takes any combination of DTYPES."""
+    if x_dtype == table_dtype == out_dtype:
+        return x_dtype in DTYPES
+    if table_dtype != torch.float32:
+        return False
+    if x_dtype in _HALF:
+        return out_dtype in (torch.float32, x_dtype)
+    return x_dtype == torch.float32 and out_dtype in _HALF
+
+
+def output_dtype(q: torch.Tensor, cos: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    return out_dtype if out_dtype is not None else torch.promote_types(q.dtype, cos.dtype)
+
+
+def _check(q, k, cos, sin, interleaved, out_dtype=None):
     check = _dispatch.check
     for name, t in (("q", q), ("cos", cos), ("sin", sin)) + ((("k", k),) if k is not None else ()):
         check(isinstance(t, torch.Tensor), lambda: f"tk::rotary: {name} must be a tensor", TypeError)
         check(t.dtype in DTYPES, lambda: f"tk::rotary: {name} dtype must be one of {DTYPES}, got {t.dtype}", TypeError)
-        check(t.dtype == q.dtype, lambda: f"tk::rotary: {name} dtype {t.dtype} must equal q dtype {q.dtype}", TypeError)
         check(t.device == q.device, lambda: f"tk::rotary: {name} is on {t.device}, q on {q.device}")
+    check(k is None or k.dtype == q.dtype, lambda: f"tk::rotary: k dtype {k.dtype} must equal q dtype {q.dtype}", TypeError)
+    check(sin.dtype == cos.dtype, lambda: f"tk::rotary: sin dtype {sin.dtype} must equal cos dtype {cos.dtype}", TypeError)
+    check(out_dtype is None or out_dtype in DTYPES,
+          lambda: f"tk::rotary: out_dtype must be one of {DTYPES} or None, got {out_dtype}", TypeError)
     check(1 <= q.dim() <= 4, lambda: f"tk::rotary: q must have 1 to 4 dimensions, got {q.dim()}")
     check(cos.shape == sin.shape,
           lambda: f"tk::rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
@@ -42,8 +66,8 @@ def _check(q, k, cos, sin, interleaved):
               lambda: f"tk::rotary: cos/sin {tuple(cos.shape)} do not broadcast to {name}[..., :rotary_dim] {target}")
 
 
-def _output(x: torch.Tensor, contiguous: bool) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device) if contiguous else torch.empty_like(x)
+def _output(x: torch.Tensor, contiguous: bool, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=dtype, device=x.device) if contiguous else torch.empty_like(x, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- reference
@@ -59,20 +83,21 @@ def _rot(x: torch.Tensor, interleaved: bool, transpose: bool) -> torch.Tensor:
     return -r if transpose else r
 
 
-def reference_one(x, cos, sin, interleaved: bool, backward: bool, contiguous: bool):
+def reference_one(x, cos, sin, interleaved: bool, backward: bool, contiguous: bool, out_dtype: torch.dtype | None = None):
     rd = cos.shape[-1]
     xr = x[..., :rd].float()
     c, s = cos.float(), sin.float()
     y = xr * c + (_rot(xr * s, interleaved, True) if backward else _rot(xr, interleaved, False) * s)
-    out = _output(x, contiguous)
-    out[..., :rd] = y.to(x.dtype)
+    out = _output(x, contiguous, output_dtype(x, cos, out_dtype))
+    out[..., :rd] = y.to(out.dtype)
     out[..., rd:] = x[..., rd:]
     return out
 
 
-def reference(q, k, cos, sin, interleaved, backward, contiguous):
-    qo = reference_one(q, cos, sin, interleaved, backward, contiguous)
-    ko = reference_one(k, cos, sin, interleaved, backward, contiguous) if k is not None else q.new_empty(0)
+def reference(q, k, cos, sin, interleaved, backward, contiguous, out_dtype=None):
+    qo = reference_one(q, cos, sin, interleaved, backward, contiguous, out_dtype)
+    ko = (reference_one(k, cos, sin, interleaved, backward, contiguous, out_dtype) if k is not None
+          else q.new_empty(0, dtype=output_dtype(q, cos, out_dtype)))
     return qo, ko
 
 
@@ -98,28 +123,31 @@ def rotary(
     interleaved: bool,
     backward: bool,
     contiguous: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(q, k, cos, sin, interleaved)
-    if _dispatch.use_kernel(FAMILY, q, k, cos, sin):
+    _check(q, k, cos, sin, interleaved, out_dtype)
+    dtype = output_dtype(q, cos, out_dtype)
+    if kernel_supports(q.dtype, cos.dtype, dtype) and _dispatch.use_kernel(FAMILY, q, k, cos, sin):
         qk, kk, ck, sk = _kernel_operands(q, k, cos, sin)
-        qo, ko = _dispatch.kernel("rotary")(qk, kk, ck, sk, interleaved, backward, contiguous)
+        qo, ko = _dispatch.kernel("rotary")(qk, kk, ck, sk, interleaved, backward, contiguous, dtype)
         if qk is not q:  # a copied input: give the layout the fake impl promised
-            qo = _output(q, contiguous).copy_(qo)
+            qo = _output(q, contiguous, dtype).copy_(qo)
         if k is not None and kk is not k:
-            ko = _output(k, contiguous).copy_(ko)
+            ko = _output(k, contiguous, dtype).copy_(ko)
         return qo, ko
-    return reference(q, k, cos, sin, interleaved, backward, contiguous)
+    return reference(q, k, cos, sin, interleaved, backward, contiguous, dtype)
 
 
 @rotary.register_fake
-def _(q, k, cos, sin, interleaved, backward, contiguous):
-    _check(q, k, cos, sin, interleaved)
-    return _output(q, contiguous), (_output(k, contiguous) if k is not None else q.new_empty(0))
+def _(q, k, cos, sin, interleaved, backward, contiguous, out_dtype=None):
+    _check(q, k, cos, sin, interleaved, out_dtype)
+    dtype = output_dtype(q, cos, out_dtype)
+    return _output(q, contiguous, dtype), (_output(k, contiguous, dtype) if k is not None else q.new_empty(0, dtype=dtype))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, cos, sin, interleaved, backward, contiguous = inputs
-    ctx.interleaved, ctx.backward, ctx.has_k = interleaved, backward, k is not None
+    q, k, cos, sin, interleaved, backward, contiguous, _out_dtype = inputs
+    ctx.interleaved, ctx.backward, ctx.has_k, ctx.x_dtype = interleaved, backward, k is not None, q.dtype
     # q/k are only needed for cos/sin gradients (rare: learned rotary tables).
     keep_x = cos.requires_grad or sin.requires_grad
     ctx.save_for_backward(cos, sin, q if keep_x else None, k if keep_x else None)
@@ -132,7 +160,8 @@ def _backward(ctx, dq, dk):
     has_dk = ctx.has_k and dk is not None and dk.numel() > 0
     gq = gk = None
     if dq is not None:
-        gq, gk = torch.ops.tk.rotary(dq, dk if has_dk else None, cos, sin, ctx.interleaved, not ctx.backward, False)
+        gq, gk = torch.ops.tk.rotary(dq, dk if has_dk else None, cos, sin, ctx.interleaved, not ctx.backward, False,
+                                     ctx.x_dtype)
         gk = gk if has_dk else None
     dcos = dsin = None
     if cos.requires_grad or sin.requires_grad:  # plain PyTorch: y = x·c + rot(x)·s is linear in c and s
@@ -150,7 +179,7 @@ def _backward(ctx, dq, dk):
             dcos += (xr * gr).sum_to_size(cos.shape)
             dsin += rs.sum_to_size(sin.shape)
         dcos, dsin = dcos.to(cos.dtype), dsin.to(sin.dtype)
-    return gq, gk, dcos, dsin, None, None, None
+    return gq, gk, dcos, dsin, None, None, None, None
 
 
 rotary.register_autograd(_backward, setup_context=_setup_context)

@@ -7,7 +7,40 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "rotary.h"
+
 namespace tk_rotary {
+
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+constexpr int dtype_key(DType i, DType c, DType o) { return int(i) * 9 + int(c) * 3 + int(o); }
+
+// Calls f(Type<TI>{}, Type<TC>{}, Type<TO>{}) with the element types of x, the tables and y, for the combinations
+// supported() lists; cudaErrorInvalidValue for the others.
+template <class F>
+cudaError_t with_dtypes(const Args& a, F&& f) {
+  using f32 = Type<float>;
+  using f16 = Type<__half>;
+  using bf16 = Type<__nv_bfloat16>;
+  constexpr auto key = dtype_key;
+  switch (key(a.in, a.tables, a.out)) {
+    case key(DType::f32, DType::f32, DType::f32): return f(f32{}, f32{}, f32{});
+    case key(DType::f16, DType::f16, DType::f16): return f(f16{}, f16{}, f16{});
+    case key(DType::bf16, DType::bf16, DType::bf16): return f(bf16{}, bf16{}, bf16{});
+    case key(DType::f16, DType::f32, DType::f32): return f(f16{}, f32{}, f32{});
+    case key(DType::bf16, DType::f32, DType::f32): return f(bf16{}, f32{}, f32{});
+    case key(DType::f16, DType::f32, DType::f16): return f(f16{}, f32{}, f16{});
+    case key(DType::bf16, DType::f32, DType::bf16): return f(bf16{}, f32{}, bf16{});
+    case key(DType::f32, DType::f32, DType::f16): return f(f32{}, f32{}, f16{});
+    case key(DType::f32, DType::f32, DType::bf16): return f(f32{}, f32{}, bf16{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+inline int dtype_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
@@ -66,6 +99,20 @@ struct alignas(VEC * sizeof(T)) Pack {
     }
   }
 
+  // The same VEC elements from a pack of another (or the same) element type: rounded once.
+  template <typename S>
+  __device__ __forceinline__ void convert(const Pack<S, VEC>& src) {
+    if constexpr (std::is_same_v<S, T>) {
+#pragma unroll
+      for (int i = 0; i < WORDS; ++i) w[i] = src.w[i];
+    } else {
+      float f[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) f[e] = src.get(e);
+      set(f);
+    }
+  }
+
   __device__ __forceinline__ void set(const float (&src)[VEC]) {
     if constexpr (sizeof(T) == 4) {
 #pragma unroll
@@ -80,40 +127,15 @@ struct alignas(VEC * sizeof(T)) Pack {
   }
 };
 
-// One BYTES-wide access; STREAM marks the data evict-first (ld/st.global.cs): it is touched once, so it
-// should not push the cos/sin tables, which are re-read, out of L2.
-template <typename P, bool STREAM = false>
+// One BYTES-wide access (two 16-byte ones for a 32-byte pack).
+template <typename P>
 __device__ __forceinline__ P load_pack(const void* src) {
-  P p;
-  if constexpr (!STREAM) {
-    p = *static_cast<const P*>(src);
-  } else if constexpr (P::BYTES == 16) {
-    const uint4 v = __ldcs(static_cast<const uint4*>(src));
-    p.w[0] = v.x, p.w[1] = v.y, p.w[2] = v.z, p.w[3] = v.w;
-  } else if constexpr (P::BYTES == 8) {
-    const uint2 v = __ldcs(static_cast<const uint2*>(src));
-    p.w[0] = v.x, p.w[1] = v.y;
-  } else if constexpr (P::BYTES == 4) {
-    p.w[0] = __ldcs(static_cast<const unsigned int*>(src));
-  } else {
-    p.w[0] = __ldcs(static_cast<const unsigned short*>(src));
-  }
-  return p;
+  return *static_cast<const P*>(src);
 }
 
-template <typename P, bool STREAM = false>
+template <typename P>
 __device__ __forceinline__ void store_pack(void* dst, const P& p) {
-  if constexpr (!STREAM) {
-    *static_cast<P*>(dst) = p;
-  } else if constexpr (P::BYTES == 16) {
-    __stcs(static_cast<uint4*>(dst), make_uint4(p.w[0], p.w[1], p.w[2], p.w[3]));
-  } else if constexpr (P::BYTES == 8) {
-    __stcs(static_cast<uint2*>(dst), make_uint2(p.w[0], p.w[1]));
-  } else if constexpr (P::BYTES == 4) {
-    __stcs(static_cast<unsigned int*>(dst), static_cast<unsigned int>(p.w[0]));
-  } else {
-    __stcs(static_cast<unsigned short*>(dst), static_cast<unsigned short>(p.w[0]));
-  }
+  *static_cast<P*>(dst) = p;
 }
 
 }  // namespace tk_rotary

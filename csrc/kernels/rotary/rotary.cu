@@ -1,4 +1,4 @@
-// Rotary embedding, first kernel (variant 0; tile.cu has the others) and the variant dispatch.
+// Rotary embedding, row kernel (the tile kernel's fallback, rotary.h) and the launch.
 // One thread per (batch, position, unit of VEC channels), walking the heads (NeoX: VEC
 // channels of each half, so the partner is in registers; interleaved: VEC/2 pairs; pass-through: copied). Loads and
 // stores are VEC-wide (16 bytes for 16-bit types at VEC 8); VEC is the widest that every pointer,
@@ -17,7 +17,7 @@ template <typename T, int VEC>
 __device__ __forceinline__ void store(T* dst, const float (&src)[VEC]) {
   Pack<T, VEC> p;
   p.set(src);
-  *reinterpret_cast<Pack<T, VEC>*>(dst) = p;
+  store_pack(dst, p);
 }
 
 // One thread per (b, n, unit); it walks the heads, so cos/sin (shared by the heads) are read once per
@@ -28,9 +28,9 @@ __device__ __forceinline__ void store(T* dst, const float (&src)[VEC]) {
 template <bool INTERLEAVED>
 constexpr int kHeads = INTERLEAVED ? 4 : 2;
 
-// 4 blocks per SM at least (<= 64 registers; 2 for fp32): 1024 threads, each with 64 bytes of loads in flight.
-template <typename T, int VEC, bool INTERLEAVED>
-__global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(Args a, unsigned blocks0) {
+// 4 blocks per SM at least (<= 64 registers; 2 with fp32 data): 1024 threads, each with 64 bytes of loads in flight.
+template <typename TI, typename TC, typename TO, int VEC, bool INTERLEAVED>
+__global__ void __launch_bounds__(kBlock, (sizeof(TI) == 4 || sizeof(TC) == 4) ? 2 : 4) rows_kernel(Args a, unsigned blocks0) {
   const Operand& op = blockIdx.x < blocks0 ? a.ops[0] : a.ops[1];
   const int64_t item = int64_t(blockIdx.x < blocks0 ? blockIdx.x : blockIdx.x - blocks0) * kBlock + threadIdx.x;
   const int rot_units = INTERLEAVED ? a.rotary_dim / VEC : a.rotary_dim / 2 / VEC;
@@ -51,26 +51,30 @@ __global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(
     b = bn / N;
     n = bn - b * N;
   }
-  const T* in = static_cast<const T*>(op.in) + b * op.in_stride[0] + n * op.in_stride[2];
-  T* out = static_cast<T*>(op.out) + b * op.out_stride[0] + n * op.out_stride[2];
+  const TI* in = static_cast<const TI*>(op.in) + b * op.in_stride[0] + n * op.in_stride[2];
+  TO* out = static_cast<TO*>(op.out) + b * op.out_stride[0] + n * op.out_stride[2];
   const int64_t ish = op.in_stride[1], osh = op.out_stride[1];
   constexpr int HEADS = kHeads<INTERLEAVED>;
 
   if (u >= rot_units) {  // pass-through channels: copied
     const int j = a.rotary_dim + (u - rot_units) * VEC;
     for (int64_t h0 = 0; h0 < H; h0 += HEADS) {
-      Pack<T, VEC> x[HEADS];
+      Pack<TI, VEC> x[HEADS];
 #pragma unroll
       for (int i = 0; i < HEADS; ++i)
-        if (h0 + i < H) x[i] = load_pack<Pack<T, VEC>>(in + (h0 + i) * ish + j);
+        if (h0 + i < H) x[i] = load_pack<Pack<TI, VEC>>(in + (h0 + i) * ish + j);
 #pragma unroll
-      for (int i = 0; i < HEADS; ++i)
-        if (h0 + i < H) *reinterpret_cast<Pack<T, VEC>*>(out + (h0 + i) * osh + j) = x[i];
+      for (int i = 0; i < HEADS; ++i) {
+        if (h0 + i >= H) continue;
+        Pack<TO, VEC> y;
+        y.convert(x[i]);
+        store_pack(out + (h0 + i) * osh + j, y);
+      }
     }
     return;
   }
-  const T* cosp = static_cast<const T*>(op.cos) + b * op.cs_stride[0] + n * op.cs_stride[2];
-  const T* sinp = static_cast<const T*>(op.sin) + b * op.cs_stride[0] + n * op.cs_stride[2];
+  const TC* cosp = static_cast<const TC*>(op.cos) + b * op.cs_stride[0] + n * op.cs_stride[2];
+  const TC* sinp = static_cast<const TC*>(op.sin) + b * op.cs_stride[0] + n * op.cs_stride[2];
   // Forward:  y[j] = x[j]·c[j] + sgn[j]·x[p(j)]·s[j]
   // Backward: y[j] = x[j]·c[j] - sgn[j]·x[p(j)]·s[p(j)]   (the transposed rotation)
   // with partner p(j) and sgn[j] = -1 on the first of each pair (first half / even channel), +1 on the second.
@@ -78,32 +82,32 @@ __global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(
   const int j = u * VEC;
   const int partner = INTERLEAVED ? 0 : a.rotary_dim / 2;  // offset of the second operand of a pair
   // Tables for this (b, n): loaded once unless they vary over heads (stride != 0).
-  Pack<T, VEC> c1, c2, s1, s2;
+  Pack<TC, VEC> c1, c2, s1, s2;
   auto load_tables = [&](int64_t h) {
     const int64_t o = h * op.cs_stride[1];
-    c1 = load_pack<Pack<T, VEC>>(cosp + o + j);
-    s1 = load_pack<Pack<T, VEC>>(sinp + o + j);
+    c1 = load_pack<Pack<TC, VEC>>(cosp + o + j);
+    s1 = load_pack<Pack<TC, VEC>>(sinp + o + j);
     if constexpr (!INTERLEAVED) {
-      c2 = load_pack<Pack<T, VEC>>(cosp + o + partner + j);
-      s2 = load_pack<Pack<T, VEC>>(sinp + o + partner + j);
+      c2 = load_pack<Pack<TC, VEC>>(cosp + o + partner + j);
+      s2 = load_pack<Pack<TC, VEC>>(sinp + o + partner + j);
     }
   };
   const bool per_head_tables = op.cs_stride[1] != 0;
   if (!per_head_tables) load_tables(0);
   for (int64_t h0 = 0; h0 < H; h0 += HEADS) {
-    Pack<T, VEC> xa[HEADS], xb[HEADS];
+    Pack<TI, VEC> xa[HEADS], xb[HEADS];
 #pragma unroll
     for (int i = 0; i < HEADS; ++i) {
       if (h0 + i < H) {
-        xa[i] = load_pack<Pack<T, VEC>>(in + (h0 + i) * ish + j);
-        if constexpr (!INTERLEAVED) xb[i] = load_pack<Pack<T, VEC>>(in + (h0 + i) * ish + partner + j);
+        xa[i] = load_pack<Pack<TI, VEC>>(in + (h0 + i) * ish + j);
+        if constexpr (!INTERLEAVED) xb[i] = load_pack<Pack<TI, VEC>>(in + (h0 + i) * ish + partner + j);
       }
     }
 #pragma unroll
     for (int i = 0; i < HEADS; ++i) {
       if (h0 + i >= H) continue;
       if (per_head_tables) load_tables(h0 + i);
-      T* o = out + (h0 + i) * osh;
+      TO* o = out + (h0 + i) * osh;
       if constexpr (INTERLEAVED) {
         float x[VEC], y[VEC];
 #pragma unroll
@@ -116,7 +120,7 @@ __global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(
           y[e] = x[e] * c1.get(e) - dir * x[e + 1] * s0;
           y[e + 1] = x[e + 1] * c1.get(e + 1) + dir * x[e] * s_1;
         }
-        store<T, VEC>(o + j, y);
+        store<TO, VEC>(o + j, y);
       } else {
         float y1[VEC], y2[VEC];
 #pragma unroll
@@ -127,14 +131,14 @@ __global__ void __launch_bounds__(kBlock, sizeof(T) == 4 ? 2 : 4) rotary_kernel(
           y1[e] = x1 * c1.get(e) - dir * x2 * sa;
           y2[e] = x2 * c2.get(e) + dir * x1 * sb;
         }
-        store<T, VEC>(o + j, y1);
-        store<T, VEC>(o + partner + j, y2);
+        store<TO, VEC>(o + j, y1);
+        store<TO, VEC>(o + partner + j, y2);
       }
     }
   }
 }
 
-template <typename T, int VEC>
+template <typename TI, typename TC, typename TO, int VEC>
 cudaError_t run(const Args& a, cudaStream_t stream) {
   int64_t blocks[2] = {0, 0};
   const int units = (a.interleaved ? a.rotary_dim / VEC : a.rotary_dim / 2 / VEC) + (a.head_dim - a.rotary_dim) / VEC;
@@ -146,52 +150,55 @@ cudaError_t run(const Args& a, cudaStream_t stream) {
   if (total == 0) return cudaSuccess;
   if (total > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (a.interleaved)
-    rotary_kernel<T, VEC, true><<<unsigned(total), kBlock, 0, stream>>>(a, unsigned(blocks[0]));
+    rows_kernel<TI, TC, TO, VEC, true><<<unsigned(total), kBlock, 0, stream>>>(a, unsigned(blocks[0]));
   else
-    rotary_kernel<T, VEC, false><<<unsigned(total), kBlock, 0, stream>>>(a, unsigned(blocks[0]));
+    rows_kernel<TI, TC, TO, VEC, false><<<unsigned(total), kBlock, 0, stream>>>(a, unsigned(blocks[0]));
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename TI, typename TC, typename TO>
 cudaError_t dispatch_vec(const Args& a, cudaStream_t stream) {
-  if (vectorizable(a, 8, sizeof(T))) return run<T, 8>(a, stream);
-  if (vectorizable(a, 2, sizeof(T))) return run<T, 2>(a, stream);
-  if (!a.interleaved && vectorizable(a, 1, sizeof(T))) return run<T, 1>(a, stream);
+  if (vectorizable(a, 8)) return run<TI, TC, TO, 8>(a, stream);
+  if (vectorizable(a, 2)) return run<TI, TC, TO, 2>(a, stream);
+  if (!a.interleaved && vectorizable(a, 1)) return run<TI, TC, TO, 1>(a, stream);
   return cudaErrorInvalidValue;  // interleaved pairs need even sizes and strides
 }
 
 }  // namespace
 
-bool vectorizable(const Args& a, int vec, int elem_bytes) {
-  const int64_t align = int64_t(vec) * elem_bytes;
+bool supported(DType in, DType tables, DType out) {
+  Args a{};
+  a.in = in, a.tables = tables, a.out = out;
+  return with_dtypes(a, [](auto, auto, auto) { return cudaSuccess; }) == cudaSuccess;
+}
+
+bool vectorizable(const Args& a, int vec) {
   if (a.head_dim % vec || a.rotary_dim % vec) return false;
   if (!a.interleaved && (a.rotary_dim / 2) % vec) return false;
+  const int64_t in = int64_t(vec) * dtype_bytes(a.in), tables = int64_t(vec) * dtype_bytes(a.tables),
+                out = int64_t(vec) * dtype_bytes(a.out);
   for (int i = 0; i < a.count; ++i) {
     const Operand& o = a.ops[i];
-    for (const void* p : {static_cast<const void*>(o.out), o.in, o.cos, o.sin})
-      if (reinterpret_cast<uintptr_t>(p) % align) return false;
+    if (reinterpret_cast<uintptr_t>(o.in) % in || reinterpret_cast<uintptr_t>(o.out) % out) return false;
+    if (reinterpret_cast<uintptr_t>(o.cos) % tables || reinterpret_cast<uintptr_t>(o.sin) % tables) return false;
     for (int d = 0; d < 3; ++d)
       if (o.in_stride[d] % vec || o.out_stride[d] % vec || o.cs_stride[d] % vec) return false;
   }
   return true;
 }
 
-cudaError_t launch_legacy(const Args& args, DType dtype, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::f32: return dispatch_vec<float>(args, stream);
-    case DType::f16: return dispatch_vec<__half>(args, stream);
-    case DType::bf16: return dispatch_vec<__nv_bfloat16>(args, stream);
-  }
-  return cudaErrorInvalidValue;
+cudaError_t launch_rows(const Args& args, cudaStream_t stream) {
+  return with_dtypes(args, [&](auto i, auto c, auto o) {
+    return dispatch_vec<typename decltype(i)::type, typename decltype(c)::type, typename decltype(o)::type>(args, stream);
+  });
 }
 
-cudaError_t launch(const Args& args, DType dtype, cudaStream_t stream, int variant) {
+cudaError_t launch(const Args& args, cudaStream_t stream) {
   if (args.count < 1 || args.count > 2 || args.rotary_dim <= 0 || args.rotary_dim % 2 || args.rotary_dim > args.head_dim)
     return cudaErrorInvalidValue;
-  if (variant < 0 || variant >= kVariantCount) return cudaErrorInvalidValue;
-  if (kVariants[variant].heads_in_flight == 0) return launch_legacy(args, dtype, stream);
-  const cudaError_t err = launch_tile(args, dtype, stream, kVariants[variant]);
-  return err == cudaErrorNotSupported ? launch_legacy(args, dtype, stream) : err;
+  if (!supported(args.in, args.tables, args.out)) return cudaErrorInvalidValue;
+  const cudaError_t err = launch_tile(args, stream);
+  return err == cudaErrorNotSupported ? launch_rows(args, stream) : err;
 }
 
 }  // namespace tk_rotary

@@ -1,4 +1,4 @@
-// Rotary embedding, tile kernel (variants 1.. of kVariants in rotary.h).
+// Rotary embedding, tile kernel (rotary.h).
 // A block owns (b, a few consecutive positions, one group of heads). Its threads are (position, unit); a unit is
 // two VEC-wide chunks of a head's row: a NeoX pair (j, j + rotary_dim/2), or chunks k and k + half of the
 // interleaved or pass-through region (so each warp-wide access covers a contiguous span, never every other
@@ -7,6 +7,7 @@
 // walks the group's heads of q then of k with FLIGHT heads' loads issued before any store.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "pack.cuh"
 #include "rotary.h"
@@ -32,10 +33,19 @@ __device__ __forceinline__ void pin(W& w) {
 }
 
 // Register budget, the least that avoids spills: 80 at 4 heads in flight (768 threads/SM with 128 bytes of loads
-// each), 64 at 2 (1024 threads, 64 bytes). The addresses of a batch's loads and stores take as many registers as its data.
-template <typename T, int VEC, bool INTERLEAVED, int FLIGHT, bool STREAM>
-__global__ void __launch_bounds__(kMaxTileThreads, FLIGHT == 4 ? 3 : 4) tile_kernel(Args a, Shape s) {
-  using P = Pack<T, VEC>;
+// each). The addresses of a batch's loads and stores take as many registers as its data. Mixed dtypes (fp32
+// tables or output beside 16-bit x) hold twice the words per table or output pack: 2 heads in flight.
+template <typename TI, typename TC, typename TO>
+constexpr bool kOneSize = sizeof(TI) == sizeof(TC) && sizeof(TI) == sizeof(TO);
+template <typename TI, typename TC, typename TO>
+constexpr int kFlight = kOneSize<TI, TC, TO> ? 4 : 2;
+
+template <typename TI, typename TC, typename TO, int VEC, bool INTERLEAVED>
+__global__ void __launch_bounds__(kMaxTileThreads, (kOneSize<TI, TC, TO> ? 3 : 2)) tile_kernel(Args a, Shape s) {
+  using PI = Pack<TI, VEC>;
+  using PC = Pack<TC, VEC>;
+  using PO = Pack<TO, VEC>;
+  constexpr int FLIGHT = kFlight<TI, TC, TO>;
   const int u = int(threadIdx.x) % s.units, p = int(threadIdx.x) / s.units;
   unsigned bid = blockIdx.x;
   const int g = int(bid % unsigned(s.groups));
@@ -54,46 +64,46 @@ __global__ void __launch_bounds__(kMaxTileThreads, FLIGHT == 4 ? 3 : 4) tile_ker
   const int jb = base + (k + half < chunks ? k + half : k) * VEC;  // odd chunk count: the last unit does one chunk twice
 
   const int64_t cs = b * o0.cs_stride[0] + n * o0.cs_stride[2];
-  const T* cosp = static_cast<const T*>(o0.cos) + cs;
-  const T* sinp = static_cast<const T*>(o0.sin) + cs;
-  // Tables per position only (per-head tables go to the first kernel): loaded once, kept across the heads.
-  P ca, cb, sa, sb;
+  const TC* cosp = static_cast<const TC*>(o0.cos) + cs;
+  const TC* sinp = static_cast<const TC*>(o0.sin) + cs;
+  // Tables per position only (per-head tables go to the row kernel): loaded once, kept across the heads.
+  PC ca, cb, sa, sb;
   if (rot) {
-    ca = load_pack<P>(cosp + ja);
-    cb = load_pack<P>(cosp + jb);
-    sa = load_pack<P>(sinp + ja);
-    sb = load_pack<P>(sinp + jb);
+    ca = load_pack<PC>(cosp + ja);
+    cb = load_pack<PC>(cosp + jb);
+    sa = load_pack<PC>(sinp + ja);
+    sb = load_pack<PC>(sinp + jb);
   }
   // Backward, y = x·c + rotᵀ(x·s), is the forward formula with s replaced by the partner's -s
   // (NeoX: s'a = -sb, s'b = -sa; interleaved: each pair swapped and negated), done once here on the packed words.
   if (rot && a.backward) {
     if constexpr (INTERLEAVED) {
 #pragma unroll
-      for (int i = 0; i < P::WORDS; ++i) {
-        if constexpr (sizeof(T) == 4) {
+      for (int i = 0; i < PC::WORDS; ++i) {
+        if constexpr (sizeof(TC) == 4) {
           if (i % 2) continue;
           const uint32_t t = sa.w[i];
-          sa.w[i] = sa.w[i + 1] ^ P::SIGNS, sa.w[i + 1] = t ^ P::SIGNS;
+          sa.w[i] = sa.w[i + 1] ^ PC::SIGNS, sa.w[i + 1] = t ^ PC::SIGNS;
           const uint32_t v = sb.w[i];
-          sb.w[i] = sb.w[i + 1] ^ P::SIGNS, sb.w[i + 1] = v ^ P::SIGNS;
+          sb.w[i] = sb.w[i + 1] ^ PC::SIGNS, sb.w[i + 1] = v ^ PC::SIGNS;
         } else {  // a pair is one 32-bit word: swap its halves
-          sa.w[i] = __byte_perm(sa.w[i], 0, 0x1032) ^ P::SIGNS;
-          sb.w[i] = __byte_perm(sb.w[i], 0, 0x1032) ^ P::SIGNS;
+          sa.w[i] = __byte_perm(sa.w[i], 0, 0x1032) ^ PC::SIGNS;
+          sb.w[i] = __byte_perm(sb.w[i], 0, 0x1032) ^ PC::SIGNS;
         }
       }
     } else {
-      const P t = sa;
+      const PC t = sa;
 #pragma unroll
-      for (int i = 0; i < P::WORDS; ++i) sa.w[i] = sb.w[i] ^ P::SIGNS, sb.w[i] = t.w[i] ^ P::SIGNS;
+      for (int i = 0; i < PC::WORDS; ++i) sa.w[i] = sb.w[i] ^ PC::SIGNS, sb.w[i] = t.w[i] ^ PC::SIGNS;
     }
   }
 
-  // In place, pair by pair, so a head's results take its inputs' registers. The empty asm makes the
-  // table words look redefined per head: otherwise the compiler hoists their unpacking to floats out of
-  // the head loop (4x the registers) and spills.
-  auto rotate = [&](P& xa, P& xb) {
+  // Pair by pair; with one dtype throughout a head's results take its inputs' registers. The empty asm makes the
+  // table words look redefined per head: otherwise the compiler hoists their unpacking to floats out of the head
+  // loop (4x the registers) and spills.
+  auto rotate = [&](const PI& xa, const PI& xb, PO& ya, PO& yb) {
 #pragma unroll
-    for (int i = 0; i < P::WORDS; ++i) {
+    for (int i = 0; i < PC::WORDS; ++i) {
       pin(ca.w[i]);
       pin(cb.w[i]);
       pin(sa.w[i]);
@@ -101,19 +111,19 @@ __global__ void __launch_bounds__(kMaxTileThreads, FLIGHT == 4 ? 3 : 4) tile_ker
     }
     if constexpr (VEC == 1) {  // NeoX only
       const float x1 = xa.get(0), x2 = xb.get(0);
-      xa.set_one(x1 * ca.get(0) - x2 * sa.get(0));
-      xb.set_one(x2 * cb.get(0) + x1 * sb.get(0));
+      ya.set_one(x1 * ca.get(0) - x2 * sa.get(0));
+      yb.set_one(x2 * cb.get(0) + x1 * sb.get(0));
     } else {
 #pragma unroll
       for (int q = 0; q < VEC / 2; ++q) {
         const int e = 2 * q;
         const float a0 = xa.get(e), a1 = xa.get(e + 1), b0 = xb.get(e), b1 = xb.get(e + 1);
         if constexpr (INTERLEAVED) {  // pairs (e, e+1) within each pack
-          xa.set_pair(q, a0 * ca.get(e) - a1 * sa.get(e), a1 * ca.get(e + 1) + a0 * sa.get(e + 1));
-          xb.set_pair(q, b0 * cb.get(e) - b1 * sb.get(e), b1 * cb.get(e + 1) + b0 * sb.get(e + 1));
+          ya.set_pair(q, a0 * ca.get(e) - a1 * sa.get(e), a1 * ca.get(e + 1) + a0 * sa.get(e + 1));
+          yb.set_pair(q, b0 * cb.get(e) - b1 * sb.get(e), b1 * cb.get(e + 1) + b0 * sb.get(e + 1));
         } else {  // pairs (a[e], b[e])
-          xa.set_pair(q, a0 * ca.get(e) - b0 * sa.get(e), a1 * ca.get(e + 1) - b1 * sa.get(e + 1));
-          xb.set_pair(q, b0 * cb.get(e) + a0 * sb.get(e), b1 * cb.get(e + 1) + a1 * sb.get(e + 1));
+          ya.set_pair(q, a0 * ca.get(e) - b0 * sa.get(e), a1 * ca.get(e + 1) - b1 * sa.get(e + 1));
+          yb.set_pair(q, b0 * cb.get(e) + a0 * sb.get(e), b1 * cb.get(e + 1) + a1 * sb.get(e + 1));
         }
       }
     }
@@ -122,25 +132,37 @@ __global__ void __launch_bounds__(kMaxTileThreads, FLIGHT == 4 ? 3 : 4) tile_ker
   // Heads [h0, h1) of one operand. Stores could alias the loads as far as the compiler knows, so the
   // loads of a batch are written before its stores to keep them all in flight.
   auto walk = [&](const Operand& o, int h0, int h1) {
-    const T* in = static_cast<const T*>(o.in) + b * o.in_stride[0] + n * o.in_stride[2];
-    T* out = static_cast<T*>(o.out) + b * o.out_stride[0] + n * o.out_stride[2];
+    const TI* in = static_cast<const TI*>(o.in) + b * o.in_stride[0] + n * o.in_stride[2];
+    TO* out = static_cast<TO*>(o.out) + b * o.out_stride[0] + n * o.out_stride[2];
     for (int h = h0; h < h1; h += FLIGHT) {
-      P xa[FLIGHT], xb[FLIGHT];
+      PI xa[FLIGHT], xb[FLIGHT];
 #pragma unroll
       for (int i = 0; i < FLIGHT; ++i) {
         if (h + i < h1) {
-          const T* x = in + int64_t(h + i) * o.in_stride[1];
-          xa[i] = load_pack<P, STREAM>(x + ja);
-          xb[i] = load_pack<P, STREAM>(x + jb);
+          const TI* x = in + int64_t(h + i) * o.in_stride[1];
+          xa[i] = load_pack<PI>(x + ja);
+          xb[i] = load_pack<PI>(x + jb);
         }
       }
 #pragma unroll
       for (int i = 0; i < FLIGHT; ++i) {
         if (h + i >= h1) break;
-        if (rot) rotate(xa[i], xb[i]);
-        T* y = out + int64_t(h + i) * o.out_stride[1];
-        store_pack<P, STREAM>(y + ja, xa[i]);
-        store_pack<P, STREAM>(y + jb, xb[i]);
+        TO* y = out + int64_t(h + i) * o.out_stride[1];
+        if constexpr (std::is_same_v<TI, TO>) {  // in place: the results take the inputs' registers
+          if (rot) rotate(xa[i], xb[i], xa[i], xb[i]);
+          store_pack<PO>(y + ja, xa[i]);
+          store_pack<PO>(y + jb, xb[i]);
+        } else {  // pass-through channels are converted to y's dtype
+          PO ya, yb;
+          if (rot) {
+            rotate(xa[i], xb[i], ya, yb);
+          } else {
+            ya.convert(xa[i]);
+            yb.convert(xb[i]);
+          }
+          store_pack<PO>(y + ja, ya);
+          store_pack<PO>(y + jb, yb);
+        }
       }
     }
   };
@@ -151,13 +173,17 @@ __global__ void __launch_bounds__(kMaxTileThreads, FLIGHT == 4 ? 3 : 4) tile_ker
 
 int div_up(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
-template <typename T, int VEC, bool INTERLEAVED, int FLIGHT, bool STREAM>
-cudaError_t go(const Args& a, const Variant& v, cudaStream_t stream) {
+// A block of 128 threads, 4 heads per thread (the best worst case over the head dims and layouts measured on the
+// H200; RESULTS.md, rotary).
+constexpr int kThreads = 128, kHeadsPerThread = 4;
+
+template <typename TI, typename TC, typename TO, int VEC, bool INTERLEAVED>
+cudaError_t go(const Args& a, cudaStream_t stream) {
   const int rot_chunks = a.rotary_dim / VEC, pass_chunks = (a.head_dim - a.rotary_dim) / VEC;
   Shape s{};
   s.rot_units = (rot_chunks + 1) / 2;
   s.units = s.rot_units + (pass_chunks + 1) / 2;
-  const int threads = std::max(v.threads, (s.units + 31) / 32 * 32);
+  const int threads = std::max(kThreads, (s.units + 31) / 32 * 32);
   if (threads > kMaxTileThreads) return cudaErrorNotSupported;
   s.positions = threads / s.units;
   const int64_t B = a.ops[0].shape[0], N = a.ops[0].shape[2];
@@ -166,42 +192,35 @@ cudaError_t go(const Args& a, const Variant& v, cudaStream_t stream) {
   if (rows > 0x7fffffff) return cudaErrorNotSupported;
   s.rows0 = int(a.ops[0].shape[1]);
   s.rows = int(rows);
-  s.heads = v.heads_per_thread > 0 ? std::min(v.heads_per_thread, s.rows) : s.rows;
+  s.heads = std::min(kHeadsPerThread, s.rows);
   s.groups = div_up(s.rows, s.heads);
   s.tiles = div_up(N, s.positions);
   const int64_t blocks = B * s.tiles * s.groups;
   if (blocks > 0x7fffffff) return cudaErrorNotSupported;
-  tile_kernel<T, VEC, INTERLEAVED, FLIGHT, STREAM><<<unsigned(blocks), s.positions * s.units, 0, stream>>>(a, s);
+  tile_kernel<TI, TC, TO, VEC, INTERLEAVED><<<unsigned(blocks), s.positions * s.units, 0, stream>>>(a, s);
   return cudaGetLastError();
 }
 
-// The variants' (FLIGHT, STREAM) pairs exist for full 16-byte packs only; narrower packs (odd shapes and
-// strides) take 4 heads in flight, plain caching.
-template <typename T, int VEC>
-cudaError_t pick(const Args& a, const Variant& v, cudaStream_t stream) {
+template <typename TI, typename TC, typename TO, int VEC>
+cudaError_t pick(const Args& a, cudaStream_t stream) {
   if constexpr (VEC == 1) {  // interleaved pairs never split across packs: VEC 1 is NeoX only (checked by the caller)
-    return go<T, 1, false, 4, false>(a, v, stream);
-  } else if constexpr (VEC * sizeof(T) != 16) {
-    return a.interleaved ? go<T, VEC, true, 4, false>(a, v, stream) : go<T, VEC, false, 4, false>(a, v, stream);
+    return go<TI, TC, TO, 1, false>(a, stream);
   } else {
-    if (a.interleaved) {
-      if (v.stream) return go<T, VEC, true, 4, true>(a, v, stream);
-      return v.heads_in_flight == 2 ? go<T, VEC, true, 2, false>(a, v, stream) : go<T, VEC, true, 4, false>(a, v, stream);
-    }
-    if (v.stream) return go<T, VEC, false, 4, true>(a, v, stream);
-    return v.heads_in_flight == 2 ? go<T, VEC, false, 2, false>(a, v, stream) : go<T, VEC, false, 4, false>(a, v, stream);
+    return a.interleaved ? go<TI, TC, TO, VEC, true>(a, stream) : go<TI, TC, TO, VEC, false>(a, stream);
   }
 }
 
-template <typename T>
-cudaError_t dispatch(const Args& a, const Variant& v, cudaStream_t stream) {
-  constexpr int wide = 16 / int(sizeof(T));
-  if (vectorizable(a, wide, sizeof(T))) return pick<T, wide>(a, v, stream);
+// 16-byte accesses of x where every pointer, stride and size allows them; narrower ones (odd shapes and strides)
+// otherwise.
+template <typename TI, typename TC, typename TO>
+cudaError_t dispatch(const Args& a, cudaStream_t stream) {
+  constexpr int wide = 16 / int(sizeof(TI));
+  if (vectorizable(a, wide)) return pick<TI, TC, TO, wide>(a, stream);
   if constexpr (wide > 4) {
-    if (vectorizable(a, 4, sizeof(T))) return pick<T, 4>(a, v, stream);
+    if (vectorizable(a, 4)) return pick<TI, TC, TO, 4>(a, stream);
   }
-  if (vectorizable(a, 2, sizeof(T))) return pick<T, 2>(a, v, stream);
-  if (!a.interleaved && vectorizable(a, 1, sizeof(T))) return pick<T, 1>(a, v, stream);
+  if (vectorizable(a, 2)) return pick<TI, TC, TO, 2>(a, stream);
+  if (!a.interleaved && vectorizable(a, 1)) return pick<TI, TC, TO, 1>(a, stream);
   return cudaErrorInvalidValue;  // interleaved pairs need even sizes and strides
 }
 
@@ -214,18 +233,15 @@ bool shared_tiles(const Args& a) {
   return true;
 }
 
-cudaError_t by_dtype(const Args& a, DType dtype, cudaStream_t stream, const Variant& v) {
-  switch (dtype) {
-    case DType::f32: return dispatch<float>(a, v, stream);
-    case DType::f16: return dispatch<__half>(a, v, stream);
-    case DType::bf16: return dispatch<__nv_bfloat16>(a, v, stream);
-  }
-  return cudaErrorInvalidValue;
+cudaError_t by_dtype(const Args& a, cudaStream_t stream) {
+  return with_dtypes(a, [&](auto i, auto c, auto o) {
+    return dispatch<typename decltype(i)::type, typename decltype(c)::type, typename decltype(o)::type>(a, stream);
+  });
 }
 
 }  // namespace
 
-cudaError_t launch_tile(const Args& args, DType dtype, cudaStream_t stream, const Variant& v) {
+cudaError_t launch_tile(const Args& args, cudaStream_t stream) {
   // A dim of size 1 is only ever indexed at 0, so its stride is free: zero it, so that a single (k/v) head
   // does not look like per-head tables and an odd stride there does not narrow the vectors.
   Args a = args;
@@ -233,18 +249,18 @@ cudaError_t launch_tile(const Args& args, DType dtype, cudaStream_t stream, cons
     for (int d = 0; d < 3; ++d)
       if (a.ops[i].shape[d] == 1) a.ops[i].in_stride[d] = a.ops[i].out_stride[d] = a.ops[i].cs_stride[d] = 0;
   for (int i = 0; i < a.count; ++i)
-    if (a.ops[i].cs_stride[1] != 0) return cudaErrorNotSupported;  // per-head tables (rare): the first kernel
+    if (a.ops[i].cs_stride[1] != 0) return cudaErrorNotSupported;  // per-head tables (rare): the row kernel
   if (a.count == 2 && !shared_tiles(a)) {
     Args one = a;
     one.count = 1;
     for (int i = 0; i < 2; ++i) {
       one.ops[0] = a.ops[i];
-      const cudaError_t err = by_dtype(one, dtype, stream, v);
-      if (err != cudaSuccess) return err;  // NotSupported: the caller redoes both with the first kernel
+      const cudaError_t err = by_dtype(one, stream);
+      if (err != cudaSuccess) return err;  // NotSupported: the caller redoes both with the row kernel
     }
     return cudaSuccess;
   }
-  return by_dtype(a, dtype, stream, v);
+  return by_dtype(a, stream);
 }
 
 }  // namespace tk_rotary

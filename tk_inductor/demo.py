@@ -1,0 +1,286 @@
+"""`python -m tk_inductor demo`: the backend on a built-in Llama-style model, nothing to download.
+
+On an sm_90 GPU (H100/H200) it builds the kernels (first run only), compiles the model with
+`backend="thunderkittens"` and with default `torch.compile`, prints the report, checks the outputs
+against eager and times a forward and a training step of each. Anywhere else it runs the same rewrite
+in reference mode (every swapped op runs its plain PyTorch reference) and checks that the compiled
+model's outputs and gradients equal eager's.
+
+The model is written the way Hugging Face's Llama is (RMSNorm spelled out with an fp32 upcast, NeoX
+rotary with `rotate_half`, SDPA with grouped KV heads, SwiGLU MLP), so what the demo swaps is what
+the matchers find in real model code. `--hf` uses transformers' LlamaForCausalLM instead.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    vocab: int = 32000
+    hidden: int = 2048
+    heads: int = 16
+    kv_heads: int = 8
+    layers: int = 4
+    intermediate: int = 5632
+    eps: float = 1e-5
+    theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+TINY = LlamaConfig(vocab=256, hidden=128, heads=4, kv_heads=2, layers=2, intermediate=256)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * d, cfg.hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, n, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(b, n, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, -1, d).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.gate = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.up = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        h = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """A Llama-style causal LM: token ids (B, N) -> logits (B, N, vocab)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        d = cfg.head_dim
+        self.register_buffer("inv_freq", 1.0 / cfg.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d), persistent=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        pos = torch.arange(ids.shape[1], device=ids.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def _hf_llama(cfg: LlamaConfig):
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("tk_inductor demo --hf: transformers is not installed (pip install transformers)")
+    hf = transformers.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                                  num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                                  num_hidden_layers=cfg.layers, rms_norm_eps=cfg.eps, max_position_embeddings=8192,
+                                  attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(hf)
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    return Logits()
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _loss(logits, ids):
+    return F.cross_entropy(logits.flatten(0, 1).float(), ids.roll(-1, 1).flatten())
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _precision(name: str):
+    """(parameter dtype, autocast dtype or None)."""
+    return {"bf16": (torch.bfloat16, None), "amp-bf16": (torch.float32, torch.bfloat16),
+            "amp-fp16": (torch.float32, torch.float16), "fp32": (torch.float32, None)}[name]
+
+
+def _build_kernels() -> None:
+    from . import build
+
+    for family in ("attention", "rotary", "layernorm"):
+        if build.is_built(family):
+            continue
+        _say(f"building the {family} kernels (first run only; about a minute per family on 16 cores)...")
+        start = time.time()
+        build.load(family)
+        _say(f"  built in {time.time() - start:.0f} s")
+
+
+def _cpu_demo(args, cfg: LlamaConfig) -> int:
+    import tk_inductor
+
+    why = "no CUDA device" if not torch.cuda.is_available() else f"{torch.cuda.get_device_name()} is not sm_90"
+    _say(f"{why}: running the rewrite in reference mode (each swapped op runs its PyTorch reference) on the CPU")
+    torch.manual_seed(0)
+    model = (_hf_llama(cfg) if args.hf else Llama(cfg)).float()
+    ids = torch.randint(0, cfg.vocab, (2, args.seq or 64))
+    compiled = torch.compile(model, backend="thunderkittens", options={"reference": True, "inner": "aot_eager"})
+    tk_inductor.reset()
+    ref_loss = _loss(model(ids), ids)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = _loss(compiled(ids), ids)
+    loss.backward()
+    _say(str(tk_inductor.report()))
+    worst = max(_rel_err(p.grad, ref_grads[n]) for n, p in model.named_parameters())
+    ok = abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()) and worst <= 1e-4
+    _say(f"loss {loss.item():.6f} (eager {ref_loss.item():.6f}); largest gradient relative error {worst:.1e}")
+    _say("outputs and gradients equal eager" if ok else "MISMATCH against eager")
+    return 0 if ok else 1
+
+
+def _time_ms(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _gpu_demo(args, cfg: LlamaConfig) -> int:
+    import tk_inductor
+
+    param_dtype, amp = _precision(args.precision)
+    _say(f"{torch.cuda.get_device_name()}: {'HF ' if args.hf else ''}Llama-style model, hidden {cfg.hidden}, "
+         f"{cfg.layers} layers, {cfg.heads} heads ({cfg.kv_heads} KV), batch 2 x {args.seq or 4096} tokens, {args.precision}")
+    _build_kernels()
+    torch.manual_seed(0)
+    model = (_hf_llama(cfg) if args.hf else Llama(cfg)).to("cuda", param_dtype)
+    ids = torch.randint(0, cfg.vocab, (2, args.seq or 4096), device="cuda")
+    autocast = torch.autocast("cuda", dtype=amp, enabled=amp is not None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
+
+    def forward(run):
+        with torch.no_grad(), autocast:
+            return run(ids)
+
+    def train(run):
+        with autocast:
+            loss = _loss(run(ids), ids)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    results = {}
+    reference = forward(model)
+    for name in ("thunderkittens", "torch.compile"):
+        torch._dynamo.reset()
+        tk_inductor.reset()
+        run = torch.compile(model, backend="thunderkittens") if name == "thunderkittens" else torch.compile(model)
+        _say(f"compiling with {name} (forward, then the training step)...")
+        start = time.time()
+        out = forward(run)
+        train(run)
+        _say(f"  compiled in {time.time() - start:.0f} s")
+        if name == "thunderkittens":
+            _say(str(tk_inductor.report()))
+            err = _rel_err(out, reference)
+            _say(f"  logits against eager: relative error {err:.1e}" + ("" if err < 2e-2 else "  (LARGER than expected)"))
+        results[name] = (_time_ms(lambda: forward(run), args.iters), _time_ms(lambda: train(run), args.iters))
+    (ours_f, ours_t), (base_f, base_t) = results["thunderkittens"], results["torch.compile"]
+    _say(f"forward:       thunderkittens {ours_f:7.2f} ms   torch.compile {base_f:7.2f} ms   {base_f / ours_f:.2f}x")
+    _say(f"training step: thunderkittens {ours_t:7.2f} ms   torch.compile {base_t:7.2f} ms   {base_t / ours_t:.2f}x")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tk-inductor demo", description=__doc__.splitlines()[0])
+    p.add_argument("--hf", action="store_true", help="use transformers' LlamaForCausalLM (needs transformers)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "amp-bf16", "amp-fp16", "fp32"),
+                   help="GPU: bf16 parameters, or fp32 parameters under bf16/fp16 autocast (default bf16)")
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default 4 on a GPU, 2 on a CPU)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 4096 on a GPU, 64 on a CPU)")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per measurement (GPU)")
+    p.add_argument("--cpu", action="store_true", help="the reference-mode check even when an sm_90 GPU is present")
+    args = p.parse_args(argv)
+    gpu = _sm90() and not args.cpu
+    cfg = LlamaConfig() if gpu else TINY
+    if args.layers is not None:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
+    return _gpu_demo(args, cfg) if gpu else _cpu_demo(args, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
