@@ -180,6 +180,12 @@ def merge(paths: list[str], allow_mixed: bool = False) -> tuple[dict, list[Row]]
     return meta, list(rows.values())
 
 
+def cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated op benchmarks (default: all; 'none' for only --e2e/--build)")
@@ -202,7 +208,7 @@ def main(argv=None) -> int:
         return _report(meta, rows, out)
     import torch
 
-    if not torch.cuda.is_available():
+    if not cuda_visible():
         print("python -m benchmarks: no CUDA device visible; the benchmarks time GPU kernels (an sm_90 GPU: H100/H200). "
               "--merge works without one.", file=sys.stderr)
         return 2

@@ -83,7 +83,7 @@ import torch.nn.functional as F
 
 from tk_inductor import config
 from tk_inductor.ops import attention as attention_ops
-from tk_inductor.rewrite import Match, example
+from tk_inductor.rewrite import Cast, Match, example
 
 from ._fx import arg as _arg
 
@@ -823,10 +823,23 @@ class _Operand:
     scale: float = 1.0
     repeated: int = 1  # a repeat_kv/repeat_interleave over heads was dropped
     want_t: bool = False  # the product reads this operand transposed (k in `q @ k.transpose(-1, -2)`)
+    cast: torch.dtype | None = None  # a cast to this dtype was looked through: the op reads node cast
 
     def needs_transpose(self) -> bool:
         """Whether the op input is node.transpose(-1, -2) rather than node itself."""
         return self.transposed != self.want_t
+
+    def dtype(self) -> torch.dtype | None:
+        """The dtype the attention computes this operand in."""
+        ex = example(self.node)
+        return self.cast or (ex.dtype if isinstance(ex, torch.Tensor) else None)
+
+    def arg(self):
+        """The op's argument: the node, or the node cast (a cast commutes with the views looked through)."""
+        ex = example(self.node)
+        if self.cast is not None and isinstance(ex, torch.Tensor) and ex.dtype != self.cast:
+            return Cast(self.node, self.cast)
+        return self.node
 
 
 def _swaps_last_two(node: fx.Node) -> bool:
@@ -897,6 +910,8 @@ def _peel(node: fx.Node, allow_merge: bool, allow_scale: bool) -> _Operand:
         elif name in _CASTS and isinstance(src, fx.Node) and isinstance(example(src), torch.Tensor) \
                 and example(src).dtype == example(n).dtype and example(src).device == example(n).device:
             op.node = src  # a cast to the dtype it already has
+        elif op.cast is None and _float_cast(n):
+            op.node, op.cast = src, example(n).dtype  # autocast's cast in front of the product (the outermost only)
         elif _swaps_last_two(n):
             op.node, op.transposed = src, not op.transposed
         elif name in ("mul", "div") and allow_scale and len(n.args) == 2:
@@ -923,6 +938,15 @@ def _peel(node: fx.Node, allow_merge: bool, allow_scale: bool) -> _Operand:
                 return op
         else:
             return op
+
+
+def _float_cast(node: fx.Node) -> bool:
+    """node casts a floating tensor to another floating dtype on the same device, keeping its shape."""
+    if _name(node) not in _CASTS or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    src, out = example(node.args[0]), example(node)
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.is_floating_point()
+            and out.is_floating_point() and src.device == out.device and tuple(src.shape) == tuple(out.shape))
 
 
 def _cat_single(node: fx.Node) -> fx.Node | None:
@@ -1098,10 +1122,10 @@ class _Finder:
         exs = [example(o.node) for o in (qo, ko, vo)]
         if not all(isinstance(e, torch.Tensor) for e in exs):
             raise _Keep("q/k/v example values are missing")
-        dts = {e.dtype for e in exs}
-        if len(dts) != 1 or not next(iter(dts)).is_floating_point:
-            raise _Keep(f"q/k/v dtypes {[str(e.dtype) for e in exs]} (the op needs one float dtype)")
-        dtype = exs[0].dtype
+        dts = [o.dtype() for o in (qo, ko, vo)]
+        if len(set(dts)) != 1 or not dts[0].is_floating_point:
+            raise _Keep(f"q/k/v dtypes {[str(d) for d in dts]} (the op needs one float dtype)")
+        dtype = dts[0]
         if isinstance(example(out), torch.Tensor) and example(out).dtype != dtype:
             raise _Keep(f"the output dtype {example(out).dtype} differs from the inputs' {dtype}")
         if len({e.device for e in exs}) != 1:
@@ -1145,7 +1169,7 @@ class _Finder:
         if mixed and not (len(_shape(out)) == 4 and all(_same(a, b) for a, b in zip(_shape(out)[:2], qs[:2]))):
             raise _Keep("the 3-D scores are viewed to heads that differ from q's")
         heads = "4d" if len(qs) == 4 and (mixed or not qo.merged) else ("merged" if qo.merged else "none")
-        args = (qo.node, ko.node, vo.node, bool(causal), float(scale))
+        args = (qo.arg(), ko.arg(), vo.arg(), bool(causal), float(scale))
         if heads == "merged":
             back = self._merged_back(out, qs)
             if back is not None:
@@ -1158,7 +1182,7 @@ class _Finder:
                 raise _Keep("the mask's values are known only at run time and the layout needs an adapter")
             if getattr(example(mask), "requires_grad", False):
                 raise _Keep("the mask/bias requires grad (a learned bias)")
-            return torch.ops.tk.attention_masked.default, (qo.node, ko.node, vo.node, mask, float(scale)), [out, None]
+            return torch.ops.tk.attention_masked.default, (qo.arg(), ko.arg(), vo.arg(), mask, float(scale)), [out, None]
         if heads == "4d" and not any(transposed) and not contiguous:
             return torch.ops.tk.attention.default, args, [out, None]
         return attention_adapter, args + (transposed, heads, contiguous), [out]
@@ -1273,7 +1297,7 @@ class _Finder:
             sdt = _softmax_dtype(sm)
             if sdt is not None and sdt not in (torch.float32, torch.float64, example(q).dtype):
                 raise _Keep(f"softmax in {sdt}")
-            q_dtype = example(qo.node).dtype
+            q_dtype = qo.dtype()
             scale, causal, runtime_mask = self._scores_chain(qk, chain, q_dtype)
             if _name(qk) == "baddbmm":
                 alpha = _positive_const(qk.kwargs.get("alpha", 1))

@@ -15,12 +15,24 @@ The norm (the anchor), then what feeds it:
   `F.dropout` / `torch.dropout` / `nn.Dropout`: p > 0 in training becomes the op's Philox dropout
   (same distribution, mask regenerated in the backward; the RNG stream differs from torch's).
 
-Kept, with the reason: normalisation over several trailing dims, weight/bias not (H,) or of
-another dtype than h (an fp32 weight on bf16 activations promotes the output), outputs whose dtype
-differs from h's, hidden sizes the kernels do not take (multiple of 8 up to 16384), dtypes other
-than fp32/fp16/bf16, in-place dropout, p >= 1, and statistics whose form differs from the op's
-(mean over another dim, no keepdim, other powers). An add whose operands differ in shape or
-dtype (a broadcast bias) is not a residual: the norm is matched alone with h as its input.
+Dtypes, as eager gives them: the residual add may promote (an fp32 residual stream plus a bf16
+branch output under autocast gives an fp32 h: the narrower operand is the op's x), the weight may
+have another dtype than the activations (fp32 weights on bf16 rows, Gemma's `(1 + w.float())`), and
+the output has the dtype of the matched output node. An exact upcast of the norm's input (autocast's
+cast in front of an fp32 norm) is read from its source, and a cast that is the output's only use is
+fused into the op's output dtype.
+
+eps may be a run-time value: `dynamic=True` passes float attributes as graph inputs, read with
+`.item()` as a symbolic float. A replaced norm takes its value as a constant, guarded (a new eps
+recompiles): Dynamo specialises a symbolic float that reaches a custom op anyway, restarting its
+analysis of the frame once, so a run-time eps argument would buy nothing.
+
+Kept, with the reason: normalisation over several trailing dims, weight/bias not (H,), hidden sizes
+the kernels do not take (multiple of 8 up to 16384), dtypes other than fp32/fp16/bf16, dtype
+combinations the kernels do not take (kernel mode on CUDA), in-place dropout, p >= 1, and statistics
+whose form differs from the op's (mean over another dim, no keepdim, other powers). An add whose
+operands differ in shape (a broadcast bias) is not a residual: the norm is matched alone with h as
+its input.
 """
 from __future__ import annotations
 
@@ -31,10 +43,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from tk_inductor import config
 from tk_inductor.ops import layernorm as layernorm_ops
-from tk_inductor.rewrite import Match
+from tk_inductor.rewrite import Match, example
 
-from ._fx import arg as _arg, is_call as _is, tensor as _tensor
+from ._fx import arg as _arg, fused_cast, is_call as _is, tensor as _tensor, upcast_source
 
 FAMILY = "layernorm"
 
@@ -220,21 +233,31 @@ def _same_tensor_kind(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is not None and b is not None and tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and a.device == b.device
 
 
+def _operand_of(t: torch.Tensor | None, h: torch.Tensor) -> bool:
+    """t can be an operand of h = a + b: h's shape and device, a floating dtype h's promotes from."""
+    return (t is not None and tuple(t.shape) == tuple(h.shape) and t.device == h.device and t.is_floating_point()
+            and torch.promote_types(t.dtype, h.dtype) == h.dtype)
+
+
 def _feed(h: fx.Node) -> tuple[fx.Node, fx.Node | None, float, fx.Node | None, str | None]:
-    """Decompose h = residual + dropout(x): (x, residual, p, h_node_to_reroute, reason)."""
+    """Decompose h = residual + dropout(x): (x, residual, p, h_node_to_reroute, reason). With operands of two dtypes
+    (an fp32 residual stream plus a bf16 branch) x is the narrower, whose dtype the sum promotes."""
     th = _tensor(h)
     if _is(h, _ADD, "add") and len(h.args) == 2 and h.kwargs.get("alpha", 1) == 1 and h.target is not operator.iadd:
         a, b = h.args
         ta, tb = _tensor(a), _tensor(b)
-        if _same_tensor_kind(ta, th) and _same_tensor_kind(tb, th):
+        if _operand_of(ta, th) and _operand_of(tb, th) and th.dtype in (ta.dtype, tb.dtype):
             da, db = _dropout(a), _dropout(b)
             if db is not None and da is None:
                 a, b, da = b, a, db
             if da is not None:
                 x, p, _, reason = da
-                if _same_tensor_kind(_tensor(x), th):
+                if _same_tensor_kind(_tensor(x), _tensor(a)) and _tensor(b).dtype == th.dtype:
                     return x, b, p, h, reason
-            return a, b, 0.0, h, None
+                return h, None, 0.0, None, None  # dropout of the wider operand: the norm alone
+            if _tensor(a).dtype != th.dtype:  # the residual carries h's dtype
+                return a, b, 0.0, h, None
+            return (b, a, 0.0, h, None) if _tensor(b).dtype != th.dtype else (a, b, 0.0, h, None)
     d = _dropout(h)
     if d is not None:
         x, p, _, reason = d
@@ -243,7 +266,14 @@ def _feed(h: fx.Node) -> tuple[fx.Node, fx.Node | None, float, fx.Node | None, s
     return h, None, 0.0, None, None
 
 
-def _check(norm: _Norm, shape, x, residual, p) -> str | None:
+def _eps_ok(eps: Any) -> bool:
+    """A constant, or a node holding a symbolic float (a float attribute under dynamic=True)."""
+    if isinstance(eps, (int, float)) and not isinstance(eps, bool):
+        return True
+    return isinstance(eps, fx.Node) and isinstance(example(eps), torch.SymFloat)
+
+
+def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype) -> str | None:
     th = _tensor(norm.h)
     if th is None:
         return "no example value for the norm input"
@@ -251,24 +281,35 @@ def _check(norm: _Norm, shape, x, residual, p) -> str | None:
         dims = list(shape) if isinstance(shape, (list, tuple, torch.Size)) else [shape]
         if len(dims) != 1 or dims[0] != th.shape[-1]:
             return f"normalised over {len(dims)} trailing dims (the op normalises the last one)"
-    if not isinstance(norm.eps, (int, float)):
-        return "eps is a run-time value, not a constant (dynamic=True passes float attributes as tensors)"
-    if th.dtype not in layernorm_ops.DTYPES:
-        return f"dtype {th.dtype}"
+    if not _eps_ok(norm.eps):
+        return f"eps is neither a constant nor a symbolic float ({norm.eps!r})"
+    tx = _tensor(x)
+    for name, t in (("activations", th), ("x", tx)):
+        if t is None or t.dtype not in layernorm_ops.DTYPES:
+            return f"{name} dtype {getattr(t, 'dtype', None)}"
     hidden = th.shape[-1]
-    if not isinstance(hidden, int) or hidden % 8 or hidden > layernorm_ops.MAX_HIDDEN:
+    # A symbolic hidden size (dynamic=True) is checked as a guard: a size the kernels do not take recompiles.
+    if not isinstance(hidden, (int, torch.SymInt)) or hidden % 8 != 0 or hidden > layernorm_ops.MAX_HIDDEN:
         return f"hidden size {hidden} (kernels take multiples of 8 up to {layernorm_ops.MAX_HIDDEN})"
+    dtypes = set()
     for name, t in (("weight", norm.weight), ("bias", norm.bias)):
         if t is None:
             continue
         tt = _tensor(t)
-        if tt is None or tuple(tt.shape) != (hidden,):
+        if tt is None or tt.dim() != 1 or tt.shape[0] != hidden:
             return f"{name} is not a ({hidden},) tensor"
-        if tt.dtype != th.dtype:
-            return f"{name} dtype {tt.dtype} differs from the activations' {th.dtype}"
+        if tt.dtype not in layernorm_ops.DTYPES:
+            return f"{name} dtype {tt.dtype}"
+        dtypes.add(tt.dtype)
+    if len(dtypes) > 1:
+        return "weight and bias have different dtypes"
     out = _tensor(norm.out)
-    if out is None or out.dtype != th.dtype or tuple(out.shape) != tuple(th.shape):
-        return f"output dtype {getattr(out, 'dtype', None)} differs from the input's {th.dtype}"
+    if out is None or tuple(out.shape) != tuple(th.shape) or out_dtype not in layernorm_ops.DTYPES:
+        return f"output {getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))} is not a float tensor of h's shape"
+    if tx.device.type == "cuda" and not config.current().reference:
+        w = next(iter(dtypes)) if dtypes else None
+        if not layernorm_ops.kernel_supports(tx.dtype, th.dtype, w, out_dtype):
+            return f"no kernel for x {tx.dtype}, h {th.dtype}, weight {w}, output {out_dtype}"
     return None
 
 
@@ -287,19 +328,26 @@ def find(graph: fx.Graph) -> Iterable[Match]:
         x, residual, p, h_node, reason = _feed(norm.h)
         if residual is None and p == 0.0:
             h_node = None  # the op returns no h then (h == x); an eval-mode dropout node stays for its other users
-        reason = reason or _check(norm, shape, x, residual, p)
+            x = upcast_source(x)  # the kernel reads a 16-bit input and upcasts it, exactly as the cast does
+        out_dtype = getattr(_tensor(norm.out), "dtype", None)
+        if reason is None and (fused := fused_cast(norm.out, layernorm_ops.DTYPES)) is not None:
+            norm.out, out_dtype = fused
+        reason = reason or _check(norm, shape, x, residual, out_dtype)
         tx = _tensor(x)
         needs_grad = any(
             (t := _tensor(n)) is not None and t.requires_grad for n in (x, residual, norm.weight, norm.bias) if n is not None
         )
+        eps = norm.eps
+        if isinstance(eps, fx.Node):  # a symbolic float: specialised (guarded) only where the norm is replaced
+            eps = float(example(eps)) if reason is None else 0.0
         yield Match(
             family=FAMILY,
             outputs=[norm.out, h_node, None, None, None],
             target=torch.ops.tk.layernorm.default,
             # stats: keep mean/rstd only where a backward can run (grad mode on, a differentiable input needs grad);
             # Dynamo guards grad mode and requires_grad, so a graph compiled without them recompiles with them.
-            args=(x, residual, norm.weight, norm.bias, None, float(norm.eps) if isinstance(norm.eps, (int, float)) else 0.0, p,
-                  norm.rms, needs_grad and torch.is_grad_enabled()),
+            args=(x, residual, norm.weight, norm.bias, None, float(eps), p, norm.rms, needs_grad and torch.is_grad_enabled(),
+                  out_dtype),
             reason=reason,
             needs_grad=needs_grad,
             has_backward_kernel=True,

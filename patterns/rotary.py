@@ -35,7 +35,7 @@ from tk_inductor import config
 from tk_inductor.ops import rotary as rotary_ops
 from tk_inductor.rewrite import Match
 
-from ._fx import arg as _arg, is_call as _is, tensor as _tensor
+from ._fx import arg as _arg, fused_cast, is_call as _is, tensor as _tensor, upcast_source
 
 FAMILY = "rotary"
 
@@ -227,50 +227,10 @@ def _partial_output(add: fx.Node, x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
             continue
         if not _dim_is_last(dim, tu.dim()):
             continue
-        rest = _last_slice(_upcast_source(parts[1]))
+        rest = _last_slice(upcast_source(parts[1]))
         if rest is not None and rest[0] is base and rest[1] == stop and rest[2] == int(_tensor(base).shape[-1]) and rest[3] == 1:
             return base, user
     return None
-
-
-# ---------------------------------------------------------------------------- dtypes
-
-def _cast_dtype(node: Any) -> torch.dtype | None:
-    """The dtype `node` casts its input to (`.to(dtype)`, `.float()`, `.half()`, `.bfloat16()`), or None."""
-    if not isinstance(node, fx.Node) or node.op != "call_method" or not node.args:
-        return None
-    if node.target in ("float", "half", "bfloat16"):
-        return {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}[node.target]
-    if node.target != "to":
-        return None
-    dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
-    t, src = _tensor(node), _tensor(node.args[0])
-    if len(dtypes) != 1 or t is None or src is None or t.device != src.device or t.dtype != dtypes[0]:
-        return None
-    return dtypes[0]
-
-
-def _upcast_source(node: Any) -> Any:
-    """`node` with an exact widening cast (16-bit to fp32) stripped: the value it casts."""
-    dtype = _cast_dtype(node)
-    src = _tensor(node.args[0]) if dtype is not None else None
-    if src is not None and dtype == torch.float32 and src.dtype in (torch.float16, torch.bfloat16):
-        return node.args[0]
-    return node
-
-
-def _fused_cast(out: fx.Node) -> tuple[fx.Node, torch.dtype] | None:
-    """The cast that is the result's only use (autocast's cast to the attention dtype): (cast node, its dtype)."""
-    if len(out.users) != 1:
-        return None
-    user = next(iter(out.users))
-    dtype = _cast_dtype(user)
-    tu, to = _tensor(user), _tensor(out)
-    if dtype is None or dtype not in rotary_ops.DTYPES or user.args[0] is not out or to is None:
-        return None
-    if tu.stride() != to.stride():
-        return None
-    return user, dtype
 
 
 def _reason(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor | None, interleaved: bool):
@@ -368,7 +328,7 @@ def find(graph: fx.Graph) -> Iterable[Match]:
         if reason is None and partial is None and tc.shape[-1] != tx.shape[-1]:
             reason = "cos/sin cover fewer channels than x, without a pass-through concatenation"
         out_dtype = None
-        if reason is None and (fused := _fused_cast(out)) is not None:
+        if reason is None and (fused := fused_cast(out, rotary_ops.DTYPES)) is not None:
             out, out_dtype = fused
         if reason is None and tx.device.type == "cuda" and not config.current().reference:
             dtype = out_dtype or to.dtype

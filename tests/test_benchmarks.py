@@ -1,5 +1,6 @@
 """The benchmark harness's CPU-side pieces: tables, row conversion, plots (timing itself needs the GPU)."""
 import pytest
+import torch
 
 from benchmarks.__main__ import _as_rows, _e2e_speedups, main, plot, table
 from benchmarks.common import Row, bandwidth_table
@@ -36,6 +37,10 @@ def test_plot_writes_png(tmp_path):
 
 
 def test_unknown_op_is_reported_not_dropped(tmp_path, capsys):
+    if not torch.cuda.is_available():  # one clear line and a non-zero status, no traceback
+        assert main(["--ops", "nosuchop", "--out", str(tmp_path)]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+        return
     main(["--ops", "nosuchop", "--out", str(tmp_path)])
     assert "no benchmark module" in capsys.readouterr().out
 
@@ -203,6 +208,9 @@ def test_a_run_cut_off_keeps_the_finished_parts(tmp_path, monkeypatch, capsys):
             raise KeyboardInterrupt  # stands in for the kill of a time limit
         return [Row("e2e", e2e.case_name(name, "forward"), mode, 10.0)]
 
+    import benchmarks.__main__ as driver
+
+    monkeypatch.setattr(driver, "cuda_visible", lambda: True)  # the children are faked: no GPU needed
     monkeypatch.setattr(e2e, "_child_cmd", None)  # nothing may start a real child
     monkeypatch.setattr(e2e, "_bench_in_child", child)
     out = tmp_path / "run"
@@ -237,7 +245,9 @@ def test_a_stopped_run_leaves_no_e2e_child(tmp_path):
     # the e2e child is replaced by one that records its pid and sleeps
     script = (f"import os, time, sys; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     runner = (
-        "import sys, runpy\n"
+        "import sys, runpy, torch\n"
+        "torch.cuda.is_available = lambda: True\n"  # the child is faked: no GPU needed
+        "torch.cuda.get_device_name = lambda *a: 'none'\n"
         "from benchmarks import e2e\n"
         f"e2e._child_cmd = lambda name, mode, sink, quick: [sys.executable, '-c', {script!r}]\n"
         "sys.argv = ['benchmarks', '--ops', 'none', '--e2e', '--models', 'based', '--modes', 'eager',"

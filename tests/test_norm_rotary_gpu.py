@@ -51,25 +51,6 @@ def _ln_inputs(rows, hidden, dtype, residual, weight, bias, seed=0):
     return x, r, w, b
 
 
-# (forward, backward) kernel variants, selected per call through the environment (layernorm.h): the
-# legacy kernels and each persistent one stay correct, whichever is the default. Every variant of
-# either direction appears (checked below).
-LN_VARIANTS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (7, 7), (8, 8), (5, 9), (8, 10), (8, 11)]
-
-
-def test_ln_variants_cover_every_kernel_variant():
-    assert sorted({f for f, _ in LN_VARIANTS}) == list(range(ln_ops.FORWARD_VARIANTS))
-    assert sorted({b for _, b in LN_VARIANTS}) == list(range(ln_ops.BACKWARD_VARIANTS))
-
-
-@pytest.fixture(params=LN_VARIANTS, ids=[f"fwd{f}-bwd{b}" for f, b in LN_VARIANTS])
-def ln_variant(request, monkeypatch):
-    fwd, bwd = request.param
-    monkeypatch.setenv("TK_LN_FWD_VARIANT", str(fwd))
-    monkeypatch.setenv("TK_LN_BWD_VARIANT", str(bwd))
-    return request.param
-
-
 def _ln_kernel(x, r, w, b, rng, eps, p, rms):
     rows, hidden = x.shape
     poison(((rows, hidden), x.dtype), ((rows, hidden), x.dtype), ((rows,), torch.float32), ((rows,), torch.float32))
@@ -79,7 +60,7 @@ def _ln_kernel(x, r, w, b, rng, eps, p, rms):
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rms", [False, True])
-def test_layernorm_forward_backward(hidden, dtype, rms, ln_variant):
+def test_layernorm_forward_backward(hidden, dtype, rms):
     rows = 77  # odd: partial blocks of rows
     for residual, weight, bias in ((True, True, not rms), (False, False, False), (True, False, False), (False, True, not rms)):
         x, r, w, b = _ln_inputs(rows, hidden, dtype, residual, weight, bias)
@@ -107,7 +88,69 @@ def test_layernorm_forward_backward(hidden, dtype, rms, ln_variant):
                 assert rel_err(a, e) < TOL[dtype] * (4 if name in ("dw", "db") else 1), (name, residual, weight, bias)
 
 
-def test_layernorm_backward_is_deterministic(ln_variant):
+# (x, residual/h, weight, y) dtypes beside one dtype throughout (layernorm.h DTypes): the fp32 residual stream of
+# autocast with fp32 parameters, fp32 weights on 16-bit activations, 16-bit weights and output on fp32 rows.
+MIXED = [(x, h, w, y) for x in DTYPES for h in DTYPES for w in DTYPES for y in DTYPES
+         if ln_ops.kernel_supports(x, h, w, y) and len({x, h, w, y}) > 1]
+
+
+def test_mixed_dtype_list():
+    assert len(MIXED) == 14  # 17 combinations, 3 of them one dtype throughout
+
+
+@pytest.mark.parametrize("x_dtype, h_dtype, w_dtype, y_dtype", MIXED, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("hidden", [136, 1024, 3000, 8192, 16384])
+def test_layernorm_mixed_dtypes(x_dtype, h_dtype, w_dtype, y_dtype, hidden):
+    rows = 77
+    for rms in (False, True):
+        for residual, p in ((True, 0.0), (False, 0.0), (True, 0.1)):
+            if not residual and h_dtype != x_dtype:
+                continue  # without a residual h is x
+            x, _, _, _ = _ln_inputs(rows, hidden, x_dtype, False, False, False)
+            _, r, w, b = _ln_inputs(rows, hidden, h_dtype, residual, True, False, seed=1)
+            w = w.to(w_dtype)
+            b = None if rms else torch.randn(hidden, device="cuda").to(w_dtype)
+            rng = philox.draw_seed() if p else None
+            case = (rms, residual, p)
+            poison(((rows, hidden), y_dtype), ((rows, hidden), h_dtype))
+            y, h, mean, rstd, rng = torch.ops.tk.layernorm(x, r, w, b, rng, 1e-5, p, rms, True, y_dtype)
+            ye, he, me, re, _ = ln_ops.reference_forward(x, r, w, b, rng, 1e-5, p, rms, True, y_dtype)
+            assert y.dtype == y_dtype and h.dtype == he.dtype, case
+            assert rel_err(y, ye) < TOL[y_dtype], case
+            assert rel_err(rstd, re) < 1e-5, case
+            if residual or p:
+                assert torch.equal(h, he), case  # same fp32 add, same rounding
+            g = torch.Generator(device="cuda").manual_seed(2)
+            dy = torch.randn(rows, hidden, generator=g, device="cuda").to(y_dtype)
+            dh = torch.randn(rows, hidden, generator=g, device="cuda").to(h_dtype) if residual else None
+            hh = h if (residual or p) else x
+            out = torch.ops.tk.layernorm_backward(dy, dh, hh, w, mean, rstd, rng, p, rms, b is not None, x_dtype)
+            ref = ln_ops.reference_backward(dy, dh, hh, w, mean, rstd, rng, p, rms, b is not None, x_dtype)
+            for name, a, e in zip(("dres", "dx", "dw", "db"), out, ref):
+                assert a.shape == e.shape and a.dtype == e.dtype, (name, case)
+                if e.numel():
+                    tol = TOL[e.dtype] * (4 if name in ("dw", "db") else 1)
+                    assert rel_err(a, e) < tol, (name, case)
+
+
+def test_layernorm_mixed_autograd():
+    """fp32 residual stream, bf16 branch output, fp32 weight, output cast to bf16: gradients in each input's dtype."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(300, 1024, generator=g, device="cuda").bfloat16().requires_grad_()
+    r = torch.randn(300, 1024, generator=g, device="cuda").requires_grad_()
+    w = torch.randn(1024, generator=g, device="cuda").requires_grad_()
+    y, h, *_ = torch.ops.tk.layernorm(x, r, w, None, None, 1e-6, 0.0, True, True, torch.bfloat16)
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    grads = torch.autograd.grad((y.float() * gy).sum() + (h * gh).sum(), (x, r, w))
+    he = r + x.float()
+    ye = (he * torch.rsqrt(he.pow(2).mean(-1, keepdim=True) + 1e-6) * w).bfloat16()
+    ref = torch.autograd.grad((ye.float() * gy).sum() + (he * gh).sum(), (x, r, w))
+    for a, e in zip(grads, ref):
+        assert a.dtype == e.dtype
+        assert rel_err(a, e) < 1e-2
+
+
+def test_layernorm_backward_is_deterministic():
     x, r, w, b = _ln_inputs(4099, 1024, torch.bfloat16, True, True, True)
     y, h, mean, rstd, rng = torch.ops.tk.layernorm(x, r, w, b, None, 1e-5, 0.0, False)
     dy = torch.randn_like(y)
@@ -119,7 +162,7 @@ def test_layernorm_backward_is_deterministic(ln_variant):
 
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("hidden", [1024, 4104])
-def test_layernorm_without_stats(hidden, rms, ln_variant):
+def test_layernorm_without_stats(hidden, rms):
     """stats=False (inference): the same y and h bit for bit, no mean/rstd; p > 0 keeps the same mask."""
     x, r, w, b = _ln_inputs(1001, hidden, torch.bfloat16, True, True, not rms)
     for p in (0.0, 0.1):
@@ -130,14 +173,7 @@ def test_layernorm_without_stats(hidden, rms, ln_variant):
         assert lean[2].numel() == 0 and lean[3].numel() == 0
 
 
-def test_layernorm_variant_switch_rejects_bad_values(monkeypatch):
-    x, r, w, b = _ln_inputs(4, 64, torch.bfloat16, True, True, True)
-    monkeypatch.setenv("TK_LN_FWD_VARIANT", str(ln_ops.FORWARD_VARIANTS))
-    with pytest.raises(ValueError, match="TK_LN_FWD_VARIANT"):
-        torch.ops.tk.layernorm(x, r, w, b, None, 1e-5, 0.0, False)
-
-
-def test_layernorm_many_rows_per_block(ln_variant):
+def test_layernorm_many_rows_per_block():
     # enough rows that every block of a persistent grid loops several times, with a ragged last group
     x, r, w, b = _ln_inputs(100003, 256, torch.bfloat16, True, True, True)
     y, h, mean, rstd, rng = _ln_kernel(x, r, w, b, None, 1e-5, 0.0, False)
@@ -154,7 +190,7 @@ def test_layernorm_many_rows_per_block(ln_variant):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [264, 1024, 4096])
 @pytest.mark.parametrize("residual", [False, True])
-def test_dropout(dtype, hidden, residual, ln_variant):
+def test_dropout(dtype, hidden, residual):
     p, rows = 0.2, 513
     x, r, w, b = _ln_inputs(rows, hidden, dtype, residual, True, True)
     rng = torch.tensor([0x0123456789ABCDEF, 977], dtype=torch.int64)

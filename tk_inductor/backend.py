@@ -79,8 +79,15 @@ def thunderkittens(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     # Validate Inductor's part before doing any work, whichever compiler runs it.
     patches = inductor_config_patches(mode, inductor_options)
     mask_kinds = _output_mask_kinds(gm, cfg)  # on Dynamo's graph, before the rewrite touches it
-    rewrite.apply(gm, cfg)
-    return _prove_outputs(_compile(gm, example_inputs, cfg, patches), mask_kinds)
+    graph_report = rewrite.apply(gm, cfg)
+    try:
+        compiled = _compile(gm, example_inputs, cfg, patches)
+    except BaseException:
+        # Nothing was compiled: no report for this graph. (Dynamo also restarts its analysis through here, e.g.
+        # to specialise a symbolic float that reached an op, and then compiles the graph again.)
+        rewrite.discard(graph_report)
+        raise
+    return _prove_outputs(compiled, mask_kinds)
 
 
 def _output_mask_kinds(gm: torch.fx.GraphModule, cfg: config.Config) -> dict[int, str]:

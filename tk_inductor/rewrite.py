@@ -42,6 +42,17 @@ class RewriteError(RuntimeError):
     """Raised in strict mode where the default policy would warn and pass through."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """A match argument: `node.to(dtype)`, inserted in front of the op when the match is replaced. A matcher
+    that looks through a cast (autocast's, made explicit) to the tensor behind views of it hands the op that
+    tensor cast instead: fewer bytes where the views repeat it (GQA's repeat_kv), and the cast stands alone
+    where a producer op can write its dtype directly (rotary)."""
+
+    node: fx.Node
+    dtype: torch.dtype
+
+
 @dataclasses.dataclass
 class Match:
     family: str
@@ -128,6 +139,14 @@ def reset() -> None:
     _report.graphs.clear()
 
 
+def discard(graph_report: GraphReport) -> None:
+    """Forget a graph's report (its compilation did not complete)."""
+    for i, g in enumerate(_report.graphs):
+        if g is graph_report:
+            del _report.graphs[i]
+            return
+
+
 def _record(graph_report: GraphReport, cfg: Config) -> None:
     _report.graphs.append(graph_report)
     line = graph_report.summary()
@@ -194,6 +213,22 @@ def _carried_meta(node: fx.Node) -> dict:
     return {k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")}
 
 
+def _materialize_casts(graph: fx.Graph, value: Any, before: fx.Node) -> Any:
+    """`value` with every Cast turned into a `.to(dtype)` node inserted before `before`."""
+    if isinstance(value, Cast):
+        with graph.inserting_before(before):
+            cast = graph.call_method("to", (value.node, value.dtype))
+        src = example(value.node)
+        if isinstance(src, torch.Tensor):
+            cast.meta["example_value"] = src.to(value.dtype)
+        return cast
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialize_casts(graph, v, before) for v in value)
+    if isinstance(value, dict):
+        return {k: _materialize_casts(graph, v, before) for k, v in value.items()}
+    return value
+
+
 def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[fx.Node]:
     """Insert the op call and reroute the outputs' uses; returns the now-unused outputs.
 
@@ -206,7 +241,9 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
     present = [o for o in m.outputs if o is not None]
     last = max(present, key=order.__getitem__)
     with graph.inserting_after(last):
-        call = graph.call_function(m.target, tuple(m.args), dict(m.kwargs))
+        call = graph.call_function(m.target, (), {})
+    call.args = _materialize_casts(graph, tuple(m.args), call)
+    call.kwargs = _materialize_casts(graph, dict(m.kwargs), call)
     if len(m.outputs) == 1 and not _returns_tuple(m.target):
         call.meta.update(_carried_meta(m.outputs[0]))
         m.outputs[0].replace_all_uses_with(call)
@@ -244,10 +281,32 @@ def _resolve(m: Match, remap: dict[fx.Node, fx.Node]) -> bool:
             node = remap[node]
         return node
 
-    m.args = fx.map_arg(tuple(m.args), current)
-    m.kwargs = fx.map_arg(dict(m.kwargs), current)
+    def resolve(value):
+        if isinstance(value, Cast):
+            return Cast(current(value.node), value.dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(resolve(v) for v in value)
+        if isinstance(value, dict):
+            return {k: resolve(v) for k, v in value.items()}
+        return current(value) if isinstance(value, fx.Node) else value
+
+    m.args = resolve(tuple(m.args))
+    m.kwargs = resolve(dict(m.kwargs))
     nodes = [o for o in m.outputs if o is not None]
-    fx.map_arg((m.args, m.kwargs), nodes.append)
+
+    def collect(value):
+        if isinstance(value, Cast):
+            nodes.append(value.node)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                collect(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+        elif isinstance(value, fx.Node):
+            nodes.append(value)
+
+    collect((m.args, m.kwargs))
     return not any(getattr(n, "_erased", False) for n in nodes)
 
 

@@ -10,10 +10,13 @@ with (CPU int64, zeros without dropout) so the backward regenerates the mask ins
 When `rng` is None and p > 0 a fresh pair is drawn from the default CPU generator (philox.draw_seed).
 With stats=False (inference: the backend passes it where the graph needs no gradient) mean and rstd are empty
 and never written, and the op cannot be differentiated.
+
+Dtypes, as eager gives them: h has x's and the residual's dtypes promoted (an fp32 residual stream beside bf16
+branch outputs under autocast gives fp32), y has `out_dtype` (by default h's), and the weight and bias may have
+another dtype than the activations (fp32 weights on bf16 activations). The arithmetic is fp32 throughout; y is
+rounded once, so an `out_dtype` below the computed dtype is that result cast down (the matcher fuses such a cast).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -22,13 +25,35 @@ from . import _dispatch, philox
 FAMILY = "layernorm"
 MAX_HIDDEN = 16384
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
 
 _EMPTY_RNG = (2,)
 
 
+def h_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+    return torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+
+
+def kernel_supports(x: torch.dtype, h: torch.dtype, w: torch.dtype | None, y: torch.dtype) -> bool:
+    """The dtypes the CUDA kernels take (csrc/kernels/layernorm/layernorm.h `supported`): x any of DTYPES, h x's or
+    fp32, y fp32 or the 16-bit dtype (x's, when x is 16-bit), the weight fp32 or y's (any, when absent)."""
+    if x not in DTYPES or h not in (x, torch.float32):
+        return False
+    if y != torch.float32 and y != x and not (x == torch.float32 and y in _HALF):
+        return False
+    return w is None or w in (torch.float32, y)
+
+
+def weight_dtype(x: torch.dtype, h: torch.dtype, w: torch.dtype | None, y: torch.dtype) -> torch.dtype:
+    """The dtype of dw/db: the weight's, or (no weight) y's where the kernels take it, else fp32."""
+    if w is not None:
+        return w
+    return y if kernel_supports(x, h, y, y) else torch.float32
+
+
 # ---------------------------------------------------------------------------- validation
 
-def _check(x, residual, weight, bias, rng, eps, p, rms) -> None:
+def _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype=None) -> None:
     check = _dispatch.check
     check(isinstance(x, torch.Tensor), "tk::layernorm: x must be a tensor", TypeError)
     check(x.dtype in DTYPES, lambda: f"tk::layernorm: x dtype must be one of {DTYPES}, got {x.dtype}", TypeError)
@@ -39,10 +64,13 @@ def _check(x, residual, weight, bias, rng, eps, p, rms) -> None:
     for name, t, shape in (("residual", residual, tuple(x.shape)), ("weight", weight, (hidden,)), ("bias", bias, (hidden,))):
         if t is None:
             continue
-        check(t.dtype == x.dtype,
-              lambda: f"tk::layernorm: {name} dtype {t.dtype} must equal x dtype {x.dtype}", TypeError)
+        check(t.dtype in DTYPES, lambda: f"tk::layernorm: {name} dtype must be one of {DTYPES}, got {t.dtype}", TypeError)
         check(t.device == x.device, lambda: f"tk::layernorm: {name} is on {t.device}, x on {x.device}")
         check(tuple(t.shape) == shape, lambda: f"tk::layernorm: {name} must have shape {shape}, got {tuple(t.shape)}")
+    check(weight is None or bias is None or weight.dtype == bias.dtype,
+          lambda: f"tk::layernorm: weight {weight.dtype} and bias {bias.dtype} must have one dtype", TypeError)
+    check(out_dtype is None or out_dtype in DTYPES,
+          lambda: f"tk::layernorm: out_dtype must be one of {DTYPES} or None, got {out_dtype}", TypeError)
     check(not (rms and bias is not None), "tk::layernorm: RMSNorm takes no bias")
     check(eps >= 0.0, lambda: f"tk::layernorm: eps must be >= 0, got {eps}")
     check(0.0 <= p < 1.0, lambda: f"tk::layernorm: dropout p must be in [0, 1), got {p}")
@@ -53,9 +81,9 @@ def _check(x, residual, weight, bias, rng, eps, p, rms) -> None:
 
 # ---------------------------------------------------------------------------- references
 
-def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms: bool, stats: bool = True):
+def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms: bool, stats: bool = True, out_dtype=None):
     """Plain PyTorch, fp32 statistics; dropout through the bit-identical philox reference."""
-    dtype = x.dtype
+    dtype = h_dtype(x, residual)
     hidden = x.shape[-1]
     hf = x.float()
     if p > 0.0:
@@ -84,12 +112,14 @@ def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms:
     rng_out = rng.clone() if p > 0.0 else torch.zeros(_EMPTY_RNG, dtype=torch.int64)
     if not stats:
         mean, rstd = (torch.empty(0, dtype=torch.float32, device=x.device) for _ in range(2))
-    return norm.to(dtype), h, mean, rstd.reshape(-1).contiguous(), rng_out
+    return norm.to(out_dtype or dtype), h, mean, rstd.reshape(-1).contiguous(), rng_out
 
 
-def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, has_bias: bool):
+def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, has_bias: bool, x_dtype=None):
     """Explicit LayerNorm/RMSNorm backward (the kernel's formulas), fp32 accumulation."""
     dtype = h.dtype
+    x_dtype = x_dtype or dtype
+    w_dtype = weight_dtype(x_dtype, dtype, weight.dtype if weight is not None else None, dy.dtype)
     hidden = h.shape[-1]
     hf = h.float().reshape(-1, hidden)
     dyf = dy.float().reshape(-1, hidden)
@@ -105,25 +135,20 @@ def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, 
     if p > 0.0:
         seed, offset = philox.unpack(rng)
         keep = philox.keep_mask(h.shape, seed, offset, p, h.device)
-        dx = torch.where(keep, dres.float() * philox.dropout_scale(p), torch.zeros((), device=h.device)).to(dtype)
+        dx = torch.where(keep, dres.float() * philox.dropout_scale(p), torch.zeros((), device=h.device)).to(x_dtype)
     else:
-        dx = h.new_empty(0)
-    dw = (dyf * xhat).sum(0).to(dtype) if weight is not None else h.new_empty(0)
-    db = dyf.sum(0).to(dtype) if has_bias else h.new_empty(0)
+        dx = h.new_empty(0, dtype=x_dtype)
+    dw = (dyf * xhat).sum(0).to(w_dtype) if weight is not None else h.new_empty(0, dtype=w_dtype)
+    db = dyf.sum(0).to(w_dtype) if has_bias else h.new_empty(0, dtype=w_dtype)
     return dres, dx, dw, db
 
 
 # ---------------------------------------------------------------------------- the ops
 
-FORWARD_VARIANTS, BACKWARD_VARIANTS = 9, 12  # kernel variants (csrc/kernels/layernorm/layernorm.h)
-
-
-def _check_variant_env(name: str, count: int) -> None:
-    """The benchmark switch the binding reads (TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT): a bad value is a Python
-    error here, before the kernel is called."""
-    value = os.environ.get(name, "")
-    if value and not (value.isdigit() and int(value) < count):
-        raise ValueError(f"tk::layernorm: {name} must be an integer in [0, {count}), got {value!r}")
+def _kernel_ok(x, residual, weight, bias, out_dtype) -> bool:
+    h = h_dtype(x, residual)
+    w = weight.dtype if weight is not None else (bias.dtype if bias is not None else None)
+    return (residual is None or residual.dtype == h) and kernel_supports(x.dtype, h, w, out_dtype or h)
 
 
 @torch.library.custom_op("tk::layernorm", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
@@ -137,28 +162,49 @@ def layernorm(
     p: float,
     rms: bool,
     stats: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check(x, residual, weight, bias, rng, eps, p, rms)
+    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype)
     if p > 0.0 and rng is None:
         rng = philox.draw_seed()
-    if _dispatch.use_kernel(FAMILY, x, residual, weight, bias):
-        _check_variant_env("TK_LN_FWD_VARIANT", FORWARD_VARIANTS)
+    if _kernel_ok(x, residual, weight, bias, out_dtype) and _dispatch.use_kernel(FAMILY, x, residual, weight, bias):
         contig = [t.contiguous() if t is not None else None for t in (x, residual, weight, bias)]
-        return _dispatch.kernel("layernorm")(*contig, rng, eps, p, rms, stats)
-    return reference_forward(x, residual, weight, bias, rng, eps, p, rms, stats)
+        return _dispatch.kernel("layernorm")(*contig, rng, eps, p, rms, stats, out_dtype)
+    return reference_forward(x, residual, weight, bias, rng, eps, p, rms, stats, out_dtype)
 
 
 @layernorm.register_fake
-def _(x, residual, weight, bias, rng, eps, p, rms, stats=True):
-    _check(x, residual, weight, bias, rng, eps, p, rms)
+def _(x, residual, weight, bias, rng, eps, p, rms, stats=True, out_dtype=None):
+    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype)
     hidden = x.shape[-1]
     rows = x.numel() // hidden if stats else 0
-    y = x.new_empty(x.shape)  # contiguous, like the kernel and the reference
-    h = x.new_empty(x.shape) if (residual is not None or p > 0.0) else x.new_empty(0)
+    dtype = h_dtype(x, residual)
+    y = x.new_empty(x.shape, dtype=out_dtype or dtype)  # contiguous, like the kernel and the reference
+    h = x.new_empty(x.shape if (residual is not None or p > 0.0) else (0,), dtype=dtype)
     mean = x.new_empty(0 if rms else rows, dtype=torch.float32)
     rstd = x.new_empty(rows, dtype=torch.float32)
     rng_out = torch.empty(_EMPTY_RNG, dtype=torch.int64, device="cpu")
     return y, h, mean, rstd, rng_out
+
+
+def _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype):
+    check = _dispatch.check
+    for name, t in (("dy", dy), ("h", h), ("mean", mean), ("rstd", rstd), ("rng", rng)):
+        check(isinstance(t, torch.Tensor), lambda: f"tk::layernorm_backward: {name} must be a tensor", TypeError)
+    check(h.dim() >= 1 and h.dtype in DTYPES, lambda: f"tk::layernorm_backward: h must be a float tensor, got {h.dtype}")
+    hidden = h.shape[-1]
+    rows = h.numel() // hidden if hidden else 0
+    check(dy.shape == h.shape and dy.dtype in DTYPES,
+          lambda: f"tk::layernorm_backward: dy {tuple(dy.shape)} {dy.dtype} must be a float tensor of h's shape {tuple(h.shape)}")
+    check(dh is None or (dh.shape == h.shape and dh.dtype == h.dtype),
+          lambda: f"tk::layernorm_backward: dh must match h in shape and dtype")
+    check(weight is None or (tuple(weight.shape) == (hidden,) and weight.dtype in DTYPES),
+          lambda: f"tk::layernorm_backward: weight must be a float ({hidden},) tensor, got {tuple(weight.shape)}")
+    check(rstd.dtype == torch.float32 and rstd.numel() == rows,
+          lambda: f"tk::layernorm_backward: rstd must be fp32 with {rows} elements, got {rstd.dtype} {rstd.numel()}")
+    check(rms or (mean.dtype == torch.float32 and mean.numel() == rows),
+          lambda: f"tk::layernorm_backward: mean must be fp32 with {rows} elements, got {mean.dtype} {mean.numel()}")
+    check(x_dtype is None or x_dtype in DTYPES, lambda: f"tk::layernorm_backward: x_dtype {x_dtype}", TypeError)
 
 
 @torch.library.custom_op("tk::layernorm_backward", mutates_args=())
@@ -173,34 +219,39 @@ def layernorm_backward(
     p: float,
     rms: bool,
     has_bias: bool,
+    x_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _dispatch.check(dy.shape == h.shape and dy.dtype == h.dtype, "tk::layernorm_backward: dy must match h in shape and dtype")
-    _dispatch.check(dh is None or (dh.shape == h.shape and dh.dtype == h.dtype), "tk::layernorm_backward: dh must match h")
-    if _dispatch.use_kernel(FAMILY, dy, dh, h, weight, mean, rstd):
-        _check_variant_env("TK_LN_BWD_VARIANT", BACKWARD_VARIANTS)
+    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype)
+    ok = kernel_supports(x_dtype or h.dtype, h.dtype, weight.dtype if weight is not None else None, dy.dtype)
+    if ok and _dispatch.use_kernel(FAMILY, dy, dh, h, weight, mean, rstd):
         contig = [t.contiguous() if t is not None else None for t in (dy, dh, h, weight)]
-        return _dispatch.kernel("layernorm_backward")(*contig, mean.contiguous(), rstd.contiguous(), rng, p, rms, has_bias)
-    return reference_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias)
+        return _dispatch.kernel("layernorm_backward")(*contig, mean.contiguous(), rstd.contiguous(), rng, p, rms,
+                                                       has_bias, x_dtype)
+    return reference_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype)
 
 
 @layernorm_backward.register_fake
-def _(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias):
+def _(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype=None):
+    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype)
     hidden = h.shape[-1]
+    x_dtype = x_dtype or h.dtype
+    w_dtype = weight_dtype(x_dtype, h.dtype, weight.dtype if weight is not None else None, dy.dtype)
     dres = h.new_empty(h.shape)
-    dx = h.new_empty(h.shape) if p > 0.0 else h.new_empty(0)
-    dw = h.new_empty(hidden if weight is not None else 0)
-    db = h.new_empty(hidden if has_bias else 0)
+    dx = h.new_empty(h.shape if p > 0.0 else (0,), dtype=x_dtype)
+    dw = h.new_empty(hidden if weight is not None else 0, dtype=w_dtype)
+    db = h.new_empty(hidden if has_bias else 0, dtype=w_dtype)
     return dres, dx, dw, db
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, rng, eps, p, rms, stats = inputs
+    x, residual, weight, bias, rng, eps, p, rms, stats, _out_dtype = inputs
     _dispatch.check(stats, "tk::layernorm: called with stats=False (no mean/rstd kept), so it has no backward; "
                     "pass stats=True where gradients are needed", RuntimeError)
     y, h, mean, rstd, rng_out = output
     stored_h = residual is not None or p > 0.0
     ctx.save_for_backward(h if stored_h else x, weight, mean, rstd, rng_out)
     ctx.p, ctx.rms, ctx.has_bias, ctx.has_residual, ctx.stored_h = p, rms, bias is not None, residual is not None, stored_h
+    ctx.x_dtype = x.dtype
 
 
 def _backward(ctx, dy, dh, dmean, drstd, drng):
@@ -209,10 +260,12 @@ def _backward(ctx, dy, dh, dmean, drstd, drng):
         dy = torch.zeros_like(h)
     if not ctx.stored_h or (dh is not None and dh.numel() == 0):
         dh = None
-    dres, dx, dw, db = torch.ops.tk.layernorm_backward(dy, dh, h, weight, mean, rstd, rng, ctx.p, ctx.rms, ctx.has_bias)
+    dres, dx, dw, db = torch.ops.tk.layernorm_backward(dy, dh, h, weight, mean, rstd, rng, ctx.p, ctx.rms, ctx.has_bias,
+                                                       ctx.x_dtype)
+    # Without dropout dx is dres (autograd casts it to x's dtype where the residual made h wider, as eager's add does).
     dx = dx if ctx.p > 0.0 else dres
     return (dx, dres if ctx.has_residual else None, dw if weight is not None else None,
-            db if ctx.has_bias else None, None, None, None, None, None)
+            db if ctx.has_bias else None, None, None, None, None, None, None)
 
 
 layernorm.register_autograd(_backward, setup_context=_setup_context)

@@ -1,21 +1,25 @@
 // Backward: dres = dnorm(h) + dh, dx = dres·mask·scale (mask regenerated from the seed), and dw/db.
 // dw/db: each block of a persistent grid accumulates its rows' contributions in fp32 registers and
 // writes one partial row; a second kernel sums the partials over blocks in a fixed order (deterministic).
-// This file holds the legacy variant, the column sum and the dispatcher; backward_pipe.cu the others.
+// This file holds the register-only kernel (for the shapes whose staging does not fit the persistent kernel's
+// shared memory), the column sum and the dispatcher; backward_pipe*.cu the persistent kernel.
 #include "rows.cuh"
 
 namespace tk_layernorm {
 namespace {
 
-template <typename T, class S>
+template <class Ty, class S>
 __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
+  using H = typename Ty::H;
+  using W = typename Ty::W;
+  using Y = typename Ty::Y;
   tk::grid::wait_prior_grid();  // launched by launch_dependent
   __shared__ float2 red[S::BLOCK / 32];
   __shared__ float acc_smem[S::ROWS > 1 ? S::MAX_HIDDEN : 1];
   const int lane = threadIdx.x % S::TPR;
   const int nvec = a.hidden / 8;
   const float inv_n = 1.f / float(a.hidden);
-  const T* w = static_cast<const T*>(a.weight);
+  const W* w = static_cast<const W*>(a.weight);
   const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
 
   float acc_w[S::VECS][8], acc_b[S::VECS][8];
@@ -32,15 +36,16 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
     const int64_t base = row * a.hidden;
     const float mean = live && a.mean ? a.mean[row] : 0.f;
     const float rstd = live ? a.rstd[row] : 0.f;
-    // dy and h stay packed in T between the two passes over the row (half the registers for 16-bit types).
-    Pack8<T> dy_raw[S::VECS], h_raw[S::VECS];
+    // dy and h stay packed between the two passes over the row (half the registers for 16-bit types).
+    Pack8<Y> dy_raw[S::VECS];
+    Pack8<H> h_raw[S::VECS];
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int v = 0; v < S::VECS; ++v) {
       const int vi = v * S::TPR + lane;
       if (live && vi < nvec) {
-        dy_raw[v] = load_pack(static_cast<const T*>(a.dy) + base + vi * 8);
-        h_raw[v] = load_pack(static_cast<const T*>(a.h) + base + vi * 8);
+        dy_raw[v] = load_pack(static_cast<const Y*>(a.dy) + base + vi * 8);
+        h_raw[v] = load_pack(static_cast<const H*>(a.h) + base + vi * 8);
         float dy[8], xh[8], wv[8];
         unpack(dy, dy_raw[v]);
         unpack(xh, h_raw[v]);
@@ -65,8 +70,8 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
       unpack(dy, dy_raw[v]);
       unpack(xh, h_raw[v]);
       if (w) load8(wv, w + vi * 8);
-      if (a.dh) load8(dres, static_cast<const T*>(a.dh) + base + vi * 8);
-      backward_vec<T>(a, drop, base, vi, dy, xh, wv, w != nullptr, dres, a.dh != nullptr, mean, rstd, mean_g, mean_gx,
+      if (a.dh) load8(dres, static_cast<const H*>(a.dh) + base + vi * 8);
+      backward_vec<Ty>(a, drop, base, vi, dy, xh, wv, w != nullptr, dres, a.dh != nullptr, mean, rstd, mean_g, mean_gx,
                       acc_w[v], acc_b[v]);
     }
   }
@@ -101,22 +106,22 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
   }
 }
 
-template <typename T, class S>
+template <class Ty, class S>
 int grid_blocks(int64_t rows) {
   int device = 0, sms = 0, per_sm = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<T, S>, S::BLOCK, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<Ty, S>, S::BLOCK, 0);
   const int64_t groups = (rows + S::ROWS - 1) / S::ROWS;
   const int64_t resident = int64_t(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
   return int(groups < 1 ? 1 : (groups < resident ? groups : resident));
 }
 
-int legacy_blocks(int64_t rows, int hidden, DType dtype) {
+int registers_blocks(const BackwardArgs& args) {
   int blocks = 0;
-  const cudaError_t err = with_dtype(dtype, [&](auto t) {
-    return with_split<true>(hidden, [&](auto s) {
-      blocks = grid_blocks<decltype(t), decltype(s)>(rows);
+  const cudaError_t err = with_types(args.dtypes, [&](auto ty) {
+    return with_split(args.hidden, [&](auto s) {
+      blocks = grid_blocks<decltype(ty), decltype(s)>(args.rows);
       return cudaSuccess;
     });
   });
@@ -125,33 +130,29 @@ int legacy_blocks(int64_t rows, int hidden, DType dtype) {
 
 }  // namespace
 
-int backward_blocks(const BackwardArgs& args, DType dtype) {
-  if (args.variant < 0 || args.variant >= kBackwardVariants) return 0;
-  if (args.variant != 0) {
-    const int blocks = pipe::backward_blocks(args, dtype);
-    if (blocks > 0) return blocks;  // else the pipe variant does not fit: legacy runs
-  }
-  return legacy_blocks(args.rows, args.hidden, dtype);
+int backward_blocks(const BackwardArgs& args) {
+  const int blocks = pipe::backward_blocks(args);
+  return blocks > 0 ? blocks : registers_blocks(args);  // the persistent kernel does not fit: registers only
 }
 
-cudaError_t backward(const BackwardArgs& args, DType dtype, cudaStream_t stream) {
+cudaError_t backward(const BackwardArgs& args, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 8 || args.hidden > kMaxHidden || args.rows < 0) return cudaErrorInvalidValue;
-  if (args.variant < 0 || args.variant >= kBackwardVariants) return cudaErrorInvalidValue;
-  return with_dtype(dtype, [&](auto t) {
-    using T = decltype(t);
+  return with_types(args.dtypes, [&](auto ty) {
+    using Ty = decltype(ty);
+    using W = typename Ty::W;
     // The same choice as backward_blocks, which sized `partial`.
-    const int piped = args.variant != 0 ? pipe::backward_blocks(args, dtype) : 0;
-    const int blocks = piped > 0 ? piped : legacy_blocks(args.rows, args.hidden, dtype);
-    cudaError_t err = piped > 0 ? pipe::backward(args, dtype, blocks, stream)
-                                : with_split<true>(args.hidden, [&](auto s) {
+    const int piped = pipe::backward_blocks(args);
+    const int blocks = piped > 0 ? piped : registers_blocks(args);
+    cudaError_t err = piped > 0 ? pipe::backward(args, blocks, stream)
+                                : with_split(args.hidden, [&](auto s) {
                                     using S = decltype(s);
-                                    return tk::grid::launch_dependent(backward_kernel<T, S>, blocks, S::BLOCK, 0,
+                                    return tk::grid::launch_dependent(backward_kernel<Ty, S>, blocks, S::BLOCK, 0,
                                                                       stream, args);
                                   });
     if (err != cudaSuccess || (!args.dw && !args.db)) return err;
-    return tk::grid::launch_dependent(column_sum_kernel<T>, dim3((args.hidden + 31) / 32, 2), dim3(32, 32), 0, stream,
+    return tk::grid::launch_dependent(column_sum_kernel<W>, dim3((args.hidden + 31) / 32, 2), dim3(32, 32), 0, stream,
                                       static_cast<const float*>(args.partial), blocks, args.hidden,
-                                      static_cast<T*>(args.dw), static_cast<T*>(args.db));
+                                      static_cast<W*>(args.dw), static_cast<W*>(args.db));
   });
 }
 

@@ -1,7 +1,7 @@
-// Backward, persistent "pipe" kernel (instantiated by backward_pipe.cu and backward_pipe_wide.cu): same math
-// and dw/db partials as the legacy kernel (backward.cu), but dy, h, dh and the row's mean/rstd of the next
+// Backward, persistent "pipe" kernel (instantiated by backward_pipe.cu and backward_pipe_lean.cu): same math
+// and dw/db partials as the register-only kernel (backward.cu), but dy, h, dh and the row's mean/rstd of the next
 // STAGES-1 row groups are already on their way into shared memory (cp.async) while this group is reduced
-// and written. The legacy kernel had one row's loads in flight per thread and waited on two block
+// and written. A register-only kernel has one row's loads in flight per thread and waits on two block
 // barriers per row with nothing outstanding.
 #pragma once
 #include <type_traits>
@@ -13,26 +13,31 @@ namespace tk_layernorm {
 namespace {
 
 constexpr int kDy = 0, kH = 1, kDh = 2;  // staged operands
+constexpr int kStages = 3;               // 3 to 8 stages measured equal (H200)
 
-// THREADS: resident threads per SM the register budget is set for (1024: <= 64 registers, where ptxas
-// spills a few words; 768: <= 80; 512: <= 128).
-template <int THREADS, class S>
-constexpr int kMinBlocks = S::BLOCK < THREADS ? THREADS / S::BLOCK : 1;
+// Registers for 512 resident threads per SM (<= 128 per thread).
+template <class S>
+constexpr int kMinBlocks = S::BLOCK < 512 ? 512 / S::BLOCK : 1;
 
-// NAMED: the row sums wait on their row group's barrier only, not the block's (variant 6).
-// KEEP (variants 7-11; at most 2 vectors per thread): the row's dy and x̂ stay in registers from the row sums
-// to the second pass, instead of being read from shared memory and unpacked again, and w lives in fp32
-// registers. (Keeping g = dy·w instead and summing dw/db in the first pass cut the instructions further,
-// ~14 per element against ~23, but ran 4% slower at hidden 8192 on the H200.)
-// LEAN (variants 10, 11; with KEEP): the first row groups' copies are issued before w is loaded (w's load no
-// longer delays them), one lane per warp copies the row's mean and rstd and shuffles them to the others
-// (a 4-byte cp.async per thread was a quarter of the copies), the staging has no w area, and dres / dx are
-// stored evict-first (st.global.cs). H200, hidden 1024, per call: w after the copies -1.1 us, statistics by one
-// lane -1.4 us, evict-first stores -0.7 us (2 blocks per SM, without the dropout code).
+template <class Ty>
+constexpr int kChunks = (sizeof(typename Ty::Y) == 4 || sizeof(typename Ty::H) == 4 || sizeof(typename Ty::W) == 4) ? 2 : 1;
+
+// KEEP (at most 2 vectors per thread): the row's dy and x̂ stay in registers from the row sums to the second
+// pass, instead of being read from shared memory and unpacked again, and w lives in fp32 registers. (Keeping
+// g = dy·w instead and summing dw/db in the first pass cut the instructions further, ~14 per element against
+// ~23, but ran 4% slower at hidden 8192 on the H200.)
+// LEAN (with KEEP): the first row groups' copies are issued before w is loaded (w's load no longer delays them),
+// one lane per warp copies the row's mean and rstd and shuffles them to the others (a 4-byte cp.async per thread
+// was a quarter of the copies), the staging has no w area, and dres / dx are stored evict-first (st.global.cs).
+// H200, hidden 1024, per call: w after the copies -1.1 us, statistics by one lane -1.4 us, evict-first stores
+// -0.7 us (2 blocks per SM, without the dropout code).
 // DROPOUT = false (LEAN only): launched only without dropout; the kernel has no dx code.
-template <typename T, class S, int STAGES, int THREADS, bool NAMED = false, bool KEEP = false, bool LEAN = false,
-          bool DROPOUT = true>
-__global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_pipe_kernel(BackwardArgs a) {
+template <class Ty, class S, bool KEEP = false, bool LEAN = false, bool DROPOUT = true>
+__global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kernel(BackwardArgs a) {
+  using H = typename Ty::H;
+  using W = typename Ty::W;
+  using Y = typename Ty::Y;
+  constexpr int STAGES = kStages;
   static_assert(!KEEP || S::VECS <= 2, "KEEP holds w, dy and x̂ (3 x 8 floats per vector) in registers");
   static_assert(!LEAN || KEEP, "LEAN keeps w in registers");
   tk::grid::wait_prior_grid();  // launched by launch_dependent
@@ -41,12 +46,12 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   const int lane = threadIdx.x % S::TPR;
   const int nvec = a.hidden / 8;
   const float inv_n = 1.f / float(a.hidden);
-  const T* dy_g = static_cast<const T*>(a.dy);
-  const T* h_g = static_cast<const T*>(a.h);
-  const T* dh_g = static_cast<const T*>(a.dh);
+  const Y* dy_g = static_cast<const Y*>(a.dy);
+  const H* h_g = static_cast<const H*>(a.h);
+  const H* dh_g = static_cast<const H*>(a.dh);
   const bool has_w = a.weight != nullptr;
   const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
-  const Staging<T, S, STAGES, true, !LEAN> st{staging_smem, dh_g ? 3 : 2};
+  const Staging<kChunks<Ty>, S, STAGES, true, !LEAN> st{staging_smem, dh_g ? 3 : 2};
 
   // w is the same for every row this thread sees: copied once into the thread's fixed slot (it lands
   // with the first commit group), or with KEEP loaded once into registers.
@@ -56,9 +61,9 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
     for (int v = 0; v < S::VECS; ++v) {
       const int vi = v * S::TPR + lane;
       if constexpr (KEEP) {
-        if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const T*>(a.weight) + vi * 8));
+        if (has_w && vi < nvec) unpack(wk[v], load_pack(static_cast<const W*>(a.weight) + vi * 8));
       } else {
-        if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const T*>(a.weight) + vi * 8);
+        if (has_w && vi < nvec) st.copy_fixed(v, static_cast<const W*>(a.weight) + vi * 8);
       }
     }
   };
@@ -125,8 +130,8 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
       const int vi = v * S::TPR + lane;
       if (live && vi < nvec) {
         if constexpr (KEEP) {
-          unpack(dyk[v], st.read(stage, kDy, v));
-          unpack(xk[v], st.read(stage, kH, v));
+          unpack(dyk[v], st.template read<Y>(stage, kDy, v));
+          unpack(xk[v], st.template read<H>(stage, kH, v));
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             xk[v][i] = fmaf(xk[v][i], rstd, -mean * rstd);  // one FMA: (h - mean)·rstd up to rounding
@@ -136,9 +141,9 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
           }
         } else {
           float dy[8], xh[8], wv[8];
-          unpack(dy, st.read(stage, kDy, v));
-          unpack(xh, st.read(stage, kH, v));
-          if (has_w) unpack(wv, st.read_fixed(v));
+          unpack(dy, st.template read<Y>(stage, kDy, v));
+          unpack(xh, st.template read<H>(stage, kH, v));
+          if (has_w) unpack(wv, st.template read_fixed<W>(v));
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const float g = has_w ? dy[i] * wv[i] : dy[i];
@@ -148,7 +153,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         }
       }
     }
-    const float2 sums = row_sum2<S, NAMED>(sg, sgx, red);
+    const float2 sums = row_sum2<S>(sg, sgx, red);
     const float mean_g = a.rms ? 0.f : sums.x * inv_n;
     const float mean_gx = sums.y * inv_n;
     if (live) {
@@ -159,17 +164,17 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
         if (vi >= nvec) continue;
         if constexpr (KEEP) {
           float dres[8];
-          if (dh_g) unpack(dres, st.read(stage, kDh, v));
-          backward_vec_xhat<T, LEAN, DROPOUT>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr,
-                                              rstd, mean_g, mean_gx, acc_w[v], acc_b[v]);
+          if (dh_g) unpack(dres, st.template read<H>(stage, kDh, v));
+          backward_vec_xhat<Ty, LEAN, DROPOUT>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr,
+                                               rstd, mean_g, mean_gx, acc_w[v], acc_b[v]);
           continue;
         }
         float dy[8], xh[8], wv[8], dres[8];
-        unpack(dy, st.read(stage, kDy, v));
-        unpack(xh, st.read(stage, kH, v));
-        if (has_w) unpack(wv, st.read_fixed(v));
-        if (dh_g) unpack(dres, st.read(stage, kDh, v));
-        backward_vec<T>(a, drop, base, vi, dy, xh, wv, has_w, dres, dh_g != nullptr, mean, rstd, mean_g, mean_gx,
+        unpack(dy, st.template read<Y>(stage, kDy, v));
+        unpack(xh, st.template read<H>(stage, kH, v));
+        if (has_w) unpack(wv, st.template read_fixed<W>(v));
+        if (dh_g) unpack(dres, st.template read<H>(stage, kDh, v));
+        backward_vec<Ty>(a, drop, base, vi, dy, xh, wv, has_w, dres, dh_g != nullptr, mean, rstd, mean_g, mean_gx,
                         acc_w[v], acc_b[v]);
       }
     }
@@ -186,49 +191,90 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<THREADS, S>)) backward_p
   if (a.db) write_partial<S>(acc_b, a.partial + stride + int64_t(blockIdx.x) * a.hidden, a.hidden, acc_smem);
 }
 
-template <typename T, class S, int STAGES, bool LEAN = false>
+template <class Ty, class S, bool LEAN>
 size_t staging_bytes(const BackwardArgs& args) {
   constexpr size_t floor = S::ROWS > 1 ? size_t(S::MAX_HIDDEN) * sizeof(float) : 0;  // write_partial's sums
-  const size_t bytes = Staging<T, S, STAGES, true, !LEAN>::bytes(args.dh ? 3 : 2);
+  const size_t bytes = Staging<kChunks<Ty>, S, kStages, true, !LEAN>::bytes(args.dh ? 3 : 2);
   return bytes > floor ? bytes : floor;
 }
 
-// f(kernel, smem bytes, block, rows per block, stages) for one instantiation. per_sm > 0: the shared memory
-// is padded so that at most per_sm blocks are resident on an SM (variant 11). LEAN: a kernel without the
+// f(kernel, smem bytes, block, rows per block) for one instantiation: KEEP where the block has at most 512 threads
+// (past hidden 8192 a block has 1024 threads, so 64 registers, and the kept row would spill). per_sm > 0: the
+// shared memory is padded so that at most per_sm blocks are resident on an SM. LEAN: a kernel without the
 // dropout code runs the calls without dropout (that code, though never taken, cost 2% at hidden 1024).
-template <typename T, class S, int STAGES, int THREADS, bool NAMED, bool KEEP = false, bool LEAN = false, typename F>
+template <class Ty, class S, bool LEAN, typename F>
 cudaError_t pick(const BackwardArgs& args, F&& f, int per_sm = 0) {
-  size_t smem = staging_bytes<T, S, STAGES, LEAN>(args);
+  constexpr bool KEEP = S::BLOCK <= 512;
+  size_t smem = staging_bytes<Ty, S, LEAN>(args);
   if (per_sm > 0) smem = smem_for_residency(smem, per_sm);
   if constexpr (LEAN) {
-    if (!args.dropout.enabled)
-      return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP, LEAN, false>, smem, S::BLOCK, S::ROWS,
-               std::integral_constant<int, STAGES>{});
+    static_assert(KEEP, "LEAN keeps w in registers");
+    if (!args.dropout.enabled) return f(backward_pipe_kernel<Ty, S, KEEP, LEAN, false>, smem, S::BLOCK, S::ROWS);
   }
-  return f(backward_pipe_kernel<T, S, STAGES, THREADS, NAMED, KEEP, LEAN>, smem, S::BLOCK, S::ROWS,
-           std::integral_constant<int, STAGES>{});
+  return f(backward_pipe_kernel<Ty, S, KEEP, LEAN>, smem, S::BLOCK, S::ROWS);
+}
+
+// The persistent kernel's splits: two vectors per thread (its data waits in shared memory, not registers: fewer
+// threads per row, cheaper row sums, more dw/db registers) in blocks of at least 128 threads (two rows of 64 at
+// hidden 1024, 4 blocks per SM), which even out the SMs' share of rows better than larger blocks (H200: 83 -> 85%
+// of copy at 1024, 89 -> 91% at 2048). LEAN at hidden 513..4096 with at most 256 resident threads per SM (two
+// 128-thread blocks at hidden <= 2048): on the H200 at hidden 1024 the grid moved its bytes faster with 2 blocks
+// per SM than with 3 or 4, and its column sum has half the rows (86 -> 91% of copy at 1024, 91 -> 95-97% at 2048
+// and 4096). It ran 1-2% slower than plain KEEP at hidden 8192, and was never timed at 512 and below.
+// f(Split, std::bool_constant<LEAN>).
+inline bool lean(const BackwardArgs& args) { return args.hidden > 512 && args.hidden <= 4096; }
+
+template <bool LEAN, typename F>
+cudaError_t with_pipe_split(int hidden, F&& f) {
+  using std::bool_constant;
+  if constexpr (LEAN) {
+    if (hidden <= 512 || hidden > 4096) return cudaErrorInvalidValue;
+    if (hidden <= 1024) return f(Split<64, 2, 128>{}, bool_constant<true>{});
+    if (hidden <= 2048) return f(Split<128, 2, 128>{}, bool_constant<true>{});
+    return f(Split<256, 2, 128>{}, bool_constant<true>{});
+  } else {
+    if (hidden <= 256) return f(Split<32, 1, 128>{}, bool_constant<false>{});
+    if (hidden <= 512) return f(Split<32, 2, 128>{}, bool_constant<false>{});
+    if (hidden <= 4096) return cudaErrorInvalidValue;  // LEAN's
+    if (hidden <= 8192) return f(Split<512, 2, 128>{}, bool_constant<false>{});
+    if (hidden <= kMaxHidden) return f(Split<1024, 2, 128>{}, bool_constant<false>{});
+    return cudaErrorInvalidValue;
+  }
+}
+
+// f(kernel, smem bytes, block, rows per block) for the call's instantiation (LEAN: backward_pipe_lean.cu).
+template <bool LEAN, typename F>
+cudaError_t with_kernel(const BackwardArgs& args, F&& f) {
+  return with_types(args.dtypes, [&](auto ty) {
+    return with_pipe_split<LEAN>(args.hidden, [&](auto s, auto lean) {
+      using S = decltype(s);
+      return pick<decltype(ty), S, decltype(lean)::value>(args, f, lean ? (S::BLOCK < 256 ? 256 / S::BLOCK : 1) : 0);
+    });
+  });
+}
+
+template <bool LEAN>
+int pipe_blocks(const BackwardArgs& args) {
+  int blocks = 0;
+  with_kernel<LEAN>(args, [&](auto kernel, size_t smem, int block, int rows_per_block) {
+    blocks = persistent_grid<kStages>(kernel, block, smem, args.rows, rows_per_block);
+    return cudaSuccess;
+  });
+  return blocks;
+}
+
+template <bool LEAN>
+cudaError_t pipe_launch(const BackwardArgs& args, int blocks, cudaStream_t stream) {
+  return with_kernel<LEAN>(args, [&](auto kernel, size_t smem, int block, int) {
+    return tk::grid::launch_dependent(kernel, blocks, block, smem, stream, args);
+  });
 }
 
 }  // namespace
 
-// Variants 4..11 (backward_pipe_wide.cu: a second file, so the build compiles them in parallel), for the
-// hidden sizes where they differ from variant 3 (see effective_variant).
-namespace pipe_wide {
-int backward_blocks(const BackwardArgs& args, DType dtype);
-cudaError_t backward(const BackwardArgs& args, DType dtype, int blocks, cudaStream_t stream);
-}  // namespace pipe_wide
-
-// 4, 5: past hidden 8192 a 512-thread block of 4 vectors would have 128 registers and spill. 6: up to 512
-// a row is one warp (no barrier), past 2048 a block holds one row (row-group barriers are block barriers).
-// 7-11: past 8192 a block has 1024 threads, so 64 registers, and the kept row would spill. Variant 3 runs there.
-// 11 (the default): variant 8 past 4096 (LEAN ran 1-2% slower than 8 at hidden 8192 on the H200) and up to 512,
-// where its other splits (4 rows of a warp per block) with 2 blocks per SM were never timed.
-inline int effective_variant(const BackwardArgs& args) {
-  if ((args.variant == 4 || args.variant == 5) && args.hidden > 8192) return 3;
-  if (args.variant == 6 && (args.hidden <= 512 || args.hidden > 2048)) return 3;
-  if (args.variant >= 7 && args.hidden > 8192) return 3;
-  if (args.variant == 11 && (args.hidden > 4096 || args.hidden <= 512)) return 8;
-  return args.variant;
-}
+namespace pipe_lean {  // backward_pipe_lean.cu: a second file, so the build compiles it in parallel
+int backward_blocks(const BackwardArgs& args);
+cudaError_t backward(const BackwardArgs& args, int blocks, cudaStream_t stream);
+}  // namespace pipe_lean
 
 }  // namespace tk_layernorm

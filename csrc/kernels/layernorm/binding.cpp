@@ -8,44 +8,51 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <optional>
 #include <tuple>
 
 #include "layernorm.h"
-#include "tk/env.h"
 
 namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-tk_layernorm::DType dtype_of(const Tensor& t) {
-  switch (t.scalar_type()) {
+tk_layernorm::DType dtype_of(at::ScalarType t) {
+  switch (t) {
     case at::kFloat: return tk_layernorm::DType::f32;
     case at::kHalf: return tk_layernorm::DType::f16;
     case at::kBFloat16: return tk_layernorm::DType::bf16;
-    default: TORCH_CHECK(false, "tk_cuda::layernorm: unsupported dtype ", t.scalar_type());
+    default: TORCH_CHECK(false, "tk_cuda::layernorm: unsupported dtype ", t);
   }
 }
 
-// Kernel variant from the environment (TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT, see layernorm.h), read
-// on every call so a benchmark can switch between calls; unset or empty means the default.
-int variant_from_env(const char* name, int fallback, int count) {
-  int v = fallback;
-  TORCH_CHECK(tk::env_variant(name, count, v), "tk_cuda::layernorm: ", name, " must be an integer in [0, ", count,
-              "), got '", std::getenv(name), "'");
-  return v;
-}
-
 const void* ptr_or_null(const OptTensor& t) { return t && t->defined() ? t->data_ptr() : nullptr; }
+bool present(const OptTensor& t) { return t && t->defined(); }
 
 void check_operand(const OptTensor& t, const Tensor& x, int64_t numel, const char* name) {
-  if (!t || !t->defined()) return;
+  if (!present(t)) return;
   TORCH_CHECK(t->is_cuda() && t->device() == x.device(), "tk_cuda::layernorm: ", name, " must be on ", x.device());
-  TORCH_CHECK(t->scalar_type() == x.scalar_type(), "tk_cuda::layernorm: ", name, " must have dtype ", x.scalar_type());
   TORCH_CHECK(t->is_contiguous() && t->numel() == numel, "tk_cuda::layernorm: ", name, " must be contiguous with ", numel, " elements");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "tk_cuda::layernorm: ", name, " must be 16-byte aligned");
+}
+
+// The call's dtypes (layernorm.h DTypes). Without a weight or bias their dtype is free: the output's where the
+// kernels take that combination, fp32 otherwise.
+tk_layernorm::DTypes dtypes_of(at::ScalarType x, at::ScalarType h, std::optional<at::ScalarType> w, at::ScalarType y) {
+  tk_layernorm::DTypes t{dtype_of(x), dtype_of(h), dtype_of(w.value_or(y)), dtype_of(y)};
+  if (!w && !tk_layernorm::supported(t)) t.w = tk_layernorm::DType::f32;
+  TORCH_CHECK(tk_layernorm::supported(t), "tk_cuda::layernorm: no kernel for x ", x, ", residual/h ", h, ", weight ",
+              w ? c10::toString(*w) : "(none)", ", output ", y);
+  return t;
+}
+
+std::optional<at::ScalarType> weight_dtype(const OptTensor& weight, const OptTensor& bias) {
+  if (present(weight) && present(bias))
+    TORCH_CHECK(weight->scalar_type() == bias->scalar_type(), "tk_cuda::layernorm: weight and bias must have one dtype");
+  if (present(weight)) return weight->scalar_type();
+  if (present(bias)) return bias->scalar_type();
+  return std::nullopt;
 }
 
 tk_layernorm::DropoutArgs dropout_args(double p, const OptTensor& rng) {
@@ -66,10 +73,11 @@ tk_layernorm::DropoutArgs dropout_args(double p, const OptTensor& rng) {
   return d;
 }
 
+// y's dtype is out_dtype, or h's: the residual's, or x's without one.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, const OptTensor& residual,
                                                              const OptTensor& weight, const OptTensor& bias,
                                                              const OptTensor& rng, double eps, double p, bool rms,
-                                                             bool stats) {
+                                                             bool stats, std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(x.is_cuda() && x.dim() >= 1 && x.is_contiguous(), "tk_cuda::layernorm: x must be a contiguous CUDA tensor");
   const int64_t hidden = x.size(-1);
   TORCH_CHECK(hidden % 8 == 0 && hidden > 0 && hidden <= tk_layernorm::kMaxHidden,
@@ -78,14 +86,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, co
   check_operand(residual, x, x.numel(), "residual");
   check_operand(weight, x, hidden, "weight");
   check_operand(bias, x, hidden, "bias");
-  TORCH_CHECK(!(rms && bias && bias->defined()), "tk_cuda::layernorm: RMSNorm takes no bias");
+  TORCH_CHECK(!(rms && present(bias)), "tk_cuda::layernorm: RMSNorm takes no bias");
+  const at::ScalarType h_type = present(residual) ? residual->scalar_type() : x.scalar_type();
+  const at::ScalarType y_type = out_dtype.value_or(h_type);
+  const tk_layernorm::DTypes dtypes = dtypes_of(x.scalar_type(), h_type, weight_dtype(weight, bias), y_type);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.numel() / hidden;
   const auto f32 = x.options().dtype(at::kFloat);
-  const bool store_h = (residual && residual->defined()) || p > 0.0;
+  const bool store_h = present(residual) || p > 0.0;
 
-  Tensor y = at::empty(x.sizes(), x.options());
-  Tensor h = store_h ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
+  Tensor y = at::empty(x.sizes(), x.options().dtype(y_type));
+  Tensor h = store_h ? at::empty(x.sizes(), x.options().dtype(h_type)) : at::empty({0}, x.options().dtype(h_type));
   // Without stats (inference) mean and rstd are empty and never written: at hidden 1024 their 8 bytes a row,
   // written a row per block, cost ~1% of the forward (H200).
   Tensor mean = at::empty({rms || !stats ? 0 : rows}, f32);
@@ -107,16 +118,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, co
   a.eps = static_cast<float>(eps);
   a.rms = rms;
   a.dropout = dropout;
-  a.variant = variant_from_env("TK_LN_FWD_VARIANT", tk_layernorm::kDefaultForwardVariant, tk_layernorm::kForwardVariants);
-  const cudaError_t err = tk_layernorm::forward(a, dtype_of(x), c10::cuda::getCurrentCUDAStream());
+  a.dtypes = dtypes;
+  const cudaError_t err = tk_layernorm::forward(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "tk_cuda::layernorm: launch failed: ", cudaGetErrorString(err));
   return {y, h, mean, rstd, rng_out};
 }
 
+// dres has h's dtype, dx (with dropout) x_dtype (h's by default), dw/db the weight's.
 std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, const OptTensor& dh, const Tensor& h,
                                                               const OptTensor& weight, const Tensor& mean,
                                                               const Tensor& rstd, const Tensor& rng, double p, bool rms,
-                                                              bool has_bias) {
+                                                              bool has_bias, std::optional<at::ScalarType> x_dtype) {
   TORCH_CHECK(h.is_cuda() && h.is_contiguous() && h.dim() >= 1, "tk_cuda::layernorm_backward: h must be a contiguous CUDA tensor");
   const int64_t hidden = h.size(-1);
   TORCH_CHECK(hidden % 8 == 0 && hidden > 0 && hidden <= tk_layernorm::kMaxHidden,
@@ -125,20 +137,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
   check_operand(dy, h, h.numel(), "dy");
   check_operand(dh, h, h.numel(), "dh");
   check_operand(weight, h, hidden, "weight");
+  TORCH_CHECK(!present(dh) || dh->scalar_type() == h.scalar_type(), "tk_cuda::layernorm_backward: dh must have h's dtype");
   const int64_t rows = h.numel() / hidden;
   TORCH_CHECK(rstd.is_cuda() && rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == rows,
               "tk_cuda::layernorm_backward: rstd must be fp32 CUDA (rows,)");
   TORCH_CHECK(rms || (mean.is_cuda() && mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == rows),
               "tk_cuda::layernorm_backward: mean must be fp32 CUDA (rows,)");
   TORCH_CHECK(!(rms && has_bias), "tk_cuda::layernorm_backward: RMSNorm takes no bias");
+  const at::ScalarType x_type = x_dtype.value_or(h.scalar_type());
+  const std::optional<at::ScalarType> w_type = present(weight) ? std::optional(weight->scalar_type()) : std::nullopt;
+  const tk_layernorm::DTypes dtypes = dtypes_of(x_type, h.scalar_type(), w_type, dy.scalar_type());
+  const auto w_options = h.options().dtype(dtypes.w == tk_layernorm::DType::f32 ? at::kFloat : w_type.value_or(dy.scalar_type()));
   const c10::cuda::CUDAGuard guard(h.device());
-  const bool has_weight = weight && weight->defined();
-  const auto dtype = dtype_of(h);
+  const bool has_weight = present(weight);
 
   Tensor dres = at::empty(h.sizes(), h.options());
-  Tensor dx = p > 0.0 ? at::empty(h.sizes(), h.options()) : at::empty({0}, h.options());
-  Tensor dw = at::empty({has_weight ? hidden : 0}, h.options());
-  Tensor db = at::empty({has_bias ? hidden : 0}, h.options());
+  Tensor dx = p > 0.0 ? at::empty(h.sizes(), h.options().dtype(x_type)) : at::empty({0}, h.options().dtype(x_type));
+  Tensor dw = at::empty({has_weight ? hidden : 0}, w_options);
+  Tensor db = at::empty({has_bias ? hidden : 0}, w_options);
 
   tk_layernorm::BackwardArgs a{};
   a.dres = dres.data_ptr();
@@ -155,14 +171,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
   a.hidden = static_cast<int>(hidden);
   a.rms = rms;
   a.dropout = dropout_args(p, rng);
-  a.variant = variant_from_env("TK_LN_BWD_VARIANT", tk_layernorm::kDefaultBackwardVariant, tk_layernorm::kBackwardVariants);
-  // The grid (and so the partial buffer) depends on the variant and on which operands are present.
-  const int blocks = tk_layernorm::backward_blocks(a, dtype);
+  a.dtypes = dtypes;
+  // The grid (and so the partial buffer) depends on the hidden size, the dtypes and which operands are present.
+  const int blocks = tk_layernorm::backward_blocks(a);
   TORCH_CHECK(blocks > 0, "tk_cuda::layernorm_backward: no launch configuration");
   Tensor partial = (has_weight || has_bias) ? at::empty({2, blocks, hidden}, h.options().dtype(at::kFloat))
                                             : at::empty({0}, h.options().dtype(at::kFloat));
   a.partial = partial.numel() ? partial.data_ptr<float>() : nullptr;
-  const cudaError_t err = tk_layernorm::backward(a, dtype, c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = tk_layernorm::backward(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "tk_cuda::layernorm_backward: launch failed: ", cudaGetErrorString(err));
   return {dres, dx, dw, db};
 }
@@ -171,10 +187,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
 
 TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def("layernorm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, Tensor? rng, float eps, float p, bool rms, "
-        "bool stats=True) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "bool stats=True, ScalarType? out_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("layernorm_backward(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor mean, Tensor rstd, Tensor rng, "
-        "float p, bool rms, bool has_bias) -> (Tensor, Tensor, Tensor, Tensor)");
+        "float p, bool rms, bool has_bias, ScalarType? x_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {

@@ -20,94 +20,76 @@ struct Split {
   static_assert(TPR % 32 == 0 && BLOCK % TPR == 0 && BLOCK <= 1024, "rows are whole warps of one block");
 };
 
-// Calls f(Split<...>{}) for the smallest split that covers `hidden`. The backward keeps more per
-// thread alive (dy, h and the dw/db accumulators), so it gives each thread one vector per row and
-// spreads a row over more threads. FWD_BLOCK: the forward's smallest block (256; 32 gives one row per
-// block with the same per-row work, forward variant 7).
-template <bool BACKWARD, int FWD_BLOCK = 256, typename F>
+// Calls f(Split<...>{}) for the smallest split that covers `hidden`, for the register-only backward (backward.cu):
+// it keeps dy, h and the dw/db accumulators alive, so it gives each thread one vector per row and spreads a row over
+// more threads.
+template <typename F>
 cudaError_t with_split(int hidden, F&& f) {
-  if constexpr (BACKWARD) {
-    if (hidden <= 256) return f(Split<32, 1>{});
-    if (hidden <= 512) return f(Split<64, 1>{});
-    if (hidden <= 1024) return f(Split<128, 1>{});
-    if (hidden <= 2048) return f(Split<256, 1>{});
-    if (hidden <= 4096) return f(Split<512, 1>{});
-    if (hidden <= 8192) return f(Split<1024, 1>{});
-    if (hidden <= kMaxHidden) return f(Split<1024, 2>{});
-  } else {
-    if (hidden <= 256) return f(Split<32, 1, FWD_BLOCK>{});
-    if (hidden <= 512) return f(Split<32, 2, FWD_BLOCK>{});
-    if (hidden <= 1024) return f(Split<32, 4, FWD_BLOCK>{});
-    if (hidden <= 2048) return f(Split<128, 2, FWD_BLOCK>{});
-    if (hidden <= 4096) return f(Split<256, 2, FWD_BLOCK>{});
-    // Large rows: 4 vectors per thread and 256-thread blocks keep several rows in flight per SM
-    // (a block per row waits on its reductions; more resident blocks overlap those waits).
-    if (hidden <= 8192) return f(Split<256, 4, FWD_BLOCK>{});
-    if (hidden <= kMaxHidden) return f(Split<512, 4, FWD_BLOCK>{});
-  }
+  if (hidden <= 256) return f(Split<32, 1>{});
+  if (hidden <= 512) return f(Split<64, 1>{});
+  if (hidden <= 1024) return f(Split<128, 1>{});
+  if (hidden <= 2048) return f(Split<256, 1>{});
+  if (hidden <= 4096) return f(Split<512, 1>{});
+  if (hidden <= 8192) return f(Split<1024, 1>{});
+  if (hidden <= kMaxHidden) return f(Split<1024, 2>{});
   return cudaErrorInvalidValue;
 }
 
-// Splits of the persistent ("pipe") variants. Their data waits in shared memory, not registers, so the
-// backward can afford VB vectors per thread (fewer threads per row, cheaper row sums, more dw/db
-// registers); the forward keeps the splits above in 128-thread blocks (finer grain for the grid).
-// VB = 4 gives rows up to 1024 one warp each (no block barrier in the row sums), and stops at 8192;
-// blocks of at least MIN_BLOCK threads.
-template <bool BACKWARD, int VB, int MIN_BLOCK = 256, typename F>
-cudaError_t with_pipe_split(int hidden, F&& f) {
-  static_assert(VB == 1 || VB == 2 || VB == 4, "one, two or four vectors per thread");
-  if constexpr (BACKWARD && VB == 4) {
-    if (hidden <= 256) return f(Split<32, 1, MIN_BLOCK>{});
-    if (hidden <= 512) return f(Split<32, 2, MIN_BLOCK>{});
-    if (hidden <= 1024) return f(Split<32, 4, MIN_BLOCK>{});
-    if (hidden <= 2048) return f(Split<64, 4, MIN_BLOCK>{});
-    if (hidden <= 4096) return f(Split<128, 4, MIN_BLOCK>{});
-    if (hidden <= 8192) return f(Split<256, 4, MIN_BLOCK>{});
-    return cudaErrorNotSupported;  // 512 threads of 4 vectors would need more than 128 registers
-  } else if constexpr (BACKWARD) {
-    if (hidden <= 256) return f(Split<32, 1, MIN_BLOCK>{});
-    if (hidden <= 512) return f(Split<64 / VB, VB, MIN_BLOCK>{});
-    if (hidden <= 1024) return f(Split<128 / VB, VB, MIN_BLOCK>{});
-    if (hidden <= 2048) return f(Split<256 / VB, VB, MIN_BLOCK>{});
-    if (hidden <= 4096) return f(Split<512 / VB, VB, MIN_BLOCK>{});
-    if (hidden <= 8192) return f(Split<1024 / VB, VB, MIN_BLOCK>{});
-    if (hidden <= kMaxHidden) return f(Split<1024, 2, MIN_BLOCK>{});
-  } else {
-    if (hidden <= 256) return f(Split<32, 1, 128>{});
-    if (hidden <= 512) return f(Split<32, 2, 128>{});
-    if (hidden <= 1024) return f(Split<32, 4, 128>{});
-    if (hidden <= 2048) return f(Split<128, 2, 128>{});
-    if (hidden <= 4096) return f(Split<256, 2, 128>{});
-    if (hidden <= 8192) return f(Split<256, 4, 128>{});
-    if (hidden <= kMaxHidden) return f(Split<512, 4, 128>{});
-  }
-  return cudaErrorInvalidValue;
-}
-
-// One row per block, spread over hidden / (8 * VB) threads (rounded up to a warp, at most 1024): few
-// rows in flight per SM and many short blocks, the shape torch.compile's persistent reductions take
-// (the forward variants 4 and 5 test it against the legacy warp-per-row split at small hidden).
-template <int VB, typename F>
+// One row per block, spread over hidden / 16 threads (rounded up to a warp, at most 1024), two vectors each: few
+// rows in flight per SM and many short blocks, the shape of torch.compile's persistent reductions (the forward).
+template <typename F>
 cudaError_t with_row_split(int hidden, F&& f) {
-  static_assert(VB == 1 || VB == 2, "one or two vectors per thread");
-  if (hidden <= 256 * VB) return f(Split<32, VB, 32>{});
-  if (hidden <= 512 * VB) return f(Split<64, VB, 64>{});
-  if (hidden <= 1024 * VB) return f(Split<128, VB, 128>{});
-  if (hidden <= 2048 * VB) return f(Split<256, VB, 256>{});
-  if (hidden <= 4096 * VB) return f(Split<512, VB, 512>{});
-  if (hidden <= 8192 * VB) return f(Split<1024, VB, 1024>{});
+  if (hidden <= 512) return f(Split<32, 2, 32>{});
+  if (hidden <= 1024) return f(Split<64, 2, 64>{});
+  if (hidden <= 2048) return f(Split<128, 2, 128>{});
+  if (hidden <= 4096) return f(Split<256, 2, 256>{});
+  if (hidden <= 8192) return f(Split<512, 2, 512>{});
   if (hidden <= kMaxHidden) return f(Split<1024, 2, 1024>{});
   return cudaErrorInvalidValue;
 }
 
+// The element types of one call (layernorm.h DTypes): X for x and dx, H for the residual, h and dres, W for the
+// weight, bias, dw and db, Y for y and dy.
+template <typename X_, typename H_, typename W_, typename Y_>
+struct Types {
+  using X = X_;
+  using H = H_;
+  using W = W_;
+  using Y = Y_;
+  // Some operand holds 4-byte elements: twice the registers per vector (register budgets follow it).
+  static constexpr bool WIDE = sizeof(X) == 4 || sizeof(H) == 4 || sizeof(W) == 4 || sizeof(Y) == 4;
+};
+
+constexpr int types_key(DType x, DType h, DType w, DType y) {
+  return ((int(x) * 3 + int(h)) * 3 + int(w)) * 3 + int(y);
+}
+
+// Calls f(Types<...>{}) for the dtype combinations of supported(); cudaErrorInvalidValue for the others.
+// X in {f32, f16, bf16}; H is X or f32; Y is f32 or the 16-bit dtype (x's, when x is 16-bit); W is f32 or Y.
 template <typename F>
-cudaError_t with_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::f32: return f(float{});
-    case DType::f16: return f(__half{});
-    case DType::bf16: return f(__nv_bfloat16{});
+cudaError_t with_types(DTypes t, F&& f) {
+  using f32 = float;
+  using f16 = __half;
+  using bf16 = __nv_bfloat16;
+  constexpr DType F32 = DType::f32, F16 = DType::f16, BF16 = DType::bf16;
+  switch (types_key(t.x, t.h, t.w, t.y)) {
+    case types_key(F32, F32, F32, F32): return f(Types<f32, f32, f32, f32>{});
+    case types_key(F32, F32, F32, F16): return f(Types<f32, f32, f32, f16>{});
+    case types_key(F32, F32, F16, F16): return f(Types<f32, f32, f16, f16>{});
+    case types_key(F32, F32, F32, BF16): return f(Types<f32, f32, f32, bf16>{});
+    case types_key(F32, F32, BF16, BF16): return f(Types<f32, f32, bf16, bf16>{});
+#define TK_LN_HALF(T, N)                                                           \
+    case types_key(N, N, N, N): return f(Types<T, T, T, T>{});                     \
+    case types_key(N, N, F32, N): return f(Types<T, T, f32, T>{});                 \
+    case types_key(N, N, F32, F32): return f(Types<T, T, f32, f32>{});             \
+    case types_key(N, F32, N, N): return f(Types<T, f32, T, T>{});                 \
+    case types_key(N, F32, F32, N): return f(Types<T, f32, f32, T>{});             \
+    case types_key(N, F32, F32, F32): return f(Types<T, f32, f32, f32>{});
+    TK_LN_HALF(f16, F16)
+    TK_LN_HALF(bf16, BF16)
+#undef TK_LN_HALF
+    default: return cudaErrorInvalidValue;
   }
-  return cudaErrorInvalidValue;
 }
 
 // Sum of v over the TPR threads of each row; every thread of the block must call it (it syncs).

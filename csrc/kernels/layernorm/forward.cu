@@ -1,8 +1,9 @@
 // Forward: h = residual + dropout(x), y = norm(h)·w + b, with fp32 statistics kept for the backward.
-// One pass over HBM: the row stays in registers between the reductions and the normalisation.
-// This file holds the legacy variant (a block per ROWS rows, statistics inline: moving them into
-// row_stats made ptxas spill at 64 registers), its one-row-per-block splits (variants 4, 5, 7) and the
-// dispatcher; forward_pipe.cu the others.
+// One pass over HBM: the row stays in registers between the reductions and the normalisation. A row per block,
+// two vectors per thread (config.cuh with_row_split): few rows in flight per SM and many short blocks, which
+// moved the bytes faster than several rows per block or a persistent grid staging rows in shared memory
+// (H200, RESULTS.md: 94-98% of copy against 92-97% and 85-90%). The statistics are inline: moving them into a
+// helper made ptxas spill at 64 registers.
 #include <type_traits>
 
 #include "rows.cuh"
@@ -10,19 +11,23 @@
 namespace tk_layernorm {
 namespace {
 
-// At least 1024 resident threads per SM (registers <= 64; 512 for fp32 rows): enough rows in flight to
-// cover HBM latency. EARLY (variant 8): the order of torch.compile's kernel at hidden 1024: w and b are loaded with
-// x and the residual, so the row does not wait on a second round trip after its statistics, and h is stored with
-// y at the end; 640 threads per SM (<= 102 registers; fp32: 384) hold w and b. (H200, hidden 1024: variant 5
-// 129.0 us, 5 with EARLY 128.5, torch.compile 127.6; 7 with EARLY, Inductor's split, 130.5 against 7's 130.2.)
-template <typename T, class S, bool EARLY>
+// At least 1024 resident threads per SM (registers <= 64; 512 with 4-byte operands): enough rows in flight to
+// cover HBM latency. EARLY: the order of torch.compile's kernel at hidden <= 1024: w and b are loaded with x and
+// the residual, so the row does not wait on a second round trip after its statistics, and h is stored with y at
+// the end; 640 threads per SM (<= 102 registers; 384 with 4-byte operands) hold w and b. (H200, hidden 1024:
+// 129.0 us without, 128.5 with, torch.compile 127.6.)
+template <class Ty, class S, bool EARLY>
 constexpr int fwd_min_blocks() {
-  constexpr int threads = sizeof(T) == 4 ? (EARLY ? 384 : 512) : (EARLY ? 640 : 1024);
+  constexpr int threads = Ty::WIDE ? (EARLY ? 384 : 512) : (EARLY ? 640 : 1024);
   return threads / S::BLOCK > 0 ? threads / S::BLOCK : 1;
 }
 
-template <typename T, class S, bool EARLY = false>
-__global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<T, S, EARLY>())) forward_kernel(ForwardArgs a) {
+template <class Ty, class S, bool EARLY>
+__global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<Ty, S, EARLY>())) forward_kernel(ForwardArgs a) {
+  using X = typename Ty::X;
+  using H = typename Ty::H;
+  using W = typename Ty::W;
+  using Y = typename Ty::Y;
   tk::grid::wait_prior_grid();  // launched by launch_dependent
   __shared__ float smem[S::BLOCK / 32];
   const int lane = threadIdx.x % S::TPR;
@@ -30,13 +35,14 @@ __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<T, S, EARLY>())) for
   const bool live = row < a.rows;  // no early return: row_sum synchronises the block
   const int nvec = a.hidden / 8;
   const int64_t base = row * a.hidden;
-  const T* x = static_cast<const T*>(a.x) + base;
-  const T* res = a.residual ? static_cast<const T*>(a.residual) + base : nullptr;
+  const X* x = static_cast<const X*>(a.x) + base;
+  const H* res = a.residual ? static_cast<const H*>(a.residual) + base : nullptr;
   const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
 
   // Issue every load of the row before any store: stores to h could alias the inputs as far as the
   // compiler knows, so interleaving them would serialise the loads (one vector in flight at a time).
-  Pack8<T> xr[S::VECS], rr[S::VECS];
+  Pack8<X> xr[S::VECS];
+  Pack8<H> rr[S::VECS];
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
@@ -45,27 +51,27 @@ __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<T, S, EARLY>())) for
       if (res) rr[v] = load_pack(res + vi * 8);
     }
   }
-  const T* w = static_cast<const T*>(a.weight);
-  const T* b = static_cast<const T*>(a.bias);
-  Pack8<T> wr[S::VECS], br[S::VECS];
-  if constexpr (EARLY) load_wb<T, S>(wr, br, w, b, lane, nvec);
-  // The row lives in registers as T (half the registers of fp32 for 16-bit types); h is rounded to T
+  const W* w = static_cast<const W*>(a.weight);
+  const W* b = static_cast<const W*>(a.bias);
+  Pack8<W> wr[S::VECS], br[S::VECS];
+  if constexpr (EARLY) load_wb<W, S>(wr, br, w, b, lane, nvec);
+  // The row lives in registers as H (half the registers of fp32 for 16-bit types); h is rounded to H
   // anyway, so unpacking it again below is exact.
-  Pack8<T> hp[S::VECS];
+  Pack8<H> hp[S::VECS];
   float sum = 0.f;
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
     float h[8];
     if (live && vi < nvec) {
-      // Statistics of the h that is stored and that eager would normalise: rounded to T.
+      // Statistics of the h that is stored and that eager would normalise: rounded to H.
       hp[v] = make_h(xr[v], rr[v], res != nullptr, drop, a.dropout.enabled, uint64_t(base) + uint64_t(vi) * 8);
       unpack(h, hp[v]);
-      if (!EARLY && (res || a.dropout.enabled)) store_pack(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
+      if (!EARLY && (res || a.dropout.enabled)) store_pack(static_cast<H*>(a.h) + base + vi * 8, hp[v]);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) h[i] = 0.f;
-      hp[v] = pack<T>(h);
+      hp[v] = pack<H>(h);
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) sum += h[i];
@@ -100,13 +106,13 @@ __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<T, S, EARLY>())) for
     if (a.mean) a.mean[row] = mean;
   }
 
-  T* y = static_cast<T*>(a.y) + base;
-  if constexpr (!EARLY) load_wb<T, S>(wr, br, w, b, lane, nvec);
+  Y* y = static_cast<Y*>(a.y) + base;
+  if constexpr (!EARLY) load_wb<W, S>(wr, br, w, b, lane, nvec);
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
     if (vi >= nvec) continue;
-    if (EARLY && (res || a.dropout.enabled)) store_pack(static_cast<T*>(a.h) + base + vi * 8, hp[v]);
+    if (EARLY && (res || a.dropout.enabled)) store_pack(static_cast<H*>(a.h) + base + vi * 8, hp[v]);
     float out[8];
     norm_vec(out, hp[v], mean, rstd, wr[v], w != nullptr, br[v], b != nullptr);
     store8(y + vi * 8, out);
@@ -115,38 +121,24 @@ __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<T, S, EARLY>())) for
 
 }  // namespace
 
-cudaError_t forward(const ForwardArgs& args, DType dtype, cudaStream_t stream) {
+bool supported(DTypes t) {
+  return with_types(t, [](auto) { return cudaSuccess; }) == cudaSuccess;
+}
+
+cudaError_t forward(const ForwardArgs& args, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 8 || args.hidden > kMaxHidden || args.rows < 0) return cudaErrorInvalidValue;
   if (args.rows == 0) return cudaSuccess;
-  if (args.variant < 0 || args.variant >= kForwardVariants) return cudaErrorInvalidValue;
-  if (args.variant == 1 || args.variant == 2 || args.variant == 3 || args.variant == 6) {
-    const cudaError_t err = pipe::forward(args, dtype, stream);
-    if (err != cudaErrorNotSupported) return err;
-  }
-  return with_dtype(dtype, [&](auto t) {
-    using T = decltype(t);
-    const auto launch_as = [&](auto s, auto early) {
+  return with_types(args.dtypes, [&](auto ty) {
+    using Ty = decltype(ty);
+    return with_row_split(args.hidden, [&](auto s) {
       using S = decltype(s);
+      // EARLY where the block has at most 64 threads (hidden <= 1024): a 512-thread block holding w and b needs
+      // more than 64 registers, so one block per SM (H200, hidden 8192: 1.59 ms against 1.03).
+      constexpr bool early = S::BLOCK <= 64;
       const int64_t blocks = (args.rows + S::ROWS - 1) / S::ROWS;
       if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-      return tk::grid::launch_dependent(forward_kernel<T, S, decltype(early)::value>, unsigned(blocks), S::BLOCK, 0,
-                                        stream, args);
-    };
-    const auto launch = [&](auto s) { return launch_as(s, std::false_type{}); };
-    // 4, 5: the same kernel, one row per block (1 or 2 vectors per thread). 7: the legacy split, one row per
-    // block (a warp per block up to hidden 1024: a block's slot frees as soon as its row is done).
-    if (args.variant == 4) return with_row_split<1>(args.hidden, launch);
-    if (args.variant == 5) return with_row_split<2>(args.hidden, launch);
-    if (args.variant == 7) return with_split<false, 32>(args.hidden, launch);
-    // 8: 5 with w and b loaded early and h stored last (EARLY) where its block has at most 64 threads (hidden
-    // <= 1024). H200, inference forward: 1024 4082 GB/s against 5's 4061 (torch.compile 4065); 2048 4152 against
-    // 4163; a 512-thread block holding w and b needs more than 64 registers, so one block per SM (8192: 1.59 ms
-    // against 1.03).
-    if (args.variant == 8)
-      return with_row_split<2>(args.hidden, [&](auto s) {
-        return launch_as(s, std::bool_constant<(decltype(s)::BLOCK <= 64)>{});
-      });
-    return with_split<false>(args.hidden, launch);
+      return tk::grid::launch_dependent(forward_kernel<Ty, S, early>, unsigned(blocks), S::BLOCK, 0, stream, args);
+    });
   });
 }
 

@@ -27,10 +27,6 @@ __device__ __forceinline__ uint4 ld_shared16(uint32_t smem) {
   return q;
 }
 
-__device__ __forceinline__ void st_shared16(uint32_t smem, uint4 q) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem), "r"(q.x), "r"(q.y), "r"(q.z), "r"(q.w) : "memory");
-}
-
 __device__ __forceinline__ float ld_shared4(uint32_t smem) {
   float f;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(f) : "r"(smem) : "memory");
@@ -40,10 +36,12 @@ __device__ __forceinline__ float ld_shared4(uint32_t smem) {
 // Dynamic shared memory laid out as [STAGES][ops][VECS][CHUNKS][BLOCK] 16-byte chunks, then (when
 // STATS and FIXED) [VECS][CHUNKS][BLOCK] chunks for a per-thread constant vector (the weight: shared memory
 // is cheaper than registers there) and (when STATS) [STAGES][2][BLOCK] floats for the row's mean and rstd.
-// `ops` is a runtime count so absent operands (no residual, no dh) cost no shared memory and no occupancy.
-template <typename T, class S, int STAGES, bool STATS, bool FIXED = STATS>
+// CHUNKS: the 16-byte chunks of 8 elements of the widest staged operand (1 for 16-bit, 2 for fp32); a narrower
+// operand uses the first of its slot's chunks. `ops` is a runtime count so absent operands (no dh) cost no shared
+// memory and no occupancy.
+template <int CHUNKS, class S, int STAGES, bool STATS, bool FIXED = STATS>
 struct Staging {
-  static constexpr int CHUNKS = int(sizeof(T)) / 2;  // 16-byte chunks per 8 elements
+  static_assert(CHUNKS == 1 || CHUNKS == 2, "8 elements of 16- or 32-bit types");
   static constexpr uint32_t FIXED_BYTES = STATS && FIXED ? S::VECS * CHUNKS * 16 * S::BLOCK : 0;
 
   static constexpr size_t bytes(int ops) {
@@ -65,28 +63,29 @@ struct Staging {
     const uint32_t stats = slot(STAGES, 0, 0) + FIXED_BYTES - 12u * threadIdx.x;  // floats: 4 bytes per thread, not 16
     return stats + 4u * uint32_t((stage * 2 + k) * S::BLOCK);
   }
-  __device__ __forceinline__ void copy_at(uint32_t dst, const T* src) const {
+  template <typename E>
+  __device__ __forceinline__ void copy_at(uint32_t dst, const E* src) const {
+    static_assert(int(sizeof(E)) / 2 <= CHUNKS, "the slot holds 8 elements of E");
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) cp_async16(dst + 16u * (c * S::BLOCK), reinterpret_cast<const uint4*>(src) + c);
+    for (int c = 0; c < int(sizeof(E)) / 2; ++c) cp_async16(dst + 16u * (c * S::BLOCK), reinterpret_cast<const uint4*>(src) + c);
   }
-  __device__ __forceinline__ Pack8<T> read(int stage, int op, int v) const { return read_at(slot(stage, op, v)); }
-  __device__ __forceinline__ Pack8<T> read_fixed(int v) const { return read_at(fixed(v)); }
-  __device__ __forceinline__ void copy_fixed(int v, const T* src) const { copy_at(fixed(v), src); }
-  __device__ __forceinline__ void copy(int stage, int op, int v, const T* src) const { copy_at(slot(stage, op, v), src); }
-  __device__ __forceinline__ Pack8<T> read_at(uint32_t src) const {
-    Pack8<T> p;
+  template <typename E>
+  __device__ __forceinline__ Pack8<E> read(int stage, int op, int v) const { return read_at<E>(slot(stage, op, v)); }
+  template <typename E>
+  __device__ __forceinline__ Pack8<E> read_fixed(int v) const { return read_at<E>(fixed(v)); }
+  template <typename E>
+  __device__ __forceinline__ void copy_fixed(int v, const E* src) const { copy_at(fixed(v), src); }
+  template <typename E>
+  __device__ __forceinline__ void copy(int stage, int op, int v, const E* src) const { copy_at(slot(stage, op, v), src); }
+  template <typename E>
+  __device__ __forceinline__ Pack8<E> read_at(uint32_t src) const {
+    Pack8<E> p;
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
+    for (int c = 0; c < int(sizeof(E)) / 2; ++c) {
       const uint4 q = ld_shared16(src + 16u * (c * S::BLOCK));
       p.w[4 * c] = q.x, p.w[4 * c + 1] = q.y, p.w[4 * c + 2] = q.z, p.w[4 * c + 3] = q.w;
     }
     return p;
-  }
-  __device__ __forceinline__ void write(int stage, int op, int v, const Pack8<T>& p) const {
-    const uint32_t dst = slot(stage, op, v);
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
-      st_shared16(dst + 16u * (c * S::BLOCK), make_uint4(p.w[4 * c], p.w[4 * c + 1], p.w[4 * c + 2], p.w[4 * c + 3]));
   }
   __device__ __forceinline__ float read_stat(int stage, int k) const { return ld_shared4(stat(stage, k)); }
   __device__ __forceinline__ void copy_stat(int stage, int k, const float* src) const { cp_async4(stat(stage, k), src); }

@@ -1,15 +1,15 @@
-// Per-vector row math and block-level helpers shared by the legacy and the pipe kernels.
+// Per-vector row math and block-level helpers shared by the forward and the two backward kernels.
 #pragma once
 #include "config.cuh"
 #include "philox.cuh"
 
 namespace tk_layernorm {
 
-// h = residual + dropout(x) for the 8 elements at flat index `first`, rounded to T: the h that is stored
+// h = residual + dropout(x) for the 8 elements at flat index `first`, rounded to H: the h that is stored
 // and whose statistics eager would take. `res` is ignored unless has_res. (Packs go by value with flags,
 // not as nullable pointers: a pointer into a register array puts the array in local memory.)
-template <typename T>
-__device__ __forceinline__ Pack8<T> make_h(const Pack8<T>& xp, const Pack8<T>& res, bool has_res, const Dropout& drop,
+template <typename X, typename H>
+__device__ __forceinline__ Pack8<H> make_h(const Pack8<X>& xp, const Pack8<H>& res, bool has_res, const Dropout& drop,
                                            bool dropout, uint64_t first) {
   float h[8];
   unpack(h, xp);
@@ -24,13 +24,13 @@ __device__ __forceinline__ Pack8<T> make_h(const Pack8<T>& xp, const Pack8<T>& r
 #pragma unroll
     for (int i = 0; i < 8; ++i) h[i] = __fadd_rn(r[i], h[i]);
   }
-  return pack<T>(h);
+  return pack<H>(h);
 }
 
 // y = (h - mean)·rstd·w + b for one vector (w, b used only when has_w, has_b).
-template <typename T>
-__device__ __forceinline__ void norm_vec(float (&out)[8], const Pack8<T>& hp, float mean, float rstd, const Pack8<T>& w,
-                                         bool has_w, const Pack8<T>& b, bool has_b) {
+template <typename H, typename W>
+__device__ __forceinline__ void norm_vec(float (&out)[8], const Pack8<H>& hp, float mean, float rstd, const Pack8<W>& w,
+                                         bool has_w, const Pack8<W>& b, bool has_b) {
   unpack(out, hp);
 #pragma unroll
   for (int i = 0; i < 8; ++i) out[i] = (out[i] - mean) * rstd;
@@ -49,8 +49,8 @@ __device__ __forceinline__ void norm_vec(float (&out)[8], const Pack8<T>& hp, fl
 }
 
 // The w and b vectors of this thread's columns, into registers (left unset where absent or masked).
-template <typename T, class S>
-__device__ __forceinline__ void load_wb(Pack8<T> (&wr)[S::VECS], Pack8<T> (&br)[S::VECS], const T* w, const T* b,
+template <typename W, class S>
+__device__ __forceinline__ void load_wb(Pack8<W> (&wr)[S::VECS], Pack8<W> (&br)[S::VECS], const W* w, const W* b,
                                         int lane, int nvec) {
 #pragma unroll
   for (int v = 0; v < S::VECS; ++v) {
@@ -62,67 +62,13 @@ __device__ __forceinline__ void load_wb(Pack8<T> (&wr)[S::VECS], Pack8<T> (&br)[
   }
 }
 
-// (mean, rstd) of the row whose vectors this thread holds in hp (zero where masked or past the last row;
-// mean 0 for RMSNorm), in fp32, given the thread's `sum` of its hp (the caller sums while it builds hp:
-// a separate pass here made ptxas spill the legacy kernel). Every thread of the block calls it.
-template <typename T, class S>
-__device__ __forceinline__ float2 row_stats(const Pack8<T> (&hp)[S::VECS], float sum, int lane, int nvec, int hidden,
-                                            float eps, bool rms, float* smem /* [S::BLOCK / 32] */) {
-  const float inv_n = 1.f / float(hidden);
-  float mean = 0.f, sq = 0.f;
-  if (!rms) {
-    mean = row_sum<S>(sum, smem) * inv_n;
-#pragma unroll
-    for (int v = 0; v < S::VECS; ++v) {
-      if (v * S::TPR + lane < nvec) {  // masked vectors are zeros, not the mean
-        float h[8];
-        unpack(h, hp[v]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sq += (h[i] - mean) * (h[i] - mean);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int v = 0; v < S::VECS; ++v) {
-      float h[8];
-      unpack(h, hp[v]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) sq += h[i] * h[i];
-    }
-  }
-  return make_float2(mean, rsqrtf(row_sum<S>(sq, smem) * inv_n + eps));
-}
-
-// Barrier of the TPR threads of this thread's row only (named barrier 1 + row group; 0 is __syncthreads):
-// the other rows of the block go on. Each row group uses its own slice of the row-sum scratch, so
-// nothing else is shared between groups. The ids are immediates: a register id made ptxas reserve all
-// 16 barriers of the block.
-template <class S, int G = 0>
-__device__ __forceinline__ void row_barrier(int group) {
-  static_assert(S::ROWS < 16, "one named barrier per row group");
-  if constexpr (G + 1 < S::ROWS) {
-    if (group != G) return row_barrier<S, G + 1>(group);
-  }
-  asm volatile("bar.sync %0, %1;\n" ::"n"(1 + G), "n"(S::TPR) : "memory");
-}
-
-// Two row sums for the price of one set of block syncs (NAMED: row-group barriers instead).
-template <class S, bool NAMED = false>
+// Two row sums for the price of one set of block syncs.
+template <class S>
 __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem /* [S::BLOCK / 32] */) {
   a = warp_sum(a);
   b = warp_sum(b);
   if constexpr (S::WARPS_PER_ROW == 1) {
     return make_float2(a, b);
-  } else if constexpr (NAMED && S::ROWS > 1) {
-    const int group = int(threadIdx.x) / S::TPR;
-    row_barrier<S>(group);
-    if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = make_float2(a, b);
-    row_barrier<S>(group);
-    const float2* mine = smem + (threadIdx.x / S::TPR) * S::WARPS_PER_ROW;
-    float2 s = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int i = 0; i < S::WARPS_PER_ROW; ++i) s = make_float2(s.x + mine[i].x, s.y + mine[i].y);
-    return s;
   } else {
     __syncthreads();
     if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = make_float2(a, b);
@@ -135,26 +81,28 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem /* [S:
   }
 }
 
-// dres (and dx through the regenerated dropout mask) of the vector at element base + vi * 8 (STREAM: store8's).
-// DROPOUT = false: the caller knows a.dropout.enabled is false (no dx code in the kernel).
-template <typename T, bool STREAM = false, bool DROPOUT = true>
+// dres (h's dtype) and dx (x's, through the regenerated dropout mask) of the vector at element base + vi * 8.
+// STREAM: evict-first stores. DROPOUT = false: the caller knows a.dropout.enabled is false (no dx code).
+template <class Ty, bool STREAM = false, bool DROPOUT = true>
 __device__ __forceinline__ void store_grads(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi,
                                             const float (&dres)[8]) {
-  store8<T, STREAM>(static_cast<T*>(a.dres) + base + vi * 8, dres);
+  using H = typename Ty::H;
+  using X = typename Ty::X;
+  store8<H, STREAM>(static_cast<H*>(a.dres) + base + vi * 8, dres);
   if (DROPOUT && a.dropout.enabled) {
-    // dx sees dres rounded to T, as autograd through eager dropout would.
+    // dx sees dres rounded to H, as autograd through eager dropout would.
     const uint32_t keep = drop.keep8(uint64_t(base) + uint64_t(vi) * 8);
     float dx[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) dx[i] = (keep >> i & 1u) ? __fmul_rn(round_to<T>(dres[i]), drop.scale) : 0.f;
-    store8<T, STREAM>(static_cast<T*>(a.dx) + base + vi * 8, dx);
+    for (int i = 0; i < 8; ++i) dx[i] = (keep >> i & 1u) ? __fmul_rn(round_to<H>(dres[i]), drop.scale) : 0.f;
+    store8<X, STREAM>(static_cast<X*>(a.dx) + base + vi * 8, dx);
   }
 }
 
 // The backward of one vector from its normalised x̂ (xh), once the row sums are known:
 // dres = rstd·(g − mean_g − x̂·mean_gx), plus the incoming dh (in dres on entry when add_dh), the dw/db
 // partials, and dx through the regenerated dropout mask (STREAM, DROPOUT: store_grads').
-template <typename T, bool STREAM = false, bool DROPOUT = true>
+template <class Ty, bool STREAM = false, bool DROPOUT = true>
 __device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi,
                                                   const float (&dy)[8], const float (&xh)[8], const float (&wv)[8],
                                                   bool has_w, float (&dres)[8], bool add_dh, float rstd, float mean_g,
@@ -167,19 +115,19 @@ __device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const D
     acc_w[i] += dy[i] * xh[i];
     acc_b[i] += dy[i];
   }
-  store_grads<T, STREAM, DROPOUT>(a, drop, base, vi, dres);
+  store_grads<Ty, STREAM, DROPOUT>(a, drop, base, vi, dres);
 }
 
 // The same from h (in xh, normalised here in place). The vector starts at element base + vi * 8 of the
 // (rows, hidden) tensors.
-template <typename T>
+template <class Ty>
 __device__ __forceinline__ void backward_vec(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi, const float (&dy)[8],
                                              float (&xh)[8], const float (&wv)[8], bool has_w, float (&dres)[8],
                                              bool add_dh, float mean, float rstd, float mean_g, float mean_gx,
                                              float (&acc_w)[8], float (&acc_b)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) xh[i] = (xh[i] - mean) * rstd;
-  backward_vec_xhat<T>(a, drop, base, vi, dy, xh, wv, has_w, dres, add_dh, rstd, mean_g, mean_gx, acc_w, acc_b);
+  backward_vec_xhat<Ty>(a, drop, base, vi, dy, xh, wv, has_w, dres, add_dh, rstd, mean_g, mean_gx, acc_w, acc_b);
 }
 
 // Sum the ROWS row-groups' accumulators of a block (sequentially, fixed order) and write the block's partial.

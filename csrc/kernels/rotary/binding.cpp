@@ -61,7 +61,7 @@ std::tuple<Tensor, Tensor> rotary(const Tensor& q, const std::optional<Tensor>& 
                                   bool interleaved, bool backward, bool contiguous, std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(q.is_cuda() && cos.is_cuda() && sin.is_cuda(), "tk_cuda::rotary: inputs must be CUDA tensors");
   TORCH_CHECK(sin.scalar_type() == cos.scalar_type(), "tk_cuda::rotary: cos and sin must have one dtype");
-  const at::ScalarType out_type = out_dtype.value_or(at::promote_types(q.scalar_type(), cos.scalar_type()));
+  const at::ScalarType out_type = out_dtype.value_or(c10::promoteTypes(q.scalar_type(), cos.scalar_type()));
   const bool has_k = k && k->defined();
   if (has_k) TORCH_CHECK(k->is_cuda() && k->scalar_type() == q.scalar_type() && k->size(-1) == q.size(-1), "tk_cuda::rotary: k must match q");
   tk_rotary::Args a{};
