@@ -193,6 +193,9 @@ def main(argv=None) -> int:
     p.add_argument("--e2e", action="store_true", help="also whole models (eager / torch.compile / thunderkittens)")
     p.add_argument("--models", default=None, help="comma-separated e2e models (default: all)")
     p.add_argument("--modes", default=None, help="comma-separated e2e modes: eager,torch.compile,thunderkittens (default: all)")
+    p.add_argument("--precisions", default=None,
+                   help="comma-separated e2e training recipes: bf16 (bf16 parameters), amp-bf16, amp-fp16 (fp32 parameters "
+                        "under autocast; fp16 with a GradScaler) (default: bf16)")
     p.add_argument("--e2e-timeout", type=float, default=1200.0,
                    help="seconds per (model, mode), each in its own process, compilation included (default 1200)")
     p.add_argument("--build", action="store_true", help="also cold build, cached load and compile times")
@@ -239,7 +242,8 @@ def main(argv=None) -> int:
         from . import e2e
 
         e2e.run(quick=args.quick, models=args.models.split(",") if args.models else None,
-                modes=args.modes.split(",") if args.modes else None, timeout_s=args.e2e_timeout, on_rows=save)
+                modes=args.modes.split(",") if args.modes else None, timeout_s=args.e2e_timeout, on_rows=save,
+                precisions=args.precisions.split(",") if args.precisions else None)
     if args.build:
         from . import buildtime
 

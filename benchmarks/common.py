@@ -134,6 +134,47 @@ def backward_step(fn: Callable[[], torch.Tensor], leaves, grad_out: torch.Tensor
     return step
 
 
+def public_api_rows(op: str, case: str, fn: Callable, inputs: tuple, grads: tuple, fwd_bytes: int, step_bytes: int,
+                    x: float | None = None, amp: torch.dtype | None = None, tol: float = 2e-2) -> list[Row]:
+    """`fn` compiled through the public API, `backend="thunderkittens"` beside default torch.compile (dynamic=False),
+    as a user would run it: the forward under no_grad and a forward+backward step (autograd of fn's outputs with
+    `grads` into every input that requires grad), under `amp` autocast when given. What the backend swaps and what
+    Inductor fuses around it both count. Each output and gradient is checked against eager before timing."""
+    import tk_inductor
+
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    autocast = lambda: torch.autocast("cuda", dtype=amp, enabled=amp is not None)
+
+    def forward(run):
+        with torch.no_grad(), autocast():
+            return run(*inputs)
+
+    def step(run):
+        with autocast():
+            outs = run(*inputs)
+        return torch.autograd.grad(outs, leaves, grads)
+
+    ref_out, ref_grads = forward(fn), step(fn)
+    rows = []
+    for impl, backend in (("thunderkittens", "thunderkittens"), ("torch.compile", "inductor")):
+        tk_inductor.reset()
+        compiled = torch.compile(fn, backend=backend, dynamic=False)
+        try:
+            for got, want in zip(forward(compiled), ref_out):
+                check_close(f"{impl} {case} forward", got, want, tol)
+            for got, want in zip(step(compiled), ref_grads):
+                check_close(f"{impl} {case} gradient", got, want, tol)
+            note = str(tk_inductor.report()).replace("\n", " | ") if impl == "thunderkittens" else ""
+            ms = median_ms(lambda: forward(compiled))
+            rows.append(Row(op, f"{case} public fwd", impl, ms, fwd_bytes / ms / 1e6, "GB/s", x, note=note))
+            ms = median_ms(lambda: step(compiled))
+            rows.append(Row(op, f"{case} public fwd+bwd", impl, ms, step_bytes / ms / 1e6, "GB/s", x, note=note))
+        except Exception as exc:  # reported, never dropped
+            rows.append(Row(op, f"{case} public", impl, None, note=f"failed: {type(exc).__name__}: {str(exc)[:160]}"))
+        torch._dynamo.reset()
+    return rows
+
+
 def inductor_as_our_backend_runs_it() -> None:
     """The torch work-arounds our backend applies before Inductor (tk_inductor._compat: torch 2.11's CantSplit fix,
     split scans off), so a torch.compile baseline measures Inductor's kernels, not its bugs."""

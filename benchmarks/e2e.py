@@ -75,9 +75,15 @@ MODELS: dict[str, tuple[Callable[[bool], torch.nn.Module], tuple[int, int]]] = {
 }
 
 
-def case_name(name: str, phase: str) -> str:
+# Training recipes: bf16 parameters, or fp32 parameters under bf16 / fp16 autocast (fp16 with a GradScaler), as
+# HF Trainer's bf16=True / fp16=True and Lightning's bf16-mixed run them.
+PRECISIONS = {"bf16": (torch.bfloat16, None), "amp-bf16": (torch.float32, torch.bfloat16),
+              "amp-fp16": (torch.float32, torch.float16)}
+
+
+def case_name(name: str, phase: str, precision: str = "bf16") -> str:
     batch, seq = MODELS[name][1]
-    return f"{name} {batch}x{seq} {phase}"
+    return f"{name} {batch}x{seq} {phase}" + ("" if precision == "bf16" else f" {precision}")
 
 
 def _logits(out):
@@ -103,9 +109,11 @@ TIMED_S = 20.0  # timed budget per phase: slow models (Mamba2's torch path) get 
 
 
 def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple[str, ...] = MODES,
-                on_row: Callable[[Row], None] | None = None) -> list[Row]:
+                on_row: Callable[[Row], None] | None = None, precision: str = "bf16") -> list[Row]:
     import tk_inductor
 
+    param_dtype, amp = PRECISIONS[precision]
+    autocast = lambda: torch.autocast("cuda", dtype=amp, enabled=amp is not None)
     rows = []
 
     def add(row: Row) -> None:
@@ -116,28 +124,31 @@ def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple
     for mode in modes:
         torch.manual_seed(0)
         factory, (batch, seq) = MODELS[name]
-        model = factory(quick).to("cuda", torch.bfloat16)
+        model = factory(quick).to("cuda", param_dtype)
         ids = torch.randint(0, 32000, (batch, seq), device="cuda")
         tokens = batch * seq
         tk_inductor.reset()
         compiled = _compile(model, mode)
         for phase in ("forward", "train") if train else ("forward",):
-            case = case_name(name, phase)
+            case = case_name(name, phase, precision)
             progress(f"e2e {case} [{mode}]")
             if phase == "forward":
                 model.eval()
 
                 def step():
-                    with torch.no_grad():
+                    with torch.no_grad(), autocast():
                         return _logits(compiled(ids))
             else:
                 model.train()
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+                scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
 
                 def step():
-                    loss = _logits(compiled(ids)).float().logsumexp(-1).mean()
-                    loss.backward()
-                    opt.step()
+                    with autocast():
+                        loss = _logits(compiled(ids)).float().logsumexp(-1).mean()
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
                     opt.zero_grad(set_to_none=True)
             try:
                 torch.cuda.reset_peak_memory_stats()
@@ -167,16 +178,17 @@ def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple
     return rows
 
 
-def _child_cmd(name: str, mode: str, sink: Path, quick: bool) -> list[str]:
-    return [sys.executable, "-m", "benchmarks.e2e", "--child", name, mode, str(sink)] + (["--quick"] if quick else [])
+def _child_cmd(name: str, mode: str, sink: Path, quick: bool, precision: str = "bf16") -> list[str]:
+    return ([sys.executable, "-m", "benchmarks.e2e", "--child", name, mode, str(sink), "--precision", precision]
+            + (["--quick"] if quick else []))
 
 
-def _bench_in_child(name: str, mode: str, quick: bool, timeout_s: float) -> list[Row]:
+def _bench_in_child(name: str, mode: str, quick: bool, timeout_s: float, precision: str = "bf16") -> list[Row]:
     """bench_model(name, modes=(mode,)) in a fresh process; rows arrive as JSON lines, so the phases that finished
     before a time-out or a crash are kept, and the missing ones are reported with the reason."""
     with tempfile.TemporaryDirectory() as tmp:
         sink = Path(tmp) / "rows.jsonl"
-        proc = subprocess.Popen(_child_cmd(name, mode, sink, quick), start_new_session=True)  # own process group: compile workers go with it
+        proc = subprocess.Popen(_child_cmd(name, mode, sink, quick, precision), start_new_session=True)  # own process group: compile workers go with it
         try:
             code = proc.wait(timeout=timeout_s)
             status = f"exited with status {code}" if code else "finished without a result"
@@ -190,28 +202,33 @@ def _bench_in_child(name: str, mode: str, quick: bool, timeout_s: float) -> list
     rows = [Row(**json.loads(line)) for line in lines if line.strip()]
     done = {r.case for r in rows}
     for phase in ("forward", "train"):
-        if case_name(name, phase) not in done:
-            rows.append(Row("e2e", case_name(name, phase), mode, None, note=status))
+        if case_name(name, phase, precision) not in done:
+            rows.append(Row("e2e", case_name(name, phase, precision), mode, None, note=status))
             progress(f"  {name} {phase} [{mode}]: {status}")
     return rows
 
 
 def run(quick: bool = False, models: list[str] | None = None, modes: list[str] | None = None,
-        timeout_s: float = 1200.0, on_rows: Callable[[list[Row]], None] | None = None) -> list[Row]:
-    """Every (model, mode) in its own process; on_rows gets each one's rows as they finish."""
+        timeout_s: float = 1200.0, on_rows: Callable[[list[Row]], None] | None = None,
+        precisions: list[str] | None = None) -> list[Row]:
+    """Every (model, precision, mode) in its own process; on_rows gets each one's rows as they finish."""
     unknown = set(modes or ()) - set(MODES)
     if unknown:
         raise ValueError(f"unknown e2e modes {sorted(unknown)}; choose from {MODES}")
     unknown = set(models or ()) - set(MODELS)
     if unknown:
         raise ValueError(f"unknown e2e models {sorted(unknown)}; choose from {tuple(MODELS)}")
+    unknown = set(precisions or ()) - set(PRECISIONS)
+    if unknown:
+        raise ValueError(f"unknown e2e precisions {sorted(unknown)}; choose from {tuple(PRECISIONS)}")
     rows = []
     for name in models or list(MODELS):
-        for mode in modes or MODES:
-            part = _bench_in_child(name, mode, quick, timeout_s)
-            rows += part
-            if on_rows is not None:
-                on_rows(part)
+        for precision in precisions or ["bf16"]:
+            for mode in modes or MODES:
+                part = _bench_in_child(name, mode, quick, timeout_s, precision)
+                rows += part
+                if on_rows is not None:
+                    on_rows(part)
     return rows
 
 
@@ -219,6 +236,7 @@ def _child_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e")
     p.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "SINK"), required=True)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--precision", default="bf16", choices=tuple(PRECISIONS))
     args = p.parse_args(argv)
     name, mode, sink = args.child
 
@@ -226,7 +244,7 @@ def _child_main(argv: list[str]) -> int:
         with open(sink, "a") as f:
             f.write(json.dumps(dataclasses.asdict(row)) + "\n")
 
-    bench_model(name, quick=args.quick, modes=(mode,), on_row=write)
+    bench_model(name, quick=args.quick, modes=(mode,), on_row=write, precision=args.precision)
     return 0
 
 

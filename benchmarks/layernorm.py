@@ -12,8 +12,9 @@ Every implementation's output is checked against the fp32 reference before it is
 
     python -m benchmarks.layernorm [--quick]
 
-"ours" is the default kernel variant; TK_LN_FWD_VARIANT / TK_LN_BWD_VARIANT pick another (see
-csrc/kernels/layernorm/layernorm.h), and benchmarks/sweep_ln.py checks and times them all side by side.
+Then the public API: the same norms written as models write them (`rms_norm(x + r) * w`, and a Llama block's norm
+under autocast with an fp32 residual stream), compiled with backend="thunderkittens" beside default torch.compile,
+forward and forward+backward: the kernel as Inductor's surrounding graph sees it.
 
 Measured 2026-11-30 (session 12, f593f9b), one H200 (torch 2.11, Triton 3.6, fla-core 0.6.0), copy ceiling 4272 GB/s:
     case (bf16, rows 65536)      ours GB/s (% copy)  torch.compile  FLA    ours/compile  ours/FLA
@@ -150,7 +151,61 @@ def run(quick: bool = False) -> list[Row]:
                 yl = hl = step = grads = None
         del x, r, w, b, ref_y, ref_h, leaves, ref
         torch.cuda.empty_cache()
-    return rows_out
+    return rows_out + run_public(quick)
+
+
+def _rms_times_w(x, r, w):
+    h = x + r
+    return F.rms_norm(h, (h.shape[-1],), eps=EPS) * w, h
+
+
+def _ln_affine(x, r, w, b):
+    h = x + r
+    return F.layer_norm(h, (h.shape[-1],), w, b, EPS), h
+
+
+def _llama_block_norm(x, r, w, eps=1e-6):
+    """A Llama pre-norm step as written in models: the residual add, HF's RMSNorm (fp32 upcast, weight after the
+    cast back), the normed rows cast to bf16 for the next matmul (autocast's cast, written out)."""
+    h = r + x
+    v = h.float()
+    v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * v.to(h.dtype)).to(torch.bfloat16), h
+
+
+def public_cases(quick: bool = False):
+    """(name, function, inputs, output grads, forward bytes, step bytes, hidden): the issue's public-API forms."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s, dtype=torch.bfloat16: torch.randn(*s, generator=g, device="cuda", dtype=dtype)
+    sizes = ((1024, "rms"), (2048, "ln")) if quick else ((1024, "rms"), (4096, "rms"), (1024, "ln"), (2048, "ln"))
+    for hidden, kind in sizes:
+        x, r = mk(ROWS, hidden).requires_grad_(), mk(ROWS, hidden).requires_grad_()
+        w = mk(hidden).requires_grad_()
+        b = mk(hidden).requires_grad_() if kind == "ln" else None
+        fn, inputs = (_rms_times_w, (x, r, w)) if kind == "rms" else (_ln_affine, (x, r, w, b))
+        grads = (mk(ROWS, hidden), mk(ROWS, hidden))
+        n = ROWS * hidden
+        # forward: x, r read, y, h written; step: the forward, then dy, dh, h read and dx/dres written
+        yield f"{ROWS}x{hidden} {kind}+residual bf16", fn, inputs, grads, 4 * n * 2, 8 * n * 2, hidden
+    # autocast with fp32 parameters: an fp32 residual stream, a bf16 branch output, an fp32 weight, the output in bf16
+    for hidden in ((2048,) if quick else (2048, 4096)):
+        x = mk(ROWS, hidden).requires_grad_()
+        r = mk(ROWS, hidden, dtype=torch.float32).requires_grad_()
+        w = mk(hidden, dtype=torch.float32).requires_grad_()
+        grads = (mk(ROWS, hidden), mk(ROWS, hidden, dtype=torch.float32))
+        n = ROWS * hidden
+        # forward: x (2) + r (4) read, y (2) + h (4) written; step: + dy (2), dh (4), h (4) read, dres (4), dx (2)
+        yield f"{ROWS}x{hidden} rms autocast (bf16 x, fp32 residual/w)", _llama_block_norm, (x, r, w), grads, 12 * n, 28 * n, hidden
+
+
+def run_public(quick: bool = False) -> list[Row]:
+    from .common import public_api_rows
+
+    rows = []
+    for name, fn, inputs, grads, fwd_bytes, step_bytes, hidden in public_cases(quick):
+        progress(f"{name} public")
+        rows += public_api_rows("layernorm", name, fn, inputs, grads, fwd_bytes, step_bytes, hidden)
+    return rows
 
 
 def summary(rows: list[Row]) -> str:

@@ -98,7 +98,41 @@ def run(quick: bool = False) -> list[Row]:
             out_rows.append(Row("rotary", f"{name} bwd", "ours", None, note=f"failed: {str(exc)[:120]}"))
         del q, k, ref
         torch.cuda.empty_cache()
-    return out_rows
+    return out_rows + run_public(quick)
+
+
+def _autocast_rope(q, k, cos, sin):
+    """HF's apply_rotary_pos_emb under autocast with fp32 tables (fp32 results), cast to bf16 for SDPA."""
+    q2, k2 = apply_rotary_pos_emb(q, k, cos, sin)
+    return q2.to(torch.bfloat16), k2.to(torch.bfloat16)
+
+
+def run_public(quick: bool = False) -> list[Row]:
+    """The public API: HF's spelling compiled with backend="thunderkittens" beside default torch.compile, with bf16
+    tables (pure bf16) and with fp32 tables on bf16 q/k (autocast with fp32 parameters), forward and
+    forward+backward."""
+    from .common import public_api_rows
+
+    rows = []
+    for B, H, N, D, rd in ((16, 16, 4096, 128, 128),) if quick else ((16, 16, 4096, 128, 128), (16, 16, 4096, 64, 64)):
+        for tables in (torch.bfloat16, torch.float32):
+            name = f"B{B} H{H} N{N} D{D} {'bf16' if tables == torch.bfloat16 else 'fp32'} tables"
+            progress(f"{name} public")
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            k = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            ang = torch.rand(B, N, rd // 2, generator=g, device="cuda") * 6.3
+            ang = torch.cat((ang, ang), -1)
+            cos, sin = ang.cos().to(tables), ang.sin().to(tables)
+            fn = apply_rotary_pos_emb if tables == torch.bfloat16 else _autocast_rope
+            grads = tuple(torch.randn_like(t) for t in (q, k))
+            n = B * H * N * D
+            cs = 2 * B * N * rd * cos.element_size()
+            # forward: q, k read and written once, the tables once; step: + the gradients read and written
+            rows += public_api_rows("rotary", name, fn, (q, k, cos, sin), grads, 4 * n * 2 + cs, 8 * n * 2 + 2 * cs, D)
+            del q, k
+            torch.cuda.empty_cache()
+    return rows
 
 
 def summary(rows: list[Row]) -> str:

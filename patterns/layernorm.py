@@ -163,18 +163,47 @@ class _Norm:
         self.h, self.out, self.weight, self.bias, self.eps, self.rms = h, out, weight, bias, eps, rms
 
 
+def _hidden_vector(node: Any, h: fx.Node) -> bool:
+    t, th = _tensor(node), _tensor(h)
+    return t is not None and th is not None and t.dim() == 1 and t.shape[0] == th.shape[-1]
+
+
+def _affine_after(out: fx.Node, h: fx.Node, bias_ok: bool) -> tuple[fx.Node, Any, Any]:
+    """A norm without its own weight, followed by an optional cast back, then `* w` and (LayerNorm) `+ b` of (H,)
+    vectors, each the single user of the step before (so the chain is the norm's): (output, weight, bias)."""
+    weight = bias = None
+    nxt = _single_user(out)
+    if nxt is not None and _cast_source(nxt) is out:
+        out, nxt = nxt, _single_user(nxt)
+    wm = _mul_operands(nxt) if nxt is not None else None
+    if wm is not None:
+        other = wm[1] if wm[0] is out else wm[0]
+        if _hidden_vector(other, h):
+            weight, out = other, nxt
+            nxt = _single_user(out)
+            if bias_ok and nxt is not None and _is(nxt, _ADD, "add") and len(nxt.args) == 2 and not nxt.kwargs:
+                other = nxt.args[1] if nxt.args[0] is out else nxt.args[0]
+                if _hidden_vector(other, h):
+                    bias, out = other, nxt
+    return out, weight, bias
+
+
 def _functional_norm(node: fx.Node) -> _Norm | None:
     if _is(node, _LAYER_NORM):
         h, shape = node.args[0], _arg(node, 1, "normalized_shape")
-        return _Norm(h, node, _arg(node, 2, "weight"), _arg(node, 3, "bias"), _arg(node, 4, "eps", 1e-5), False), shape
-    if _is(node, _RMS_NORM):
+        norm = _Norm(h, node, _arg(node, 2, "weight"), _arg(node, 3, "bias"), _arg(node, 4, "eps", 1e-5), False)
+    elif _is(node, _RMS_NORM):
         h, shape = node.args[0], _arg(node, 1, "normalized_shape")
         eps = _arg(node, 3, "eps")
         if eps is None:  # F.rms_norm's default: the input dtype's machine epsilon
             th = _tensor(h)
             eps = torch.finfo(th.dtype).eps if th is not None else None
-        return _Norm(h, node, _arg(node, 2, "weight"), None, eps, True), shape
-    return None
+        norm = _Norm(h, node, _arg(node, 2, "weight"), None, eps, True)
+    else:
+        return None
+    if norm.weight is None and norm.bias is None and isinstance(h, fx.Node):  # `norm(h) * w (+ b)` written apart
+        norm.out, norm.weight, norm.bias = _affine_after(node, h, bias_ok=not norm.rms)
+    return norm, shape
 
 
 def _written_rms(mul: fx.Node) -> _Norm | None:
@@ -189,17 +218,7 @@ def _written_rms(mul: fx.Node) -> _Norm | None:
         h, eps = found
         if _strip_casts(b) is not h:
             continue
-        out, weight = mul, None
-        # Optional cast back, then optional weight multiply (a single user each, so the chain is ours).
-        nxt = _single_user(out)
-        if nxt is not None and _cast_source(nxt) is out:
-            out, nxt = nxt, _single_user(nxt)
-        wm = _mul_operands(nxt) if nxt is not None else None
-        if wm is not None:
-            other = wm[1] if wm[0] is out else wm[0]
-            tw, th = _tensor(other), _tensor(h)
-            if tw is not None and th is not None and tw.dim() == 1 and tw.shape[0] == th.shape[-1]:
-                weight, out = other, nxt
+        out, weight, _ = _affine_after(mul, h, bias_ok=False)
         return _Norm(h, out, weight, None, eps, True)
     return None
 

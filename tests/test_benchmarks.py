@@ -62,7 +62,7 @@ def _fake_child(script):
     """A stand-in for the e2e child process: runs `script` with the sink path as argv[1]."""
     import sys
 
-    return lambda name, mode, sink, quick: [sys.executable, "-c", script, str(sink)]
+    return lambda name, mode, sink, quick, precision="bf16": [sys.executable, "-c", script, str(sink)]
 
 
 def test_e2e_child_timeout_keeps_finished_phases(monkeypatch):
@@ -203,7 +203,7 @@ def test_a_run_cut_off_keeps_the_finished_parts(tmp_path, monkeypatch, capsys):
 
     from benchmarks import e2e
 
-    def child(name, mode, quick, timeout_s):
+    def child(name, mode, quick, timeout_s, precision="bf16"):
         if mode == "thunderkittens":
             raise KeyboardInterrupt  # stands in for the kill of a time limit
         return [Row("e2e", e2e.case_name(name, "forward"), mode, 10.0)]
@@ -221,7 +221,7 @@ def test_a_run_cut_off_keeps_the_finished_parts(tmp_path, monkeypatch, capsys):
     assert [r["impl"] for r in data["rows"]] == ["eager", "torch.compile"]
     assert main(["--merge", str(out / "results.json"), "--out", str(tmp_path / "m")]) == 0
     assert "is partial" in capsys.readouterr().out
-    monkeypatch.setattr(e2e, "_bench_in_child", lambda name, mode, quick, timeout_s: [])
+    monkeypatch.setattr(e2e, "_bench_in_child", lambda name, mode, quick, timeout_s, precision="bf16": [])
     assert main(["--ops", "none", "--e2e", "--models", "based", "--out", str(out)]) == 0
     assert "partial" not in json.loads((out / "results.json").read_text())["meta"]
 
@@ -249,7 +249,7 @@ def test_a_stopped_run_leaves_no_e2e_child(tmp_path):
         "torch.cuda.is_available = lambda: True\n"  # the child is faked: no GPU needed
         "torch.cuda.get_device_name = lambda *a: 'none'\n"
         "from benchmarks import e2e\n"
-        f"e2e._child_cmd = lambda name, mode, sink, quick: [sys.executable, '-c', {script!r}]\n"
+        f"e2e._child_cmd = lambda name, mode, sink, quick, precision: [sys.executable, '-c', {script!r}]\n"
         "sys.argv = ['benchmarks', '--ops', 'none', '--e2e', '--models', 'based', '--modes', 'eager',"
         f" '--out', {str(tmp_path / 'out')!r}]\n"
         "runpy.run_module('benchmarks', run_name='__main__')\n")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import tk_inductor
 from tk_inductor.ops import layernorm as ln_ops
 from tk_inductor.ops import philox
+from tk_inductor import rewrite
 
 OPTS = {"reference": True, "inner": "aot_eager"}
 
@@ -515,3 +516,55 @@ def test_stats_false_outputs_and_no_backward():
     xg = x.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="stats=False"):
         torch.ops.tk.layernorm(xg, r, w, b, None, 1e-5, 0.0, False, stats=False)
+
+
+class RmsTimesWeight(nn.Module):
+    """`rms_norm(h) * w` with the weight applied outside the norm: the weight is the op's."""
+
+    def __init__(self, H=64):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(H))
+
+    def forward(self, x, r):
+        h = x + r
+        return F.rms_norm(h, (h.shape[-1],), eps=1e-6) * self.weight, h
+
+
+class LnAffineApart(nn.Module):
+    def __init__(self, H=64):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(H)), nn.Parameter(torch.randn(H))
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],)) * self.weight + self.bias
+
+
+@pytest.mark.parametrize("module, n_in", [(RmsTimesWeight(), 2), (LnAffineApart(), 1)])
+def test_weight_and_bias_written_after_the_norm_are_the_ops(module, n_in):
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 64, requires_grad=True) for _ in range(n_in)]
+    seen = []
+    real = rewrite._replace
+
+    def spy(graph, match, remap):
+        seen.append(match)
+        return real(graph, match, remap)
+
+    tk_inductor.reset()
+    try:
+        rewrite._replace = spy
+        out = compiled(module)(*xs)
+    finally:
+        rewrite._replace = real
+    ref = module(*xs)
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    for a, b in zip(outs, refs):
+        torch.testing.assert_close(a, b)
+    (match,) = seen
+    assert match.args[2] is not None  # the weight
+    assert (match.args[3] is not None) == isinstance(module, LnAffineApart)
+    params = list(module.parameters())
+    ga = torch.autograd.grad(sum(o.sum() for o in outs), params + xs)
+    gb = torch.autograd.grad(sum(o.sum() for o in refs), params + xs)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,238 @@
+"""Mixed precision and dynamic shapes on the CPU, in reference mode: under `torch.autocast` (fp32 parameters,
+bf16 or fp16 compute) the backend replaces what it replaces in one precision, and the compiled model gives eager
+autocast's dtypes and values (loss and gradients within 1e-2 relative). tk_inductor/autocast.py makes autocast's
+casts explicit before matching; the GPU tests (test_autocast_gpu.py) run the same recipes on the kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tk_inductor
+from tk_inductor import autocast, rewrite
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+OPTS = {"reference": True, "inner": "aot_eager"}
+
+
+def _llama(attn: str):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                   max_position_embeddings=128, attn_implementation=attn)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _qwen2():
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _neox():
+    cfg = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=128, num_attention_heads=2, num_hidden_layers=2,
+                                     intermediate_size=256, rotary_pct=0.25, max_position_embeddings=128,
+                                     hidden_dropout=0.0, attention_dropout=0.0)
+    return transformers.GPTNeoXForCausalLM(cfg)
+
+
+def _gemma():
+    cfg = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                   max_position_embeddings=128)
+    return transformers.GemmaForCausalLM(cfg)
+
+
+# model -> the families replaced in one precision, with their counts (2 layers)
+MODELS = {
+    "llama-sdpa": (lambda: _llama("sdpa"), {"attention": 2, "layernorm": 5}),
+    "llama-eager": (lambda: _llama("eager"), {"attention": 2, "layernorm": 5}),
+    "qwen2": (_qwen2, {"attention": 2, "layernorm": 5}),
+    "gpt-neox": (_neox, {"attention": 2, "layernorm": 5}),
+    "gemma": (_gemma, {"attention": 2, "layernorm": 5}),
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _step(model, run, ids, dtype):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype):
+        logits = run(input_ids=ids).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
+    loss.backward()
+    return logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _replaced(rep) -> dict:
+    return {f: n for f, n in rep.replaced.items()}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_model_under_autocast_matches_eager_and_replaces_as_in_fp32(name, dtype):
+    build, expected = MODELS[name]
+    torch.manual_seed(0)
+    model = build().train()
+    ids = torch.randint(0, VOCAB, (2, 24))
+    tk_inductor.reset()
+    compiled = torch.compile(model, backend="thunderkittens", options=OPTS)
+    ref_logits, ref_loss, ref_grads = _step(model, model, ids, dtype)
+    logits, loss, grads = _step(model, compiled, ids, dtype)
+    rep = tk_inductor.report()
+    assert not rep.failed, rep.failed
+    replaced = _replaced(rep)
+    for family, count in expected.items():
+        assert replaced.get(family) == count, str(rep)
+    assert replaced.get("rotary", 0) >= 2, str(rep)  # q and k of each layer, in one or two launches
+    assert logits.dtype == ref_logits.dtype
+    assert _rel(loss, ref_loss) < 1e-2 and _rel(logits, ref_logits) < 1e-2
+    assert grads.keys() == ref_grads.keys()
+    total = sum(g.float().pow(2).sum() for g in ref_grads.values()).sqrt()
+    diff = sum((grads[n].float() - g.float()).pow(2).sum() for n, g in ref_grads.items()).sqrt()
+    assert (diff / total).item() < 1e-2
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt-neox"])
+def test_same_families_as_in_fp32(name):
+    """The report under autocast lists the same families and counts as the fp32 model's (rotary aside: q and k
+    share a launch where both results are cast for attention, two otherwise)."""
+    build, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    ids = torch.randint(0, VOCAB, (2, 16))
+    counts = []
+    for dtype in (None, torch.bfloat16):
+        torch._dynamo.reset()
+        tk_inductor.reset()
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            torch.compile(model, backend="thunderkittens", options=OPTS)(input_ids=ids)
+        counts.append({f: n for f, n in _replaced(tk_inductor.report()).items() if f != "rotary"})
+    assert counts[0] == counts[1], counts
+
+
+def test_dynamic_true_replaces_every_family():
+    torch.manual_seed(0)
+    model = _llama("sdpa").train()
+    tk_inductor.reset()
+    compiled = torch.compile(model, backend="thunderkittens", options=OPTS, dynamic=True)
+    for length in (16, 24):
+        ids = torch.randint(0, VOCAB, (2, length))
+        logits, loss, grads = _step(model, compiled, ids, torch.bfloat16)
+        ref_logits, ref_loss, ref_grads = _step(model, model, ids, torch.bfloat16)
+        assert _rel(loss, ref_loss) < 1e-2
+    replaced = _replaced(tk_inductor.report())
+    assert {"attention", "layernorm", "rotary"} <= set(replaced), str(tk_inductor.report())
+    assert len(tk_inductor.report().graphs) == 1  # a second length recompiles nothing
+
+
+# ---------------------------------------------------------------------------- the pass itself
+
+class Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x, cos):
+        q = self.lin(x)  # bf16 under autocast
+        q2 = q * cos  # promoted: fp32
+        with torch.autocast("cpu", enabled=False):
+            off = q2 @ q2.transpose(-1, -2)  # fp32, autocast off
+        return F.softmax(q2 @ q2.transpose(-1, -2), -1), off
+
+
+def _graph(module, *args, dtype=torch.bfloat16):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.autocast("cpu", dtype=dtype):
+        torch.compile(module, backend=capture)(*args)
+    return graphs[0]
+
+
+def test_casts_made_explicit_where_autocast_casts():
+    gm = _graph(Branch(), torch.randn(4, 64), torch.randn(4, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        added = autocast.make_explicit(gm.graph)
+    casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
+    # the two fp32 operands of the matmul under autocast (q2 and its transpose); none for the matmul inside the
+    # disabled region, none for the linear (its inputs are fp32 parameters and x: autocast casts them, and so
+    # does the pass)
+    matmuls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "matmul"]
+    inside, outside = matmuls
+    assert not any(a in casts for a in inside.args) and all(a in casts for a in outside.args)
+    assert added == len(casts) and all(c.args[1] == torch.bfloat16 for c in casts)
+
+
+def test_explicit_graph_computes_what_autocast_computes():
+    m = Branch()
+    x, cos = torch.randn(4, 64), torch.randn(4, 64)
+    tk_inductor.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = m(x, cos)
+        got = torch.compile(m, backend="thunderkittens", options=OPTS)(x, cos)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)  # the same casts: bit-for-bit up to op order
+
+
+def test_no_casts_without_autocast():
+    gm = _graph(Branch(), torch.randn(4, 64), torch.randn(4, 64), dtype=torch.bfloat16)
+    assert autocast.make_explicit(gm.graph, enabled={"cpu": False, "cuda": False}) == 0
+
+
+class Norm(nn.Module):
+    """LlamaRMSNorm as HF writes it, on an fp32 residual stream plus a bf16 branch, its output feeding a matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(64))
+        self.proj = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x, r):
+        h = r + x
+        v = h.float()
+        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.proj(self.weight * v.to(h.dtype)), h
+
+
+def test_norm_under_autocast_takes_the_residual_and_the_cast():
+    torch.manual_seed(0)
+    m = Norm()
+    x, r = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True), torch.randn(4, 64, requires_grad=True)
+    seen = []
+    real = rewrite._replace
+
+    def spy(graph, match, remap):
+        seen.append(match)
+        return real(graph, match, remap)
+
+    tk_inductor.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = m(x, r)
+        try:
+            rewrite._replace = spy
+            got = torch.compile(m, backend="thunderkittens", options=OPTS)(x, r)
+        finally:
+            rewrite._replace = real
+    (match,) = [s for s in seen if s.family == "layernorm"]
+    xa, ra, wa = (rewrite.example(a) for a in match.args[:3])
+    assert (xa.dtype, ra.dtype, wa.dtype) == (torch.bfloat16, torch.float32, torch.float32)  # x is the narrower
+    assert match.args[9] == torch.bfloat16  # the cast in front of the matmul, fused
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    g = [torch.randn_like(t) for t in want]
+    ga = torch.autograd.grad(got, (x, r, m.weight), g)
+    gb = torch.autograd.grad(want, (x, r, m.weight), g)
+    for a, b in zip(ga, gb):
+        assert a.dtype == b.dtype
+        assert _rel(a, b) < 1e-2
