@@ -90,15 +90,15 @@ def test_layernorm_forward_backward(hidden, dtype, rms):
 
 # (x, residual/h, weight, y) dtypes beside one dtype throughout (layernorm.h DTypes): the fp32 residual stream of
 # autocast with fp32 parameters, fp32 weights on 16-bit activations, 16-bit weights and output on fp32 rows.
-MIXED = [(x, h, w, y) for x in DTYPES for h in DTYPES for w in DTYPES for y in DTYPES
+LN_MIXED = [(x, h, w, y) for x in DTYPES for h in DTYPES for w in DTYPES for y in DTYPES
          if ln_ops.kernel_supports(x, h, w, y) and len({x, h, w, y}) > 1]
 
 
 def test_mixed_dtype_list():
-    assert len(MIXED) == 14  # 17 combinations, 3 of them one dtype throughout
+    assert len(LN_MIXED) == 14  # 17 combinations, 3 of them one dtype throughout
 
 
-@pytest.mark.parametrize("x_dtype, h_dtype, w_dtype, y_dtype", MIXED, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("x_dtype, h_dtype, w_dtype, y_dtype", LN_MIXED, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("hidden", [136, 1024, 3000, 8192, 16384])
 def test_layernorm_mixed_dtypes(x_dtype, h_dtype, w_dtype, y_dtype, hidden):
     rows = 77

@@ -136,6 +136,8 @@ def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, 
         seed, offset = philox.unpack(rng)
         keep = philox.keep_mask(h.shape, seed, offset, p, h.device)
         dx = torch.where(keep, dres.float() * philox.dropout_scale(p), torch.zeros((), device=h.device)).to(x_dtype)
+    elif x_dtype != dtype:  # h is wider than x (an fp32 residual): x's gradient is dres cast, as eager's add gives
+        dx = dres.to(x_dtype)
     else:
         dx = h.new_empty(0, dtype=x_dtype)
     dw = (dyf * xhat).sum(0).to(w_dtype) if weight is not None else h.new_empty(0, dtype=w_dtype)
@@ -237,7 +239,7 @@ def _(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype=None):
     x_dtype = x_dtype or h.dtype
     w_dtype = weight_dtype(x_dtype, h.dtype, weight.dtype if weight is not None else None, dy.dtype)
     dres = h.new_empty(h.shape)
-    dx = h.new_empty(h.shape if p > 0.0 else (0,), dtype=x_dtype)
+    dx = h.new_empty(h.shape if p > 0.0 or x_dtype != h.dtype else (0,), dtype=x_dtype)
     dw = h.new_empty(hidden if weight is not None else 0, dtype=w_dtype)
     db = h.new_empty(hidden if has_bias else 0, dtype=w_dtype)
     return dres, dx, dw, db
@@ -262,8 +264,7 @@ def _backward(ctx, dy, dh, dmean, drstd, drng):
         dh = None
     dres, dx, dw, db = torch.ops.tk.layernorm_backward(dy, dh, h, weight, mean, rstd, rng, ctx.p, ctx.rms, ctx.has_bias,
                                                        ctx.x_dtype)
-    # Without dropout dx is dres (autograd casts it to x's dtype where the residual made h wider, as eager's add does).
-    dx = dx if ctx.p > 0.0 else dres
+    dx = dx if dx.numel() else dres  # without dropout, and x and h of one dtype, dx is dres
     return (dx, dres if ctx.has_residual else None, dw if weight is not None else None,
             db if ctx.has_bias else None, None, None, None, None, None, None)
 

@@ -124,7 +124,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, co
   return {y, h, mean, rstd, rng_out};
 }
 
-// dres has h's dtype, dx (with dropout) x_dtype (h's by default), dw/db the weight's.
+// dres has h's dtype, dx x_dtype (h's by default; empty when it would equal dres), dw/db the weight's.
 std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, const OptTensor& dh, const Tensor& h,
                                                               const OptTensor& weight, const Tensor& mean,
                                                               const Tensor& rstd, const Tensor& rng, double p, bool rms,
@@ -151,14 +151,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
   const c10::cuda::CUDAGuard guard(h.device());
   const bool has_weight = present(weight);
 
+  // dx of its own with dropout, or where x is narrower than h (dres cast, in the same pass); else dx is dres.
+  const bool own_dx = p > 0.0 || x_type != h.scalar_type();
   Tensor dres = at::empty(h.sizes(), h.options());
-  Tensor dx = p > 0.0 ? at::empty(h.sizes(), h.options().dtype(x_type)) : at::empty({0}, h.options().dtype(x_type));
+  Tensor dx = own_dx ? at::empty(h.sizes(), h.options().dtype(x_type)) : at::empty({0}, h.options().dtype(x_type));
   Tensor dw = at::empty({has_weight ? hidden : 0}, w_options);
   Tensor db = at::empty({has_bias ? hidden : 0}, w_options);
 
   tk_layernorm::BackwardArgs a{};
   a.dres = dres.data_ptr();
-  a.dx = p > 0.0 ? dx.data_ptr() : nullptr;
+  a.dx = own_dx ? dx.data_ptr() : nullptr;
   a.dw = has_weight ? dw.data_ptr() : nullptr;
   a.db = has_bias ? db.data_ptr() : nullptr;
   a.dy = dy.data_ptr();

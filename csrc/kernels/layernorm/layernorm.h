@@ -47,7 +47,7 @@ struct ForwardArgs {
 
 struct BackwardArgs {
   void* dres;              // (rows, hidden): d loss / d h (norm path + incoming dh), h's dtype
-  void* dx;                // (rows, hidden) = dres · mask · scale in x's dtype, or nullptr when no dropout
+  void* dx;                // (rows, hidden): dres · mask · scale, or dres, in x's dtype; nullptr when dx is dres
   void* dw;                // (hidden,) or nullptr
   void* db;                // (hidden,) or nullptr
   float* partial;          // workspace: (2, backward_blocks, hidden) fp32

@@ -1,5 +1,7 @@
 // Per-vector row math and block-level helpers shared by the forward and the two backward kernels.
 #pragma once
+#include <type_traits>
+
 #include "config.cuh"
 #include "philox.cuh"
 
@@ -81,21 +83,29 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem /* [S:
   }
 }
 
-// dres (h's dtype) and dx (x's, through the regenerated dropout mask) of the vector at element base + vi * 8.
-// STREAM: evict-first stores. DROPOUT = false: the caller knows a.dropout.enabled is false (no dx code).
+// dres (h's dtype) and dx (x's: through the regenerated dropout mask, or dres cast to x's dtype where the residual
+// made h wider) of the vector at element base + vi * 8; a.dx is nullptr when dx is dres itself. STREAM: evict-first
+// stores. DROPOUT = false: the caller knows a.dropout.enabled is false (and with one dtype for x and h, no dx code).
 template <class Ty, bool STREAM = false, bool DROPOUT = true>
 __device__ __forceinline__ void store_grads(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi,
                                             const float (&dres)[8]) {
   using H = typename Ty::H;
   using X = typename Ty::X;
   store8<H, STREAM>(static_cast<H*>(a.dres) + base + vi * 8, dres);
-  if (DROPOUT && a.dropout.enabled) {
-    // dx sees dres rounded to H, as autograd through eager dropout would.
-    const uint32_t keep = drop.keep8(uint64_t(base) + uint64_t(vi) * 8);
-    float dx[8];
+  if constexpr (DROPOUT || !std::is_same_v<X, H>) {
+    if (a.dx) {
+      // dx sees dres rounded to H, as autograd through eager's dropout and add would.
+      float dx[8];
+      if (DROPOUT && a.dropout.enabled) {
+        const uint32_t keep = drop.keep8(uint64_t(base) + uint64_t(vi) * 8);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) dx[i] = (keep >> i & 1u) ? __fmul_rn(round_to<H>(dres[i]), drop.scale) : 0.f;
-    store8<X, STREAM>(static_cast<X*>(a.dx) + base + vi * 8, dx);
+        for (int i = 0; i < 8; ++i) dx[i] = (keep >> i & 1u) ? __fmul_rn(round_to<H>(dres[i]), drop.scale) : 0.f;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dx[i] = round_to<H>(dres[i]);
+      }
+      store8<X, STREAM>(static_cast<X*>(a.dx) + base + vi * 8, dx);
+    }
   }
 }
 
