@@ -332,6 +332,17 @@ def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype) -> str | Non
     return None
 
 
+_SILU = {F.silu}
+
+
+def _gated(h: fx.Node) -> bool:
+    """h = x * silu(z) (Mamba-2's gated RMSNorm, MambaRMSNormGated), possibly viewed into groups."""
+    while _is(h, {torch.reshape}, "view") or _is(h, {torch.reshape}, "reshape"):
+        h = h.args[0]
+    ops = _mul_operands(h)
+    return ops is not None and any(_is(_strip_casts(o), _SILU, "silu") for o in ops)
+
+
 def find(graph: fx.Graph) -> Iterable[Match]:
     for node in list(graph.nodes):
         shape = None
@@ -351,6 +362,10 @@ def find(graph: fx.Graph) -> Iterable[Match]:
         out_dtype = getattr(_tensor(norm.out), "dtype", None)
         if reason is None and (fused := fused_cast(norm.out, layernorm_ops.DTYPES)) is not None:
             norm.out, out_dtype = fused
+        if reason is None and residual is None and p == 0.0 and _gated(x):
+            # The gate's product would be a kernel of its own writing fp32 rows for the norm to read back, where
+            # Inductor fuses it into its norm kernel: kept until the kernel takes the gate.
+            reason = "gated norm (x * silu(z)): the op has no gate input, and Inductor fuses the product into its norm"
         reason = reason or _check(norm, shape, x, residual, out_dtype)
         tx = _tensor(x)
         needs_grad = any(

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from tk_inductor.ops import linear_attention as _ops  # noqa: F401  (registers torch.ops.tk.linear_attention)
 from tk_inductor import config
+from tk_inductor.autocast import AUTOCAST_CAST
 from tk_inductor.rewrite import Match, example
 
 from ._fx import arg
@@ -131,10 +132,13 @@ def close(a: float | None, b: float, rel: float = 1e-6) -> bool:
 
 def strip(node):
     """See through nodes that do not change values: dtype/device-preserving `.to`/`.float()`,
-    `.contiguous()`, `.type(same)`."""
+    `.contiguous()`, `.type(same)`; and autocast's casts (tk_inductor/autocast.py): autocast is a precision
+    policy, and the ops compute with fp32 accumulation, at least as precisely as the autocast dtype."""
     while kind(node) in ("to", "float", "type", "contiguous"):
         src = node.args[0]
-        if not is_tensor(src) or dtype(src) != dtype(node) or not shapes_eq(shape(src), shape(node)):
+        if not is_tensor(src) or not shapes_eq(shape(src), shape(node)):
+            break
+        if dtype(src) != dtype(node) and not node.meta.get(AUTOCAST_CAST):
             break
         node = src
     return node

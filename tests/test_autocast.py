@@ -45,13 +45,22 @@ def _gemma():
     return transformers.GemmaForCausalLM(cfg)
 
 
-# model -> the families replaced in one precision, with their counts (2 layers)
+def _mamba2():
+    cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
+                                    n_groups=1, expand=2, num_hidden_layers=2, chunk_size=8, conv_kernel=4)
+    return transformers.Mamba2ForCausalLM(cfg)
+
+
+# model -> the families replaced in one precision, with their counts (2 layers; rotary: at least, q and k of a
+# layer share a launch where both results are cast for attention)
 MODELS = {
-    "llama-sdpa": (lambda: _llama("sdpa"), {"attention": 2, "layernorm": 5}),
-    "llama-eager": (lambda: _llama("eager"), {"attention": 2, "layernorm": 5}),
-    "qwen2": (_qwen2, {"attention": 2, "layernorm": 5}),
-    "gpt-neox": (_neox, {"attention": 2, "layernorm": 5}),
-    "gemma": (_gemma, {"attention": 2, "layernorm": 5}),
+    "llama-sdpa": (lambda: _llama("sdpa"), {"attention": 2, "layernorm": 5, "rotary": 2}),
+    "llama-eager": (lambda: _llama("eager"), {"attention": 2, "layernorm": 5, "rotary": 2}),
+    "qwen2": (_qwen2, {"attention": 2, "layernorm": 5, "rotary": 2}),
+    "gpt-neox": (_neox, {"attention": 2, "layernorm": 5, "rotary": 2}),
+    "gemma": (_gemma, {"attention": 2, "layernorm": 5, "rotary": 2}),
+    # the SSD in fp32 under autocast's bf16 einsums; the gated norms stay with Inductor (their reason)
+    "mamba2": (_mamba2, {"ssd": 2, "layernorm": 3}),
 }
 
 
@@ -88,8 +97,7 @@ def test_model_under_autocast_matches_eager_and_replaces_as_in_fp32(name, dtype)
     assert not rep.failed, rep.failed
     replaced = _replaced(rep)
     for family, count in expected.items():
-        assert replaced.get(family) == count, str(rep)
-    assert replaced.get("rotary", 0) >= 2, str(rep)  # q and k of each layer, in one or two launches
+        assert replaced.get(family, 0) == count or (family == "rotary" and replaced.get(family, 0) >= count), str(rep)
     assert logits.dtype == ref_logits.dtype
     assert _rel(loss, ref_loss) < 1e-2 and _rel(logits, ref_logits) < 1e-2
     assert grads.keys() == ref_grads.keys()

@@ -11,13 +11,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
-import math
 from typing import Callable
 
 import pytest
 import torch
 
 import tk_inductor
+from tolerance import summed
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,19 +111,6 @@ def _forward_backward(model, run, ids, mask, weight):
     return out.detach(), grads
 
 
-def _tolerance(ref: torch.Tensor, terms: int, slack: float = 4.0, floor: float = 0.0) -> dict:
-    """assert_close tolerances for a value that the compiled graph sums in another order than eager.
-
-    Reordering a sum of `terms` rounded terms moves it by about eps * sqrt(terms) of the terms' magnitude, so that
-    is the absolute tolerance (times `slack`). The magnitude is the tensor's largest element, or `floor` where that
-    is larger: a gradient that is zero in exact arithmetic (a key bias under softmax) is a cancellation of terms as
-    large as the model's other gradients. A fixed atol is either loose for small tensors or flaky for the embedding
-    gradient, a sum over every token."""
-    eps = torch.finfo(ref.dtype).eps
-    scale = max(ref.detach().abs().max().item() if ref.numel() else 0.0, floor, 1e-12)
-    return {"rtol": 1e-4, "atol": slack * eps * math.sqrt(terms) * scale}
-
-
 def _assert_equal_to_eager(model, compiled, ids, mask, slack: float = 4.0):
     torch.manual_seed(1)
     weight = torch.randn(*ids.shape, model.config.vocab_size if hasattr(model, "lm_head") else model.config.hidden_size)
@@ -131,11 +118,11 @@ def _assert_equal_to_eager(model, compiled, ids, mask, slack: float = 4.0):
     out, grads = _forward_backward(model, compiled, ids, mask, weight)
     # Every parameter gradient sums over the tokens, and each backward matmul over the hidden size.
     terms = ids.numel() * model.config.hidden_size
-    torch.testing.assert_close(out, out_ref, **_tolerance(out_ref, model.config.hidden_size, slack))
+    torch.testing.assert_close(out, out_ref, **summed(out_ref, model.config.hidden_size, slack))
     assert grads.keys() == grads_ref.keys() and grads_ref
     floor = 1e-2 * max(g.abs().max().item() for g in grads_ref.values())
     for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], **_tolerance(grads_ref[name], terms, slack, floor),
+        torch.testing.assert_close(grads[name], grads_ref[name], **summed(grads_ref[name], terms, slack, floor),
                                    msg=lambda m: f"grad of {name}: {m}")
 
 

@@ -28,6 +28,10 @@ import torch.nn.functional as F
 
 from .rewrite import example
 
+# Marks the cast nodes this pass inserts (node.meta): a matcher of an op whose precision is its own (fp32
+# accumulation) may look through them.
+AUTOCAST_CAST = "tk_autocast_cast"
+
 _LOW = (torch.float16, torch.bfloat16)
 _ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)  # autocast leaves fp64 alone
 
@@ -168,6 +172,7 @@ def make_explicit(graph: fx.Graph, enabled: dict[str, bool] | None = None) -> in
                 with graph.inserting_before(node):
                     cast = graph.call_method("to", (inp, dtype))
                 cast.meta["example_value"] = example(inp).to(dtype)
+                cast.meta[AUTOCAST_CAST] = True
                 for k in ("stack_trace", "nn_module_stack"):
                     if k in node.meta:
                         cast.meta[k] = node.meta[k]
