@@ -159,7 +159,7 @@ def _pass_sources() -> list[Path]:
     here = Path(__file__).resolve().parent
     from . import patterns
 
-    files = [here / "rewrite.py", here / "config.py", here / "backend.py"]
+    files = [here / "rewrite.py", here / "autocast.py", here / "config.py", here / "backend.py"]
     files += sorted((here / "ops").glob("*.py"))
     for folder in {Path(p).resolve() for p in patterns.__path__}:
         files += sorted(folder.glob("*.py"))
