@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from tk_inductor._timing import median_ms_events  # noqa: F401  (the e2e benchmark's timer)
+
 L2_BYTES = 60 * 2**20  # H200: 60 MiB; inputs in the benchmarks are far larger or rotated
 # NVLink multicast stays off in every multi-GPU run (the device README: a program using it can put the host's GPUs
 # out of service); set before NCCL starts, and passed to child processes.
@@ -68,22 +70,6 @@ def median_ms_rounds(fns: dict[str, Callable[[], object]], rounds: int = 3, rep_
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(median_ms(fns[name], warmup_ms=10, rep_ms=rep_ms))
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def median_ms_events(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median over `iters` event-timed calls, for long calls (whole models) where do_bench's budget is too small."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def copy_ceiling_gbs(nbytes: int = 2 * 2**30) -> float:

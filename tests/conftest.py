@@ -66,3 +66,19 @@ def _clean_tk_state(monkeypatch):
     yield
     torch._dynamo.reset()
     rewrite.reset()
+
+
+@pytest.fixture
+def replaced_matches(monkeypatch):
+    """The matches the rewrite replaces during the test, in order (a spy on rewrite._replace)."""
+    from tk_inductor import rewrite
+
+    seen = []
+    real = rewrite._replace
+
+    def spy(graph, match, remap):
+        seen.append(match)
+        return real(graph, match, remap)
+
+    monkeypatch.setattr(rewrite, "_replace", spy)
+    return seen

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ._timing import median_ms_events
 
 
 @dataclasses.dataclass
@@ -203,20 +204,6 @@ def _cpu_demo(args, cfg: LlamaConfig) -> int:
     return 0 if ok else 1
 
 
-def _time_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _gpu_demo(args, cfg: LlamaConfig) -> int:
     import tk_inductor
 
@@ -258,7 +245,8 @@ def _gpu_demo(args, cfg: LlamaConfig) -> int:
             _say(str(tk_inductor.report()))
             err = _rel_err(out, reference)
             _say(f"  logits against eager: relative error {err:.1e}" + ("" if err < 2e-2 else "  (LARGER than expected)"))
-        results[name] = (_time_ms(lambda: forward(run), args.iters), _time_ms(lambda: train(run), args.iters))
+        results[name] = (median_ms_events(lambda: forward(run), args.iters, 1),
+                         median_ms_events(lambda: train(run), args.iters, 1))
     (ours_f, ours_t), (base_f, base_t) = results["thunderkittens"], results["torch.compile"]
     _say(f"forward:       thunderkittens {ours_f:7.2f} ms   torch.compile {base_f:7.2f} ms   {base_f / ours_f:.2f}x")
     _say(f"training step: thunderkittens {ours_t:7.2f} ms   torch.compile {base_t:7.2f} ms   {base_t / ours_t:.2f}x")
