@@ -66,6 +66,7 @@ def _validate(q, k, v, scale, op: str = "tk::attention") -> None:
     B, Hq, _, D = q.shape
     check(k.shape[0] == B, lambda: f"{op}: batch of k/v ({k.shape[0]}) differs from q's ({B})")
     check(k.shape[3] == D, lambda: f"{op}: head dim of k/v ({k.shape[3]}) differs from q's ({D})")
+    check(D >= 1, lambda: f"{op}: the head dim must be at least 1, got q shape {tuple(q.shape)}")
     Hkv = k.shape[1]
     check(Hkv >= 1 and Hq % Hkv == 0, lambda: f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     check(k.shape[2] >= 1 or q.shape[2] == 0 or B == 0 or Hq == 0,
@@ -170,7 +171,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
               ) -> tuple[torch.Tensor, torch.Tensor]:
     _validate(q, k, v, scale)
     if q.numel() == 0:
-        return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
     if _kernel_ok(q, k, v):
         q, k, v = map(_last_dim_unit, (q, k, v))
         return _dispatch.kernel("attention")(q, k, v, causal, scale)
@@ -317,6 +318,11 @@ def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
     return kind
 
 
+def _as_scores_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A 0-D or 1-D mask (one value, or one per key) as the 2-D (1, M) view SDPA and the mask checks index."""
+    return mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 2 else mask
+
+
 def _validate_mask(q, k, mask, op: str) -> None:
     check = _dispatch.check
     check(isinstance(mask, torch.Tensor), lambda: f"{op}: mask must be a tensor, got {type(mask).__name__}", TypeError)
@@ -359,7 +365,8 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     _validate(q, k, v, scale, "tk::attention_masked")
     _validate_mask(q, k, mask, "tk::attention_masked")
     if q.numel() == 0:
-        return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
+    mask = _as_scores_mask(mask)
     kind = _masked_path(q, k, v, mask)
     masked_paths[kind or "sdpa"] += 1
     if kind is not None:
@@ -386,6 +393,7 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     _validate_mask(q, k, mask, "tk::attention_masked_backward")
     if q.numel() == 0 or k.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    mask = _as_scores_mask(mask)
     # The same values give the same answer as in the forward (cached), so the paths agree.
     kind = _masked_path(q, k, v, mask)
     if kind is not None:

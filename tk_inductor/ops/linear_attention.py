@@ -163,6 +163,8 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_
                      q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                      scale: float = 1.0, normalize: bool = False, eps: float = 0.0) -> torch.Tensor:
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
+    if q.numel() == 0 or v.numel() == 0:  # no positions, heads or batch entries (or empty features): nothing to sum
+        return v.new_zeros(v.shape)
     if kernel_supports(feature_map, q.dtype, q.shape[-1], v.shape[-1], q_weight is not None) is None \
             and _dispatch.use_kernel(FAMILY, q, k, v):
         return _dispatch.kernel("linear_attention")(q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
@@ -183,6 +185,12 @@ def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     """(dq, dk, dv, dq_weight, dk_weight); weight grads are empty tensors without weights. o is the forward's
     output (the kernel's denominator gradient needs do·o over whole rows)."""
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
+    _dispatch.check(isinstance(grad_o, torch.Tensor) and grad_o.shape == v.shape,
+                    lambda: f"tk::linear_attention_backward: grad_o must have v's shape {tuple(v.shape)}, got "
+                            f"{tuple(getattr(grad_o, 'shape', ()))}")
+    if q.numel() == 0 or v.numel() == 0:
+        dw = [q.new_zeros(0) if w is None else torch.zeros_like(w) for w in (q_weight, k_weight)]
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dw[0], dw[1]
     if BACKWARD_KERNEL_VALIDATED \
             and kernel_supports(feature_map, q.dtype, q.shape[-1], v.shape[-1], q_weight is not None) is None \
             and _dispatch.use_kernel(FAMILY, grad_o, q, k, v, o) and _dispatch.has_kernel("linear_attention_backward"):

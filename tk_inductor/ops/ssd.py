@@ -98,6 +98,9 @@ def ssd_reference(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 
     x32, dt32 = x.to(acc), dt.to(acc)
     Bh = B.to(acc).repeat_interleave(heads_per_group, dim=2)
     Ch = C.to(acc).repeat_interleave(heads_per_group, dim=2)
+    # The result does not depend on the chunk length: a chunk longer than the sequence only pads it, and the decay
+    # matrices grow with its square.
+    chunk_size = max(1, min(chunk_size, l))
     pad = (-l) % chunk_size  # zero padding at the end: no decay, no input, so h_l is unchanged
     nc = (l + pad) // chunk_size
 
@@ -311,6 +314,14 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, ddt, dA, dB, dC, dD, dinitial_state); dD / dinitial_state are empty without D / initial_state."""
     _validate(x, dt, A, B, C, D, initial_state, chunk_size)
+    b, l, nh, p = x.shape
+    state_shape = (b, nh, p, B.shape[3])
+    _dispatch.check(isinstance(grad_y, torch.Tensor) and grad_y.shape == x.shape,
+                    lambda: f"tk::ssd_backward: grad_y must have x's shape {tuple(x.shape)}, got "
+                            f"{tuple(getattr(grad_y, 'shape', ()))}")
+    _dispatch.check(isinstance(grad_state, torch.Tensor) and tuple(grad_state.shape) == state_shape,
+                    lambda: f"tk::ssd_backward: grad_state must have the state's shape {state_shape}, got "
+                            f"{tuple(getattr(grad_state, 'shape', ()))}")
     if BACKWARD_KERNEL_VALIDATED and x.dtype != torch.float64 and kernel_supports(B.shape[-1], x.shape[-1]) is None \
             and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
             and _dispatch.has_kernel("ssd_backward"):

@@ -1,0 +1,120 @@
+"""Odd and bad inputs to the tk:: ops, called directly (CPU, the references): a clear error naming the argument, or
+the result PyTorch's own ops give. On CUDA the same Python checks run before any kernel launch."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tk_inductor.ops.attention  # noqa: F401  (registers the ops)
+import tk_inductor.ops.layernorm  # noqa: F401
+import tk_inductor.ops.linear_attention  # noqa: F401
+import tk_inductor.ops.ssd  # noqa: F401
+
+
+@pytest.mark.parametrize("shape", [(7,), ()], ids=["per-key", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_attention_masked_broadcasts_low_rank_masks_as_sdpa(shape, dtype):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 2, 5, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    if dtype == torch.bool:
+        mask = torch.rand(shape) > 0.3 if shape else torch.tensor(True)
+        if shape:
+            mask[0] = True  # every query row keeps a key
+    else:
+        mask = torch.randn(shape)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape)))
+    o, _ = torch.ops.tk.attention_masked(q, k, v, mask, 16 ** -0.5)
+    torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(o)
+    grads = torch.ops.tk.attention_masked_backward(g, q, k, v, mask, o, torch.zeros(2, 2, 5), 16 ** -0.5)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask.reshape(
+        (1,) * (2 - mask.dim()) + tuple(mask.shape))), (qr, kr, vr), g)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_head_dim_zero_is_an_error():
+    q = torch.randn(1, 2, 4, 0)
+    for op in (lambda: torch.ops.tk.attention(q, q, q, True, 1.0),
+               lambda: torch.ops.tk.attention_masked(q, q, q, torch.ones(4, 4, dtype=torch.bool), 1.0)):
+        with pytest.raises(ValueError, match="head dim"):
+            op()
+
+
+def test_attention_empty_inputs_give_defined_outputs():
+    q = torch.randn(0, 2, 4, 16)
+    o, lse = torch.ops.tk.attention(q, q, q, True, 1.0)
+    assert o.shape == q.shape and lse.shape == (0, 2, 4)
+    q = torch.randn(1, 2, 0, 16)
+    o, lse = torch.ops.tk.attention(q, torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), False, 1.0)
+    assert o.shape == q.shape and lse.shape == (1, 2, 0)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0, 4), (0, 3, 5, 4), (2, 0, 5, 4)], ids=["N0", "B0", "H0"])
+def test_linear_attention_empty_sizes_give_empty_outputs(shape):
+    q = torch.randn(*shape, requires_grad=True)
+    k = torch.randn(*shape, requires_grad=True)
+    v = torch.randn(*shape[:3], 6, requires_grad=True)
+    o = torch.ops.tk.linear_attention(q, k, v, "elu1", None, None, 0.5, True, 1e-6)
+    assert o.shape == v.shape
+    grads = torch.autograd.grad(o.sum(), (q, k, v), allow_unused=True)
+    assert [g.shape if g is not None else None for g in grads] in ([q.shape, k.shape, v.shape], [None] * 3)
+
+
+def test_linear_attention_backward_checks_grad_o():
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 6)
+    o = torch.ops.tk.linear_attention(q, k, v, "identity", None, None, 1.0, False, 0.0)
+    with pytest.raises(ValueError, match="grad_o"):
+        torch.ops.tk.linear_attention_backward(torch.randn(1, 2, 5, 4), q, k, v, o, "identity", None, None, 1.0,
+                                               False, 0.0)
+
+
+def _ssd_inputs(l=8):
+    g = torch.Generator().manual_seed(0)
+    b, nh, p, ng, n = 1, 2, 4, 1, 3
+    x = torch.randn(b, l, nh, p, generator=g)
+    dt = torch.rand(b, l, nh, generator=g) * 0.5
+    A = -torch.rand(nh, generator=g)
+    B, C = torch.randn(b, l, ng, n, generator=g), torch.randn(b, l, ng, n, generator=g)
+    return x, dt, A, B, C
+
+
+def test_ssd_chunk_longer_than_the_sequence_is_clamped():
+    args = _ssd_inputs()
+    start = time.perf_counter()
+    y_big, s_big = torch.ops.tk.ssd(*args, None, None, 10 ** 6)
+    assert time.perf_counter() - start < 5.0  # the decay matrices are not chunk² in size
+    y, s = torch.ops.tk.ssd(*args, None, None, 8)
+    torch.testing.assert_close(y_big, y)
+    torch.testing.assert_close(s_big, s)
+
+
+def test_ssd_backward_checks_its_gradients():
+    x, dt, A, B, C = _ssd_inputs()
+    good_state = torch.zeros(1, 2, 4, 3)
+    with pytest.raises(ValueError, match="grad_y"):
+        torch.ops.tk.ssd_backward(torch.zeros(1, 7, 2, 4), good_state, x, dt, A, B, C, None, None, 4)
+    with pytest.raises(ValueError, match="grad_state"):
+        torch.ops.tk.ssd_backward(torch.zeros_like(x), torch.zeros(1, 2, 4, 4), x, dt, A, B, C, None, None, 4)
+
+
+def test_layernorm_backward_checks_its_arguments():
+    x = torch.randn(6, 16)
+    w = torch.randn(16)
+    y, h, mean, rstd, rng = torch.ops.tk.layernorm(x, None, w, None, None, 1e-5, 0.0, False)
+    dy = torch.randn_like(y)
+    ok = (dy, None, x, w, mean, rstd, rng, 0.0, False, False)
+    torch.ops.tk.layernorm_backward(*ok)
+    cases = {
+        "rstd": (dy, None, x, w, mean, rstd[:3], rng, 0.0, False, False),
+        "mean": (dy, None, x, w, mean[:2], rstd, rng, 0.0, False, False),
+        "weight": (dy, None, x, w[:8], mean, rstd, rng, 0.0, False, False),
+        "dy": (dy[:3], None, x, w, mean, rstd, rng, 0.0, False, False),
+    }
+    for name, args in cases.items():
+        with pytest.raises(ValueError, match=name):
+            torch.ops.tk.layernorm_backward(*args)
