@@ -616,9 +616,12 @@ def test_cli_doctor():
         assert "no build needed" in proc.stdout and "not built" not in proc.stdout
 
 
-def test_cli_demo_on_cpu():
-    """The README's second command: the built-in model through the rewrite, checked against eager."""
-    proc = _run("from tk_inductor.__main__ import main; raise SystemExit(main(['demo', '--cpu']))")
+@pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
+def test_cli_demo_on_cpu(precision):
+    """The README's second command: the built-in model through the rewrite, checked against eager (under CPU
+    autocast with fp32 parameters too)."""
+    proc = _run(f"from tk_inductor.__main__ import main; raise SystemExit(main(['demo', '--cpu', '--precision', "
+                f"'{precision}']))")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "replaced attention×2, layernorm×5, rotary×2" in proc.stdout
     assert "outputs and gradients equal eager" in proc.stdout
