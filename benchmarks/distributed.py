@@ -192,6 +192,9 @@ def main(argv=None):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps(results))
     if dist.is_initialized():
+        # every rank done before any tears its connections down: a rank that left first could abort the other's
+        # gloo threads mid-operation ("terminate called without an active exception", seen once in CI, torch 2.11)
+        dist.barrier()
         dist.destroy_process_group()
 
 
