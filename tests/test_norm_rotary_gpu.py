@@ -133,6 +133,87 @@ def test_layernorm_mixed_dtypes(x_dtype, h_dtype, w_dtype, y_dtype, hidden):
                     assert rel_err(a, e) < tol, (name, case)
 
 
+# (x, h, w, y): one dtype throughout, and the autocast norm (bf16 branch, fp32 residual stream and weight)
+SUMMED = [(torch.bfloat16,) * 4, (torch.float32,) * 4, (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtypes", SUMMED, ids=lambda d: "-".join(str(t).split(".")[-1] for t in d))
+@pytest.mark.parametrize("hidden", [136, 1024, 3000, 8192, 16384])
+@pytest.mark.parametrize("terms", [2, 3])
+def test_layernorm_backward_sums_dy(dtypes, hidden, terms):
+    """dy + dy2 (+ dy3), summed as the kernel loads them (the post-grad pass folds autograd's sum of the gradients
+    of a norm that feeds several matmuls), against the reference's fp32 sum. The register-only kernel (fp32 rows
+    whose staging does not fit in shared memory) rounds the sum to y's dtype once, as eager's add does: the
+    tolerance is y's."""
+    x_dtype, h_dtype, w_dtype, y_dtype = dtypes
+    rows = 77
+    x, _, _, _ = _ln_inputs(rows, hidden, x_dtype, False, False, False)
+    _, r, w, _ = _ln_inputs(rows, hidden, h_dtype, True, True, False, seed=1)
+    w = w.to(w_dtype)
+    y, h, mean, rstd, rng = torch.ops.tk.layernorm(x, r, w, None, None, 1e-5, 0.0, True, True, y_dtype)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dys = [torch.randn(rows, hidden, generator=g, device="cuda").to(y_dtype) for _ in range(terms)]
+    dh = torch.randn(rows, hidden, generator=g, device="cuda").to(h_dtype)
+    more = dys[1:] + [None] * (3 - terms)
+    poison(((rows, hidden), h_dtype), ((rows, hidden), x_dtype))
+    out = torch.ops.tk.layernorm_backward(dys[0], dh, h, w, mean, rstd, rng, 0.0, True, False, x_dtype, *more)
+    ref = ln_ops.reference_backward(dys[0], dh, h, w, mean, rstd, rng, 0.0, True, False, x_dtype, *more)
+    for name, a, e in zip(("dres", "dx", "dw"), out, ref):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        if e.numel():
+            assert rel_err(a, e) < TOL[y_dtype] * (4 if name == "dw" else 1), name
+
+
+def test_compiled_norm_and_rotary_call_the_cuda_ops(monkeypatch):
+    """The post-grad pass points the compiled graphs at tk_cuda:: (no Python per call) and folds the gradient sum
+    of a norm feeding two matmuls into its backward; results match eager autocast."""
+    from torch._inductor import config as inductor_config
+
+    seen = []
+
+    def spy(graph):
+        seen.append({str(n.target) for n in graph.nodes if n.op == "call_function"})
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(4, 256, 512, generator=g, device="cuda").bfloat16().requires_grad_()
+    r = torch.randn(4, 256, 512, generator=g, device="cuda").requires_grad_()
+    w = torch.randn(512, generator=g, device="cuda").requires_grad_()
+    a, b = (torch.randn(512, 512, generator=g, device="cuda").requires_grad_() for _ in range(2))
+    cos, sin = torch.randn(256, 64, device="cuda"), torch.randn(256, 64, device="cuda")
+
+    def f(x, r, w, a, b):
+        h = r + x
+        v = h.float()
+        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+        y = w * v.to(h.dtype)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            q = (y @ a).view(4, 256, 8, 64).transpose(1, 2)
+            q = q * cos + torch.cat((-q[..., 32:], q[..., :32]), -1) * sin
+            return q, y @ b, h
+
+    with inductor_config.patch(post_grad_custom_post_pass=spy):
+        compiled = torch.compile(f, backend="thunderkittens")
+        outs = compiled(x, r, w, a, b)
+        grads = torch.autograd.grad([o.float().sum() for o in outs], (x, r, w, a, b))
+    report = tk_inductor_report()
+    assert "layernorm" in report and "rotary" in report, report
+    forward, backward = seen[0], seen[-1]
+    assert "tk_cuda.layernorm.default" in forward and "tk_cuda.rotary.default" in forward, forward
+    assert "tk_cuda.layernorm_backward.default" in backward and "tk.layernorm_backward.default" not in backward
+    eager = f(x, r, w, a, b)
+    ref = torch.autograd.grad([o.float().sum() for o in eager], (x, r, w, a, b))
+    for o, e in zip(outs, eager):
+        assert o.dtype == e.dtype and rel_err(o, e) < 2e-2
+    for gr, e in zip(grads, ref):
+        assert gr.dtype == e.dtype and rel_err(gr, e) < 2e-2
+
+
+def tk_inductor_report() -> str:
+    import tk_inductor
+
+    return str(tk_inductor.report())
+
+
 def test_layernorm_mixed_autograd():
     """fp32 residual stream, bf16 branch output, fp32 weight, output cast to bf16: gradients in each input's dtype."""
     g = torch.Generator(device="cuda").manual_seed(5)

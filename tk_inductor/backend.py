@@ -134,8 +134,14 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: confi
         key = None if cfg.strict else _graph_key(gm, example_inputs, patches)
         if key in _inductor_failures:
             return aot_eager(gm, example_inputs)
+        from torch._inductor import config as inductor_config
+
+        from . import post_grad
+
         # config_patches, not `with inductor_config.patch()`: the backward graph
         # is compiled later, outside any context manager opened here.
+        chained = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+        patches = dict(patches, post_grad_custom_post_pass=post_grad.make_pass(cfg, chained))
         try:
             return compile_fx(gm, example_inputs, config_patches=patches)
         except Exception as exc:  # noqa: BLE001
@@ -159,7 +165,7 @@ def _pass_sources() -> list[Path]:
     here = Path(__file__).resolve().parent
     from . import patterns
 
-    files = [here / "rewrite.py", here / "autocast.py", here / "config.py", here / "backend.py"]
+    files = [here / "rewrite.py", here / "autocast.py", here / "post_grad.py", here / "config.py", here / "backend.py"]
     files += sorted((here / "ops").glob("*.py"))
     for folder in {Path(p).resolve() for p in patterns.__path__}:
         files += sorted(folder.glob("*.py"))
@@ -180,15 +186,22 @@ def pass_uuid() -> str:
 
 
 def _import_ops() -> None:
-    """Register every `tk::` op. A cached Inductor artifact calls them, and with
-    the pre-grad pass a cache hit runs no matcher that would import them."""
+    """Register every `tk::` op, and load the built kernel libraries (their raw `tk_cuda::` ops, which the
+    post-grad pass calls directly). A cached Inductor artifact calls them, and with the pre-grad pass a cache hit
+    runs no matcher that would import or load them."""
     import importlib
     import importlib.util
+
+    from . import build
 
     for family in config.FAMILIES:
         name = f"tk_inductor.ops.{family}"
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name)
+    if torch.cuda.is_available():
+        for family in build.families():
+            if build.is_built(family):
+                build.try_load(family)
 
 
 def _make_pass_class():
@@ -222,13 +235,18 @@ def _make_pass_class():
 
 
 def install_pre_grad_pass(inductor_config=None) -> None:
-    """Make every Inductor compile (default torch.compile) run the rewrite first. Idempotent.
+    """Make every Inductor compile (default torch.compile) run the rewrite first, and the post-grad pass
+    (tk_inductor/post_grad.py) on what AOTAutograd makes of it. Idempotent.
 
     `inductor_config` is the `torch._inductor.config` module, passed in by the
     autoload hook while that module is still being imported."""
     if inductor_config is None:
         from torch._inductor import config as inductor_config
 
+    if not getattr(inductor_config.post_grad_custom_post_pass, "_tk_inductor", False):
+        from . import post_grad
+
+        inductor_config.post_grad_custom_post_pass = post_grad.make_pass(None, inductor_config.post_grad_custom_post_pass)
     current = inductor_config.pre_grad_custom_pass
     if getattr(current, "_tk_inductor", False):
         return

@@ -115,14 +115,19 @@ def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms:
     return norm.to(out_dtype or dtype), h, mean, rstd.reshape(-1).contiguous(), rng_out
 
 
-def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, has_bias: bool, x_dtype=None):
-    """Explicit LayerNorm/RMSNorm backward (the kernel's formulas), fp32 accumulation."""
+def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, has_bias: bool, x_dtype=None,
+                       dy2=None, dy3=None):
+    """Explicit LayerNorm/RMSNorm backward (the kernel's formulas), fp32 accumulation. The gradient of y is
+    dy + dy2 + dy3 (those given), summed in fp32."""
     dtype = h.dtype
     x_dtype = x_dtype or dtype
     w_dtype = weight_dtype(x_dtype, dtype, weight.dtype if weight is not None else None, dy.dtype)
     hidden = h.shape[-1]
     hf = h.float().reshape(-1, hidden)
     dyf = dy.float().reshape(-1, hidden)
+    for more in (dy2, dy3):
+        if more is not None:
+            dyf = dyf + more.float().reshape(-1, hidden)
     r = rstd.reshape(-1, 1)
     xhat = hf * r if rms else (hf - mean.reshape(-1, 1)) * r
     g = dyf * weight.float() if weight is not None else dyf
@@ -169,14 +174,17 @@ def layernorm(
     _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype)
     if p > 0.0 and rng is None:
         rng = philox.draw_seed()
-    if _kernel_ok(x, residual, weight, bias, out_dtype) and _dispatch.use_kernel(FAMILY, x, residual, weight, bias):
-        contig = [t.contiguous() if t is not None else None for t in (x, residual, weight, bias)]
-        return _dispatch.kernel("layernorm")(*contig, rng, eps, p, rms, stats, out_dtype)
+    if forward_kernel_ok(x, residual, weight, bias, out_dtype):
+        return _dispatch.kernel("layernorm")(x, residual, weight, bias, rng, eps, p, rms, stats, out_dtype)
     return reference_forward(x, residual, weight, bias, rng, eps, p, rms, stats, out_dtype)
 
 
+def forward_kernel_ok(x, residual, weight, bias, out_dtype) -> bool:
+    return _kernel_ok(x, residual, weight, bias, out_dtype) and _dispatch.use_kernel(FAMILY, x, residual, weight, bias)
+
+
 @layernorm.register_fake
-def _(x, residual, weight, bias, rng, eps, p, rms, stats=True, out_dtype=None):
+def _forward_fake(x, residual, weight, bias, rng, eps, p, rms, stats=True, out_dtype=None):
     _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype)
     hidden = x.shape[-1]
     rows = x.numel() // hidden if stats else 0
@@ -189,7 +197,7 @@ def _(x, residual, weight, bias, rng, eps, p, rms, stats=True, out_dtype=None):
     return y, h, mean, rstd, rng_out
 
 
-def _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype):
+def _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2=None, dy3=None):
     check = _dispatch.check
     for name, t in (("dy", dy), ("h", h), ("mean", mean), ("rstd", rstd), ("rng", rng)):
         check(isinstance(t, torch.Tensor), lambda: f"tk::layernorm_backward: {name} must be a tensor", TypeError)
@@ -200,6 +208,10 @@ def _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtyp
           lambda: f"tk::layernorm_backward: dy {tuple(dy.shape)} {dy.dtype} must be a float tensor of h's shape {tuple(h.shape)}")
     check(dh is None or (dh.shape == h.shape and dh.dtype == h.dtype),
           lambda: f"tk::layernorm_backward: dh must match h in shape and dtype")
+    for name, t in (("dy2", dy2), ("dy3", dy3)):
+        check(t is None or (isinstance(t, torch.Tensor) and t.shape == dy.shape and t.dtype == dy.dtype),
+              lambda: f"tk::layernorm_backward: {name} must match dy in shape and dtype")
+    check(dy3 is None or dy2 is not None, "tk::layernorm_backward: dy3 given without dy2")
     check(weight is None or (tuple(weight.shape) == (hidden,) and weight.dtype in DTYPES),
           lambda: f"tk::layernorm_backward: weight must be a float ({hidden},) tensor, got {tuple(weight.shape)}")
     check(rstd.dtype == torch.float32 and rstd.numel() == rows,
@@ -222,19 +234,24 @@ def layernorm_backward(
     rms: bool,
     has_bias: bool,
     x_dtype: torch.dtype | None = None,
+    dy2: torch.Tensor | None = None,
+    dy3: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype)
+    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2, dy3)
+    if backward_kernel_ok(dy, dh, h, weight, mean, rstd, x_dtype, dy2, dy3):
+        return _dispatch.kernel("layernorm_backward")(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype,
+                                                       dy2, dy3)
+    return reference_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2, dy3)
+
+
+def backward_kernel_ok(dy, dh, h, weight, mean, rstd, x_dtype, dy2=None, dy3=None) -> bool:
     ok = kernel_supports(x_dtype or h.dtype, h.dtype, weight.dtype if weight is not None else None, dy.dtype)
-    if ok and _dispatch.use_kernel(FAMILY, dy, dh, h, weight, mean, rstd):
-        contig = [t.contiguous() if t is not None else None for t in (dy, dh, h, weight)]
-        return _dispatch.kernel("layernorm_backward")(*contig, mean.contiguous(), rstd.contiguous(), rng, p, rms,
-                                                       has_bias, x_dtype)
-    return reference_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype)
+    return ok and _dispatch.use_kernel(FAMILY, dy, dh, h, weight, mean, rstd, dy2, dy3)
 
 
 @layernorm_backward.register_fake
-def _(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype=None):
-    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype)
+def _backward_fake(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype=None, dy2=None, dy3=None):
+    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2, dy3)
     hidden = h.shape[-1]
     x_dtype = x_dtype or h.dtype
     w_dtype = weight_dtype(x_dtype, h.dtype, weight.dtype if weight is not None else None, dy.dtype)

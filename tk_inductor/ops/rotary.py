@@ -103,15 +103,14 @@ def reference(q, k, cos, sin, interleaved, backward, contiguous, out_dtype=None)
 
 # ---------------------------------------------------------------------------- the op
 
-def _kernel_operands(q, k, cos, sin):
-    """Unit last strides, cos/sin padded to q's rank and sharing strides (the kernel indexes both alike)."""
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k is None or k.stride(-1) == 1 else k.contiguous()
-    lead = (1,) * (q.dim() - cos.dim())
-    cos, sin = cos.reshape(lead + tuple(cos.shape)), sin.reshape(lead + tuple(sin.shape))
-    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
-        cos, sin = cos.contiguous(), sin.contiguous()
-    return q, k, cos, sin
+def _unit_last(x: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernel reads rows of the head dim: any strides but a unit last one. (It pads cos/sin to q's rank and
+    copies tables whose strides differ itself.)"""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def kernel_ok(q, k, cos, sin, dtype) -> bool:
+    return kernel_supports(q.dtype, cos.dtype, dtype) and _dispatch.use_kernel(FAMILY, q, k, cos, sin)
 
 
 @torch.library.custom_op("tk::rotary", mutates_args=())
@@ -127,9 +126,9 @@ def rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, cos, sin, interleaved, out_dtype)
     dtype = output_dtype(q, cos, out_dtype)
-    if kernel_supports(q.dtype, cos.dtype, dtype) and _dispatch.use_kernel(FAMILY, q, k, cos, sin):
-        qk, kk, ck, sk = _kernel_operands(q, k, cos, sin)
-        qo, ko = _dispatch.kernel("rotary")(qk, kk, ck, sk, interleaved, backward, contiguous, dtype)
+    if kernel_ok(q, k, cos, sin, dtype):
+        qk, kk = _unit_last(q), _unit_last(k)
+        qo, ko = _dispatch.kernel("rotary")(qk, kk, cos, sin, interleaved, backward, contiguous, dtype)
         if qk is not q:  # a copied input: give the layout the fake impl promised
             qo = _output(q, contiguous, dtype).copy_(qo)
         if k is not None and kk is not k:
@@ -139,7 +138,7 @@ def rotary(
 
 
 @rotary.register_fake
-def _(q, k, cos, sin, interleaved, backward, contiguous, out_dtype=None):
+def _fake(q, k, cos, sin, interleaved, backward, contiguous, out_dtype=None):
     _check(q, k, cos, sin, interleaved, out_dtype)
     dtype = output_dtype(q, cos, out_dtype)
     return _output(q, contiguous, dtype), (_output(k, contiguous, dtype) if k is not None else q.new_empty(0, dtype=dtype))

@@ -8,6 +8,25 @@
 namespace tk_layernorm {
 namespace {
 
+// dy plus the dy_more present at element `at`, kept packed in Y (the sum rounded to Y once, as eager's add of the
+// gradients rounds it; the pipe kernels keep it in fp32).
+template <typename Y>
+__device__ __forceinline__ Pack8<Y> load_dy(const BackwardArgs& a, int64_t at) {
+  const Pack8<Y> dy = load_pack(static_cast<const Y*>(a.dy) + at);
+  if (!a.dy_more[0]) return dy;
+  float sum[8], more[8];
+  unpack(sum, dy);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (a.dy_more[j]) {
+      unpack(more, load_pack(static_cast<const Y*>(a.dy_more[j]) + at));
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[i] += more[i];
+    }
+  }
+  return pack<Y>(sum);
+}
+
 template <class Ty, class S>
 __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
   using H = typename Ty::H;
@@ -44,7 +63,7 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
     for (int v = 0; v < S::VECS; ++v) {
       const int vi = v * S::TPR + lane;
       if (live && vi < nvec) {
-        dy_raw[v] = load_pack(static_cast<const Y*>(a.dy) + base + vi * 8);
+        dy_raw[v] = load_dy<Y>(a, base + vi * 8);
         h_raw[v] = load_pack(static_cast<const H*>(a.h) + base + vi * 8);
         float dy[8], xh[8], wv[8];
         unpack(dy, dy_raw[v]);

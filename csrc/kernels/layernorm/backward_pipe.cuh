@@ -12,8 +12,15 @@
 namespace tk_layernorm {
 namespace {
 
-constexpr int kDy = 0, kH = 1, kDh = 2;  // staged operands
+constexpr int kDy = 0, kH = 1, kDh = 2, kDyMore = 3;  // staged operands (dy_more[j] in slot kDyMore + j)
 constexpr int kStages = 3;               // 3 to 8 stages measured equal (H200)
+
+// Operand slots a call stages: dy and h, then dh, then the dy_more present (an absent dh keeps its slot then).
+__host__ __device__ inline int staged_ops(const BackwardArgs& a) {
+  if (a.dy_more[1]) return kDyMore + 2;
+  if (a.dy_more[0]) return kDyMore + 1;
+  return a.dh ? 3 : 2;
+}
 
 // Registers for 512 resident threads per SM (<= 128 per thread).
 template <class S>
@@ -51,7 +58,21 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kerne
   const H* dh_g = static_cast<const H*>(a.dh);
   const bool has_w = a.weight != nullptr;
   const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
-  const Staging<kChunks<Ty>, S, STAGES, true, !LEAN> st{staging_smem, dh_g ? 3 : 2};
+  const Staging<kChunks<Ty>, S, STAGES, true, !LEAN> st{staging_smem, staged_ops(a)};
+  const Y* dy_more[2] = {static_cast<const Y*>(a.dy_more[0]), static_cast<const Y*>(a.dy_more[1])};
+  // The row's dy: the staged dy plus the staged dy_more, in fp32.
+  const auto read_dy = [&](float (&dy)[8], int stage, int v) {
+    unpack(dy, st.template read<Y>(stage, kDy, v));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (dy_more[j]) {
+        float more[8];
+        unpack(more, st.template read<Y>(stage, kDyMore + j, v));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dy[i] += more[i];
+      }
+    }
+  };
 
   // w is the same for every row this thread sees: copied once into the thread's fixed slot (it lands
   // with the first commit group), or with KEEP loaded once into registers.
@@ -89,6 +110,9 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kerne
           st.copy(stage, kDy, v, dy_g + base + vi * 8);
           st.copy(stage, kH, v, h_g + base + vi * 8);
           if (dh_g) st.copy(stage, kDh, v, dh_g + base + vi * 8);
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            if (dy_more[j]) st.copy(stage, kDyMore + j, v, dy_more[j] + base + vi * 8);
         }
       }
       if (!LEAN || threadIdx.x % 32 == 0) {
@@ -130,7 +154,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kerne
       const int vi = v * S::TPR + lane;
       if (live && vi < nvec) {
         if constexpr (KEEP) {
-          unpack(dyk[v], st.template read<Y>(stage, kDy, v));
+          read_dy(dyk[v], stage, v);
           unpack(xk[v], st.template read<H>(stage, kH, v));
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
@@ -141,7 +165,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kerne
           }
         } else {
           float dy[8], xh[8], wv[8];
-          unpack(dy, st.template read<Y>(stage, kDy, v));
+          read_dy(dy, stage, v);
           unpack(xh, st.template read<H>(stage, kH, v));
           if (has_w) unpack(wv, st.template read_fixed<W>(v));
 #pragma unroll
@@ -170,7 +194,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kerne
           continue;
         }
         float dy[8], xh[8], wv[8], dres[8];
-        unpack(dy, st.template read<Y>(stage, kDy, v));
+        read_dy(dy, stage, v);
         unpack(xh, st.template read<H>(stage, kH, v));
         if (has_w) unpack(wv, st.template read_fixed<W>(v));
         if (dh_g) unpack(dres, st.template read<H>(stage, kDh, v));
@@ -194,7 +218,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kerne
 template <class Ty, class S, bool LEAN>
 size_t staging_bytes(const BackwardArgs& args) {
   constexpr size_t floor = S::ROWS > 1 ? size_t(S::MAX_HIDDEN) * sizeof(float) : 0;  // write_partial's sums
-  const size_t bytes = Staging<kChunks<Ty>, S, kStages, true, !LEAN>::bytes(args.dh ? 3 : 2);
+  const size_t bytes = Staging<kChunks<Ty>, S, kStages, true, !LEAN>::bytes(staged_ops(args));
   return bytes > floor ? bytes : floor;
 }
 
@@ -243,10 +267,13 @@ cudaError_t with_pipe_split(int hidden, F&& f) {
 }
 
 // f(kernel, smem bytes, block, rows per block) for the call's instantiation (LEAN: backward_pipe_lean.cu).
+// fp32 rows (h) are not staged: the register-only kernel (backward.cu) runs them 1.1-1.7x faster on the H200
+// (bf16 branch and fp32 residual stream of autocast at hidden 1024-4096, fp32 throughout at 2048).
 template <bool LEAN, typename F>
 cudaError_t with_kernel(const BackwardArgs& args, F&& f) {
   return with_types(args.dtypes, [&](auto ty) {
-    return with_pipe_split<LEAN>(args.hidden, [&](auto s, auto lean) {
+    if constexpr (std::is_same_v<typename decltype(ty)::H, float>) return cudaErrorNotSupported;
+    else return with_pipe_split<LEAN>(args.hidden, [&](auto s, auto lean) {
       using S = decltype(s);
       return pick<decltype(ty), S, decltype(lean)::value>(args, f, lean ? (S::BLOCK < 256 ? 256 / S::BLOCK : 1) : 0);
     });

@@ -29,6 +29,8 @@ tk_layernorm::DType dtype_of(at::ScalarType t) {
 
 const void* ptr_or_null(const OptTensor& t) { return t && t->defined() ? t->data_ptr() : nullptr; }
 bool present(const OptTensor& t) { return t && t->defined(); }
+// The kernels read row-major operands: a strided one is copied (as the tk:: op's Python path did).
+OptTensor contig(const OptTensor& t) { return present(t) ? OptTensor(t->contiguous()) : t; }
 
 void check_operand(const OptTensor& t, const Tensor& x, int64_t numel, const char* name) {
   if (!present(t)) return;
@@ -74,11 +76,13 @@ tk_layernorm::DropoutArgs dropout_args(double p, const OptTensor& rng) {
 }
 
 // y's dtype is out_dtype, or h's: the residual's, or x's without one.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, const OptTensor& residual,
-                                                             const OptTensor& weight, const OptTensor& bias,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x_in, const OptTensor& residual_in,
+                                                             const OptTensor& weight_in, const OptTensor& bias_in,
                                                              const OptTensor& rng, double eps, double p, bool rms,
                                                              bool stats, std::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK(x.is_cuda() && x.dim() >= 1 && x.is_contiguous(), "tk_cuda::layernorm: x must be a contiguous CUDA tensor");
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() >= 1, "tk_cuda::layernorm: x must be a CUDA tensor");
+  const Tensor x = x_in.contiguous();
+  const OptTensor residual = contig(residual_in), weight = contig(weight_in), bias = contig(bias_in);
   const int64_t hidden = x.size(-1);
   TORCH_CHECK(hidden % 8 == 0 && hidden > 0 && hidden <= tk_layernorm::kMaxHidden,
               "tk_cuda::layernorm: hidden size must be a multiple of 8 in [8, 16384], got ", hidden);
@@ -125,17 +129,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x, co
 }
 
 // dres has h's dtype, dx x_dtype (h's by default; empty when it would equal dres), dw/db the weight's.
-std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, const OptTensor& dh, const Tensor& h,
-                                                              const OptTensor& weight, const Tensor& mean,
-                                                              const Tensor& rstd, const Tensor& rng, double p, bool rms,
-                                                              bool has_bias, std::optional<at::ScalarType> x_dtype) {
-  TORCH_CHECK(h.is_cuda() && h.is_contiguous() && h.dim() >= 1, "tk_cuda::layernorm_backward: h must be a contiguous CUDA tensor");
+std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy_in, const OptTensor& dh_in,
+                                                              const Tensor& h_in, const OptTensor& weight_in,
+                                                              const Tensor& mean_in, const Tensor& rstd_in,
+                                                              const Tensor& rng, double p, bool rms, bool has_bias,
+                                                              std::optional<at::ScalarType> x_dtype,
+                                                              const OptTensor& dy2_in, const OptTensor& dy3_in) {
+  TORCH_CHECK(h_in.is_cuda() && h_in.dim() >= 1, "tk_cuda::layernorm_backward: h must be a CUDA tensor");
+  const Tensor dy = dy_in.contiguous(), h = h_in.contiguous(), mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
+  const OptTensor dh = contig(dh_in), weight = contig(weight_in), dy2 = contig(dy2_in), dy3 = contig(dy3_in);
   const int64_t hidden = h.size(-1);
   TORCH_CHECK(hidden % 8 == 0 && hidden > 0 && hidden <= tk_layernorm::kMaxHidden,
               "tk_cuda::layernorm_backward: hidden size must be a multiple of 8 in [8, 16384], got ", hidden);
   check_operand(h, h, h.numel(), "h");
   check_operand(dy, h, h.numel(), "dy");
   check_operand(dh, h, h.numel(), "dh");
+  check_operand(dy2, h, h.numel(), "dy2");
+  check_operand(dy3, h, h.numel(), "dy3");
+  TORCH_CHECK(!present(dy3) || present(dy2), "tk_cuda::layernorm_backward: dy3 without dy2");
+  for (const OptTensor& t : {dy2, dy3})
+    TORCH_CHECK(!present(t) || t->scalar_type() == dy.scalar_type(), "tk_cuda::layernorm_backward: dy2/dy3 must have dy's dtype");
   check_operand(weight, h, hidden, "weight");
   TORCH_CHECK(!present(dh) || dh->scalar_type() == h.scalar_type(), "tk_cuda::layernorm_backward: dh must have h's dtype");
   const int64_t rows = h.numel() / hidden;
@@ -164,6 +177,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, 
   a.dw = has_weight ? dw.data_ptr() : nullptr;
   a.db = has_bias ? db.data_ptr() : nullptr;
   a.dy = dy.data_ptr();
+  a.dy_more[0] = ptr_or_null(dy2);
+  a.dy_more[1] = ptr_or_null(dy3);
   a.dh = ptr_or_null(dh);
   a.h = h.data_ptr();
   a.weight = ptr_or_null(weight);
@@ -191,7 +206,8 @@ TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def("layernorm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, Tensor? rng, float eps, float p, bool rms, "
         "bool stats=True, ScalarType? out_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("layernorm_backward(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor mean, Tensor rstd, Tensor rng, "
-        "float p, bool rms, bool has_bias, ScalarType? x_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
+        "float p, bool rms, bool has_bias, ScalarType? x_dtype=None, Tensor? dy2=None, Tensor? dy3=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {

@@ -52,6 +52,8 @@ struct BackwardArgs {
   void* db;                // (hidden,) or nullptr
   float* partial;          // workspace: (2, backward_blocks, hidden) fp32
   const void* dy;
+  const void* dy_more[2];  // nullable: further gradients of y, summed with dy in fp32 (autograd's sum of the
+                           // gradients from the norm's several consumers, e.g. the q/k/v projections, fused)
   const void* dh;          // nullable: gradient arriving at h from its other uses
   const void* h;           // the normalised input (x when h was not stored)
   const void* weight;      // nullable
@@ -75,8 +77,9 @@ cudaError_t forward(const ForwardArgs& args, cudaStream_t stream);
 int backward_blocks(const BackwardArgs& args);
 cudaError_t backward(const BackwardArgs& args, cudaStream_t stream);
 
-// The persistent kernels (backward_pipe*.cu). blocks 0 / cudaErrorNotSupported: their staging does not fit in
-// shared memory (fp32 rows at the largest hidden sizes); the register-only kernel of backward.cu runs instead.
+// The persistent kernels (backward_pipe*.cu). blocks 0 / cudaErrorNotSupported: fp32 rows h (the register-only
+// kernel of backward.cu runs those faster), or staging that does not fit in shared memory; the register-only
+// kernel runs instead.
 namespace pipe {
 int backward_blocks(const BackwardArgs& args);
 cudaError_t backward(const BackwardArgs& args, int blocks, cudaStream_t stream);

@@ -57,10 +57,26 @@ tk_rotary::Operand operand(const Tensor& x, const Tensor& out, const Tensor& cos
 }
 
 // y's dtype: out_dtype, or what eager's x * cos + rot(x) * sin gives (x's and the tables' dtypes promoted).
-std::tuple<Tensor, Tensor> rotary(const Tensor& q, const std::optional<Tensor>& k, const Tensor& cos, const Tensor& sin,
-                                  bool interleaved, bool backward, bool contiguous, std::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK(q.is_cuda() && cos.is_cuda() && sin.is_cuda(), "tk_cuda::rotary: inputs must be CUDA tensors");
-  TORCH_CHECK(sin.scalar_type() == cos.scalar_type(), "tk_cuda::rotary: cos and sin must have one dtype");
+// cos/sin of a lower rank than q are padded with leading unit dims (a view); the kernel indexes both tables with
+// one set of strides and a unit last stride, so tables that differ there are copied (they are small).
+std::tuple<Tensor, Tensor> tables(const Tensor& q, const Tensor& cos, const Tensor& sin) {
+  TORCH_CHECK(cos.dim() <= q.dim() && cos.sizes() == sin.sizes(), "tk_cuda::rotary: cos and sin must have one shape, of at most q's rank");
+  auto padded = [&](const Tensor& t) {
+    auto sizes = t.sizes().vec();
+    sizes.insert(sizes.begin(), q.dim() - t.dim(), 1);
+    return t.reshape(sizes);
+  };
+  Tensor c = padded(cos), s = padded(sin);
+  if (c.strides() != s.strides() || c.stride(-1) != 1) c = c.contiguous(), s = s.contiguous();
+  return {c, s};
+}
+
+std::tuple<Tensor, Tensor> rotary(const Tensor& q, const std::optional<Tensor>& k, const Tensor& cos_in,
+                                  const Tensor& sin_in, bool interleaved, bool backward, bool contiguous,
+                                  std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(q.is_cuda() && cos_in.is_cuda() && sin_in.is_cuda(), "tk_cuda::rotary: inputs must be CUDA tensors");
+  TORCH_CHECK(sin_in.scalar_type() == cos_in.scalar_type(), "tk_cuda::rotary: cos and sin must have one dtype");
+  const auto [cos, sin] = tables(q, cos_in, sin_in);
   const at::ScalarType out_type = out_dtype.value_or(c10::promoteTypes(q.scalar_type(), cos.scalar_type()));
   const bool has_k = k && k->defined();
   if (has_k) TORCH_CHECK(k->is_cuda() && k->scalar_type() == q.scalar_type() && k->size(-1) == q.size(-1), "tk_cuda::rotary: k must match q");
