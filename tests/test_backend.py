@@ -358,14 +358,29 @@ def test_bad_options_raise():
 
 @pytest.fixture
 def captured_patches(monkeypatch):
+    """The Inductor config patches each compile gets, less our own post-grad pass (always set, chained in front of
+    the user's: test_post_grad_pass_is_ours_and_chains_the_users)."""
     seen = []
 
     def fake_compile_fx(gm, example_inputs, config_patches=None, **kwargs):
-        seen.append(dict(config_patches or {}))
+        patches = dict(config_patches or {})
+        ours = patches.pop("post_grad_custom_post_pass")
+        assert getattr(ours, "_tk_inductor", False)
+        seen.append(patches)
         return gm.forward
 
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
     return seen
+
+
+def test_post_grad_pass_is_ours_and_chains_the_users(monkeypatch):
+    seen = []
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx",
+                        lambda gm, ex, config_patches=None, **kw: seen.append(config_patches) or gm.forward)
+    user = lambda graph: None  # noqa: E731
+    torch.compile(f, backend="thunderkittens", options={"post_grad_custom_post_pass": user})(torch.randn(3))
+    ours = seen[0]["post_grad_custom_post_pass"]
+    assert ours._tk_inductor and ours.chained is user
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
@@ -437,8 +452,9 @@ def no_inductor_caches():
 
 @pytest.fixture
 def no_pre_grad_pass():
-    """Inductor's pre_grad_custom_pass unset for the test and restored after it."""
-    with torch._inductor.config.patch(pre_grad_custom_pass=None):
+    """Inductor's pre_grad_custom_pass (and the post-grad pass installed beside it) unset for the test and restored
+    after it."""
+    with torch._inductor.config.patch(pre_grad_custom_pass=None, post_grad_custom_post_pass=None):
         yield
 
 
@@ -456,7 +472,7 @@ def test_pre_grad_pass_chains_a_user_pass(no_inductor_caches):
             return "user-pass-v1"
 
     user = UserPass()
-    with inductor_config.patch(pre_grad_custom_pass=user):
+    with inductor_config.patch(pre_grad_custom_pass=user, post_grad_custom_post_pass=None):
         backend.install_pre_grad_pass()
         backend.install_pre_grad_pass()  # idempotent
         ours = inductor_config.pre_grad_custom_pass
