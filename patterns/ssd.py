@@ -27,7 +27,7 @@ from tk_inductor.patterns.linear_attention import (arg, shapes_eq, contraction, 
                                                    eq, is_tensor, is_triangle, kind, peel_to, scalar, static_int, shape, strip, unify,
                                                    upcast_source)
 from tk_inductor import config
-from tk_inductor.rewrite import Match
+from tk_inductor.rewrite import Match, Squeeze
 
 FAMILY = "ssd"
 
@@ -39,6 +39,42 @@ class _NoMatch(Exception):
 def _need(cond, why: str):
     if not cond:
         raise _NoMatch(why)
+
+
+def _full_index(index, rank: int):
+    """A getitem index as one entry per dim: Ellipsis expanded, trailing dims as full slices (None: an index this
+    matcher does not read, such as a tensor or a new axis)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if index.count(Ellipsis) > 1 or any(i is None or not isinstance(i, (int, slice, type(Ellipsis))) for i in index):
+        return None
+    if Ellipsis in index:
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (rank - len(index) + 1) + index[k + 1:]
+    return index + (slice(None),) * (rank - len(index))
+
+
+def _indexes(node, index) -> bool:
+    """`node` is `t[index]`, in any spelling of the same index (`t[:, :, :, -1]`, `t[..., -1]`)."""
+    if kind(node) != "getitem" or shape(node.args[0]) is None:
+        return False
+    rank = len(shape(node.args[0]))
+    got = _full_index(node.args[1], rank)
+    return got is not None and got == _full_index(index, rank)
+
+
+def _last_keepdim(node, src) -> bool:
+    """`node` is src[..., -1:], in one of its spellings: src[..., -1].unsqueeze(-1), src[..., -1, None]."""
+    if _indexes(node, (Ellipsis, slice(-1, None))):
+        return strip(node.args[0]) is src
+    if kind(node) == "unsqueeze" and arg(node, 1, "dim") in (-1, len(shape(node)) - 1):
+        inner = strip(node.args[0])
+        return _indexes(inner, (Ellipsis, -1)) and strip(inner.args[0]) is src
+    index = node.args[1] if kind(node) == "getitem" else None
+    if isinstance(index, tuple) and len(index) >= 2 and index[-1] is None and None not in index[:-1]:
+        rank = len(shape(node.args[0]))
+        full = _full_index(index[:-1], rank)
+        return full == _full_index((Ellipsis, -1), rank) and strip(node.args[0]) is src
+    return False
 
 
 def _single_user(node):
@@ -189,7 +225,7 @@ def _verify(anchor, yd_node, yo_node, diag, a) -> Match:
 
     # chunk-start states: new_states[:, :-1], new_states = Σ_z decay_chunk · cat([h0, states])
     starts = strip(off["S"])
-    _need(kind(starts) == "getitem" and starts.args[1] == (slice(None), slice(None, -1, None)), "chunk-start states")
+    _need(_indexes(starts, (slice(None), slice(None, -1))), "chunk-start states")
     new_states = strip(starts.args[0])
     ns_c = contraction(new_states)
     inter = unify(ns_c, [("DC", "bhts"), ("T", "bshpn")], "bthpn")
@@ -198,8 +234,7 @@ def _verify(anchor, yd_node, yo_node, diag, a) -> Match:
     _need(kind(padded_last) == "pad" and tuple(arg(padded_last, 1, "pad")) == (1, 0)
           and scalar(arg(padded_last, 3, "value", 0) or 0) == 0.0, "chunk decays not padded by one")
     last = strip(padded_last.args[0])
-    _need(kind(last) == "getitem" and last.args[1] == (slice(None), slice(None), slice(None), -1)
-          and strip(last.args[0]) is acum, "chunk decays are not cumsum[..., -1]")
+    _need(_indexes(last, (Ellipsis, -1)) and strip(last.args[0]) is acum, "chunk decays are not cumsum[..., -1]")
     cat = strip(inter["T"])
     parts = arg(cat, 0, "tensors")
     _need(kind(cat) == "cat" and arg(cat, 1, "dim", 0) in (1, -4) and len(parts) == 2, "states concatenation")
@@ -212,8 +247,7 @@ def _verify(anchor, yd_node, yo_node, diag, a) -> Match:
     _need(kind(ds) == "exp" and kind(strip(ds.args[0])) == "sub", "decay to chunk end")
     sub = strip(ds.args[0])
     tail = strip(sub.args[0])
-    _need(strip(sub.args[1]) is acum and kind(tail) == "getitem" and strip(tail.args[0]) is acum
-          and tail.args[1] == (slice(None), slice(None), slice(None), slice(-1, None, None)), "decay to chunk end")
+    _need(strip(sub.args[1]) is acum and _last_keepdim(tail, acum), "decay to chunk end")
 
     # the inputs
     padded = shape(strip(Xc).args[0])[1]  # the padded length (nc·chunk, not simplified when symbolic)
@@ -230,16 +264,16 @@ def _verify(anchor, yd_node, yo_node, diag, a) -> Match:
     _need(shapes_eq(shape(B_src), shape(C_src)), "B and C groups differ")
 
     y_node, D = _output(anchor, b, padded, length, h, p, x_dt)
-    final = next((u for u in new_states.users if kind(u) == "getitem" and u.args[1] == (slice(None), -1)), None)
+    final = next((u for u in new_states.users if _indexes(u, (slice(None), -1))), None)
     x_arg = strip(x_dt)
     tensors = [x_arg, upcast_source(dt_x), upcast_source(A_node), B_src, C_src, D, h0]
-    examples = [example(t) for t in tensors if t is not None]
+    examples = [example(t.node if isinstance(t, Squeeze) else t) for t in tensors if t is not None]
     reason = None
     if any(e.dtype not in (torch.float32, torch.bfloat16, torch.float16) for e in examples):
         reason = f"dtypes {sorted({str(e.dtype) for e in examples})}"
     elif dtype(y_node) != dtype(x_arg):
         reason = f"output dtype {dtype(y_node)} differs from x's {dtype(x_arg)}"
-    elif final is not None and dtype(final) != torch.float32:
+    elif final is not None and dtype(final) not in (torch.float32, torch.bfloat16, torch.float16):
         reason = f"final state dtype {dtype(final)}"
     elif examples[0].device.type == "cuda" and not config.current().reference:
         reason = _ops.kernel_supports(shape(B_src)[-1], shape(x_arg)[-1])
@@ -257,11 +291,13 @@ def _verify(anchor, yd_node, yo_node, diag, a) -> Match:
         # spellings compile to matmuls that beat it (0.3-0.6x at the op), so those keep Inductor in training
         reference_backward_faster=kind(strip(yd_node)) == "sum",
         device=examples[0].device,
+        # the op keeps the state in fp32; a recurrence computed in 16 bits returned it in 16 bits
+        output_dtypes={1: torch.float32} if final is not None and dtype(final) != torch.float32 else {},
     )
 
 
 def _initial_state(node, expected_shape):
-    """zeros / zeros_like (no initial state) -> None; h0[:, None] (upcast) -> h0."""
+    """zeros / zeros_like (no initial state) -> None; h0[:, None] (upcast) -> h0; any other T0 -> T0.squeeze(1)."""
     node = strip(node)
     _need(shapes_eq(shape(node), expected_shape), "initial state shape")
     if kind(node) in ("zeros_like", "new_zeros") or (
@@ -269,8 +305,8 @@ def _initial_state(node, expected_shape):
         return None
     node = upcast_source(node)
     h0 = peel_to(node, "bxhpn", "bhpn")
-    _need(h0 is not None, "initial state is not h0[:, None]")
-    return upcast_source(h0)
+    # any other (b, 1, h, p, n) tensor (made in another graph, at a graph break): the op takes it squeezed
+    return upcast_source(h0) if h0 is not None else Squeeze(node, 1)
 
 
 def _output_length(anchor, b, padded, h, p) -> int:

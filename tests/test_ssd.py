@@ -13,6 +13,11 @@ from tolerance import summed
 from tk_inductor import config, rewrite
 from tk_inductor.ops import ssd as ops
 
+try:  # the einops spellings (rearrange, repeat) run where einops is installed (the test extra)
+    import einops
+except ImportError:
+    einops = None
+
 OPTIONS = {"reference": True, "inner": "aot_eager"}
 
 
@@ -151,24 +156,55 @@ def ssd_mul_sum(x, dt, A, B, C, chunk, D=None, h0=None, *, segsum_diagonal=-1, o
     return y, final
 
 
-def ssd_minimal(X, A, B, C, block_len, initial_states=None):
-    """mamba_ssm's ssd_minimal_discrete (4-operand einsums), with reshape/permute for einops."""
+def ssd_minimal(X, A, B, C, block_len, initial_states=None, spelling=()):
+    """mamba_ssm's ssd_minimal_discrete, the Mamba-2 paper's listing (4-operand einsums), with einops' rearrange as
+    reshape/permute (or einops itself), in the spellings people write it: chunks by reshape with explicit sizes, -1
+    or view; chunk ends indexed [:, :, :, -1:] or [..., -1:], kept as unsqueeze(-1) or [..., -1, None]."""
     b, l, h, p = X.shape
-    X, A, B, C = (t.reshape(b, l // block_len, block_len, *t.shape[2:]) for t in (X, A, B, C))
-    A = A.permute(0, 3, 1, 2)
+    if "einops" in spelling:
+        X, A, B, C = (einops.rearrange(t, "b (c l) ... -> b c l ...", l=block_len) for t in (X, A, B, C))
+        A = einops.rearrange(A, "b c l h -> b h c l")
+    else:
+        if "minus-one" in spelling:
+            X, A, B, C = (t.reshape(b, -1, block_len, *t.shape[2:]) for t in (X, A, B, C))
+        elif "view" in spelling:
+            X, A, B, C = (t.view(b, l // block_len, block_len, *t.shape[2:]) for t in (X, A, B, C))
+        else:
+            X, A, B, C = (t.reshape(b, l // block_len, block_len, *t.shape[2:]) for t in (X, A, B, C))
+        A = A.permute(0, 3, 1, 2)
     A_cumsum = torch.cumsum(A, dim=-1)
     L = torch.exp(_segsum(A, einops_like=True))
     Y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, L, X)
-    decay_states = torch.exp(A_cumsum[:, :, :, -1:] - A_cumsum)
+    if "unsqueeze" in spelling:
+        end = A_cumsum[..., -1].unsqueeze(-1)
+    elif "new-axis" in spelling:
+        end = A_cumsum[..., -1, None]
+    else:
+        end = A_cumsum[..., -1:] if "ellipsis" in spelling else A_cumsum[:, :, :, -1:]
+    decay_states = torch.exp(end - A_cumsum)
     states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay_states, X)
     if initial_states is None:
         initial_states = torch.zeros_like(states[:, :1])
     states = torch.cat([initial_states, states], dim=1)
-    decay_chunk = torch.exp(_segsum(F.pad(A_cumsum[:, :, :, -1], (1, 0)), einops_like=True))
+    ends = A_cumsum[..., -1] if "ellipsis" in spelling else A_cumsum[:, :, :, -1]
+    decay_chunk = torch.exp(_segsum(F.pad(ends, (1, 0)), einops_like=True))
     new_states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
     states, final_state = new_states[:, :-1], new_states[:, -1]
     Y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states, torch.exp(A_cumsum))
-    return (Y_diag + Y_off).reshape(b, l, h, p), final_state
+    return (Y_diag + Y_off).reshape(b, -1 if "minus-one" in spelling else l, h, p), final_state
+
+
+def _heads(G, h, spelling):
+    """Groups to heads: repeat_interleave, an expand and reshape of the same layout, einops' repeat, or tiled
+    (head i takes group i % groups: another model, matched with the per-head tensor itself)."""
+    b, l, g, n = G.shape
+    if "expand" in spelling:
+        return G[:, :, :, None].expand(b, l, g, h // g, n).reshape(b, l, h, n)
+    if "tile" in spelling:
+        return G[:, :, None].expand(b, l, h // g, g, n).reshape(b, l, h, n)
+    if "einops-repeat" in spelling:
+        return einops.repeat(G, "b l g n -> b l (g r) n", r=h // g)
+    return G.repeat_interleave(h // g, dim=2)
 
 
 class MulSumSSD(nn.Module):
@@ -183,14 +219,16 @@ class MulSumSSD(nn.Module):
 
 
 class MinimalSSD(nn.Module):
-    def __init__(self, chunk=8, h0=True):
+    def __init__(self, chunk=8, h0=True, spelling=(), dtype=None):
         super().__init__()
-        self.chunk, self.h0 = chunk, h0
+        self.chunk, self.h0, self.spelling, self.dtype = chunk, h0, spelling, dtype
 
     def forward(self, x, dt, A, B, C, D, h0, dt2):
-        Bh = B.repeat_interleave(x.shape[2] // B.shape[2], dim=2)
-        Ch = C.repeat_interleave(x.shape[2] // C.shape[2], dim=2)
-        return ssd_minimal(x * dt[..., None], A * dt, Bh, Ch, self.chunk, h0[:, None] if self.h0 else None)
+        Bh, Ch = (_heads(G, x.shape[2], self.spelling) for G in (B, C))
+        if self.dtype is not None:  # computed in bf16 throughout, as the listing does with bf16 inputs
+            x, dt, A, Bh, Ch = (t.to(self.dtype) for t in (x, dt, A, Bh, Ch))
+        return ssd_minimal(x * dt[..., None], A * dt, Bh, Ch, self.chunk, h0[:, None] if self.h0 else None,
+                           self.spelling)
 
 
 def _spelling_inputs(l=21, requires_grad=False):
@@ -233,6 +271,45 @@ def test_mul_sum_spelling_is_replaced_and_equal(l, D, h0):
 @pytest.mark.parametrize("h0", [False, True])
 def test_ssd_minimal_spelling_is_replaced_and_equal(h0):
     _compile_and_compare(MinimalSSD(chunk=8, h0=h0), _spelling_inputs(l=24, requires_grad=True))
+
+
+@pytest.mark.parametrize("spelling", [("minus-one",), ("view",), ("ellipsis",), ("unsqueeze",), ("new-axis",),
+                                      ("expand",), ("tile",), ("einops",), ("einops-repeat",),
+                                      ("minus-one", "ellipsis", "new-axis", "expand")], ids="+".join)
+def test_ssd_minimal_spellings_are_replaced_and_equal(spelling):
+    if einops is None and any(s.startswith("einops") for s in spelling):
+        pytest.skip("einops is not installed")
+    _compile_and_compare(MinimalSSD(chunk=8, h0=True, spelling=spelling), _spelling_inputs(l=24, requires_grad=True))
+
+
+class MinimalSSDStateInput(nn.Module):
+    """The listing given its initial state as a (b, 1, h, p, n) tensor made elsewhere (another graph)."""
+
+    def forward(self, x, dt, A, B, C, D, h0, dt2):
+        Bh, Ch = (_heads(G, x.shape[2], ()) for G in (B, C))
+        return ssd_minimal(x * dt[..., None], A * dt, Bh, Ch, 8, h0.unsqueeze(1).contiguous() * 1.0)
+
+
+def test_ssd_minimal_with_an_initial_state_tensor():
+    report = _compile_and_compare(MinimalSSDStateInput(), _spelling_inputs(l=24, requires_grad=True))
+    assert report.replaced == {"ssd": 1}
+
+
+def test_ssd_minimal_in_bf16_is_replaced_with_the_eager_dtypes():
+    """Computed in bf16 throughout: the op accumulates in fp32 and returns y and the final state in bf16 (the state
+    cast from the op's fp32), close to the eager bf16 listing and closer to its fp64 value."""
+    module = MinimalSSD(chunk=8, h0=False, dtype=torch.bfloat16)
+    args = _spelling_inputs(l=24)
+    torch._dynamo.reset()
+    tk_inductor.reset()
+    out = torch.compile(module, backend="thunderkittens", options=OPTIONS)(*args)
+    assert tk_inductor.report().replaced.get("ssd") == 1, tk_inductor.report().kept
+    eager = module(*args)
+    exact = MinimalSSD(chunk=8, h0=False, dtype=torch.float64)(*args)
+    for o, e, x in zip(out, eager, exact):
+        assert o.dtype == e.dtype == torch.bfloat16
+        err = lambda a: float((a.double() - x).norm() / x.norm())  # noqa: E731
+        assert err(o) < 1e-2 and err(o) <= err(e) * 1.5, (err(o), err(e))
 
 
 def test_rewritten_op_arguments():

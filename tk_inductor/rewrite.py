@@ -42,15 +42,39 @@ class RewriteError(RuntimeError):
     """Raised in strict mode where the default policy would warn and pass through."""
 
 
+class Derived:
+    """A match argument computed from a graph node by one tensor method, inserted in front of the op when the match
+    is replaced (`node` is the field every subclass has)."""
+
+    node: fx.Node
+
+    def method(self) -> tuple[str, tuple]:
+        raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
-class Cast:
-    """A match argument: `node.to(dtype)`, inserted in front of the op when the match is replaced. A matcher
-    that looks through a cast (autocast's, made explicit) to the tensor behind views of it hands the op that
-    tensor cast instead: fewer bytes where the views repeat it (GQA's repeat_kv), and the cast stands alone
-    where a producer op can write its dtype directly (rotary)."""
+class Cast(Derived):
+    """`node.to(dtype)`. A matcher that looks through a cast (autocast's, made explicit) to the tensor behind views
+    of it hands the op that tensor cast instead: fewer bytes where the views repeat it (GQA's repeat_kv), and the
+    cast stands alone where a producer op can write its dtype directly (rotary)."""
 
     node: fx.Node
     dtype: torch.dtype
+
+    def method(self):
+        return "to", (self.dtype,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Squeeze(Derived):
+    """`node.squeeze(dim)`: a tensor the replaced code used with an extra unit axis (an SSD's initial state handed
+    in as (b, 1, h, p, n) from another graph)."""
+
+    node: fx.Node
+    dim: int
+
+    def method(self):
+        return "squeeze", (self.dim,)
 
 
 @dataclasses.dataclass
@@ -67,6 +91,9 @@ class Match:
     # runs the reference; config.reference_backward forces the same for a whole family)
     reference_backward_faster: bool = False
     device: torch.device | None = None  # device of the inputs (from example values)
+    # output index -> the op's dtype there, where the replaced code's output has another (an SSD computed in bf16
+    # throughout returns a bf16 final state, the op an fp32 one): the op's output is cast to the replaced dtype
+    output_dtypes: dict[int, torch.dtype] = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------- helpers for matchers
@@ -214,14 +241,15 @@ def _carried_meta(node: fx.Node) -> dict:
 
 
 def _materialize_casts(graph: fx.Graph, value: Any, before: fx.Node) -> Any:
-    """`value` with every Cast turned into a `.to(dtype)` node inserted before `before`."""
-    if isinstance(value, Cast):
+    """`value` with every Derived argument turned into its method's node, inserted before `before`."""
+    if isinstance(value, Derived):
+        name, args = value.method()
         with graph.inserting_before(before):
-            cast = graph.call_method("to", (value.node, value.dtype))
+            derived = graph.call_method(name, (value.node, *args))
         src = example(value.node)
         if isinstance(src, torch.Tensor):
-            cast.meta["example_value"] = src.to(value.dtype)
-        return cast
+            derived.meta["example_value"] = getattr(src, name)(*args)
+        return derived
     if isinstance(value, (list, tuple)):
         return type(value)(_materialize_casts(graph, v, before) for v in value)
     if isinstance(value, dict):
@@ -250,8 +278,10 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
         remap[m.outputs[0]] = call
         return present
     examples = [example(o) if o is not None else None for o in m.outputs]
+    ops = [e.to(m.output_dtypes[i]) if i in m.output_dtypes and isinstance(e, torch.Tensor) else e
+           for i, e in enumerate(examples)]
     if all(e is not None for e in examples):
-        call.meta["example_value"] = tuple(examples)
+        call.meta["example_value"] = tuple(ops)
     anchor = call
     for i, out in enumerate(m.outputs):
         if out is None:
@@ -259,9 +289,14 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
         with graph.inserting_after(anchor):
             item = graph.call_function(operator.getitem, (call, i))
         item.meta.update(_carried_meta(out))
-        out.replace_all_uses_with(item)
-        remap[out] = item
         anchor = item
+        if i in m.output_dtypes:
+            item.meta["example_value"] = ops[i]
+            with graph.inserting_after(item):
+                anchor = graph.call_method("to", (item, example(out).dtype))
+            anchor.meta.update(_carried_meta(out))
+        out.replace_all_uses_with(anchor)
+        remap[out] = anchor
     return present
 
 
@@ -282,8 +317,8 @@ def _resolve(m: Match, remap: dict[fx.Node, fx.Node]) -> bool:
         return node
 
     def resolve(value):
-        if isinstance(value, Cast):
-            return Cast(current(value.node), value.dtype)
+        if isinstance(value, Derived):
+            return dataclasses.replace(value, node=current(value.node))
         if isinstance(value, (list, tuple)):
             return type(value)(resolve(v) for v in value)
         if isinstance(value, dict):
@@ -295,7 +330,7 @@ def _resolve(m: Match, remap: dict[fx.Node, fx.Node]) -> bool:
     nodes = [o for o in m.outputs if o is not None]
 
     def collect(value):
-        if isinstance(value, Cast):
+        if isinstance(value, Derived):
             nodes.append(value.node)
         elif isinstance(value, (list, tuple)):
             for v in value:
