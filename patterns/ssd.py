@@ -179,8 +179,8 @@ def _heads_from_groups(node, heads: int):
     node = upcast_source(node)
     if kind(node) == "repeat_interleave":
         src = upcast_source(node.args[0])
-        reps = arg(node, 1, "repeats")
-        _need(arg(node, 2, "dim") in (2, -2) and isinstance(reps, int) and eq(shape(src)[2] * reps, heads),
+        reps = example(arg(node, 1, "repeats"))  # one count for every group (a tensor of counts is another layout)
+        _need(arg(node, 2, "dim") in (2, -2) and isinstance(reps, (int, torch.SymInt)) and eq(shape(node)[2], heads),
               "B/C: repeat_interleave over heads")
         return src
     _need(eq(shape(node)[2], heads), "B/C: group count")

@@ -282,6 +282,20 @@ def test_ssd_minimal_spellings_are_replaced_and_equal(spelling):
     _compile_and_compare(MinimalSSD(chunk=8, h0=True, spelling=spelling), _spelling_inputs(l=24, requires_grad=True))
 
 
+def test_ssd_minimal_dynamic_lengths():
+    """dynamic=True: one compile serves two lengths (the repeat_interleave count is symbolic then)."""
+    torch._dynamo.reset()
+    tk_inductor.reset()
+    module = MinimalSSD(chunk=8, h0=True)
+    compiled = torch.compile(module, backend="thunderkittens", options=OPTIONS, dynamic=True)
+    for l in (24, 40):
+        args = _spelling_inputs(l=l)
+        for o, w in zip(compiled(*args), module(*args)):
+            torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-5)
+    report = tk_inductor.report()
+    assert report.replaced == {"ssd": 1} and len(report.graphs) == 1, report
+
+
 class MinimalSSDStateInput(nn.Module):
     """The listing given its initial state as a (b, 1, h, p, n) tensor made elsewhere (another graph)."""
 
