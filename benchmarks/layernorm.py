@@ -16,19 +16,7 @@ Then the public API: the same norms written as models write them (`rms_norm(x + 
 under autocast with an fp32 residual stream), compiled with backend="thunderkittens" beside default torch.compile,
 forward and forward+backward: the kernel as Inductor's surrounding graph sees it.
 
-Measured 2026-11-30 (session 12, f593f9b), one H200 (torch 2.11, Triton 3.6, fla-core 0.6.0), copy ceiling 4272 GB/s:
-    case (bf16, rows 65536)      ours GB/s (% copy)  torch.compile  FLA    ours/compile  ours/FLA
-    ln+residual 1024   fwd       4064 (95%)          4058           4015   1.00          1.01
-    ln+residual 2048   fwd       4167 (98%)          3922           4154   1.06          1.00
-    ln+residual 4096   fwd       4135 (97%)          3948           4112   1.05          1.01
-    ln+residual 8192   fwd       4182 (98%)          4051           4122   1.03          1.01
-    rms+residual 4096  fwd       4124 (97%)          3203           4123   1.29          1.00
-    ln+residual 1024   bwd       3672 (86%)          2563*          800    1.43          4.59
-    ln+residual 2048   bwd       3876 (91%)          3239           1332   1.20          2.91
-    ln+residual 4096   bwd       3920 (92%)          3375           2152   1.16          1.82
-    ln+residual 8192   bwd       4242 (99%)          3229           3199   1.31          1.33
-    rms+residual 4096  bwd       3943 (92%)          1669           2325   2.36          1.70
-    (* torch.compile's 1024 backward ran 0.209-0.490 ms in the session's runs; FLA's 1024 forward 1664-4015 GB/s.)
+Measured numbers, with their dates and commits: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 

@@ -287,7 +287,7 @@ def _verify(anchor, yd_node, yo_node, diag, a) -> Match:
         needs_grad=bool(getattr(example(y_node), "requires_grad", False)),
         has_backward_kernel=_ops.BACKWARD_KERNEL_VALIDATED,  # the backward kernels, once validated on the GPU
         # without them: HF Mamba2's broadcast-multiply-and-sum chains: Inductor makes slow kernels of them, and the reference's
-        # batched autograd trained HF Mamba2 4.0x faster (H200, benchmarks/RESULTS.md, session 8); einsum
+        # batched autograd trained HF Mamba2 4.0x faster (H200, benchmarks/RESULTS.md); einsum
         # spellings compile to matmuls that beat it (0.3-0.6x at the op), so those keep Inductor in training
         reference_backward_faster=kind(strip(yd_node)) == "sum",
         device=examples[0].device,

@@ -48,8 +48,8 @@ REFERENCE_CHUNK = 64
 # The CUDA kernels (csrc/kernels/linear_attention/based.cu, based_backward.cu): Based, bf16, dk 16, dv a multiple of
 # 64.
 KERNEL_DK, KERNEL_DV_TILE = 16, 64
-# The backward kernel, validated on the H200 in session 9 (tests/test_linear_attention_gpu.py). False: the backward op
-# and the matcher fall back to the reference (what to set while a changed kernel awaits its GPU run).
+# The backward kernel is validated on the GPU by tests/test_linear_attention_gpu.py. False: the backward op and the
+# matcher fall back to the reference (what to set while a changed kernel awaits its GPU run).
 BACKWARD_KERNEL_VALIDATED = True
 
 

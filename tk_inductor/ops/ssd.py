@@ -21,8 +21,6 @@ binding forms the rest; the reference recomputes the forward and differentiates 
 """
 from __future__ import annotations
 
-import functools
-import os
 
 import torch
 
@@ -33,7 +31,7 @@ FAMILY = "ssd"
 # The CUDA kernels (csrc/kernels/ssd/ssd.cu, ssd_backward.cu): state size n 64 or 128, head dim p a multiple of 64;
 # bf16 tensor-core products with fp32 states (inputs in other dtypes are converted by its binding).
 KERNEL_STATE_SIZES, KERNEL_P_TILE = (64, 128), 64
-# The backward kernels (csrc/kernels/ssd/ssd_backward.cu), validated on the H200 in session 9 (tests/test_ssd_gpu.py).
+# The backward kernels (csrc/kernels/ssd/ssd_backward.cu) are validated on the GPU by tests/test_ssd_gpu.py.
 # False: the backward op and the matcher fall back to the reference (while a changed kernel awaits its GPU run).
 BACKWARD_KERNEL_VALIDATED = True
 
@@ -157,125 +155,6 @@ def ssd_recurrence(x, dt, A, B, C, D=None, initial_state=None):
     return y.to(x.dtype), h
 
 
-# ---------------------------------------------------------------------------- sequence split (small grids)
-
-# The kernels run one block per (batch, head, 64 head dims) and walk the whole sequence: at the e2e Mamba2's b1 nh32
-# that is 32 blocks on 132 SMs. Split into S segments, the sequence runs as S times the blocks: the kernels take
-# (b·S, l/S) views, and small batched products carry the state across segments. Forward: segments after the first
-# start from zero, then get their true initial state's share, read out through C. Backward: the true initial state
-# and the true end-of-segment gradient of every segment are formed first (the forward's and the backward's state
-# recurrences, one product per segment), so every kernel output is exact (fp64 on the CPU; the GPU tests passed on
-# the H200 in session 10). Off by default because it is slower where it applies: at b1 l4096 nh32 the forward took
-# 0.46 ms against 0.30 unsplit and fwd+bwd 2.40 against 1.43 (the batched state products and segment copies cost more
-# than the idle SMs; the backward's 32-head-dim variant took 1.28). TK_SSD_SPLIT=1 turns it on.
-SPLIT_BY_DEFAULT = False
-SPLIT_MIN_TOKENS = 512  # a segment's tokens at least: 8 chunks, so the per-block start-up stays small
-
-
-def split_segments(b: int, l: int, nh: int, p: int, sms: int) -> int:
-    """Segments for the kernels' grid of b·nh·p/64 blocks on `sms` SMs: the largest power of two S with S times the
-    blocks still in one wave, 64·S dividing l and l/S ≥ SPLIT_MIN_TOKENS; 1 = no split."""
-    blocks, S = b * nh * (p // KERNEL_P_TILE), 1
-    while 2 * S * blocks <= sms and l % (2 * S * 64) == 0 and l // (2 * S) >= SPLIT_MIN_TOKENS:
-        S *= 2
-    return S
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _split_enabled() -> bool:
-    """SPLIT_BY_DEFAULT, unless TK_SSD_SPLIT says otherwise ("0" off, "1" on)."""
-    value = os.environ.get("TK_SSD_SPLIT", "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"TK_SSD_SPLIT must be 0 or 1, got {value!r}")
-    return SPLIT_BY_DEFAULT if value == "" else value == "1"
-
-
-def _segments_for(x: torch.Tensor) -> int:
-    """S for the kernels' grid on x's device (1 unless the split is enabled)."""
-    if not _split_enabled():
-        return 1
-    b, l, nh, p = x.shape
-    return split_segments(b, l, nh, p, _sm_count(x.device))
-
-
-def _by_segment(t: torch.Tensor, S: int) -> torch.Tensor:
-    """(b, l, ...) -> (b·S, l/S, ...): segments as batch entries (a copy where the strides do not allow a view)."""
-    return t.reshape(t.shape[0] * S, t.shape[1] // S, *t.shape[2:])
-
-
-def _segment_log_decays(dt, A, S: int, acc: torch.dtype) -> torch.Tensor:
-    """Λ (b, S, L, nh): the inclusive cumulative sum of a = dt·A inside each segment."""
-    b, l, nh = dt.shape
-    return (dt.to(acc) * A.to(acc)).reshape(b, S, l // S, nh).cumsum(2)
-
-
-def _group_product(rows: torch.Tensor, cols: torch.Tensor, ng: int) -> torch.Tensor:
-    """Σ_t rows_t ⊗ cols_t per segment: rows (b, S, L, nh, p), cols (b, S, L, ng, n) (head h reads group
-    h // (nh / ng)) -> (b, S, nh, p, n)."""
-    b, S, L, nh, p = rows.shape
-    out = torch.einsum("bslgrp,bslgn->bsgrpn", rows.reshape(b, S, L, ng, nh // ng, p), cols.to(rows.dtype))
-    return out.reshape(b, S, nh, p, cols.shape[-1])
-
-
-def ssd_split(forward, x, dt, A, B, C, D, initial_state, S: int):
-    """tk::ssd's (y, final_state) as `forward` (the raw op's signature, without chunk_size) on S segments."""
-    b, l, nh, p = x.shape
-    ng, n, L, acc = B.shape[2], B.shape[3], l // S, _acc(x)
-    starts = x.new_zeros(b, S, nh, p, n, dtype=acc)
-    if initial_state is not None:
-        starts[:, 0] = initial_state.to(acc)
-    # x in fp32: the raw op then returns y unrounded (it converts x for its kernel itself), so the carried share
-    # below is added before y's one rounding
-    y, ends = forward(_by_segment(x, S).to(acc), _by_segment(dt, S), A, _by_segment(B, S), _by_segment(C, S), D,
-                      starts.reshape(b * S, nh, p, n))
-    y, ends = y.reshape(b, S, L, nh, p).to(acc), ends.reshape(b, S, nh, p, n).to(acc)
-    lam = _segment_log_decays(dt, A, S, acc)
-    keep = torch.exp(lam[:, :, -1])[..., None, None]  # (b, S, nh, 1, 1): a segment's decay end to end
-    state, carried = ends[:, 0], []
-    for s in range(1, S):  # the state entering segment s, and the one leaving it
-        carried.append(state)
-        state = keep[:, s] * state + ends[:, s]
-    if carried:  # y_t += exp(Λ_t) (H_s C_t) for the tokens of segments 1..S-1
-        H = torch.stack(carried, 1).reshape(b, S - 1, ng, nh // ng, p, n)
-        Cs = C.reshape(b, S, L, ng, n)[:, 1:].to(acc)
-        share = torch.einsum("bslgn,bsgrpn->bslgrp", Cs, H).reshape(b, S - 1, L, nh, p)
-        y[:, 1:] += torch.exp(lam[:, 1:])[..., None] * share
-    return y.reshape(b, l, nh, p).to(x.dtype), state
-
-
-def ssd_split_backward(backward, grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size, S: int):
-    """tk::ssd_backward's gradients as `backward` (the raw op's signature) on S segments, each given its true
-    initial state and the true gradient at its end."""
-    b, l, nh, p = x.shape
-    ng, n, L, acc = B.shape[2], B.shape[3], l // S, _acc(x)
-    lam = _segment_log_decays(dt, A, S, acc)  # (b, S, L, nh)
-    keep = torch.exp(lam[:, :, -1])[..., None, None]
-    X = (dt.to(acc).unsqueeze(-1) * x.to(acc)).reshape(b, S, L, nh, p)
-    # each segment's state from zero (Σ_t exp(Λ_end − Λ_t) X_t B_tᵀ), and from the back Σ_t exp(Λ_t) dy_t C_tᵀ
-    local = _group_product(X * torch.exp(lam[:, :, -1:] - lam)[..., None], B.reshape(b, S, L, ng, n), ng)
-    pulled = _group_product(grad_y.to(acc).reshape(b, S, L, nh, p) * torch.exp(lam)[..., None],
-                            C.reshape(b, S, L, ng, n), ng)
-    starts = [x.new_zeros(b, nh, p, n, dtype=acc) if initial_state is None else initial_state.to(acc)]
-    for s in range(1, S):
-        starts.append(keep[:, s - 1] * starts[-1] + local[:, s - 1])
-    ends = [grad_state.to(acc)]  # ∂L/∂(state at the end of segment s), last segment first
-    for s in range(S - 1, 0, -1):
-        ends.append(keep[:, s] * ends[-1] + pulled[:, s])
-    ends.reverse()
-    h0 = torch.stack(starts, 1).reshape(b * S, nh, p, n)
-    dh = torch.stack(ends, 1).reshape(b * S, nh, p, n)
-    dx, ddt, dA, dB, dC, dD, dinit = backward(_by_segment(grad_y, S), dh, _by_segment(x, S), _by_segment(dt, S), A,
-                                              _by_segment(B, S), _by_segment(C, S), D, h0, chunk_size)
-    # segment 0's (a copy: not a view keeping all S segments' alive); absent: empty, as the op's fake
-    dinit = dinit.reshape(b, S, nh, p, n)[:, 0].to(initial_state.dtype).clone() if initial_state is not None \
-        else x.new_empty(0)
-    return dx.reshape(x.shape), ddt.reshape(dt.shape), dA, dB.reshape(B.shape), dC.reshape(C.shape), dD, dinit
-
-
 # ---------------------------------------------------------------------------- the ops
 
 # Explicit schemas: the contract `tk_cuda::` kernels register verbatim (a plain `int` chunk size, not
@@ -293,10 +172,7 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
     _validate(x, dt, A, B, C, D, initial_state, chunk_size)
     if x.dtype != torch.float64 and kernel_supports(B.shape[-1], x.shape[-1]) is None \
             and _dispatch.use_kernel(FAMILY, x, dt, A, B, C, D, initial_state):
-        raw, S = _dispatch.kernel("ssd"), _segments_for(x)
-        if S > 1:
-            return ssd_split(lambda *args: raw(*args, chunk_size), x, dt, A, B, C, D, initial_state, S)
-        return raw(x, dt, A, B, C, D, initial_state, chunk_size)
+        return _dispatch.kernel("ssd")(x, dt, A, B, C, D, initial_state, chunk_size)
     return ssd_reference(x, dt, A, B, C, D, initial_state, chunk_size)
 
 
@@ -325,10 +201,7 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
     if BACKWARD_KERNEL_VALIDATED and x.dtype != torch.float64 and kernel_supports(B.shape[-1], x.shape[-1]) is None \
             and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
             and _dispatch.has_kernel("ssd_backward"):
-        raw, S = _dispatch.kernel("ssd_backward"), _segments_for(x)
-        if S > 1:
-            return ssd_split_backward(raw, grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size, S)
-        return raw(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
+        return _dispatch.kernel("ssd_backward")(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
     return _reference_grads(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
 
 

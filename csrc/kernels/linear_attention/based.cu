@@ -151,7 +151,7 @@ const char* launch_tile(const BasedArgs& a, cudaStream_t stream) {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-// Measured on H200 (benchmarks/RESULTS.md, session 8): a block of 32 columns takes ~0.77 of the time of one of 64
+// Measured on the H200 (benchmarks/RESULTS.md): a block of 32 columns takes ~0.77 of the time of one of 64
 // (the feature maps are built in both), so the split pays only when the doubled grid still fits in one wave
 // (B4 H16 dv64, 64 blocks: 0.33 ms vs 0.42); at 256 blocks it is 1.5x slower.
 int choose_variant(const BasedArgs& a) {

@@ -408,7 +408,7 @@ const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream) {
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
   if (a.variant < BASED_AUTO || a.variant >= BASED_VARIANTS) return "variant must be 0 or 1 (or BASED_AUTO)";
   // BASED_AUTO: 32 value columns per block (twice the blocks) where the forward takes them, when the doubled grid
-  // still fits in one wave. Measured on H200 (RESULTS.md, session 10), fwd+bwd: B4 H16 N4096 2.14 ms vs 2.36; at
+  // still fits in one wave. Measured on the H200 (RESULTS.md), fwd+bwd: B4 H16 N4096 2.14 ms vs 2.36; at
   // B16 (256 blocks) 7.9 ms vs 5.4.
   const long long blocks = (long long)a.B * a.H * (a.dv / BASED_DV_TILE);
   const int variant = a.variant == BASED_AUTO ? (tk::grid::waves_of(2 * blocks, 1) == 1 ? 1 : 0) : a.variant;

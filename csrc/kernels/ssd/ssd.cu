@@ -183,7 +183,7 @@ const char* launch_n(const Args& a, cudaStream_t stream) {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-// Measured on H200 (benchmarks/RESULTS.md, session 8): two blocks per SM (1) is 9-16% faster than one (0) once
+// Measured on the H200 (benchmarks/RESULTS.md): two blocks per SM (1) is 9-16% faster than one (0) once
 // the grid of 64-head-dim blocks spans more than one wave; a grid that fills at most half the SMs runs faster as
 // twice the blocks of 32 head dims (2: b1 nh32 p64 0.30 ms vs 0.36), and in between one wave of (0) is best.
 int choose_variant(const Args& a) {

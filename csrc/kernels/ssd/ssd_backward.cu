@@ -387,7 +387,7 @@ const char* launch_backward(const BwdArgs& a, cudaStream_t stream) {
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
   if (a.variant < AUTO || a.variant >= BWD_VARIANTS) return "variant must be 0 or 1 (or AUTO)";
   // AUTO: 32 head dims per block (twice the blocks) where the forward takes them, a grid of 64-head-dim blocks
-  // filling at most half the SMs. Measured on H200 (RESULTS.md, session 10), fwd+bwd: b1 l4096 nh32 1.28 ms vs
+  // filling at most half the SMs. Measured on the H200 (RESULTS.md), fwd+bwd: b1 l4096 nh32 1.28 ms vs
   // 1.43; at b16 nh80 (1280 blocks) 21.0 ms vs 13.5.
   const long long blocks = (long long)a.b * a.nh * (a.p / P_TILE);
   const bool p32 = a.variant == AUTO ? 2 * blocks <= tk::grid::sm_count() : a.variant == 1;
