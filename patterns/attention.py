@@ -62,12 +62,10 @@ dims other than 64/128.
 
 Dtype/head-dim policy in reference mode: those two limits belong to the CUDA kernels, not to the
 op (whose reference accepts any float dtype and head dim). So they are checked only when a kernel
-would run: inputs on CUDA and reference mode off (`config.current().reference`, i.e.
-TK_INDUCTOR_REFERENCE or `tk_inductor.config.patch(reference=True)`). On other devices the op only
-ever runs its reference, so reference-mode CPU tests in fp32 are replaced, and without reference
-mode the shared check keeps them for their device. `find()` is not handed the per-compile options,
-so `options={"reference": True}` with CUDA inputs still applies the kernel limits (conservative:
-such subgraphs are kept, never wrongly replaced).
+would run: inputs on CUDA and reference mode off in the compile's resolved config (`find(graph, cfg)`:
+TK_INDUCTOR_REFERENCE, `tk_inductor.config.patch(reference=True)` or `options={"reference": True}`). On
+other devices the op only ever runs its reference, so reference-mode CPU tests in fp32 are replaced, and
+without reference mode the shared check keeps them for their device.
 """
 from __future__ import annotations
 
@@ -1099,10 +1097,10 @@ def _dropout_ok(node: fx.Node) -> None:
 
 
 class _Finder:
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, cfg: config.Config | None = None):
         self.graph = graph
         self.masks = _MaskEval()
-        self.reference = config.current().reference
+        self.reference = (cfg or config.current()).reference
 
     # ------------------------------------------------------------------ shared checks and the match
     def _match(self, out: fx.Node, qo: _Operand, ko: _Operand, vo: _Operand, causal: bool, scale: float,
@@ -1425,8 +1423,8 @@ class _Finder:
         raise _Keep(f"`{n.name}` ({name or n.target}) between the softmax and the value product")
 
 
-def find(graph: fx.Graph) -> Iterator[Match]:
-    finder = _Finder(graph)
+def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterator[Match]:
+    finder = _Finder(graph, cfg)
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method"):
             continue

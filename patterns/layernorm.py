@@ -292,7 +292,7 @@ def _eps_ok(eps: Any) -> bool:
     return isinstance(eps, fx.Node) and isinstance(example(eps), torch.SymFloat)
 
 
-def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype) -> str | None:
+def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype, cfg: config.Config) -> str | None:
     th = _tensor(norm.h)
     if th is None:
         return "no example value for the norm input"
@@ -325,7 +325,7 @@ def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype) -> str | Non
     out = _tensor(norm.out)
     if out is None or tuple(out.shape) != tuple(th.shape) or out_dtype not in layernorm_ops.DTYPES:
         return f"output {getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))} is not a float tensor of h's shape"
-    if tx.device.type == "cuda" and not config.current().reference:
+    if tx.device.type == "cuda" and not cfg.reference:
         w = next(iter(dtypes)) if dtypes else None
         if not layernorm_ops.kernel_supports(tx.dtype, th.dtype, w, out_dtype):
             return f"no kernel for x {tx.dtype}, h {th.dtype}, weight {w}, output {out_dtype}"
@@ -343,7 +343,8 @@ def _gated(h: fx.Node) -> bool:
     return ops is not None and any(_is(_strip_casts(o), _SILU, "silu") for o in ops)
 
 
-def find(graph: fx.Graph) -> Iterable[Match]:
+def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
+    cfg = cfg or config.current()
     for node in list(graph.nodes):
         shape = None
         found = _functional_norm(node)
@@ -366,7 +367,7 @@ def find(graph: fx.Graph) -> Iterable[Match]:
             # The gate's product would be a kernel of its own writing fp32 rows for the norm to read back, where
             # Inductor fuses it into its norm kernel: kept until the kernel takes the gate.
             reason = "gated norm (x * silu(z)): the op has no gate input, and Inductor fuses the product into its norm"
-        reason = reason or _check(norm, shape, x, residual, out_dtype)
+        reason = reason or _check(norm, shape, x, residual, out_dtype, cfg)
         tx = _tensor(x)
         needs_grad = any(
             (t := _tensor(n)) is not None and t.requires_grad for n in (x, residual, norm.weight, norm.bias) if n is not None

@@ -837,7 +837,7 @@ def _normaliser(o, M, fq, fk, scale):
     return o, None
 
 
-def _match(node) -> Match | None:
+def _match(node, cfg: config.Config) -> Match | None:
     quad = _numerator_quadratic(node)
     if quad is not None:
         M, A, v = quad
@@ -901,7 +901,7 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps) -> Match:
         reason = "q/k/v shapes disagree"
     elif fm == "hedgehog" and (len(shape(qw)) not in (2, 3) or not eq(shape(qw)[-1], shape(kw)[-1])):
         reason = "hedgehog weights of different shapes"
-    elif examples[0].device.type == "cuda" and not config.current().reference:
+    elif examples[0].device.type == "cuda" and not cfg.reference:
         reason = _ops.kernel_supports(fm, examples[2].dtype, shape(q)[-1], shape(v)[-1], qw is not None)
     return Match(
         family=FAMILY,
@@ -917,13 +917,14 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps) -> Match:
     )
 
 
-def find(graph: fx.Graph) -> Iterable[Match]:
+def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
+    cfg = cfg or config.current()
     matches = []
     for node in list(graph.nodes):
         if kind(node) not in ("matmul", "einsum", "sum", "mul"):
             continue
         try:
-            m = _match(node)
+            m = _match(node, cfg)
         except _Kept as why:
             m = Match(family=FAMILY, outputs=[node], reason=str(why))
         except (ZeroDivisionError, TypeError, IndexError, AttributeError, KeyError, ValueError, RuntimeError):

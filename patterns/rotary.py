@@ -310,7 +310,8 @@ def _depends(node: fx.Node, on: fx.Node) -> bool:
     return False
 
 
-def find(graph: fx.Graph) -> Iterable[Match]:
+def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
+    cfg = cfg or config.current()
     singles = []
     for node in list(graph.nodes):
         found = _anchor(node)
@@ -330,7 +331,7 @@ def find(graph: fx.Graph) -> Iterable[Match]:
         out_dtype = None
         if reason is None and (fused := fused_cast(out, rotary_ops.DTYPES)) is not None:
             out, out_dtype = fused
-        if reason is None and tx.device.type == "cuda" and not config.current().reference:
+        if reason is None and tx.device.type == "cuda" and not cfg.reference:
             dtype = out_dtype or to.dtype
             if not rotary_ops.kernel_supports(tx.dtype, tc.dtype, dtype):
                 reason = f"no kernel for x {tx.dtype}, cos/sin {tc.dtype}, output {dtype}"

@@ -189,7 +189,7 @@ def _heads_from_groups(node, heads: int):
 
 # ---------------------------------------------------------------------------- the walk
 
-def _match(anchor) -> Match | None:
+def _match(anchor, cfg: config.Config) -> Match | None:
     if kind(anchor) != "add" or not (is_tensor(anchor.args[0]) and is_tensor(anchor.args[1])) or len(shape(anchor) or ()) != 5:
         return None
     for yd_node, yo_node in ((anchor.args[0], anchor.args[1]), (anchor.args[1], anchor.args[0])):
@@ -204,12 +204,12 @@ def _match(anchor) -> Match | None:
     except _NoMatch:
         return None
     try:
-        return _verify(anchor, yd_node, yo_node, diag, a)
+        return _verify(anchor, yd_node, yo_node, diag, a, cfg)
     except _NoMatch as why:
         return Match(family=FAMILY, outputs=[anchor], reason=f"SSD-like subgraph not provably Mamba-2 SSD ({why})")
 
 
-def _verify(anchor, yd_node, yo_node, diag, a) -> Match:
+def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
     Cc, Bc, Xc = diag["C"], diag["B"], diag["X"]
     b, nc, _, h, p = shape(Xc)
     n = shape(Bc)[-1]
@@ -275,7 +275,7 @@ def _verify(anchor, yd_node, yo_node, diag, a) -> Match:
         reason = f"output dtype {dtype(y_node)} differs from x's {dtype(x_arg)}"
     elif final is not None and dtype(final) not in (torch.float32, torch.bfloat16, torch.float16):
         reason = f"final state dtype {dtype(final)}"
-    elif examples[0].device.type == "cuda" and not config.current().reference:
+    elif examples[0].device.type == "cuda" and not cfg.reference:
         reason = _ops.kernel_supports(shape(B_src)[-1], shape(x_arg)[-1])
     return Match(
         family=FAMILY,
@@ -355,13 +355,14 @@ def _output(anchor, b, padded, length, h, p, x_f):
     return node, D
 
 
-def find(graph: fx.Graph) -> Iterable[Match]:
+def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
+    cfg = cfg or config.current()
     matches = []
     for node in list(graph.nodes):
         if kind(node) != "add":
             continue
         try:
-            m = _match(node)
+            m = _match(node, cfg)
         except (_NoMatch, TypeError, IndexError, AttributeError, KeyError, ValueError, RuntimeError):
             m = None  # not SSD (or not one we can read)
         if m is not None:

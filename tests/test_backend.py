@@ -48,7 +48,7 @@ def _sine_backward(ctx, grad):
 _sine.register_autograd(_sine_backward, setup_context=_sine_setup)
 
 
-def find_sin(graph, *, has_backward_kernel=True):
+def find_sin(graph, cfg=None, *, has_backward_kernel=True):
     for node in graph.nodes:
         is_sin = (node.op == "call_function" and node.target in (torch.sin, torch.Tensor.sin)) or (
             node.op == "call_method" and node.target == "sin"
@@ -166,7 +166,7 @@ def test_allowlist_keeps_without_warning(fake_family, monkeypatch):
 
 
 def test_training_without_backward_kernel_is_kept(monkeypatch):
-    monkeypatch.setattr(rewrite, "_family_finders", lambda: {FAKE_FAMILY: lambda g: find_sin(g, has_backward_kernel=False)})
+    monkeypatch.setattr(rewrite, "_family_finders", lambda: {FAKE_FAMILY: lambda g, cfg: find_sin(g, has_backward_kernel=False)})
     fn = lambda x: torch.sin(x)  # noqa: E731
     # Reference mode has a reference backward, so it replaces.
     _compile(fn, reference=True, inner="aot_eager")(torch.randn(3, requires_grad=True))
@@ -207,14 +207,14 @@ def test_logger(fake_family, caplog):
 
 
 def _broken_find(message):
-    def find(graph):
+    def find(graph, cfg):
         raise RuntimeError(message)
 
     return find
 
 
 def test_matcher_exception_warns_once_and_passes_through(monkeypatch):
-    def half_broken(graph):
+    def half_broken(graph, cfg):
         # Replace one sin first, then fail: the graph must come back untouched.
         yield from list(find_sin(graph))[:1]
         raise RuntimeError("matcher bug")
@@ -328,7 +328,7 @@ def test_kernel_build_failure_is_kept_with_reason(monkeypatch):
     """A family whose kernels fail to build keeps its subgraphs (one warning), others still run."""
     from tk_inductor import build
 
-    def find_cuda_sin(graph):
+    def find_cuda_sin(graph, cfg):
         for m in find_sin(graph):
             m.device = torch.device("cuda", 0)  # as if the inputs were on an H100/H200
             yield m
@@ -490,7 +490,7 @@ def test_backend_does_not_rewrite_twice_with_pre_grad_pass(fake_family, no_induc
 
 
 def test_pre_grad_pass_failure_passes_through(monkeypatch, no_inductor_caches, no_pre_grad_pass):
-    def half_broken(graph):
+    def half_broken(graph, cfg):
         yield from list(find_sin(graph))[:1]
         raise RuntimeError("pre-grad matcher bug")
 
@@ -516,7 +516,7 @@ _FAKE_FAMILY_SRC = textwrap.dedent(
 
     def install_fake_family():
         from tk_inductor import rewrite
-        def find(graph):
+        def find(graph, cfg):
             for n in graph.nodes:
                 if n.op == "call_function" and n.target is torch.sin:
                     x = rewrite.example(n.args[0])

@@ -3,7 +3,7 @@
 Autocast's casts are made explicit first (tk_inductor/autocast.py), so a graph compiled under `torch.autocast`
 is matched as in one precision. Each family lives in `tk_inductor.patterns.<family>` and exposes
 
-    def find(graph: torch.fx.Graph) -> Iterable[Match]
+    def find(graph: torch.fx.Graph, cfg: Config) -> Iterable[Match]
 
 returning every occurrence of its computation. A matcher fills `Match.reason`
 itself when the computation is recognised but cannot be proven equal to the
@@ -403,7 +403,7 @@ def run(gm: fx.GraphModule, cfg: Config, *, recurse: bool = True) -> tuple[Graph
         changed = autocast.make_explicit(graph) > 0
         remap: dict[fx.Node, fx.Node] = {}
         for family, find in finders.items():
-            for m in list(find(graph)):
+            for m in list(find(graph, cfg)):
                 if m.family != family:
                     raise RewriteError(f"matcher of {family!r} returned a match for {m.family!r}")
                 reason, is_failure = (m.reason, False) if m.reason else _shared_reason(m, cfg)
