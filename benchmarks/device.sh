@@ -3,16 +3,12 @@
 # (default: the quick op set). Logs land in $OUT (the device tool's folder) or ./device-logs.
 #   bash benchmarks/device.sh                       # build + GPU tests + quick op benchmarks
 #   BENCH="--ops attention --e2e --models llama-eager --quick" bash benchmarks/device.sh
-#   TESTS=0 SWEEPS="attn ln" SWEEP_ARGS_attn=--no-forward BENCH="--ops none" bash benchmarks/device.sh
-#                                                   # build + the variant sweeps (attention: backward only)
-#   TEST_K="not v0 and not v2" bash benchmarks/device.sh                       # a pytest -k filter for the GPU tests
-#   TESTS=0 SWEEPS=attn SWEEP_ARGS_attn="--no-forward --tokens 4096" SWEEP_ENVS="TK_ATTN_BWD_ORDER=heads \
-#     TK_ATTN_BWD_ORDER=sections" BENCH=none bash benchmarks/device.sh        # one sweep per setting, side by side
+#   TEST_K="attention" bash benchmarks/device.sh                               # a pytest -k filter for the GPU tests
 #   TEST_K=test_distributed DIST="ddp fsdp2" BENCH=none bash benchmarks/device.sh   # 2 GPUs: the engines (issue 7)
 # The device's copy of .git is stale: pass TK_BENCH_COMMIT=<the commit you shipped> so results.json names it (it also
 # records the kernel sources' hash), and join runs done in parts with `python -m benchmarks --merge`.
 # Baselines that travel as wheels (e.g. fla-core for the layernorm table): put them in .whl/ and carry it; they are
-# installed into /tmp/site first. Each step has its own time limit (seconds: TEST_TIMEOUT, SWEEP_TIMEOUT,
+# installed into /tmp/site first. Each step has its own time limit (seconds: TEST_TIMEOUT, DIST_TIMEOUT,
 # BENCH_TIMEOUT), so one slow step cannot take the whole call.
 set -uo pipefail
 # Libraries built ahead by benchmarks/prebuild.sh and carried in .tkcache/ are loaded instead of built.
@@ -31,18 +27,6 @@ if [ "${TESTS:-1}" != 0 ]; then
   timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests ${TEST_K:+-k "$TEST_K"} 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -v DEBUG | tail -15
 fi
-for sweep in ${SWEEPS:-}; do  # attn, ln, rot: python -m benchmarks.sweep_<name>, JSON next to the log
-  args="SWEEP_ARGS_$sweep"      # per-sweep arguments, e.g. SWEEP_ARGS_attn=--no-forward
-  # SWEEP_ENVS="A=1 A=2": the sweep once under each setting (logs sweep_<name>_A-1.log ..., JSON in $OUT/A-1/);
-  # "-" = as is
-  for env in ${SWEEP_ENVS:--}; do
-    tag=${env/#-/}; name=${tag//[^A-Za-z0-9_.-]/-}  # file names without '=' (the device returns plain names)
-    log="$OUT/sweep_$sweep${name:+_$name}.log"; json_dir="$OUT${name:+/$name}"; mkdir -p "$json_dir"
-    [ -n "$tag" ] && echo "== sweep $sweep under $tag"
-    OUT="$json_dir" timeout ${SWEEP_TIMEOUT:-300} env ${tag:+"$tag"} python3 -m benchmarks.sweep_$sweep ${!args:-} \
-      2>&1 | tee "$log" | tail -${SWEEP_TAIL:-40}
-  done
-done
 for engine in ${DIST:-}; do  # ddp, fsdp2: benchmarks.distributed under torchrun, ours and torch.compile default
   timeout ${DIST_TIMEOUT:-300} python3 -m torch.distributed.run --nproc-per-node "${NPROC:-2}" -m benchmarks.distributed \
     --engine "$engine" --baseline ${DIST_ARGS:-} 2>&1 | tee "$OUT/dist_$engine.log" | grep -v DEBUG | tail -3

@@ -3,12 +3,10 @@
 #   TK_BENCH_COMMIT=<sha> bash benchmarks/device_full.sh "tests ops gpt2-medium" "llama-sdpa llama-eager"
 #   TK_BENCH_COMMIT=<sha> E2E_TIMEOUT=230 bash benchmarks/device_full.sh "mamba2" "based build"
 # jobs: tests (GPU tests; TEST_K: a pytest -k filter), ops (every op benchmark), ops:<list> (those ops, e.g.
-# ops:ssd,attention; ops:<list>@NAME=value runs them with that variable set, e.g. ops:attention@TK_ATTN_BWD_VARIANT=9),
+# ops:ssd,attention; ops:<list>@NAME=value runs them with that variable set),
 # timeline:<list>[@NAME=value] (benchmarks.profile_backward --timeline: kernel times and the gaps between them, do_bench
 # style), profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under Nsight Compute: speed of
-# light, memory, occupancy, warp stalls; NCU_METRICS: more metrics, comma-separated), sweep_ln (layernorm variants: SWEEP_LN_FWD, SWEEP_LN_BWD lists, default
-# all; sweep_ln:NAME=value runs it with that variable set, e.g. TK_GRID_WAVES=2), sweep_attn (attention variants;
-# SWEEP_ATTN_ARGS, e.g. "--no-backward --variants 1,6"), build (--build), or an e2e model name
+# light, memory, occupancy, warp stalls; NCU_METRICS: more metrics, comma-separated), build (--build), or an e2e model name
 # (E2E_MODES=thunderkittens: only those modes, e.g. a slow model's modes split over two calls; E2E_ENV="NAME=value
 # ...": the environment of the e2e jobs only). Each job gets at most what is left of BUDGET seconds (default 545,
 # under the device's 600 s per call), and each part writes its own results.json (saved after every part, so a
@@ -51,11 +49,6 @@ job() {  # gpu name
              --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
              --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS}" \
              python3 -m benchmarks.profile_backward --ops ${2#ncu:} --steps 1 --ncu >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
-    sweep_ln|sweep_ln:*) local tag=${2#sweep_ln}; tag=${tag#:}; local dir="$OUT${tag:+/sweep_ln_$tag}"; mkdir -p "$dir"
-      env ${tag:+$tag} OUT="$dir" timeout $left python3 -m benchmarks.sweep_ln --no-compile \
-        ${SWEEP_LN_FWD:+--variants-fwd $SWEEP_LN_FWD} ${SWEEP_LN_BWD:+--variants-bwd $SWEEP_LN_BWD} \
-        >"$OUT/sweep_ln${tag:+_$tag}.log" 2>&1 ;;
-    sweep_attn) timeout $left python3 -m benchmarks.sweep_attn ${SWEEP_ATTN_ARGS:-} >"$OUT/sweep_attn.log" 2>&1 ;;
     build) timeout $left python3 -m benchmarks --ops none --build --out "$OUT/build" >"$OUT/build.log" 2>&1 ;;
     *) env ${E2E_ENV:-} timeout $left python3 -m benchmarks --ops none --e2e --models $2 --e2e-timeout ${E2E_TIMEOUT:-170} \
          ${E2E_MODES:+--modes $E2E_MODES} --out "$OUT/$2" >"$OUT/$2.log" 2>&1 ;;

@@ -1188,22 +1188,3 @@ def test_attention_masked_warns_once_when_the_kernel_cannot_take_the_mask(monkey
         warnings.simplefilter("error")
         torch.ops.tk.attention_masked(q, k, v, masks["random"], 0.25)  # said already
     assert A.masked_paths["sdpa"] == 2 and A.masked_paths["value checks"] == 2
-
-
-def test_variant_lists_match_the_kernels():
-    """The GPU tests and the sweep cover every attention kernel variant the sources define."""
-    import re
-    from pathlib import Path
-
-    from benchmarks import sweep_attn
-    from tests import test_attention_gpu as gpu
-
-    src = Path(__file__).resolve().parent.parent / "csrc" / "kernels" / "attention"
-    bwd = int(re.search(r"constexpr int BWD_VARIANTS = (\d+);", (src / "backward.cu").read_text()).group(1))
-    assert list(gpu.BWD_VARIANTS) == list(sweep_attn.BWD_VARIANTS) == list(range(bwd))
-    for names in sweep_attn.BWD_VARIANT_NAMES.values():
-        assert sorted(names) == list(range(bwd))
-    fwd = int(re.search(r"int attention_forward_variants\(\) \{ return (\d+); \}", (src / "forward.cu").read_text()).group(1))
-    assert list(gpu.FWD_VARIANTS) == list(sweep_attn.VARIANTS) == list(range(fwd))
-    for names in sweep_attn.VARIANT_NAMES.values():
-        assert sorted(names) == list(range(fwd))

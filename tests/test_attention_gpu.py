@@ -18,16 +18,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+# The kernels each call runs follow from the head dim, the mask and the scale (csrc/kernels/attention/README.md):
+# the forward's ping-pong configuration per (D, causal), its serial one for scale <= 0, and the dynamic task schedule
+# under a causal mask; the backward's configuration per D, in L2 sections of heads under a causal mask.
 LENGTHS = (1, 17, 128, 1000, 4096)
-# Forward kernel variants (TK_ATTN_FWD_VARIANT; see csrc/kernels/attention/README.md).
-FWD_VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7)
-# TK_ATTN_BWD_VARIANT; at D = 64, 2 to 4 are the 128-row q tile kernel (other padding and tails),
-# at D = 128 2 and 3 the 64-row kernel with dS^T double-buffered (3: and a 3-stage ring); 4 reads
-# lse2/delta from the ring stage (bulk-copied by the producer) instead of global memory; 5 is 4 with dQ by key
-# halves at D = 128 (each consumer all 128 columns over its own 64 keys) and the 64-row kernel with 4's stats at D = 64;
-# 6 is 4 with the mask branched around (the masked and unmasked steps run different code), 7 is 5 with it;
-# 8 is 6 with dK and dV stored by TMA from shared memory (keys past M clipped by the TMA unit).
-BWD_VARIANTS = tuple(range(18))
 OUT_TOL = 1e-2  # relative (norm-wise) error vs fp32, bf16/fp16 outputs
 GRAD_TOL = 2e-2
 
@@ -98,14 +92,8 @@ def _id(c):
     return f"B{B}-H{Hq}:{Hkv}-N{N}-M{M}-D{D}-{str(dtype)[6:]}-{'causal' if causal else 'full'}"
 
 
-@pytest.fixture(params=FWD_VARIANTS, ids=lambda v: f"v{v}")
-def variant(request, monkeypatch):
-    monkeypatch.setenv("TK_ATTN_FWD_VARIANT", str(request.param))
-    return request.param
-
-
 @pytest.mark.parametrize("case", forward_cases(), ids=_id)
-def test_forward(ops, case, variant):
+def test_forward(ops, case):
     B, Hq, Hkv, N, M, D, dtype, causal = case
     q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype)
     scale = 1.0 / math.sqrt(D)
@@ -121,55 +109,38 @@ def test_forward(ops, case, variant):
     torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
 
 
-def dynamic_cases():
-    """A quarter of the forward cases, the odd lengths, and tasks enough that blocks fetch several each."""
-    cases = forward_cases()
-    big = [(3, 8, 2, 4096, 4096, D, torch.bfloat16, causal) for D in (64, 128) for causal in (False, True)]
-    return cases[::4] + [c for c in cases if c[3] == 1000 and c[4] == 1000] + big
+@pytest.mark.parametrize("case", [(3, 8, 2, 4096, 4096, D, torch.bfloat16, causal) for D in (64, 128)
+                                  for causal in (False, True)], ids=_id)
+def test_forward_many_tasks(ops, case):
+    """Tasks enough that every block takes several: under a causal mask from the dynamic schedule's counter, each
+    task exactly once; without one, the static shares."""
+    test_forward(ops, case)
 
 
-@pytest.mark.parametrize("case", dynamic_cases(), ids=_id)
-@pytest.mark.parametrize("schedule", ["static", "dynamic"])
-def test_forward_schedule(ops, case, variant, schedule, monkeypatch):
-    """Each schedule forced, as the default takes dynamic with a causal mask and static without one.
-    dynamic: blocks take tasks from a counter; every task must run exactly once."""
-    monkeypatch.setenv("TK_ATTN_FWD_SCHEDULE", schedule)
-    test_forward(ops, case, variant)
-
-
-@pytest.mark.parametrize("schedule", ["static", "dynamic"])
-def test_forward_in_cuda_graph(ops, schedule, monkeypatch):
-    """Captured once, replayed on new inputs: the dynamic schedule's counter is zeroed by a memset node in the
-    graph, so every replay runs every task (a counter left at its end would leave the poisoned output)."""
-    monkeypatch.setenv("TK_ATTN_FWD_SCHEDULE", schedule)
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_in_cuda_graph(ops, causal):
+    """Captured once, replayed on new inputs: the dynamic schedule's counter (causal) is zeroed by a memset node in
+    the graph, so every replay runs every task (a counter left at its end would leave the poisoned output)."""
     static = list(make_inputs(2, 8, 2, 1000, 1000, 128, torch.bfloat16, seed=3))
-    ops.attention(*static, True, 0.088)  # load and warm up outside the capture
+    ops.attention(*static, causal, 0.088)  # load and warm up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o, lse = ops.attention(*static, True, 0.088)
+        o, lse = ops.attention(*static, causal, 0.088)
     for seed in (4, 5):
         for dst, src in zip(static, make_inputs(2, 8, 2, 1000, 1000, 128, torch.bfloat16, seed=seed)):
             dst.copy_(src)
         o.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        o_ref, lse_ref = reference(*static, True, 0.088)
+        o_ref, lse_ref = reference(*static, causal, 0.088)
         assert rel_err(o, o_ref) < OUT_TOL
         torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("value", ["x", "Dynamic"])
-def test_bad_schedule(ops, monkeypatch, value):
-    q, k, v = make_inputs(1, 4, 2, 64, 64, 64, torch.bfloat16)
-    monkeypatch.setenv("TK_ATTN_FWD_SCHEDULE", value)
-    with pytest.raises(RuntimeError, match="TK_ATTN_FWD_SCHEDULE"):
-        ops.attention(q, k, v, False, 0.125)
-
-
-@pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])
+@pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])  # -0.3: the serial kernel
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-def test_forward_strides_and_scale(ops, layout, scale, variant):
+def test_forward_strides_and_scale(ops, layout, scale):
     q, k, v = make_inputs(2, 8, 2, 333, 517, 128, torch.bfloat16, layout=layout, seed=3)
     for causal in (False, True):
         o, lse = ops.attention(q, k, v, causal, scale)
@@ -193,14 +164,8 @@ def backward_cases():
     return cases
 
 
-@pytest.fixture(params=BWD_VARIANTS, ids=lambda v: f"b{v}")
-def bwd_variant(request, monkeypatch):
-    monkeypatch.setenv("TK_ATTN_BWD_VARIANT", str(request.param))
-    return request.param
-
-
 @pytest.mark.parametrize("case", backward_cases(), ids=_id)
-def test_backward(ops, case, bwd_variant):
+def test_backward(ops, case):
     B, Hq, Hkv, N, M, D, dtype, causal = case
     q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, seed=1)
     do = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
@@ -220,31 +185,16 @@ def test_backward(ops, case, bwd_variant):
         assert rel_err(got, ref) < GRAD_TOL, f"{name}: relative error {rel_err(got, ref):.3e}"
 
 
-def order_cases():
-    """Half the backward cases, and GQA at N = 4096 where the L2 cap makes several sections (the last one short)."""
-    big = [(5, 4, 1, 4096, 4096, 128, torch.bfloat16, True), (3, 8, 2, 4096, 4096, 64, torch.float16, True),
-           (3, 8, 2, 4096, 4096, 64, torch.bfloat16, False)]
-    return backward_cases()[::2] + big
+@pytest.mark.parametrize("case", [(5, 4, 1, 4096, 4096, 128, torch.bfloat16, True),
+                                  (3, 8, 2, 4096, 4096, 64, torch.float16, True),
+                                  (3, 8, 2, 4096, 4096, 64, torch.bfloat16, False)], ids=_id)
+def test_backward_many_blocks(ops, case):
+    """GQA at N = 4096: under a causal mask the L2 cap makes several sections of heads (the last one short), without
+    one the blocks run head by head; every (kv head, key block) block runs once."""
+    test_backward(ops, case)
 
 
-@pytest.mark.parametrize("case", order_cases(), ids=_id)
-@pytest.mark.parametrize("order", ["heads", "sections"])
-def test_backward_order(ops, case, order, monkeypatch):
-    """TK_ATTN_BWD_ORDER: every (kv head, key block) block runs once in either block order."""
-    monkeypatch.setenv("TK_ATTN_BWD_ORDER", order)
-    test_backward(ops, case, None)
-
-
-@pytest.mark.parametrize("value", ["x", "Sections"])
-def test_bad_backward_order(ops, monkeypatch, value):
-    q, k, v = make_inputs(1, 4, 2, 64, 64, 64, torch.bfloat16)
-    o, lse = ops.attention(q, k, v, True, 0.125)
-    monkeypatch.setenv("TK_ATTN_BWD_ORDER", value)
-    with pytest.raises(RuntimeError, match="TK_ATTN_BWD_ORDER"):
-        ops.attention_backward(torch.randn_like(q), q, k, v, o, lse, True, 0.125)
-
-
-def test_backward_noncontiguous(ops, bwd_variant):
+def test_backward_noncontiguous(ops):
     q, k, v = make_inputs(2, 8, 4, 300, 300, 64, torch.bfloat16, layout="bnhd", seed=5)
     do = torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     o, lse = ops.attention(q, k, v, True, 0.125)
@@ -254,20 +204,6 @@ def test_backward_noncontiguous(ops, bwd_variant):
     o_ref.backward(do.float())
     for got, ref in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert rel_err(got, ref) < GRAD_TOL
-
-
-@pytest.mark.parametrize("value", ["past", "-1", "x", "1x"])
-def test_bad_variant(ops, monkeypatch, value):
-    """"past" is the first number after each table above (which mirror the kernels' variant counts)."""
-    q, k, v = make_inputs(1, 4, 2, 64, 64, 64, torch.bfloat16)
-    monkeypatch.setenv("TK_ATTN_FWD_VARIANT", str(len(FWD_VARIANTS)) if value == "past" else value)
-    with pytest.raises(RuntimeError, match="TK_ATTN_FWD_VARIANT"):
-        ops.attention(q, k, v, False, 0.125)
-    monkeypatch.delenv("TK_ATTN_FWD_VARIANT")
-    o, lse = ops.attention(q, k, v, False, 0.125)
-    monkeypatch.setenv("TK_ATTN_BWD_VARIANT", str(len(BWD_VARIANTS)) if value == "past" else value)
-    with pytest.raises(RuntimeError, match="TK_ATTN_BWD_VARIANT"):
-        ops.attention_backward(torch.randn_like(q), q, k, v, o, lse, False, 0.125)
 
 
 @pytest.mark.parametrize(

@@ -1022,127 +1022,44 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention backward post-process launch failed";
 }
 
-// Variants (TK_ATTN_BWD_VARIANT; README.md). 0 and 1 are the kernels the H200
-// sweep validated; 2 and 3 differ per head dim: D = 64 runs the wide kernel
-// (128-row q tiles; 3: dQ stage double-buffered), D = 128 the 64-row kernel
-// with dS^T double-buffered (3: and a 3-stage ring). 4 adds STATS (lse2 and
-// delta through the ring stage) to 0 (D = 128) or 2 (D = 64). DEFAULT: what
-// -1 (unset) runs. H200 sweeps (RESULTS.md): 1 gained nothing; at D64 the wide
-// kernel with the double-buffered dQ stage (3) is 1.2-1.3x the 64-row one
-// (0.72-0.88x cuDNN vs 0.59-0.68x); at D128, 2 and 3 gained nothing. 4 is the
-// fastest at both head dims (bwd-only vs cuDNN: D128 0.84-0.88x, b0 0.80-0.83x;
-// D64 0.78-0.90x, b3 0.80-0.87x, ahead in 3 of the 4 cases). 5: at D = 128, 4 with dQ by key halves (Bwd's
-// DQK); at D = 64, 0 with STATS (the 64-row kernel, which already splits dQ by keys). 6: 4 with the mask branched
-// around (bwd_probs' MASKB), at both head dims. 7: 5 + MASKB. Session 7 sweep: 6 is the fastest everywhere
-// (vs 4: D128 +0-1.5%, D64 +0.5-3%); 5 and 7 lose 6-8% at D128 (the doubled dq reduce-adds cost more than the
-// consumers' overlap wins) and 20% at D64 (the 64-row kernel). 8: 6 with dK and dV stored by TMA (DKV); session 11
-// sweep (53cd261): ahead of 6 in 7 of 8 cases, geomean 0.935x cuDNN vs 0.908x (D128), 0.97x vs 0.94x (D64). 9: the
-// 64-row kernel with the consumers taking turns (Bwd's TURNS; at D = 128 also DS2); session 12 sweep (3dce4d2):
-// D128 within +-2% of 8 (-2% at N2048, +1-2% elsewhere), D64 0.69-0.79x cuDNN (the wide 8: 0.86-1.03x). 10: 8 with
-// dS^T stored by stmatrix (STSM); 11: 10 with the dQ staging by stmatrix too (STSMQ, dq_accum permuted); 12: 11
-// with lse2 and delta permuted for 16-byte loads (PSTATS). 13, 14: D = 128: 12 with dS^T double-buffered (DS2), and
-// with the consumers taking turns (TURNS); D = 64: the 64-row kernel with 12's stores and loads, without and with
-// TURNS. 15, 16: 12 and 13 (D = 128), 13 and 14 (D = 64) with a producer warp issuing the dQ reduce-adds
-// (PRODQ). 17: 14 + PRODQ (D = 128), 12 + PRODQ (D = 64, the wide kernel). Session 14 sweep (7a7efc7, backward
-// alone vs cuDNN): D128 b14 1.03-1.09x (b8 0.93-0.97x, b12 0.99-1.06x, b17 1.02-1.07x); D64 b17 1.00-1.09x (b8
-// 1.02-1.06x, b12 0.93-1.06x); the defaults since.
+// The configuration the backward runs, per head dim (measured on the H200 against cuDNN: benchmarks/RESULTS.md):
+// the statistics (lse2, delta) through the ring stage, permuted for 16-byte loads (STATS, PSTATS), the mask
+// branched around (MASKB), dK/dV stored by TMA (DKV), dS^T and the dQ staging by stmatrix (STSM, STSMQ); at D = 128
+// the 64-row kernel with dS^T double-buffered and the consumers taking turns (DBUF, TURNS), at D = 64 the wide kernel
+// (128-row q tiles) with a producer warp issuing the dQ reduce-adds (PRODQ).
 template <int D>
-struct BwdVariants;
+struct BwdConfig;
+constexpr unsigned kBwdCommon = bwd::STATS | bwd::MASKB | bwd::DKV | bwd::STSM | bwd::STSMQ | bwd::PSTATS;
 template <>
-struct BwdVariants<128> {
-  static constexpr int DEFAULT = 14;
-  static constexpr unsigned B8 = bwd::STATS | bwd::MASKB | bwd::DKV, B12 = B8 | bwd::STSM | bwd::STSMQ | bwd::PSTATS;
-  using List = std::tuple<BwdCfg<Kind::Tile64, 2>,                                        // 0
-                          BwdCfg<Kind::Tile64, 2, bwd::PIPE>,                             // 1
-                          BwdCfg<Kind::Tile64, 2, bwd::DBUF>,                             // 2
-                          BwdCfg<Kind::Tile64, 3, bwd::DBUF>,                             // 3
-                          BwdCfg<Kind::Tile64, 2, bwd::STATS>,                            // 4
-                          BwdCfg<Kind::Tile64, 2, bwd::STATS | bwd::DQK>,                 // 5
-                          BwdCfg<Kind::Tile64, 2, bwd::STATS | bwd::MASKB>,               // 6
-                          BwdCfg<Kind::Tile64, 2, bwd::STATS | bwd::DQK | bwd::MASKB>,    // 7
-                          BwdCfg<Kind::Tile64, 2, B8>,                                    // 8
-                          BwdCfg<Kind::Tile64, 2, B8 | bwd::DBUF | bwd::TURNS>,           // 9
-                          BwdCfg<Kind::Tile64, 2, B8 | bwd::STSM>,                        // 10
-                          BwdCfg<Kind::Tile64, 2, B8 | bwd::STSM | bwd::STSMQ>,           // 11
-                          BwdCfg<Kind::Tile64, 2, B12>,                                   // 12
-                          BwdCfg<Kind::Tile64, 2, B12 | bwd::DBUF>,                       // 13
-                          BwdCfg<Kind::Tile64, 2, B12 | bwd::DBUF | bwd::TURNS>,          // 14
-                          BwdCfg<Kind::Tile64, 2, B12 | bwd::PRODQ>,                      // 15
-                          BwdCfg<Kind::Tile64, 2, B12 | bwd::DBUF | bwd::PRODQ>,          // 16
-                          BwdCfg<Kind::Tile64, 2, B12 | bwd::DBUF | bwd::TURNS | bwd::PRODQ>>;  // 17
+struct BwdConfig<128> {
+  using Cfg = BwdCfg<Kind::Tile64, 2, kBwdCommon | bwd::DBUF | bwd::TURNS>;
 };
 template <>
-struct BwdVariants<64> {
-  static constexpr int DEFAULT = 17;
-  static constexpr unsigned B8 = bwd::STATS | bwd::MASKB | bwd::DKV, B12 = B8 | bwd::STSM | bwd::STSMQ | bwd::PSTATS;
-  using List = std::tuple<BwdCfg<Kind::Tile64, 2>,                                        // 0
-                          BwdCfg<Kind::Tile64, 2, bwd::PIPE>,                             // 1
-                          BwdCfg<Kind::Wide, 2>,                                          // 2
-                          BwdCfg<Kind::Wide, 2, bwd::DBUF>,                               // 3
-                          BwdCfg<Kind::Wide, 2, bwd::STATS>,  // 4 (3 + STATS does not fit in shared memory)
-                          BwdCfg<Kind::Tile64, 2, bwd::STATS>,                            // 5
-                          BwdCfg<Kind::Wide, 2, bwd::STATS | bwd::MASKB>,                 // 6
-                          BwdCfg<Kind::Tile64, 2, bwd::STATS | bwd::MASKB>,               // 7
-                          BwdCfg<Kind::Wide, 2, B8>,                                      // 8
-                          BwdCfg<Kind::Tile64, 2, B8 | bwd::TURNS>,                       // 9
-                          BwdCfg<Kind::Wide, 2, B8 | bwd::STSM>,                          // 10
-                          BwdCfg<Kind::Wide, 2, B8 | bwd::STSM | bwd::STSMQ>,             // 11
-                          BwdCfg<Kind::Wide, 2, B12>,                                     // 12
-                          BwdCfg<Kind::Tile64, 2, B12>,                                   // 13
-                          BwdCfg<Kind::Tile64, 2, B12 | bwd::TURNS>,                      // 14
-                          BwdCfg<Kind::Tile64, 2, B12 | bwd::PRODQ>,                      // 15
-                          BwdCfg<Kind::Tile64, 2, B12 | bwd::TURNS | bwd::PRODQ>,         // 16
-                          BwdCfg<Kind::Wide, 2, B12 | bwd::PRODQ>>;                       // 17
+struct BwdConfig<64> {
+  using Cfg = BwdCfg<Kind::Wide, 2, kBwdCommon | bwd::PRODQ>;
 };
-constexpr int BWD_VARIANTS = 18;  // (tests and sweep_attn read this line)
-static_assert(std::tuple_size_v<BwdVariants<128>::List> == BWD_VARIANTS &&
-                  std::tuple_size_v<BwdVariants<64>::List> == BWD_VARIANTS,
-              "every variant at both head dims");
 
-int bwd_variant(int D, int variant) {
-  return variant >= 0 ? variant : D == 64 ? BwdVariants<64>::DEFAULT : BwdVariants<128>::DEFAULT;
-}
-
-// f(cfg) for the BwdCfg of variant v (0 <= v < BWD_VARIANTS) at head dim D: the one runtime-to-template dispatch.
-template <int D, int I = 0, typename F>
-auto with_bwd_variant(int v, F&& f) {
-  if constexpr (I + 1 < BWD_VARIANTS) {
-    if (v != I) return with_bwd_variant<D, I + 1>(v, f);
-  }
-  return f(std::tuple_element_t<I, typename BwdVariants<D>::List>{});
-}
-
-int bwd_bm(int D, int variant) {
-  variant = bwd_variant(D, variant);
-  const auto bm = [](auto cfg) { return decltype(cfg)::BM; };
-  return D == 64 ? with_bwd_variant<64>(variant, bm) : with_bwd_variant<128>(variant, bm);
-}
+int bwd_bm(int D) { return D == 64 ? BwdConfig<64>::Cfg::BM : BwdConfig<128>::Cfg::BM; }
 
 }  // namespace
 
-BwdScratch attention_backward_scratch(const View4& q, int variant) {
-  const int64_t Npad = bwd_npad(q.S, bwd_bm(static_cast<int>(q.D), variant));
+BwdScratch attention_backward_scratch(const View4& q) {
+  const int64_t Npad = bwd_npad(q.S, bwd_bm(static_cast<int>(q.D)));
   const int64_t BH = q.B * q.H;
   return {static_cast<size_t>(BH * Npad * q.D * 4), static_cast<size_t>(BH * Npad * 4),
           static_cast<size_t>(BH * Npad * 4)};
 }
 
-int attention_backward_variants() { return BWD_VARIANTS; }
-
-// variant: 0 .. BWD_VARIANTS - 1 (BwdVariants), -1 = the head dim's default.
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
-                               float* lse2, float* delta, bool causal, float scale, int variant, int num_sms,
-                               bool sections, cudaStream_t stream) {
-  variant = bwd_variant(static_cast<int>(q.D), variant);
-  if (variant >= BWD_VARIANTS) return "unknown attention backward variant";
+                               float* lse2, float* delta, bool causal, float scale, int num_sms, cudaStream_t stream) {
   const auto run = [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
-    return with_bwd_variant<D>(variant, [&](auto cfg) {
-      return launch_bwd<T, D, decltype(cfg)>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, causal,
-                                             scale, num_sms, sections, stream);
-    });
+    // L2 sections of heads, key blocks outermost, under a causal mask (its key blocks differ in cost); head by head
+    // without one (its equal blocks are balanced already).
+    return launch_bwd<T, D, typename BwdConfig<D>::Cfg>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta,
+                                                        causal, scale, num_sms, causal, stream);
   };
   using D128 = std::integral_constant<int, 128>;
   using D64 = std::integral_constant<int, 64>;

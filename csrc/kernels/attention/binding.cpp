@@ -6,13 +6,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <torch/library.h>
 
 #include "attention.h"
-#include "tk/env.h"
 
 namespace {
 
@@ -65,38 +62,6 @@ DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
 }
 
-// TK_ATTN_FWD_VARIANT / TK_ATTN_BWD_VARIANT pick the forward / backward
-// kernel variant (see README.md); unset = the default. Read on every call (a
-// few hundred ns) so a benchmark can switch variants in one process.
-int variant_from_env(const char* name, int count) {
-  int v = -1;
-  if (!tk::env_variant(name, count, v))  // the message only on failure: it reads the (then set) variable
-    check(false, std::string(name) + " must be an integer in [0, " + std::to_string(count) + "), got '" +
-                     std::getenv(name) + "'");
-  return v;
-}
-
-// A two-valued switch from the environment: `off` or `on` by name, `unset` when absent or empty; anything else is
-// an error naming the variable. Read on every call, like the variants.
-bool switch_from_env(const char* name, const char* off, const char* on, bool unset) {
-  const char* s = std::getenv(name);
-  if (s == nullptr || *s == '\0') return unset;
-  if (std::strcmp(s, off) == 0) return false;
-  check(std::strcmp(s, on) == 0, std::string(name) + " must be '" + off + "' or '" + on + "', got '" + s + "'");
-  return true;
-}
-
-// TK_ATTN_FWD_SCHEDULE: "static", "dynamic" (forward.cu, dynamic_step), or unset: dynamic under a causal mask,
-// whose tasks differ in length, and static without one, whose equal tasks the static shares already balance (the
-// H200 sweep in benchmarks/RESULTS.md, session 5: dynamic 1.03-1.25x on causal, 0.89-1.0x without a mask).
-bool dynamic_schedule(bool causal) { return switch_from_env("TK_ATTN_FWD_SCHEDULE", "static", "dynamic", causal); }
-
-// TK_ATTN_BWD_ORDER: the backward's block order, "heads" (head by head) or "sections" (backward.cu, bwd_section:
-// L2 sections of heads, key blocks outermost), or unset: sections under a causal mask, whose key blocks differ in
-// cost, and heads without one, whose equal blocks head by head already balances (the H200 sweep in
-// benchmarks/RESULTS.md, session 6: sections 1.09-1.17x on causal at 4096 tokens, 0.99-1.0x without a mask).
-bool backward_sections(bool causal) { return switch_from_env("TK_ATTN_BWD_ORDER", "heads", "sections", causal); }
-
 int num_sms(const at::Tensor& t) {
   int n = 0;
   TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()) == cudaSuccess,
@@ -113,18 +78,18 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   // (B, N, H, D) buffer viewed as (B, H, N, D), as FlashAttention returns it.
   at::Tensor o = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
-  const int variant = variant_from_env("TK_ATTN_FWD_VARIANT", tk_attn::attention_forward_variants());
-  // The dynamic schedule's task counter: from the stream-ordered allocator, so launches on several streams
-  // never share one. Zeroed by a memset node rather than at::zeros' fill kernel: less host time per call.
+  // The dynamic schedule under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static one there,
+  // 0.89-1.0x without a mask). Its task counter comes from the stream-ordered allocator, so launches on several
+  // streams never share one; zeroed by a memset node rather than at::zeros' fill kernel: less host time per call.
   at::Tensor next_task;
-  if (dynamic_schedule(causal)) {
+  if (causal) {
     next_task = at::empty({1}, q.options().dtype(at::kInt));
     TORCH_CHECK(cudaMemsetAsync(next_task.data_ptr<int>(), 0, sizeof(int), c10::cuda::getCurrentCUDAStream()) ==
                     cudaSuccess,
                 "tk_cuda::attention: cannot zero the task counter");
   }
   const char* err = tk_attn::attention_forward(dt, view(q), view(k), view(v), o.data_ptr(), lse.data_ptr<float>(),
-                                               causal, static_cast<float>(scale), variant, num_sms(q),
+                                               causal, static_cast<float>(scale), num_sms(q),
                                                next_task.defined() ? next_task.data_ptr<int>() : nullptr,
                                                c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention: ", err ? err : "");
@@ -154,8 +119,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   const View4 qv = view(q);
-  const int variant = variant_from_env("TK_ATTN_BWD_VARIANT", tk_attn::attention_backward_variants());
-  const tk_attn::BwdScratch sz = tk_attn::attention_backward_scratch(qv, variant);
+  const tk_attn::BwdScratch sz = tk_attn::attention_backward_scratch(qv);
   // zeroed by the backward's pre-kernel
   at::Tensor dq_accum = at::empty({static_cast<int64_t>(sz.dq_accum_bytes / 4)}, q.options().dtype(at::kFloat));
   at::Tensor lse2 = at::empty({static_cast<int64_t>(sz.lse2_bytes / 4)}, q.options().dtype(at::kFloat));
@@ -163,7 +127,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   const char* err = tk_attn::attention_backward(
       dt, view(dout), qv, view(k), view(v), view(o), lse.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
       dq_accum.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), causal, static_cast<float>(scale),
-      variant, num_sms(q), backward_sections(causal), c10::cuda::getCurrentCUDAStream());
+      num_sms(q), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention_backward: ", err ? err : "");
   return {dq, dk, dv};
 }

@@ -744,45 +744,23 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention forward launch failed";
 }
 
-// The selectable forward variants per head dim (see README.md). Variant 0 is
-// the serial schedule and also serves scale <= 0, which the ping-pong
-// kernels' max-on-raw-scores trick cannot.
+// The configurations the forward runs, per head dim (measured on the H200 against cuDNN: benchmarks/RESULTS.md).
+// Ping-pong consumers with O stored by TMA (OTMA), and at D = 128 without a mask also the next task's first scores
+// under the current one's finish (XTASK; under a mask it spilled and ran 4% slower). Serial serves scale <= 0, which
+// the ping-pong kernels' max-on-raw-scores trick cannot.
 template <int D>
-struct FwdVariants;
+struct FwdConfigs;
 template <>
-struct FwdVariants<128> {
-  using V0 = FwdCfg<128, 2, 128, 2, false>;
-  using V1 = FwdCfg<128, 2, 128, 2, true>;
-  using V2 = FwdCfg<128, 2, 128, 3, true>;
-  using V3 = FwdCfg<128, 2, 176, 2, true>;
-  using V4 = FwdCfg<128, 2, 128, 2, true, false>;
-  using V5 = FwdCfg<128, 2, 128, 2, true, true, 4>;
-  using V6 = FwdCfg<128, 2, 128, 2, true, true, 0, true>;
-  using V7 = FwdCfg<128, 2, 128, 2, true, true, 0, true, true>;
-  // H200 sweeps (benchmarks/RESULTS.md): under causal, with the dynamic schedule that is its default, v1 is the best
-  // (session 5: 451-576 TF vs v4's 441-564). Without a mask v4 led until session 5 (static schedule); in session 7
-  // v1 led it by 9-14% in both sweeps (65536 tokens: 563 vs 496 TF at N2048, 593 vs 540 at N8192). Session 11:
-  // v6 (v1 storing O by TMA) geomean 0.958x cuDNN against v1's 0.932x (N2048 unmasked 576 vs 545 TF); v7 (v6 with
-  // the next task's S_0 under the finish) 593 vs v6's 572 TF at N2048 unmasked, equal at N8192, but 4% behind v6
-  // under causal (474 vs 495, 573 vs 594 TF; the dynamic schedule's v7 kernels spill 44-52 bytes).
-  static constexpr int DEFAULT = 7, DEFAULT_CAUSAL = 6;
+struct FwdConfigs<128> {
+  using Serial = FwdCfg<128, 2, 128, 2, false>;
+  using Causal = FwdCfg<128, 2, 128, 2, true, true, 0, true>;
+  using Full = FwdCfg<128, 2, 128, 2, true, true, 0, true, true>;
 };
 template <>
-struct FwdVariants<64> {
-  using V0 = FwdCfg<64, 3, 128, 4, false>;
-  using V1 = FwdCfg<64, 3, 128, 4, true>;
-  using V2 = FwdCfg<64, 2, 128, 4, true>;
-  using V3 = FwdCfg<64, 2, 192, 4, true>;
-  using V4 = FwdCfg<64, 3, 128, 4, true, false>;
-  using V5 = FwdCfg<64, 3, 128, 4, true, true, 4>;
-  using V6 = FwdCfg<64, 3, 128, 4, true, true, 0, true>;
-  using V7 = FwdCfg<64, 3, 128, 4, true, true, 0, true, true>;
-  // v1 (BM192) is best without a mask. Under causal with the static schedule its lower warpgroups idled on short
-  // rows (0.74x cuDNN at N2048; v3 0.89x); the dynamic schedule fills those gaps and v1 is best again (session 5:
-  // 0.97-1.01x cuDNN at 65536 tokens; v3 0.87-0.92x).
-  // Session 11: v6 (v1 storing O by TMA) geomean 0.960x cuDNN against v1's 0.944x, ahead in all four cases; v7
-  // (the next task's S_0 under the finish; 3 consumer warpgroups at 160 registers: spills 52-60 bytes) 0.953x.
-  static constexpr int DEFAULT = 6, DEFAULT_CAUSAL = 6;
+struct FwdConfigs<64> {
+  using Serial = FwdCfg<64, 3, 128, 4, false>;
+  using Causal = FwdCfg<64, 3, 128, 4, true, true, 0, true>;
+  using Full = Causal;
 };
 
 // next_task: the dynamic schedule's counter (zeroed), or null for the static schedule.
@@ -794,40 +772,28 @@ const char* launch_sched(DType dt, const View4& q, const View4& k, const View4& 
 }
 
 template <typename T, int D>
-const char* launch_variant(int variant, DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                           bool causal, float scale, int num_sms, int* next_task, cudaStream_t stream) {
-  using Vs = FwdVariants<D>;
-  if (variant < 0) variant = causal ? Vs::DEFAULT_CAUSAL : Vs::DEFAULT;
-  if (!(scale > 0.f)) variant = 0;
-  switch (variant) {
-    case 0: return launch_sched<T, typename Vs::V0>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-    case 1: return launch_sched<T, typename Vs::V1>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-    case 2: return launch_sched<T, typename Vs::V2>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-    case 3: return launch_sched<T, typename Vs::V3>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-    case 4: return launch_sched<T, typename Vs::V4>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-    case 5: return launch_sched<T, typename Vs::V5>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-    case 6: return launch_sched<T, typename Vs::V6>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-    case 7: return launch_sched<T, typename Vs::V7>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-    default: return "unknown attention forward variant";
-  }
+const char* launch_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
+                          float scale, int num_sms, int* next_task, cudaStream_t stream) {
+  using Cs = FwdConfigs<D>;
+  if (!(scale > 0.f))
+    return launch_sched<T, typename Cs::Serial>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+  if (causal)
+    return launch_sched<T, typename Cs::Causal>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+  return launch_sched<T, typename Cs::Full>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
 }
 
 }  // namespace
 
-int attention_forward_variants() { return 8; }
 
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                              bool causal, float scale, int variant, int num_sms, int* next_task,
-                              cudaStream_t stream) {
+                              bool causal, float scale, int num_sms, int* next_task, cudaStream_t stream) {
   const int n = num_sms;
   if (q.D == 128)
-    return dt == DType::bf16
-               ? launch_variant<__nv_bfloat16, 128>(variant, dt, q, k, v, o, lse, causal, scale, n, next_task, stream)
-               : launch_variant<__half, 128>(variant, dt, q, k, v, o, lse, causal, scale, n, next_task, stream);
+    return dt == DType::bf16 ? launch_config<__nv_bfloat16, 128>(dt, q, k, v, o, lse, causal, scale, n, next_task, stream)
+                             : launch_config<__half, 128>(dt, q, k, v, o, lse, causal, scale, n, next_task, stream);
   if (q.D == 64)
-    return dt == DType::bf16
-               ? launch_variant<__nv_bfloat16, 64>(variant, dt, q, k, v, o, lse, causal, scale, n, next_task, stream)
-               : launch_variant<__half, 64>(variant, dt, q, k, v, o, lse, causal, scale, n, next_task, stream);
+    return dt == DType::bf16 ? launch_config<__nv_bfloat16, 64>(dt, q, k, v, o, lse, causal, scale, n, next_task, stream)
+                             : launch_config<__half, 64>(dt, q, k, v, o, lse, causal, scale, n, next_task, stream);
   return "head dim must be 64 or 128";
 }
 
