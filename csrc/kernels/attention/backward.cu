@@ -31,10 +31,8 @@ constexpr int BWD_NC = 2;
 enum class Kind { Tile64, Wide };
 namespace bwd {
 enum : unsigned {
-  PIPE = 1u << 0,    // Tile64: the next step's S^T issued before this step's dQ staging
   DBUF = 1u << 1,    // Tile64 at D = 128: dS^T double-buffered (DS2); Wide: the dQ stage double-buffered (DQ2)
   STATS = 1u << 2,   // lse2 and delta through the ring stage
-  DQK = 1u << 3,     // Tile64 at D = 128: dQ by key halves
   MASKB = 1u << 4,   // branch around the mask (bwd_probs)
   DKV = 1u << 5,     // dK, dV stored by TMA (store_dkdv)
   TURNS = 1u << 6,   // Tile64: the consumers take turns at the tensor cores
@@ -48,8 +46,8 @@ template <Kind KIND, int STAGES, unsigned FLAGS = 0>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr int stages = STAGES;
-  static constexpr bool pipe = FLAGS & bwd::PIPE, dbuf = FLAGS & bwd::DBUF, stats = FLAGS & bwd::STATS,
-                        dqk = FLAGS & bwd::DQK, maskb = FLAGS & bwd::MASKB, dkv = FLAGS & bwd::DKV,
+  static constexpr bool dbuf = FLAGS & bwd::DBUF, stats = FLAGS & bwd::STATS, maskb = FLAGS & bwd::MASKB,
+                        dkv = FLAGS & bwd::DKV,
                         turns = FLAGS & bwd::TURNS, stsm = FLAGS & bwd::STSM, stsmq = FLAGS & bwd::STSMQ,
                         pstats = FLAGS & bwd::PSTATS, prodq = FLAGS & bwd::PRODQ;
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
@@ -63,10 +61,6 @@ struct BwdCfg {
 // stage (1-D bulk copies on the stage's barrier), so the consumers read them
 // from shared memory instead of waiting on global loads right after S^T; and
 // P = 2^x by the MUFU alone (ex2_ftz), as in the wide kernel.
-// DQK: at D = 128, each consumer computes all 128 columns of dQ over its own 64 keys (m64n128, like D = 64)
-// instead of 64 columns over all 128 keys: half the dQ wgmma instructions, no CTA-wide barrier around dS^T (the
-// consumers run independently, so one's exponentials can overlap the other's GEMMs), at twice the reduce-adds
-// into dq_accum and a 32 KB dQ stage per consumer.
 // MASKB: branch around the mask (bwd_probs).
 // DKV: dK and dV leave through shared memory (the drained (Q, dO) ring) and TMA stores (store_dkdv).
 // TURNS: the consumers take turns at the tensor cores, as the forward's ping-pong does. A step is three turns per
@@ -80,12 +74,10 @@ struct BwdCfg {
 template <typename T, int D, class Cfg>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = Cfg::stages;
-  static constexpr bool PIPE = Cfg::pipe, DS2 = Cfg::dbuf, STATS = Cfg::stats, DQK = Cfg::dqk, MASKB = Cfg::maskb,
-                        DKV = Cfg::dkv, TURNS = Cfg::turns;
+  static constexpr bool DS2 = Cfg::dbuf, STATS = Cfg::stats, MASKB = Cfg::maskb, DKV = Cfg::dkv, TURNS = Cfg::turns;
   static constexpr bool STSM = Cfg::stsm, STSMQ = Cfg::stsmq, PSTATS = Cfg::pstats, PRODQ = Cfg::prodq;
   static_assert(Cfg::kind == Kind::Tile64, "the 64-row kernel");
-  static_assert(!TURNS || ((D == 64 || DS2) && !DQK), "TURNS: dS^T double-buffered at D = 128, dQ by columns");
-  static_assert(!TURNS || !PIPE, "TURNS issues S^T on its own turn");
+  static_assert(!TURNS || D == 64 || DS2, "TURNS: dS^T double-buffered at D = 128");
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
@@ -95,7 +87,7 @@ struct Bwd {
   static constexpr int KV_BYTES = BN * D * 2;  // K or V
   static constexpr int Q_BYTES = BM * D * 2;   // Q or dO tile
   static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
-  static constexpr bool DQ_SPLIT_COLS = (D == 128) && !DQK;
+  static constexpr bool DQ_SPLIT_COLS = D == 128;
   static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
   static constexpr int DQ_STAGE_BYTES = 64 * DQ_COLS * 4;  // per consumer: 64 rows x DQ_COLS fp32 columns
   static constexpr int DS_BUFS = DS2 ? 2 : 1, DQ_BUFS = 1;
@@ -461,7 +453,9 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
                          const __grid_constant__ CUtensorMap dqmap, const __grid_constant__ DkvMaps dkv,
                          const BwdParams p) {
   using K_ = Bwd<T, D, Cfg>;
-  constexpr bool PIPE = K_::PIPE;
+  // What BwdConfig runs on this kernel (D = 128): the consumers take turns, dS^T double-buffered, dQ by columns.
+  static_assert(D == 128 && K_::TURNS && K_::DS2 && K_::DQ_SPLIT_COLS,
+                "the 64-row kernel runs D = 128 with TURNS and DS2");
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [PANELS][BN][64]; Q, dO: [STAGES][PANELS][BM][64]; dS^T: [DS_BUFS][BN][BM] (one 64-wide panel);
@@ -532,15 +526,10 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
 
   bar_wait(kv_full, 0);
   float st[BM / 2], dpt[BM / 2];
-  // One step (one streamed (Q, dO) tile). PIPE: S^T of `it` was issued by
-  // the step before (or the prologue), before that step's dQ staging, so the
-  // tensor cores work through the staging; `next` says whether to issue the
-  // one of it + 1. The loop is peeled so that S^T is always wgmma-defined at
-  // the top of a step, and the step waits for it with wait<0> before issuing
-  // dP^T: ptxas cannot follow a wait<1> across the loop and would serialize.
+  // One step (one streamed (Q, dO) tile), in three turns: [S^T, dP^T], [dV, dK], [dQ].
   // (head in the group, q block) of the step, advanced at its end: no division per step.
   int g_it = 0, mb_it = mb_start;
-  auto step = [&](int it, auto next) {
+  auto step = [&](int it) {
     const int g = g_it;
     const int mb = mb_it;
     const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
@@ -550,21 +539,13 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
 
     const float* lse_row = K_::STATS ? sm.sStats + s * 2 * BM : p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
     const float* del_row = K_::STATS ? sm.sStats + s * 2 * BM + BM : p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
-    if constexpr (PIPE) {
-      (void)next;
-      wgmma_wait<0>();
-      fence_regs(st);
-      wgmma_fence();
+    bar_wait(&q_full[s], (it / STAGES) & 1);  // before the turn: not while holding it
+    Turn::take(c, [&] {
+      issue_s(it, st);
       issue_dp(it, dpt);
-    } else {
-      if constexpr (K_::TURNS) bar_wait(&q_full[s], (it / STAGES) & 1);  // before the turn: not while holding it
-      Turn::take(c, [&] {
-        issue_s(it, st);
-        issue_dp(it, dpt);
-      });
-      wgmma_wait<1>();
-      fence_regs(st);
-    }
+    });
+    wgmma_wait<1>();
+    fence_regs(st);
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
     bwd_probs<BM, K_::STATS, K_::STATS, K_::MASKB, K_::PSTATS>(st, lse_row, p, i0, j0, col_in, need_mask);
     uint32_t pa[BM / 16][4];
@@ -596,75 +577,37 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], mnmajor_step(qsb, kk), 1);
     wgmma_commit();
 
-    // dS^T to shared memory for dQ = dS K. Wait until the previous dQ of both
-    // consumers has finished reading the buffer (DS2: see Bwd).
-    if constexpr (K_::DQ_SPLIT_COLS && !K_::DS2 && !K_::TURNS) named_bar_sync(1, NC * 128);
-    const uint32_t ds_off = K_::DS2 ? (it & 1) * K_::DS_BYTES : 0;
+    // dS^T to shared memory for dQ = dS K, into the buffer step it - 2's dQ read last (DS2: see Bwd).
+    const uint32_t ds_off = (it & 1) * K_::DS_BYTES;
     store_ds<BM, K_::DS_PANEL, K_::STSM>(sdS_u + ds_off, dsa, 64 * c + 16 * warp, lane);
     fence_async_smem();
-    if constexpr (K_::TURNS) {
-      // bar.arrive orders the dS^T stores before the other consumer's wait for its dQ turn
-      if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T complete before own dQ
-      Turn::pass(c);
-      Turn::wait(c);
-    } else if constexpr (K_::DQ_SPLIT_COLS) {
-      named_bar_sync(2, NC * 128);
-    } else {
-      named_bar_sync(1 + c, 128);
-    }
+    // bar.arrive orders the dS^T stores before the other consumer's wait for its dQ turn
+    Turn::pass(c);
+    Turn::wait(c);
 
-    if constexpr (K_::DQK) {
-      // dV and dK are done, so the A registers of P^T and dS^T are free before dQ's 64 accumulators go live:
-      // with all of them live at once, ptxas runs short of registers and serializes the wgmmas (C7512).
-      wgmma_wait<0>();
-      fence_regs(dv);
-      fence_regs(dk);
-      fence_regs(pa);
-      fence_regs(dsa);
-    }
+    // columns [64c, 64c+64) of dQ, contracting over all BN keys
     float dq[K_::DQ_COLS / 2];
     wgmma_fence();
-    if constexpr (K_::DQ_SPLIT_COLS) {
-      // columns [64c, 64c+64) of dQ, contracting over all BN keys
-      const uint64_t dsa0 = desc_mnmajor(sdS_u + ds_off, BN * 128), kb0 = desc_mnmajor(sK_u + c * BN * 128, BN * 128);
+    const uint64_t dsa0 = desc_mnmajor(sdS_u + ds_off, BN * 128), kb0 = desc_mnmajor(sK_u + c * BN * 128, BN * 128);
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
-    } else {
-      // all D columns, contracting over this consumer's 64 keys
-      const uint64_t dsa0 = desc_mnmajor(sdS_u + 64 * c * 128, BN * 128), kb0 = desc_mnmajor(sK_u + 64 * c * 128, BN * 128);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_op<T>::template ss<1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
-    }
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma_op<T>::template ss<1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
     wgmma_commit();
     Turn::pass(c);
     wgmma_wait<0>();
     fence_regs(dq);
     fence_regs(dk);
     fence_regs(dv);
-    if constexpr (!K_::DQK) {  // (DQK: released before dQ)
-      fence_regs(pa);
-      fence_regs(dsa);
-    }
+    fence_regs(pa);
+    fence_regs(dsa);
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[s]);
-    if constexpr (!K_::DQ_SPLIT_COLS) named_bar_sync(1 + c, 128);  // own dS^T reads done before the next write
-    if constexpr (PIPE && decltype(next)::value) issue_s(it + 1, st);
     hand_over_dq<K_, K_::DQ_COLS>(sm, &dqmap, dq, it, c, tid, i0, bh);
     mb_it = mb_it + 1 < nqb ? mb_it + 1 : (++g_it, mb_start);
   };
-  if constexpr (PIPE) {
-    if (steps > 0) {
-      issue_s(0, st);
-      for (int it = 0; it < steps - 1; ++it) step(it, std::true_type{});
-      step(steps - 1, std::false_type{});
-    }
-  } else {
-    if (c == NC - 1) Turn::pass(c);  // consumer 0 takes the first turn
-    for (int it = 0; it < steps; ++it) step(it, std::false_type{});
-    if (c == 0) Turn::wait(c);  // the last consumer's final hand-over
-  }
+  if (c == NC - 1) Turn::pass(c);  // consumer 0 takes the first turn
+  for (int it = 0; it < steps; ++it) step(it);
+  if (c == 0) Turn::wait(c);  // the last consumer's final hand-over
   if (tid == 0) bulk_wait_all();
 
   store_dkdv<T, D, K_>(sm, p, dkv, dk, dv, b, hk, n0, c, tid, j0, col_in);
@@ -691,8 +634,7 @@ struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = Cfg::stages;
   static constexpr bool DQ2 = Cfg::dbuf, STATS = Cfg::stats, MASKB = Cfg::maskb, DKV = Cfg::dkv, STSM = Cfg::stsm,
                         STSMQ = Cfg::stsmq, PSTATS = Cfg::pstats, PRODQ = Cfg::prodq;
-  static_assert(Cfg::kind == Kind::Wide && Cfg::BM == BM && !Cfg::pipe && !Cfg::dqk && !Cfg::turns,
-                "the wide kernel: no PIPE, DQK or TURNS");
+  static_assert(Cfg::kind == Kind::Wide && Cfg::BM == BM && !Cfg::turns, "the wide kernel: no TURNS");
   static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
   static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
   static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
