@@ -31,14 +31,8 @@ constexpr int BWD_NC = 2;
 enum class Kind { Tile64, Wide };
 namespace bwd {
 enum : unsigned {
-  DBUF = 1u << 1,    // Tile64 at D = 128: dS^T double-buffered (DS2); Wide: the dQ stage double-buffered (DQ2)
-  STATS = 1u << 2,   // lse2 and delta through the ring stage
-  MASKB = 1u << 4,   // branch around the mask (bwd_probs)
-  DKV = 1u << 5,     // dK, dV stored by TMA (store_dkdv)
+  DBUF = 1u << 1,    // Tile64: dS^T double-buffered (DS2)
   TURNS = 1u << 6,   // Tile64: the consumers take turns at the tensor cores
-  STSM = 1u << 7,    // dS^T stored by stmatrix (store_ds)
-  STSMQ = 1u << 8,   // the dQ staging by stmatrix, dq_accum permuted (stage_dq)
-  PSTATS = 1u << 9,  // lse2 and delta in stats_slot order (StatsPairs)
   PRODQ = 1u << 10,  // a producer warp issues the dQ reduce-adds (bwd_dq_reducer)
 };
 }  // namespace bwd
@@ -46,39 +40,30 @@ template <Kind KIND, int STAGES, unsigned FLAGS = 0>
 struct BwdCfg {
   static constexpr Kind kind = KIND;
   static constexpr int stages = STAGES;
-  static constexpr bool dbuf = FLAGS & bwd::DBUF, stats = FLAGS & bwd::STATS, maskb = FLAGS & bwd::MASKB,
-                        dkv = FLAGS & bwd::DKV,
-                        turns = FLAGS & bwd::TURNS, stsm = FLAGS & bwd::STSM, stsmq = FLAGS & bwd::STSMQ,
-                        pstats = FLAGS & bwd::PSTATS, prodq = FLAGS & bwd::PRODQ;
+  static constexpr bool dbuf = FLAGS & bwd::DBUF, turns = FLAGS & bwd::TURNS, prodq = FLAGS & bwd::PRODQ;
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
 };
 
-// The 64-row kernel's shape and flags (Cfg: a BwdCfg; DS2 is bwd::DBUF, the others keep their names).
+// The 64-row kernel's shape and switches (Cfg: a BwdCfg; DS2 is bwd::DBUF).
 // DS2: dS^T double-buffered (D = 128): the write of step it goes to buffer
 // it % 2, last read by step it - 2's dQ, which both consumers finished before
 // step it - 1's barrier; so the barrier before the write is not needed.
-// STATS: the producer also copies the tile's lse2 and delta rows into the ring
-// stage (1-D bulk copies on the stage's barrier), so the consumers read them
-// from shared memory instead of waiting on global loads right after S^T; and
-// P = 2^x by the MUFU alone (ex2_ftz), as in the wide kernel.
-// MASKB: branch around the mask (bwd_probs).
-// DKV: dK and dV leave through shared memory (the drained (Q, dO) ring) and TMA stores (store_dkdv).
 // TURNS: the consumers take turns at the tensor cores, as the forward's ping-pong does. A step is three turns per
 // consumer: [S^T, dP^T], [dV, dK] (dS^T computed and stored inside the turn), [dQ]; consumer 0 goes first. So one
 // consumer's exponentials and dS^T run while the other's GEMMs do, and the turn order replaces the CTA-wide
 // barriers around dS^T: consumer c's dQ turn comes after the other's [dV, dK] turn, which stored its half (D = 128
 // needs DS2: the next step's write to a buffer comes after both dQs that read it have completed).
-// STSM: dS^T goes to shared memory by stmatrix (store_ds); STSMQ: the dQ staging too (stage_dq). PSTATS: lse2 and
-// delta in stats_slot order (StatsPairs). PRODQ: a producer warp issues the dQ reduce-adds (bwd_dq_reducer): a
-// consumer hands its staged block over by an mbarrier instead of two named barriers and one thread's TMA issue.
+// PRODQ: a producer warp issues the dQ reduce-adds (bwd_dq_reducer): a consumer hands its staged block over by an
+// mbarrier instead of two named barriers and one thread's TMA issue.
+// Both kernels take lse2/delta through the ring stage in stats_slot order (load_stats, StatsPairs), branch around
+// the mask (bwd_probs), store dS^T and the dQ staging by stmatrix (store_ds, stage_dq) and dK/dV by TMA (store_dkdv).
 template <typename T, int D, class Cfg>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = Cfg::stages;
-  static constexpr bool DS2 = Cfg::dbuf, STATS = Cfg::stats, MASKB = Cfg::maskb, DKV = Cfg::dkv, TURNS = Cfg::turns;
-  static constexpr bool STSM = Cfg::stsm, STSMQ = Cfg::stsmq, PSTATS = Cfg::pstats, PRODQ = Cfg::prodq;
+  static constexpr bool DS2 = Cfg::dbuf, TURNS = Cfg::turns, PRODQ = Cfg::prodq;
   static_assert(Cfg::kind == Kind::Tile64, "the 64-row kernel");
   static_assert(!TURNS || D == 64 || DS2, "TURNS: dS^T double-buffered at D = 128");
-  static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;  // per stage: lse2[BM], delta[BM]
+  static constexpr int STATS_BYTES = 2 * BM * 4;  // per stage: lse2[BM], delta[BM]
   static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
@@ -90,8 +75,8 @@ struct Bwd {
   static constexpr bool DQ_SPLIT_COLS = D == 128;
   static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
   static constexpr int DQ_STAGE_BYTES = 64 * DQ_COLS * 4;  // per consumer: 64 rows x DQ_COLS fp32 columns
-  static constexpr int DS_BUFS = DS2 ? 2 : 1, DQ_BUFS = 1;
-  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES +
+  static constexpr int DS_BUFS = DS2 ? 2 : 1;
+  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_STAGE_BYTES +
                               STAGES * STATS_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
   // dQ: D=128 splits the output columns between the two consumers (64 each,
@@ -111,7 +96,7 @@ struct Bwd {
 template <class K_>
 struct BwdSmem {
   uint8_t *sK, *sV, *sQ, *sdO, *sdS, *sdQ;
-  float* sStats;  // [STAGES][2][BM]: lse2, delta (STATS only)
+  float* sStats;  // [STAGES][2][BM]: lse2, delta
   uint64_t *kv_full, *q_full, *q_empty;
   uint64_t *dq_full, *dq_empty;  // per consumer: its dQ block staged / read by the reduce (PRODQ)
   __device__ __forceinline__ explicit BwdSmem(uint8_t* raw) {
@@ -121,7 +106,7 @@ struct BwdSmem {
     sdO = sQ + K_::STAGES * K_::Q_BYTES;
     sdS = sdO + K_::STAGES * K_::Q_BYTES;
     sdQ = sdS + K_::DS_BUFS * K_::DS_BYTES;
-    sStats = reinterpret_cast<float*>(sdQ + K_::NC * K_::DQ_BUFS * K_::DQ_STAGE_BYTES);
+    sStats = reinterpret_cast<float*>(sdQ + K_::NC * K_::DQ_STAGE_BYTES);
     kv_full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(sStats) + K_::STAGES * K_::STATS_BYTES);
     q_full = kv_full + 1;
     q_empty = q_full + K_::STAGES;
@@ -185,50 +170,45 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   return y;
 }
 
-// PSTATS: lse2 and delta are laid out in groups of 32 rows with row 8 k + 2 q + e at slot 8 q + 2 k + e, so that
+// lse2 and delta are laid out in groups of 32 rows with row 8 k + 2 q + e at slot 8 q + 2 k + e, so that
 // the pairs one thread reads (rows 8 k + col_in, +1 of chunks k; col_in = 2 q) are contiguous over four chunks: one
 // 16-byte load per two chunks instead of two 8-byte ones (the consumers' shared-memory instructions queue on MIO).
 __host__ __device__ constexpr int stats_slot(int r) {
   return (r & ~31) | (((r >> 1) & 3) << 3) | (((r >> 3) & 3) << 1) | (r & 1);
 }
 
-// The (lse2 or delta) pair of chunk ch for this thread: values of rows 8 ch + col_in, +1 of `row`, from shared
-// (SHARED) or global memory. Called for ch = 0, 1, ... in order (PSTATS: the even chunk loads both).
-template <bool SHARED, bool PSTATS>
+// The (lse2 or delta) pair of chunk ch for this thread: values of rows 8 ch + col_in, +1 of `row` (in the ring
+// stage, stats_slot order). Called for ch = 0, 1, ... in order: the even chunk loads both.
 struct StatsPairs {
   const float* row;
   int col_in;
   float4 quad;
   __device__ __forceinline__ float2 operator()(int ch) {
-    if constexpr (PSTATS) {
-      if (ch % 2 == 0) quad = load_quad<SHARED>(row + 32 * (ch / 4) + 4 * col_in + 2 * (ch % 4));
-      return ch % 2 ? make_float2(quad.z, quad.w) : make_float2(quad.x, quad.y);
-    } else {
-      return load_pair<SHARED>(row + 8 * ch + col_in);
-    }
+    if (ch % 2 == 0) quad = load_quad<true>(row + 32 * (ch / 4) + 4 * col_in + 2 * (ch % 4));
+    return ch % 2 ? make_float2(quad.z, quad.w) : make_float2(quad.x, quad.y);
   }
 };
 
 // P^T = 2^(S^T * scale_log2 - lse2) in place over this thread's part of a consumer's 64 keys x BM queries (rows
 // j0, j0 + 8; columns i0 + 8 ch + col_in, +1), zero on the causal upper triangle and on keys past M (their
 // zero-filled rows would otherwise give 2^-lse2, which can overflow for extreme scales). need_mask says whether
-// this consumer's block of the step has any such entry. STATS: lse_row is in shared memory (else global). FTZ: 2^x
-// by the MUFU alone (ex2_ftz). MASKB: a warp-uniform branch picks a masked or an unmasked compiled block; else the
-// mask's arithmetic is predicated into every step.
-template <int BM, bool STATS, bool FTZ, bool MASKB, bool PSTATS = false>
+// this consumer's block of the step has any such entry; lse_row is the step's lse2 in the ring stage. 2^x by the
+// MUFU alone (ex2_ftz: P needs no range fix-up). A warp-uniform branch picks a masked or an unmasked compiled block,
+// so the mask's arithmetic is not predicated into every step.
+template <int BM>
 __device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_row, const BwdParams& p, int i0,
                                           int j0, int col_in, bool need_mask) {
-  // mode 0: no mask; 1: masked; 2: masked where need_mask
+  // mode 0: no mask; 1: masked
   const auto block = [&](auto mode) {
-    StatsPairs<STATS, PSTATS> lse{lse_row, col_in};
+    StatsPairs lse{lse_row, col_in};
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
       const float2 l2 = lse(ch);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
-        float pe = FTZ ? ex2_ftz(x) : exp2f(x);
-        if (decltype(mode)::value == 1 || (decltype(mode)::value == 2 && need_mask)) {
+        float pe = ex2_ftz(x);
+        if (decltype(mode)::value == 1) {
           const int i = i0 + 8 * ch + col_in + (e & 1);
           const int j = j0 + 8 * (e >> 1);
           if ((p.causal && i < j) || j >= p.M) pe = 0.f;
@@ -237,17 +217,13 @@ __device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_
       }
     }
   };
-  if constexpr (MASKB) {
-    if (need_mask)
-      block(std::integral_constant<int, 1>{});
-    else
-      block(std::integral_constant<int, 0>{});
-  } else {
-    block(std::integral_constant<int, 2>{});
-  }
+  if (need_mask)
+    block(std::integral_constant<int, 1>{});
+  else
+    block(std::integral_constant<int, 0>{});
 }
 
-// STATS: copy lse2[bh, i0 : i0 + BM] and delta[bh, i0 : i0 + BM] into dst[0 : BM], dst[BM : 2 BM] on `bar`.
+// Copy lse2[bh, i0 : i0 + BM] and delta[bh, i0 : i0 + BM] into dst[0 : BM], dst[BM : 2 BM] on `bar`.
 // The rows are padded to a multiple of the q tile, so the copy never leaves them.
 template <int BM>
 __device__ __forceinline__ void load_stats(float* dst, const BwdParams& p, int bh, int i0, uint64_t* bar) {
@@ -257,73 +233,53 @@ __device__ __forceinline__ void load_stats(float* dst, const BwdParams& p, int b
 }
 
 // This warp's part of dS^T -- the A slices of dK += dS^T Q: key rows jw + lane / 4, +8; query columns 16 kk +
-// 2 (lane % 4), +1, +8, +9 -- into the buffer at ds_u ([query panel][BN keys][64], 128-byte swizzle). STSM: one
-// stmatrix per slice instead of four 4-byte stores.
-template <int BM, int PANEL, bool STSM>
+// 2 (lane % 4), +1, +8, +9 -- into the buffer at ds_u ([query panel][BN keys][64], 128-byte swizzle): one
+// stmatrix per slice (its register order is the A slice's), where 4-byte stores filled the MIO queue.
+template <int BM, int PANEL>
 __device__ __forceinline__ void store_ds(uint32_t ds_u, const uint32_t (&dsa)[BM / 16][4], int jw, int lane) {
 #pragma unroll
   for (int kk = 0; kk < BM / 16; ++kk) {
     const int ip = (16 * kk) / 64 * PANEL;  // the slice's query panel
-    if constexpr (STSM) {
-      stmatrix_x4(ds_u + ip + swz128(jw + stsm_row(lane), (16 * kk) % 64 + stsm_byte(lane) / 2, 2), dsa[kk][0],
-                  dsa[kk][1], dsa[kk][2], dsa[kk][3]);
-    } else {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int jr = jw + lane / 4 + 8 * (r & 1);
-        const int ic = (16 * kk) % 64 + 8 * (r >> 1) + 2 * (lane % 4);
-        st_shared(ds_u + ip + swz128(jr, ic, 2), dsa[kk][r]);
-      }
-    }
+    stmatrix_x4(ds_u + ip + swz128(jw + stsm_row(lane), (16 * kk) % 64 + stsm_byte(lane) / 2, 2), dsa[kk][0],
+                dsa[kk][1], dsa[kk][2], dsa[kk][3]);
   }
 }
 
 // This warp's dQ accumulator (rows rw + lane / 4, +8 of the consumer's 64; 8-column chunks) into its stage at
-// stage_u: [COLS / 32 boxes][64 rows][32 fp32], 128-byte swizzle, the layout of the reduce-add's boxes. STSM: by
-// stmatrix, one instruction per 8-column chunk instead of two 8-byte stores; stmatrix puts a lane's register in
-// 4 bytes of a 16-byte row, so each chunk lands as its 4 even columns, then its 4 odd ones. dq_accum holds that
-// order and the post kernel (PERM) restores it.
-template <int COLS, bool STSM>
+// stage_u: [COLS / 32 boxes][64 rows][32 fp32], 128-byte swizzle, the layout of the reduce-add's boxes, by
+// stmatrix, one instruction per 8-column chunk; stmatrix puts a lane's register in 4 bytes of a 16-byte row, so
+// each chunk lands as its 4 even columns, then its 4 odd ones. dq_accum holds that order and the post kernel
+// restores it.
+template <int COLS>
 __device__ __forceinline__ void stage_dq(uint32_t stage_u, const float (&dq)[COLS / 2], int rw, int lane) {
 #pragma unroll
   for (int ch = 0; ch < COLS / 8; ++ch) {
     const uint32_t box = stage_u + (8 * ch / 32) * 8192;
-    if constexpr (STSM) {
-      stmatrix_x4(box + swz128(rw + stsm_row(lane), (8 * ch) % 32 + stsm_byte(lane) / 4, 4),
-                  __float_as_uint(dq[4 * ch]), __float_as_uint(dq[4 * ch + 2]), __float_as_uint(dq[4 * ch + 1]),
-                  __float_as_uint(dq[4 * ch + 3]));
-    } else {
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2)
-        st_shared(box + swz128(rw + lane / 4 + 8 * h2, (8 * ch) % 32 + 2 * (lane % 4), 4), dq[4 * ch + 2 * h2],
-                  dq[4 * ch + 2 * h2 + 1]);
-    }
+    stmatrix_x4(box + swz128(rw + stsm_row(lane), (8 * ch) % 32 + stsm_byte(lane) / 4, 4),
+                __float_as_uint(dq[4 * ch]), __float_as_uint(dq[4 * ch + 2]), __float_as_uint(dq[4 * ch + 1]),
+                __float_as_uint(dq[4 * ch + 3]));
   }
 }
 
 // Consumer c's dQ block of step `it` (dq: this warp's rows; COLS columns) into its stage and on to dq_accum at
 // (bh, q rows from i0) by TMA reduce-add, so no atomics sit on the consumers' critical path (rows past N land in
 // dq_accum's padding). PRODQ: the reducer warp issues the reduce-adds (bwd_dq_reducer), handed over by mbarriers;
-// else thread 0 does, behind two named barriers. DQ_BUFS = 2 (the wide kernel's DQ2): the stage alternates and the
-// wait for its previous reduce came before the step's CTA-wide barrier.
+// else thread 0 does, behind two named barriers.
 template <class K_, int COLS>
 __device__ __forceinline__ void hand_over_dq(const BwdSmem<K_>& sm, const CUtensorMap* dqmap,
                                              const float (&dq)[COLS / 2], int it, int c, int tid, int i0, int bh) {
   const int warp = tid / 32, lane = tid % 32;
-  uint8_t* stage = sm.sdQ + (c * K_::DQ_BUFS + (K_::DQ_BUFS > 1 ? (it & 1) : 0)) * K_::DQ_STAGE_BYTES;
+  uint8_t* stage = sm.sdQ + c * K_::DQ_STAGE_BYTES;
   if constexpr (K_::PRODQ) {
-    static_assert(K_::DQ_BUFS == 1, "the reducer hands back one stage per consumer");
     if (it > 0) bar_wait(&sm.dq_empty[c], (it - 1) & 1);  // the reducer has read the previous block
-    stage_dq<COLS, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
+    stage_dq<COLS>(smem_u32(stage), dq, 16 * warp, lane);
     fence_async_smem();
     __syncwarp();
     if (lane == 0) bar_arrive(&sm.dq_full[c]);
   } else {
-    if constexpr (K_::DQ_BUFS == 1) {
-      if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
-      named_bar_sync(3 + c, 128);
-    }
-    stage_dq<COLS, K_::STSMQ>(smem_u32(stage), dq, 16 * warp, lane);
+    if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
+    named_bar_sync(3 + c, 128);
+    stage_dq<COLS>(smem_u32(stage), dq, 16 * warp, lane);
     fence_async_smem();
     named_bar_sync(3 + c, 128);
     if (tid == 0) {
@@ -336,7 +292,7 @@ __device__ __forceinline__ void hand_over_dq(const BwdSmem<K_>& sm, const CUtens
 }
 
 // The producer warpgroup of both backward kernels. Thread 0 loads the block's K and V once, then streams the
-// steps' (Q, dO) tiles (STATS: and their lse2/delta rows) through the ring.
+// steps' (Q, dO) tiles and their lse2/delta rows through the ring.
 template <class K_>
 __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdParams& p,
                                              const BwdBlock& blk, const CUtensorMap* qmap,
@@ -356,7 +312,7 @@ __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdPar
       const int s = it % STAGES;
       bar_wait(&sm.q_empty[s], ((it / STAGES) & 1) ^ 1);
       bar_expect_tx(&sm.q_full[s], 2 * K_::Q_BYTES + K_::STATS_BYTES);
-      if constexpr (K_::STATS) load_stats<BM>(sm.sStats + s * 2 * BM, p, blk.b * p.Hq + h, mb * BM, &sm.q_full[s]);
+      load_stats<BM>(sm.sStats + s * 2 * BM, p, blk.b * p.Hq + h, mb * BM, &sm.q_full[s]);
 #pragma unroll
       for (int pn = 0; pn < K_::PANELS; ++pn) {
         tma_load_4d(sm.sQ + s * K_::Q_BYTES + pn * BM * 128, qmap, &sm.q_full[s], pn * 64, mb * BM, h, blk.b);
@@ -389,60 +345,42 @@ __device__ __forceinline__ void bwd_dq_reducer(const BwdSmem<K_>& sm, const BwdP
   bulk_wait_all();
 }
 
-// The TMA maps of dK and dV (B, Hkv, M, D), boxes of 64 columns x 64 keys (DKV).
+// The TMA maps of dK and dV (B, Hkv, M, D), boxes of 64 columns x 64 keys (store_dkdv).
 struct DkvMaps {
   CUtensorMap dk, dv;
 };
 
-// dK (scaled) and dV of consumer c's 64 keys, j0 and j0 + 8 being this thread's rows. DKV: once both consumers are
-// past their last step (the other's last wgmmas may still read the ring), each writes its tiles into the drained
-// (Q, dO) ring and one thread stores them by TMA (full 128-byte lines, keys past M clipped); else 4-byte stores
-// from registers, which fill half of each 32-byte sector.
+// dK (scaled) and dV of consumer c's 64 keys, j0 and j0 + 8 being this thread's rows: once both consumers are past
+// their last step (the other's last wgmmas may still read the ring), each writes its tiles into the drained (Q, dO)
+// ring and one thread stores them by TMA (full 128-byte lines, keys past M clipped), where 4-byte stores from
+// registers filled half of each 32-byte sector.
 template <typename T, int D, class K_>
 __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParams& p, const DkvMaps& maps,
                                            const float (&dk)[D / 2], const float (&dv)[D / 2], int b, int hk, int n0,
                                            int c, int tid, int j0, int col_in) {
-  if constexpr (K_::DKV) {
-    constexpr int TILE = 64 * D * 2;  // one consumer's dK (or dV), [D / 64 panels][64 keys][64]
-    static_assert(K_::STAGES * K_::Q_BYTES >= K_::NC * TILE, "dK and dV tiles fit in the (Q, dO) ring");
-    named_bar_sync(5, K_::NC * 128);  // an id of its own: the 64-row kernel at D = 64 syncs on 1 + c with 128
-    const uint32_t k_u = smem_u32(sm.sQ) + c * TILE, v_u = smem_u32(sm.sdO) + c * TILE;
-    const int row_in = j0 - n0 - 64 * c;
+  constexpr int TILE = 64 * D * 2;  // one consumer's dK (or dV), [D / 64 panels][64 keys][64]
+  static_assert(K_::STAGES * K_::Q_BYTES >= K_::NC * TILE, "dK and dV tiles fit in the (Q, dO) ring");
+  named_bar_sync(5, K_::NC * 128);  // an id of its own: the 64-row kernel at D = 64 syncs on 1 + c with 128
+  const uint32_t k_u = smem_u32(sm.sQ) + c * TILE, v_u = smem_u32(sm.sdO) + c * TILE;
+  const int row_in = j0 - n0 - 64 * c;
 #pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2)
+  for (int h2 = 0; h2 < 2; ++h2)
 #pragma unroll
-      for (int ch = 0; ch < D / 8; ++ch) {
-        const uint32_t off = (ch / 8) * 64 * 128 + swz128(row_in + 8 * h2, 8 * (ch % 8) + col_in, 2);
-        st_shared(k_u + off, pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale));
-        st_shared(v_u + off, pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]));
-      }
-    fence_async_smem();
-    named_bar_sync(3 + c, 128);
-    if (tid == 0) {
-#pragma unroll
-      for (int pn = 0; pn < D / 64; ++pn) {
-        tma_store_4d(&maps.dk, sm.sQ + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
-        tma_store_4d(&maps.dv, sm.sdO + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
-      }
-      bulk_commit();
-      bulk_wait_all();  // shared memory stays allocated until the stores have read it
+    for (int ch = 0; ch < D / 8; ++ch) {
+      const uint32_t off = (ch / 8) * 64 * 128 + swz128(row_in + 8 * h2, 8 * (ch % 8) + col_in, 2);
+      st_shared(k_u + off, pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale));
+      st_shared(v_u + off, pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]));
     }
-  } else {
+  fence_async_smem();
+  named_bar_sync(3 + c, 128);
+  if (tid == 0) {
 #pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const int j = j0 + 8 * h2;
-      if (j < p.M) {
-        const int64_t off = ((static_cast<int64_t>(b) * p.Hkv + hk) * p.M + j) * D;
-        T* dkr = static_cast<T*>(p.dk) + off;
-        T* dvr = static_cast<T*>(p.dv) + off;
-#pragma unroll
-        for (int ch = 0; ch < D / 8; ++ch) {
-          *reinterpret_cast<uint32_t*>(dkr + 8 * ch + col_in) =
-              pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale);
-          *reinterpret_cast<uint32_t*>(dvr + 8 * ch + col_in) = pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]);
-        }
-      }
+    for (int pn = 0; pn < D / 64; ++pn) {
+      tma_store_4d(&maps.dk, sm.sQ + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
+      tma_store_4d(&maps.dv, sm.sdO + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
     }
+    bulk_commit();
+    bulk_wait_all();  // shared memory stays allocated until the stores have read it
   }
 }
 
@@ -537,8 +475,8 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     const int s = it % STAGES;
     const uint32_t qs = sQ_u + s * K_::Q_BYTES, dos = sdO_u + s * K_::Q_BYTES;
 
-    const float* lse_row = K_::STATS ? sm.sStats + s * 2 * BM : p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
-    const float* del_row = K_::STATS ? sm.sStats + s * 2 * BM + BM : p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
+    const float* lse_row = sm.sStats + s * 2 * BM;  // the step's lse2 and delta, in the ring stage
+    const float* del_row = lse_row + BM;
     bar_wait(&q_full[s], (it / STAGES) & 1);  // before the turn: not while holding it
     Turn::take(c, [&] {
       issue_s(it, st);
@@ -547,7 +485,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     wgmma_wait<1>();
     fence_regs(st);
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
-    bwd_probs<BM, K_::STATS, K_::STATS, K_::MASKB, K_::PSTATS>(st, lse_row, p, i0, j0, col_in, need_mask);
+    bwd_probs<BM>(st, lse_row, p, i0, j0, col_in, need_mask);
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
@@ -560,7 +498,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
     wgmma_commit();
-    StatsPairs<K_::STATS, K_::PSTATS> del{del_row, col_in};
+    StatsPairs del{del_row, col_in};
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
       const float2 dl = del(ch);
@@ -579,7 +517,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
 
     // dS^T to shared memory for dQ = dS K, into the buffer step it - 2's dQ read last (DS2: see Bwd).
     const uint32_t ds_off = (it & 1) * K_::DS_BYTES;
-    store_ds<BM, K_::DS_PANEL, K_::STSM>(sdS_u + ds_off, dsa, 64 * c + 16 * warp, lane);
+    store_ds<BM, K_::DS_PANEL>(sdS_u + ds_off, dsa, 64 * c + 16 * warp, lane);
     fence_async_smem();
     // bar.arrive orders the dS^T stores before the other consumer's wait for its dQ turn
     Turn::pass(c);
@@ -625,18 +563,12 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
 // reduce-add traffic) and each step's fixed costs are spread over twice the
 // work. dSᵀ is double-buffered so that one CTA-wide barrier per step suffices.
 
-// DQ2: the dQ stage is double-buffered per consumer, so the wait for the
-// previous reduce to have read it (of step it - 2 now) moves before the
-// step's CTA-wide barrier and the staging needs one named barrier, not two.
-// STATS: as in Bwd.
 template <typename T, class Cfg>
 struct BwdWide {
   static constexpr int D = 64, BM = 128, BN = BWD_BN, NC = BWD_NC, STAGES = Cfg::stages;
-  static constexpr bool DQ2 = Cfg::dbuf, STATS = Cfg::stats, MASKB = Cfg::maskb, DKV = Cfg::dkv, STSM = Cfg::stsm,
-                        STSMQ = Cfg::stsmq, PSTATS = Cfg::pstats, PRODQ = Cfg::prodq;
-  static_assert(Cfg::kind == Kind::Wide && Cfg::BM == BM && !Cfg::turns, "the wide kernel: no TURNS");
-  static constexpr int STATS_BYTES = STATS ? 2 * BM * 4 : 0;
-  static constexpr int DQ_BUFS = DQ2 ? 2 : 1;
+  static constexpr bool PRODQ = Cfg::prodq;
+  static_assert(Cfg::kind == Kind::Wide && Cfg::BM == BM && !Cfg::turns && !Cfg::dbuf, "the wide kernel: no TURNS, DBUF");
+  static constexpr int STATS_BYTES = 2 * BM * 4;
   static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
   static constexpr int THREADS = (NC + 1) * 128;
   static_assert(BN == 64 * NC && BM == 64 * NC, "each consumer owns 64 keys and 64 dQ rows");
@@ -649,7 +581,7 @@ struct BwdWide {
   __device__ static constexpr int dq_col(int, int bx) { return 32 * bx; }
   __device__ static constexpr int dq_row(int c) { return 64 * c; }
   static constexpr int DS_BUFS = 2;
-  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_BUFS * DQ_STAGE_BYTES +
+  static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_STAGE_BYTES +
                               STAGES * STATS_BYTES + 1024 + 256;
   static_assert(SMEM <= 227 * 1024, "shared memory");
 };
@@ -668,7 +600,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
   // K, V: [BN][64]; Q, dO: [STAGES][BM][64]; dS^T: [2 buffers][BM / 64 query panels][BN][64];
-  // dQ staging: [NC][DQ_BUFS][2 column halves][64 rows][32 fp32], 128-byte swizzle
+  // dQ staging: [NC][2 column halves][64 rows][32 fp32], 128-byte swizzle
   const BwdSmem<K_> sm(smem_raw);
   uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS;
   uint64_t *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
@@ -717,8 +649,8 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     const int i0 = mb * BM;
     const int s = it % STAGES;
     const uint32_t qs = sQ_u + s * K_::Q_BYTES, dos = sdO_u + s * K_::Q_BYTES;
-    const float* lse_row = K_::STATS ? sm.sStats + s * 2 * BM : p.lse2 + static_cast<int64_t>(bh) * p.Npad + i0;
-    const float* del_row = K_::STATS ? sm.sStats + s * 2 * BM + BM : p.delta + static_cast<int64_t>(bh) * p.Npad + i0;
+    const float* lse_row = sm.sStats + s * 2 * BM;  // the step's lse2 and delta, in the ring stage
+    const float* del_row = lse_row + BM;
 
     // S^T = K_c Q^T and dP^T = V_c dO^T: 64 keys x 128 queries each.
     float st[BM / 2], dpt[BM / 2];
@@ -737,7 +669,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     wgmma_wait<1>();
     fence_regs(st);
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
-    bwd_probs<BM, K_::STATS, true, K_::MASKB, K_::PSTATS>(st, lse_row, p, i0, j0, col_in, need_mask);
+    bwd_probs<BM>(st, lse_row, p, i0, j0, col_in, need_mask);
     wgmma_wait<0>();
     fence_regs(dpt);
     // dS^T = P^T (dP^T - delta) in place, then dV += P^T dO and dK += dS^T Q
@@ -746,7 +678,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     // math, as the 64-row kernel does) keeps the fp32 P^T live as well, and
     // ptxas then runs out of registers and serializes every wgmma (C7512).
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
-    StatsPairs<K_::STATS, K_::PSTATS> del{del_row, col_in};
+    StatsPairs del{del_row, col_in};
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
       const float2 dl = del(ch);
@@ -769,11 +701,8 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     // dS^T to buffer it % 2 ([query panel][key][query]). The buffer was last
     // read by step it - 2's dQ; both consumers finished that before arriving
     // at step it - 1's barrier, which this thread has passed.
-    store_ds<BM, K_::DS_PANEL, K_::STSM>(sdS_u + (it & 1) * K_::DS_BYTES, dsa, 64 * c + 16 * warp, lane);
+    store_ds<BM, K_::DS_PANEL>(sdS_u + (it & 1) * K_::DS_BYTES, dsa, 64 * c + 16 * warp, lane);
     fence_async_smem();
-    if constexpr (K_::DQ2) {
-      if (tid == 0) bulk_wait_read_1();  // step it - 2's reduce has read this step's stage
-    }
     named_bar_sync(1, NC * 128);
 
     // dQ rows [64c, 64c+64) of the tile = dS K over all BN keys: A = dS
@@ -813,8 +742,8 @@ __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x)
 // row of dq_accum zeroed (one pass instead of a separate fill). D / 8 lanes
 // per row with 16-byte loads (o and dO rows are 16-byte aligned: tma_ready in
 // the binding). Rows in [N, Npad) get delta 0 and lse2 +inf so the main
-// kernel needs no bounds. PSTATS: delta and lse2 go to their stats_slot.
-template <typename T, int D, bool PSTATS>
+// kernel needs no bounds. delta and lse2 go to their stats_slot (StatsPairs).
+template <typename T, int D>
 __global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, float* lse2, float* delta,
                                          float* dq_accum, int Npad) {
   constexpr int LPR = D / 8;  // lanes per row: a power of two dividing 32
@@ -847,16 +776,16 @@ __global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, 
   for (int off = LPR / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (live && l == 0) {
     const int64_t bh = w / Npad;
-    const int64_t slot = PSTATS ? w - row + stats_slot(row) : w;  // Npad is a multiple of 32
+    const int64_t slot = w - row + stats_slot(row);  // Npad is a multiple of 32
     delta[slot] = row < o.S ? acc : 0.f;
     lse2[slot] = row < o.S ? lse[bh * o.S + row] * 1.4426950408889634f : INFINITY;
   }
 }
 
 // dq = dq_accum * scale, cast; 8 elements per thread (D is a multiple of 8, so
-// a group never crosses a row). PERM: each 8-column group of dq_accum holds its
+// a group never crosses a row). Each 8-column group of dq_accum holds its
 // even columns, then its odd ones (stage_dq by stmatrix).
-template <typename T, int D, bool PERM>
+template <typename T, int D>
 __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t BH, int N, int Npad, float scale) {
   const int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   const int64_t total = BH * N * D;
@@ -865,7 +794,7 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
   const int64_t rem = idx - bh * N * D;
   const float4* src = reinterpret_cast<const float4*>(dq_accum + bh * Npad * D + rem);
   float4 a = src[0], c = src[1];
-  if constexpr (PERM) {  // a = columns 0 2 4 6, c = 1 3 5 7
+  {  // a = columns 0 2 4 6, c = 1 3 5 7
     const float4 ev = a, od = c;
     a = make_float4(ev.x, od.x, ev.y, od.y);
     c = make_float4(ev.z, od.z, ev.w, od.w);
@@ -903,7 +832,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   {
     const int64_t lanes = BH * Npad * (D / 8);
     const int threads = 256;
-    attention_bwd_pre_kernel<T, D, Cfg::pstats><<<static_cast<unsigned>((lanes + threads - 1) / threads), threads, 0, stream>>>(
+    attention_bwd_pre_kernel<T, D><<<static_cast<unsigned>((lanes + threads - 1) / threads), threads, 0, stream>>>(
         dout, o, lse, lse2, delta, dq_accum, Npad);
   }
   CUtensorMap qm, km, vm, dom;
@@ -913,13 +842,11 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   if (const char* e = make_map(&dom, dt, dout, BM)) return e;
   CUtensorMap dqm;
   if (const char* e = make_map_f32(&dqm, dq_accum, D, Npad, BH)) return e;
-  DkvMaps dkvm{};
-  if constexpr (Cfg::dkv) {  // dk, dv: (B, Hkv, M, D) contiguous
-    const View4 dkview{dk, k.B, k.H, k.S, D, k.H * k.S * D, k.S * D, D};
-    const View4 dvview{dv, k.B, k.H, k.S, D, k.H * k.S * D, k.S * D, D};
-    if (const char* e = make_map(&dkvm.dk, dt, dkview, 64)) return e;
-    if (const char* e = make_map(&dkvm.dv, dt, dvview, 64)) return e;
-  }
+  DkvMaps dkvm{};  // dk, dv: (B, Hkv, M, D) contiguous
+  const View4 dkview{dk, k.B, k.H, k.S, D, k.H * k.S * D, k.S * D, D};
+  const View4 dvview{dv, k.B, k.H, k.S, D, k.H * k.S * D, k.S * D, D};
+  if (const char* e = make_map(&dkvm.dk, dt, dkview, 64)) return e;
+  if (const char* e = make_map(&dkvm.dv, dt, dvview, 64)) return e;
   BwdParams p;
   p.B = q.B;
   p.Hq = q.H;
@@ -958,27 +885,24 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   {
     const int64_t groups = BH * q.S * D / 8;
     const int threads = 256;
-    attention_bwd_post_kernel<T, D, Cfg::stsmq><<<static_cast<unsigned>((groups + threads - 1) / threads), threads, 0, stream>>>(
+    attention_bwd_post_kernel<T, D><<<static_cast<unsigned>((groups + threads - 1) / threads), threads, 0, stream>>>(
         dq_accum, static_cast<T*>(dq), BH, static_cast<int>(q.S), Npad, scale);
   }
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention backward post-process launch failed";
 }
 
 // The configuration the backward runs, per head dim (measured on the H200 against cuDNN: benchmarks/RESULTS.md):
-// the statistics (lse2, delta) through the ring stage, permuted for 16-byte loads (STATS, PSTATS), the mask
-// branched around (MASKB), dK/dV stored by TMA (DKV), dS^T and the dQ staging by stmatrix (STSM, STSMQ); at D = 128
-// the 64-row kernel with dS^T double-buffered and the consumers taking turns (DBUF, TURNS), at D = 64 the wide kernel
-// (128-row q tiles) with a producer warp issuing the dQ reduce-adds (PRODQ).
+// at D = 128 the 64-row kernel with dS^T double-buffered and the consumers taking turns, at D = 64 the wide kernel
+// (128-row q tiles) with a producer warp issuing the dQ reduce-adds.
 template <int D>
 struct BwdConfig;
-constexpr unsigned kBwdCommon = bwd::STATS | bwd::MASKB | bwd::DKV | bwd::STSM | bwd::STSMQ | bwd::PSTATS;
 template <>
 struct BwdConfig<128> {
-  using Cfg = BwdCfg<Kind::Tile64, 2, kBwdCommon | bwd::DBUF | bwd::TURNS>;
+  using Cfg = BwdCfg<Kind::Tile64, 2, bwd::DBUF | bwd::TURNS>;
 };
 template <>
 struct BwdConfig<64> {
-  using Cfg = BwdCfg<Kind::Wide, 2, kBwdCommon | bwd::PRODQ>;
+  using Cfg = BwdCfg<Kind::Wide, 2, bwd::PRODQ>;
 };
 
 int bwd_bm(int D) { return D == 64 ? BwdConfig<64>::Cfg::BM : BwdConfig<128>::Cfg::BM; }
