@@ -25,8 +25,8 @@ constexpr int BWD_BM = 64;   // query rows per streamed tile
 constexpr int BWD_BN = 128;  // keys per CTA (64 per consumer warpgroup)
 constexpr int BWD_NC = 2;
 
-// A backward variant's configuration: Kind::Tile64 = attention_bwd_kernel (64-row q tiles), Kind::Wide =
-// attention_bwd_wide_kernel (D = 64 only, 128-row q tiles); the ring's stages; and a set of bwd:: flags, each
+// A backward configuration: Kind::Tile64 = attention_bwd_kernel (64-row q tiles), Kind::Wide =
+// attention_bwd_wide_kernel (D = 64, 128-row q tiles); the ring's stages; and a set of bwd:: flags, each
 // explained where the kernels read it (Bwd, BwdWide).
 enum class Kind { Tile64, Wide };
 namespace bwd {
@@ -61,19 +61,16 @@ template <typename T, int D, class Cfg>
 struct Bwd {
   static constexpr int BM = BWD_BM, BN = BWD_BN, NC = BWD_NC, STAGES = Cfg::stages;
   static constexpr bool DS2 = Cfg::dbuf, TURNS = Cfg::turns, PRODQ = Cfg::prodq;
-  static_assert(Cfg::kind == Kind::Tile64, "the 64-row kernel");
-  static_assert(!TURNS || D == 64 || DS2, "TURNS: dS^T double-buffered at D = 128");
+  static_assert(Cfg::kind == Kind::Tile64 && D == 128, "the 64-row kernel runs D = 128");
+  static_assert(!TURNS || DS2, "TURNS: dS^T double-buffered");
   static constexpr int STATS_BYTES = 2 * BM * 4;  // per stage: lse2[BM], delta[BM]
-  static_assert(!DS2 || D == 128, "DS2 is for the column-split dQ (D = 128)");
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
-  static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(BN == 64 * NC, "each consumer owns 64 keys");
   static constexpr int KV_BYTES = BN * D * 2;  // K or V
   static constexpr int Q_BYTES = BM * D * 2;   // Q or dO tile
   static constexpr int DS_BYTES = BN * BM * 2; // dS^T tile [key][query]
-  static constexpr bool DQ_SPLIT_COLS = D == 128;
-  static constexpr int DQ_COLS = DQ_SPLIT_COLS ? D / NC : D;
+  static constexpr int DQ_COLS = D / NC;  // each consumer computes half of dQ's columns over all BN keys
   static constexpr int DQ_STAGE_BYTES = 64 * DQ_COLS * 4;  // per consumer: 64 rows x DQ_COLS fp32 columns
   static constexpr int DS_BUFS = DS2 ? 2 : 1;
   static constexpr int SMEM = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + NC * DQ_STAGE_BYTES +
@@ -86,7 +83,7 @@ struct Bwd {
   // dq_row(c) of the q tile in dq_accum.
   static constexpr int DQ_BOXES = DQ_COLS / 32;
   static constexpr int DS_PANEL = BN * 128;  // one [BN keys][64 queries] panel of dS^T
-  __device__ static constexpr int dq_col(int c, int bx) { return (DQ_SPLIT_COLS ? 64 * c : 0) + 32 * bx; }
+  __device__ static constexpr int dq_col(int c, int bx) { return 64 * c + 32 * bx; }
   __device__ static constexpr int dq_row(int) { return 0; }
 };
 
@@ -360,7 +357,7 @@ __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParam
                                            int c, int tid, int j0, int col_in) {
   constexpr int TILE = 64 * D * 2;  // one consumer's dK (or dV), [D / 64 panels][64 keys][64]
   static_assert(K_::STAGES * K_::Q_BYTES >= K_::NC * TILE, "dK and dV tiles fit in the (Q, dO) ring");
-  named_bar_sync(5, K_::NC * 128);  // an id of its own: the 64-row kernel at D = 64 syncs on 1 + c with 128
+  named_bar_sync(5, K_::NC * 128);  // an id of its own
   const uint32_t k_u = smem_u32(sm.sQ) + c * TILE, v_u = smem_u32(sm.sdO) + c * TILE;
   const int row_in = j0 - n0 - 64 * c;
 #pragma unroll
@@ -392,7 +389,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
                          const BwdParams p) {
   using K_ = Bwd<T, D, Cfg>;
   // What BwdConfig runs on this kernel (D = 128): the consumers take turns, dS^T double-buffered, dQ by columns.
-  static_assert(D == 128 && K_::TURNS && K_::DS2 && K_::DQ_SPLIT_COLS,
+  static_assert(D == 128 && K_::TURNS && K_::DS2,
                 "the 64-row kernel runs D = 128 with TURNS and DS2");
   constexpr int BM = K_::BM, BN = K_::BN, NC = K_::NC, STAGES = K_::STAGES;
   extern __shared__ uint8_t smem_raw[];
@@ -551,7 +548,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
   store_dkdv<T, D, K_>(sm, p, dkv, dk, dv, b, hk, n0, c, tid, j0, col_in);
 }
 
-// D = 64 with q tiles of 128 rows (variants 2, 3). At D = 64 every GEMM of the
+// D = 64 with q tiles of 128 rows. At D = 64 every GEMM of a
 // 64-row kernel is 64 x 64 x 64, so the per-tile fixed costs (the (Q, dO)
 // stream, the named barriers, the dQ staging) weigh twice as much per FLOP as
 // at D = 128, and each consumer's dQ partial covers only its own 64 keys: the

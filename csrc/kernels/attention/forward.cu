@@ -15,29 +15,19 @@ namespace tk_attn {
 namespace {
 
 // One forward configuration: head dim, consumer warpgroups (64 query rows
-// each), key tile, ring stages, and the consumer schedule (PP = ping-pong +
-// intra-warpgroup overlap, see attention_fwd_pp_kernel; false = the serial schedule;
-// TURNS = the ping-pong turn barriers, off = intra-warpgroup overlap alone).
-// Registers: the launch grants 65536 / THREADS each; setmaxnreg moves the
-// producer's share to the consumers.
-// POLY = k > 0: every k-th 8-column chunk of P takes exp2 from an FMA
-// polynomial instead of the MUFU unit (at D = 64 the MUFU exp2 rate, 16 per
-// clock per SM, is as low as the tensor cores' rate per score).
-// OTMA: O leaves through shared memory and a TMA store per 64-column panel (full 128-byte lines, clipped at N by
-// the TMA unit) instead of 4-byte stores from registers, which fill only half of each 32-byte sector and hold
-// the warpgroup in the store queue at the end of every task.
-// XTASK: a warpgroup issues the next task's first QK^T before it finishes the current task (normalises and
-// stores O), so the tensor cores are not idle while both warpgroups do their epilogues.
-template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool TURNS_ = true, int POLY_ = 0, bool OTMA_ = false,
-          bool XTASK_ = false>
+// each), key tile, ring stages, and the consumer schedule: PP = ping-pong (turn barriers between the warpgroups and
+// intra-warpgroup overlap, see attention_fwd_pp_kernel), with O leaving through shared memory and a TMA store per
+// 64-column panel (full 128-byte lines, clipped at N by the TMA unit; 4-byte stores from registers fill only half
+// of each 32-byte sector and hold the warpgroup in the store queue at the end of every task); false = the serial
+// schedule. Registers: the launch grants 65536 / THREADS each; setmaxnreg moves the producer's share to the consumers.
+// XTASK (ping-pong): a warpgroup issues the next task's first QK^T before it finishes the current task (normalises
+// and stores O), so the tensor cores are not idle while both warpgroups do their epilogues.
+template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool XTASK_ = false>
 struct FwdCfg {
-  static constexpr int D = D_, NC = NC_, BN = BN_, STAGES = STAGES_, POLY = POLY_;
-  static constexpr bool PP = PP_, TURNS = TURNS_, OTMA = OTMA_, XTASK = XTASK_;
-  static_assert(!XTASK || OTMA, "XTASK's branch-free finish stores O by TMA");
-  static_assert(PP || POLY == 0, "the polynomial exp2 belongs to the ping-pong schedule");
-  static_assert(PP || !OTMA, "the TMA store of O belongs to the ping-pong schedule");
+  static constexpr int D = D_, NC = NC_, BN = BN_, STAGES = STAGES_;
+  static constexpr bool PP = PP_, XTASK = XTASK_;
+  static_assert(PP || !XTASK, "XTASK belongs to the ping-pong schedule");
   static_assert(NC == 2 || NC == 3, "2 or 3 consumer warpgroups");
-  static_assert(PP || TURNS, "turn barriers belong to the ping-pong schedule");
   static constexpr int REG_PROD = NC == 2 ? 24 : 32;
   static constexpr int REG_CONS = NC == 2 ? 240 : 160;
 };
@@ -53,7 +43,7 @@ struct Fwd {
   static_assert(BN % 16 == 0 && BN <= 256, "key tile");
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
-  static constexpr int O_BYTES = C::OTMA ? BM * D * 2 : 0;  // the O stage (OTMA)
+  static constexpr int O_BYTES = C::PP ? BM * D * 2 : 0;  // the O stage (ping-pong)
   static constexpr int SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 1024 /*align*/ + 256 /*barriers*/;
   static_assert(SMEM <= 232448, "shared memory per block");
   static_assert(2 + 4 * STAGES <= 31, "barriers fit their 256 bytes, less the task slot");
@@ -66,7 +56,7 @@ struct Fwd {
 // serves both (v_empty == k_empty).
 template <class K_, bool SPLIT_EMPTY>
 struct FwdSmem {
-  uint8_t *sQ, *sK, *sV, *sO;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice, [PANELS][BM][64] (OTMA)
+  uint8_t *sQ, *sK, *sV, *sO;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice, [PANELS][BM][64] (ping-pong)
   uint64_t *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
   // dynamic schedule: the task the producer hands the consumers with q_full (the barriers' last 8 bytes)
   __device__ __forceinline__ volatile int* task() const { return reinterpret_cast<volatile int*>(q_full + 31); }
@@ -198,7 +188,7 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, co
   }
 }
 
-// Serial schedule (variant 0): each consumer runs QK^T -> softmax -> PV in
+// Serial schedule: each consumer runs QK^T -> softmax -> PV in
 // turn; only the other consumers' work overlaps it.
 template <typename T, typename Cfg, bool DYN>
 __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
@@ -348,7 +338,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   }
 }
 
-// ---- ping-pong schedule (variants >= 1) --------------------------------------
+// ---- ping-pong schedule --------------------------------------------------
 // Each consumer warpgroup issues its GEMMs in "rounds": round 0 = S_0 = Q K_0^T,
 // round j+1 = S_{j+1} = Q K_{j+1}^T together with O += P_j V_j, last round =
 // the final PV. Rounds of the warpgroups take turns (named barriers, round
@@ -357,22 +347,10 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 // S_{j+1} runs while PV_j is still in flight (intra-warpgroup overlap).
 // The max is kept on raw scores and folded into one FFMA per element, which
 // needs scale > 0 (the launcher sends other scales to the serial kernel).
-
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-// 2^x for x <= 0 on the FMA/ALU pipes: x = n + f with n = round(x) (added to
-// the exponent bits), f in [-0.5, 0.5], 2^f from a degree-3 relative-minimax
-// polynomial (max relative error 7.5e-5, far below bf16's 3.9e-3). x is
-// clamped at -125 so the exponent cannot underflow: 2^-125 stands in for 0.
-__device__ __forceinline__ float ex2_poly(float x) {
-  x = fmaxf(x, -125.f);
-  const float t = x + 12582912.f;  // 1.5 * 2^23: round(x) lands in the low mantissa bits
-  const float f = x - (t - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.0551716688f, f, 0.242611148f), f, 0.693260988f), f, 0.999928072f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 // Lane 0 of the warp arrives; predicated, not branched, so that no branch
 // sits between a wgmma and its wait (ptxas would serialize the wgmmas).
@@ -390,7 +368,7 @@ struct PP {
   static constexpr int D = K_::D, BN = K_::BN, BM = K_::BM;
 
   // This warpgroup's turns at the tensor cores (named barrier 1 + c is warpgroup c's; 0 is __syncthreads).
-  using Turn = Turns<Cfg::TURNS, 1, Cfg::NC>;
+  using Turn = Turns<true, 1, Cfg::NC>;
 
   static __device__ __forceinline__ void issue_qk(float (&sc)[K_::S_REGS], uint32_t sQ_u, uint32_t sK_s) {
     const uint64_t qa = desc_kmajor(sQ_u), kb = desc_kmajor(sK_s);
@@ -445,7 +423,7 @@ struct PP {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = fmaf(sc[4 * ch + e], sl2, -msc[e >> 1]);
-        const float pe = (Cfg::POLY > 0 && ch % (Cfg::POLY > 0 ? Cfg::POLY : 1) == Cfg::POLY - 1) ? ex2_poly(x) : ex2(x);
+        const float pe = ex2(x);
         sc[4 * ch + e] = pe;
         rs[e >> 1] += pe;
       }
@@ -615,51 +593,35 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     }
     it += k.nblk;
   };
-  // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE. XTASK: the next task's S_0 is in
-  // flight, so the OTMA path has no branches (ptxas would serialize the wgmma): predicated stores, MUFU rcp/lg2.
+  // Finish: normalise, write O in (B, N, Hq, D) through the O stage and the natural-log LSE. Without branches (with
+  // XTASK the next task's S_0 is in flight, and ptxas would serialize the wgmma): predicated stores, MUFU rcp/lg2.
   auto finish = [&](const Task& k) {
     const int b = k.bh / p.Hq, h = k.bh % p.Hq;
-    if constexpr (Cfg::OTMA) {
-      // This warpgroup's rows of the O stage: free once its previous store has read them (named barrier 4 + c).
-      bulk_wait_read_if(tid == 0);
-      named_bar_sync(4 + c, 128);
-    }
+    // This warpgroup's rows of the O stage: free once its previous store has read them (named barrier 4 + c).
+    bulk_wait_read_if(tid == 0);
+    named_bar_sync(4 + c, 128);
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       float l = sum[h2];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int row = k.r0 + 8 * h2;
-      if constexpr (Cfg::OTMA) {
-        const float inv = rcp_approx(l);
-        const uint32_t sO_u = smem_u32(sm.sO);
+      const float inv = rcp_approx(l);
+      const uint32_t sO_u = smem_u32(sm.sO);
 #pragma unroll
-        for (int ch = 0; ch < D / 8; ++ch)
-          st_shared(sO_u + (ch / 8) * BM * 128 + swz128(64 * c + row_in + 8 * h2, 8 * (ch % 8) + col_in, 2),
-                    pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv));
-        st_global_if(row < p.N && (lane & 3) == 0, p.lse + static_cast<int64_t>(k.bh) * p.N + row,
-                     (mx[h2] * sl2 + lg2_approx(l)) * 0.69314718055994531f);
-      } else if (row < p.N) {
-        const float inv = 1.f / l;
-        T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * D;
-#pragma unroll
-        for (int ch = 0; ch < D / 8; ++ch) {
-          const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
-          *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
-        }
-        if ((lane & 3) == 0)
-          p.lse[static_cast<int64_t>(k.bh) * p.N + row] = (mx[h2] * sl2 + log2f(l)) * 0.69314718055994531f;
-      }
+      for (int ch = 0; ch < D / 8; ++ch)
+        st_shared(sO_u + (ch / 8) * BM * 128 + swz128(64 * c + row_in + 8 * h2, 8 * (ch % 8) + col_in, 2),
+                  pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv));
+      st_global_if(row < p.N && (lane & 3) == 0, p.lse + static_cast<int64_t>(k.bh) * p.N + row,
+                   (mx[h2] * sl2 + lg2_approx(l)) * 0.69314718055994531f);
     }
-    if constexpr (Cfg::OTMA) {
-      fence_async_smem();  // the rows written above, visible to the TMA unit
-      named_bar_sync(4 + c, 128);
-      const bool store = tid == 0 && k.m0 + 64 * c < p.N;
+    fence_async_smem();  // the rows written above, visible to the TMA unit
+    named_bar_sync(4 + c, 128);
+    const bool store = tid == 0 && k.m0 + 64 * c < p.N;
 #pragma unroll
-      for (int pn = 0; pn < K_::PANELS; ++pn)
-        tma_store_4d_if(store, &omap, sm.sO + pn * BM * 128 + 64 * c * 128, pn * 64, k.m0 + 64 * c, h, b);
-      bulk_commit_if(store);
-    }
+    for (int pn = 0; pn < K_::PANELS; ++pn)
+      tma_store_4d_if(store, &omap, sm.sO + pn * BM * 128 + 64 * c * 128, pn * 64, k.m0 + 64 * c, h, b);
+    bulk_commit_if(store);
   };
 
   if constexpr (!Cfg::XTASK) {
@@ -695,19 +657,18 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     }
   }
   if (c == 0) S::Turn::wait(c);  // consume the last warpgroup's final hand-over
-  if constexpr (Cfg::OTMA)
-    if (tid == 0) bulk_wait_all();  // the stores read shared memory until they are done
+  if (tid == 0) bulk_wait_all();  // the stores read shared memory until they are done
 }
 
 template <typename T, typename Cfg, bool DYN>
 const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
                        float scale, int num_sms, int* next_task, cudaStream_t stream) {
   using K_ = Fwd<T, Cfg>;
-  CUtensorMap qm, km, vm, om{};  // om: OTMA only
+  CUtensorMap qm, km, vm, om{};  // om: ping-pong only
   if (const char* e = make_map(&qm, dt, q, K_::BM)) return e;
   if (const char* e = make_map(&km, dt, k, K_::BN)) return e;
   if (const char* e = make_map(&vm, dt, v, K_::BN)) return e;
-  if constexpr (Cfg::OTMA) {  // o: (B, N, Hq, D) contiguous, as a (B, Hq, N, D) view; stored 64 rows per warpgroup
+  if constexpr (Cfg::PP) {  // o: (B, N, Hq, D) contiguous, as a (B, Hq, N, D) view; stored 64 rows per warpgroup
     const View4 ov{o, q.B, q.H, q.S, q.D, q.S * q.H * q.D, q.D, q.H * q.D};
     if (const char* e = make_map(&om, dt, ov, 64)) return e;
   }
@@ -745,7 +706,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
 }
 
 // The configurations the forward runs, per head dim (measured on the H200 against cuDNN: benchmarks/RESULTS.md).
-// Ping-pong consumers with O stored by TMA (OTMA), and at D = 128 without a mask also the next task's first scores
+// Ping-pong consumers (O stored by TMA), and at D = 128 without a mask also the next task's first scores
 // under the current one's finish (XTASK; under a mask it spilled and ran 4% slower). Serial serves scale <= 0, which
 // the ping-pong kernels' max-on-raw-scores trick cannot.
 template <int D>
@@ -753,13 +714,13 @@ struct FwdConfigs;
 template <>
 struct FwdConfigs<128> {
   using Serial = FwdCfg<128, 2, 128, 2, false>;
-  using Causal = FwdCfg<128, 2, 128, 2, true, true, 0, true>;
-  using Full = FwdCfg<128, 2, 128, 2, true, true, 0, true, true>;
+  using Causal = FwdCfg<128, 2, 128, 2, true>;
+  using Full = FwdCfg<128, 2, 128, 2, true, true>;
 };
 template <>
 struct FwdConfigs<64> {
   using Serial = FwdCfg<64, 3, 128, 4, false>;
-  using Causal = FwdCfg<64, 3, 128, 4, true, true, 0, true>;
+  using Causal = FwdCfg<64, 3, 128, 4, true>;
   using Full = Causal;
 };
 
