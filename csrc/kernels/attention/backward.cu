@@ -583,10 +583,6 @@ struct BwdWide {
   static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
-// Wait until all but the newest bulk group of this thread have read their
-// shared-memory source.
-__device__ __forceinline__ void bulk_wait_read_1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
-
 template <typename T, class Cfg>
 __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
