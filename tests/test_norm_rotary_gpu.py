@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import tk_inductor
 import tk_inductor.ops.layernorm as ln_ops
 import tk_inductor.ops.rotary as rot_ops
 from tk_inductor import build
@@ -195,7 +196,7 @@ def test_compiled_norm_and_rotary_call_the_cuda_ops(monkeypatch):
         compiled = torch.compile(f, backend="thunderkittens")
         outs = compiled(x, r, w, a, b)
         grads = torch.autograd.grad([o.float().sum() for o in outs], (x, r, w, a, b))
-    report = tk_inductor_report()
+    report = str(tk_inductor.report())
     assert "layernorm" in report and "rotary" in report, report
     forward, backward = seen[0], seen[-1]
     assert "tk_cuda.layernorm.default" in forward and "tk_cuda.rotary.default" in forward, forward
@@ -206,12 +207,6 @@ def test_compiled_norm_and_rotary_call_the_cuda_ops(monkeypatch):
         assert o.dtype == e.dtype and rel_err(o, e) < 2e-2
     for gr, e in zip(grads, ref):
         assert gr.dtype == e.dtype and rel_err(gr, e) < 2e-2
-
-
-def tk_inductor_report() -> str:
-    import tk_inductor
-
-    return str(tk_inductor.report())
 
 
 def test_layernorm_mixed_autograd():

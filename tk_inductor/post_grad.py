@@ -150,6 +150,8 @@ def _raw_op(name: str, fake: Callable):
 
 def call_kernels_directly(graph: fx.Graph) -> int:
     """tk op nodes whose kernel runs -> the raw tk_cuda op. Returns the count."""
+    from .ops import _dispatch
+
     if config.reference_at_run_time():
         return 0
     table = _direct_ops()
@@ -159,11 +161,7 @@ def call_kernels_directly(graph: fx.Graph) -> int:
         if entry is None:
             continue
         name, fake, runs = entry
-        if not runs({k: _val(v) for k, v in _bound(node).items()}):
-            continue
-        from .ops import _dispatch
-
-        if not _dispatch.has_kernel(name):
+        if not runs({k: _val(v) for k, v in _bound(node).items()}) or not _dispatch.has_kernel(name):
             continue
         node.target = _raw_op(name, fake)
         count += 1
