@@ -279,6 +279,27 @@ def view_letters(node, letters: str):
     return chain[-1] if chain else None
 
 
+def full_index(index, rank: int):
+    """A getitem index as one entry per dim: Ellipsis expanded, trailing dims as full slices (None: an index this
+    matcher does not read, such as a tensor or a new axis)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if index.count(Ellipsis) > 1 or any(i is None or not isinstance(i, (int, slice, type(Ellipsis))) for i in index):
+        return None
+    if Ellipsis in index:
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (rank - len(index) + 1) + index[k + 1:]
+    return index + (slice(None),) * (rank - len(index))
+
+
+def indexes(node, index) -> bool:
+    """`node` is `t[index]`, in any spelling of the same index (`t[:, :, :, -1]`, `t[..., -1]`)."""
+    if kind(node) != "getitem" or shape(node.args[0]) is None:
+        return False
+    rank = len(shape(node.args[0]))
+    got = full_index(node.args[1], rank)
+    return got is not None and got == full_index(index, rank)
+
+
 def peel_to(node, letters: str, want: str):
     """The view of `node` (positions named by `letters`) whose positions are exactly `want`,
     e.g. peel_to(x[..., None], "abcz", "abc") -> x; None if there is none."""

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.ssd)
-from tk_inductor.patterns.linear_attention import (arg, shapes_eq, contraction, dtype, evaluate_constant, example,
+from tk_inductor.patterns.linear_attention import (arg, full_index, indexes, shapes_eq, contraction, dtype, evaluate_constant, example,
                                                    eq, is_tensor, is_triangle, kind, peel_to, scalar, static_int, shape, strip, unify,
                                                    upcast_source)
 from tk_inductor import config
@@ -41,39 +41,18 @@ def _need(cond, why: str):
         raise _NoMatch(why)
 
 
-def _full_index(index, rank: int):
-    """A getitem index as one entry per dim: Ellipsis expanded, trailing dims as full slices (None: an index this
-    matcher does not read, such as a tensor or a new axis)."""
-    index = index if isinstance(index, tuple) else (index,)
-    if index.count(Ellipsis) > 1 or any(i is None or not isinstance(i, (int, slice, type(Ellipsis))) for i in index):
-        return None
-    if Ellipsis in index:
-        k = index.index(Ellipsis)
-        index = index[:k] + (slice(None),) * (rank - len(index) + 1) + index[k + 1:]
-    return index + (slice(None),) * (rank - len(index))
-
-
-def _indexes(node, index) -> bool:
-    """`node` is `t[index]`, in any spelling of the same index (`t[:, :, :, -1]`, `t[..., -1]`)."""
-    if kind(node) != "getitem" or shape(node.args[0]) is None:
-        return False
-    rank = len(shape(node.args[0]))
-    got = _full_index(node.args[1], rank)
-    return got is not None and got == _full_index(index, rank)
-
-
 def _last_keepdim(node, src) -> bool:
     """`node` is src[..., -1:], in one of its spellings: src[..., -1].unsqueeze(-1), src[..., -1, None]."""
-    if _indexes(node, (Ellipsis, slice(-1, None))):
+    if indexes(node, (Ellipsis, slice(-1, None))):
         return strip(node.args[0]) is src
     if kind(node) == "unsqueeze" and arg(node, 1, "dim") in (-1, len(shape(node)) - 1):
         inner = strip(node.args[0])
-        return _indexes(inner, (Ellipsis, -1)) and strip(inner.args[0]) is src
+        return indexes(inner, (Ellipsis, -1)) and strip(inner.args[0]) is src
     index = node.args[1] if kind(node) == "getitem" else None
     if isinstance(index, tuple) and len(index) >= 2 and index[-1] is None and None not in index[:-1]:
         rank = len(shape(node.args[0]))
-        full = _full_index(index[:-1], rank)
-        return full == _full_index((Ellipsis, -1), rank) and strip(node.args[0]) is src
+        full = full_index(index[:-1], rank)
+        return full == full_index((Ellipsis, -1), rank) and strip(node.args[0]) is src
     return False
 
 
@@ -225,7 +204,7 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
 
     # chunk-start states: new_states[:, :-1], new_states = Σ_z decay_chunk · cat([h0, states])
     starts = strip(off["S"])
-    _need(_indexes(starts, (slice(None), slice(None, -1))), "chunk-start states")
+    _need(indexes(starts, (slice(None), slice(None, -1))), "chunk-start states")
     new_states = strip(starts.args[0])
     ns_c = contraction(new_states)
     inter = unify(ns_c, [("DC", "bhts"), ("T", "bshpn")], "bthpn")
@@ -234,7 +213,7 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
     _need(kind(padded_last) == "pad" and tuple(arg(padded_last, 1, "pad")) == (1, 0)
           and scalar(arg(padded_last, 3, "value", 0) or 0) == 0.0, "chunk decays not padded by one")
     last = strip(padded_last.args[0])
-    _need(_indexes(last, (Ellipsis, -1)) and strip(last.args[0]) is acum, "chunk decays are not cumsum[..., -1]")
+    _need(indexes(last, (Ellipsis, -1)) and strip(last.args[0]) is acum, "chunk decays are not cumsum[..., -1]")
     cat = strip(inter["T"])
     parts = arg(cat, 0, "tensors")
     _need(kind(cat) == "cat" and arg(cat, 1, "dim", 0) in (1, -4) and len(parts) == 2, "states concatenation")
@@ -264,7 +243,7 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
     _need(shapes_eq(shape(B_src), shape(C_src)), "B and C groups differ")
 
     y_node, D = _output(anchor, b, padded, length, h, p, x_dt)
-    final = next((u for u in new_states.users if _indexes(u, (slice(None), -1))), None)
+    final = next((u for u in new_states.users if indexes(u, (slice(None), -1))), None)
     x_arg = strip(x_dt)
     tensors = [x_arg, upcast_source(dt_x), upcast_source(A_node), B_src, C_src, D, h0]
     examples = [example(t.node if isinstance(t, Squeeze) else t) for t in tensors if t is not None]
