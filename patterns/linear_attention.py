@@ -891,7 +891,7 @@ def _match(node, cfg: config.Config) -> Match | None:
     if not shapes_eq(shape(v)[:3], shape(fq_x)[:3]):
         return None
     out, eps = _normaliser(node, M, fq, fk, total)
-    return _make(out, fm, fq_x, fk_x, v, qw, kw, scale, eps)
+    return _make(out, fm, fq_x, fk_x, v, qw, kw, scale, eps, cfg)
 
 
 def _pair(fq, fk, scale):
@@ -906,7 +906,7 @@ def _pair(fq, fk, scale):
     return "identity", fq, fk, None, None, scale
 
 
-def _make(out, fm, q, k, v, qw, kw, scale, eps) -> Match:
+def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config) -> Match:
     normalize = eps is not None
     tensors = [t for t in (q, k, v, qw, kw) if t is not None]
     examples = [example(t) for t in tensors]

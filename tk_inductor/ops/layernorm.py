@@ -207,7 +207,7 @@ def _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtyp
     check(dy.shape == h.shape and dy.dtype in DTYPES,
           lambda: f"tk::layernorm_backward: dy {tuple(dy.shape)} {dy.dtype} must be a float tensor of h's shape {tuple(h.shape)}")
     check(dh is None or (dh.shape == h.shape and dh.dtype == h.dtype),
-          lambda: f"tk::layernorm_backward: dh must match h in shape and dtype")
+          lambda: "tk::layernorm_backward: dh must match h in shape and dtype")
     for name, t in (("dy2", dy2), ("dy3", dy3)):
         check(t is None or (isinstance(t, torch.Tensor) and t.shape == dy.shape and t.dtype == dy.dtype),
               lambda: f"tk::layernorm_backward: {name} must match dy in shape and dtype")
