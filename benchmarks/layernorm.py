@@ -161,6 +161,16 @@ def _llama_block_norm(x, r, w, eps=1e-6):
     return (w * v.to(h.dtype)).to(torch.bfloat16), h
 
 
+def _mamba2_gated_norm(x, z, w, eps=1e-6):
+    """Mamba-2's MambaRMSNormGated as HF writes it (one group), on the SSD's fp32 output and the bf16 gate, the
+    result cast to bf16 for the out projection (HF's `out_proj(scan_output.to(dtype))`). A 1-tuple, as the other
+    cases return tuples."""
+    h = x.to(torch.float32) * F.silu(z.to(torch.float32))
+    hg = h.view(*h.shape[:-1], 1, h.shape[-1])
+    hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + eps)
+    return ((w * hg.view(h.shape).to(x.dtype)).to(torch.bfloat16),)
+
+
 def public_cases(quick: bool = False):
     """(name, function, inputs, output grads, forward bytes, step bytes, hidden): the issue's public-API forms."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -184,6 +194,13 @@ def public_cases(quick: bool = False):
         n = ROWS * hidden
         # forward: x (2) + r (4) read, y (2) + h (4) written; step: + dy (2), dh (4), h (4) read, dres (4), dx (2)
         yield f"{ROWS}x{hidden} rms autocast (bf16 x, fp32 residual/w)", _llama_block_norm, (x, r, w), grads, 12 * n, 28 * n, hidden
+    # Mamba-2's gated norm in a bf16 model: fp32 x (the SSD's output), bf16 gate and weight, bf16 output
+    for hidden in ((2048,) if quick else (2048, 5120)):
+        x = mk(ROWS, hidden, dtype=torch.float32).requires_grad_()
+        z, w = mk(ROWS, hidden).requires_grad_(), mk(hidden).requires_grad_()
+        n = ROWS * hidden
+        # forward: x (4) + z (2) read, y (2) written; step: + dy (2), x (4), z (2) read, dx (4), dz (2) written
+        yield f"{ROWS}x{hidden} gated rms (fp32 x, bf16 gate/w)", _mamba2_gated_norm, (x, z, w), (mk(ROWS, hidden),), 8 * n, 22 * n, hidden
 
 
 def run_public(quick: bool = False) -> list[Row]:

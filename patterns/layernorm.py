@@ -14,6 +14,9 @@ The norm (the anchor), then what feeds it:
   Llama's `residual + hidden_states`), `h = dropout(x)`, or a plain input. Dropout is
   `F.dropout` / `torch.dropout` / `nn.Dropout`: p > 0 in training becomes the op's Philox dropout
   (same distribution, mask regenerated in the backward; the RNG stream differs from torch's).
+  Or the gated product `h = x.float() * F.silu(z.float())` of Mamba-2's MambaRMSNormGated (the op's
+  gate), computed in fp32; with one group, its `(..., 1, size)` view of h and the view back are
+  dropped. Several groups (n_groups > 1, a weight row per group) are kept.
 
 Dtypes, as eager gives them: the residual add may promote (an fp32 residual stream plus a bf16
 branch output under autocast gives an fp32 h: the narrower operand is the op's x), the weight may
@@ -292,7 +295,7 @@ def _eps_ok(eps: Any) -> bool:
     return isinstance(eps, fx.Node) and isinstance(example(eps), torch.SymFloat)
 
 
-def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype, cfg: config.Config) -> str | None:
+def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype, cfg: config.Config, gate=None) -> str | None:
     th = _tensor(norm.h)
     if th is None:
         return "no example value for the norm input"
@@ -303,7 +306,7 @@ def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype, cfg: config.
     if not _eps_ok(norm.eps):
         return f"eps is neither a constant nor a symbolic float ({norm.eps!r})"
     tx = _tensor(x)
-    for name, t in (("activations", th), ("x", tx)):
+    for name, t in (("activations", th), ("x", tx), ("gate", _tensor(gate) if gate is not None else th)):
         if t is None or t.dtype not in layernorm_ops.DTYPES:
             return f"{name} dtype {getattr(t, 'dtype', None)}"
     hidden = th.shape[-1]
@@ -327,7 +330,9 @@ def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype, cfg: config.
         return f"output {getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))} is not a float tensor of h's shape"
     if tx.device.type == "cuda" and not cfg.reference:
         w = next(iter(dtypes)) if dtypes else None
-        if not layernorm_ops.kernel_supports(tx.dtype, th.dtype, w, out_dtype):
+        if gate is not None and not layernorm_ops.gate_supported(w, out_dtype):
+            return f"no gated kernel for weight {w}, output {out_dtype}"
+        if gate is None and not layernorm_ops.kernel_supports(tx.dtype, th.dtype, w, out_dtype):
             return f"no kernel for x {tx.dtype}, h {th.dtype}, weight {w}, output {out_dtype}"
     return None
 
@@ -335,12 +340,55 @@ def _check(norm: _Norm, shape, x, residual, out_dtype: torch.dtype, cfg: config.
 _SILU = {F.silu}
 
 
-def _gated(h: fx.Node) -> bool:
-    """h = x * silu(z) (Mamba-2's gated RMSNorm, MambaRMSNormGated), possibly viewed into groups."""
-    while _is(h, {torch.reshape}, "view") or _is(h, {torch.reshape}, "reshape"):
-        h = h.args[0]
-    ops = _mul_operands(h)
-    return ops is not None and any(_is(_strip_casts(o), _SILU, "silu") for o in ops)
+def _view_source(node: Any) -> fx.Node | None:
+    if _is(node, {torch.reshape}, "view") or _is(node, {torch.reshape}, "reshape"):
+        return node.args[0]
+    return None
+
+
+def _ungroup(norm: _Norm) -> None:
+    """A norm over a view of g that keeps g's last dim, whose output is viewed back to g's shape, is the norm of g
+    (HF's MambaRMSNormGated with one group normalises a (..., 1, size) view): h becomes g, the output the view back
+    or the weight multiply after it."""
+    g = _view_source(norm.h)
+    tg, th = _tensor(g), _tensor(norm.h)
+    if tg is None or th is None or norm.weight is not None or norm.bias is not None or tg.shape[-1] != th.shape[-1]:
+        return
+    back = _single_user(norm.out)
+    tb = _tensor(back) if back is not None else None
+    if _view_source(back) is not norm.out or tb is None or tuple(tb.shape) != tuple(tg.shape):
+        return
+    norm.h = g
+    norm.out, norm.weight, norm.bias = _affine_after(back, g, bias_ok=not norm.rms)
+
+
+def _gate(h: Any) -> tuple[fx.Node, fx.Node] | str | None:
+    """h = x * silu(z) in fp32 (Mamba-2's gated RMSNorm, MambaRMSNormGated): (x, z) with exact upcasts stripped (the
+    kernel reads them in their own dtypes and computes the product in fp32). A reason where h is a gated product in
+    another form; None where it is none."""
+    src = _view_source(h)
+    ops = _mul_operands(src if src is not None else h)
+    if ops is None:
+        return None
+    for a, s in (ops, ops[::-1]):
+        if not _is(_strip_casts(s), _SILU, "silu"):
+            continue
+        if src is not None:  # groups of the last dim (n_groups > 1): each row would need its slice of the weight
+            return "grouped gated norm (x * silu(z) normalised in groups of the last dim): the op takes one weight row"
+        silu = s
+        while (t := _tensor(silu)) is not None and t.dtype == torch.float32 and _cast_source(silu) is not None:
+            silu = _cast_source(silu)  # casts that keep fp32
+        th, ts = _tensor(h), _tensor(silu)
+        if not _is(silu, _SILU, "silu") or ts is None or ts.dtype != torch.float32 or _arg(silu, 1, "inplace", False):
+            return f"gated norm with silu(z) computed in {getattr(ts, 'dtype', None)} (the kernel computes it in fp32)"
+        if th is None or th.dtype != torch.float32:
+            return f"gated norm with x * silu(z) computed in {getattr(th, 'dtype', None)} (the kernel computes it in fp32)"
+        x, z = upcast_source(a), upcast_source(silu.args[0])
+        tx, tz = _tensor(x), _tensor(z)
+        if tx is None or tz is None or tuple(tx.shape) != tuple(th.shape) or tuple(tz.shape) != tuple(th.shape):
+            return "gated norm whose x or gate broadcasts"
+        return x, z
+    return None
 
 
 def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
@@ -356,21 +404,26 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
             continue
         if not isinstance(norm.h, fx.Node):
             continue
+        _ungroup(norm)
         x, residual, p, h_node, reason = _feed(norm.h)
+        gate = None
         if residual is None and p == 0.0:
             h_node = None  # the op returns no h then (h == x); an eval-mode dropout node stays for its other users
-            x = upcast_source(x)  # the kernel reads a 16-bit input and upcasts it, exactly as the cast does
+            gated = _gate(x)
+            if isinstance(gated, str):
+                reason = reason or gated
+            elif gated is not None:
+                x, gate = gated
+            else:
+                x = upcast_source(x)  # the kernel reads a 16-bit input and upcasts it, exactly as the cast does
         out_dtype = getattr(_tensor(norm.out), "dtype", None)
         if reason is None and (fused := fused_cast(norm.out, layernorm_ops.DTYPES)) is not None:
             norm.out, out_dtype = fused
-        if reason is None and residual is None and p == 0.0 and _gated(x):
-            # The gate's product would be a kernel of its own writing fp32 rows for the norm to read back, where
-            # Inductor fuses it into its norm kernel: kept until the kernel takes the gate.
-            reason = "gated norm (x * silu(z)): the op has no gate input, and Inductor fuses the product into its norm"
-        reason = reason or _check(norm, shape, x, residual, out_dtype, cfg)
+        reason = reason or _check(norm, shape, x, residual, out_dtype, cfg, gate)
         tx = _tensor(x)
         needs_grad = any(
-            (t := _tensor(n)) is not None and t.requires_grad for n in (x, residual, norm.weight, norm.bias) if n is not None
+            (t := _tensor(n)) is not None and t.requires_grad
+            for n in (x, residual, norm.weight, norm.bias, gate) if n is not None
         )
         eps = norm.eps
         if isinstance(eps, fx.Node):  # a symbolic float: specialised (guarded) only where the norm is replaced
@@ -382,7 +435,7 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
             # stats: keep mean/rstd only where a backward can run (grad mode on, a differentiable input needs grad);
             # Dynamo guards grad mode and requires_grad, so a graph compiled without them recompiles with them.
             args=(x, residual, norm.weight, norm.bias, None, float(eps), p, norm.rms, needs_grad and torch.is_grad_enabled(),
-                  out_dtype),
+                  out_dtype, gate),
             reason=reason,
             needs_grad=needs_grad,
             has_backward_kernel=True,

@@ -174,7 +174,7 @@ def test_backward_op_direct():
     h = torch.randn(10, H)
     dy, dh, w = torch.randn(10, H), torch.randn(10, H), torch.randn(H)
     y, _, mean, rstd, rng = torch.ops.tk.layernorm(h, None, w, None, None, 1e-5, 0.0, False)
-    dres, dx, dw, db = torch.ops.tk.layernorm_backward(dy, dh, h, w, mean, rstd, rng, 0.0, False, True)
+    dres, dx, dw, db, _ = torch.ops.tk.layernorm_backward(dy, dh, h, w, mean, rstd, rng, 0.0, False, True)
     hh = h.clone().requires_grad_()
     ww = w.clone().requires_grad_()
     bb = torch.zeros(H, requires_grad=True)

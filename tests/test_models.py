@@ -87,7 +87,7 @@ CASES = {
     "gpt2": Case(_gpt2, ("attention", "layernorm"), attention_count=2),
     "bert-padding": Case(_bert, ("layernorm",), kept=("attention",), padding_mask=True),
     "gpt-neox": Case(_neox, ("attention", "rotary", "layernorm"), attention_count=2),
-    "mamba2": Case(_mamba2, ("ssd",)),
+    "mamba2": Case(_mamba2, ("ssd", "layernorm")),
 }
 
 

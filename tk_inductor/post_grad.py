@@ -123,11 +123,11 @@ def _direct_ops() -> dict[Any, tuple[str, Callable, Callable[[dict], bool]]]:
             "layernorm", layernorm._forward_fake,
             # with dropout and no (seed, offset) the Python op draws them; the C++ op does not
             lambda a: (a["p"] == 0.0 or a["rng"] is not None)
-            and layernorm.forward_kernel_ok(a["x"], a["residual"], a["weight"], a["bias"], a["out_dtype"])),
+            and layernorm.forward_kernel_ok(a["x"], a["residual"], a["weight"], a["bias"], a["out_dtype"], a["gate"])),
         torch.ops.tk.layernorm_backward.default: (
             "layernorm_backward", layernorm._backward_fake,
             lambda a: layernorm.backward_kernel_ok(a["dy"], a["dh"], a["h"], a["weight"], a["mean"], a["rstd"],
-                                                   a["x_dtype"], a["dy2"], a["dy3"])),
+                                                   a["x_dtype"], a["dy2"], a["dy3"], a["gate"])),
         torch.ops.tk.rotary.default: (
             "rotary", rotary._fake,
             # q or k without a unit last stride: the Python op copies it and returns the layout its fake promised

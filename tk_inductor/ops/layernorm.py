@@ -1,11 +1,12 @@
 """tk::layernorm — residual + dropout + LayerNorm / RMSNorm, and its backward.
 
     h = residual + dropout(x)                      (residual optional, dropout p >= 0)
+    h = x · silu(gate)                             (gated: Mamba-2's MambaRMSNormGated; fp32, no residual/dropout)
     y = (h - mean(h)) * rstd * w + b               LayerNorm, rstd = rsqrt(var(h) + eps)
     y = h * rstd * w                               RMSNorm,   rstd = rsqrt(mean(h²) + eps)
 
 Statistics are fp32. Returns (y, h, mean, rstd, rng): h is empty when it equals x (no residual,
-no dropout), mean is empty for RMSNorm, rng is the (seed, offset) pair the dropout mask was drawn
+no dropout) and with a gate (the backward recomputes it from x and the gate), mean is empty for RMSNorm, rng is the (seed, offset) pair the dropout mask was drawn
 with (CPU int64, zeros without dropout) so the backward regenerates the mask instead of storing it.
 When `rng` is None and p > 0 a fresh pair is drawn from the default CPU generator (philox.draw_seed).
 With stats=False (inference: the backend passes it where the graph needs no gradient) mean and rstd are empty
@@ -19,6 +20,7 @@ rounded once, so an `out_dtype` below the computed dtype is that result cast dow
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import _dispatch, philox
 
@@ -30,7 +32,9 @@ _HALF = (torch.float16, torch.bfloat16)
 _EMPTY_RNG = (2,)
 
 
-def h_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+def h_dtype(x: torch.Tensor, residual: torch.Tensor | None, gate: torch.Tensor | None = None) -> torch.dtype:
+    if gate is not None:
+        return torch.float32
     return torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
 
 
@@ -44,6 +48,11 @@ def kernel_supports(x: torch.dtype, h: torch.dtype, w: torch.dtype | None, y: to
     return w is None or w in (torch.float32, y)
 
 
+def gate_supported(w: torch.dtype | None, y: torch.dtype) -> bool:
+    """The dtypes the gated kernels take: x and the gate any of DTYPES; w and y as for fp32 x and h (layernorm.h)."""
+    return kernel_supports(torch.float32, torch.float32, w, y)
+
+
 def weight_dtype(x: torch.dtype, h: torch.dtype, w: torch.dtype | None, y: torch.dtype) -> torch.dtype:
     """The dtype of dw/db: the weight's, or (no weight) y's where the kernels take it, else fp32."""
     if w is not None:
@@ -53,7 +62,7 @@ def weight_dtype(x: torch.dtype, h: torch.dtype, w: torch.dtype | None, y: torch
 
 # ---------------------------------------------------------------------------- validation
 
-def _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype=None) -> None:
+def _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype=None, gate=None) -> None:
     check = _dispatch.check
     check(isinstance(x, torch.Tensor), "tk::layernorm: x must be a tensor", TypeError)
     check(x.dtype in DTYPES, lambda: f"tk::layernorm: x dtype must be one of {DTYPES}, got {x.dtype}", TypeError)
@@ -61,7 +70,8 @@ def _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype=None) -> None:
     hidden = x.shape[-1]
     check(hidden % 8 == 0 and 0 < hidden <= MAX_HIDDEN,
           lambda: f"tk::layernorm: hidden size must be a multiple of 8 in [8, {MAX_HIDDEN}], got {hidden}")
-    for name, t, shape in (("residual", residual, tuple(x.shape)), ("weight", weight, (hidden,)), ("bias", bias, (hidden,))):
+    for name, t, shape in (("residual", residual, tuple(x.shape)), ("weight", weight, (hidden,)), ("bias", bias, (hidden,)),
+                           ("gate", gate, tuple(x.shape))):
         if t is None:
             continue
         check(t.dtype in DTYPES, lambda: f"tk::layernorm: {name} dtype must be one of {DTYPES}, got {t.dtype}", TypeError)
@@ -72,6 +82,7 @@ def _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype=None) -> None:
     check(out_dtype is None or out_dtype in DTYPES,
           lambda: f"tk::layernorm: out_dtype must be one of {DTYPES} or None, got {out_dtype}", TypeError)
     check(not (rms and bias is not None), "tk::layernorm: RMSNorm takes no bias")
+    check(gate is None or (residual is None and p == 0.0), "tk::layernorm: a gated norm takes no residual or dropout")
     check(eps >= 0.0, lambda: f"tk::layernorm: eps must be >= 0, got {eps}")
     check(0.0 <= p < 1.0, lambda: f"tk::layernorm: dropout p must be in [0, 1), got {p}")
     if rng is not None:
@@ -81,11 +92,14 @@ def _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype=None) -> None:
 
 # ---------------------------------------------------------------------------- references
 
-def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms: bool, stats: bool = True, out_dtype=None):
+def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms: bool, stats: bool = True, out_dtype=None,
+                      gate=None):
     """Plain PyTorch, fp32 statistics; dropout through the bit-identical philox reference."""
-    dtype = h_dtype(x, residual)
+    dtype = h_dtype(x, residual, gate)
     hidden = x.shape[-1]
     hf = x.float()
+    if gate is not None:
+        hf = hf * F.silu(gate.float())
     if p > 0.0:
         seed, offset = philox.unpack(rng)
         keep = philox.keep_mask(x.shape, seed, offset, p, x.device)
@@ -116,14 +130,19 @@ def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms:
 
 
 def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, has_bias: bool, x_dtype=None,
-                       dy2=None, dy3=None):
+                       dy2=None, dy3=None, gate=None):
     """Explicit LayerNorm/RMSNorm backward (the kernel's formulas), fp32 accumulation. The gradient of y is
-    dy + dy2 + dy3 (those given), summed in fp32."""
-    dtype = h.dtype
-    x_dtype = x_dtype or dtype
-    w_dtype = weight_dtype(x_dtype, dtype, weight.dtype if weight is not None else None, dy.dtype)
+    dy + dy2 + dy3 (those given), summed in fp32. With a gate, h is x and h = x·silu(gate) is recomputed."""
+    x = h
+    dtype = torch.float32 if gate is not None else h.dtype
+    x_dtype = h.dtype if gate is not None else (x_dtype or dtype)
+    w_dtype = weight_dtype(torch.float32 if gate is not None else x_dtype, dtype,
+                           weight.dtype if weight is not None else None, dy.dtype)
     hidden = h.shape[-1]
     hf = h.float().reshape(-1, hidden)
+    if gate is not None:
+        zf = gate.float().reshape(-1, hidden)
+        hf = hf * F.silu(zf)
     dyf = dy.float().reshape(-1, hidden)
     for more in (dy2, dy3):
         if more is not None:
@@ -136,6 +155,13 @@ def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, 
     dn = r * (g - mean_g - xhat * mean_gx)
     if dh is not None:
         dn = dn + dh.float().reshape(-1, hidden)
+    dw = (dyf * xhat).sum(0).to(w_dtype) if weight is not None else h.new_empty(0, dtype=w_dtype)
+    db = dyf.sum(0).to(w_dtype) if has_bias else h.new_empty(0, dtype=w_dtype)
+    if gate is not None:
+        s = torch.sigmoid(zf)
+        dx = (dn * zf * s).to(x.dtype).reshape(h.shape)
+        dgate = (dn * x.float().reshape(-1, hidden) * s * (1 + zf * (1 - s))).to(gate.dtype).reshape(h.shape)
+        return h.new_empty(0, dtype=dtype), dx, dw, db, dgate
     dres = dn.to(dtype).reshape(h.shape)
     if p > 0.0:
         seed, offset = philox.unpack(rng)
@@ -145,16 +171,16 @@ def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, 
         dx = dres.to(x_dtype)
     else:
         dx = h.new_empty(0, dtype=x_dtype)
-    dw = (dyf * xhat).sum(0).to(w_dtype) if weight is not None else h.new_empty(0, dtype=w_dtype)
-    db = dyf.sum(0).to(w_dtype) if has_bias else h.new_empty(0, dtype=w_dtype)
-    return dres, dx, dw, db
+    return dres, dx, dw, db, h.new_empty(0)
 
 
 # ---------------------------------------------------------------------------- the ops
 
-def _kernel_ok(x, residual, weight, bias, out_dtype) -> bool:
-    h = h_dtype(x, residual)
+def _kernel_ok(x, residual, weight, bias, out_dtype, gate=None) -> bool:
+    h = h_dtype(x, residual, gate)
     w = weight.dtype if weight is not None else (bias.dtype if bias is not None else None)
+    if gate is not None:
+        return gate_supported(w, out_dtype or h)
     return (residual is None or residual.dtype == h) and kernel_supports(x.dtype, h, w, out_dtype or h)
 
 
@@ -170,25 +196,27 @@ def layernorm(
     rms: bool,
     stats: bool = True,
     out_dtype: torch.dtype | None = None,
+    gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype)
+    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype, gate)
     if p > 0.0 and rng is None:
         rng = philox.draw_seed()
-    if forward_kernel_ok(x, residual, weight, bias, out_dtype):
-        return _dispatch.kernel("layernorm")(x, residual, weight, bias, rng, eps, p, rms, stats, out_dtype)
-    return reference_forward(x, residual, weight, bias, rng, eps, p, rms, stats, out_dtype)
+    if forward_kernel_ok(x, residual, weight, bias, out_dtype, gate):
+        return _dispatch.kernel("layernorm")(x, residual, weight, bias, rng, eps, p, rms, stats, out_dtype, gate)
+    return reference_forward(x, residual, weight, bias, rng, eps, p, rms, stats, out_dtype, gate)
 
 
-def forward_kernel_ok(x, residual, weight, bias, out_dtype) -> bool:
-    return _kernel_ok(x, residual, weight, bias, out_dtype) and _dispatch.use_kernel(FAMILY, x, residual, weight, bias)
+def forward_kernel_ok(x, residual, weight, bias, out_dtype, gate=None) -> bool:
+    return (_kernel_ok(x, residual, weight, bias, out_dtype, gate)
+            and _dispatch.use_kernel(FAMILY, x, residual, weight, bias, gate))
 
 
 @layernorm.register_fake
-def _forward_fake(x, residual, weight, bias, rng, eps, p, rms, stats=True, out_dtype=None):
-    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype)
+def _forward_fake(x, residual, weight, bias, rng, eps, p, rms, stats=True, out_dtype=None, gate=None):
+    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype, gate)
     hidden = x.shape[-1]
     rows = x.numel() // hidden if stats else 0
-    dtype = h_dtype(x, residual)
+    dtype = h_dtype(x, residual, gate)
     y = x.new_empty(x.shape, dtype=out_dtype or dtype)  # contiguous, like the kernel and the reference
     h = x.new_empty(x.shape if (residual is not None or p > 0.0) else (0,), dtype=dtype)
     mean = x.new_empty(0 if rms else rows, dtype=torch.float32)
@@ -197,7 +225,7 @@ def _forward_fake(x, residual, weight, bias, rng, eps, p, rms, stats=True, out_d
     return y, h, mean, rstd, rng_out
 
 
-def _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2=None, dy3=None):
+def _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2=None, dy3=None, gate=None):
     check = _dispatch.check
     for name, t in (("dy", dy), ("h", h), ("mean", mean), ("rstd", rstd), ("rng", rng)):
         check(isinstance(t, torch.Tensor), lambda: f"tk::layernorm_backward: {name} must be a tensor", TypeError)
@@ -219,6 +247,9 @@ def _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtyp
     check(rms or (mean.dtype == torch.float32 and mean.numel() == rows),
           lambda: f"tk::layernorm_backward: mean must be fp32 with {rows} elements, got {mean.dtype} {mean.numel()}")
     check(x_dtype is None or x_dtype in DTYPES, lambda: f"tk::layernorm_backward: x_dtype {x_dtype}", TypeError)
+    check(gate is None or (gate.shape == h.shape and gate.dtype in DTYPES and gate.device == h.device),
+          "tk::layernorm_backward: gate must be a float tensor of h's shape on h's device")
+    check(gate is None or (dh is None and p == 0.0), "tk::layernorm_backward: a gated norm takes no dh or dropout")
 
 
 @torch.library.custom_op("tk::layernorm_backward", mutates_args=())
@@ -236,54 +267,65 @@ def layernorm_backward(
     x_dtype: torch.dtype | None = None,
     dy2: torch.Tensor | None = None,
     dy3: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2, dy3)
-    if backward_kernel_ok(dy, dh, h, weight, mean, rstd, x_dtype, dy2, dy3):
+    gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dres, dx, dw, db, dgate). With a gate, h is x: dres is empty, dx has x's dtype, dgate the gate's."""
+    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2, dy3, gate)
+    if backward_kernel_ok(dy, dh, h, weight, mean, rstd, x_dtype, dy2, dy3, gate):
         return _dispatch.kernel("layernorm_backward")(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype,
-                                                       dy2, dy3)
-    return reference_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2, dy3)
+                                                       dy2, dy3, gate)
+    return reference_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2, dy3, gate)
 
 
-def backward_kernel_ok(dy, dh, h, weight, mean, rstd, x_dtype, dy2=None, dy3=None) -> bool:
-    ok = kernel_supports(x_dtype or h.dtype, h.dtype, weight.dtype if weight is not None else None, dy.dtype)
-    return ok and _dispatch.use_kernel(FAMILY, dy, dh, h, weight, mean, rstd, dy2, dy3)
+def backward_kernel_ok(dy, dh, h, weight, mean, rstd, x_dtype, dy2=None, dy3=None, gate=None) -> bool:
+    w = weight.dtype if weight is not None else None
+    if gate is not None:
+        ok = gate_supported(w, dy.dtype)
+    else:
+        ok = kernel_supports(x_dtype or h.dtype, h.dtype, w, dy.dtype)
+    return ok and _dispatch.use_kernel(FAMILY, dy, dh, h, weight, mean, rstd, dy2, dy3, gate)
 
 
 @layernorm_backward.register_fake
-def _backward_fake(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype=None, dy2=None, dy3=None):
-    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2, dy3)
+def _backward_fake(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype=None, dy2=None, dy3=None, gate=None):
+    _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2, dy3, gate)
     hidden = h.shape[-1]
-    x_dtype = x_dtype or h.dtype
-    w_dtype = weight_dtype(x_dtype, h.dtype, weight.dtype if weight is not None else None, dy.dtype)
-    dres = h.new_empty(h.shape)
-    dx = h.new_empty(h.shape if p > 0.0 or x_dtype != h.dtype else (0,), dtype=x_dtype)
+    if gate is not None:
+        w_dtype = weight_dtype(torch.float32, torch.float32, weight.dtype if weight is not None else None, dy.dtype)
+        dres, dx, dgate = h.new_empty(0, dtype=torch.float32), h.new_empty(h.shape), gate.new_empty(h.shape)
+    else:
+        x_dtype = x_dtype or h.dtype
+        w_dtype = weight_dtype(x_dtype, h.dtype, weight.dtype if weight is not None else None, dy.dtype)
+        dres = h.new_empty(h.shape)
+        dx = h.new_empty(h.shape if p > 0.0 or x_dtype != h.dtype else (0,), dtype=x_dtype)
+        dgate = h.new_empty(0)
     dw = h.new_empty(hidden if weight is not None else 0, dtype=w_dtype)
     db = h.new_empty(hidden if has_bias else 0, dtype=w_dtype)
-    return dres, dx, dw, db
+    return dres, dx, dw, db, dgate
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, rng, eps, p, rms, stats, _out_dtype = inputs
+    x, residual, weight, bias, rng, eps, p, rms, stats, _out_dtype, gate = inputs
     _dispatch.check(stats, "tk::layernorm: called with stats=False (no mean/rstd kept), so it has no backward; "
                     "pass stats=True where gradients are needed", RuntimeError)
     y, h, mean, rstd, rng_out = output
     stored_h = residual is not None or p > 0.0
-    ctx.save_for_backward(h if stored_h else x, weight, mean, rstd, rng_out)
+    ctx.save_for_backward(h if stored_h else x, weight, mean, rstd, rng_out, gate)
     ctx.p, ctx.rms, ctx.has_bias, ctx.has_residual, ctx.stored_h = p, rms, bias is not None, residual is not None, stored_h
-    ctx.x_dtype = x.dtype
+    ctx.x_dtype, ctx.y_dtype = x.dtype, y.dtype
 
 
 def _backward(ctx, dy, dh, dmean, drstd, drng):
-    h, weight, mean, rstd, rng = ctx.saved_tensors
+    h, weight, mean, rstd, rng, gate = ctx.saved_tensors
     if dy is None:
-        dy = torch.zeros_like(h)
+        dy = torch.zeros(h.shape, dtype=ctx.y_dtype, device=h.device)
     if not ctx.stored_h or (dh is not None and dh.numel() == 0):
         dh = None
-    dres, dx, dw, db = torch.ops.tk.layernorm_backward(dy, dh, h, weight, mean, rstd, rng, ctx.p, ctx.rms, ctx.has_bias,
-                                                       ctx.x_dtype)
+    dres, dx, dw, db, dgate = torch.ops.tk.layernorm_backward(dy, dh, h, weight, mean, rstd, rng, ctx.p, ctx.rms,
+                                                              ctx.has_bias, ctx.x_dtype, gate=gate)
     dx = dx if dx.numel() else dres  # without dropout, and x and h of one dtype, dx is dres
     return (dx, dres if ctx.has_residual else None, dw if weight is not None else None,
-            db if ctx.has_bias else None, None, None, None, None, None, None)
+            db if ctx.has_bias else None, None, None, None, None, None, None, dgate if gate is not None else None)
 
 
 layernorm.register_autograd(_backward, setup_context=_setup_context)

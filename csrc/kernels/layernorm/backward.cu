@@ -3,6 +3,8 @@
 // writes one partial row; a second kernel sums the partials over blocks in a fixed order (deterministic).
 // This file holds the register-only kernel (for the shapes whose staging does not fit the persistent kernel's
 // shared memory), the column sum and the dispatcher; backward_pipe*.cu the persistent kernel.
+#include <type_traits>
+
 #include "rows.cuh"
 
 namespace tk_layernorm {
@@ -27,7 +29,9 @@ __device__ __forceinline__ Pack8<Y> load_dy(const BackwardArgs& a, int64_t at) {
   return pack<Y>(sum);
 }
 
-template <class Ty, class S>
+// GATE: h = x·silu(gate) recomputed from x and the gate (Ty's X and H are fp32; x, the gate and their gradients
+// in their run-time dtypes); writes dx and dgate, not dres.
+template <class Ty, class S, bool GATE = false>
 __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
   using H = typename Ty::H;
   using W = typename Ty::W;
@@ -57,17 +61,24 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
     const float rstd = live ? a.rstd[row] : 0.f;
     // dy and h stay packed between the two passes over the row (half the registers for 16-bit types).
     Pack8<Y> dy_raw[S::VECS];
-    Pack8<H> h_raw[S::VECS];
+    Pack8<H> h_raw[GATE ? 1 : S::VECS];  // GATE reads x and the gate again in the second pass (cached): fewer registers
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int v = 0; v < S::VECS; ++v) {
       const int vi = v * S::TPR + lane;
       if (live && vi < nvec) {
         dy_raw[v] = load_dy<Y>(a, base + vi * 8);
-        h_raw[v] = load_pack(static_cast<const H*>(a.h) + base + vi * 8);
         float dy[8], xh[8], wv[8];
+        if constexpr (GATE) {
+          float z[8];
+          load8_as(xh, a.h, a.dtypes.x, base + vi * 8);
+          load8_as(z, a.gate, a.gate_dtype, base + vi * 8);
+          gate8(xh, z);
+        } else {
+          h_raw[v] = load_pack(static_cast<const H*>(a.h) + base + vi * 8);
+          unpack(xh, h_raw[v]);
+        }
         unpack(dy, dy_raw[v]);
-        unpack(xh, h_raw[v]);
         if (w) load8(wv, w + vi * 8);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -87,8 +98,21 @@ __global__ void __launch_bounds__(S::BLOCK) backward_kernel(BackwardArgs a) {
       if (vi >= nvec) continue;
       float dy[8], xh[8], wv[8], dres[8];
       unpack(dy, dy_raw[v]);
-      unpack(xh, h_raw[v]);
       if (w) load8(wv, w + vi * 8);
+      if constexpr (GATE) {
+        float x[8], z[8];
+        load8_as(x, a.h, a.dtypes.x, base + vi * 8);
+        load8_as(z, a.gate, a.gate_dtype, base + vi * 8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xh[i] = x[i];
+        gate8(xh, z);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xh[i] = (xh[i] - mean) * rstd;
+        dnorm_vec(dy, xh, wv, w != nullptr, dres, false, rstd, mean_g, mean_gx, acc_w[v], acc_b[v]);
+        store_gate_grads(a, base + vi * 8, dres, x, z);
+        continue;
+      }
+      unpack(xh, h_raw[v]);
       if (a.dh) load8(dres, static_cast<const H*>(a.dh) + base + vi * 8);
       backward_vec<Ty>(a, drop, base, vi, dy, xh, wv, w != nullptr, dres, a.dh != nullptr, mean, rstd, mean_g, mean_gx,
                       acc_w[v], acc_b[v]);
@@ -125,50 +149,74 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
   }
 }
 
-template <class Ty, class S>
+template <class Ty, class S, bool GATE>
 int grid_blocks(int64_t rows) {
   int device = 0, sms = 0, per_sm = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<Ty, S>, S::BLOCK, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<Ty, S, GATE>, S::BLOCK, 0);
   const int64_t groups = (rows + S::ROWS - 1) / S::ROWS;
   const int64_t resident = int64_t(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
   return int(groups < 1 ? 1 : (groups < resident ? groups : resident));
 }
 
+// The kernels' dtypes: a gated call runs the fp32 kernels (x and the gate are read in their own dtypes).
+DTypes kernel_types(const BackwardArgs& args) {
+  return args.gate ? DTypes{DType::f32, DType::f32, args.dtypes.w, args.dtypes.y} : args.dtypes;
+}
+
+// Calls f(Ty, S, GATE) for the register-only kernel of these args.
+template <typename F>
+cudaError_t with_registers_kernel(const BackwardArgs& args, F&& f) {
+  return with_types(kernel_types(args), [&](auto ty) {
+    using Ty = decltype(ty);
+    return with_split(args.hidden, [&](auto s) {
+      if constexpr (std::is_same_v<typename Ty::X, float> && std::is_same_v<typename Ty::H, float>) {
+        if (args.gate) return f(ty, s, std::true_type{});
+      }
+      return f(ty, s, std::false_type{});
+    });
+  });
+}
+
 int registers_blocks(const BackwardArgs& args) {
   int blocks = 0;
-  const cudaError_t err = with_types(args.dtypes, [&](auto ty) {
-    return with_split(args.hidden, [&](auto s) {
-      blocks = grid_blocks<decltype(ty), decltype(s)>(args.rows);
-      return cudaSuccess;
-    });
+  const cudaError_t err = with_registers_kernel(args, [&](auto ty, auto s, auto gate) {
+    blocks = grid_blocks<decltype(ty), decltype(s), decltype(gate)::value>(args.rows);
+    return cudaSuccess;
   });
   return err == cudaSuccess ? blocks : 0;
 }
 
+// The persistent kernels stage h in its one dtype: gated calls (h recomputed from x and the gate) run the
+// register-only kernel, which is also the fp32-rows kernel they would be.
+int pipe_blocks(const BackwardArgs& args) { return args.gate ? 0 : pipe::backward_blocks(args); }
+
 }  // namespace
 
 int backward_blocks(const BackwardArgs& args) {
-  const int blocks = pipe::backward_blocks(args);
+  const int blocks = pipe_blocks(args);
   return blocks > 0 ? blocks : registers_blocks(args);  // the persistent kernel does not fit: registers only
 }
 
 cudaError_t backward(const BackwardArgs& args, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 8 || args.hidden > kMaxHidden || args.rows < 0) return cudaErrorInvalidValue;
-  return with_types(args.dtypes, [&](auto ty) {
-    using Ty = decltype(ty);
-    using W = typename Ty::W;
-    // The same choice as backward_blocks, which sized `partial`.
-    const int piped = pipe::backward_blocks(args);
-    const int blocks = piped > 0 ? piped : registers_blocks(args);
-    cudaError_t err = piped > 0 ? pipe::backward(args, blocks, stream)
-                                : with_split(args.hidden, [&](auto s) {
-                                    using S = decltype(s);
-                                    return tk::grid::launch_dependent(backward_kernel<Ty, S>, blocks, S::BLOCK, 0,
-                                                                      stream, args);
-                                  });
-    if (err != cudaSuccess || (!args.dw && !args.db)) return err;
+  if (args.gate && (args.dh || args.dres || !args.dx || !args.dgate || args.dropout.enabled ||
+                    args.dtypes.h != DType::f32))
+    return cudaErrorInvalidValue;  // gated: no dh or dropout, h fp32 and its gradient not kept; dx and dgate written
+  // The same choice as backward_blocks, which sized `partial`.
+  const int piped = pipe_blocks(args);
+  const int blocks = piped > 0 ? piped : registers_blocks(args);
+  const cudaError_t err = piped > 0 ? pipe::backward(args, blocks, stream)
+                                    : with_registers_kernel(args, [&](auto ty, auto s, auto gate) {
+                                        using S = decltype(s);
+                                        return tk::grid::launch_dependent(
+                                            backward_kernel<decltype(ty), S, decltype(gate)::value>, blocks, S::BLOCK,
+                                            0, stream, args);
+                                      });
+  if (err != cudaSuccess || (!args.dw && !args.db)) return err;
+  return with_types(kernel_types(args), [&](auto ty) {
+    using W = typename decltype(ty)::W;
     return tk::grid::launch_dependent(column_sum_kernel<W>, dim3((args.hidden + 31) / 32, 2), dim3(32, 32), 0, stream,
                                       static_cast<const float*>(args.partial), blocks, args.hidden,
                                       static_cast<W*>(args.dw), static_cast<W*>(args.db));

@@ -49,6 +49,15 @@ tk_layernorm::DTypes dtypes_of(at::ScalarType x, at::ScalarType h, std::optional
   return t;
 }
 
+// A gated call's dtypes: h is fp32, x any; the kernels are those of (fp32, fp32, w, y) (layernorm.h gate_supported).
+tk_layernorm::DTypes gated_dtypes(at::ScalarType x, std::optional<at::ScalarType> w, at::ScalarType y) {
+  tk_layernorm::DTypes t{dtype_of(x), tk_layernorm::DType::f32, dtype_of(w.value_or(y)), dtype_of(y)};
+  if (!w && !tk_layernorm::gate_supported(t.w, t.y)) t.w = tk_layernorm::DType::f32;
+  TORCH_CHECK(tk_layernorm::gate_supported(t.w, t.y), "tk_cuda::layernorm: no gated kernel for weight ",
+              w ? c10::toString(*w) : "(none)", ", output ", y);
+  return t;
+}
+
 std::optional<at::ScalarType> weight_dtype(const OptTensor& weight, const OptTensor& bias) {
   if (present(weight) && present(bias))
     TORCH_CHECK(weight->scalar_type() == bias->scalar_type(), "tk_cuda::layernorm: weight and bias must have one dtype");
@@ -75,14 +84,16 @@ tk_layernorm::DropoutArgs dropout_args(double p, const OptTensor& rng) {
   return d;
 }
 
-// y's dtype is out_dtype, or h's: the residual's, or x's without one.
+// y's dtype is out_dtype, or h's: the residual's, or x's without one (fp32 with a gate).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x_in, const OptTensor& residual_in,
                                                              const OptTensor& weight_in, const OptTensor& bias_in,
                                                              const OptTensor& rng, double eps, double p, bool rms,
-                                                             bool stats, std::optional<at::ScalarType> out_dtype) {
+                                                             bool stats, std::optional<at::ScalarType> out_dtype,
+                                                             const OptTensor& gate_in) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() >= 1, "tk_cuda::layernorm: x must be a CUDA tensor");
   const Tensor x = x_in.contiguous();
   const OptTensor residual = contig(residual_in), weight = contig(weight_in), bias = contig(bias_in);
+  const OptTensor gate = contig(gate_in);
   const int64_t hidden = x.size(-1);
   TORCH_CHECK(hidden % 8 == 0 && hidden > 0 && hidden <= tk_layernorm::kMaxHidden,
               "tk_cuda::layernorm: hidden size must be a multiple of 8 in [8, 16384], got ", hidden);
@@ -90,10 +101,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x_in,
   check_operand(residual, x, x.numel(), "residual");
   check_operand(weight, x, hidden, "weight");
   check_operand(bias, x, hidden, "bias");
+  check_operand(gate, x, x.numel(), "gate");
   TORCH_CHECK(!(rms && present(bias)), "tk_cuda::layernorm: RMSNorm takes no bias");
-  const at::ScalarType h_type = present(residual) ? residual->scalar_type() : x.scalar_type();
+  TORCH_CHECK(!present(gate) || (!present(residual) && p == 0.0),
+              "tk_cuda::layernorm: a gated norm takes no residual or dropout");
+  const at::ScalarType h_type = present(gate) ? at::kFloat : present(residual) ? residual->scalar_type() : x.scalar_type();
   const at::ScalarType y_type = out_dtype.value_or(h_type);
-  const tk_layernorm::DTypes dtypes = dtypes_of(x.scalar_type(), h_type, weight_dtype(weight, bias), y_type);
+  const tk_layernorm::DTypes dtypes = present(gate) ? gated_dtypes(x.scalar_type(), weight_dtype(weight, bias), y_type)
+                                                    : dtypes_of(x.scalar_type(), h_type, weight_dtype(weight, bias), y_type);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.numel() / hidden;
   const auto f32 = x.options().dtype(at::kFloat);
@@ -117,6 +132,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x_in,
   a.residual = ptr_or_null(residual);
   a.weight = ptr_or_null(weight);
   a.bias = ptr_or_null(bias);
+  a.gate = ptr_or_null(gate);
+  a.gate_dtype = present(gate) ? dtype_of(gate->scalar_type()) : tk_layernorm::DType::f32;
   a.rows = rows;
   a.hidden = static_cast<int>(hidden);
   a.eps = static_cast<float>(eps);
@@ -128,16 +145,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x_in,
   return {y, h, mean, rstd, rng_out};
 }
 
-// dres has h's dtype, dx x_dtype (h's by default; empty when it would equal dres), dw/db the weight's.
-std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy_in, const OptTensor& dh_in,
-                                                              const Tensor& h_in, const OptTensor& weight_in,
-                                                              const Tensor& mean_in, const Tensor& rstd_in,
-                                                              const Tensor& rng, double p, bool rms, bool has_bias,
-                                                              std::optional<at::ScalarType> x_dtype,
-                                                              const OptTensor& dy2_in, const OptTensor& dy3_in) {
+// dres has h's dtype, dx x_dtype (h's by default; empty when it would equal dres), dw/db the weight's. With a
+// gate, h is x (h = x·silu(gate) is recomputed): dres is empty, dx has x's dtype and dgate the gate's.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward(
+    const Tensor& dy_in, const OptTensor& dh_in, const Tensor& h_in, const OptTensor& weight_in, const Tensor& mean_in,
+    const Tensor& rstd_in, const Tensor& rng, double p, bool rms, bool has_bias, std::optional<at::ScalarType> x_dtype,
+    const OptTensor& dy2_in, const OptTensor& dy3_in, const OptTensor& gate_in) {
   TORCH_CHECK(h_in.is_cuda() && h_in.dim() >= 1, "tk_cuda::layernorm_backward: h must be a CUDA tensor");
   const Tensor dy = dy_in.contiguous(), h = h_in.contiguous(), mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
   const OptTensor dh = contig(dh_in), weight = contig(weight_in), dy2 = contig(dy2_in), dy3 = contig(dy3_in);
+  const OptTensor gate = contig(gate_in);
+  const bool gated = present(gate);
   const int64_t hidden = h.size(-1);
   TORCH_CHECK(hidden % 8 == 0 && hidden > 0 && hidden <= tk_layernorm::kMaxHidden,
               "tk_cuda::layernorm_backward: hidden size must be a multiple of 8 in [8, 16384], got ", hidden);
@@ -150,30 +168,37 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy_i
   for (const OptTensor& t : {dy2, dy3})
     TORCH_CHECK(!present(t) || t->scalar_type() == dy.scalar_type(), "tk_cuda::layernorm_backward: dy2/dy3 must have dy's dtype");
   check_operand(weight, h, hidden, "weight");
+  check_operand(gate, h, h.numel(), "gate");
   TORCH_CHECK(!present(dh) || dh->scalar_type() == h.scalar_type(), "tk_cuda::layernorm_backward: dh must have h's dtype");
+  TORCH_CHECK(!gated || (!present(dh) && p == 0.0), "tk_cuda::layernorm_backward: a gated norm takes no dh or dropout");
   const int64_t rows = h.numel() / hidden;
   TORCH_CHECK(rstd.is_cuda() && rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == rows,
               "tk_cuda::layernorm_backward: rstd must be fp32 CUDA (rows,)");
   TORCH_CHECK(rms || (mean.is_cuda() && mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == rows),
               "tk_cuda::layernorm_backward: mean must be fp32 CUDA (rows,)");
   TORCH_CHECK(!(rms && has_bias), "tk_cuda::layernorm_backward: RMSNorm takes no bias");
-  const at::ScalarType x_type = x_dtype.value_or(h.scalar_type());
+  const at::ScalarType x_type = gated ? h.scalar_type() : x_dtype.value_or(h.scalar_type());
   const std::optional<at::ScalarType> w_type = present(weight) ? std::optional(weight->scalar_type()) : std::nullopt;
-  const tk_layernorm::DTypes dtypes = dtypes_of(x_type, h.scalar_type(), w_type, dy.scalar_type());
+  const tk_layernorm::DTypes dtypes = gated ? gated_dtypes(x_type, w_type, dy.scalar_type())
+                                            : dtypes_of(x_type, h.scalar_type(), w_type, dy.scalar_type());
   const auto w_options = h.options().dtype(dtypes.w == tk_layernorm::DType::f32 ? at::kFloat : w_type.value_or(dy.scalar_type()));
   const c10::cuda::CUDAGuard guard(h.device());
   const bool has_weight = present(weight);
 
   // dx of its own with dropout, or where x is narrower than h (dres cast, in the same pass); else dx is dres.
-  const bool own_dx = p > 0.0 || x_type != h.scalar_type();
-  Tensor dres = at::empty(h.sizes(), h.options());
+  const bool own_dx = p > 0.0 || x_type != h.scalar_type() || gated;
+  Tensor dres = gated ? at::empty({0}, h.options()) : at::empty(h.sizes(), h.options());
   Tensor dx = own_dx ? at::empty(h.sizes(), h.options().dtype(x_type)) : at::empty({0}, h.options().dtype(x_type));
+  Tensor dgate = gated ? at::empty(h.sizes(), gate->options()) : at::empty({0}, h.options());
   Tensor dw = at::empty({has_weight ? hidden : 0}, w_options);
   Tensor db = at::empty({has_bias ? hidden : 0}, w_options);
 
   tk_layernorm::BackwardArgs a{};
-  a.dres = dres.data_ptr();
+  a.dres = gated ? nullptr : dres.data_ptr();
   a.dx = own_dx ? dx.data_ptr() : nullptr;
+  a.dgate = gated ? dgate.data_ptr() : nullptr;
+  a.gate = ptr_or_null(gate);
+  a.gate_dtype = gated ? dtype_of(gate->scalar_type()) : tk_layernorm::DType::f32;
   a.dw = has_weight ? dw.data_ptr() : nullptr;
   a.db = has_bias ? db.data_ptr() : nullptr;
   a.dy = dy.data_ptr();
@@ -197,17 +222,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy_i
   a.partial = partial.numel() ? partial.data_ptr<float>() : nullptr;
   const cudaError_t err = tk_layernorm::backward(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "tk_cuda::layernorm_backward: launch failed: ", cudaGetErrorString(err));
-  return {dres, dx, dw, db};
+  return {dres, dx, dw, db, dgate};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def("layernorm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, Tensor? rng, float eps, float p, bool rms, "
-        "bool stats=True, ScalarType? out_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "bool stats=True, ScalarType? out_dtype=None, Tensor? gate=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("layernorm_backward(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor mean, Tensor rstd, Tensor rng, "
-        "float p, bool rms, bool has_bias, ScalarType? x_dtype=None, Tensor? dy2=None, Tensor? dy3=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "float p, bool rms, bool has_bias, ScalarType? x_dtype=None, Tensor? dy2=None, Tensor? dy3=None, "
+        "Tensor? gate=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {

@@ -22,7 +22,8 @@ constexpr int fwd_min_blocks() {
   return threads / S::BLOCK > 0 ? threads / S::BLOCK : 1;
 }
 
-template <class Ty, class S, bool EARLY>
+// GATE: h = x·silu(gate) (Ty's X and H are fp32; x and the gate are read in their run-time dtypes).
+template <class Ty, class S, bool EARLY, bool GATE = false>
 __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<Ty, S, EARLY>())) forward_kernel(ForwardArgs a) {
   using X = typename Ty::X;
   using H = typename Ty::H;
@@ -47,8 +48,16 @@ __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<Ty, S, EARLY>())) fo
   for (int v = 0; v < S::VECS; ++v) {
     const int vi = v * S::TPR + lane;
     if (live && vi < nvec) {
-      xr[v] = load_pack(x + vi * 8);
-      if (res) rr[v] = load_pack(res + vi * 8);
+      if constexpr (GATE) {  // the gate waits in rr (no residual; both fp32 packs)
+        float t[8];
+        load8_as(t, a.x, a.dtypes.x, base + vi * 8);
+        xr[v] = pack<X>(t);
+        load8_as(t, a.gate, a.gate_dtype, base + vi * 8);
+        rr[v] = pack<H>(t);
+      } else {
+        xr[v] = load_pack(x + vi * 8);
+        if (res) rr[v] = load_pack(res + vi * 8);
+      }
     }
   }
   const W* w = static_cast<const W*>(a.weight);
@@ -65,8 +74,16 @@ __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<Ty, S, EARLY>())) fo
     float h[8];
     if (live && vi < nvec) {
       // Statistics of the h that is stored and that eager would normalise: rounded to H.
-      hp[v] = make_h(xr[v], rr[v], res != nullptr, drop, a.dropout.enabled, uint64_t(base) + uint64_t(vi) * 8);
-      unpack(h, hp[v]);
+      if constexpr (GATE) {
+        float z[8];
+        unpack(h, xr[v]);
+        unpack(z, rr[v]);
+        gate8(h, z);
+        hp[v] = pack<H>(h);
+      } else {
+        hp[v] = make_h(xr[v], rr[v], res != nullptr, drop, a.dropout.enabled, uint64_t(base) + uint64_t(vi) * 8);
+        unpack(h, hp[v]);
+      }
       if (!EARLY && (res || a.dropout.enabled)) store_pack(static_cast<H*>(a.h) + base + vi * 8, hp[v]);
     } else {
 #pragma unroll
@@ -125,10 +142,16 @@ bool supported(DTypes t) {
   return with_types(t, [](auto) { return cudaSuccess; }) == cudaSuccess;
 }
 
+bool gate_supported(DType w, DType y) { return supported(DTypes{DType::f32, DType::f32, w, y}); }
+
 cudaError_t forward(const ForwardArgs& args, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 8 || args.hidden > kMaxHidden || args.rows < 0) return cudaErrorInvalidValue;
   if (args.rows == 0) return cudaSuccess;
-  return with_types(args.dtypes, [&](auto ty) {
+  const bool gated = args.gate != nullptr;
+  if (gated && (args.residual || args.h || args.dropout.enabled || args.dtypes.h != DType::f32))
+    return cudaErrorInvalidValue;  // the gated norm has no residual or dropout, and h is fp32 and not stored
+  const DTypes types = gated ? DTypes{DType::f32, DType::f32, args.dtypes.w, args.dtypes.y} : args.dtypes;
+  return with_types(types, [&](auto ty) {
     using Ty = decltype(ty);
     return with_row_split(args.hidden, [&](auto s) {
       using S = decltype(s);
@@ -137,6 +160,11 @@ cudaError_t forward(const ForwardArgs& args, cudaStream_t stream) {
       constexpr bool early = S::BLOCK <= 64;
       const int64_t blocks = (args.rows + S::ROWS - 1) / S::ROWS;
       if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+      if constexpr (std::is_same_v<typename Ty::X, float> && std::is_same_v<typename Ty::H, float>) {
+        if (gated)
+          return tk::grid::launch_dependent(forward_kernel<Ty, S, early, true>, unsigned(blocks), S::BLOCK, 0, stream,
+                                            args);
+      }
       return tk::grid::launch_dependent(forward_kernel<Ty, S, early>, unsigned(blocks), S::BLOCK, 0, stream, args);
     });
   });

@@ -1,5 +1,6 @@
 // Launch interface of the layernorm family (torch-free; the binding includes it).
-// h = residual + dropout(x); y = LayerNorm(h)·w + b, or RMSNorm y = h·rsqrt(mean(h²)+eps)·w.
+// h = residual + dropout(x), or h = x·silu(gate) (Mamba-2's gated norm); y = LayerNorm(h)·w + b, or RMSNorm
+// y = h·rsqrt(mean(h²)+eps)·w.
 // All tensors are row-major (rows, hidden), 16-byte aligned; absent optional tensors are nullptr.
 // Arithmetic and statistics are fp32; each operand has its own dtype (DTypes).
 #pragma once
@@ -21,6 +22,11 @@ struct DTypes {
 };
 bool supported(DTypes t);
 
+// The gated norm h = x·silu(gate), computed in fp32 and never stored (the backward recomputes it from x and the
+// gate). x and the gate are read and their gradients written in their own dtypes (any of DType, chosen at run
+// time); the kernels are those of DTypes{f32, f32, w, y}, so w and y take what supported() takes for those.
+bool gate_supported(DType w, DType y);
+
 struct DropoutArgs {
   bool enabled = false;
   uint64_t seed = 0, offset = 0;
@@ -37,17 +43,21 @@ struct ForwardArgs {
   const void* residual;    // nullable
   const void* weight;      // (hidden,) nullable
   const void* bias;        // (hidden,) nullable
+  const void* gate;        // (rows, hidden) nullable: h = x·silu(gate); no residual, no dropout, h not stored
   int64_t rows;
   int hidden;
   float eps;
   bool rms;
   DropoutArgs dropout;
-  DTypes dtypes;
+  DTypes dtypes;           // with a gate: h is f32, x any dtype
+  DType gate_dtype;
 };
 
 struct BackwardArgs {
   void* dres;              // (rows, hidden): d loss / d h (norm path + incoming dh), h's dtype
-  void* dx;                // (rows, hidden): dres · mask · scale, or dres, in x's dtype; nullptr when dx is dres
+  void* dx;                // (rows, hidden): dres · mask · scale, or dres, in x's dtype; nullptr when dx is dres.
+                           // With a gate: dres is nullptr (h's gradient is not kept) and dx = dres·silu(gate)
+  void* dgate;             // (rows, hidden) with a gate: dres·x·silu'(gate), in the gate's dtype; else nullptr
   void* dw;                // (hidden,) or nullptr
   void* db;                // (hidden,) or nullptr
   float* partial;          // workspace: (2, backward_blocks, hidden) fp32
@@ -55,7 +65,8 @@ struct BackwardArgs {
   const void* dy_more[2];  // nullable: further gradients of y, summed with dy in fp32 (autograd's sum of the
                            // gradients from the norm's several consumers, e.g. the q/k/v projections, fused)
   const void* dh;          // nullable: gradient arriving at h from its other uses
-  const void* h;           // the normalised input (x when h was not stored)
+  const void* h;           // the normalised input (x when h was not stored, and always with a gate)
+  const void* gate;        // nullable: h = x·silu(gate) is recomputed from x and the gate
   const void* weight;      // nullable
   const float* mean;       // nullptr for RMSNorm
   const float* rstd;
@@ -63,7 +74,8 @@ struct BackwardArgs {
   int hidden;
   bool rms;
   DropoutArgs dropout;
-  DTypes dtypes;
+  DTypes dtypes;           // with a gate: as ForwardArgs
+  DType gate_dtype;
 };
 
 // Forward: a row per block, two 8-element vectors per thread, the row in registers between its reductions and the
@@ -78,8 +90,8 @@ int backward_blocks(const BackwardArgs& args);
 cudaError_t backward(const BackwardArgs& args, cudaStream_t stream);
 
 // The persistent kernels (backward_pipe*.cu). blocks 0 / cudaErrorNotSupported: fp32 rows h (the register-only
-// kernel of backward.cu runs those faster), or staging that does not fit in shared memory; the register-only
-// kernel runs instead.
+// kernel of backward.cu runs those faster, gated norms included), or staging that does not fit in shared memory;
+// the register-only kernel runs instead.
 namespace pipe {
 int backward_blocks(const BackwardArgs& args);
 cudaError_t backward(const BackwardArgs& args, int blocks, cudaStream_t stream);

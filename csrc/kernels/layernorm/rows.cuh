@@ -29,6 +29,30 @@ __device__ __forceinline__ Pack8<H> make_h(const Pack8<X>& xp, const Pack8<H>& r
   return pack<H>(h);
 }
 
+// 8 elements at element `at` of a tensor whose dtype is known only at run time (the gated norm's x and gate: any
+// dtype, without an instantiation per dtype). The branch is uniform across the grid.
+__device__ __forceinline__ void load8_as(float (&dst)[8], const void* base, DType t, int64_t at) {
+  if (t == DType::f32) load8(dst, static_cast<const float*>(base) + at);
+  else if (t == DType::bf16) load8(dst, static_cast<const __nv_bfloat16*>(base) + at);
+  else load8(dst, static_cast<const __half*>(base) + at);
+}
+
+template <bool STREAM = false>
+__device__ __forceinline__ void store8_as(void* base, DType t, int64_t at, const float (&src)[8]) {
+  if (t == DType::f32) store8<float, STREAM>(static_cast<float*>(base) + at, src);
+  else if (t == DType::bf16) store8<__nv_bfloat16, STREAM>(static_cast<__nv_bfloat16*>(base) + at, src);
+  else store8<__half, STREAM>(static_cast<__half*>(base) + at, src);
+}
+
+// sigmoid(z), with expf (not __expf): silu's value and derivative as eager computes them in fp32.
+__device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
+
+// h = x·silu(z) in fp32 (the gated norm), in place of x.
+__device__ __forceinline__ void gate8(float (&x)[8], const float (&z)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= z[i] * sigmoid(z[i]);
+}
+
 // y = (h - mean)·rstd·w + b for one vector (w, b used only when has_w, has_b).
 template <typename H, typename W>
 __device__ __forceinline__ void norm_vec(float (&out)[8], const Pack8<H>& hp, float mean, float rstd, const Pack8<W>& w,
@@ -112,11 +136,10 @@ __device__ __forceinline__ void store_grads(const BackwardArgs& a, const Dropout
 // The backward of one vector from its normalised x̂ (xh), once the row sums are known:
 // dres = rstd·(g − mean_g − x̂·mean_gx), plus the incoming dh (in dres on entry when add_dh), the dw/db
 // partials, and dx through the regenerated dropout mask (STREAM, DROPOUT: store_grads').
-template <class Ty, bool STREAM = false, bool DROPOUT = true>
-__device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi,
-                                                  const float (&dy)[8], const float (&xh)[8], const float (&wv)[8],
-                                                  bool has_w, float (&dres)[8], bool add_dh, float rstd, float mean_g,
-                                                  float mean_gx, float (&acc_w)[8], float (&acc_b)[8]) {
+// dres = rstd·(g − mean_g − x̂·mean_gx) (+ dres on entry when add_dh) and the dw/db partials, for one vector.
+__device__ __forceinline__ void dnorm_vec(const float (&dy)[8], const float (&xh)[8], const float (&wv)[8], bool has_w,
+                                          float (&dres)[8], bool add_dh, float rstd, float mean_g, float mean_gx,
+                                          float (&acc_w)[8], float (&acc_b)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float g = has_w ? dy[i] * wv[i] : dy[i];
@@ -125,7 +148,30 @@ __device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const D
     acc_w[i] += dy[i] * xh[i];
     acc_b[i] += dy[i];
   }
+}
+
+template <class Ty, bool STREAM = false, bool DROPOUT = true>
+__device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const Dropout& drop, int64_t base, int vi,
+                                                  const float (&dy)[8], const float (&xh)[8], const float (&wv)[8],
+                                                  bool has_w, float (&dres)[8], bool add_dh, float rstd, float mean_g,
+                                                  float mean_gx, float (&acc_w)[8], float (&acc_b)[8]) {
+  dnorm_vec(dy, xh, wv, has_w, dres, add_dh, rstd, mean_g, mean_gx, acc_w, acc_b);
   store_grads<Ty, STREAM, DROPOUT>(a, drop, base, vi, dres);
+}
+
+// The gated norm's input gradients from dres = d loss / d h (h = x·silu(z), fp32): dx = dres·silu(z) and
+// dz = dres·x·sigmoid(z)·(1 + z·(1 − sigmoid(z))), each in its tensor's dtype, at element `at`.
+__device__ __forceinline__ void store_gate_grads(const BackwardArgs& a, int64_t at, const float (&dres)[8],
+                                                 const float (&x)[8], const float (&z)[8]) {
+  float dx[8], dz[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float s = sigmoid(z[i]);
+    dx[i] = dres[i] * (z[i] * s);
+    dz[i] = dres[i] * x[i] * (s * (1.f + z[i] * (1.f - s)));
+  }
+  store8_as(a.dx, a.dtypes.x, at, dx);
+  store8_as(a.dgate, a.gate_dtype, at, dz);
 }
 
 // The same from h (in xh, normalised here in place). The vector starts at element base + vi * 8 of the
