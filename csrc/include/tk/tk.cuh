@@ -7,6 +7,7 @@
 #include "types/gl.cuh"
 #include "sync/semaphore.cuh"
 #include "ops/thread/tma.cuh"
+#include "ops/thread/prefetch.cuh"
 #include "ops/warp/matrix.cuh"
 #include "ops/warp/register.cuh"
 #include "ops/warp/shared.cuh"

@@ -187,7 +187,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward(
 
   // dx of its own with dropout, or where x is narrower than h (dres cast, in the same pass); else dx is dres.
   const bool own_dx = p > 0.0 || x_type != h.scalar_type() || gated;
-  Tensor dres = gated ? at::empty({0}, h.options()) : at::empty(h.sizes(), h.options());
+  Tensor dres = gated ? at::empty({0}, h.options().dtype(at::kFloat)) : at::empty(h.sizes(), h.options());
   Tensor dx = own_dx ? at::empty(h.sizes(), h.options().dtype(x_type)) : at::empty({0}, h.options().dtype(x_type));
   Tensor dgate = gated ? at::empty(h.sizes(), gate->options()) : at::empty({0}, h.options());
   Tensor dw = at::empty({has_weight ? hidden : 0}, w_options);

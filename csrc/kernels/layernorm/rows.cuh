@@ -44,13 +44,23 @@ __device__ __forceinline__ void store8_as(void* base, DType t, int64_t at, const
   else store8<__half, STREAM>(static_cast<__half*>(base) + at, src);
 }
 
-// sigmoid(z), with expf (not __expf): silu's value and derivative as eager computes them in fp32.
-__device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
+// sigmoid(z) on the fast exponential and divide (within a few ulp of eager's fp32 silu). The gated backward
+// takes two per element and was bound by them with an IEEE reciprocal (H200, 65536 x 2048: 0.73 ms against
+// 0.52 ms with this one, forward 0.279 against 0.248 ms).
+__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
 
-// h = x·silu(z) in fp32 (the gated norm), in place of x.
-__device__ __forceinline__ void gate8(float (&x)[8], const float (&z)[8]) {
+// h = x·silu(z) in fp32 (the gated norm), in place of x; s = sigmoid(z).
+__device__ __forceinline__ void gate8(float (&x)[8], const float (&z)[8], float (&s)[8]) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] *= z[i] * sigmoid(z[i]);
+  for (int i = 0; i < 8; ++i) {
+    s[i] = sigmoid(z[i]);
+    x[i] *= z[i] * s[i];
+  }
+}
+
+__device__ __forceinline__ void gate8(float (&x)[8], const float (&z)[8]) {
+  float s[8];
+  gate8(x, z, s);
 }
 
 // y = (h - mean)·rstd·w + b for one vector (w, b used only when has_w, has_b).
@@ -159,16 +169,15 @@ __device__ __forceinline__ void backward_vec_xhat(const BackwardArgs& a, const D
   store_grads<Ty, STREAM, DROPOUT>(a, drop, base, vi, dres);
 }
 
-// The gated norm's input gradients from dres = d loss / d h (h = x·silu(z), fp32): dx = dres·silu(z) and
-// dz = dres·x·sigmoid(z)·(1 + z·(1 − sigmoid(z))), each in its tensor's dtype, at element `at`.
+// The gated norm's input gradients from dres = d loss / d h (h = x·silu(z), fp32; s = sigmoid(z)):
+// dx = dres·z·s and dz = dres·x·s·(1 + z·(1 − s)), each in its tensor's dtype, at element `at`.
 __device__ __forceinline__ void store_gate_grads(const BackwardArgs& a, int64_t at, const float (&dres)[8],
-                                                 const float (&x)[8], const float (&z)[8]) {
+                                                 const float (&x)[8], const float (&z)[8], const float (&s)[8]) {
   float dx[8], dz[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float s = sigmoid(z[i]);
-    dx[i] = dres[i] * (z[i] * s);
-    dz[i] = dres[i] * x[i] * (s * (1.f + z[i] * (1.f - s)));
+    dx[i] = dres[i] * (z[i] * s[i]);
+    dz[i] = dres[i] * x[i] * (s[i] * (1.f + z[i] * (1.f - s[i])));
   }
   store8_as(a.dx, a.dtypes.x, at, dx);
   store8_as(a.dgate, a.gate_dtype, at, dz);
