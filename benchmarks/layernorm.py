@@ -204,8 +204,9 @@ def public_cases(quick: bool = False):
 
 
 def run_public(quick: bool = False) -> list[Row]:
-    from .common import public_api_rows
+    from .common import public_api_rows, warm_up
 
+    warm_up()
     rows = []
     for name, fn, inputs, grads, fwd_bytes, step_bytes, hidden in public_cases(quick):
         progress(f"{name} public")

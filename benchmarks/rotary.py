@@ -111,8 +111,9 @@ def run_public(quick: bool = False) -> list[Row]:
     """The public API: HF's spelling compiled with backend="thunderkittens" beside default torch.compile, with bf16
     tables (pure bf16) and with fp32 tables on bf16 q/k (autocast with fp32 parameters), forward and
     forward+backward."""
-    from .common import public_api_rows
+    from .common import public_api_rows, warm_up
 
+    warm_up()
     rows = []
     for B, H, N, D, rd in ((16, 16, 4096, 128, 128),) if quick else ((16, 16, 4096, 128, 128), (16, 16, 4096, 64, 64)):
         for tables in (torch.bfloat16, torch.float32):

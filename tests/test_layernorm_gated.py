@@ -127,7 +127,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (weight, y): the (w, y) pairs of fp32 rows (layernorm.h gate_supported), and no weight
 WY = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
       (torch.float16, torch.float16), (None, torch.float32)]
-HIDDEN = [8, 136, 520, 1032, 3000, 5120, 8192, 16384]  # every per-row split, masked tails
+HIDDEN = [8, 136, 520, 1032, 3000, 5120, 6000, 8192, 16384]  # every per-row split, masked tails
 
 
 def _rel(a, b):

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # every per-row work split, plus hidden sizes that leave part of the last vectors masked
-HIDDEN = [8, 136, 256, 520, 1024, 1032, 2048, 3000, 4096, 8192, 16384]
+HIDDEN = [8, 136, 256, 520, 1024, 1032, 2048, 3000, 4096, 5000, 6144, 8192, 16384]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,7 +100,7 @@ def test_mixed_dtype_list():
 
 
 @pytest.mark.parametrize("x_dtype, h_dtype, w_dtype, y_dtype", LN_MIXED, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("hidden", [136, 1024, 3000, 8192, 16384])
+@pytest.mark.parametrize("hidden", [136, 1024, 3000, 5120, 6000, 8192, 16384])
 def test_layernorm_mixed_dtypes(x_dtype, h_dtype, w_dtype, y_dtype, hidden):
     rows = 77
     for rms in (False, True):
