@@ -196,19 +196,6 @@ def with_attr(obj, name: str, value, fn: Callable[[], object]):
         setattr(obj, name, old)
 
 
-def with_env(name: str, value: str, fn: Callable[[], object]):
-    """fn() with the environment variable set (kernel variants the bindings read on every call), then restored."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = old
-
-
 def op_main(prog: str, doc: str, run: Callable[[bool], list[Row]], argv=None, quick_help: str = "one shape") -> int:
     """`python -m benchmarks.<op> [--quick]`: run one op's benchmark and print its table."""
     import argparse

@@ -4,8 +4,8 @@
 
 A persistent grid gives each block a fixed share of the work, sized to the SMs. NCCL's kernels hold some SMs while
 they run, so the blocks that do not fit wait and then run their whole share: the kernel can take up to twice as long.
-This measures that slowdown for our persistent kernels (attention forward, layernorm backward) under each
-TK_GRID_WAVES, next to kernels that are not persistent (layernorm forward, cuDNN attention, cuBLAS), at the per-GPU
+This measures that slowdown for our persistent kernels (attention forward, layernorm backward) next to kernels that
+are not persistent (layernorm forward, cuDNN attention, cuBLAS), at the per-GPU
 shapes of benchmarks.distributed (Llama, 2 x 2048 tokens, hidden 2048, 16 query heads of 128, 8 KV heads).
 Both ranks run the same sequence of collectives; rank 0 prints the table.
 """
@@ -21,9 +21,6 @@ import torch.nn.functional as F
 from .common import multicast_off
 
 multicast_off()
-
-WAVES = ("1", "2", "4", "4096")  # 4096: one block per task (no persistence)
-
 
 def _ops(device):
     import tk_inductor.ops.attention  # noqa: F401  (each module registers its torch.ops.tk ops)
@@ -94,18 +91,12 @@ def main():
     stream = torch.cuda.Stream()
     rows = []
     for name, fn in _ops(device).items():
-        persistent = "persistent" in name
-        for waves in WAVES if persistent else ("-",):
-            if persistent:
-                os.environ["TK_GRID_WAVES"] = waves
-            alone, beside = _time(fn, None, stream), _time(fn, comm, stream)
-            rows.append((name, waves, alone, beside))
-    os.environ.pop("TK_GRID_WAVES", None)
+        rows.append((name, _time(fn, None, stream), _time(fn, comm, stream)))
     if rank == 0:
-        print("| op | TK_GRID_WAVES | alone µs | beside all-reduce µs | slowdown |")
-        print("|---|---|---|---|---|")
-        for name, waves, alone, beside in rows:
-            print(f"| {name} | {waves} | {alone:.1f} | {beside:.1f} | {beside / alone:.2f}× |")
+        print("| op | alone µs | beside all-reduce µs | slowdown |")
+        print("|---|---|---|---|")
+        for name, alone, beside in rows:
+            print(f"| {name} | {alone:.1f} | {beside:.1f} | {beside / alone:.2f}× |")
     dist.destroy_process_group()
 
 

@@ -4,13 +4,11 @@ masked spelling a Based model writes (what Inductor gets without our kernel), in
 
 Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128
 at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
-reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). "ours" lets the kernel choose its
-tile by block count; "ours 64-col tiles" and "ours 32-col tiles" are TK_BASED_VARIANT=0 and 1 (32: twice the blocks).
+reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). "ours" takes the tile width the
+launch picks by block count (based.cu `narrow_tiles`).
 
 Forward+backward at 65536 tokens and at the model's layer:
-- "ours": the op's autograd, the forward and backward kernels (each choosing its tile by block count);
-- "ours 64-col bwd", "ours 32-col bwd": the same with the backward's tile forced (TK_BASED_BWD_VARIANT=0 and 1: 64
-  or 32 value columns per block);
+- "ours": the op's autograd, the forward and backward kernels (each picking its tile by block count);
 - "ours (kernel fwd, reference bwd)": the same with the backward kernel off: the reference's autograd as the
   backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (torch 2.11's CantSplit fix).
@@ -24,8 +22,7 @@ import math
 
 import torch
 
-from .common import (Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_attr,
-                     with_env)
+from .common import (Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_attr)
 
 DK = 16
 
@@ -84,8 +81,7 @@ def run(quick: bool = False) -> list[Row]:
         def ours():
             return torch.ops.tk_cuda.linear_attention(qh, kh, vh, "based", None, None, scale, True, 1e-6)
 
-        impls = {"ours": ours, "ours 64-col tiles": lambda: with_env("TK_BASED_VARIANT", "0", ours),
-                 "ours 32-col tiles": lambda: with_env("TK_BASED_VARIANT", "1", ours)}
+        impls = {"ours": ours}
         if fla is not None:
             for label, fn in fla.items():
                 impls[label] = (lambda f=fn: f(q, k, v, scale, True).transpose(1, 2))
@@ -124,8 +120,6 @@ def run(quick: bool = False) -> list[Row]:
                 impls[label] = (lambda f=fn: heads(f(q, k, v, scale, True)))
         steps = {label: backward_step(fn, leaves, do, of=q) for label, fn in impls.items()}
         # the flag is read when the backward runs: set around the whole step
-        steps["ours 64-col bwd"] = lambda: with_env("TK_BASED_BWD_VARIANT", "0", steps["ours"])
-        steps["ours 32-col bwd"] = lambda: with_env("TK_BASED_BWD_VARIANT", "1", steps["ours"])
         steps["ours (kernel fwd, reference bwd)"] = lambda: with_attr(la, "BACKWARD_KERNEL_VALIDATED", False,
                                                                       steps["ours"])
         rows += check_and_time("linear_attention", name, steps, want[0].grad, N, "Mtok/s",

@@ -4,13 +4,10 @@ chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mamba2'
 
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
 Mamba2-370M's (nh 32) at l 4096 and the e2e Mamba2's layer (b1 l4096 nh32); bf16 x, B, C, fp32 dt, A, D; final
-state returned. "ours" lets the kernel choose its variant by block count; "ours 1 block/SM", "ours 2 blocks/SM"
-(128 registers) and "ours p32 tiles" (32 head dims per block: twice the blocks) are TK_SSD_VARIANT=0, 1 and 2.
+state returned. "ours" is the kernel the launch picks by block count (ssd.cu `choose_kernel`).
 
 Forward+backward at 65536 tokens and at the e2e layer:
-- "ours": the op's autograd, the forward and backward kernels (each choosing its variant by block count);
-- "ours p64 bwd", "ours p32 bwd": the same with the backward's variant forced (TK_SSD_BWD_VARIANT=0 and 1: 64 or 32
-  head dims per block);
+- "ours": the op's autograd, the forward and backward kernels (each picked by block count);
 - "ours (kernel fwd, reference bwd)": the same with the backward kernels off: the reference's autograd as the
   backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (split scans off). Figure: Mtokens/s.
@@ -21,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import (Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_attr,
-                     with_env)
+from .common import (Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_attr)
 
 
 def cases(quick: bool = False):
@@ -61,9 +57,6 @@ def run(quick: bool = False) -> list[Row]:
 
         impls = {
             "ours": ours,
-            "ours 1 block/SM": lambda: with_env("TK_SSD_VARIANT", "0", ours),
-            "ours 2 blocks/SM": lambda: with_env("TK_SSD_VARIANT", "1", ours),
-            "ours p32 tiles": lambda: with_env("TK_SSD_VARIANT", "2", ours),
             # HF Mamba2's chunk (256)
             "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0],
         }
@@ -92,8 +85,6 @@ def run(quick: bool = False) -> list[Row]:
             impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
         steps = {label: backward_step(fn, leaves, dy, of=x) for label, fn in impls.items()}
         # the flag is read when the backward runs: set around the whole step
-        steps["ours p64 bwd"] = lambda: with_env("TK_SSD_BWD_VARIANT", "0", steps["ours"])
-        steps["ours p32 bwd"] = lambda: with_env("TK_SSD_BWD_VARIANT", "1", steps["ours"])
         steps["ours (kernel fwd, reference bwd)"] = lambda: with_attr(ssd_ops, "BACKWARD_KERNEL_VALIDATED", False,
                                                                       steps["ours"])
         rows += check_and_time("ssd", name, steps, want[0].grad, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)

@@ -137,35 +137,6 @@ def test_distributed_gap_summary_merges_streams_and_ranks_gaps():
     assert "40.0 us  after c  before e" in lines[0] and "30.0 us  after b  before c" in lines[1]
 
 
-def test_schedule_model_static_shares_and_dynamic_bound():
-    from benchmarks import schedule_model as m
-
-    costs = m.task_costs(2, 16, 2048, 128, 128, True)
-    assert len(costs) == 2 * 16 * 16 and max(costs) == 17.0 and min(costs) == 2.0
-    ideal = sum(costs) / m.SMS
-    # greedy list scheduling is within one task of the ideal; the static shares are never below the ideal
-    assert ideal <= m.dynamic_makespan(costs) <= ideal + max(costs) + 0.5
-    assert m.static_makespan(costs, 1) >= ideal
-    # decode_task visits every (head, query block) once
-    seen = {m.decode_task(t, 32, 16, 17, True) for t in range(512)}
-    assert len(seen) == 512
-
-
-def test_schedule_model_backward_orders():
-    from benchmarks import schedule_model as m
-
-    # section_decode visits every (head, block) once, also with a short last section; section 1 is head by head
-    assert len({m.section_decode(t, 6, 32, 4) for t in range(6 * 32)}) == 6 * 32
-    assert [m.section_decode(t, 3, 4, 1) for t in range(12)] == [(h, kb) for h in range(3) for kb in range(4)]
-    # the causal blocks: key block 0 is the heaviest; the L2 cap bounds the section
-    costs = m.bwd_block_costs(2, 16, 1, 2048, 128, True, sections=False)
-    assert len(costs) == 32 * 16 and costs[0] == 34.0 and costs[15] == 4.0
-    assert m.bwd_section(True, 32, 16, 2, 4096, 128) == 4  # 16 MiB a kv head
-    heads = m._list_schedule(costs, m.SMS)
-    sections = m._list_schedule(m.bwd_block_costs(2, 16, 1, 2048, 128, True, sections=True), m.SMS)
-    assert sections < heads  # the claim of backward.cu's bwd_section, at a training size
-
-
 def _results(path, rows, kernels="k1", commit="c1"):
     import dataclasses
     import json
@@ -321,20 +292,6 @@ def test_check_and_time_reports_a_wrong_or_failing_implementation():
     rows = check_and_time("ssd", "case", {"wrong": lambda: ref * 2, "crash": crash}, ref, 1, "Mtok/s", lambda ms: ms)
     assert [(r.impl, r.ms) for r in rows] == [("wrong", None), ("crash", None)]
     assert "relative error" in rows[0].note and "no kernel image" in rows[1].note
-
-
-def test_with_env_sets_and_restores(monkeypatch):
-    import os
-
-    from benchmarks.common import with_env
-
-    monkeypatch.delenv("TK_SSD_VARIANT", raising=False)
-    assert with_env("TK_SSD_VARIANT", "1", lambda: os.environ["TK_SSD_VARIANT"]) == "1"
-    assert "TK_SSD_VARIANT" not in os.environ
-    monkeypatch.setenv("TK_SSD_VARIANT", "0")
-    with pytest.raises(KeyError):
-        with_env("TK_SSD_VARIANT", "1", lambda: {}["x"])
-    assert os.environ["TK_SSD_VARIANT"] == "0"
 
 
 def test_timeline_splits_iterations_by_position():

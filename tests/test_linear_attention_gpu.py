@@ -45,6 +45,13 @@ def inputs(B, H, N, dv, layout="bhnd", seed=0):
     return [torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16) for s in shapes]
 
 
+def heads(kernel: str, B: int = 2, dv: int = 64) -> int:
+    """H whose grid of 64-column blocks (B·H·dv/64) reaches `kernel` (based.cu narrow_tiles, and the backward's
+    choice): "tile32" where the doubled grid fits in one wave, "tile64" where it does not."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return 3 if kernel == "tile32" else (sms // 2) // (B * (dv // 64)) + 1
+
+
 def rel_err(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)).item()
 
@@ -61,13 +68,12 @@ def check(ops, q, k, v, scale, normalize, eps=1e-6):
     assert err < TOL, f"relative error {err:.3g} (B{B} H{H} N{N} dv{dv} normalize={normalize})"
 
 
-@pytest.mark.parametrize("variant", [0, 1], ids=["tile64", "tile32"])  # TK_BASED_VARIANT: value columns per block
+@pytest.mark.parametrize("kernel", ["tile64", "tile32"])  # value columns per block, by grid size
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
 @pytest.mark.parametrize("dv", [64, 128])
 @pytest.mark.parametrize("N", LENGTHS)
-def test_based_forward(ops, N, dv, normalize, variant, monkeypatch):
-    monkeypatch.setenv("TK_BASED_VARIANT", str(variant))
-    q, k, v = inputs(2, 3, N, dv, seed=N + dv)
+def test_based_forward(ops, N, dv, normalize, kernel):
+    q, k, v = inputs(2, heads(kernel, 2, dv), N, dv, seed=N + dv)
     check(ops, q, k, v, 1 / math.sqrt(16), normalize)
 
 
@@ -85,11 +91,10 @@ def test_based_forward_strided_inputs(ops):
     check(ops, q, k, v, 0.25, True)
 
 
-@pytest.mark.parametrize("B,H,dv", [(4, 16, 64), (4, 32, 128)], ids=["tile32", "tile64"])  # the unset choice
-def test_based_forward_many_heads(ops, B, H, dv, monkeypatch):
+@pytest.mark.parametrize("B,H,dv", [(4, 16, 64), (4, 32, 128)], ids=["tile32", "tile64"])  # on 132 SMs
+def test_based_forward_many_heads(ops, B, H, dv):
     """A model's head shape (the benchmark's Based layer is B4 H16 N4096 dv64: 64 blocks of 64 columns) and more
-    blocks than SMs, with the variant left to the kernel (based.cu, choose_variant)."""
-    monkeypatch.delenv("TK_BASED_VARIANT", raising=False)
+    blocks than SMs."""
     q, k, v = inputs(B, H, 1024, dv, seed=11)
     check(ops, q, k, v, 0.25, True)
 
@@ -104,18 +109,6 @@ def test_based_forward_rejects_what_it_does_not_compute(ops):
         ops.linear_attention(q, k, v[..., :48], "based", None, None, 1.0, False, 0.0)
     with pytest.raises(RuntimeError, match="feature dim"):
         ops.linear_attention(q[..., :8], k[..., :8], v, "based", None, None, 1.0, False, 0.0)
-
-
-def test_based_bad_variant(ops, monkeypatch):
-    monkeypatch.setenv("TK_BASED_VARIANT", "2")
-    q, k, v = inputs(1, 1, 8, 64)
-    with pytest.raises(RuntimeError, match="TK_BASED_VARIANT"):
-        ops.linear_attention(q, k, v, "based", None, None, 1.0, False, 0.0)
-    monkeypatch.delenv("TK_BASED_VARIANT")
-    monkeypatch.setenv("TK_BASED_BWD_VARIANT", "2")
-    o = ops.linear_attention(q, k, v, "based", None, None, 1.0, False, 0.0)
-    with pytest.raises(RuntimeError, match="TK_BASED_BWD_VARIANT"):
-        ops.linear_attention_backward(o, q, k, v, o, "based", None, None, 1.0, False, 0.0)
 
 
 def test_empty_sequence(ops):
@@ -149,19 +142,16 @@ def check_backward(ops, q, k, v, scale, normalize, eps=1e-6, seed=0):
         assert err < BWD_TOL, f"{name}: relative error {err:.3g} (N{q.shape[2]} dv{v.shape[3]} normalize={normalize})"
 
 
-@pytest.mark.parametrize("variant", [0, 1], ids=["tile64", "tile32"])  # TK_BASED_BWD_VARIANT
+@pytest.mark.parametrize("kernel", ["tile64", "tile32"])
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
 @pytest.mark.parametrize("dv", [64, 128])
 @pytest.mark.parametrize("N", (1, 17, 64, 65, 200, 1000))
-def test_based_backward(ops, N, dv, normalize, variant, monkeypatch):
-    monkeypatch.setenv("TK_BASED_BWD_VARIANT", str(variant))
-    q, k, v = inputs(2, 3, N, dv, seed=N + dv + 1)
+def test_based_backward(ops, N, dv, normalize, kernel):
+    q, k, v = inputs(2, heads(kernel, 2, dv), N, dv, seed=N + dv + 1)
     check_backward(ops, q, k, v, 1 / math.sqrt(16), normalize, seed=N)
 
 
-@pytest.mark.parametrize("variant", ["", "1"], ids=["unset", "tile32"])
-def test_based_backward_strided_and_many_heads(ops, variant, monkeypatch):
-    monkeypatch.setenv("TK_BASED_BWD_VARIANT", variant)
+def test_based_backward_strided_and_many_heads(ops):
     q, k, v = inputs(2, 16, 300, 64, layout="bnhd", seed=12)
     check_backward(ops, q, k, v, 0.25, True)
     q, k, v = inputs(4, 16, 1024, 64, seed=13)

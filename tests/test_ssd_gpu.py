@@ -41,6 +41,15 @@ def inputs(b, l, nh, ng, p, n, dtype=torch.bfloat16, D=True, h0=False, layout="b
     return x.to(dtype), dt.to(dtype), A, B.to(dtype), C.to(dtype), Dv, state
 
 
+def grid(kernel: str, p: int = 64) -> tuple[int, int]:
+    """(b, nh), nh even, whose grid of 64-head-dim blocks reaches `kernel` (ssd.cu choose_kernel): "p32" at most half
+    the SMs (32 head dims per block; the backward's 32 too), "1blk" one wave, "2blk" more (two blocks per SM)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = p // 64
+    one_wave = max(2, sms // tiles // 2 * 2)  # even heads; (sms/2, sms] blocks for p 64 and 128 on an even SM count
+    return {"p32": (2, 4), "1blk": (1, one_wave), "2blk": (2, one_wave)}[kernel]
+
+
 def rel_err(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)).item()
 
@@ -60,26 +69,20 @@ def check(ops, x, dt, A, B, C, D, h0):
     assert rel_err(state, want_state) < TOL, f"final state: relative error {rel_err(state, want_state):.3g}"
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2], ids=["1blk", "2blk", "p32"])  # TK_SSD_VARIANT (ssd.h)
+@pytest.mark.parametrize("kernel", ["1blk", "2blk", "p32"])  # each of the launch's three, by grid size
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("l", [1, 17, 64, 65, 300, 2048])
-def test_ssd_forward(ops, l, n, variant, monkeypatch):
-    monkeypatch.setenv("TK_SSD_VARIANT", str(variant))
-    check(ops, *inputs(2, l, 4, 2, 64, n, seed=l + n))
+def test_ssd_forward(ops, l, n, kernel):
+    b, nh = grid(kernel)
+    check(ops, *inputs(b, l, nh, 2, 64, n, seed=l + n))
 
 
-def test_ssd_bad_variant(ops, monkeypatch):
-    monkeypatch.setenv("TK_SSD_VARIANT", "3")
-    with pytest.raises(RuntimeError, match="TK_SSD_VARIANT"):
-        ops.ssd(*inputs(1, 8, 2, 1, 64, 64), 64)
-
-
-@pytest.mark.parametrize("variant", [0, 2], ids=["p64", "p32"])
+@pytest.mark.parametrize("kernel", ["1blk", "p32"])
 @pytest.mark.parametrize("D,h0", [(False, False), (True, True), (False, True)], ids=["plain", "D+h0", "h0"])
 @pytest.mark.parametrize("p", [64, 128])
-def test_ssd_forward_options(ops, p, D, h0, variant, monkeypatch):
-    monkeypatch.setenv("TK_SSD_VARIANT", str(variant))
-    check(ops, *inputs(1, 200, 4, 1, p, 128, D=D, h0=h0, seed=p))
+def test_ssd_forward_options(ops, p, D, h0, kernel):
+    b, nh = grid(kernel, p)
+    check(ops, *inputs(b, 200, nh, 1, p, 128, D=D, h0=h0, seed=p))
 
 
 def test_ssd_forward_fp32_hf_layout(ops):
@@ -89,11 +92,9 @@ def test_ssd_forward_fp32_hf_layout(ops):
     check(ops, x.float(), dt, A, B, C, D.to(torch.bfloat16), h0)
 
 
-@pytest.mark.parametrize("b", [2, 3, 8], ids=["p32", "1blk", "2blk"])  # what the unset variant picks on 132 SMs
-def test_ssd_forward_many_blocks(ops, b, monkeypatch):
-    """Mamba2-370M's head shape (nh 32, p 64, n 128, ng 1) at 64 to 256 blocks, with the variant left to the kernel
-    (ssd.cu, choose_variant)."""
-    monkeypatch.delenv("TK_SSD_VARIANT", raising=False)
+@pytest.mark.parametrize("b", [2, 3, 8])  # 64 to 256 blocks: each kernel on 132 SMs
+def test_ssd_forward_many_blocks(ops, b):
+    """Mamba2-370M's head shape (nh 32, p 64, n 128, ng 1)."""
     check(ops, *inputs(b, 1024, 32, 1, 64, 128, seed=4 + b))
 
 
@@ -152,25 +153,23 @@ def da_error(dA, leaves, dy):
     return ((dA.float() - grads[2]).norm() / scale.norm().clamp_min(1e-6)).item()
 
 
-@pytest.mark.parametrize("variant", [0, 1], ids=["p64", "p32"])  # TK_SSD_BWD_VARIANT (ssd.h BwdArgs)
+@pytest.mark.parametrize("kernel", ["1blk", "p32"])  # the backward's 64 and 32 head dims per block, by grid size
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("l", [1, 17, 64, 65, 300])
-def test_ssd_backward(ops, l, n, variant, monkeypatch):
-    monkeypatch.setenv("TK_SSD_BWD_VARIANT", str(variant))
-    check_backward(ops, *inputs(2, l, 4, 2, 64, n, h0=True, seed=l + n), seed=l)
+def test_ssd_backward(ops, l, n, kernel):
+    b, nh = grid(kernel)
+    check_backward(ops, *inputs(b, l, nh, 2, 64, n, h0=True, seed=l + n), seed=l)
 
 
 @pytest.mark.parametrize("D,h0,grad_state", [(False, False, False), (True, False, True), (False, True, False)],
                          ids=["plain", "D+dstate", "h0"])
-@pytest.mark.parametrize("variant", ["", "1"], ids=["unset", "p32"])
-def test_ssd_backward_options(ops, D, h0, grad_state, variant, monkeypatch):
-    monkeypatch.setenv("TK_SSD_BWD_VARIANT", variant)
-    check_backward(ops, *inputs(1, 200, 4, 1, 128, 128, D=D, h0=h0, seed=7), grad_state=grad_state)
+@pytest.mark.parametrize("kernel", ["1blk", "p32"])
+def test_ssd_backward_options(ops, D, h0, grad_state, kernel):
+    b, nh = grid(kernel, 128)
+    check_backward(ops, *inputs(b, 200, nh, 1, 128, 128, D=D, h0=h0, seed=7), grad_state=grad_state)
 
 
-@pytest.mark.parametrize("variant", ["", "1"], ids=["unset", "p32"])
-def test_ssd_backward_hf_layout_and_many_blocks(ops, variant, monkeypatch):
-    monkeypatch.setenv("TK_SSD_BWD_VARIANT", variant)
+def test_ssd_backward_hf_layout_and_many_blocks(ops):
     x, dt, A, B, C, D, h0 = inputs(1, 333, 8, 1, 64, 128, layout="channels", seed=8)
     check_backward(ops, x.float(), dt, A, B, C, D, h0)
     check_backward(ops, *inputs(2, 1024, 32, 1, 64, 128, seed=9))
@@ -189,9 +188,3 @@ def test_ssd_backward_through_the_op(ops, monkeypatch):
     for got, w in zip(leaves, want):
         assert rel_err(got.grad, w.grad) < 5e-2
 
-
-def test_ssd_backward_bad_variant(ops, monkeypatch):
-    monkeypatch.setenv("TK_SSD_BWD_VARIANT", "2")
-    x, dt, A, B, C, D, _ = inputs(1, 8, 2, 1, 64, 64)
-    with pytest.raises(RuntimeError, match="TK_SSD_BWD_VARIANT"):
-        ops.ssd_backward(torch.randn_like(x), torch.zeros(1, 2, 64, 64, device="cuda"), x, dt, A, B, C, D, None, 64)

@@ -2,8 +2,6 @@
 // task order (supergroups of row tiles, walked column by column, so consecutive blocks share
 // A rows and B columns while they are still in L2).
 #pragma once
-#include <cstdio>
-#include <cstdlib>
 #include <utility>
 
 #include "common.cuh"
@@ -22,30 +20,9 @@ inline int sm_count() {
     return n;
 }
 
-// Waves of a persistent grid (TK_GRID_WAVES, default 1). A persistent grid hands each block a fixed share of
-// the tasks, sized to the SMs. With few tasks per SM of uneven cost (causal attention at a training batch) the
-// shares end unevenly, and a kernel beside it (NCCL's, under DDP or FSDP) holds SMs that a share then waits
-// for. k waves launch k times the blocks, each with 1/k of the share, and the hardware hands the later waves
-// to the SMs that free up first (H200, causal attention forward at 512 tasks: 2 waves ran 1.27x faster).
-// Read on every launch (a benchmark switches it); a value that is not an integer in [1, 4096] is reported once
-// on stderr and taken as 1.
-inline int waves() {
-    const char* s = std::getenv("TK_GRID_WAVES");
-    if (s == nullptr || *s == '\0') return 1;
-    char* end = nullptr;
-    const long k = std::strtol(s, &end, 10);
-    if (*end != '\0' || k < 1 || k > 4096) {
-        static bool told = false;
-        if (!told) std::fprintf(stderr, "tk: TK_GRID_WAVES='%s' is not an integer in [1, 4096]; using 1\n", s);
-        told = true;
-        return 1;
-    }
-    return int(k);
-}
-
-// Blocks for a persistent kernel over `tasks` tasks: one per SM and wave, never more than there are tasks.
+// Blocks for a persistent kernel over `tasks` tasks: one per SM, never more than there are tasks.
 inline int persistent_blocks(int tasks) {
-    const int blocks = sm_count() * waves();
+    const int blocks = sm_count();
     return tasks < blocks ? (tasks > 0 ? tasks : 1) : blocks;
 }
 

@@ -108,8 +108,8 @@ __device__ __forceinline__ void decode_task(const FwdParams& p, int t, int& bh, 
 }
 
 // Which tasks a block runs. Static: blockIdx.x, + gridDim.x, ... Its shares end unevenly when there are few
-// tasks per SM or the section size resonates with the grid (benchmarks/schedule_model.py puts the slowest block
-// 1.2-1.4x over the mean at training batch sizes). DYN (TK_ATTN_FWD_SCHEDULE=dynamic): the producer takes its
+// tasks per SM or the section size resonates with the grid (a model of the schedule put the slowest block
+// 1.2-1.4x over the mean at training batch sizes). DYN (causal, where task lengths differ): the producer takes its
 // next task from a global counter once it has issued the current one's loads, so blocks that finish early take
 // more; it hands each task to the consumers in shared memory, published by the arrive on q_full, and p.tasks
 // ends the block. The steps are written `t += DYN ? step : gridDim.x`, as the static loops always were: a helper
@@ -697,7 +697,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   // Per device, so set on every launch (cheap).
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention forward kernel";
-  const int grid = std::min(p.tasks, num_sms * tk::grid::waves());
+  const int grid = std::min(p.tasks, num_sms);
   if constexpr (Cfg::PP)
     kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, om, p);
   else

@@ -126,7 +126,7 @@ int persistent_grid(K* kernel, int block, size_t smem, int64_t rows, int rows_pe
   const Residency r = residency(reinterpret_cast<const void*>(kernel), block, smem);
   if (r.per_sm <= 0) return 0;
   const int64_t tasks = (rows + rows_per_block - 1) / rows_per_block;
-  const int64_t resident = int64_t(r.sms) * r.per_sm * tk::grid::waves();
+  const int64_t resident = int64_t(r.sms) * r.per_sm;
   const int64_t per_block = (tasks + resident - 1) / resident;
   const int64_t blocks = tasks < 1 ? 1 : (tasks + per_block - 1) / per_block;
   if (rows + (STAGES + 1) * blocks * rows_per_block >= (int64_t(1) << 31)) return 0;

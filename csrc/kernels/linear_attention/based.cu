@@ -1,6 +1,6 @@
 // Based linear attention, forward (linear_attention.h): a chunked causal scan with an fp32 state in registers.
 //
-// One block per (batch·head, tile of 64 value columns; 32 in variant 1) walks the sequence in chunks of 64 tokens:
+// One block per (batch·head, tile of 64 value columns; 32 for small grids) walks the sequence in chunks of 64 tokens:
 //   o_chunk = [(1 + s + s²/2) ⊙ causal] v_chunk + φq(q_chunk) · S     (s = scale·q kᵀ inside the chunk)
 //   S      += φk(k_chunk)ᵀ v_chunk                                      (then the next chunk)
 // φ, of 288 features in 18 tiles of 16, is built in registers from the 16-wide q and k rows (based.cuh).
@@ -154,19 +154,17 @@ const char* launch_tile(const BasedArgs& a, cudaStream_t stream) {
 // Measured on the H200 (benchmarks/RESULTS.md): a block of 32 columns takes ~0.77 of the time of one of 64
 // (the feature maps are built in both), so the split pays only when the doubled grid still fits in one wave
 // (B4 H16 dv64, 64 blocks: 0.33 ms vs 0.42); at 256 blocks it is 1.5x slower.
-int choose_variant(const BasedArgs& a) {
+bool narrow_tiles(const BasedArgs& a) {
   const long long blocks = (long long)a.B * a.H * (a.dv / BASED_DV_TILE);
-  return tk::grid::waves_of(2 * blocks, 1) == 1 ? 1 : 0;
+  return tk::grid::waves_of(2 * blocks, 1) == 1;
 }
 
 }  // namespace
 
 const char* launch_based(const BasedArgs& a, cudaStream_t stream) {
   if (a.dv <= 0 || a.dv % BASED_DV_TILE != 0) return "dv must be a positive multiple of 64";
-  if (a.variant < BASED_AUTO || a.variant >= BASED_VARIANTS) return "variant must be 0 or 1 (or BASED_AUTO)";
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
-  const int variant = a.variant == BASED_AUTO ? choose_variant(a) : a.variant;
-  return variant == 1 ? launch_tile<32>(a, stream) : launch_tile<64>(a, stream);
+  return narrow_tiles(a) ? launch_tile<32>(a, stream) : launch_tile<64>(a, stream);
 }
 
 }  // namespace tk_linear_attention

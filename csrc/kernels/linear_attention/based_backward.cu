@@ -380,7 +380,7 @@ const char* launch_bwd(Kernel kernel, const BasedBwdArgs& a, cudaStream_t stream
 
 // dq first: it also writes 1/(d + eps), which the reverse scan reads
 template <int DVT>
-const char* launch_variant(const BasedBwdArgs& a, cudaStream_t stream) {
+const char* launch_tiles(const BasedBwdArgs& a, cudaStream_t stream) {
   if (const char* err = launch_bwd<DVT>(based_bwd_dq_kernel<DVT>, a, stream)) return err;
   return launch_bwd<DVT>(based_bwd_dkdv_kernel<DVT>, a, stream);
 }
@@ -406,19 +406,18 @@ __global__ void __launch_bounds__(256) based_bwd_delta_kernel(const BasedBwdArgs
 const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream) {
   if (a.dv <= 0 || a.dv % BASED_DV_TILE != 0) return "dv must be a positive multiple of 64";
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
-  if (a.variant < BASED_AUTO || a.variant >= BASED_VARIANTS) return "variant must be 0 or 1 (or BASED_AUTO)";
-  // BASED_AUTO: 32 value columns per block (twice the blocks) where the forward takes them, when the doubled grid
-  // still fits in one wave. Measured on the H200 (RESULTS.md), fwd+bwd: B4 H16 N4096 2.14 ms vs 2.36; at
-  // B16 (256 blocks) 7.9 ms vs 5.4.
+  // 32 value columns per block (twice the blocks) where the forward takes them, when the doubled grid still fits in
+  // one wave. Measured on the H200 (RESULTS.md), fwd+bwd: B4 H16 N4096 2.14 ms vs 2.36; at B16 (256 blocks) 7.9 ms
+  // vs 5.4.
   const long long blocks = (long long)a.B * a.H * (a.dv / BASED_DV_TILE);
-  const int variant = a.variant == BASED_AUTO ? (tk::grid::waves_of(2 * blocks, 1) == 1 ? 1 : 0) : a.variant;
+  const bool narrow = tk::grid::waves_of(2 * blocks, 1) == 1;
   if (a.normalize) {
     const int64_t rows = int64_t(a.B) * a.H * a.N, delta_blocks = (rows + 7) / 8;
     if (delta_blocks > 0x7fffffff) return "too many rows for the delta launch";
     based_bwd_delta_kernel<<<unsigned(delta_blocks), 256, 0, stream>>>(a, rows);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   }
-  return variant == 1 ? launch_variant<32>(a, stream) : launch_variant<64>(a, stream);
+  return narrow ? launch_tiles<32>(a, stream) : launch_tiles<64>(a, stream);
 }
 
 }  // namespace tk_linear_attention

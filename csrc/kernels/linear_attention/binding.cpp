@@ -9,26 +9,15 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <optional>
 #include <string>
 
 #include "linear_attention.h"
-#include "tk/env.h"
 
 namespace {
 
 using at::Tensor;
 namespace la = tk_linear_attention;
-
-// The kernel variants (linear_attention.h): TK_BASED_VARIANT (forward) and TK_BASED_BWD_VARIANT (backward), read on
-// every call; unset = chosen by the kernel from the block count.
-int variant(const char* name = "TK_BASED_VARIANT") {
-  int v = la::BASED_AUTO;
-  TORCH_CHECK(tk::env_variant(name, la::BASED_VARIANTS, v), name, " must be an integer in [0, ", la::BASED_VARIANTS,
-              "), got '", std::getenv(name), "'");
-  return v;
-}
 
 // cp.async moves 16-byte row segments: rows must start 16-byte aligned with a unit stride inside.
 Tensor loadable(const Tensor& t) {
@@ -73,7 +62,6 @@ Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, c10::
   la::BasedArgs a{};
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.o = o.data_ptr();
-  a.variant = variant();
   const char* err = la::launch_based(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::linear_attention: ", err ? err : "");
   return o;
@@ -108,7 +96,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   a.delta = normalize ? delta.data_ptr<float>() : nullptr;
   a.inv = inv.data_ptr<float>();
   a.dq = dq.data_ptr<float>(), a.dk = dk.data_ptr<float>(), a.dv_out = dv.data_ptr();
-  a.variant = variant("TK_BASED_BWD_VARIANT");
   const char* err = la::launch_based_backward(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none(), none()};

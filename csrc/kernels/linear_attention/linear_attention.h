@@ -21,11 +21,8 @@ struct BasedArgs {
   float scale;
   bool normalize;
   float eps;
-  // 0: 64 value columns per block; 1: 32 (twice the blocks, for batch·heads that leave SMs idle); BASED_AUTO: chosen
-  // by the block count (based.cu, launch_based)
-  int variant;
 };
-constexpr int BASED_VARIANTS = 2, BASED_AUTO = -1;
+// 64 value columns per block, or 32 (twice the blocks) where the doubled grid still fits in one wave (based.cu).
 
 // nullptr on success, else why not (a bad argument or a launch error).
 const char* launch_based(const BasedArgs& a, cudaStream_t stream);
@@ -50,10 +47,8 @@ struct BasedBwdArgs {
   float scale;
   bool normalize;
   float eps;
-  // 0: 64 value columns per block; 1: 32 (twice the blocks); BASED_AUTO: chosen by the launch by block count
-  // (based_backward.cu)
-  int variant;
 };
+// Value tiles as the forward's (based_backward.cu).
 const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream);
 
 }  // namespace tk_linear_attention

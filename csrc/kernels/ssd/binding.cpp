@@ -9,34 +9,14 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <optional>
 #include <tuple>
 
 #include "ssd.h"
-#include "tk/env.h"
 
 namespace {
 
 using at::Tensor;
-
-// The kernel variant (ssd.h): TK_SSD_VARIANT, read on every call so that one process can time them all; unset =
-// chosen by the kernel from the block count.
-int variant() {
-  int v = tk_ssd::AUTO;
-  TORCH_CHECK(tk::env_variant("TK_SSD_VARIANT", tk_ssd::VARIANTS, v), "TK_SSD_VARIANT must be an integer in [0, ",
-              tk_ssd::VARIANTS, "), got '", std::getenv("TK_SSD_VARIANT"), "'");
-  return v;
-}
-
-// The backward's (ssd.h BwdArgs): TK_SSD_BWD_VARIANT, the same way.
-int backward_variant() {
-  int v = tk_ssd::AUTO;
-  TORCH_CHECK(tk::env_variant("TK_SSD_BWD_VARIANT", tk_ssd::BWD_VARIANTS, v),
-              "TK_SSD_BWD_VARIANT must be an integer in [0, ", tk_ssd::BWD_VARIANTS, "), got '",
-              std::getenv("TK_SSD_BWD_VARIANT"), "'");
-  return v;
-}
 
 Tensor as(const Tensor& t, at::ScalarType dtype) { return t.to(dtype).contiguous(); }
 
@@ -85,7 +65,6 @@ std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& 
   a.h0 = has_h0 ? h0.data_ptr<float>() : nullptr;
   a.y = y.data_ptr<float>(), a.h_final = h_final.data_ptr<float>();
   a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
-  a.variant = variant();
   const char* err = tk_ssd::launch(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::ssd: ", err ? err : "");
   return {x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type()), h_final};
@@ -131,7 +110,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     Tensor chunk_states = at::empty({b * nh * p * chunks * n}, x.options().dtype(at::kBFloat16));  // any head-dim tile
     a.chunk_states = chunk_states.data_ptr();
     a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
-    a.variant = backward_variant();
     const char* err = tk_ssd::launch_backward(a, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
   }

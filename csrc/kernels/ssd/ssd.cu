@@ -27,7 +27,8 @@ struct Smem {
   float dt[2][CHUNK];
 };
 
-// MIN_BLOCKS: blocks per SM the register budget is set for (variant 1 = 2: more warps to hide mma.sync latency).
+// MIN_BLOCKS: blocks per SM the register budget is set for (2 for grids past one wave: more warps to hide mma.sync
+// latency).
 template <int NS, int PT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args a) {
   extern __shared__ uint8_t raw[];
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args
       mma_AB(out, w, xr, out);
       // inter-chunk: exp(Λ_t) C_t · S, the decay folded into C's rows. C's tiles are loaded again rather than
       // kept from the loop above: fusing the two loops keeps cb and out live together (178 -> 214 registers,
-      // and variant 1 spills 96 bytes instead of 24) to save 8 ldmatrix per warp and chunk.
+      // and the two-blocks-per-SM kernel spills 96 bytes instead of 24) to save 8 ldmatrix per warp and chunk.
       const float decay[2] = {__expf(lt[0]), __expf(lt[1])};
 #pragma unroll
       for (int kk = 0; kk < NS / BASE; ++kk) {
@@ -186,7 +187,7 @@ const char* launch_n(const Args& a, cudaStream_t stream) {
 // Measured on the H200 (benchmarks/RESULTS.md): two blocks per SM (1) is 9-16% faster than one (0) once
 // the grid of 64-head-dim blocks spans more than one wave; a grid that fills at most half the SMs runs faster as
 // twice the blocks of 32 head dims (2: b1 nh32 p64 0.30 ms vs 0.36), and in between one wave of (0) is best.
-int choose_variant(const Args& a) {
+int choose_kernel(const Args& a) {
   const long long blocks = (long long)a.b * a.nh * (a.p / P_TILE);
   if (2 * blocks <= tk::grid::sm_count()) return 2;
   return tk::grid::waves_of(blocks, 1) == 1 ? 0 : 1;
@@ -199,8 +200,7 @@ const char* launch(const Args& a, cudaStream_t stream) {
   if (a.ng <= 0 || a.nh % a.ng != 0) return "nh must be a multiple of ng";
   if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
-  if (a.variant < AUTO || a.variant >= VARIANTS) return "variant must be 0, 1 or 2 (or AUTO)";
-  switch (a.n * 4 + (a.variant == AUTO ? choose_variant(a) : a.variant)) {
+  switch (a.n * 4 + choose_kernel(a)) {
     case 64 * 4 + 0: return launch_n<64, 64, 1>(a, stream);
     case 64 * 4 + 1: return launch_n<64, 64, 2>(a, stream);
     case 64 * 4 + 2: return launch_n<64, 32, 1>(a, stream);

@@ -9,7 +9,7 @@
 
 namespace tk_ssd {
 
-constexpr int P_TILE = 64;  // p must be a multiple (blocks take 64 head dims, or 32 in variant 2)
+constexpr int P_TILE = 64;  // p must be a multiple (blocks take 64 head dims, or 32 for small grids)
 
 struct Args {
   const void* x;
@@ -22,12 +22,10 @@ struct Args {
   float* y;
   float* h_final;
   int b, l, nh, ng, p, n;
-  // 0: 64 head dims per block, one block per SM (178 registers at n 128); 1: the same, two blocks per SM (128
-  // registers, a few spilled); 2: 32 head dims per block (twice the blocks, for batch·heads that leave SMs idle);
-  // AUTO: chosen by the block count (ssd.cu, launch)
-  int variant;
 };
-constexpr int VARIANTS = 3, AUTO = -1;
+// The launch picks the kernel by the grid of 64-head-dim blocks (ssd.cu): at most half the SMs, 32 head dims per
+// block (twice the blocks); one wave, one block per SM (178 registers at n 128); more, two blocks per SM (128
+// registers, a few spilled).
 
 // Whether the kernel computes this state size (n).
 constexpr bool state_size_supported(int n) { return n == 64 || n == 128; }
@@ -60,11 +58,8 @@ struct BwdArgs {
   void* chunk_states;  // bf16 (blocks, chunks, n·PT) scratch, b·nh·p·chunks·n in all: kernel A's chunk-end states
   float* anchor;       // (b, nh, chunks), zeroed: ⟨∂L/∂h, h⟩ at each chunk's end, for the dt/A gradients
   int b, l, nh, ng, p, n;
-  // 0: 64 head dims per block; 1: 32 (twice the blocks, for batch·heads that leave SMs idle); AUTO: chosen by the
-  // launch by block count (ssd_backward.cu)
-  int variant;
 };
-constexpr int BWD_VARIANTS = 2;
+// 64 head dims per block, or 32 (twice the blocks) where the 64-wide grid fills at most half the SMs.
 const char* launch_backward(const BwdArgs& a, cudaStream_t stream);
 
 }  // namespace tk_ssd

@@ -385,12 +385,11 @@ const char* launch_backward(const BwdArgs& a, cudaStream_t stream) {
   if (a.ng <= 0 || a.nh % a.ng != 0) return "nh must be a multiple of ng";
   if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
-  if (a.variant < AUTO || a.variant >= BWD_VARIANTS) return "variant must be 0 or 1 (or AUTO)";
-  // AUTO: 32 head dims per block (twice the blocks) where the forward takes them, a grid of 64-head-dim blocks
-  // filling at most half the SMs. Measured on the H200 (RESULTS.md), fwd+bwd: b1 l4096 nh32 1.28 ms vs
-  // 1.43; at b16 nh80 (1280 blocks) 21.0 ms vs 13.5.
+  // 32 head dims per block (twice the blocks) where the forward takes them, a grid of 64-head-dim blocks filling at
+  // most half the SMs. Measured on the H200 (RESULTS.md), fwd+bwd: b1 l4096 nh32 1.28 ms vs 1.43; at b16 nh80
+  // (1280 blocks) 21.0 ms vs 13.5.
   const long long blocks = (long long)a.b * a.nh * (a.p / P_TILE);
-  const bool p32 = a.variant == AUTO ? 2 * blocks <= tk::grid::sm_count() : a.variant == 1;
+  const bool p32 = 2 * blocks <= tk::grid::sm_count();
   if (a.n == 64) return p32 ? launch_bwd_n<64, 32>(a, stream) : launch_bwd_n<64, 64>(a, stream);
   if (a.n == 128) return p32 ? launch_bwd_n<128, 32>(a, stream) : launch_bwd_n<128, 64>(a, stream);
   return "the state size n must be 64 or 128";
