@@ -118,3 +118,25 @@ def test_layernorm_backward_checks_its_arguments():
     for name, args in cases.items():
         with pytest.raises(ValueError, match=name):
             torch.ops.tk.layernorm_backward(*args)
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: torch.ops.tk.attention(t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8), None, 0.5),
+    lambda t: torch.ops.tk.attention_backward(t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8),
+                                              t(1, 2, 4, 8), t(1, 2, 4), None, 0.5),
+    lambda t: torch.ops.tk.rotary(t(1, 2, 4, 8), None, t(4, 8), t(4, 8), None, False, False),
+    lambda t: torch.ops.tk.rotary(t(1, 2, 4, 8), None, t(4, 8), t(4, 8), False, None, False),
+    lambda t: torch.ops.tk.layernorm(t(4, 16), None, None, None, None, 1e-5, 0.0, None),
+    lambda t: torch.ops.tk.layernorm(t(4, 16), None, None, None, None, 1e-5, 0.0, True, None),
+    lambda t: torch.ops.tk.layernorm_backward(t(4, 16), None, t(4, 16), None, t(4), t(4), torch.zeros(2, dtype=torch.long),
+                                              0.0, False, None),
+    lambda t: torch.ops.tk.linear_attention(t(1, 2, 4, 16), t(1, 2, 4, 16), t(1, 2, 4, 8), "based", None, None, 0.25, None),
+], ids=["attention", "attention_backward", "rotary-interleaved", "rotary-backward", "layernorm-rms", "layernorm-stats",
+        "layernorm_backward", "linear_attention"])
+def test_flags_reject_none(call):
+    """A flag passed as None is a TypeError naming it: the ops' schemas take `bool?`, since a `bool` argument would
+    turn None into False on its way in."""
+    import tk_inductor.ops.rotary  # noqa: F401
+
+    with pytest.raises(TypeError, match="must be a bool, got None"):
+        call(lambda *s: torch.randn(*s))

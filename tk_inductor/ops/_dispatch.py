@@ -40,6 +40,13 @@ def check(condition: bool, message, error: type[Exception] = ValueError) -> None
         raise error(message() if callable(message) else message)
 
 
+def check_flags(op: str, **flags) -> None:
+    """The ops' flags are `bool?` in their schemas, so that None reaches them (a `bool` argument turns None into
+    False on the way in): None is a TypeError here, never a silent False."""
+    for name, value in flags.items():
+        check(value is not None, lambda: f"{op}: {name} must be a bool, got None", TypeError)
+
+
 def broadcasts_to(shape, target) -> bool:
     """Whether `shape` broadcasts to exactly `target`. Plain ints are compared directly: torch.broadcast_shapes
     is symbolic-shape aware and costs ~10 us a call, paid on every op call at run time."""

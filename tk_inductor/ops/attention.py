@@ -166,9 +166,10 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("tk::attention", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor o, Tensor lse)")
+                         schema="(Tensor q, Tensor k, Tensor v, bool? causal, float scale) -> (Tensor o, Tensor lse)")
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
+    _dispatch.check_flags("tk::attention", causal=causal)
     _validate(q, k, v, scale)
     if q.numel() == 0:
         return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
@@ -180,16 +181,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
 
 @attention.register_fake
 def _(q, k, v, causal, scale):
+    _dispatch.check_flags("tk::attention", causal=causal)
     _validate(q, k, v, scale)
     return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tk::attention_backward", mutates_args=(),
-                         schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
+                         schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool? causal, "
                                 "float scale) -> (Tensor dq, Tensor dk, Tensor dv)")
 def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, causal: bool, scale: float
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     if q.numel() == 0 or k.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
@@ -201,6 +204,7 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 @attention_backward.register_fake
 def _(grad_o, q, k, v, o, lse, causal, scale):
+    _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 

@@ -62,7 +62,8 @@ def weight_dtype(x: torch.dtype, h: torch.dtype, w: torch.dtype | None, y: torch
 
 # ---------------------------------------------------------------------------- validation
 
-def _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype=None, gate=None) -> None:
+def _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype=None, gate=None, stats=True) -> None:
+    _dispatch.check_flags("tk::layernorm", rms=rms, stats=stats)
     check = _dispatch.check
     check(isinstance(x, torch.Tensor), "tk::layernorm: x must be a tensor", TypeError)
     check(x.dtype in DTYPES, lambda: f"tk::layernorm: x dtype must be one of {DTYPES}, got {x.dtype}", TypeError)
@@ -193,12 +194,12 @@ def layernorm(
     rng: torch.Tensor | None,
     eps: float,
     p: float,
-    rms: bool,
-    stats: bool = True,
+    rms: bool | None,
+    stats: bool | None = True,
     out_dtype: torch.dtype | None = None,
     gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype, gate)
+    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype, gate, stats)
     if p > 0.0 and rng is None:
         rng = philox.draw_seed()
     if forward_kernel_ok(x, residual, weight, bias, out_dtype, gate):
@@ -213,7 +214,7 @@ def forward_kernel_ok(x, residual, weight, bias, out_dtype, gate=None) -> bool:
 
 @layernorm.register_fake
 def _forward_fake(x, residual, weight, bias, rng, eps, p, rms, stats=True, out_dtype=None, gate=None):
-    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype, gate)
+    _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype, gate, stats)
     hidden = x.shape[-1]
     rows = x.numel() // hidden if stats else 0
     dtype = h_dtype(x, residual, gate)
@@ -226,6 +227,7 @@ def _forward_fake(x, residual, weight, bias, rng, eps, p, rms, stats=True, out_d
 
 
 def _check_backward(dy, dh, h, weight, mean, rstd, rng, p, rms, has_bias, x_dtype, dy2=None, dy3=None, gate=None):
+    _dispatch.check_flags("tk::layernorm_backward", rms=rms, has_bias=has_bias)
     check = _dispatch.check
     for name, t in (("dy", dy), ("h", h), ("mean", mean), ("rstd", rstd), ("rng", rng)):
         check(isinstance(t, torch.Tensor), lambda: f"tk::layernorm_backward: {name} must be a tensor", TypeError)
@@ -262,8 +264,8 @@ def layernorm_backward(
     rstd: torch.Tensor,
     rng: torch.Tensor,
     p: float,
-    rms: bool,
-    has_bias: bool,
+    rms: bool | None,
+    has_bias: bool | None,
     x_dtype: torch.dtype | None = None,
     dy2: torch.Tensor | None = None,
     dy3: torch.Tensor | None = None,

@@ -153,15 +153,16 @@ def linear_attention_reference(q, k, v, feature_map, q_weight=None, k_weight=Non
 
 # Explicit schemas: the contract `tk_cuda::` kernels register verbatim.
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, str feature_map, Tensor? q_weight=None, Tensor? k_weight=None, "
-          "float scale=1.0, bool normalize=False, float eps=0.0) -> Tensor")
+          "float scale=1.0, bool? normalize=False, float eps=0.0) -> Tensor")
 BACKWARD_SCHEMA = ("(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, str feature_map, Tensor? q_weight, "
-                   "Tensor? k_weight, float scale, bool normalize, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+                   "Tensor? k_weight, float scale, bool? normalize, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("tk::linear_attention", mutates_args=(), schema=SCHEMA)
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
                      q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                      scale: float = 1.0, normalize: bool = False, eps: float = 0.0) -> torch.Tensor:
+    _dispatch.check_flags("tk::linear_attention", normalize=normalize)
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
     if q.numel() == 0 or v.numel() == 0:  # no positions, heads or batch entries (or empty features): nothing to sum
         return v.new_zeros(v.shape)
@@ -173,6 +174,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_
 
 @linear_attention.register_fake
 def _(q, k, v, feature_map, q_weight=None, k_weight=None, scale=1.0, normalize=False, eps=0.0):
+    _dispatch.check_flags("tk::linear_attention", normalize=normalize)
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
     return v.new_empty(v.shape)  # contiguous (B, H, N, dv)
 
@@ -184,6 +186,7 @@ def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dq_weight, dk_weight); weight grads are empty tensors without weights. o is the forward's
     output (the kernel's denominator gradient needs do·o over whole rows)."""
+    _dispatch.check_flags("tk::linear_attention_backward", normalize=normalize)
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
     _dispatch.check(isinstance(grad_o, torch.Tensor) and grad_o.shape == v.shape,
                     lambda: f"tk::linear_attention_backward: grad_o must have v's shape {tuple(v.shape)}, got "

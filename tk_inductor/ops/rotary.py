@@ -119,11 +119,12 @@ def rotary(
     k: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    interleaved: bool,
-    backward: bool,
-    contiguous: bool,
+    interleaved: bool | None,
+    backward: bool | None,
+    contiguous: bool | None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _dispatch.check_flags("tk::rotary", interleaved=interleaved, backward=backward, contiguous=contiguous)
     _check(q, k, cos, sin, interleaved, out_dtype)
     dtype = output_dtype(q, cos, out_dtype)
     if kernel_ok(q, k, cos, sin, dtype):
@@ -139,6 +140,7 @@ def rotary(
 
 @rotary.register_fake
 def _fake(q, k, cos, sin, interleaved, backward, contiguous, out_dtype=None):
+    _dispatch.check_flags("tk::rotary", interleaved=interleaved, backward=backward, contiguous=contiguous)
     _check(q, k, cos, sin, interleaved, out_dtype)
     dtype = output_dtype(q, cos, out_dtype)
     return _output(q, contiguous, dtype), (_output(k, contiguous, dtype) if k is not None else q.new_empty(0, dtype=dtype))
