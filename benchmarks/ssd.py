@@ -1,6 +1,8 @@
-"""SSD benchmark: ours (tk_cuda::ssd, Mamba-2) vs flash-linear-attention's Triton `chunk_simple_gla` (carry the
-fla-core wheel; SSD is simple GLA with q = C, k = B, v = dt·x, log-gate dt·A) and vs torch.compile default of the
-chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mamba2's torch path), in one run.
+"""SSD benchmark: ours (tk_cuda::ssd, Mamba-2) vs mamba_ssm's Triton SSD `mamba_chunk_scan_combined` (chunk 256,
+what a Mamba user runs; its code travels in the ignored folder .mamba/, see `mamba_ssm_scan`), flash-linear-attention's
+Triton `chunk_simple_gla` (carry the fla-core wheel; SSD is simple GLA with q = C, k = B, v = dt·x, log-gate dt·A)
+and torch.compile default of the chunked fp32 reference (tk_inductor/ops/ssd.py, the same algorithm as HF Mamba2's
+torch path), in one run.
 
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
 Mamba2-370M's (nh 32) at l 4096 and the e2e Mamba2's layer (b1 l4096 nh32); bf16 x, B, C, fp32 dt, A, D; final
@@ -15,6 +17,9 @@ The torch.compile baseline gets the work-arounds our backend applies to Inductor
     python -m benchmarks.ssd [--quick]
 """
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 
@@ -43,6 +48,7 @@ def run(quick: bool = False) -> list[Row]:
         from fla.ops.simple_gla import chunk_simple_gla
     except ImportError as exc:
         chunk_simple_gla, fla_missing = None, f"fla not installed ({exc.name})"
+    mamba, mamba_missing = mamba_ssm_scan()
     rows: list[Row] = []
     inductor_as_our_backend_runs_it()
     compiled = torch.compile(ssd_ops.ssd_reference, dynamic=False)
@@ -60,9 +66,13 @@ def run(quick: bool = False) -> list[Row]:
             # HF Mamba2's chunk (256)
             "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0],
         }
+        if mamba is not None:
+            impls["mamba_ssm"] = lambda: mamba(x, dt, A, B, C, D)
         if chunk_simple_gla is not None:
             impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
         rows += check_and_time("ssd", name, impls, ref, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)
+        if mamba is None:
+            rows.append(Row("ssd", name, "mamba_ssm", None, note=mamba_missing))
         if chunk_simple_gla is None:
             rows.append(Row("ssd", name, "fla chunk_simple_gla", None, note=fla_missing))
         del x, B, C, ref
@@ -81,6 +91,8 @@ def run(quick: bool = False) -> list[Row]:
 
         impls = {"ours": ours,
                  "torch.compile": lambda: compiled(x, dt, A, B, C, D, None, 256)[0]}
+        if mamba is not None:
+            impls["mamba_ssm"] = lambda: mamba(x, dt, A, B, C, D)
         if chunk_simple_gla is not None:
             impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
         steps = {label: backward_step(fn, leaves, dy, of=x) for label, fn in impls.items()}
@@ -103,6 +115,27 @@ def inputs(b, l, nh, p, n):
     C = torch.randn(b, l, 1, n, generator=g, device="cuda").to(torch.bfloat16)
     D = torch.randn(nh, generator=g, device="cuda")
     return x, dt, A, B, C, D
+
+
+def mamba_ssm_scan():
+    """(fn, None), fn(x, dt, A, B, C, D) -> y running mamba_ssm's `mamba_chunk_scan_combined` (chunk 256, the final
+    state returned as ours returns it), or (None, why not). mamba_ssm's package needs a CUDA build; its Triton SSD needs
+    only torch, triton and einops, so its `mamba_ssm/ops/triton` and `mamba_ssm/utils` are copied (never committed)
+    into .mamba/ beside empty `mamba_ssm/__init__.py` and `mamba_ssm/ops/__init__.py`, and carried to the device
+    with einops' wheel in .whl/."""
+    folder = Path(__file__).resolve().parent.parent / ".mamba"
+    if folder.is_dir() and str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError as exc:
+        return None, f"missing: mamba_ssm's Triton SSD not importable ({exc.name}; see benchmarks/ssd.py mamba_ssm_scan)"
+
+    def run(x, dt, A, B, C, D):
+        y, _ = mamba_chunk_scan_combined(x, dt, A, B, C, 256, D=D, return_final_states=True)
+        return y
+
+    return run, None
 
 
 def fla_ssd(chunk_simple_gla, x, dt, A, B, C, D):
