@@ -25,7 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .common import Row, progress
+from .common import Row, progress, table
 
 OPS = ("attention", "linear_attention", "ssd", "layernorm", "rotary", "gemm")
 
@@ -43,28 +43,6 @@ def _commit() -> str:
         return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True).strip()
     except Exception:
         return "unknown"
-
-
-def table(rows: list[Row]) -> str:
-    """One line per (op, case): ours, each other implementation, and ours/baseline as a speed ratio."""
-    by_case: dict[tuple[str, str], dict[str, Row]] = defaultdict(dict)
-    for r in rows:
-        by_case[(r.op, r.case)][r.impl] = r
-    lines = []
-    for (op, case), impls in by_case.items():
-        ours = impls.get("ours") or impls.get("thunderkittens")
-        parts = []
-        for name, r in impls.items():
-            if r.ms is None:
-                parts.append(f"{name}: {r.note or 'missing'}")
-                continue
-            fig = f" {r.figure:.0f} {r.unit}" if r.figure is not None else ""
-            ratio = ""
-            if ours is not None and ours.ms and r is not ours:
-                ratio = f" (ours {r.ms / ours.ms:.2f}x)"
-            parts.append(f"{name} {r.ms:.3f} ms{fig}{ratio}")
-        lines.append(f"{op:<10} {case:<40} " + " | ".join(parts))
-    return "\n".join(lines)
 
 
 def plot(rows: list[Row], out: Path) -> list[Path]:

@@ -10,6 +10,7 @@ import os
 import statistics
 import sys
 import time
+from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -200,12 +201,32 @@ def op_main(prog: str, doc: str, run: Callable[[bool], list[Row]], argv=None, qu
     """`python -m benchmarks.<op> [--quick]`: run one op's benchmark and print its table."""
     import argparse
 
-    from .__main__ import table
-
     p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=quick_help)
     print(table(run(p.parse_args(argv).quick)))
     return 0
+
+
+def table(rows: list[Row]) -> str:
+    """One line per (op, case): ours, each other implementation, and ours/baseline as a speed ratio."""
+    by_case: dict[tuple[str, str], dict[str, Row]] = defaultdict(dict)
+    for r in rows:
+        by_case[(r.op, r.case)][r.impl] = r
+    lines = []
+    for (op, case), impls in by_case.items():
+        ours = impls.get("ours") or impls.get("thunderkittens")
+        parts = []
+        for name, r in impls.items():
+            if r.ms is None:
+                parts.append(f"{name}: {r.note or 'missing'}")
+                continue
+            fig = f" {r.figure:.0f} {r.unit}" if r.figure is not None else ""
+            ratio = ""
+            if ours is not None and ours.ms and r is not ours:
+                ratio = f" (ours {r.ms / ours.ms:.2f}x)"
+            parts.append(f"{name} {r.ms:.3f} ms{fig}{ratio}")
+        lines.append(f"{op:<10} {case:<40} " + " | ".join(parts))
+    return "\n".join(lines)
 
 
 def bandwidth_table(rows: list[Row], baselines: list[str]) -> str:
