@@ -200,3 +200,27 @@ def test_build_runs_in_a_private_folder(fake_tree, monkeypatch):
     assert build.load("alpha") == out / "tk_alpha.so"
     assert (out / "tk_alpha.so").read_bytes() == b"library" and not seen[-1].exists()
     assert sorted(p.name for p in out.iterdir()) == ["lock", "tk_alpha.so"]
+
+
+def test_unloaded_kernels_warn_once_or_raise_under_strict(monkeypatch):
+    """CUDA operands whose family's kernels do not load run the reference with one warning naming the family and
+    the reason (the case of an Inductor cache hit, where the rewrite pass and its report never ran); strict raises."""
+    import types
+    import warnings
+
+    from tk_inductor import config
+    from tk_inductor.ops import _dispatch
+
+    monkeypatch.setattr(build, "try_load", lambda family: False)
+    monkeypatch.setattr(build, "failure", lambda family: "nvcc: no sm_90a support\nmore lines")
+    monkeypatch.setattr(_dispatch, "_warned_unloaded", set())
+    cuda = types.SimpleNamespace(is_cuda=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _dispatch.use_kernel("rotary", cuda, None) is False
+        assert _dispatch.use_kernel("rotary", cuda) is False
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "rotary kernels did not load (nvcc: no sm_90a support)" in messages[0]
+    with config.patch(strict=True), pytest.raises(RuntimeError, match="rotary kernels did not load"):
+        _dispatch.use_kernel("rotary", cuda)
+    assert _dispatch.use_kernel("rotary", types.SimpleNamespace(is_cuda=False)) is False  # CPU: the reference, quietly

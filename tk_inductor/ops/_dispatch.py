@@ -15,12 +15,29 @@ import torch
 from .. import build, config
 
 
+_warned_unloaded: set[str] = set()
+
+
 def use_kernel(family: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether the family's kernel runs for these operands: all on CUDA, reference mode off, the kernels loaded. A
+    family whose kernels do not load (after an Inductor cache hit the rewrite pass, which reports it, never ran) warns
+    once with the reason and runs the reference, or raises under `strict`: a GPU user is never silently on the
+    slow path."""
     if not all(t is None or t.is_cuda for t in tensors):
         return False
     if config.reference_at_run_time():
         return False
-    return build.try_load(family)
+    if build.try_load(family):
+        return True
+    reason = (build.failure(family) or "not built").strip().splitlines()[0][:300]
+    message = (f"tk_inductor: the {family} kernels did not load ({reason}); tk:: {family} ops on CUDA run their "
+               "PyTorch reference instead (slow). `python -m tk_inductor doctor` shows why.")
+    if config.flag_at_run_time("strict"):
+        raise RuntimeError(message)
+    if family not in _warned_unloaded:
+        _warned_unloaded.add(family)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return False
 
 
 def kernel(name: str):
