@@ -715,6 +715,30 @@ def _allowed_kind(allowed: Pred, score_shape: tuple) -> bool:
     raise _Keep("the mask is not a plain causal mask")
 
 
+def triangle(mask: Any, shape: tuple, diagonal: int = 0, negated: bool = False) -> bool:
+    """Whether `mask` is tril(ones(N, M), diagonal) on the (..., N, M) box `shape` (1/True exactly where key
+    j <= query i + diagonal, 0/False elsewhere, the same for every leading index), or with `negated` its complement
+    (~tril: what masked_fill hides). Proven by the mask analysis, so any spelling it models counts: tril/triu of
+    ones, arange comparisons, `where`, casts. For the multiplicative and masked_fill masks of linear attention and
+    the SSD's segment sums."""
+    try:
+        s = _as_sel(_MaskEval()(mask))
+        if _number(s.a) == 1 and _number(s.b) == 0:
+            ones = s.pred
+        elif _number(s.a) == 0 and _number(s.b) == 1:
+            ones = _not(s.pred)
+        else:
+            return False
+        region = _not(ones) if negated else ones  # where the mask must be 1 for tril(ones, diagonal)
+    except _Keep:
+        return False
+    if region.false or any({a for a, _ in coefs} - {-1, -2} for coefs, _ in region.planes):
+        return False  # hides everything, or varies over batch or heads
+    sizes = {-2: shape[-2], -1: shape[-1]}
+    want = _on_box({(_coefs({-2: 1, -1: -1}), diagonal)}, sizes)
+    return _on_box(region.planes, sizes) == want
+
+
 def _fill_ok(v) -> bool:
     return isinstance(v, (int, float)) and (v == -math.inf or (math.isfinite(v) and v <= _NEG_BIG))
 
@@ -746,5 +770,6 @@ def _from_graph_input(node) -> bool:
             return False
         node = node.args[0]
     return isinstance(node, fx.Node)
+
 
 

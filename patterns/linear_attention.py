@@ -40,6 +40,7 @@ from tk_inductor.autocast import AUTOCAST_CAST
 from tk_inductor.rewrite import Match, example
 
 from ._fx import arg
+from ._mask import triangle
 
 FAMILY = "linear_attention"
 
@@ -242,32 +243,6 @@ def eq(a, b) -> bool:
 
 def shapes_eq(s, t) -> bool:
     return s is not None and t is not None and len(s) == len(t) and all(eq(a, b) for a, b in zip(s, t))
-
-
-def is_triangle(mask, size, diagonal: int, negated: bool) -> bool:
-    """mask == tril(ones(size, size), diagonal) (or its negation ~tril), for every `size`:
-    proven by evaluation when the mask is all constants, else by its structure
-    (`~tril(ones(T, T, dtype=bool), diagonal)` with T the expected, possibly symbolic, size)."""
-    if isinstance(size, int):
-        value = evaluate_constant(mask)
-        if isinstance(value, torch.Tensor):
-            if value.dim() < 2 or value.shape[-2:] != (size, size) or value.numel() != size * size:
-                return False
-            want = torch.ones(size, size, dtype=torch.bool).tril(diagonal)
-            return bool(((value.reshape(size, size) != 0) == (~want if negated else want)).all())
-    mask = strip(mask)
-    if negated:
-        if kind(mask) != "invert":
-            return False
-        mask = strip(mask.args[0])
-    if kind(mask) != "tril" or arg(mask, 1, "diagonal", 0) != diagonal:
-        return False
-    ones = strip(mask.args[0])
-    if not (ones.op == "call_function" and ones.target is torch.ones):
-        return False
-    sizes = ones.args[0] if len(ones.args) == 1 and isinstance(ones.args[0], (list, tuple)) else ones.args
-    return (len(sizes) == 2 and eq(sizes[0], size) and eq(sizes[1], size)
-            and ones.kwargs.get("dtype") in (torch.bool, None, torch.float32))
 
 
 # ---------------------------------------------------------------------------- index notation
@@ -651,30 +626,22 @@ def feature_map(node):
 # ============================================================================ the matcher
 
 def _causal(node):
-    """The scores A if node is A with the strictly-upper triangle zeroed (provably), else None."""
+    """The scores A if node is A with the strictly-upper triangle zeroed (provably: patterns/_mask.py), else None."""
     node = strip(node)
     k = kind(node)
     N = (shape(node) or (0, 0))[-1]
     if len(shape(node) or ()) < 2 or not eq(shape(node)[-2], N):
         return None
-    N = static_int(N) if static_int(N) is not None else N
-
-    def lower(m, negated=False):  # evaluated when constant, else proven by structure
-        if isinstance(N, int):
-            value = evaluate_constant(m)
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and any(s != 1 for s in value.shape[:-2]):
-                return False  # a per-batch/head mask: not one triangle
-        return is_triangle(m, N, 0, negated)
-
+    box = shape(node)
     if k == "tril" and arg(node, 1, "diagonal", 0) == 0:
         return node.args[0]
-    if k == "masked_fill" and scalar(arg(node, 2, "value")) == 0.0 and lower(node.args[1], negated=True):
+    if k == "masked_fill" and scalar(arg(node, 2, "value")) == 0.0 and triangle(node.args[1], box, 0, negated=True):
         return node.args[0]
     if k == "mul" and is_tensor(node.args[0]) and is_tensor(node.args[1]):
         for a, m in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            if shapes_eq(shape(a), shape(node)) and lower(m):
+            if shapes_eq(shape(a), shape(node)) and triangle(m, box):
                 return a
-    if k == "where" and len(node.args) == 3 and scalar(node.args[2]) == 0.0 and lower(node.args[0]):
+    if k == "where" and len(node.args) == 3 and scalar(node.args[2]) == 0.0 and triangle(node.args[0], box):
         return node.args[1]
     return None
 

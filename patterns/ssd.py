@@ -24,10 +24,12 @@ import torch.fx as fx
 
 from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.ssd)
 from tk_inductor.patterns.linear_attention import (arg, full_index, indexes, shapes_eq, contraction, dtype, evaluate_constant, example,
-                                                   eq, is_tensor, is_triangle, kind, peel_to, scalar, static_int, shape, strip, unify,
+                                                   eq, is_tensor, kind, peel_to, scalar, static_int, shape, strip, unify,
                                                    upcast_source)
 from tk_inductor import config
 from tk_inductor.rewrite import Match, Squeeze
+
+from ._mask import triangle
 
 FAMILY = "ssd"
 
@@ -83,7 +85,7 @@ def _segsum_input(node):
     _need(src is not None and eq(shape(src)[-1], T) and shapes_eq(shape(expanded)[:-1], shape(src)),
           "segsum: not a[..., None].expand(..., T)")
     for fill, diagonal in ((fill1, -1), (fill2, 0)):
-        _need(is_triangle(fill.args[1], T, diagonal, negated=True), "segsum: masks not triangular")
+        _need(triangle(fill.args[1], (T, T), diagonal, negated=True), "segsum: masks not triangular")
     return strip(src)
 
 
