@@ -1,0 +1,93 @@
+"""The matchers' CUDA branches on a CPU machine: graphs captured by Dynamo on the CPU get fake CUDA example values
+(FakeTensorMode makes them without a GPU), and every family's `find` runs on them with reference mode off, as it
+does on the device. The kernel-support checks live only in those branches; a bug there (a NameError once made the
+linear-attention rewrite pass every CUDA graph through) shows here instead of in the first GPU run."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tk_inductor import config
+
+from models_linear import TinyLM
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("attention", "linear_attention", "ssd", "layernorm", "rotary")
+
+
+def _capture(module: torch.nn.Module, *inputs) -> list[fx.GraphModule]:
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=backend)(*inputs)
+    return graphs
+
+
+def _to_cuda(graph: fx.Graph) -> None:
+    """Every tensor example value becomes a fake CUDA tensor of the same shape, strides, dtype and requires_grad."""
+    mode = FakeTensorMode()
+
+    def convert(v):
+        if isinstance(v, torch.Tensor):
+            with mode:
+                t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="cuda")
+            return t.requires_grad_(v.requires_grad) if v.is_floating_point() else t
+        if isinstance(v, (tuple, list)):
+            return type(v)(convert(x) for x in v)
+        return v
+
+    for node in graph.nodes:
+        for key in ("example_value", "val"):
+            if key in node.meta:
+                node.meta[key] = convert(node.meta[key])
+
+
+def _matches_on_cuda(graphs) -> dict[str, list]:
+    cfg = config.current({"reference": False})
+    found = {family: [] for family in FAMILIES}
+    for gm in graphs:
+        _to_cuda(gm.graph)
+        for family in FAMILIES:
+            matcher = importlib.import_module(f"tk_inductor.patterns.{family}")
+            found[family] += list(matcher.find(gm.graph, cfg))
+    return found
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                   max_position_embeddings=128, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).bfloat16()
+
+
+def _mamba2():
+    cfg = transformers.Mamba2Config(vocab_size=96, hidden_size=128, num_heads=4, head_dim=64, state_size=64,
+                                    n_groups=1, expand=2, num_hidden_layers=1, chunk_size=64, conv_kernel=4)
+    return transformers.Mamba2ForCausalLM(cfg).bfloat16()
+
+
+@pytest.mark.parametrize("name, model, families", [
+    ("llama", _llama, {"attention", "rotary", "layernorm"}),
+    ("mamba2", _mamba2, {"ssd", "layernorm"}),
+    ("based", lambda: TinyLM(vocab=64, d_model=64, layers=1, heads=2, feature_dim=16, head_dim=64,
+                             feature_map="based", form="based").bfloat16(), {"linear_attention"}),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_matchers_run_their_cuda_branches(name, model, families):
+    with torch.no_grad():
+        found = _matches_on_cuda(_capture(model(), torch.randint(0, 64, (1, 128))))
+    for family in families:
+        assert found[family], f"{name}: no {family} match"
+        # the kernel checks ran: each match is replaced, or kept for a reason those checks give
+        for m in found[family]:
+            assert m.reason is None or isinstance(m.reason, str), (family, m.reason)
+    replaced = {family for family, ms in found.items() if any(m.reason is None for m in ms)}
+    assert families <= replaced, {f: [m.reason for m in found[f]] for f in families}
