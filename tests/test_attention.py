@@ -1002,9 +1002,14 @@ def test_mask_refusals(fn, why):
 # ============================================================================ on the GPU (skipped without CUDA)
 
 def _kernel_built() -> bool:
+    """False where the kernels cannot run (no sm_90 GPU: the caller skips). On an sm_90 GPU the kernels must load:
+    a failed build fails the test with the compiler's error instead of skipping it."""
     from tk_inductor import build
 
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and build.try_load("attention")
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        return False
+    build.load("attention")
+    return True
 
 
 @pytest.mark.gpu
@@ -1012,7 +1017,7 @@ def _kernel_built() -> bool:
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_op_uses_kernel_and_autograd(causal):
     if not _kernel_built():
-        pytest.skip("attention kernels not built for this device")
+        pytest.skip("the attention kernels need an sm_90 GPU")
     q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(2, 8, 2, 300, 257, 128, dtype=torch.float32))
     assert A._kernel_ok(q, k, v)
     o, lse = torch.ops.tk.attention(q, k, v, causal, 0.0883)
@@ -1041,7 +1046,7 @@ def test_gpu_unsupported_inputs_fall_back_to_reference():
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_gpu_llama_bf16_kernel_replaced(impl):
     if not _kernel_built():
-        pytest.skip("attention kernels not built for this device")
+        pytest.skip("the attention kernels need an sm_90 GPU")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -1115,7 +1120,7 @@ def test_gpu_attention_masked_paths(kind):
     """A causal or all-visible run-time mask runs the kernel (lse computed), any other runs SDPA; forward and
     gradients equal SDPA with the mask either way; one check per mask tensor (cached)."""
     if not _kernel_built():
-        pytest.skip("attention kernels not built for this device")
+        pytest.skip("the attention kernels need an sm_90 GPU")
     N = M = 300
     q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(2, 8, 2, N, M, 128, dtype=torch.float32))
     mask = _masks(N, M)[kind].cuda()
@@ -1140,7 +1145,7 @@ def test_gpu_attention_masked_paths(kind):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_attention_masked_under_cuda_graph_capture_takes_sdpa_path():
     if not _kernel_built():
-        pytest.skip("attention kernels not built for this device")
+        pytest.skip("the attention kernels need an sm_90 GPU")
     q, k, v = (t.cuda().bfloat16() for t in _qkv(1, 4, 4, 64, 64, 64, dtype=torch.float32))
     mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
     torch.ops.tk.attention_masked(q, k, v, mask, 0.125)  # warm-up outside the capture
