@@ -194,22 +194,15 @@ int grid_blocks(int64_t rows) {
   return int(groups < 1 ? 1 : (groups < resident ? groups : resident));
 }
 
-// The kernels' dtypes: a gated call runs the fp32 kernels (x and the gate are read in their own dtypes).
-DTypes kernel_types(const BackwardArgs& args) {
-  return args.gate ? DTypes{DType::f32, DType::f32, args.dtypes.w, args.dtypes.y} : args.dtypes;
-}
-
-// Calls f(Ty, S, GATE) for the register-only kernel of these args.
+// Calls f(Ty, S, GATE) for the register-only kernel of these args (gated kernels exist for the fp32 types only).
 template <typename F>
 cudaError_t with_registers_kernel(const BackwardArgs& args, F&& f) {
-  return with_types(kernel_types(args), [&](auto ty) {
+  return with_types(kernel_types(args.dtypes, args.gate), [&](auto ty) {
     using Ty = decltype(ty);
-    return with_split(args.hidden, [&](auto s) {
-      if constexpr (std::is_same_v<typename Ty::X, float> && std::is_same_v<typename Ty::H, float>) {
-        if (args.gate) return f(ty, s, std::true_type{});
-      }
-      return f(ty, s, std::false_type{});
-    }, args.gate != nullptr);
+    if constexpr (std::is_same_v<typename Ty::X, float> && std::is_same_v<typename Ty::H, float>) {
+      if (args.gate) return with_split<true>(args.hidden, [&](auto s) { return f(ty, s, std::true_type{}); });
+    }
+    return with_split(args.hidden, [&](auto s) { return f(ty, s, std::false_type{}); });
   });
 }
 
@@ -249,7 +242,7 @@ cudaError_t backward(const BackwardArgs& args, cudaStream_t stream) {
                                             0, stream, args);
                                       });
   if (err != cudaSuccess || (!args.dw && !args.db)) return err;
-  return with_types(kernel_types(args), [&](auto ty) {
+  return with_types(kernel_types(args.dtypes, args.gate), [&](auto ty) {
     using W = typename decltype(ty)::W;
     return tk::grid::launch_dependent(column_sum_kernel<W>, dim3((args.hidden + 31) / 32, 2), dim3(32, 32), 0, stream,
                                       static_cast<const float*>(args.partial), blocks, args.hidden,

@@ -25,14 +25,17 @@ struct Split {
 // more threads. Tiers of 640 and 768 threads keep rows of 5120 and 6144 (common hidden sizes) from running with a
 // third of a 1024-thread block idle and spilling (H200, autocast rows 65536 x 5120: 1.62 against 1.86 ms).
 // GATED (rows recomputed from x and the gate, both kept in registers): two vectors a thread at 2049..4096
-// (65536 x 4096: 1.11 against 1.34 ms).
-template <typename F>
-cudaError_t with_split(int hidden, F&& f, bool gated = false) {
+// (65536 x 4096: 1.11 against 1.34 ms). A template parameter, so each kind instantiates only its own splits.
+template <bool GATED = false, typename F>
+cudaError_t with_split(int hidden, F&& f) {
   if (hidden <= 256) return f(Split<32, 1>{});
   if (hidden <= 512) return f(Split<64, 1>{});
   if (hidden <= 1024) return f(Split<128, 1>{});
   if (hidden <= 2048) return f(Split<256, 1>{});
-  if (hidden <= 4096) return gated ? f(Split<256, 2>{}) : f(Split<512, 1>{});
+  if (hidden <= 4096) {
+    if constexpr (GATED) return f(Split<256, 2>{});
+    else return f(Split<512, 1>{});
+  }
   if (hidden <= 5120) return f(Split<640, 1>{});
   if (hidden <= 6144) return f(Split<768, 1>{});
   if (hidden <= 8192) return f(Split<1024, 1>{});
@@ -75,6 +78,12 @@ constexpr int types_key(DType x, DType h, DType w, DType y) {
 
 // Calls f(Types<...>{}) for the dtype combinations of supported(); cudaErrorInvalidValue for the others.
 // X in {f32, f16, bf16}; H is X or f32; Y is f32 or the 16-bit dtype (x's, when x is 16-bit); W is f32 or Y.
+// The dtypes of the kernels that run a call: a gated call runs the fp32-row kernels (x and the gate are read in their
+// own dtypes at run time), keeping the weight's and the output's.
+inline DTypes kernel_types(DTypes t, bool gated) {
+  return gated ? DTypes{DType::f32, DType::f32, t.w, t.y} : t;
+}
+
 template <typename F>
 cudaError_t with_types(DTypes t, F&& f) {
   using f32 = float;

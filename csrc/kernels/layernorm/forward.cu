@@ -150,8 +150,7 @@ cudaError_t forward(const ForwardArgs& args, cudaStream_t stream) {
   const bool gated = args.gate != nullptr;
   if (gated && (args.residual || args.h || args.dropout.enabled || args.dtypes.h != DType::f32))
     return cudaErrorInvalidValue;  // the gated norm has no residual or dropout, and h is fp32 and not stored
-  const DTypes types = gated ? DTypes{DType::f32, DType::f32, args.dtypes.w, args.dtypes.y} : args.dtypes;
-  return with_types(types, [&](auto ty) {
+  return with_types(kernel_types(args.dtypes, gated), [&](auto ty) {
     using Ty = decltype(ty);
     return with_row_split(args.hidden, [&](auto s) {
       using S = decltype(s);
