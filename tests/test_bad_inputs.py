@@ -102,6 +102,49 @@ def test_ssd_backward_checks_its_gradients():
         torch.ops.tk.ssd_backward(torch.zeros_like(x), torch.zeros(1, 2, 4, 4), x, dt, A, B, C, None, None, 4)
 
 
+@pytest.mark.parametrize("name", ["x", "dt", "B", "C"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_ssd_non_finite_input_reaches_only_later_positions(name, bad):
+    """A non-finite value at position t (x, dt or B: the state from t on; C: output t only) never reaches earlier
+    outputs, as in the token-by-token recurrence; the finite outputs and their gradients stay exact."""
+    l, t = 150, 100  # t inside the reference's second chunk of 64
+    x, dt, A, B, C = (a.double().requires_grad_() for a in _ssd_inputs(l))
+    clean = dict(x=x, dt=dt, B=B, C=C)
+    dirty = {k: v.detach().clone() for k, v in clean.items()}
+    dirty[name][0, t, 0] = bad
+    dirty = {k: v.requires_grad_() for k, v in dirty.items()}
+    y, state = torch.ops.tk.ssd(dirty["x"], dirty["dt"], A, dirty["B"], dirty["C"], None, None, 64)
+    want, _ = tk_inductor.ops.ssd.ssd_recurrence(dirty["x"], dirty["dt"], A, dirty["B"], dirty["C"])
+    assert torch.isfinite(y[:, :t]).all()
+    torch.testing.assert_close(y[:, :t], want[:, :t])
+    assert not torch.isfinite(y[:, t]).all()
+    assert torch.isfinite(state).all() == (name == "C")
+    # The finite outputs' gradients equal the clean inputs' (nothing at or after t contributes to them).
+    y_clean, _ = torch.ops.tk.ssd(x, dt, A, B, C, None, None, 64)
+    got = torch.autograd.grad(y[:, :t].sum(), list(dirty.values()))
+    ref = torch.autograd.grad(y_clean[:, :t].sum(), list(clean.values()))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("feature_map", ["identity", "based"])
+def test_linear_attention_non_finite_input_reaches_only_later_positions(name, feature_map):
+    N, t = 150, 100
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, N, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    inputs = dict(q=q, k=k, v=v)
+    inputs[name][0, 1, t, 2] = float("nan")
+    o = torch.ops.tk.linear_attention(*inputs.values(), feature_map, None, None, 0.5, True, 1e-6)
+    assert torch.isfinite(o[:, :, :t]).all() and torch.isfinite(o[:, 0]).all()
+    assert not torch.isfinite(o[0, 1, t]).all()
+    assert torch.isfinite(o[0, 1, t + 1:]).all() == (name == "q")
+    for x in inputs.values():
+        x[0, 1, t:] = 0.0  # the same inputs with the later positions finite: the same earlier outputs
+    clean = torch.ops.tk.linear_attention(*inputs.values(), feature_map, None, None, 0.5, True, 1e-6)
+    torch.testing.assert_close(o[:, :, :t], clean[:, :, :t])
+
+
 def test_layernorm_backward_checks_its_arguments():
     x = torch.randn(6, 16)
     w = torch.randn(16)

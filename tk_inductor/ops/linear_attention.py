@@ -31,6 +31,9 @@ dk_weight) (weight grads are empty tensors when there is no weight) and recomput
 inside, chunk by chunk, as the Based backward kernel does.
 The reference is a chunked scan in fp32 (chunk 64): intra-chunk masked products plus an fp32 running
 state — the same algorithm a kernel with the state in registers runs, never an N×N matrix.
+Non-finite inputs: in the reference a NaN/inf at position t reaches only outputs from t on. The CUDA kernel keeps
+that across its 64-position tiles; inside a tile it can reach earlier outputs through the masked tile product,
+as in FLA's chunked kernels.
 """
 from __future__ import annotations
 
@@ -125,6 +128,13 @@ def feature_maps(q, k, feature_map: str, q_weight=None, k_weight=None, scale: fl
 def linear_attention_reference(q, k, v, feature_map, q_weight=None, k_weight=None, scale=1.0,
                                normalize=False, eps=0.0, chunk: int = REFERENCE_CHUNK) -> torch.Tensor:
     """Chunked causal scan in fp32 (differentiable; the backward reference is its autograd)."""
+    # Causality holds for non-finite inputs too: the masked products multiply zero scores with later positions'
+    # values, and 0·NaN is NaN. A position whose k or v is non-finite is computed as zero and NaN is added from it
+    # on (its q only to its own output), so nothing earlier sees it; the gradients of the finite outputs are exact.
+    feeds = ~(k.isfinite().all(-1) & v.isfinite().all(-1))  # (B, H, N): enters the running state
+    reads = ~q.isfinite().all(-1)  # (B, H, N): enters that position's output only
+    q, k, v = q.masked_fill(reads[..., None], 0.0), k.masked_fill(feeds[..., None], 0.0), \
+        v.masked_fill(feeds[..., None], 0.0)
     fq, fk = feature_maps(q, k, feature_map, q_weight, k_weight, scale)
     v32 = v.to(fq.dtype)
     if normalize:  # the denominator is the same scan with a column of ones as the value
@@ -146,6 +156,8 @@ def linear_attention_reference(q, k, v, feature_map, q_weight=None, k_weight=Non
     o = (scores @ vc + qc @ before).reshape(B, H, nc * chunk, -1)[:, :, :N]
     if normalize:
         o = o[..., :-1] / (o[..., -1:] + eps)
+    nan = torch.tensor(float("nan"), dtype=o.dtype, device=o.device)
+    o = o + torch.where((feeds.cumsum(dim=-1) > 0) | reads, nan, 0.0)[..., None]  # added: the gradient passes through
     return o.to(v.dtype).contiguous()
 
 
