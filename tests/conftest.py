@@ -14,6 +14,12 @@ import torch
 _BEHAVIOUR_VARS = ("TK_INDUCTOR", "TK_INDUCTOR_OPS", "TK_INDUCTOR_STRICT", "TK_INDUCTOR_REFERENCE", "TK_INDUCTOR_VERBOSE")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz", type=int, default=100, metavar="N",
+                     help="random configurations per kernel family in tests/test_fuzz_gpu.py (default 100)")
+    parser.addoption("--fuzz-seed", type=int, default=0, metavar="S", help="the fuzz's base seed (default 0)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

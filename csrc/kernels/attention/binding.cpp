@@ -10,19 +10,12 @@
 #include <torch/library.h>
 
 #include "attention.h"
+#include "tk/host/operand.h"
 
 namespace {
 
 using tk_attn::DType;
 using tk_attn::View4;
-
-// TMA needs 16-byte aligned base and strides: keep the caller's strides when
-// they qualify (any layout with a contiguous last dim), else copy.
-at::Tensor tma_ready(const at::Tensor& t) {
-  bool ok = t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int d = 0; d < 3 && ok; ++d) ok = t.size(d) == 1 || t.stride(d) % 8 == 0;
-  return ok ? t : t.contiguous();
-}
 
 View4 view(const at::Tensor& t) {
   return View4{t.data_ptr(), t.size(0), t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
@@ -73,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
                                              bool causal, double scale) {
   const DType dt = check_inputs(q_in, k_in, v_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
+  const at::Tensor q = tk::host::rows16(q_in), k = tk::host::rows16(k_in), v = tk::host::rows16(v_in);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
   // (B, N, H, D) buffer viewed as (B, H, N, D), as FlashAttention returns it.
   at::Tensor o = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
@@ -111,9 +104,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                   lse_in.size(1) == q_in.size(1) && lse_in.size(2) == q_in.size(2),
               "tk_cuda::attention_backward: lse must be float32 (B, Hq, N)");
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
-  const at::Tensor dout = tma_ready(grad_o.stride(3) == 1 ? grad_o : grad_o.contiguous());
-  const at::Tensor o = tma_ready(o_in.stride(3) == 1 ? o_in : o_in.contiguous());  // 16-byte rows: the pre-kernel
+  const at::Tensor q = tk::host::rows16(q_in), k = tk::host::rows16(k_in), v = tk::host::rows16(v_in);
+  const at::Tensor dout = tk::host::rows16(grad_o);
+  const at::Tensor o = tk::host::rows16(o_in);  // the pre-kernel reads o and grad_o in 16-byte rows
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());

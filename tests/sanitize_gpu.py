@@ -1,0 +1,152 @@
+"""compute-sanitizer over one small case of every kernel, forward and backward.
+
+    python tests/sanitize_gpu.py [--tools memcheck,racecheck,synccheck] [--log-dir DIR]
+        runs this file's cases under each tool in its own process and prints one line per tool: its error count
+        and hazards (exit status 1 if any tool reports an error or the cases fail)
+    python tests/sanitize_gpu.py --cases
+        the cases alone: every kernel launch variant, through the public tk:: ops (strict: a case that falls back
+        to the reference fails), forward and autograd backward
+
+The shapes are small (a sanitizer slows a kernel 10-1000x) but reach each kernel's launch variants: attention head
+dims 64 and 128, causal or not, GQA; rotary NeoX and interleaved, mixed dtypes; layernorm at each hidden-size tier,
+with residual, dropout, bias and gate, and the row-kernel and persistent backward; Based with narrow and wide
+value tiles; the SSD's three forward grids and two backward ones (chosen from the SM count, as its GPU tests do).
+memcheck runs with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1), so that every tensor is its
+own allocation and an access past a tensor's end is outside any allocation, not in a neighbouring tensor.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = ("memcheck", "racecheck", "synccheck")
+
+
+def cases():
+    import torch
+
+    from tk_inductor import build, config
+    from tk_inductor.ops import _dispatch, attention, layernorm, linear_attention, rotary, ssd  # noqa: F401 (the ops)
+
+    called = []
+    real = _dispatch.kernel
+    _dispatch.kernel = lambda name: (called.append(name), real(name))[1]
+    for family in ("attention", "rotary", "layernorm", "linear_attention", "ssd"):
+        build.load(family)
+    torch.manual_seed(0)
+    dev = "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def run(name, fn, *tensors, expect=()):
+        called.clear()
+        leaves = [t.requires_grad_() for t in tensors]
+        with config.patch(strict=True):
+            outs = fn(*leaves)
+            outs = [o for o in (outs if isinstance(outs, (tuple, list)) else (outs,))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            torch.autograd.grad(outs, leaves, [torch.randn_like(o) for o in outs], allow_unused=True)
+        torch.cuda.synchronize()
+        missing = [k for k in expect if k not in called]
+        assert not missing, f"{name}: kernels {missing} not called (called {called})"
+        print(f"ok {name}: {called}", flush=True)
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=dev).to(dtype)
+
+    for D in (64, 128):
+        for causal in (False, True):
+            for dtype in (torch.bfloat16, torch.float16):
+                q, k, v = rand(1, 4, 130, D, dtype=dtype), rand(1, 2, 97, D, dtype=dtype), rand(1, 2, 97, D, dtype=dtype)
+                run(f"attention D{D} causal={causal} {dtype}",
+                    lambda q, k, v: torch.ops.tk.attention(q, k, v, causal, D ** -0.5), q, k, v,
+                    expect=("attention", "attention_backward"))
+
+    for interleaved in (False, True):
+        for x_dtype, table in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                               (torch.float32, torch.float32)):
+            q, k = rand(2, 37, 4, 96, dtype=x_dtype), rand(2, 37, 1, 96, dtype=x_dtype)
+            cos, sin = rand(37, 1, 64, dtype=table), rand(37, 1, 64, dtype=table)
+            run(f"rotary interleaved={interleaved} {x_dtype}/{table}",
+                lambda q, k: torch.ops.tk.rotary(q, k, cos, sin, interleaved, False, False), q, k,
+                expect=("rotary",))
+
+    seed = torch.tensor([1234, 0], dtype=torch.int64)
+    for hidden in (256, 512, 1024, 2048, 3000, 4096, 5120, 6144, 8192, 16384):
+        for rows in (3, 4 * sms + 5):
+            x, r, w, b = rand(rows, hidden), rand(rows, hidden), rand(hidden, dtype=torch.float32), \
+                rand(hidden, dtype=torch.float32)
+            run(f"layernorm {rows}x{hidden} residual+dropout+bias",
+                lambda x, r, w, b: torch.ops.tk.layernorm(x, r, w, b, seed, 1e-5, 0.1, False)[:2], x, r, w, b,
+                expect=("layernorm", "layernorm_backward"))
+            x, w = rand(rows, hidden), rand(hidden)
+            run(f"rmsnorm {rows}x{hidden}", lambda x, w: torch.ops.tk.layernorm(x, None, w, None, None, 1e-6, 0.0,
+                                                                                   True)[:1], x, w,
+                expect=("layernorm", "layernorm_backward"))
+            x, g, w = rand(rows, hidden, dtype=torch.float32), rand(rows, hidden), rand(hidden)
+            run(f"gated rmsnorm {rows}x{hidden}",
+                lambda x, g, w: torch.ops.tk.layernorm(x, None, w, None, None, 1e-6, 0.0, True, True, torch.bfloat16,
+                                                       g)[:1],
+                x, g, w, expect=("layernorm", "layernorm_backward"))
+
+    for bh in (2, 4 * sms):  # narrow (32-column) and wide (64-column) value tiles
+        for normalize in (False, True):
+            q, k, v = rand(1, bh, 130, 16), rand(1, bh, 130, 16), rand(1, bh, 130, 64)
+            run(f"based B1 H{bh} normalize={normalize}",
+                lambda q, k, v: torch.ops.tk.linear_attention(q, k, v, "based", None, None, 0.25, normalize, 1e-6),
+                q, k, v, expect=("linear_attention", "linear_attention_backward"))
+
+    one_wave = max(2, sms // 2 * 2)
+    for b, nh in ((2, 4), (1, one_wave), (2, one_wave)):  # the forward's p32, one-block and two-block grids
+        l, ng, p, n = 130, 2, 64, 128
+        x, dt = rand(b, l, nh, p), torch.nn.functional.softplus(torch.randn(b, l, nh, device=dev) - 1)
+        A, B, C = -torch.rand(nh, device=dev) - 0.1, rand(b, l, ng, n), rand(b, l, ng, n)
+        D, h0 = torch.randn(nh, device=dev), torch.randn(b, nh, p, n, device=dev)
+        run(f"ssd b{b} nh{nh}", lambda x, dt, B, C, h0: torch.ops.tk.ssd(x, dt, A, B, C, D, h0, 64),
+            x, dt, B, C, h0, expect=("ssd", "ssd_backward"))
+    _dispatch.kernel = real
+
+
+def summary(tool: str, log: str) -> tuple[int, str]:
+    """(errors, the tool's summary line) from a compute-sanitizer log."""
+    m = re.search(r"ERROR SUMMARY: (\d+) error", log)
+    hazards = re.search(r"RACECHECK SUMMARY: .*", log)
+    line = (m.group(0) if m else "no ERROR SUMMARY line") + (f"; {hazards.group(0)}" if hazards else "")
+    return (int(m.group(1)) if m else -1), line
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", action="store_true", help="run the cases without a sanitizer")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--log-dir", default=None, help="write each tool's full log here")
+    args = ap.parse_args()
+    if args.cases:
+        cases()
+        return 0
+    failed = False
+    for tool in args.tools.split(","):
+        env = dict(os.environ)
+        if tool == "memcheck":
+            env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+        cmd = ["compute-sanitizer", f"--tool={tool}", "--print-limit=20"]
+        cmd += ["--leak-check=no"] if tool == "memcheck" else []
+        cmd += [sys.executable, __file__, "--cases"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        log = proc.stdout + proc.stderr
+        if args.log_dir:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(args.log_dir) / f"sanitize_{tool}.log").write_text(log)
+        errors, line = summary(tool, log)
+        print(f"{tool}: {line}; {len(re.findall(r'^ok ', log, re.M))} cases, exit status {proc.returncode}", flush=True)
+        failed |= errors != 0 or proc.returncode != 0
+        if proc.returncode != 0 and errors <= 0:
+            print(log[-3000:])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

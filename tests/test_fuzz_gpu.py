@@ -1,0 +1,381 @@
+"""Random valid configurations of every kernel family on the GPU, forward and backward, against the references.
+
+Each family draws `--fuzz N` configurations (default 100; the recorded runs use 1000) from `--fuzz-seed`, all inside
+what its kernels take: odd and tiny sizes (1, 2, 17, ...) and sizes past 1000, GQA ratios, every dtype combination the
+kernels accept, each feature flag, and operands in other layouts: transposed middle dims, rows padded wider than
+they are, views at a storage offset (unaligned for odd offsets), and a non-unit last stride.
+
+Per configuration the public `tk::` op runs under `strict`, with a spy on the raw kernels: a configuration that
+reached the PyTorch reference instead of a kernel fails. Its gradients come from autograd through the op (the
+backward kernels). Before each call the caching allocator is left holding 0xFF-filled free blocks of every operand's
+size, NaN in fp32, fp16 and bf16, so an element a kernel does not write shows up as NaN. The truth is the same op in
+reference mode on the same inputs (fp32 arithmetic, the same roundings of stored intermediates).
+
+Tolerances (`TOL`): the norm-wise relative error of each output and gradient, the bounds the family's own GPU tests
+use; and elementwise, |got - want| <= 10 tol (|want| + rms(want)), which catches a wrong row or block that a norm
+hides. A failure names the configuration's seed: `--fuzz 1 --fuzz-seed <seed>` reruns it alone."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from tk_inductor import build, config
+from tk_inductor.ops import _dispatch
+from tk_inductor.ops import layernorm as ln_ops
+
+pytestmark = pytest.mark.gpu
+
+# norm-wise relative error bounds by family and output dtype: (outputs, gradients)
+TOL = {
+    "attention": (1e-2, 2e-2),  # P in 16 bits on the tensor cores
+    "linear_attention": (1e-2, 2e-2),  # bf16 feature products
+    "ssd": (2e-2, 3e-2),  # bf16 operands of every product, fp32 states
+    torch.float32: (1e-4, 1e-4),  # rotary and layernorm: fp32 arithmetic, the result rounded once
+    torch.bfloat16: (1e-2, 1e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+FORWARD_KERNEL = {"attention": "attention", "rotary": "rotary", "layernorm": "layernorm",
+                  "linear_attention": "linear_attention", "ssd": "ssd"}
+HALF = (torch.bfloat16, torch.float16)
+
+
+@pytest.fixture
+def fuzz(request):
+    return request.config.getoption("--fuzz"), request.config.getoption("--fuzz-seed")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The raw kernels the ops call, in order (a spy on _dispatch.kernel)."""
+    seen = []
+    real = _dispatch.kernel
+
+    def spy(name):
+        seen.append(name)
+        return real(name)
+
+    monkeypatch.setattr(_dispatch, "kernel", spy)
+    return seen
+
+
+# ---------------------------------------------------------------------------- shared helpers
+
+def pick(rng: random.Random, *choices):
+    return rng.choice(choices)
+
+
+def size(rng: random.Random, large: int = 1100) -> int:
+    """Tiny, odd, round and large sizes."""
+    return pick(rng, 1, 2, 3, 17, rng.randint(1, 64), rng.randint(1, 300), 64, 128, 256, rng.randint(900, large))
+
+
+def place(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """t's values in the given memory layout, as a leaf that can require grad."""
+    if layout == "contiguous" or t.dim() == 0:
+        out = t.clone()
+    elif layout == "permuted" and t.dim() >= 3:  # e.g. (B, N, H, D) memory seen as (B, H, N, D)
+        out = t.transpose(-2, -3).contiguous().transpose(-2, -3)
+    elif layout.startswith("wide"):  # rows padded wider: a slice of a fused buffer such as qkv
+        pad = int(layout[4:])
+        out = torch.empty(*t.shape[:-1], t.shape[-1] + pad, dtype=t.dtype, device=t.device)[..., :t.shape[-1]]
+        out.copy_(t)
+    elif layout.startswith("offset"):  # a contiguous view at a storage offset
+        off = int(layout[6:])
+        out = torch.empty(t.numel() + off, dtype=t.dtype, device=t.device)[off:].view(t.shape).copy_(t)
+    elif layout == "column" and t.dim() >= 2:  # the last dim not unit-stride
+        out = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    else:
+        out = t.clone()
+    return out.detach()
+
+
+LAYOUTS = ("contiguous", "contiguous", "permuted", "wide8", "wide3", "offset8", "offset1", "column")
+
+
+def poison(*tensors: torch.Tensor) -> None:
+    """Leave 0xFF-filled free blocks (NaN in every float dtype) of these tensors' sizes in the caching allocator."""
+    blocks = [torch.full((max(t.numel() * t.element_size(), 1),), 255, dtype=torch.uint8, device="cuda")
+              for t in tensors for _ in range(2)]
+    del blocks
+
+
+def compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> str | None:
+    """None if got matches want (dtype, shape, values), else what is wrong."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{name}: {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    if got.numel() == 0:
+        return None
+    g, w = got.double(), want.double()
+    if not torch.isfinite(g).all():
+        return f"{name}: {int((~torch.isfinite(g)).sum())} non-finite elements (unwritten?)"
+    rms = w.pow(2).mean().sqrt()
+    err = ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+    if err > tol:
+        return f"{name}: relative error {err:.3g} > {tol:g}"
+    worst = ((g - w).abs() - 10 * tol * (w.abs() + rms)).max().item()
+    if worst > 0:
+        return f"{name}: an element is off by {worst:.3g} beyond 10 tol (|want| + rms)"
+    return None
+
+
+def run(family: str, build_case, n: int, seed0: int, calls: list) -> None:
+    """Draw n configurations and check each; one failure report for all."""
+    build.load(family)
+    failures, backward_kernels = [], set()
+    for i in range(n):
+        seed = seed0 * 1_000_003 + i
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        case = build_case(rng)
+        calls.clear()
+        try:
+            problems = check_case(family, case, calls)
+        except Exception as e:  # noqa: BLE001: a crash in one configuration is a failure like any other
+            problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"]
+            torch.cuda.synchronize()  # a sticky CUDA error surfaces here and fails the test outright
+        backward_kernels.update(c for c in calls if c.endswith("backward"))
+        if problems:
+            failures.append(f"seed {seed}: {case['desc']}: " + "; ".join(problems))
+    print(f"\nfuzz {family}: {n} configurations, {len(failures)} failures, kernels {sorted(backward_kernels)}")
+    assert not failures, f"{len(failures)} of {n} configurations failed:\n" + "\n".join(failures[:25])
+
+
+def check_case(family: str, case: dict, calls: list) -> list[str]:
+    op, args, grads_of = case["op"], case["args"], case["grad_inputs"]
+    leaves = [args[i] for i in grads_of]
+    for t in leaves:
+        t.requires_grad_()
+    poison(*[a for a in args if isinstance(a, torch.Tensor)])
+    with config.patch(strict=True):
+        got = op(*args)
+    if FORWARD_KERNEL[family] not in calls:
+        return [f"the forward ran the reference (kernels called: {calls})"]
+    outs = [got[i] for i in case["outputs"]]
+    douts = [torch.randn(o.shape, device="cuda").to(o.dtype) for o in outs]
+    poison(*leaves, *outs)
+    with config.patch(strict=True):
+        grads = torch.autograd.grad(outs, leaves, douts, allow_unused=True) if leaves else []
+    torch.cuda.synchronize()
+    if leaves and not any(c.endswith("backward") for c in calls):
+        return [f"the backward ran the reference (kernels called: {calls})"]
+
+    ref_args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+    with config.patch(reference=True):
+        want = op(*ref_args)
+        want_grads = torch.autograd.grad([want[i] for i in case["outputs"]], [ref_args[i] for i in grads_of], douts,
+                                         allow_unused=True) if leaves else []
+    problems = []
+    for i, (a, b) in enumerate(zip(got, want)):
+        if not isinstance(a, torch.Tensor) or i in case.get("unchecked", ()):
+            continue
+        problems.append(compare(f"output {i}", a, b, case.get("out_tol", {}).get(i, case["tol"][0])))
+        if a.stride() != b.stride() and a.numel() > 1:
+            problems.append(f"output {i}: strides {a.stride()}, the reference gives {b.stride()}")
+    names = case["grad_names"]
+    want_by_name = dict(zip(names, want_grads))
+    for name, a, b in zip(names, grads, want_grads):
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                problems.append(f"{name}: {'missing' if a is None else 'unexpected'}")
+            continue
+        special = case.get("grad_check", {}).get(name)
+        if special:
+            problems.append(special(a, b, dict(args=ref_args, grads=want_by_name, douts=douts)))
+        else:
+            problems.append(compare(name, a, b, case.get("grad_tol", {}).get(name, case["tol"][1])))
+    return [p for p in problems if p]
+
+
+def randn(shape, dtype, scale=1.0, layout="contiguous"):
+    return place((torch.randn(shape, device="cuda") * scale).to(dtype), layout)
+
+
+# ---------------------------------------------------------------------------- attention
+
+def attention_case(rng):
+    from tk_inductor.ops import attention as ops
+
+    B, Hkv, ratio = pick(rng, 1, 1, 2, 3), pick(rng, 1, 2, 3, 4), pick(rng, 1, 1, 2, 3, 4, 8)
+    N = size(rng)
+    M = N if rng.random() < 0.6 else size(rng)
+    D, dtype = pick(rng, *ops.KERNEL_HEAD_DIMS), pick(rng, *ops.KERNEL_DTYPES)
+    causal, scale = rng.random() < 0.5, rng.uniform(0.5, 1.5) / math.sqrt(D)
+    lay = [pick(rng, *LAYOUTS) for _ in range(3)]
+    q = randn((B, Hkv * ratio, N, D), dtype, 1.0, lay[0])
+    k, v = randn((B, Hkv, M, D), dtype, 1.0, lay[1]), randn((B, Hkv, M, D), dtype, 1.0, lay[2])
+    masked = rng.random() < 0.2  # tk::attention_masked with a mask the run-time check proves causal / all-visible
+    desc = f"B{B} Hq{Hkv * ratio} Hkv{Hkv} N{N} M{M} D{D} {dtype} causal={causal} masked={masked} layouts {lay}"
+    if masked:
+        mask = torch.ones(N, M, dtype=torch.bool, device="cuda")
+        mask = mask.tril() if causal else mask
+        op = lambda q, k, v, mask, s: torch.ops.tk.attention_masked(q, k, v, mask, s)  # noqa: E731
+        args = [q, k, v, mask, scale]
+    else:
+        op = lambda q, k, v, c, s: torch.ops.tk.attention(q, k, v, c, s)  # noqa: E731
+        args = [q, k, v, causal, scale]
+    return dict(desc=desc, op=op, args=args, outputs=[0], grad_inputs=[0, 1, 2], tol=TOL["attention"],
+                grad_names=["dq", "dk", "dv"], out_tol={1: 5e-4})
+
+
+# ---------------------------------------------------------------------------- rotary
+
+def rotary_case(rng):
+    from tk_inductor.ops import rotary as ops
+
+    x_dtype = pick(rng, torch.float32, torch.bfloat16, torch.float16)
+    table = pick(rng, x_dtype, torch.float32)
+    outs = [o for o in (torch.float32, torch.bfloat16, torch.float16) if ops.kernel_supports(x_dtype, table, o)]
+    out_dtype = pick(rng, *outs)
+    promoted = torch.promote_types(x_dtype, table)
+    B, H, N = pick(rng, 1, 2, 3), pick(rng, 1, 2, 5, 8, 32), size(rng, 2100)
+    Hk = pick(rng, None, H, 1, max(1, H // 4))  # None: q alone
+    D = pick(rng, 2, 8, 16, 32, 64, 80, 96, 128, 256, 2 * rng.randint(1, 64))
+    rd = pick(rng, D, D, 2 * rng.randint(1, D // 2))
+    heads_first, rank = rng.random() < 0.5, pick(rng, 4, 4, 3)
+    interleaved, backward, contiguous = (rng.random() < 0.5 for _ in range(3))
+
+    def shape(h):  # (B, H, N, D) or (B, N, H, D), without B at rank 3
+        s = (B, h, N, D) if heads_first else (B, N, h, D)
+        return s[4 - rank:]
+
+    lay = [pick(rng, *LAYOUTS) for _ in range(3)]
+    q = randn(shape(H), x_dtype, 1.0, lay[0])
+    k = randn(shape(Hk), x_dtype, 1.0, lay[1]) if Hk else None
+    per_batch = rank == 4 and rng.random() < 0.5  # HF: (B, N, rd), unsqueezed at the heads dim
+    angle = torch.rand((B, N, rd // 2) if per_batch else (N, rd // 2), device="cuda") * 6.3
+    angle = angle.repeat_interleave(2, -1) if interleaved else torch.cat([angle, angle], -1)
+    if per_batch or not heads_first:
+        angle = angle.unsqueeze(-3 if heads_first else -2)
+    cos, sin = place(angle.cos().to(table), lay[2]), place(angle.sin().to(table), lay[2])
+    explicit = out_dtype if out_dtype != promoted or rng.random() < 0.3 else None
+    desc = (f"q {tuple(q.shape)} k {None if k is None else tuple(k.shape)} rd{rd} x {x_dtype} table {table} "
+            f"out {out_dtype} interleaved={interleaved} backward={backward} contiguous={contiguous} "
+            f"cos {tuple(cos.shape)} layouts {lay}")
+    op = lambda *a: torch.ops.tk.rotary(*a)  # noqa: E731
+    args = [q, k, cos, sin, interleaved, backward, contiguous, explicit]
+    return dict(desc=desc, op=op, args=args, outputs=[0, 1] if k is not None else [0],
+                grad_inputs=[0, 1] if k is not None else [0], tol=TOL[out_dtype], grad_names=["dq", "dk"],
+                grad_tol={"dq": TOL[x_dtype][1], "dk": TOL[x_dtype][1]})
+
+
+# ---------------------------------------------------------------------------- layernorm
+
+def layernorm_case(rng):
+    hidden = pick(rng, 8, 16, 136, 256, 520, 1024, 1032, 2048, 3000, 4096, 5000, 6144, 8192, 16384,
+                  8 * rng.randint(1, 2048))
+    rows = pick(rng, 1, 2, 17, rng.randint(1, 300), rng.randint(900, 1100)) if hidden <= 4096 else \
+        pick(rng, 1, 3, rng.randint(1, 200))
+    lead = (rows,) if rng.random() < 0.5 else ((1, rows) if rows % 2 else (2, rows // 2))
+    rms, gated = rng.random() < 0.5, rng.random() < 0.2
+    x_dtype = pick(rng, torch.float32, torch.bfloat16, torch.float16)
+    residual = not gated and rng.random() < 0.6
+    h_dtype = pick(rng, x_dtype, torch.float32) if residual else x_dtype
+    if gated:
+        h_dtype = torch.float32
+    if gated:
+        y_choices = [y for y in (torch.float32, torch.bfloat16, torch.float16) if ln_ops.gate_supported(None, y)]
+    else:
+        y_choices = [y for y in (torch.float32, torch.bfloat16, torch.float16)
+                     if ln_ops.kernel_supports(x_dtype, h_dtype, None, y)]
+    y_dtype = pick(rng, *y_choices)
+    w_dtype = pick(rng, None, torch.float32, y_dtype)
+    bias = not rms and w_dtype is not None and rng.random() < 0.6
+    p = 0.0 if gated or rng.random() < 0.6 else pick(rng, 0.1, 0.5)
+    stats = rng.random() < 0.9
+    lay = pick(rng, *LAYOUTS)
+    shape = lead + (hidden,)
+    x = randn(shape, x_dtype, 1.0, lay)
+    r = randn(shape, h_dtype, 1.0, pick(rng, *LAYOUTS)) if residual else None
+    w = randn((hidden,), w_dtype, 1.0) if w_dtype is not None else None
+    b = randn((hidden,), w_dtype, 1.0) if bias else None
+    gate_dtype = pick(rng, torch.float32, torch.bfloat16, torch.float16)
+    gate = randn(shape, gate_dtype, 1.0, pick(rng, *LAYOUTS)) if gated else None
+    rng_state = torch.tensor([rng.randint(0, 2**40), 4 * rng.randint(0, 1000)], dtype=torch.int64) if p else None
+    explicit = y_dtype if y_dtype != h_dtype or rng.random() < 0.3 else None
+    eps = pick(rng, 1e-5, 1e-6, 0.1)
+    desc = (f"{tuple(shape)} rms={rms} x {x_dtype} h {h_dtype} y {y_dtype} w {w_dtype} bias={bias} "
+            f"residual={residual} gated={gated} p={p} stats={stats} layout {lay}")
+    args = [x, r, w, b, rng_state, eps, p, rms, stats, explicit, gate]
+    present = [i for i in (0, 1, 2, 3, 10) if args[i] is not None]
+    names = {0: "dx", 1: "dresidual", 2: "dw", 3: "db", 10: "dgate"}
+    has_h = residual or p > 0
+    return dict(desc=desc, op=lambda *a: torch.ops.tk.layernorm(*a), args=args,
+                outputs=([0, 1] if has_h else [0]) if stats else [], grad_inputs=present if stats else [],
+                tol=TOL[y_dtype], grad_names=[names[i] for i in present],
+                grad_tol={"dx": TOL[x_dtype][1], "dresidual": TOL[h_dtype][1], "dgate": TOL[gate_dtype][1],
+                          "dw": 4 * TOL[w_dtype or y_dtype][1], "db": 4 * TOL[w_dtype or y_dtype][1]},
+                out_tol={1: TOL[h_dtype][0], 2: 1e-5, 3: 1e-5}, unchecked=(4,))
+
+
+# ---------------------------------------------------------------------------- linear attention
+
+def linear_attention_case(rng):
+    from tk_inductor.ops import linear_attention as ops
+
+    B, H, N = pick(rng, 1, 2, 3), pick(rng, 1, 2, 4, 16), size(rng, 2100)
+    dv = pick(rng, 64, 64, 128, 192, 256)
+    normalize = rng.random() < 0.5
+    scale, eps = pick(rng, 0.25, rng.uniform(0.1, 0.5)), pick(rng, 1e-6, 1e-3)
+    lay = [pick(rng, *LAYOUTS) for _ in range(3)]
+    q = randn((B, H, N, ops.KERNEL_DK), torch.bfloat16, 1.0, lay[0])
+    k = randn((B, H, N, ops.KERNEL_DK), torch.bfloat16, 1.0, lay[1])
+    v = randn((B, H, N, dv), torch.bfloat16, 1.0, lay[2])
+    desc = f"B{B} H{H} N{N} dv{dv} normalize={normalize} scale={scale:.3g} eps={eps:g} layouts {lay}"
+    op = lambda *a: torch.ops.tk.linear_attention(*a)  # noqa: E731
+    return dict(desc=desc, op=op, args=[q, k, v, "based", None, None, scale, normalize, eps], outputs=[0],
+                grad_inputs=[0, 1, 2], tol=TOL["linear_attention"], grad_names=["dq", "dk", "dv"])
+
+
+# ---------------------------------------------------------------------------- ssd
+
+def ssd_da(got, want, ctx):
+    """A's gradient is the sum over every (batch, token) of dt·da (da: the gradient of a = dt·A), terms of both
+    signs that cancel to a small fraction of their size, so its error is measured against Σ |dt·da| per head, the
+    scale its bf16 terms are rounded at (as test_ssd_gpu.da_error). da comes from the reference's gradients:
+    ddt = Σ_p x·dX + A·da with dx = dt·dX + D·dy."""
+    x, dt, A, _, _, D = (None if t is None else t.detach().double() for t in ctx["args"][:6])
+    dy, grads = ctx["douts"][0].double(), {k: v.double() for k, v in ctx["grads"].items()}
+    dX = (grads["dx"] - (0 if D is None else D.view(1, 1, -1, 1) * dy)) / dt.unsqueeze(-1)
+    da = (grads["ddt"] - (x * dX).sum(-1)) / A
+    scale = (dt * da).abs().sum((0, 1))
+    err = ((got.double() - want.double()).norm() / scale.norm().clamp_min(1e-30)).item()
+    return None if err < TOL["ssd"][1] else f"dA: relative error {err:.3g} at its terms' scale"
+
+
+def ssd_case(rng):
+    from tk_inductor.ops import ssd as ops
+
+    b, l = pick(rng, 1, 2, 3), size(rng, 2100)
+    ng = pick(rng, 1, 1, 2, 4)
+    nh = ng * pick(rng, 1, 2, 3, 8)
+    p, n = pick(rng, 64, 64, 128, 192), pick(rng, *ops.KERNEL_STATE_SIZES)
+    x_dtype = pick(rng, torch.bfloat16, torch.bfloat16, torch.float16, torch.float32)
+    dt_dtype = pick(rng, torch.float32, x_dtype)
+    with_d, with_h0 = rng.random() < 0.6, rng.random() < 0.4
+    lay = [pick(rng, *LAYOUTS) for _ in range(4)]
+    x = randn((b, l, nh, p), x_dtype, 1.0, lay[0])
+    dt = place(torch.nn.functional.softplus(torch.randn(b, l, nh, device="cuda") - 1.0).to(dt_dtype), lay[1])
+    A = place(-torch.rand(nh, device="cuda") * 2 - 0.05, "contiguous")
+    B = randn((b, l, ng, n), x_dtype, n ** -0.5, lay[2])
+    C = randn((b, l, ng, n), x_dtype, 1.0, lay[3])
+    D = randn((nh,), torch.float32) if with_d else None
+    h0 = randn((b, nh, p, n), torch.float32) if with_h0 else None
+    desc = f"b{b} l{l} nh{nh} ng{ng} p{p} n{n} x {x_dtype} dt {dt_dtype} D={with_d} h0={with_h0} layouts {lay}"
+    args = [x, dt, A, B, C, D, h0, 64]
+    present = [i for i in range(7) if args[i] is not None]
+    names = {0: "dx", 1: "ddt", 2: "dA", 3: "dB", 4: "dC", 5: "dD", 6: "dh0"}
+    return dict(desc=desc, op=lambda *a: torch.ops.tk.ssd(*a), args=args, outputs=[0, 1], grad_inputs=present,
+                tol=TOL["ssd"], grad_names=[names[i] for i in present], grad_check={"dA": ssd_da})
+
+
+CASES = {"attention": attention_case, "rotary": rotary_case, "layernorm": layernorm_case,
+         "linear_attention": linear_attention_case, "ssd": ssd_case}
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_fuzz(family, fuzz, calls):
+    n, seed = fuzz
+    run(family, CASES[family], n, seed, calls)
