@@ -102,8 +102,13 @@ def poison(*tensors: torch.Tensor) -> None:
     del blocks
 
 
-def compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> str | None:
-    """None if got matches want (dtype, shape, values), else what is wrong."""
+def rms(t: torch.Tensor) -> float:
+    return t.double().pow(2).mean().sqrt().item() if t.numel() else 0.0
+
+
+def compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, floor: float = 0.0) -> str | None:
+    """None if got matches want (dtype, shape, values), else what is wrong. `floor` is the scale below which want's
+    own size does not count (see `scale_floor`)."""
     if got.dtype != want.dtype or got.shape != want.shape:
         return f"{name}: {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
     if got.numel() == 0:
@@ -111,14 +116,26 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> str
     g, w = got.double(), want.double()
     if not torch.isfinite(g).all():
         return f"{name}: {int((~torch.isfinite(g)).sum())} non-finite elements (unwritten?)"
-    rms = w.pow(2).mean().sqrt()
-    err = ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+    scale = max(rms(w), floor)
+    err = ((g - w).norm() / (scale * w.numel() ** 0.5)).item() if scale else 0.0
     if err > tol:
-        return f"{name}: relative error {err:.3g} > {tol:g}"
-    worst = ((g - w).abs() - 10 * tol * (w.abs() + rms)).max().item()
+        return f"{name}: relative error {err:.3g} > {tol:g}" + (f" (at the floor {floor:.3g})" if floor > rms(w) else "")
+    worst = ((g - w).abs() - 10 * tol * (w.abs() + scale)).max().item()
     if worst > 0:
         return f"{name}: an element is off by {worst:.3g} beyond 10 tol (|want| + rms)"
     return None
+
+
+def scale_floor(family: str, want_grads) -> float:
+    """Where a gradient is near zero by cancellation, its error is measured at the scale of the configuration's
+    gradients (their rms over all elements) instead of its own. Attention and normalized linear attention
+    subtract Δ_i = do_i·o_i with o stored in 16 bits (as FlashAttention does), so dq and dk carry an error of
+    2^-8 |do_i||o_i| per row however small they are: at one key, or one position, they are zero in exact
+    arithmetic. The other families' gradients have no such terms."""
+    if family not in ("attention", "linear_attention"):
+        return 0.0
+    present = [w.double().flatten() for w in want_grads if w is not None and w.numel()]
+    return rms(torch.cat(present)) if present else 0.0
 
 
 def run(family: str, build_case, n: int, seed0: int, calls: list) -> None:
@@ -130,6 +147,7 @@ def run(family: str, build_case, n: int, seed0: int, calls: list) -> None:
         rng = random.Random(seed)
         torch.manual_seed(seed)
         case = build_case(rng)
+        print(f"seed {seed}: {case['desc']}", flush=True)  # the last line names the configuration if a crash stops the run
         calls.clear()
         try:
             problems = check_case(family, case, calls)
@@ -153,13 +171,14 @@ def check_case(family: str, case: dict, calls: list) -> list[str]:
         got = op(*args)
     if FORWARD_KERNEL[family] not in calls:
         return [f"the forward ran the reference (kernels called: {calls})"]
+    forward_calls = len(calls)
     outs = [got[i] for i in case["outputs"]]
     douts = [torch.randn(o.shape, device="cuda").to(o.dtype) for o in outs]
     poison(*leaves, *outs)
     with config.patch(strict=True):
         grads = torch.autograd.grad(outs, leaves, douts, allow_unused=True) if leaves else []
     torch.cuda.synchronize()
-    if leaves and not any(c.endswith("backward") for c in calls):
+    if leaves and len(calls) == forward_calls:
         return [f"the backward ran the reference (kernels called: {calls})"]
 
     ref_args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
@@ -172,10 +191,12 @@ def check_case(family: str, case: dict, calls: list) -> list[str]:
         if not isinstance(a, torch.Tensor) or i in case.get("unchecked", ()):
             continue
         problems.append(compare(f"output {i}", a, b, case.get("out_tol", {}).get(i, case["tol"][0])))
-        if a.stride() != b.stride() and a.numel() > 1:
+        strides = [(sa, sb) for n_, sa, sb in zip(a.shape, a.stride(), b.stride()) if n_ > 1]
+        if any(sa != sb for sa, sb in strides):  # the layout the fake implementation promises, as the reference's
             problems.append(f"output {i}: strides {a.stride()}, the reference gives {b.stride()}")
     names = case["grad_names"]
     want_by_name = dict(zip(names, want_grads))
+    floor = scale_floor(family, want_grads)
     for name, a, b in zip(names, grads, want_grads):
         if a is None or b is None:
             if (a is None) != (b is None):
@@ -185,7 +206,7 @@ def check_case(family: str, case: dict, calls: list) -> list[str]:
         if special:
             problems.append(special(a, b, dict(args=ref_args, grads=want_by_name, douts=douts)))
         else:
-            problems.append(compare(name, a, b, case.get("grad_tol", {}).get(name, case["tol"][1])))
+            problems.append(compare(name, a, b, case.get("grad_tol", {}).get(name, case["tol"][1]), floor))
     return [p for p in problems if p]
 
 
@@ -333,14 +354,17 @@ def linear_attention_case(rng):
 
 def ssd_da(got, want, ctx):
     """A's gradient is the sum over every (batch, token) of dt·da (da: the gradient of a = dt·A), terms of both
-    signs that cancel to a small fraction of their size, so its error is measured against Σ |dt·da| per head, the
-    scale its bf16 terms are rounded at (as test_ssd_gpu.da_error). da comes from the reference's gradients:
+    signs that cancel to a small fraction of their size, so its error is measured against Σ |dt|·(|da| + |x·dX|/|A|)
+    per head, the scale its bf16 terms are rounded at (as test_ssd_gpu.da_error, with the input term). da comes from the reference's gradients:
     ddt = Σ_p x·dX + A·da with dx = dt·dX + D·dy."""
     x, dt, A, _, _, D = (None if t is None else t.detach().double() for t in ctx["args"][:6])
     dy, grads = ctx["douts"][0].double(), {k: v.double() for k, v in ctx["grads"].items()}
     dX = (grads["dx"] - (0 if D is None else D.view(1, 1, -1, 1) * dy)) / dt.unsqueeze(-1)
-    da = (grads["ddt"] - (x * dX).sum(-1)) / A
-    scale = (dt * da).abs().sum((0, 1))
+    xdX = (x * dX).sum(-1)
+    da = (grads["ddt"] - xdX) / A
+    # the terms' scale: |da| itself, and the input term it is separated from in ddt (da is zero at l = 1 with no
+    # initial state, where the kernel's dA is the rounding of that separation)
+    scale = (dt * (da.abs() + xdX.abs() / A.abs())).sum((0, 1))
     err = ((got.double() - want.double()).norm() / scale.norm().clamp_min(1e-30)).item()
     return None if err < TOL["ssd"][1] else f"dA: relative error {err:.3g} at its terms' scale"
 

@@ -108,7 +108,7 @@ def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms:
     if residual is not None:
         hf = residual.float() + hf
     store_h = residual is not None or p > 0.0
-    h = hf.to(dtype) if store_h else x.new_empty(0)
+    h = hf.to(dtype).contiguous() if store_h else x.new_empty(0, dtype=dtype)
     hf = hf.to(dtype).float()  # statistics of the stored (rounded) h, as eager would see it
     rows = x.numel() // hidden
     if rms:
@@ -127,7 +127,7 @@ def reference_forward(x, residual, weight, bias, rng, eps: float, p: float, rms:
     rng_out = rng.clone() if p > 0.0 else torch.zeros(_EMPTY_RNG, dtype=torch.int64)
     if not stats:
         mean, rstd = (torch.empty(0, dtype=torch.float32, device=x.device) for _ in range(2))
-    return norm.to(out_dtype or dtype), h, mean, rstd.reshape(-1).contiguous(), rng_out
+    return norm.to(out_dtype or dtype).contiguous(), h, mean, rstd.reshape(-1).contiguous(), rng_out
 
 
 def reference_backward(dy, dh, h, weight, mean, rstd, rng, p: float, rms: bool, has_bias: bool, x_dtype=None,

@@ -103,10 +103,17 @@ def reference(q, k, cos, sin, interleaved, backward, contiguous, out_dtype=None)
 
 # ---------------------------------------------------------------------------- the op
 
-def _unit_last(x: torch.Tensor | None) -> torch.Tensor | None:
-    """The kernel reads rows of the head dim: any strides but a unit last one. (It pads cos/sin to q's rank and
-    copies tables whose strides differ itself.)"""
-    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+def _readable(x: torch.Tensor | None, interleaved: bool) -> torch.Tensor | None:
+    """x as the kernel reads it: rows of the head dim with any strides but a unit last one, and for the interleaved
+    rotation whole (even, odd) pairs: an even-element base and even strides. Anything else is copied. (The kernel
+    pads cos/sin to q's rank and copies tables whose strides differ itself.)"""
+    if x is None or (x.stride(-1) == 1 and not (interleaved and _odd_pairs(x))):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _odd_pairs(x: torch.Tensor) -> bool:
+    return (x.data_ptr() // x.element_size()) % 2 == 1 or any(s % 2 for s in x.stride())
 
 
 def kernel_ok(q, k, cos, sin, dtype) -> bool:
@@ -128,7 +135,8 @@ def rotary(
     _check(q, k, cos, sin, interleaved, out_dtype)
     dtype = output_dtype(q, cos, out_dtype)
     if kernel_ok(q, k, cos, sin, dtype):
-        qk, kk = _unit_last(q), _unit_last(k)
+        qk, kk = _readable(q, interleaved), _readable(k, interleaved)
+        cos, sin = _readable(cos, interleaved), _readable(sin, interleaved)
         qo, ko = _dispatch.kernel("rotary")(qk, kk, cos, sin, interleaved, backward, contiguous, dtype)
         if qk is not q:  # a copied input: give the layout the fake impl promised
             qo = _output(q, contiguous, dtype).copy_(qo)
