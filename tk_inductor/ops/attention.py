@@ -343,9 +343,18 @@ def _masked_sdpa(q, k, v, mask, scale):
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # torch 2.11's cuDNN SDPA faults (misaligned address, a sticky CUDA error) on operands whose base or row strides
+    # are not 16-byte multiples instead of choosing another backend: give it aligned copies.
+    q, k, v = (t if _rows16(t) else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
     if mask.dtype != torch.bool and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _rows16(t: torch.Tensor) -> bool:
+    """Unit last stride, a 16-byte aligned base and 16-byte multiple strides (size-1 dims aside)."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+        st * t.element_size() % 16 == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
 def _masked_path(q, k, v, mask) -> str | None:
