@@ -1,13 +1,29 @@
-"""Small graph-reading helpers shared by the matchers."""
+"""The matchers' graph-reading vocabulary.
+
+- calls: `is_call` (exact targets), `kind` (a canonical name across function, method and operator spellings),
+  `arg`, `tensor`, `shape`, `dtype`;
+- values: `strip` (value-preserving nodes), `scaled` (python-scalar factors), `evaluate_constant` (subgraphs of
+  constants: the mask proofs), `eq`/`shapes_eq` (sizes equal without new guards), `static_int`;
+- dtype casts: `cast_dtype`, `upcast_source`, `fused_cast`;
+- index notation: `view_chain`/`peel_to` (views as renamed index letters), `contraction` (einsum, matmul, broadcast
+  products and sums read as one Σ Π) and `unify` (a contraction against a template).
+"""
 from __future__ import annotations
 
+import itertools
+import math
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
+from tk_inductor.autocast import AUTOCAST_CAST
 from tk_inductor.rewrite import example
 
+
+# ---------------------------------------------------------------------------- calls
 
 def is_call(node: Any, fns: set, method: str | None = None) -> bool:
     """`node` calls one of `fns`, or the tensor method `method`."""
@@ -29,6 +45,208 @@ def tensor(node: Any) -> torch.Tensor | None:
     """The example tensor of a node, or None when it is not a tensor."""
     v = example(node) if isinstance(node, fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
+
+
+# what `kind` names each call: functions, operators and tensor methods of one computation
+_FUNCTIONS = {
+    "matmul": (torch.matmul, operator.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm),
+    "mul": (operator.mul, torch.mul, torch.Tensor.mul),
+    "div": (operator.truediv, torch.div, torch.true_divide, torch.Tensor.div),
+    "add": (operator.add, torch.add, torch.Tensor.add),
+    "sub": (operator.sub, torch.sub, torch.Tensor.sub),
+    "neg": (operator.neg, torch.neg, torch.Tensor.neg),
+    "pow": (operator.pow, torch.pow, torch.Tensor.pow),
+    "invert": (operator.invert, torch.logical_not, torch.bitwise_not),
+    "getitem": (operator.getitem,),
+    "einsum": (torch.einsum,),
+    "exp": (torch.exp, torch.Tensor.exp),
+    "cumsum": (torch.cumsum, torch.Tensor.cumsum),
+    "sum": (torch.sum, torch.Tensor.sum),
+    "tril": (torch.tril, torch.Tensor.tril),
+    "triu": (torch.triu, torch.Tensor.triu),
+    "masked_fill": (torch.masked_fill, torch.Tensor.masked_fill),
+    "where": (torch.where,),
+    "cat": (torch.cat, torch.concat, torch.concatenate),
+    "softmax": (torch.softmax, F.softmax, torch.Tensor.softmax),
+    "elu": (F.elu,),
+    "flatten": (torch.flatten, torch.Tensor.flatten),
+    "unsqueeze": (torch.unsqueeze, torch.Tensor.unsqueeze),
+    "transpose": (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.swapdims),
+    "permute": (torch.permute, torch.Tensor.permute),
+    "ones_like": (torch.ones_like,),
+    "reciprocal": (torch.reciprocal, torch.Tensor.reciprocal),
+    "reshape": (torch.reshape, torch.Tensor.reshape, torch.Tensor.view),
+    "pad": (F.pad, torch._C._nn.pad),
+    "repeat_interleave": (torch.repeat_interleave, torch.Tensor.repeat_interleave),
+    "zeros_like": (torch.zeros_like,),
+    "expand": (torch.Tensor.expand,),
+}
+_METHODS = {"matmul": ("matmul", "bmm", "__matmul__"), "mul": ("mul", "__mul__"), "div": ("div", "true_divide", "__truediv__"),
+            "add": ("add", "__add__"), "sub": ("sub", "__sub__"), "neg": ("neg", "__neg__"), "pow": ("pow", "__pow__"),
+            "invert": ("logical_not", "bitwise_not", "__invert__"), "reshape": ("reshape", "view"),
+            "transpose": ("transpose", "swapaxes", "swapdims")}
+
+
+def kind(node) -> str | None:
+    """Canonical name of what a node computes (call_function and call_method alike)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        for name, methods in _METHODS.items():
+            if node.target in methods:
+                return name
+        return node.target if node.target in _FUNCTIONS or node.target in (
+            "float", "to", "type", "contiguous", "size", "expand", "new_zeros", "new_ones", "mT") else None
+    if node.op != "call_function":
+        return None
+    for name, fns in _FUNCTIONS.items():
+        if any(node.target is fn for fn in fns):
+            return name
+    target_name = getattr(node.target, "__name__", str(node.target))
+    if target_name in ("mT",) or str(node.target) == "aten.mT":
+        return "mT"
+    return None
+
+
+def shape(node) -> tuple | None:
+    ex = example(node)
+    return tuple(ex.shape) if isinstance(ex, torch.Tensor) else None
+
+
+def dtype(node):
+    ex = example(node)
+    return ex.dtype if isinstance(ex, torch.Tensor) else None
+
+
+def is_tensor(node) -> bool:
+    return isinstance(example(node), torch.Tensor)
+
+
+# ---------------------------------------------------------------------------- values
+
+def scalar(x) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def close(a: float | None, b: float, rel: float = 1e-6) -> bool:
+    return a is not None and math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def strip(node):
+    """See through nodes that do not change values: dtype/device-preserving `.to`/`.float()`,
+    `.contiguous()`, `.type(same)`; and autocast's casts (tk_inductor/autocast.py): autocast is a precision
+    policy, and the ops compute with fp32 accumulation, at least as precisely as the autocast dtype."""
+    while kind(node) in ("to", "float", "type", "contiguous"):
+        src = node.args[0]
+        if not is_tensor(src) or not shapes_eq(shape(src), shape(node)):
+            break
+        if dtype(src) != dtype(node) and not node.meta.get(AUTOCAST_CAST):
+            break
+        node = src
+    return node
+
+
+def through_upcasts(node):
+    """Through value-preserving nodes (`strip`) and `.float()`/`.to(float32)` upcasts: the lower-precision source
+    (exact to upcast). Unlike `upcast_source`, it also sees through autocast's casts and chains of them."""
+    node = strip(node)
+    while kind(node) in ("to", "float", "type"):
+        src = node.args[0]
+        if not is_tensor(src) or dtype(node) != torch.float32 or dtype(src) not in (torch.float32, torch.bfloat16, torch.float16):
+            break
+        node = strip(src)
+    return node
+
+
+def scaled(node):
+    """(base, factor) with node == base * factor for a python-scalar chain of mul/div/neg."""
+    factor = 1.0
+    while True:
+        node = strip(node)
+        k = kind(node)
+        if k in ("mul", "div") and len(node.args) >= 2 and not node.kwargs:
+            a, b = node.args[0], node.args[1]
+            if k == "mul" and scalar(a) is not None and is_tensor(b):
+                factor *= scalar(a)
+                node = b
+                continue
+            if scalar(b) is not None and is_tensor(a) and (k == "mul" or scalar(b) != 0):
+                factor = factor * scalar(b) if k == "mul" else factor / scalar(b)
+                node = a
+                continue
+        if k == "neg":
+            factor = -factor
+            node = node.args[0]
+            continue
+        return node, factor
+
+
+def evaluate_constant(node, _depth: int = 0):
+    """Run a subgraph built only from constants (a mask made by ones/tril/arange ...).
+
+    Returns the tensor, or None if it depends on any graph input, random op or unknown
+    size: only then is the mask's value a proof, not a guess."""
+    if _depth > 40:
+        return None
+    if isinstance(node, (list, tuple)):
+        vals = [evaluate_constant(a, _depth + 1) for a in node]
+        if any(v is None and a is not None for v, a in zip(vals, node)):
+            return None
+        return type(node)(vals)
+    if not isinstance(node, fx.Node):
+        if isinstance(node, torch.device):
+            return torch.device("cpu")
+        return node
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = str(getattr(node.target, "__name__", node.target))
+    if "rand" in name or "empty" in name or "normal" in name or "bernoulli" in name:
+        return None
+    args = [evaluate_constant(a, _depth + 1) for a in node.args]
+    if any(v is None and a is not None for v, a in zip(args, node.args)):
+        return None
+    kwargs = {}
+    for key, val in node.kwargs.items():
+        v = evaluate_constant(val, _depth + 1)
+        if v is None and val is not None:
+            return None
+        kwargs[key] = v
+    if any(isinstance(v, torch.SymInt) for v in [*args, *kwargs.values()]):
+        return None
+    try:
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
+    except Exception:
+        return None
+
+
+def static_int(x):
+    """x as a python int when it is one, even behind a SymInt with a constant value; else None."""
+    x = example(x)
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        value = getattr(x.node, "maybe_as_int", lambda: None)()
+        return value if isinstance(value, int) else None
+    return None
+
+
+def eq(a, b) -> bool:
+    """Sizes provably equal (ints, SymInts or nodes producing them), adding no shape guards."""
+    a, b = example(a), example(b)
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if not (isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt))):
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return bool(statically_known_true(a == b))
+
+
+def shapes_eq(s, t) -> bool:
+    return s is not None and t is not None and len(s) == len(t) and all(eq(a, b) for a, b in zip(s, t))
 
 
 # ---------------------------------------------------------------------------- dtype casts
@@ -81,3 +299,270 @@ def fused_cast(out: fx.Node, dtypes) -> tuple[fx.Node, torch.dtype] | None:
     if tu.stride() != to.stride():
         return None
     return user, dtype
+
+
+# ---------------------------------------------------------------------------- index notation
+
+def view_letters(node, letters: str):
+    """Peel pure view ops (None-indexing, unsqueeze, permute, transpose, mT) off `node`, whose
+    positions carry `letters`: returns (base node, its letters), or None if not representable."""
+    chain = view_chain(node, letters)
+    return chain[-1] if chain else None
+
+
+def full_index(index, rank: int):
+    """A getitem index as one entry per dim: Ellipsis expanded, trailing dims as full slices (None: an index this
+    matcher does not read, such as a tensor or a new axis)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if index.count(Ellipsis) > 1 or any(i is None or not isinstance(i, (int, slice, type(Ellipsis))) for i in index):
+        return None
+    if Ellipsis in index:
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (rank - len(index) + 1) + index[k + 1:]
+    return index + (slice(None),) * (rank - len(index))
+
+
+def indexes(node, index) -> bool:
+    """`node` is `t[index]`, in any spelling of the same index (`t[:, :, :, -1]`, `t[..., -1]`)."""
+    if kind(node) != "getitem" or shape(node.args[0]) is None:
+        return False
+    rank = len(shape(node.args[0]))
+    got = full_index(node.args[1], rank)
+    return got is not None and got == full_index(index, rank)
+
+
+def peel_to(node, letters: str, want: str):
+    """The view of `node` (positions named by `letters`) whose positions are exactly `want`,
+    e.g. peel_to(x[..., None], "abcz", "abc") -> x; None if there is none."""
+    for n, l in view_chain(node, letters) or ():
+        if l == want:
+            return n
+    return None
+
+
+def view_chain(node, letters: str):
+    """Every (node, letters) met while peeling views off `node`, outermost first (each holds the
+    same values under another index naming); None if some view is not representable."""
+    chain = []
+    while True:
+        node = strip(node)
+        if shape(node) is None:
+            return None
+        k = kind(node)
+        rank = len(letters)
+        if len(shape(node)) == rank:
+            chain.append((node, letters))
+        if k == "getitem" and isinstance(node.args[1], tuple):
+            idx = node.args[1]
+            if not all(i is None or i is Ellipsis or i == slice(None) for i in idx) or sum(i is Ellipsis for i in idx) > 1:
+                return chain or None
+            base_rank = len(shape(node.args[0]) or ())
+            n_ellipsis = base_rank - sum(i is not None and i is not Ellipsis for i in idx)
+            pos, kept = 0, []
+            for i in idx:
+                if i is Ellipsis:
+                    kept.extend(letters[pos:pos + n_ellipsis])
+                    pos += n_ellipsis
+                elif i is None:
+                    pos += 1
+                else:
+                    kept.append(letters[pos])
+                    pos += 1
+            kept.extend(letters[pos:])
+            letters, node = "".join(kept), node.args[0]
+        elif k == "unsqueeze":
+            d = arg(node, 1, "dim") % rank
+            letters, node = letters[:d] + letters[d + 1:], node.args[0]
+        elif k == "reshape" and _inserted_one(node) is not None:  # einops' way to add an axis
+            d = _inserted_one(node)
+            letters, node = letters[:d] + letters[d + 1:], node.args[0]
+        elif k == "permute":
+            dims = node.args[1:] if len(node.args) > 2 else arg(node, 1, "dims")
+            dims = [d % rank for d in dims]
+            base = [""] * rank
+            for i, d in enumerate(dims):
+                base[d] = letters[i]
+            letters, node = "".join(base), node.args[0]
+        elif k in ("transpose", "mT"):
+            a, b = (-2, -1) if k == "mT" else (arg(node, 1, "dim0"), arg(node, 2, "dim1"))
+            lst = list(letters)
+            lst[a % rank], lst[b % rank] = lst[b % rank], lst[a % rank]
+            letters, node = "".join(lst), node.args[0]
+        else:
+            return chain or None
+
+
+def _inserted_one(node):
+    """d if reshape `node` only inserts a size-1 axis at position d of its input (an unsqueeze)."""
+    out, src = shape(node), shape(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if out is None or src is None or len(out) != len(src) + 1:
+        return None
+    for d in range(len(out)):
+        if eq(out[d], 1) and shapes_eq(out[:d] + out[d + 1:], src):
+            return d
+    return None
+
+
+class Contraction:
+    """Σ over the letters missing from `out` of Π factors[i][0][letters_i] (einsum semantics).
+
+    `chains[i]` lists the same factor before its view ops were peeled off (outermost first), so
+    a template can bind the tensor in the layout it expects."""
+
+    def __init__(self, factors, out, chains=None, scale=1.0):
+        self.factors, self.out, self.scale = factors, out, scale  # scale: python-scalar factors met
+        self.chains = chains if chains is not None else [[f] for f in factors]
+
+    def __repr__(self):
+        return f"Contraction({[(n.name, l) for n, l in self.factors]} -> {self.out})"
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def contraction(node, *, inline=True, _fresh=None) -> Contraction | None:
+    """Read einsum, broadcast products and sums of products as one contraction.
+
+    With `inline`, factors that are themselves contractions are expanded (so HF's mul/sum
+    chains and mamba's 4-operand einsum read the same)."""
+    fresh = _fresh if _fresh is not None else iter(LETTERS)
+    node = strip(node)
+    k = kind(node)
+    if k == "einsum":
+        equation = node.args[0]
+        operands = list(node.args[1]) if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else list(node.args[1:])
+        if not isinstance(equation, str) or "->" not in equation:
+            return None
+        lhs, out = equation.replace(" ", "").split("->")
+        terms = lhs.split(",")
+        if len(terms) != len(operands):
+            return None
+        rename = {}
+
+        def ren(s, rank):
+            if "..." in s:
+                n_ell = rank - (len(s) - 3)
+                s = s.replace("...", "".join(f"#{i}" for i in range(n_ell)))
+                parts, i = [], 0
+                while i < len(s):
+                    if s[i] == "#":
+                        j = i + 1
+                        while j < len(s) and s[j].isdigit():
+                            j += 1
+                        parts.append(s[i:j])
+                        i = j
+                    else:
+                        parts.append(s[i])
+                        i += 1
+            else:
+                parts = list(s)
+            res = ""
+            for p in parts:
+                if p not in rename:
+                    rename[p] = next(fresh)
+                res += rename[p]
+            return res
+
+        factors = []
+        for t, op in zip(terms, operands):
+            if shape(op) is None:
+                return None
+            factors.append((op, ren(t, len(shape(op)))))
+        out_rank = len(shape(node) or ())
+        out_letters = ren(out, out_rank) if "..." in out else "".join(rename.get(c) or next(fresh) for c in out)
+    elif k == "matmul":
+        a, b = node.args[0], node.args[1]
+        sa, sb = shape(a), shape(b)
+        if sa is None or sb is None or len(sa) != len(sb) or len(sa) < 2 or sa[:-2] != sb[:-2]:
+            return None
+        batch = "".join(next(fresh) for _ in sa[:-2])
+        n, d, m = next(fresh), next(fresh), next(fresh)
+        factors = [(a, batch + n + d), (b, batch + d + m)]
+        out_letters = batch + n + m
+    elif k == "mul":
+        a, b = node.args[0], node.args[1]
+        if not (is_tensor(a) and is_tensor(b)) or node.kwargs:
+            return None
+        out_shape = shape(node)
+        out_letters = "".join(next(fresh) for _ in out_shape)
+        factors = []
+        for op in (a, b):
+            lead = len(out_shape) - len(shape(op))
+            factors.append((op, out_letters[lead:]))
+        sizes = dict(zip(out_letters, out_shape))
+    elif k == "sum":
+        dims = arg(node, 1, "dim")
+        keepdim = arg(node, 2, "keepdim", False)
+        if dims is None or node.kwargs.get("dtype") is not None:
+            return None
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        inner = contraction(node.args[0], inline=inline, _fresh=fresh)
+        if inner is None:
+            return None
+        rank = len(inner.out)
+        dims = {d % rank for d in dims}
+        if keepdim:
+            return None  # keepdim sums are read by callers as sum + unsqueeze
+        out = "".join(c for i, c in enumerate(inner.out) if i not in dims)
+        return Contraction(inner.factors, out, inner.chains, inner.scale)
+    else:
+        return None
+    # peel views off every factor; inline nested contractions
+    result, chains, total = [], [], 1.0
+    for op, letters in factors:
+        chain = view_chain(op, letters)
+        if chain is None:
+            return None
+        base, base_letters = chain[-1]
+        unscaled, factor = scaled(base)
+        if unscaled is not base:  # python-scalar factors are collected in Contraction.scale
+            chain = view_chain(unscaled, base_letters)
+            if chain is None:
+                return None
+            base, base_letters = chain[-1]
+            total *= factor
+        if k == "mul" and not all(eq(sizes[c], n) for c, n in zip(base_letters, shape(base))):
+            return None  # a real size-1 broadcast: not index notation we read
+        if inline and kind(base) in ("einsum", "mul", "sum", "matmul"):
+            inner = contraction(base, inline=True, _fresh=fresh)
+            if inner is not None:
+                mapping = dict(zip(inner.out, base_letters))
+                if len(mapping) != len(inner.out):
+                    return None
+                total *= inner.scale
+                for (ib, il), ichain in zip(inner.factors, inner.chains):
+                    result.append((ib, "".join(mapping.get(c, c) for c in il)))
+                    chains.append([(cn, "".join(mapping.get(c, c) for c in cl)) for cn, cl in ichain])
+                continue
+        result.append((base, base_letters))
+        chains.append(chain)
+    return Contraction(result, out_letters, chains, total)
+
+
+def unify(c: Contraction, template: list[tuple[str, str]], out: str, bound: dict | None = None) -> dict | None:
+    """Match a contraction against `template` [(variable, letters)] -> `out` up to letter renaming
+    and factor order. Variables bind to nodes (pre-bound ones must agree). Returns the bindings."""
+    if c is None or len(c.factors) != len(template) or len(c.out) != len(out):
+        return None
+    for perm in itertools.permutations(range(len(c.factors))):
+        bindings = dict(bound or {})
+        letter_map = dict(zip(out, c.out))
+        if len(set(letter_map.values())) != len(letter_map):
+            return None
+        ok = True
+        for (var, tletters), j in zip(template, perm):
+            for node, aletters in c.chains[j]:  # the first layout that agrees with the template
+                if len(tletters) != len(aletters) or bindings.get(var, node) is not node:
+                    continue
+                trial = dict(letter_map)
+                if all(trial.setdefault(t, a) == a for t, a in zip(tletters, aletters)) \
+                        and len(set(trial.values())) == len(trial):
+                    letter_map = trial
+                    bindings[var] = node
+                    break
+            else:
+                ok = False
+                break
+        if ok:
+            return bindings
+    return None

@@ -23,11 +23,11 @@ import torch
 import torch.fx as fx
 
 from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.ssd)
-from tk_inductor.patterns.linear_attention import (arg, full_index, indexes, shapes_eq, contraction, dtype, evaluate_constant, example,
-                                                   eq, is_tensor, kind, peel_to, scalar, static_int, shape, strip, unify,
-                                                   upcast_source)
 from tk_inductor import config
-from tk_inductor.rewrite import Match, Squeeze
+from tk_inductor.rewrite import Match, Squeeze, example
+
+from ._fx import (arg, contraction, dtype, eq, evaluate_constant, full_index, indexes, is_tensor, kind, peel_to, scalar,
+                  shape, shapes_eq, static_int, strip, through_upcasts, unify)
 
 from ._mask import triangle
 
@@ -143,12 +143,12 @@ def _discretised(node, what: str):
     node = strip(node)
     _need(kind(node) == "mul" and is_tensor(node.args[0]) and is_tensor(node.args[1]), f"{what} is not a product with dt")
     for t, d in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-        d = upcast_source(d)
+        d = through_upcasts(d)
         if kind(d) == "getitem" or kind(d) == "unsqueeze":
             d = peel_to(d, "blhx", "blh")
             if d is None:
                 continue
-            d = upcast_source(d)
+            d = through_upcasts(d)
         if shape(d) is not None and len(shape(d)) == 3 and shape(t) is not None and (
                 len(shape(t)) == 4 or len(shape(t)) == 1):
             return t, d
@@ -157,9 +157,9 @@ def _discretised(node, what: str):
 
 def _heads_from_groups(node, heads: int):
     """repeat_interleave(G, heads/groups, dim=2) (or G itself when groups == heads) -> G."""
-    node = upcast_source(node)
+    node = through_upcasts(node)
     if kind(node) == "repeat_interleave":
-        src = upcast_source(node.args[0])
+        src = through_upcasts(node.args[0])
         reps = example(arg(node, 1, "repeats"))  # one count for every group (a tensor of counts is another layout)
         _need(arg(node, 2, "dim") in (2, -2) and isinstance(reps, (int, torch.SymInt)) and eq(shape(node)[2], heads),
               "B/C: repeat_interleave over heads")
@@ -238,7 +238,7 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
     _need(kind(a_src) == "permute" and tuple(a_src.args[1:] if len(a_src.args) > 2 else a_src.args[1]) == (0, 3, 1, 2),
           "dt·A layout")
     A_node, dt_a = _discretised(_chunks(a_src.args[0], chunk, length), "A")
-    _need(upcast_source(dt_a) is upcast_source(dt_x), "x and A discretised with different dt")
+    _need(through_upcasts(dt_a) is through_upcasts(dt_x), "x and A discretised with different dt")
     _need(shapes_eq(shape(A_node), (h,)), "A per head")
     B_src = _heads_from_groups(_chunks(Bc, chunk, length), h)
     C_src = _heads_from_groups(_chunks(Cc, chunk, length), h)
@@ -247,7 +247,7 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
     y_node, D = _output(anchor, b, padded, length, h, p, x_dt)
     final = next((u for u in new_states.users if indexes(u, (slice(None), -1))), None)
     x_arg = strip(x_dt)
-    tensors = [x_arg, upcast_source(dt_x), upcast_source(A_node), B_src, C_src, D, h0]
+    tensors = [x_arg, through_upcasts(dt_x), through_upcasts(A_node), B_src, C_src, D, h0]
     examples = [example(t.node if isinstance(t, Squeeze) else t) for t in tensors if t is not None]
     reason = None
     if any(e.dtype not in (torch.float32, torch.bfloat16, torch.float16) for e in examples):
@@ -262,7 +262,7 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
         family=FAMILY,
         outputs=[y_node, final],
         target=torch.ops.tk.ssd.default,
-        args=(x_arg, upcast_source(dt_x), upcast_source(A_node), B_src, C_src, D, h0, int(chunk)),
+        args=(x_arg, through_upcasts(dt_x), through_upcasts(A_node), B_src, C_src, D, h0, int(chunk)),
         reason=reason,
         # the output's example value knows whether grad mode was on (parameters' alone do not)
         needs_grad=bool(getattr(example(y_node), "requires_grad", False)),
@@ -284,10 +284,10 @@ def _initial_state(node, expected_shape):
     if kind(node) in ("zeros_like", "new_zeros") or (
             isinstance(evaluate_constant(node), torch.Tensor) and not evaluate_constant(node).any()):
         return None
-    node = upcast_source(node)
+    node = through_upcasts(node)
     h0 = peel_to(node, "bxhpn", "bhpn")
     # any other (b, 1, h, p, n) tensor (made in another graph, at a graph break): the op takes it squeezed
-    return upcast_source(h0) if h0 is not None else Squeeze(node, 1)
+    return through_upcasts(h0) if h0 is not None else Squeeze(node, 1)
 
 
 def _output_length(anchor, b, padded, h, p) -> int:
@@ -325,7 +325,7 @@ def _output(anchor, b, padded, length, h, p, x_f):
                 d = peel_to(d, "hp", "h")
                 if d is not None and strip(_padded_seq(xp, padded - length)) is strip(x_f) \
                         and shapes_eq(shape(user), shape(node)):
-                    D = upcast_source(d)
+                    D = through_upcasts(d)
                     node = user
                     break
     if not eq(length, padded):
