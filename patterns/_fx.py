@@ -303,13 +303,6 @@ def fused_cast(out: fx.Node, dtypes) -> tuple[fx.Node, torch.dtype] | None:
 
 # ---------------------------------------------------------------------------- index notation
 
-def view_letters(node, letters: str):
-    """Peel pure view ops (None-indexing, unsqueeze, permute, transpose, mT) off `node`, whose
-    positions carry `letters`: returns (base node, its letters), or None if not representable."""
-    chain = view_chain(node, letters)
-    return chain[-1] if chain else None
-
-
 def full_index(index, rank: int):
     """A getitem index as one entry per dim: Ellipsis expanded, trailing dims as full slices (None: an index this
     matcher does not read, such as a tensor or a new axis)."""
