@@ -114,10 +114,13 @@ def cases(families):
 
 def summary(tool: str, log: str) -> tuple[int, str]:
     """(errors, the tool's summary line) from a compute-sanitizer log."""
-    m = re.search(r"ERROR SUMMARY: (\d+) error", log)
-    hazards = re.search(r"RACECHECK SUMMARY: .*", log)
-    line = (m.group(0) if m else "no ERROR SUMMARY line") + (f"; {hazards.group(0)}" if hazards else "")
-    return (int(m.group(1)) if m else -1), line
+    m = re.search(r"ERROR SUMMARY: (\d+) errors?", log)
+    race = re.search(r"RACECHECK SUMMARY: [^\n]*?\((\d+) errors?[^\n]*", log)  # racecheck's own line
+    if m:
+        return int(m.group(1)), m.group(0)
+    if race:
+        return int(race.group(1)), race.group(0)
+    return -1, "no summary line (the tool did not finish)"
 
 
 def main() -> int:
