@@ -134,8 +134,9 @@ def delta_error(family: str, case: dict, got, want_args, douts) -> dict:
     normalized linear attention subtract Δ_i = do_i·o_i, formed (as in FlashAttention) from the 16-bit o the forward
     stored, so Δ is off by δΔ_i = do_i·(o_i - o_i exact). In attention that adds -δΔ_i ∂lse_i to the gradients of q
     and k, in normalized linear attention -δΔ_i/(den_i + eps) ∂den_i, and there the other side of the difference,
-    do_i/(den_i + eps), is rounded to bf16 as well, and both sides come from bf16 products (2^-8 of the plain term). Gradients that are zero in exact arithmetic (one key, the first
-    position) carry these errors whole. Computed here from the fp32 reference by autograd."""
+    do_i/(den_i + eps), is rounded to bf16 as well (bounded: half an ulp), and both sides come from bf16 products
+    (2^-8 of the plain term). Gradients that are zero in exact arithmetic (one key, the first position) carry these
+    errors whole. Computed here from the fp32 reference by autograd."""
     if family not in ("attention", "linear_attention") or (family == "linear_attention" and not want_args[7]):
         return {}
     q, k, v = (t.detach().float().requires_grad_() for t in want_args[:3])
@@ -155,12 +156,14 @@ def delta_error(family: str, case: dict, got, want_args, douts) -> dict:
         inv = 1 / (den.detach() + eps)
         c = -(douts[0].float() * (got[0].float() - o.detach())).sum(-1) * inv
         dq, dk = torch.autograd.grad((c * den).sum(), (q, k))
-        # the kernel also rounds dn = do/(den + eps) to bf16 for its products with v: the gradient of the
-        # unnormalized sum Σ_j κ_ij v_j with that rounding as the output gradient
+        # the kernel also rounds dn = do/(den + eps) to bf16 for its products with v. Its den is its own fp32 sum,
+        # a few ulps from this one, so which way each element rounds cannot be reproduced here: the bound, half an
+        # ulp (2^-9 |dn|), through the gradient of the unnormalized sum Σ_j κ_ij |v_j|
         dn = douts[0].float() * inv.unsqueeze(-1)
-        plain = ref(q, k, v, "based", None, None, scale, False, 0.0)
-        dq2, dk2 = torch.autograd.grad(plain, (q, k), dn.bfloat16().float() - dn, retain_graph=True)
+        plain_abs = ref(q, k, v.detach().abs(), "based", None, None, scale, False, 0.0)
+        dq2, dk2 = torch.autograd.grad(plain_abs, (q, k), 2 ** -9 * dn.abs())
         # and the two sides of the difference, each the size of the plain term, are formed from bf16 products
+        plain = ref(q, k, v, "based", None, None, scale, False, 0.0)
         dq3, dk3 = torch.autograd.grad(plain, (q, k), dn)
         return {"dq": dq.abs() + dq2.abs() + 2 ** -8 * dq3.abs(), "dk": dk.abs() + dk2.abs() + 2 ** -8 * dk3.abs()}
     return {"dq": dq, "dk": dk}
