@@ -90,6 +90,18 @@ def check_operands(op: str, layout: str, **operands) -> None:
           lambda: f"{op}: {names} devices differ ({', '.join(str(t.device) for t in ts)})")
 
 
+def nan_from(feeds: torch.Tensor, reads: torch.Tensor | None, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """What a causal scan's reference adds to its outputs so that a non-finite input reaches only the positions
+    causality allows: NaN from the first position whose input enters the running state (`feeds`) on, and at
+    positions whose own read (`reads`) is non-finite; 0 elsewhere (positions along `dim`). The reference first
+    computes those inputs as zeros: its masked products multiply zero weights with later positions' values, and
+    0·NaN would reach earlier outputs. Added, not selected, so the gradients pass through unchanged."""
+    hit = feeds.cumsum(dim=dim) > 0
+    if reads is not None:
+        hit = hit | reads
+    return torch.where(hit, torch.tensor(float("nan"), dtype=dtype, device=feeds.device), 0.0)
+
+
 def has_kernel(name: str) -> bool:
     """Whether a loaded library registered `tk_cuda::<name>` (a family may ship its forward before its backward)."""
     try:

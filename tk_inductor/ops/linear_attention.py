@@ -128,11 +128,9 @@ def feature_maps(q, k, feature_map: str, q_weight=None, k_weight=None, scale: fl
 def linear_attention_reference(q, k, v, feature_map, q_weight=None, k_weight=None, scale=1.0,
                                normalize=False, eps=0.0, chunk: int = REFERENCE_CHUNK) -> torch.Tensor:
     """Chunked causal scan in fp32 (differentiable; the backward reference is its autograd)."""
-    # Causality holds for non-finite inputs too: the masked products multiply zero scores with later positions'
-    # values, and 0·NaN is NaN. A position whose k or v is non-finite is computed as zero and NaN is added from it
-    # on (its q only to its own output), so nothing earlier sees it; the gradients of the finite outputs are exact.
-    feeds = ~(k.isfinite().all(-1) & v.isfinite().all(-1))  # (B, H, N): enters the running state
-    reads = ~q.isfinite().all(-1)  # (B, H, N): enters that position's output only
+    # Non-finite inputs reach only later positions (_dispatch.nan_from): k and v enter the state, q one output.
+    feeds = ~(k.isfinite().all(-1) & v.isfinite().all(-1))  # (B, H, N)
+    reads = ~q.isfinite().all(-1)  # (B, H, N)
     q, k, v = q.masked_fill(reads[..., None], 0.0), k.masked_fill(feeds[..., None], 0.0), \
         v.masked_fill(feeds[..., None], 0.0)
     fq, fk = feature_maps(q, k, feature_map, q_weight, k_weight, scale)
@@ -156,8 +154,7 @@ def linear_attention_reference(q, k, v, feature_map, q_weight=None, k_weight=Non
     o = (scores @ vc + qc @ before).reshape(B, H, nc * chunk, -1)[:, :, :N]
     if normalize:
         o = o[..., :-1] / (o[..., -1:] + eps)
-    nan = torch.tensor(float("nan"), dtype=o.dtype, device=o.device)
-    o = o + torch.where((feeds.cumsum(dim=-1) > 0) | reads, nan, 0.0)[..., None]  # added: the gradient passes through
+    o = o + _dispatch.nan_from(feeds, reads, -1, o.dtype)[..., None]
     return o.to(v.dtype).contiguous()
 
 

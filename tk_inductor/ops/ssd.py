@@ -99,15 +99,11 @@ def ssd_reference(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 
     x32, dt32 = x.to(acc), dt.to(acc)
     Bh = B.to(acc).repeat_interleave(heads_per_group, dim=2)
     Ch = C.to(acc).repeat_interleave(heads_per_group, dim=2)
-    # Causality holds for non-finite inputs too: the products below multiply masked-out (zero) decays with later
-    # positions' values, and 0·NaN is NaN. A position whose x, dt or B is non-finite is computed as zero and NaN
-    # is added from it on (its C only to its own output), so nothing earlier sees it; the gradients of the finite
-    # outputs are exact.
-    feeds = ~(x32.isfinite().all(-1) & dt32.isfinite() & Bh.isfinite().all(-1))  # (b, l, nh): enters the state
-    reads = ~Ch.isfinite().all(-1)  # (b, l, nh): enters that position's output only
+    # Non-finite inputs reach only later positions (_dispatch.nan_from): x, dt, B enter the state, C one output.
+    feeds = ~(x32.isfinite().all(-1) & dt32.isfinite() & Bh.isfinite().all(-1))  # (b, l, nh)
+    reads = ~Ch.isfinite().all(-1)  # (b, l, nh)
     x32, dt32 = x32.masked_fill(feeds[..., None], 0.0), dt32.masked_fill(feeds, 0.0)
     Bh, Ch = Bh.masked_fill(feeds[..., None], 0.0), Ch.masked_fill(reads[..., None], 0.0)
-    poisoned = feeds.cumsum(dim=1) > 0
     # The result does not depend on the chunk length: a chunk longer than the sequence only pads it, and the decay
     # matrices grow with its square.
     chunk_size = max(1, min(chunk_size, l))
@@ -143,10 +139,9 @@ def ssd_reference(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 
     y = y.reshape(b, nc * chunk_size, nh, p)[:, :l]
     if D is not None:
         y = y + D.to(acc)[:, None] * x32
-    nan = torch.tensor(float("nan"), dtype=acc, device=x.device)
-    y = y + torch.where(poisoned | reads, nan, 0.0)[..., None]  # added, not selected: the gradient passes through
+    y = y + _dispatch.nan_from(feeds, reads, 1, acc)[..., None]
     if l:
-        state = state + torch.where(poisoned[:, -1], nan, 0.0)[..., None, None]
+        state = state + _dispatch.nan_from(feeds, None, 1, acc)[:, -1, :, None, None]
     return y.to(x.dtype).contiguous(), state.contiguous()
 
 
