@@ -770,6 +770,3 @@ def _from_graph_input(node) -> bool:
             return False
         node = node.args[0]
     return isinstance(node, fx.Node)
-
-
-

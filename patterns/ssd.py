@@ -28,7 +28,6 @@ from tk_inductor.rewrite import Match, Squeeze, example
 
 from ._fx import (arg, contraction, dtype, eq, evaluate_constant, full_index, indexes, is_tensor, kind, peel_to, scalar,
                   shape, shapes_eq, static_int, strip, through_upcasts, unify)
-
 from ._mask import triangle
 
 FAMILY = "ssd"

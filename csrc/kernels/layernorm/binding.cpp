@@ -153,7 +153,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward(
     const Tensor& rstd_in, const Tensor& rng, double p, bool rms, bool has_bias, std::optional<at::ScalarType> x_dtype,
     const OptTensor& dy2_in, const OptTensor& dy3_in, const OptTensor& gate_in) {
   TORCH_CHECK(h_in.is_cuda() && h_in.dim() >= 1, "tk_cuda::layernorm_backward: h must be a CUDA tensor");
-  const Tensor dy = tk::host::dense(dy_in), h = tk::host::dense(h_in), mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
+  const Tensor dy = tk::host::dense(dy_in), h = tk::host::dense(h_in);
+  const Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
   const OptTensor dh = contig(dh_in), weight = contig(weight_in), dy2 = contig(dy2_in), dy3 = contig(dy3_in);
   const OptTensor gate = contig(gate_in);
   const bool gated = present(gate);

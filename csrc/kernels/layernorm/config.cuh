@@ -76,14 +76,14 @@ constexpr int types_key(DType x, DType h, DType w, DType y) {
   return ((int(x) * 3 + int(h)) * 3 + int(w)) * 3 + int(y);
 }
 
-// Calls f(Types<...>{}) for the dtype combinations of supported(); cudaErrorInvalidValue for the others.
-// X in {f32, f16, bf16}; H is X or f32; Y is f32 or the 16-bit dtype (x's, when x is 16-bit); W is f32 or Y.
 // The dtypes of the kernels that run a call: a gated call runs the fp32-row kernels (x and the gate are read in their
 // own dtypes at run time), keeping the weight's and the output's.
 inline DTypes kernel_types(DTypes t, bool gated) {
   return gated ? DTypes{DType::f32, DType::f32, t.w, t.y} : t;
 }
 
+// Calls f(Types<...>{}) for the dtype combinations of supported(); cudaErrorInvalidValue for the others.
+// X in {f32, f16, bf16}; H is X or f32; Y is f32 or the 16-bit dtype (x's, when x is 16-bit); W is f32 or Y.
 template <typename F>
 cudaError_t with_types(DTypes t, F&& f) {
   using f32 = float;
