@@ -116,9 +116,16 @@ def _unit_last(t: Any) -> bool:
 
 def _direct_ops() -> dict[Any, tuple[str, Callable, Callable[[dict], bool]]]:
     """tk op -> (raw op name, fake impl, whether the kernel runs for these (fake) arguments)."""
-    from .ops import layernorm, rotary
+    from .ops import attention, layernorm, rotary
 
     table = {
+        torch.ops.tk.attention.default: (
+            "attention", attention._attention_fake,
+            lambda a: a["causal"] is not None and attention.direct_kernel_ok(a["q"], a["k"], a["v"])),
+        torch.ops.tk.attention_backward.default: (
+            "attention_backward", attention._attention_backward_fake,
+            lambda a: a["causal"] is not None
+            and attention.direct_kernel_ok(a["q"], a["k"], a["v"], a["grad_o"], a["o"], a["lse"])),
         torch.ops.tk.layernorm.default: (
             "layernorm", layernorm._forward_fake,
             # with dropout and no (seed, offset) the Python op draws them; the C++ op does not

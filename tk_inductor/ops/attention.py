@@ -160,6 +160,16 @@ def _kernel_ok(*tensors) -> bool:
     return kernel_supports(q.dtype, q.shape[-1]) is None and _dispatch.use_kernel(FAMILY, *tensors)
 
 
+def direct_kernel_ok(*tensors) -> bool:
+    """Whether the raw `tk_cuda::` op may stand in for the Python op (the post-grad pass asks with the node's fake
+    values): the kernel takes the operands as they are, no empty-input shortcut and no copy of a strided row."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return _kernel_ok(*tensors) and all(
+        t.dim() < 4 or (statically_known_true(t.stride(-1) == 1) and statically_known_true(t.numel() > 0))
+        for t in tensors)
+
+
 def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
     # The kernels read rows with TMA: any strides, but the head dim must be packed.
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
@@ -180,7 +190,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
 
 
 @attention.register_fake
-def _(q, k, v, causal, scale):
+def _attention_fake(q, k, v, causal, scale):
     _dispatch.check_flags("tk::attention", causal=causal)
     _validate(q, k, v, scale)
     return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -203,7 +213,7 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 @attention_backward.register_fake
-def _(grad_o, q, k, v, o, lse, causal, scale):
+def _attention_backward_fake(grad_o, q, k, v, o, lse, causal, scale):
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
