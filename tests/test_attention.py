@@ -113,6 +113,32 @@ def test_fake_strides_match_real():
     assert fo.shape == o.shape and flse.dtype == lse.dtype
 
 
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd", "one_head"])
+def test_backward_gradients_take_the_inputs_layout(layout):
+    """dq/dk/dv are (B, N, H, D)-major when the inputs are (HF's projections, read by their backward without a copy),
+    contiguous otherwise; the fake gives the same strides as the reference (and the kernel: grad_like)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = _qkv(2, 1 if layout == "one_head" else 4, 1 if layout == "one_head" else 2, 5, 7, 8, dtype=torch.float32)
+    if layout != "bhnd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    o, lse = torch.ops.tk.attention(q, k, v, True, 0.3)
+    do = torch.randn_like(o)
+    grads = torch.ops.tk.attention_backward(do, q, k, v, o, lse, True, 0.3)
+    with FakeTensorMode() as mode:
+        fakes = torch.ops.tk.attention_backward(*(mode.from_tensor(t) for t in (do, q, k, v, o, lse)), True, 0.3)
+    for g, f, like in zip(grads, fakes, (q, k, v)):
+        assert g.stride() == f.stride() and g.shape == like.shape
+        if layout == "bnhd":
+            assert g.transpose(1, 2).is_contiguous() and not g.is_contiguous()
+        else:
+            assert g.is_contiguous()
+    ref = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ref, is_causal=True, scale=0.3, enable_gqa=True)
+    for g, w in zip(grads, torch.autograd.grad(out, ref, do)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("bad, error, message", [
     (lambda q, k, v: (q[0], k, v), ValueError, "4-D"),
     (lambda q, k, v: (q, k.double(), v), TypeError, "dtypes differ"),

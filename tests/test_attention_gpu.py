@@ -166,8 +166,11 @@ def backward_cases():
 
 @pytest.mark.parametrize("case", backward_cases(), ids=_id)
 def test_backward(ops, case):
+    from tk_inductor.ops.attention import grad_like
+
     B, Hq, Hkv, N, M, D, dtype, causal = case
-    q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, seed=1)
+    layout = ("bhnd", "bnhd")[(N + M + Hq) % 2]  # the gradients take the inputs' layout (grad_like)
+    q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, layout=layout, seed=1)
     do = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
     scale = 1.0 / math.sqrt(D)
     o, lse = ops.attention(q, k, v, causal, scale)
@@ -175,7 +178,7 @@ def test_backward(ops, case):
     dq, dk, dv = ops.attention_backward(do, q, k, v, o, lse, causal, scale)
     torch.cuda.synchronize()
     for t, like in ((dq, q), (dk, k), (dv, v)):
-        assert t.shape == like.shape and t.dtype == dtype and t.is_contiguous()
+        assert t.shape == like.shape and t.dtype == dtype and t.stride() == grad_like(like).stride()
         assert not torch.isnan(t).any()
 
     qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -198,7 +201,10 @@ def test_backward_noncontiguous(ops):
     q, k, v = make_inputs(2, 8, 4, 300, 300, 64, torch.bfloat16, layout="bnhd", seed=5)
     do = torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     o, lse = ops.attention(q, k, v, True, 0.125)
+    poison(((2, 8, 300, 64), torch.bfloat16), ((2, 4, 300, 64), torch.bfloat16), ((2, 4, 300, 64), torch.bfloat16))
     dq, dk, dv = ops.attention_backward(do, q, k, v, o, lse, True, 0.125)
+    assert dq.stride() == (300 * 8 * 64, 64, 8 * 64, 1) and dk.stride() == (300 * 4 * 64, 64, 4 * 64, 1)
+    assert dv.stride() == dk.stride() and not any(torch.isnan(t).any() for t in (dq, dk, dv))
     qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
     o_ref, _ = reference(qr, kr, vr, True, 0.125)
     o_ref.backward(do.float())

@@ -12,7 +12,9 @@ Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops 
         (what FlashAttention returns: the usual `o.transpose(1, 2).reshape(B, N, Hq * D)` is then free).
 
     tk::attention_backward(grad_o, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
-        contiguous, shapes and dtypes of q, k, v; dk/dv summed over the query heads of each GQA group.
+        shapes and dtypes of q, k, v, each laid out as `grad_like` its input: (B, N, H, D) memory order when the
+        input's heads lie inside its sequence dim (HF's transposed projections: the projections' backward then reads
+        the gradient without a copy), contiguous otherwise; dk/dv summed over the query heads of each GQA group.
         Uses the forward's o and lse (FlashAttention's recipe: P = exp(s - lse), Δ = rowsum(do ∘ o)).
 
 Kernel or reference: the op calls `torch.ops.tk_cuda.attention` when `_dispatch.use_kernel` allows it (CUDA
@@ -109,6 +111,23 @@ def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None) 
     return s
 
 
+def grad_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty gradient for q, k or v in the layout the backward returns (the C++ binding's `grad_like`)."""
+    B, H, N, D = t.shape
+    if H > 1 and N > 1 and t.stride(1) < t.stride(2):
+        return t.new_empty(B, N, H, D).transpose(1, 2)
+    return t.new_empty(t.shape)
+
+
+def _as_grads(q, k, v, dq, dk, dv):
+    """(dq, dk, dv) in `grad_like` layouts (copied where they are not)."""
+    out = []
+    for like, g in ((q, dq), (k, dk), (v, dv)):
+        dst = grad_like(like)
+        out.append(g if g.stride() == dst.stride() else dst.copy_(g))
+    return tuple(out)
+
+
 def _empty_out(q: torch.Tensor) -> torch.Tensor:
     B, H, N, D = q.shape
     return q.new_empty(B, N, H, D).transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) buffer
@@ -126,7 +145,7 @@ def attention_reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tens
 
 
 def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float, mask=None):
-    """(dq, dk, dv), contiguous, from the forward's o and lse; dk/dv summed over each GQA group.
+    """(dq, dk, dv) in `grad_like` layouts, from the forward's o and lse; dk/dv summed over each GQA group.
     With a `mask` (see `_scores`), lse=None recomputes it and rows with every key hidden get 0, as SDPA's safe
     softmax gives."""
     s = _scores(q, k, causal, scale, mask)
@@ -150,7 +169,7 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
     if group > 1:  # sum the query heads of each group onto their kv head
         dk = dk.view(B, Hkv, group, M, D).sum(2)
         dv = dv.view(B, Hkv, group, M, D).sum(2)
-    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous())
+    return _as_grads(q, k, v, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
 
 
 # ---------------------------------------------------------------------------- the ops
@@ -205,7 +224,7 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     if q.numel() == 0 or k.numel() == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        return tuple(grad_like(t).zero_() for t in (q, k, v))
     if _kernel_ok(q, k, v, grad_o, o, lse):
         grad_o, q, k, v, o = map(_last_dim_unit, (grad_o, q, k, v, o))
         return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale)
@@ -216,7 +235,7 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 def _attention_backward_fake(grad_o, q, k, v, o, lse, causal, scale):
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return grad_like(q), grad_like(k), grad_like(v)
 
 
 def _setup_context(ctx, inputs, output):
@@ -415,7 +434,7 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     _validate_mask(q, k, mask, "tk::attention_masked_backward")
     if q.numel() == 0 or k.numel() == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        return tuple(grad_like(t).zero_() for t in (q, k, v))
     mask = _as_scores_mask(mask)
     # The same values give the same answer as in the forward (cached), so the paths agree.
     kind = _masked_path(q, k, v, mask)
@@ -426,13 +445,13 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     per_batch = [attention_backward_reference(grad_o[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], o[b:b + 1], None,
                                               False, scale, full[b:b + 1]) for b in range(q.shape[0])]
-    return tuple(torch.cat(g) for g in zip(*per_batch))
+    return _as_grads(q, k, v, *(torch.cat(g) for g in zip(*per_batch)))
 
 
 @attention_masked_backward.register_fake
 def _(grad_o, q, k, v, mask, o, lse, scale):
     _validate_backward(grad_o, q, k, v, o, lse, scale)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return grad_like(q), grad_like(k), grad_like(v)
 
 
 def _masked_setup_context(ctx, inputs, output):

@@ -28,9 +28,11 @@ struct BwdScratch {
 };
 BwdScratch attention_backward_scratch(const View4& q);
 
-// dq (B,Hq,N,D), dk/dv (B,Hkv,M,D) contiguous. dq_accum needs no init (the pre-kernel zeroes it).
+// dq (B,Hq,N,D), dk/dv (B,Hkv,M,D), written in their views' strides (16-byte aligned rows, strides multiples of 8
+// elements). dq_accum needs no init (the pre-kernel zeroes it).
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
-                               const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
-                               float* lse2, float* delta, bool causal, float scale, int num_sms, cudaStream_t stream);
+                               const View4& o, const float* lse, const View4& dq, const View4& dk, const View4& dv,
+                               float* dq_accum, float* lse2, float* delta, bool causal, float scale, int num_sms,
+                               cudaStream_t stream);
 
 }  // namespace tk_attn

@@ -133,8 +133,6 @@ struct BwdParams {
   float scale, scale_log2;
   bool causal;
   float* dq_accum;     // (B*Hq, Npad, D)
-  void* dk;            // (B, Hkv, M, D)
-  void* dv;
   int nk;       // key blocks per kv head
   int section;  // kv heads per section of the block order (bwd_section)
 };
@@ -777,15 +775,15 @@ __global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, 
   }
 }
 
-// dq = dq_accum * scale, cast; 8 elements per thread (D is a multiple of 8, so
-// a group never crosses a row). Each 8-column group of dq_accum holds its
-// even columns, then its odd ones (stage_dq by stmatrix).
+// dq = dq_accum * scale, cast, into dq's strides; 8 elements per thread (D is a multiple of 8, so a group never
+// crosses a row, and the binding's dq has 16-byte rows). Each 8-column group of dq_accum holds its even columns,
+// then its odd ones (stage_dq by stmatrix).
 template <typename T, int D>
-__global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t BH, int N, int Npad, float scale) {
+__global__ void attention_bwd_post_kernel(const float* dq_accum, View4 dq, int Npad, float scale) {
   const int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
-  const int64_t total = BH * N * D;
-  if (idx >= total) return;
-  const int64_t bh = idx / (static_cast<int64_t>(N) * D);
+  const int64_t N = dq.S, BH = dq.B * dq.H;
+  if (idx >= BH * N * D) return;
+  const int64_t bh = idx / (N * D);
   const int64_t rem = idx - bh * N * D;
   const float4* src = reinterpret_cast<const float4*>(dq_accum + bh * Npad * D + rem);
   float4 a = src[0], c = src[1];
@@ -799,7 +797,9 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, T* dq, int64_t 
   out.y = pack2<T>(a.z * scale, a.w * scale);
   out.z = pack2<T>(c.x * scale, c.y * scale);
   out.w = pack2<T>(c.z * scale, c.w * scale);
-  *reinterpret_cast<uint4*>(dq + idx) = out;
+  const int64_t b = bh / dq.H, h = bh - b * dq.H, n = rem / D;
+  T* row = static_cast<T*>(const_cast<void*>(dq.ptr)) + b * dq.sb + h * dq.sh + n * dq.ss;
+  *reinterpret_cast<uint4*>(row + (rem - n * D)) = out;
 }
 
 // Rows of the padded lse2 / delta / dq_accum: a multiple of the q tile.
@@ -817,8 +817,9 @@ int bwd_section(bool sections, int num_sms, int nk, int64_t BH, int64_t group, i
 
 template <typename T, int D, typename Cfg>
 const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v, const View4& o,
-                       const float* lse, void* dq, void* dk, void* dv, float* dq_accum, float* lse2, float* delta,
-                       bool causal, float scale, int num_sms, bool sections, cudaStream_t stream) {
+                       const float* lse, const View4& dq, const View4& dk, const View4& dv, float* dq_accum,
+                       float* lse2, float* delta, bool causal, float scale, int num_sms, bool sections,
+                       cudaStream_t stream) {
   constexpr bool WIDE = Cfg::kind == Kind::Wide;
   static_assert(!WIDE || D == 64, "the wide kernel is D = 64");
   constexpr int BM = Cfg::BM;
@@ -837,11 +838,9 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   if (const char* e = make_map(&dom, dt, dout, BM)) return e;
   CUtensorMap dqm;
   if (const char* e = make_map_f32(&dqm, dq_accum, D, Npad, BH)) return e;
-  DkvMaps dkvm{};  // dk, dv: (B, Hkv, M, D) contiguous
-  const View4 dkview{dk, k.B, k.H, k.S, D, k.H * k.S * D, k.S * D, D};
-  const View4 dvview{dv, k.B, k.H, k.S, D, k.H * k.S * D, k.S * D, D};
-  if (const char* e = make_map(&dkvm.dk, dt, dkview, 64)) return e;
-  if (const char* e = make_map(&dkvm.dv, dt, dvview, 64)) return e;
+  DkvMaps dkvm{};  // dk, dv: (B, Hkv, M, D) in the binding's strides
+  if (const char* e = make_map(&dkvm.dk, dt, dk, 64)) return e;
+  if (const char* e = make_map(&dkvm.dv, dt, dv, 64)) return e;
   StatsMaps statsm{};
   if (const char* e = make_map_rows(&statsm.lse2, lse2, Npad, BH, BM)) return e;
   if (const char* e = make_map_rows(&statsm.delta, delta, Npad, BH, BM)) return e;
@@ -857,8 +856,6 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.scale_log2 = scale * 1.4426950408889634f;
   p.causal = causal;
   p.dq_accum = dq_accum;
-  p.dk = dk;
-  p.dv = dv;
   p.nk = static_cast<int>((k.S + BWD_BN - 1) / BWD_BN);
   p.section = bwd_section(sections, num_sms, p.nk, k.B * k.H, p.group, q.S, D);
   int smem, threads;
@@ -882,7 +879,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
     const int64_t groups = BH * q.S * D / 8;
     const int threads = 256;
     attention_bwd_post_kernel<T, D><<<static_cast<unsigned>((groups + threads - 1) / threads), threads, 0, stream>>>(
-        dq_accum, static_cast<T*>(dq), BH, static_cast<int>(q.S), Npad, scale);
+        dq_accum, dq, Npad, scale);
   }
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention backward post-process launch failed";
 }
@@ -913,8 +910,9 @@ BwdScratch attention_backward_scratch(const View4& q) {
 }
 
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
-                               const View4& o, const float* lse, void* dq, void* dk, void* dv, float* dq_accum,
-                               float* lse2, float* delta, bool causal, float scale, int num_sms, cudaStream_t stream) {
+                               const View4& o, const float* lse, const View4& dq, const View4& dk, const View4& dv,
+                               float* dq_accum, float* lse2, float* delta, bool causal, float scale, int num_sms,
+                               cudaStream_t stream) {
   const auto run = [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;

@@ -55,6 +55,15 @@ DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
 }
 
+// A gradient laid out as its input: (B, N, H, D) memory order when the input's heads lie inside its sequence dim
+// (HF's `proj(x).view(B, N, H, D).transpose(1, 2)`), so that the projection's backward reads it without a copy;
+// contiguous otherwise. tk_inductor/ops/attention.py `grad_like` states the same rule for the fake and the reference.
+at::Tensor grad_like(const at::Tensor& t) {
+  if (t.size(1) > 1 && t.size(2) > 1 && t.stride(1) < t.stride(2))
+    return at::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2);
+  return at::empty(t.sizes(), t.options());
+}
+
 int num_sms(const at::Tensor& t) {
   int n = 0;
   TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()) == cudaSuccess,
@@ -108,9 +117,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   const at::Tensor dout = tk::host::rows16(grad_o);
   const at::Tensor o = tk::host::rows16(o_in);  // the pre-kernel reads o and grad_o in 16-byte rows
   const at::Tensor lse = lse_in.contiguous();
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dq = grad_like(q_in), dk = grad_like(k_in), dv = grad_like(v_in);
   const View4 qv = view(q);
   const tk_attn::BwdScratch sz = tk_attn::attention_backward_scratch(qv);
   // zeroed by the backward's pre-kernel
@@ -118,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   at::Tensor lse2 = at::empty({static_cast<int64_t>(sz.lse2_bytes / 4)}, q.options().dtype(at::kFloat));
   at::Tensor delta = at::empty({static_cast<int64_t>(sz.delta_bytes / 4)}, q.options().dtype(at::kFloat));
   const char* err = tk_attn::attention_backward(
-      dt, view(dout), qv, view(k), view(v), view(o), lse.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+      dt, view(dout), qv, view(k), view(v), view(o), lse.data_ptr<float>(), view(dq), view(dk), view(dv),
       dq_accum.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), causal, static_cast<float>(scale),
       num_sms(q), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention_backward: ", err ? err : "");
