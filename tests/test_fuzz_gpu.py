@@ -145,8 +145,10 @@ def delta_error(family: str, case: dict, got, want_args, douts) -> dict:
         causal = want_args[3] if isinstance(want_args[3], bool) else bool((~want_args[3]).any())
         o, lse = attention_reference(q, k, v, causal, want_args[4])
         prod = douts[0].float() * (got[0].float() - o.detach())
-        # plus the order in which the kernel sums Δ in fp32 (it is all there is where o is exact, as at one key)
-        c = -prod.sum(-1) + 2 ** -20 * (douts[0].float() * o.detach()).abs().sum(-1)
+        # plus the fp32 sums of Δ and of dP = do·v (all there is where o is exact, as at one key, where the two
+        # cancel): D additions, each off by up to an ulp of the running sum on the tensor cores' truncating adders
+        D = q.shape[-1]
+        c = -prod.sum(-1) + D * 2 ** -23 * (douts[0].float() * o.detach()).abs().sum(-1)
         dq, dk = torch.autograd.grad((c * lse).sum(), (q, k))
     else:
         from tk_inductor.ops.linear_attention import linear_attention_reference as ref
