@@ -136,20 +136,28 @@ def delta_error(family: str, case: dict, got, want_args, douts) -> dict:
     and k, in normalized linear attention -δΔ_i/(den_i + eps) ∂den_i, and there the other side of the difference,
     do_i/(den_i + eps), is rounded to bf16 as well (bounded: half an ulp), and both sides come from bf16 products
     (2^-8 of the plain term). Gradients that are zero in exact arithmetic (one key, the first position) carry these
-    errors whole. Computed here from the fp32 reference by autograd."""
+    errors whole. Computed here from the fp32 reference by autograd (attention's fp32 summation error as a bound)."""
     if family not in ("attention", "linear_attention") or (family == "linear_attention" and not want_args[7]):
         return {}
     q, k, v = (t.detach().float().requires_grad_() for t in want_args[:3])
     if family == "attention":
-        from tk_inductor.ops.attention import attention_reference
+        from tk_inductor.ops.attention import _scores, attention_reference
         causal = want_args[3] if isinstance(want_args[3], bool) else bool((~want_args[3]).any())
-        o, lse = attention_reference(q, k, v, causal, want_args[4])
+        scale = want_args[4]
+        o, lse = attention_reference(q, k, v, causal, scale)
         prod = douts[0].float() * (got[0].float() - o.detach())
+        dq, dk = torch.autograd.grad((-prod.sum(-1) * lse).sum(), (q, k))
         # plus the fp32 sums of Δ and of dP = do·v (all there is where o is exact, as at one key, where the two
-        # cancel): D additions, each off by up to an ulp of the running sum on the tensor cores' truncating adders
-        D = q.shape[-1]
-        c = -prod.sum(-1) + D * 2 ** -23 * (douts[0].float() * o.detach()).abs().sum(-1)
-        dq, dk = torch.autograd.grad((c * lse).sum(), (q, k))
+        # cancel): D additions, each off by up to an ulp of the running sum on the tensor cores' truncating adders.
+        # Unsigned, so through |∂lse_i/∂q_i| = |scale| Σ_j p_ij |k_j| and |∂lse_i/∂k_j| = |scale| p_ij |q_i|.
+        B, Hkv, M, D = k.shape
+        group = q.shape[1] // Hkv
+        with torch.no_grad():
+            bound = D * 2 ** -23 * (douts[0].float() * o).abs().sum(-1)
+            p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1)) * (abs(scale) * bound).unsqueeze(-1)
+            dq_bound = p @ k.abs().repeat_interleave(group, dim=1)
+            dk_bound = (p.transpose(-1, -2) @ q.abs()).view(B, Hkv, group, M, D).sum(2)
+        return {"dq": dq.abs() + dq_bound, "dk": dk.abs() + dk_bound}
     else:
         from tk_inductor.ops.linear_attention import linear_attention_reference as ref
         scale, eps = want_args[6], want_args[8]
@@ -168,7 +176,6 @@ def delta_error(family: str, case: dict, got, want_args, douts) -> dict:
         plain = ref(q, k, v, "based", None, None, scale, False, 0.0)
         dq3, dk3 = torch.autograd.grad(plain, (q, k), dn)
         return {"dq": dq.abs() + dq2.abs() + 2 ** -8 * dq3.abs(), "dk": dk.abs() + dk2.abs() + 2 ** -8 * dk3.abs()}
-    return {"dq": dq, "dk": dk}
 
 
 # the relative size of the roundings inside each family's tile products (16-bit operands on the tensor cores)
