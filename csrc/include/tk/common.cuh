@@ -96,8 +96,19 @@ template <class T> TK_DEVICE uint32_t as_u32(const T& x) {
 
 TK_DEVICE uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
+// An empty asm that makes the compiler treat w (a 16- or 32-bit word) as redefined here: work on it is not hoisted
+// above this point (e.g. a loop-invariant unpacking, which would hold 4x the registers across the loop).
+template <class W> TK_DEVICE void pin(W& w) {
+    static_assert(sizeof(W) == 4 || sizeof(W) == 2, "a 16- or 32-bit word");
+    if constexpr (sizeof(W) == 4) asm volatile("" : "+r"(w));
+    else asm volatile("" : "+h"(w));
+}
+
 // Named barrier among `threads` threads (bar 0 is __syncthreads).
 TK_DEVICE void named_sync(int id, int threads) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory"); }
+
+// Arrive at named barrier `id` without waiting (the other side of a producer/consumer pair waits with named_sync).
+TK_DEVICE void named_arrive(int id, int threads) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory"); }
 
 namespace warpgroup {
 // Synchronise the 128 threads of the calling warpgroup on named barrier `id` (1..15; callers pick distinct ids).

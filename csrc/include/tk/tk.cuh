@@ -1,4 +1,4 @@
-// The tile library, all of it. See /work/prompts/TILE_READY.md (and each header) for the API.
+// The tile library, all of it. Each header states its part of the API.
 #pragma once
 #include "common.cuh"
 #include "types/rt.cuh"
@@ -8,6 +8,8 @@
 #include "sync/semaphore.cuh"
 #include "ops/thread/tma.cuh"
 #include "ops/thread/prefetch.cuh"
+#include "ops/thread/memory.cuh"
+#include "ops/thread/math.cuh"
 #include "ops/warp/matrix.cuh"
 #include "ops/warp/register.cuh"
 #include "ops/warp/shared.cuh"
@@ -15,5 +17,6 @@
 #include "ops/warpgroup/shared.cuh"
 #include "ops/warpgroup/descriptor.cuh"
 #include "ops/warpgroup/mma.cuh"
+#include "ops/warpgroup/registers.cuh"
 #include "grid.cuh"
 #include "lcsf.cuh"

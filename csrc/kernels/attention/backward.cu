@@ -94,8 +94,8 @@ template <class K_>
 struct BwdSmem {
   uint8_t *sK, *sV, *sQ, *sdO, *sdS, *sdQ;
   float* sStats;  // [STAGES][2][BM]: lse2, delta
-  uint64_t *kv_full, *q_full, *q_empty;
-  uint64_t *dq_full, *dq_empty;  // per consumer: its dQ block staged / read by the reduce (PRODQ)
+  tk::semaphore *kv_full, *q_full, *q_empty;
+  tk::semaphore *dq_full, *dq_empty;  // per consumer: its dQ block staged / read by the reduce (PRODQ)
   __device__ __forceinline__ explicit BwdSmem(uint8_t* raw) {
     sK = tk::align_shared<1024>(raw);
     sV = sK + K_::KV_BYTES;
@@ -104,7 +104,7 @@ struct BwdSmem {
     sdS = sdO + K_::STAGES * K_::Q_BYTES;
     sdQ = sdS + K_::DS_BUFS * K_::DS_BYTES;
     sStats = reinterpret_cast<float*>(sdQ + K_::NC * K_::DQ_STAGE_BYTES);
-    kv_full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(sStats) + K_::STAGES * K_::STATS_BYTES);
+    kv_full = reinterpret_cast<tk::semaphore*>(reinterpret_cast<uint8_t*>(sStats) + K_::STAGES * K_::STATS_BYTES);
     q_full = kv_full + 1;
     q_empty = q_full + K_::STAGES;
     dq_full = q_empty + K_::STAGES;
@@ -113,16 +113,16 @@ struct BwdSmem {
   }
   __device__ __forceinline__ void init() const {
     if (threadIdx.x == 0) {
-      bar_init(kv_full, 1);
+      tk::init_semaphore(*kv_full, 1);
       for (int s = 0; s < K_::STAGES; ++s) {
-        bar_init(&q_full[s], 1);
-        bar_init(&q_empty[s], K_::NC * 4);
+        tk::init_semaphore(q_full[s], 1);
+        tk::init_semaphore(q_empty[s], K_::NC * 4);
       }
       for (int c = 0; c < K_::NC; ++c) {
-        bar_init(&dq_full[c], 4);  // lane 0 of each of the consumer's warps
-        bar_init(&dq_empty[c], 1);
+        tk::init_semaphore(dq_full[c], 4);  // lane 0 of each of the consumer's warps
+        tk::init_semaphore(dq_empty[c], 1);
       }
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      tk::fence_semaphore_init();
     }
     __syncthreads();
   }
@@ -154,14 +154,6 @@ struct BwdBlock {
   __device__ __forceinline__ int mb(int it) const { return mb_start + it % steps_per_head; }  // q block of step it
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / steps_per_head; }
 };
-
-// 2^x by the MUFU alone: exp2f adds a range fix-up around it for results
-// below 2^-126, which P does not need (flushed to 0).
-__device__ __forceinline__ float ex2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // lse2 and delta are laid out in groups of 32 rows with row 8 k + 2 q + e at slot 8 q + 2 k + e, so that
 // the pairs one thread reads (rows 8 k + col_in, +1 of chunks k; col_in = 2 q) are contiguous over four chunks: one
@@ -200,7 +192,7 @@ __device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
-        float pe = ex2_ftz(x);
+        float pe = tk::ex2_approx(x);
         if (decltype(mode)::value == 1) {
           const int i = i0 + 8 * ch + col_in + (e & 1);
           const int j = j0 + 8 * (e >> 1);
@@ -224,9 +216,9 @@ struct StatsMaps {
 // Copy lse2[bh, i0 : i0 + BM] and delta[bh, i0 : i0 + BM] into dst[0 : BM], dst[BM : 2 BM] on `bar`.
 // The rows are padded to a multiple of the q tile, so the copy never leaves them.
 template <int BM>
-__device__ __forceinline__ void load_stats(float* dst, const StatsMaps* maps, int bh, int i0, uint64_t* bar) {
-  tma_load_2d(dst, &maps->lse2, bar, i0, bh);
-  tma_load_2d(dst + BM, &maps->delta, bar, i0, bh);
+__device__ __forceinline__ void load_stats(float* dst, const StatsMaps* maps, int bh, int i0, tk::semaphore* bar) {
+  tk::tma::load_async(dst, &maps->lse2, *bar, i0, bh);
+  tk::tma::load_async(dst + BM, &maps->delta, *bar, i0, bh);
 }
 
 // This warp's part of dS^T -- the A slices of dK += dS^T Q: key rows jw + lane / 4, +8; query columns 16 kk +
@@ -268,22 +260,22 @@ __device__ __forceinline__ void hand_over_dq(const BwdSmem<K_>& sm, const CUtens
   const int warp = tid / 32, lane = tid % 32;
   uint8_t* stage = sm.sdQ + c * K_::DQ_STAGE_BYTES;
   if constexpr (K_::PRODQ) {
-    if (it > 0) bar_wait(&sm.dq_empty[c], (it - 1) & 1);  // the reducer has read the previous block
-    stage_dq<COLS>(smem_u32(stage), dq, 16 * warp, lane);
-    fence_async_smem();
+    if (it > 0) tk::wait(sm.dq_empty[c], (it - 1) & 1);  // the reducer has read the previous block
+    stage_dq<COLS>(tk::smem_addr(stage), dq, 16 * warp, lane);
+    tk::fence_async_shared();
     __syncwarp();
-    if (lane == 0) bar_arrive(&sm.dq_full[c]);
+    if (lane == 0) tk::arrive(sm.dq_full[c]);
   } else {
-    if (tid == 0) bulk_wait_read();  // the previous reduce has read the stage
-    named_bar_sync(3 + c, 128);
-    stage_dq<COLS>(smem_u32(stage), dq, 16 * warp, lane);
-    fence_async_smem();
-    named_bar_sync(3 + c, 128);
+    if (tid == 0) tk::tma::store_read_wait();  // the previous reduce has read the stage
+    tk::named_sync(3 + c, 128);
+    stage_dq<COLS>(tk::smem_addr(stage), dq, 16 * warp, lane);
+    tk::fence_async_shared();
+    tk::named_sync(3 + c, 128);
     if (tid == 0) {
 #pragma unroll
       for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
-        tma_reduce_add_3d(dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
-      bulk_commit();
+        tk::tma::reduce_add_async(dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
+      tk::tma::store_commit();
     }
   }
 }
@@ -296,24 +288,24 @@ __device__ __forceinline__ void bwd_producer(const BwdSmem<K_>& sm, const BwdPar
                                              const CUtensorMap* kmap, const CUtensorMap* vmap,
                                              const CUtensorMap* domap, const StatsMaps* stats, int tid) {
   constexpr int BM = K_::BM, BN = K_::BN, STAGES = K_::STAGES;
-  reg_dealloc<24>();
+  tk::warpgroup::decrease_registers<24>();
   if (tid == 0) {
-    bar_expect_tx(sm.kv_full, 2 * K_::KV_BYTES);
+    tk::expect_bytes(*sm.kv_full, 2 * K_::KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < K_::PANELS; ++pn) {
-      tma_load_4d(sm.sK + pn * BN * 128, kmap, sm.kv_full, pn * 64, blk.n0, blk.hk, blk.b);
-      tma_load_4d(sm.sV + pn * BN * 128, vmap, sm.kv_full, pn * 64, blk.n0, blk.hk, blk.b);
+      tk::tma::load_async(sm.sK + pn * BN * 128, kmap, *sm.kv_full, pn * 64, blk.n0, blk.hk, blk.b);
+      tk::tma::load_async(sm.sV + pn * BN * 128, vmap, *sm.kv_full, pn * 64, blk.n0, blk.hk, blk.b);
     }
     for (int it = 0; it < blk.steps; ++it) {
       const int mb = blk.mb(it), h = blk.head(it, p);
       const int s = it % STAGES;
-      bar_wait(&sm.q_empty[s], ((it / STAGES) & 1) ^ 1);
-      bar_expect_tx(&sm.q_full[s], 2 * K_::Q_BYTES + K_::STATS_BYTES);
+      tk::wait(sm.q_empty[s], ((it / STAGES) & 1) ^ 1);
+      tk::expect_bytes(sm.q_full[s], 2 * K_::Q_BYTES + K_::STATS_BYTES);
       load_stats<BM>(sm.sStats + s * 2 * BM, stats, blk.b * p.Hq + h, mb * BM, &sm.q_full[s]);
 #pragma unroll
       for (int pn = 0; pn < K_::PANELS; ++pn) {
-        tma_load_4d(sm.sQ + s * K_::Q_BYTES + pn * BM * 128, qmap, &sm.q_full[s], pn * 64, mb * BM, h, blk.b);
-        tma_load_4d(sm.sdO + s * K_::Q_BYTES + pn * BM * 128, domap, &sm.q_full[s], pn * 64, mb * BM, h, blk.b);
+        tk::tma::load_async(sm.sQ + s * K_::Q_BYTES + pn * BM * 128, qmap, sm.q_full[s], pn * 64, mb * BM, h, blk.b);
+        tk::tma::load_async(sm.sdO + s * K_::Q_BYTES + pn * BM * 128, domap, sm.q_full[s], pn * 64, mb * BM, h, blk.b);
       }
     }
   }
@@ -330,16 +322,16 @@ __device__ __forceinline__ void bwd_dq_reducer(const BwdSmem<K_>& sm, const BwdP
 #pragma unroll
     for (int c = 0; c < K_::NC; ++c) {
       const uint8_t* stage = sm.sdQ + c * K_::DQ_STAGE_BYTES;
-      bar_wait(&sm.dq_full[c], it & 1);
+      tk::wait(sm.dq_full[c], it & 1);
 #pragma unroll
       for (int bx = 0; bx < K_::DQ_BOXES; ++bx)
-        tma_reduce_add_3d(dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
-      bulk_commit();
-      bulk_wait_read();
-      bar_arrive(&sm.dq_empty[c]);
+        tk::tma::reduce_add_async(dqmap, stage + bx * 8192, K_::dq_col(c, bx), i0 + K_::dq_row(c), bh);
+      tk::tma::store_commit();
+      tk::tma::store_read_wait();
+      tk::arrive(sm.dq_empty[c]);
     }
   }
-  bulk_wait_all();
+  tk::tma::store_wait();
 }
 
 // The TMA maps of dK and dV (B, Hkv, M, D), boxes of 64 columns x 64 keys (store_dkdv).
@@ -357,27 +349,27 @@ __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParam
                                            int c, int tid, int j0, int col_in) {
   constexpr int TILE = 64 * D * 2;  // one consumer's dK (or dV), [D / 64 panels][64 keys][64]
   static_assert(K_::STAGES * K_::Q_BYTES >= K_::NC * TILE, "dK and dV tiles fit in the (Q, dO) ring");
-  named_bar_sync(5, K_::NC * 128);  // an id of its own
-  const uint32_t k_u = smem_u32(sm.sQ) + c * TILE, v_u = smem_u32(sm.sdO) + c * TILE;
+  tk::named_sync(5, K_::NC * 128);  // an id of its own
+  const uint32_t k_u = tk::smem_addr(sm.sQ) + c * TILE, v_u = tk::smem_addr(sm.sdO) + c * TILE;
   const int row_in = j0 - n0 - 64 * c;
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2)
 #pragma unroll
     for (int ch = 0; ch < D / 8; ++ch) {
       const uint32_t off = (ch / 8) * 64 * 128 + swz128(row_in + 8 * h2, 8 * (ch % 8) + col_in, 2);
-      st_shared(k_u + off, pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale));
-      st_shared(v_u + off, pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]));
+      tk::st_shared(k_u + off, pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale));
+      tk::st_shared(v_u + off, pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]));
     }
-  fence_async_smem();
-  named_bar_sync(3 + c, 128);
+  tk::fence_async_shared();
+  tk::named_sync(3 + c, 128);
   if (tid == 0) {
 #pragma unroll
     for (int pn = 0; pn < D / 64; ++pn) {
-      tma_store_4d(&maps.dk, sm.sQ + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
-      tma_store_4d(&maps.dv, sm.sdO + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
+      tk::tma::store_async(&maps.dk, sm.sQ + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
+      tk::tma::store_async(&maps.dv, sm.sdO + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
     }
-    bulk_commit();
-    bulk_wait_all();  // shared memory stays allocated until the stores have read it
+    tk::tma::store_commit();
+    tk::tma::store_wait();  // shared memory stays allocated until the stores have read it
   }
 }
 
@@ -397,7 +389,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
   // dQ staging: [NC][64 cols / 32][64 rows][32 fp32], 128-byte swizzle
   const BwdSmem<K_> sm(smem_raw);
   uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS;
-  uint64_t *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
+  tk::semaphore *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
   int b, hk, kb;
   decode_bwd_block(p, b, hk, kb);
@@ -422,14 +414,14 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
   }
 
   // ---------------- consumers ----------------
-  reg_alloc<240>();
+  tk::warpgroup::increase_registers<240>();
   const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
   const int j0 = n0 + 64 * c + row_in;  // this thread's keys: j0 and j0 + 8
-  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV), sQ_u = smem_u32(sQ), sdO_u = smem_u32(sdO);
-  const uint32_t sdS_u = smem_u32(sdS);
+  const uint32_t sK_u = tk::smem_addr(sK), sV_u = tk::smem_addr(sV), sQ_u = tk::smem_addr(sQ), sdO_u = tk::smem_addr(sdO);
+  const uint32_t sdS_u = tk::smem_addr(sdS);
 
   float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -442,24 +434,24 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
   // step `it_`, one commit group each.
   auto issue_s = [&](int it_, float (&st_)[BM / 2]) {
     const int s_ = it_ % STAGES;
-    bar_wait(&q_full[s_], (it_ / STAGES) & 1);
+    tk::wait(q_full[s_], (it_ / STAGES) & 1);
     const uint64_t ka = desc_kmajor(sK_u + c * 64 * 128), qb = desc_kmajor(sQ_u + s_ * K_::Q_BYTES);
-    wgmma_fence();
+    tk::warpgroup::mma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_op<T>::template ss<0, 0>(st_, kmajor_step(ka, kk, BN), kmajor_step(qb, kk, BM), kk > 0);
-    wgmma_commit();
+      tk::warpgroup::mma_ss<T, 0, 0>(st_, kmajor_step(ka, kk, BN), kmajor_step(qb, kk, BM), kk > 0);
+    tk::warpgroup::mma_commit();
   };
   auto issue_dp = [&](int it_, float (&dpt_)[BM / 2]) {
     const int s_ = it_ % STAGES;
     const uint64_t va = desc_kmajor(sV_u + c * 64 * 128), ob = desc_kmajor(sdO_u + s_ * K_::Q_BYTES);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_op<T>::template ss<0, 0>(dpt_, kmajor_step(va, kk, BN), kmajor_step(ob, kk, BM), kk > 0);
-    wgmma_commit();
+      tk::warpgroup::mma_ss<T, 0, 0>(dpt_, kmajor_step(va, kk, BN), kmajor_step(ob, kk, BM), kk > 0);
+    tk::warpgroup::mma_commit();
   };
 
-  bar_wait(kv_full, 0);
+  tk::wait(*kv_full, 0);
   float st[BM / 2], dpt[BM / 2];
   // One step (one streamed (Q, dO) tile), in three turns: [S^T, dP^T], [dV, dK], [dQ].
   // (head in the group, q block) of the step, advanced at its end: no division per step.
@@ -474,27 +466,27 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
 
     const float* lse_row = sm.sStats + s * 2 * BM;  // the step's lse2 and delta, in the ring stage
     const float* del_row = lse_row + BM;
-    bar_wait(&q_full[s], (it / STAGES) & 1);  // before the turn: not while holding it
+    tk::wait(q_full[s], (it / STAGES) & 1);  // before the turn: not while holding it
     Turn::take(c, [&] {
       issue_s(it, st);
       issue_dp(it, dpt);
     });
-    wgmma_wait<1>();
-    fence_regs(st);
+    tk::warpgroup::mma_async_wait<1>();
+    tk::warpgroup::hold(st);
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
     bwd_probs<BM>(st, lse_row, p, i0, j0, col_in, need_mask);
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
-    wgmma_wait<0>();
-    fence_regs(dpt);
+    tk::warpgroup::mma_async_wait<0>();
+    tk::warpgroup::hold(dpt);
     Turn::wait(c);
     // dV += P^T dO (dO is [query][d]: MN-major B operand)
     const uint64_t dob = desc_mnmajor(dos, BM * 128);
-    wgmma_fence();
+    tk::warpgroup::mma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
-    wgmma_commit();
+    for (int kk = 0; kk < BM / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
+    tk::warpgroup::mma_commit();
     StatsPairs del{del_row, col_in};
 #pragma unroll
     for (int ch = 0; ch < BM / 8; ++ch) {
@@ -507,43 +499,43 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(dsa[kk], dpt, kk);
     // dK += dS^T Q (fence: the A registers were written after the last fence)
     const uint64_t qsb = desc_mnmajor(qs, BM * 128);
-    wgmma_fence();
+    tk::warpgroup::mma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], mnmajor_step(qsb, kk), 1);
-    wgmma_commit();
+    for (int kk = 0; kk < BM / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(dk, dsa[kk], mnmajor_step(qsb, kk), 1);
+    tk::warpgroup::mma_commit();
 
     // dS^T to shared memory for dQ = dS K, into the buffer step it - 2's dQ read last (DS2: see Bwd).
     const uint32_t ds_off = (it & 1) * K_::DS_BYTES;
     store_ds<BM, K_::DS_PANEL>(sdS_u + ds_off, dsa, 64 * c + 16 * warp, lane);
-    fence_async_smem();
+    tk::fence_async_shared();
     // bar.arrive orders the dS^T stores before the other consumer's wait for its dQ turn
     Turn::pass(c);
     Turn::wait(c);
 
     // columns [64c, 64c+64) of dQ, contracting over all BN keys
     float dq[K_::DQ_COLS / 2];
-    wgmma_fence();
+    tk::warpgroup::mma_fence();
     const uint64_t dsa0 = desc_mnmajor(sdS_u + ds_off, BN * 128), kb0 = desc_mnmajor(sK_u + c * BN * 128, BN * 128);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      wgmma_op<T>::template ss<1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
-    wgmma_commit();
+      tk::warpgroup::mma_ss<T, 1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
+    tk::warpgroup::mma_commit();
     Turn::pass(c);
-    wgmma_wait<0>();
-    fence_regs(dq);
-    fence_regs(dk);
-    fence_regs(dv);
-    fence_regs(pa);
-    fence_regs(dsa);
+    tk::warpgroup::mma_async_wait<0>();
+    tk::warpgroup::hold(dq);
+    tk::warpgroup::hold(dk);
+    tk::warpgroup::hold(dv);
+    tk::warpgroup::hold(pa);
+    tk::warpgroup::hold(dsa);
     __syncwarp();
-    if (lane == 0) bar_arrive(&q_empty[s]);
+    if (lane == 0) tk::arrive(q_empty[s]);
     hand_over_dq<K_, K_::DQ_COLS>(sm, &dqmap, dq, it, c, tid, i0, bh);
     mb_it = mb_it + 1 < nqb ? mb_it + 1 : (++g_it, mb_start);
   };
   if (c == NC - 1) Turn::pass(c);  // consumer 0 takes the first turn
   for (int it = 0; it < steps; ++it) step(it);
   if (c == 0) Turn::wait(c);  // the last consumer's final hand-over
-  if (tid == 0) bulk_wait_all();
+  if (tid == 0) tk::tma::store_wait();
 
   store_dkdv<T, D, K_>(sm, p, dkv, dk, dv, b, hk, n0, c, tid, j0, col_in);
 }
@@ -596,7 +588,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
   // dQ staging: [NC][2 column halves][64 rows][32 fp32], 128-byte swizzle
   const BwdSmem<K_> sm(smem_raw);
   uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS;
-  uint64_t *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
+  tk::semaphore *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
   int b, hk, kb;
   decode_bwd_block(p, b, hk, kb);
@@ -622,20 +614,20 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
   }
 
   // ---------------- consumers ----------------
-  reg_alloc<240>();
+  tk::warpgroup::increase_registers<240>();
   const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
   const int j0 = n0 + 64 * c + row_in;  // this thread's keys: j0 and j0 + 8
-  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV), sQ_u = smem_u32(sQ), sdO_u = smem_u32(sdO);
-  const uint32_t sdS_u = smem_u32(sdS);
+  const uint32_t sK_u = tk::smem_addr(sK), sV_u = tk::smem_addr(sV), sQ_u = tk::smem_addr(sQ), sdO_u = tk::smem_addr(sdO);
+  const uint32_t sdS_u = tk::smem_addr(sdS);
 
   float dk[32], dv[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.f;
 
-  bar_wait(kv_full, 0);
+  tk::wait(*kv_full, 0);
   int g = 0, mb = mb_start;  // (head in the group, q block) of step it
   for (int it = 0; it < steps; ++it, mb = mb + 1 < nqb ? mb + 1 : (++g, mb_start)) {  // no division per step
     const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
@@ -647,24 +639,24 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
 
     // S^T = K_c Q^T and dP^T = V_c dO^T: 64 keys x 128 queries each.
     float st[BM / 2], dpt[BM / 2];
-    bar_wait(&q_full[s], (it / STAGES) & 1);
+    tk::wait(q_full[s], (it / STAGES) & 1);
     const uint64_t ka = desc_kmajor(sK_u + c * 64 * 128), qb = desc_kmajor(qs);
     const uint64_t va = desc_kmajor(sV_u + c * 64 * 128), ob = desc_kmajor(dos);
-    wgmma_fence();
+    tk::warpgroup::mma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma_op<T>::template ss<0, 0>(st, kmajor_step(ka, kk, BN), kmajor_step(qb, kk, BM), kk > 0);
-    wgmma_commit();
+      tk::warpgroup::mma_ss<T, 0, 0>(st, kmajor_step(ka, kk, BN), kmajor_step(qb, kk, BM), kk > 0);
+    tk::warpgroup::mma_commit();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma_op<T>::template ss<0, 0>(dpt, kmajor_step(va, kk, BN), kmajor_step(ob, kk, BM), kk > 0);
-    wgmma_commit();
-    wgmma_wait<1>();
-    fence_regs(st);
+      tk::warpgroup::mma_ss<T, 0, 0>(dpt, kmajor_step(va, kk, BN), kmajor_step(ob, kk, BM), kk > 0);
+    tk::warpgroup::mma_commit();
+    tk::warpgroup::mma_async_wait<1>();
+    tk::warpgroup::hold(st);
     const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
     bwd_probs<BM>(st, lse_row, p, i0, j0, col_in, need_mask);
-    wgmma_wait<0>();
-    fence_regs(dpt);
+    tk::warpgroup::mma_async_wait<0>();
+    tk::warpgroup::hold(dpt);
     // dS^T = P^T (dP^T - delta) in place, then dV += P^T dO and dK += dS^T Q
     // (dO and Q are [query][d]: MN-major B operands). Both A operands are
     // packed before the MMAs are issued: issuing dV first (to overlap the dS^T
@@ -684,42 +676,42 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
       acc_to_a<T>(dsa[kk], dpt, kk);
     }
     const uint64_t dob = desc_mnmajor(dos, BM * 128), qsb = desc_mnmajor(qs, BM * 128);
-    wgmma_fence();
+    tk::warpgroup::mma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_op<T>::template rs<1>(dk, dsa[kk], mnmajor_step(qsb, kk), 1);
-    wgmma_commit();
+    for (int kk = 0; kk < BM / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(dk, dsa[kk], mnmajor_step(qsb, kk), 1);
+    tk::warpgroup::mma_commit();
 
     // dS^T to buffer it % 2 ([query panel][key][query]). The buffer was last
     // read by step it - 2's dQ; both consumers finished that before arriving
     // at step it - 1's barrier, which this thread has passed.
     store_ds<BM, K_::DS_PANEL>(sdS_u + (it & 1) * K_::DS_BYTES, dsa, 64 * c + 16 * warp, lane);
-    fence_async_smem();
-    named_bar_sync(1, NC * 128);
+    tk::fence_async_shared();
+    tk::named_sync(1, NC * 128);
 
     // dQ rows [64c, 64c+64) of the tile = dS K over all BN keys: A = dS
     // (query-major panel c of dS^T), B = K (MN-major).
     float dq[32];
     const uint32_t ds_u = sdS_u + (it & 1) * K_::DS_BYTES + c * K_::DS_PANEL;
     const uint64_t dsa0 = desc_mnmajor(ds_u, K_::DS_PANEL), kb0 = desc_mnmajor(sK_u, BN * 128);
-    wgmma_fence();
+    tk::warpgroup::mma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      wgmma_op<T>::template ss<1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(dq);
-    fence_regs(dk);
-    fence_regs(dv);
-    fence_regs(pa);
-    fence_regs(dsa);
+      tk::warpgroup::mma_ss<T, 1, 1>(dq, mnmajor_step(dsa0, kk), mnmajor_step(kb0, kk), kk > 0);
+    tk::warpgroup::mma_commit();
+    tk::warpgroup::mma_async_wait<0>();
+    tk::warpgroup::hold(dq);
+    tk::warpgroup::hold(dk);
+    tk::warpgroup::hold(dv);
+    tk::warpgroup::hold(pa);
+    tk::warpgroup::hold(dsa);
     __syncwarp();
-    if (lane == 0) bar_arrive(&q_empty[s]);
+    if (lane == 0) tk::arrive(q_empty[s]);
 
     hand_over_dq<K_, 64>(sm, &dqmap, dq, it, c, tid, i0, bh);
   }
-  if (tid == 0) bulk_wait_all();
+  if (tid == 0) tk::tma::store_wait();
 
   store_dkdv<T, 64, K_>(sm, p, dkv, dk, dv, b, hk, n0, c, tid, j0, col_in);
 }

@@ -1,8 +1,6 @@
-// Low-level Hopper primitives for the attention kernels: mbarriers, TMA tile
-// loads, wgmma fences and shared-memory matrix descriptors, register-fragment
-// helpers. Torch-free. These mirror what csrc/include/tk provides; the kernels
-// keep their own copies so that they do not depend on the tile library's
-// in-progress API (see README.md here).
+// What the attention kernels add to the tile library (csrc/include/tk, whose primitives they use: semaphores, raw
+// TMA forms, wgmma, named barriers, register reallocation): the block schedule, their 64-column panel layout and its
+// wgmma descriptors, accumulator re-packing and stmatrix addressing, and the consumers' turns. Torch-free.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -10,9 +8,14 @@
 #include <cstdint>
 
 #include "tk/common.cuh"
+#include "tk/ops/thread/math.cuh"
+#include "tk/ops/thread/memory.cuh"
+#include "tk/ops/thread/tma.cuh"
 #include "tk/ops/warp/matrix.cuh"
 #include "tk/ops/warpgroup/descriptor.cuh"
-#include "wgmma.cuh"
+#include "tk/ops/warpgroup/mma.cuh"
+#include "tk/ops/warpgroup/registers.cuh"
+#include "tk/sync/semaphore.cuh"
 
 namespace tk_attn {
 
@@ -38,19 +41,6 @@ inline int section_heads(int64_t heads_total, int ranks, int64_t blocks, int64_t
   return static_cast<int>(h < 1 ? 1 : (h < heads_total ? h : heads_total));
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Shared-memory accesses by 32-bit shared address. Plain C++ accesses through the kernels' smem pointers compiled to
-// generic LD/ST (ptxas could not prove the address space), which queue on the global-memory (LG) path: ncu showed
-// the backward stalled on lg_throttle there.
-__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
-}
 // stmatrix .x4 (tk/ops/warp/matrix.cuh): one instruction stores what sixteen st.shared.b32 would; the backward's
 // consumers were stalled on the MIO queue behind their shared stores (ncu). This lane's address inside a block of
 // 16 rows x 32 bytes in acc_to_a's register order (the matrices at rows 0/8 x bytes 0/16): its row and byte column,
@@ -63,9 +53,7 @@ __device__ __forceinline__ int stsm_byte(int lane) { return 16 * (lane >> 4); }
 template <bool SHARED>
 __device__ __forceinline__ float2 load_pair(const float* p) {
   if constexpr (SHARED) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem_u32(p)));
-    return v;
+    return tk::ld_shared_v2(tk::smem_addr(p));
   } else {
     return *reinterpret_cast<const float2*>(p);
   }
@@ -74,131 +62,10 @@ __device__ __forceinline__ float2 load_pair(const float* p) {
 template <bool SHARED>
 __device__ __forceinline__ float4 load_quad(const float* p) {
   if constexpr (SHARED) {
-    float4 v;
-    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(smem_u32(p)));
-    return v;
+    return tk::ld_shared_v4(tk::smem_addr(p));
   } else {
     return *reinterpret_cast<const float4*>(p);
   }
-}
-
-// ---- mbarrier semaphores ---------------------------------------------------
-__device__ __forceinline__ void bar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// Waits until the phase with the given parity has completed. A fresh barrier
-// is in phase 0, so waiting on parity 1 returns at once (used for "empty"
-// barriers that start out free).
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// ---- TMA -----------------------------------------------------------------------
-// 2-D tiled bulk copy global -> shared.
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
-          smem_u32(dst)),
-      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-// 4-D tiled bulk copy global -> shared; rows outside the tensor read as zero.
-__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
-                                            int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(
-          smem_u32(dst)),
-      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
-}
-// 4-D tiled bulk copy shared -> global (a bulk group: bulk_commit, then bulk_wait_*); elements outside the tensor
-// are not written.
-__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(map),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
-}
-// Predicated forms (no branch: code that runs while a wgmma is in flight must not branch, or ptxas serializes it).
-__device__ __forceinline__ void tma_store_4d_if(bool pred, const CUtensorMap* map, const void* src, int c0, int c1,
-                                                int c2, int c3) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-      "@p cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n}\n" ::"l"(map),
-      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(int(pred))
-      : "memory");
-}
-__device__ __forceinline__ void bulk_commit_if(bool pred) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p cp.async.bulk.commit_group;\n}\n" ::"r"(int(pred)) : "memory");
-}
-__device__ __forceinline__ void bulk_wait_read_if(bool pred) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p cp.async.bulk.wait_group.read 0;\n}\n" ::"r"(int(pred))
-               : "memory");
-}
-__device__ __forceinline__ void st_global_if(bool pred, float* ptr, float v) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p st.global.f32 [%0], %1;\n}\n" ::"l"(ptr), "f"(v),
-               "r"(int(pred))
-               : "memory");
-}
-// 1/x and log2(x) by the MUFU alone (no range fix-up branches; x is a softmax row sum, >= 1).
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float lg2_approx(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-// Bulk tensor reduce-add shared -> global (fp32 add, done by the TMA unit).
-__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
-  asm volatile(
-      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(map),
-      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Wait until the issuing thread's bulk groups have finished reading shared memory.
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
-}
-
-// ---- wgmma -----------------------------------------------------------------------
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  static_assert(N >= 0 && N <= 7, "wgmma.wait_group takes 0..7");
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving accumulator reads/writes across an async wgmma.
-template <int K>
-__device__ __forceinline__ void fence_regs(float (&d)[K]) {
-#pragma unroll
-  for (int i = 0; i < K; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// The same for A-operand fragments: keeps them live (and unchanged) until here, while an async wgmma reads them.
-template <int KK>
-__device__ __forceinline__ void fence_regs(uint32_t (&a)[KK][4]) {
-#pragma unroll
-  for (int kk = 0; kk < KK; ++kk)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[kk][e])::"memory");
 }
 
 // Shared tiles are stored as column panels of 64 elements (128 bytes per row,
@@ -223,31 +90,6 @@ __device__ __forceinline__ uint64_t kmajor_step(uint64_t d, int k, int rows) {
 __device__ __forceinline__ uint64_t mnmajor_step(uint64_t d, int k) {
   return tk::desc::add(d, tk::desc::mnmajor_offset<128>(k));
 }
-template <typename T>
-struct wgmma_op;
-template <>
-struct wgmma_op<__nv_bfloat16> {
-  template <int TA, int TB, int K>
-  __device__ static void ss(float (&d)[K], uint64_t a, uint64_t b, int scale_d) {
-    wgmma_ss_bf16<TA, TB>(d, a, b, scale_d, Int<2 * K>{});
-  }
-  template <int TB, int K>
-  __device__ static void rs(float (&d)[K], const uint32_t (&a)[4], uint64_t b, int scale_d) {
-    wgmma_rs_bf16<TB>(d, a, b, scale_d, Int<2 * K>{});
-  }
-};
-template <>
-struct wgmma_op<__half> {
-  template <int TA, int TB, int K>
-  __device__ static void ss(float (&d)[K], uint64_t a, uint64_t b, int scale_d) {
-    wgmma_ss_f16<TA, TB>(d, a, b, scale_d, Int<2 * K>{});
-  }
-  template <int TB, int K>
-  __device__ static void rs(float (&d)[K], const uint32_t (&a)[4], uint64_t b, int scale_d) {
-    wgmma_rs_f16<TB>(d, a, b, scale_d, Int<2 * K>{});
-  }
-};
-
 // Two fp32 -> one packed 16-bit pair (low half = first element).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);
@@ -282,15 +124,6 @@ __device__ __forceinline__ uint32_t swz128(int row, int col, int elem_bytes) {
   return row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
 }
 
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// Arrive without waiting (the other side of a producer/consumer named barrier waits with named_bar_sync).
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // Turns at the tensor cores for NC consumer warpgroups (the forward's ping-pong, the backward's TURNS): consumer c
 // waits on named barrier FIRST + c, and passes the turn by arriving on the next consumer's (256 threads: the
 // waiter and the one handing over). ON = false: no-ops.
@@ -299,10 +132,10 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 template <bool ON, int FIRST, int NC>
 struct Turns {
   static __device__ __forceinline__ void wait(int c) {
-    if constexpr (ON) named_bar_sync(FIRST + c, 256);
+    if constexpr (ON) tk::named_sync(FIRST + c, 256);
   }
   static __device__ __forceinline__ void pass(int c) {
-    if constexpr (ON) named_bar_arrive(FIRST + (c + 1) % NC, 256);
+    if constexpr (ON) tk::named_arrive(FIRST + (c + 1) % NC, 256);
   }
   // One turn: wait, issue (the caller's wgmmas), pass.
   template <typename F>
@@ -312,14 +145,5 @@ struct Turns {
     pass(c);
   }
 };
-
-template <int R>
-__device__ __forceinline__ void reg_alloc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
-}
-template <int R>
-__device__ __forceinline__ void reg_dealloc() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
-}
 
 }  // namespace tk_attn

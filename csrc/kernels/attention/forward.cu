@@ -57,7 +57,7 @@ struct Fwd {
 template <class K_, bool SPLIT_EMPTY>
 struct FwdSmem {
   uint8_t *sQ, *sK, *sV, *sO;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice, [PANELS][BM][64] (ping-pong)
-  uint64_t *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
+  tk::semaphore *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
   // dynamic schedule: the task the producer hands the consumers with q_full (the barriers' last 8 bytes)
   __device__ __forceinline__ volatile int* task() const { return reinterpret_cast<volatile int*>(q_full + 31); }
   __device__ __forceinline__ explicit FwdSmem(uint8_t* raw) {
@@ -65,7 +65,7 @@ struct FwdSmem {
     sK = sQ + K_::Q_BYTES;
     sV = sK + K_::STAGES * K_::KV_BYTES;
     sO = sV + K_::STAGES * K_::KV_BYTES;
-    q_full = reinterpret_cast<uint64_t*>(sO + K_::O_BYTES);
+    q_full = reinterpret_cast<tk::semaphore*>(sO + K_::O_BYTES);
     q_empty = q_full + 1;
     k_full = q_full + 2;
     v_full = k_full + K_::STAGES;
@@ -75,15 +75,15 @@ struct FwdSmem {
   // Thread 0 initialises the barriers; then the block syncs.
   __device__ __forceinline__ void init() const {
     if (threadIdx.x == 0) {
-      bar_init(q_full, 1);
-      bar_init(q_empty, K_::NC * 4);  // one arrival per consumer warp
+      tk::init_semaphore(*q_full, 1);
+      tk::init_semaphore(*q_empty, K_::NC * 4);  // one arrival per consumer warp
       for (int s = 0; s < K_::STAGES; ++s) {
-        bar_init(&k_full[s], 1);
-        bar_init(&v_full[s], 1);
-        bar_init(&k_empty[s], K_::NC * 4);
-        if (SPLIT_EMPTY) bar_init(&v_empty[s], K_::NC * 4);
+        tk::init_semaphore(k_full[s], 1);
+        tk::init_semaphore(v_full[s], 1);
+        tk::init_semaphore(k_empty[s], K_::NC * 4);
+        if (SPLIT_EMPTY) tk::init_semaphore(v_empty[s], K_::NC * 4);
       }
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      tk::fence_semaphore_init();
     }
     __syncthreads();
   }
@@ -122,7 +122,7 @@ __device__ __forceinline__ unsigned dynamic_step(const FwdParams& p, int t) {
 // (the first task is blockIdx.x either way).
 template <class Smem>
 __device__ __forceinline__ unsigned consumer_step(const Smem& sm, int t, int ti) {
-  bar_wait(sm.q_full, ti & 1);
+  tk::wait(*sm.q_full, ti & 1);
   return unsigned(*sm.task() - t);
 }
 
@@ -135,35 +135,35 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, co
                                              const CUtensorMap* qmap, const CUtensorMap* kmap,
                                              const CUtensorMap* vmap, int tid) {
   constexpr int BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
-  reg_dealloc<K_::C::REG_PROD>();
+  tk::warpgroup::decrease_registers<K_::C::REG_PROD>();
   if (tid != 0) return;
-  tma_prefetch_desc(qmap);
-  tma_prefetch_desc(kmap);
-  tma_prefetch_desc(vmap);
+  tk::tma::prefetch_map(qmap);
+  tk::tma::prefetch_map(kmap);
+  tk::tma::prefetch_map(vmap);
   int it = 0, ti = 0;  // K/V blocks and tasks so far: they give the ring's and Q's barrier phases
   for (int t = blockIdx.x; t < p.tasks; t += DYN ? dynamic_step(p, t) : gridDim.x, ++ti) {
     int bh, qb;
     decode_task(p, t, bh, qb);
     const int b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
     const int m0 = qb * BM;
-    bar_wait(sm.q_empty, (ti & 1) ^ 1);
+    tk::wait(*sm.q_empty, (ti & 1) ^ 1);
     if constexpr (DYN) *sm.task() = t;
-    bar_expect_tx(sm.q_full, K_::Q_BYTES);
+    tk::expect_bytes(*sm.q_full, K_::Q_BYTES);
 #pragma unroll
-    for (int pn = 0; pn < PANELS; ++pn) tma_load_4d(sm.sQ + pn * BM * 128, qmap, sm.q_full, pn * 64, m0, h, b);
+    for (int pn = 0; pn < PANELS; ++pn) tk::tma::load_async(sm.sQ + pn * BM * 128, qmap, *sm.q_full, pn * 64, m0, h, b);
     const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
     const int nblk = (kv_end + BN - 1) / BN;
     // Key block j of K or V into stage s.
-    auto issue = [&](uint64_t* full, uint8_t* ring, const CUtensorMap* map, int s, int j) {
-      bar_expect_tx(&full[s], K_::KV_BYTES);
+    auto issue = [&](tk::semaphore* full, uint8_t* ring, const CUtensorMap* map, int s, int j) {
+      tk::expect_bytes(full[s], K_::KV_BYTES);
 #pragma unroll
       for (int pn = 0; pn < PANELS; ++pn)
-        tma_load_4d(ring + s * K_::KV_BYTES + pn * BN * 128, map, &full[s], pn * 64, j * BN, hk, b);
+        tk::tma::load_async(ring + s * K_::KV_BYTES + pn * BN * 128, map, full[s], pn * 64, j * BN, hk, b);
     };
     if constexpr (SPLIT_KV) {
-      auto load = [&](uint64_t* empty, uint64_t* full, uint8_t* ring, const CUtensorMap* map, int pos, int j) {
+      auto load = [&](tk::semaphore* empty, tk::semaphore* full, uint8_t* ring, const CUtensorMap* map, int pos, int j) {
         const int s = pos % STAGES;
-        bar_wait(&empty[s], ((pos / STAGES) & 1) ^ 1);
+        tk::wait(empty[s], ((pos / STAGES) & 1) ^ 1);
         issue(full, ring, map, s, j);
       };
       load(sm.k_empty, sm.k_full, sm.sK, kmap, it, 0);
@@ -175,16 +175,16 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, co
     } else {
       for (int j = 0; j < nblk; ++j, ++it) {
         const int s = it % STAGES;
-        bar_wait(&sm.k_empty[s], ((it / STAGES) & 1) ^ 1);
+        tk::wait(sm.k_empty[s], ((it / STAGES) & 1) ^ 1);
         issue(sm.k_full, sm.sK, kmap, s, j);
         issue(sm.v_full, sm.sV, vmap, s, j);
       }
     }
   }
   if constexpr (DYN) {  // no task left: once the consumers are done with the last Q, say so
-    bar_wait(sm.q_empty, (ti & 1) ^ 1);
+    tk::wait(*sm.q_empty, (ti & 1) ^ 1);
     *sm.task() = p.tasks;
-    bar_arrive(sm.q_full);
+    tk::arrive(*sm.q_full);
   }
 }
 
@@ -199,8 +199,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   const FwdSmem<K_, false> sm(smem_raw);
   uint8_t *sQ = sm.sQ, *sK = sm.sK, *sV = sm.sV;
-  uint64_t *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
-  uint64_t* kv_empty = sm.k_empty;
+  tk::semaphore *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
+  tk::semaphore* kv_empty = sm.k_empty;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   sm.init();
@@ -211,13 +211,13 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   }
 
   // ---------------- consumers ----------------
-  reg_alloc<Cfg::REG_CONS>();
+  tk::warpgroup::increase_registers<Cfg::REG_CONS>();
   const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;  // this thread's first row inside the warpgroup's 64
   const int col_in = 2 * (lane % 4);        // first column inside each 8-column chunk
-  const uint32_t sQ_u = smem_u32(sQ) + c * 64 * 128;
-  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV);
+  const uint32_t sQ_u = tk::smem_addr(sQ) + c * 64 * 128;
+  const uint32_t sK_u = tk::smem_addr(sK), sV_u = tk::smem_addr(sV);
 
   int it = 0, ti = 0;
   for (int t = blockIdx.x; t < p.tasks; t += DYN ? consumer_step(sm, t, ti + 1) : gridDim.x, ++ti) {
@@ -233,26 +233,26 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     for (int i = 0; i < K_::O_REGS; ++i) o[i] = 0.f;
     float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
 
-    bar_wait(q_full, ti & 1);
+    tk::wait(*q_full, ti & 1);
     for (int j = 0; j < nblk; ++j, ++it) {
       const int s = it % STAGES;
       const uint32_t ph = (it / STAGES) & 1;
       float sc[K_::S_REGS];
-      bar_wait(&k_full[s], ph);
+      tk::wait(k_full[s], ph);
       const uint64_t qa = desc_kmajor(sQ_u), kb = desc_kmajor(sK_u + s * K_::KV_BYTES);
-      wgmma_fence();
+      tk::warpgroup::mma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint64_t da = kmajor_step(qa, kk, BM);
         const uint64_t db = kmajor_step(kb, kk, BN);
-        wgmma_op<T>::template ss<0, 0>(sc, da, db, kk > 0);
+        tk::warpgroup::mma_ss<T, 0, 0>(sc, da, db, kk > 0);
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(sc);
+      tk::warpgroup::mma_commit();
+      tk::warpgroup::mma_async_wait<0>();
+      tk::warpgroup::hold(sc);
       if (j == nblk - 1) {  // Q is no longer read by this warp for this task
         __syncwarp();
-        if (lane == 0) bar_arrive(q_empty);
+        if (lane == 0) tk::arrive(*q_empty);
       }
 
       // Scores to the log2 domain; mask key tails and the causal upper triangle.
@@ -303,17 +303,17 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       uint32_t pa[BN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
-      bar_wait(&v_full[s], ph);
+      tk::wait(v_full[s], ph);
       const uint64_t vb = desc_mnmajor(sV_u + s * K_::KV_BYTES, BN * 128);
-      wgmma_fence();
+      tk::warpgroup::mma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) wgmma_op<T>::template rs<1>(o, pa[kk], mnmajor_step(vb, kk), 1);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(o);
-      fence_regs(pa);
+      for (int kk = 0; kk < BN / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(o, pa[kk], mnmajor_step(vb, kk), 1);
+      tk::warpgroup::mma_commit();
+      tk::warpgroup::mma_async_wait<0>();
+      tk::warpgroup::hold(o);
+      tk::warpgroup::hold(pa);
       __syncwarp();
-      if (lane == 0) bar_arrive(&kv_empty[s]);
+      if (lane == 0) tk::arrive(kv_empty[s]);
     }
 
     // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE.
@@ -347,21 +347,6 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 // S_{j+1} runs while PV_j is still in flight (intra-warpgroup overlap).
 // The max is kept on raw scores and folded into one FFMA per element, which
 // needs scale > 0 (the launcher sends other scales to the serial kernel).
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-// Lane 0 of the warp arrives; predicated, not branched, so that no branch
-// sits between a wgmma and its wait (ptxas would serialize the wgmmas).
-__device__ __forceinline__ void warp_arrive(uint64_t* bar, int lane) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.eq.u32 p, %1, 0;\n"
-      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(smem_u32(bar)),
-      "r"(lane)
-      : "memory");
-}
-
 template <typename T, typename Cfg>
 struct PP {
   using K_ = Fwd<T, Cfg>;
@@ -376,16 +361,16 @@ struct PP {
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint64_t da = kmajor_step(qa, kk, BM);
       const uint64_t db = kmajor_step(kb, kk, BN);
-      wgmma_op<T>::template ss<0, 0>(sc, da, db, kk > 0);
+      tk::warpgroup::mma_ss<T, 0, 0>(sc, da, db, kk > 0);
     }
-    wgmma_commit();
+    tk::warpgroup::mma_commit();
   }
   static __device__ __forceinline__ void issue_pv(float (&o)[K_::O_REGS], const uint32_t (&pa)[BN / 16][4],
                                                   uint32_t sV_s) {
     const uint64_t vb = desc_mnmajor(sV_s, BN * 128);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_op<T>::template rs<1>(o, pa[kk], mnmajor_step(vb, kk), 1);
-    wgmma_commit();
+    for (int kk = 0; kk < BN / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(o, pa[kk], mnmajor_step(vb, kk), 1);
+    tk::warpgroup::mma_commit();
   }
 
   // S (raw scores) -> P = exp2(S*scale_log2 - max*scale_log2) in place, with
@@ -413,7 +398,7 @@ struct PP {
       for (int ch = 0; ch < BN / 8; ++ch) m = fmaxf(m, fmaxf(sc[4 * ch + 2 * h2], sc[4 * ch + 2 * h2 + 1]));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      alpha[h2] = ex2((mx[h2] - m) * sl2);  // first block: ex2(-inf) = 0
+      alpha[h2] = tk::ex2_approx((mx[h2] - m) * sl2);  // first block: 2^-inf = 0
       mx[h2] = m;
       msc[h2] = m * sl2;
     }
@@ -423,7 +408,7 @@ struct PP {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = fmaf(sc[4 * ch + e], sl2, -msc[e >> 1]);
-        const float pe = ex2(x);
+        const float pe = tk::ex2_approx(x);
         sc[4 * ch + e] = pe;
         rs[e >> 1] += pe;
       }
@@ -445,7 +430,7 @@ struct PP {
     for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
   }
   // Keeps P alive (its registers are read by the in-flight PV wgmma) until here.
-  static __device__ __forceinline__ void hold(uint32_t (&pa)[BN / 16][4]) { fence_regs(pa); }
+  static __device__ __forceinline__ void hold(uint32_t (&pa)[BN / 16][4]) { tk::warpgroup::hold(pa); }
 };
 
 template <typename T, typename Cfg, bool DYN>
@@ -461,8 +446,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   // so the next K can land while V is still read by PV.
   const FwdSmem<K_, true> sm(smem_raw);
   uint8_t *sQ = sm.sQ, *sK = sm.sK, *sV = sm.sV;
-  uint64_t *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
-  uint64_t *k_empty = sm.k_empty, *v_empty = sm.v_empty;
+  tk::semaphore *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
+  tk::semaphore *k_empty = sm.k_empty, *v_empty = sm.v_empty;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   sm.init();
@@ -473,13 +458,13 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   }
 
   // ---------------- consumers ----------------
-  reg_alloc<Cfg::REG_CONS>();
+  tk::warpgroup::increase_registers<Cfg::REG_CONS>();
   const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
   const int warp = tid / 32, lane = tid % 32;
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
-  const uint32_t sQ_u = smem_u32(sQ) + c * 64 * 128;
-  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV);
+  const uint32_t sQ_u = tk::smem_addr(sQ) + c * 64 * 128;
+  const uint32_t sK_u = tk::smem_addr(sK), sV_u = tk::smem_addr(sV);
   const float sl2 = p.scale_log2;
   if (c == NC - 1) S::Turn::pass(c);  // warpgroup 0 takes the first turn
 
@@ -512,19 +497,19 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 
   // Round 0 of a task whose Q arrives with q_full's phase ti: S_0 issued on this warpgroup's turn ...
   auto round0_issue = [&](int ti) {
-    bar_wait(q_full, ti & 1);
+    tk::wait(*q_full, ti & 1);
     const int s = it % STAGES;
-    bar_wait(&k_full[s], (it / STAGES) & 1);
+    tk::wait(k_full[s], (it / STAGES) & 1);
     S::Turn::take(c, [&] {
-      wgmma_fence();
+      tk::warpgroup::mma_fence();
       S::issue_qk(sc, sQ_u, sK_u + s * K_::KV_BYTES);
     });
   };
   // ... and, once it is done, its softmax starts the task's statistics; O starts at zero.
   auto round0_finish = [&](const Task& k) {
-    wgmma_wait<0>();
-    fence_regs(sc);
-    warp_arrive(&k_empty[it % STAGES], lane);
+    tk::warpgroup::mma_async_wait<0>();
+    tk::warpgroup::hold(sc);
+    tk::warp::arrive(k_empty[it % STAGES]);
 #pragma unroll
     for (int i = 0; i < K_::O_REGS; ++i) o[i] = 0.f;
     mx[0] = mx[1] = -INFINITY;
@@ -542,21 +527,21 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       constexpr bool MASK = decltype(masked)::value;
       const int pos = it + j, pos1 = pos + 1;
       const int s = pos % STAGES, s1 = pos1 % STAGES;
-      bar_wait(&k_full[s1], (pos1 / STAGES) & 1);
-      bar_wait(&v_full[s], (pos / STAGES) & 1);
+      tk::wait(k_full[s1], (pos1 / STAGES) & 1);
+      tk::wait(v_full[s], (pos / STAGES) & 1);
       S::Turn::take(c, [&] {
-        wgmma_fence();
+        tk::warpgroup::mma_fence();
         S::issue_qk(sc, sQ_u, sK_u + s1 * K_::KV_BYTES);
         S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
       });
-      wgmma_wait<1>();
-      fence_regs(sc);
-      warp_arrive(&k_empty[s1], lane);
+      tk::warpgroup::mma_async_wait<1>();
+      tk::warpgroup::hold(sc);
+      tk::warp::arrive(k_empty[s1]);
       S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (j + 1) * BN, k.r0, col_in, p);
-      wgmma_wait<0>();
-      fence_regs(o);
+      tk::warpgroup::mma_async_wait<0>();
+      tk::warpgroup::hold(o);
       S::hold(pa);
-      warp_arrive(&v_empty[s], lane);
+      tk::warp::arrive(v_empty[s]);
       S::rescale(o, alpha);
       S::to_a(pa, sc);
     };
@@ -564,30 +549,30 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     for (int j = 0; j < split; ++j) round(j, std::false_type{});
     for (int j = split; j < k.nb - 1; ++j) round(j, std::true_type{});
     __syncwarp();
-    if (lane == 0) bar_arrive(q_empty);  // this warpgroup's last QK^T is done
+    if (lane == 0) tk::arrive(*q_empty);  // this warpgroup's last QK^T is done
     // Last round: PV_{nb-1}.
     {
       const int pos = it + k.nb - 1;
       const int s = pos % STAGES;
-      bar_wait(&v_full[s], (pos / STAGES) & 1);
+      tk::wait(v_full[s], (pos / STAGES) & 1);
       S::Turn::take(c, [&] {
-        wgmma_fence();
+        tk::warpgroup::mma_fence();
         S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
       });
-      wgmma_wait<0>();
-      fence_regs(o);
+      tk::warpgroup::mma_async_wait<0>();
+      tk::warpgroup::hold(o);
       S::hold(pa);
-      warp_arrive(&v_empty[s], lane);
+      tk::warp::arrive(v_empty[s]);
     }
     // Blocks fully masked for this warpgroup (causal): release their stages
     // once they have landed, and keep taking (empty) turns so every warpgroup
     // runs nblk + 1 rounds per task.
     for (int j = k.nb; j < k.nblk; ++j) {
       const int pos = it + j, s = pos % STAGES;
-      bar_wait(&k_full[s], (pos / STAGES) & 1);
-      warp_arrive(&k_empty[s], lane);
-      bar_wait(&v_full[s], (pos / STAGES) & 1);
-      warp_arrive(&v_empty[s], lane);
+      tk::wait(k_full[s], (pos / STAGES) & 1);
+      tk::warp::arrive(k_empty[s]);
+      tk::wait(v_full[s], (pos / STAGES) & 1);
+      tk::warp::arrive(v_empty[s]);
       S::Turn::wait(c);
       S::Turn::pass(c);
     }
@@ -598,30 +583,30 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   auto finish = [&](const Task& k) {
     const int b = k.bh / p.Hq, h = k.bh % p.Hq;
     // This warpgroup's rows of the O stage: free once its previous store has read them (named barrier 4 + c).
-    bulk_wait_read_if(tid == 0);
-    named_bar_sync(4 + c, 128);
+    tk::tma::store_read_wait_if(tid == 0);
+    tk::named_sync(4 + c, 128);
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       float l = sum[h2];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int row = k.r0 + 8 * h2;
-      const float inv = rcp_approx(l);
-      const uint32_t sO_u = smem_u32(sm.sO);
+      const float inv = tk::rcp_approx(l);
+      const uint32_t sO_u = tk::smem_addr(sm.sO);
 #pragma unroll
       for (int ch = 0; ch < D / 8; ++ch)
-        st_shared(sO_u + (ch / 8) * BM * 128 + swz128(64 * c + row_in + 8 * h2, 8 * (ch % 8) + col_in, 2),
+        tk::st_shared(sO_u + (ch / 8) * BM * 128 + swz128(64 * c + row_in + 8 * h2, 8 * (ch % 8) + col_in, 2),
                   pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv));
-      st_global_if(row < p.N && (lane & 3) == 0, p.lse + static_cast<int64_t>(k.bh) * p.N + row,
-                   (mx[h2] * sl2 + lg2_approx(l)) * 0.69314718055994531f);
+      tk::st_global_if(row < p.N && (lane & 3) == 0, p.lse + static_cast<int64_t>(k.bh) * p.N + row,
+                   (mx[h2] * sl2 + tk::lg2_approx(l)) * 0.69314718055994531f);
     }
-    fence_async_smem();  // the rows written above, visible to the TMA unit
-    named_bar_sync(4 + c, 128);
+    tk::fence_async_shared();  // the rows written above, visible to the TMA unit
+    tk::named_sync(4 + c, 128);
     const bool store = tid == 0 && k.m0 + 64 * c < p.N;
 #pragma unroll
     for (int pn = 0; pn < K_::PANELS; ++pn)
-      tma_store_4d_if(store, &omap, sm.sO + pn * BM * 128 + 64 * c * 128, pn * 64, k.m0 + 64 * c, h, b);
-    bulk_commit_if(store);
+      tk::tma::store_async_if(store, &omap, sm.sO + pn * BM * 128 + 64 * c * 128, pn * 64, k.m0 + 64 * c, h, b);
+    tk::tma::store_commit_if(store);
   };
 
   if constexpr (!Cfg::XTASK) {
@@ -657,7 +642,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     }
   }
   if (c == 0) S::Turn::wait(c);  // consume the last warpgroup's final hand-over
-  if (tid == 0) bulk_wait_all();  // the stores read shared memory until they are done
+  if (tid == 0) tk::tma::store_wait();  // the stores read shared memory until they are done
 }
 
 template <typename T, typename Cfg, bool DYN>

@@ -11,6 +11,7 @@
 #include "config.cuh"
 #include "tk/grid.cuh"
 #include "tk/ops/thread/cp_async.cuh"
+#include "tk/ops/thread/memory.cuh"
 
 namespace tk_layernorm {
 
@@ -20,18 +21,8 @@ using tk::cp_async16;
 using tk::cp_async4;
 using tk::cp_async_commit;
 using tk::cp_async_wait;
-
-__device__ __forceinline__ uint4 ld_shared16(uint32_t smem) {
-  uint4 q;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "r"(smem) : "memory");
-  return q;
-}
-
-__device__ __forceinline__ float ld_shared4(uint32_t smem) {
-  float f;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(f) : "r"(smem) : "memory");
-  return f;
-}
+using tk::ld_shared_f32;
+using tk::ld_shared_u4;
 
 // Dynamic shared memory laid out as [STAGES][ops][VECS][CHUNKS][BLOCK] 16-byte chunks, then (when
 // STATS and FIXED) [VECS][CHUNKS][BLOCK] chunks for a per-thread constant vector (the weight: shared memory
@@ -82,12 +73,12 @@ struct Staging {
     Pack8<E> p;
 #pragma unroll
     for (int c = 0; c < int(sizeof(E)) / 2; ++c) {
-      const uint4 q = ld_shared16(src + 16u * (c * S::BLOCK));
+      const uint4 q = ld_shared_u4(src + 16u * (c * S::BLOCK));
       p.w[4 * c] = q.x, p.w[4 * c + 1] = q.y, p.w[4 * c + 2] = q.z, p.w[4 * c + 3] = q.w;
     }
     return p;
   }
-  __device__ __forceinline__ float read_stat(int stage, int k) const { return ld_shared4(stat(stage, k)); }
+  __device__ __forceinline__ float read_stat(int stage, int k) const { return ld_shared_f32(stat(stage, k)); }
   __device__ __forceinline__ void copy_stat(int stage, int k, const float* src) const { cp_async4(stat(stage, k), src); }
 };
 

@@ -11,6 +11,7 @@
 
 #include "pack.cuh"
 #include "rotary.h"
+#include "tk/common.cuh"
 
 namespace tk_rotary {
 namespace {
@@ -25,12 +26,6 @@ struct Shape {
   int rows0;      // heads of operand 0
   int rows;       // heads of both operands
 };
-
-template <typename W>
-__device__ __forceinline__ void pin(W& w) {
-  if constexpr (sizeof(W) == 4) asm volatile("" : "+r"(w));
-  else asm volatile("" : "+h"(w));
-}
 
 // Register budget, the least that avoids spills: 80 at 4 heads in flight (768 threads/SM with 128 bytes of loads
 // each). The addresses of a batch's loads and stores take as many registers as its data. Mixed dtypes (fp32
@@ -98,16 +93,16 @@ __global__ void __launch_bounds__(kMaxTileThreads, (kOneSize<TI, TC, TO> ? 3 : 2
     }
   }
 
-  // Pair by pair; with one dtype throughout a head's results take its inputs' registers. The empty asm makes the
+  // Pair by pair; with one dtype throughout a head's results take its inputs' registers. tk::pin makes the
   // table words look redefined per head: otherwise the compiler hoists their unpacking to floats out of the head
   // loop (4x the registers) and spills.
   auto rotate = [&](const PI& xa, const PI& xb, PO& ya, PO& yb) {
 #pragma unroll
     for (int i = 0; i < PC::WORDS; ++i) {
-      pin(ca.w[i]);
-      pin(cb.w[i]);
-      pin(sa.w[i]);
-      pin(sb.w[i]);
+      tk::pin(ca.w[i]);
+      tk::pin(cb.w[i]);
+      tk::pin(sa.w[i]);
+      tk::pin(sb.w[i]);
     }
     if constexpr (VEC == 1) {  // NeoX only
       const float x1 = xa.get(0), x2 = xb.get(0);

@@ -31,11 +31,24 @@ template <int MNMajor, shared_tile ST> TK_DEVICE uint64_t descriptor(const ST& t
     constexpr uint64_t lbo = MNMajor ? uint64_t(ST::rows) * sw : 16;  // next column block along M/N; unused K-major
     return encode(smem_addr(t.data)) | encode(lbo) << 16 | encode(8 * sw) << 32 | mode << 62;
 }
+// Keeps the compiler from moving reads or writes of d across an asynchronous wgmma: an accumulator (rt<float, 16, N>
+// or its registers as a float array) or A-operand fragments (uint32_t[KK][4]), which a wgmma in flight still reads.
 template <class D> TK_DEVICE void fence_operand(D& d) {
+    if constexpr (std::is_array_v<D> && std::is_array_v<std::remove_extent_t<D>>) {
 #pragma unroll
-    for (int w = 0; w < D::width; ++w)
+        for (int kk = 0; kk < int(std::extent_v<D>); ++kk)
 #pragma unroll
-        for (int k = 0; k < 4; ++k) asm volatile("" : "+f"(d.tiles[0][w].data[k].x), "+f"(d.tiles[0][w].data[k].y)::"memory");
+            for (int e = 0; e < int(std::extent_v<D, 1>); ++e) asm volatile("" : "+r"(d[kk][e])::"memory");
+    } else if constexpr (std::is_array_v<D>) {
+#pragma unroll
+        for (int i = 0; i < int(std::extent_v<D>); ++i) asm volatile("" : "+f"(d[i])::"memory");
+    } else {
+#pragma unroll
+        for (int w = 0; w < D::width; ++w)
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                asm volatile("" : "+f"(d.tiles[0][w].data[k].x), "+f"(d.tiles[0][w].data[k].y)::"memory");
+    }
 }
 template <class D> constexpr bool is_acc = std::is_same_v<typename D::T, float> && D::rows == 16 && D::is_row;
 
@@ -90,9 +103,25 @@ template <register_tile D, shared_tile A, shared_tile B> TK_DEVICE void mm_AtBt(
 // Wait until at most N committed wgmma groups are in flight; pass the accumulators about to be
 // read so the compiler cannot move their uses above the wait.
 template <int N = 0, class... Ds> TK_DEVICE void mma_async_wait(Ds&... ds) {
+    static_assert(N >= 0 && N <= 7, "wgmma.wait_group takes 0..7");
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
     (detail::wgmma::fence_operand(ds), ...);
 }
+
+// The raw forms, for kernels that lay their operands out themselves (the attention kernels' 64-wide panels, with
+// tk::desc descriptors): one wgmma m64nNk16 into a warp's N/2 accumulator registers, A from shared memory (mma_ss,
+// TA/TB: 1 = that operand is MN-major) or from four packed registers (mma_rs). The caller fences, commits and waits
+// around a group of them (mma_fence, mma_commit, mma_async_wait) and holds its registers with hold().
+template <mma_scalar T, int TA, int TB, int K> TK_DEVICE void mma_ss(float (&d)[K], uint64_t a, uint64_t b, int scale_d) {
+    detail::wgmma::ptx<T, 2 * K>::template ss<TA, TB>(d, a, b, scale_d);
+}
+template <mma_scalar T, int TB, int K> TK_DEVICE void mma_rs(float (&d)[K], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+    detail::wgmma::ptx<T, 2 * K>::template rs<TB>(d, a, b, scale_d);
+}
+TK_DEVICE void mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+TK_DEVICE void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Registers an asynchronous wgmma reads or writes, pinned in place until here (detail::wgmma::fence_operand).
+template <class D> TK_DEVICE void hold(D& d) { detail::wgmma::fence_operand(d); }
 }  // namespace warpgroup
 
 }  // namespace tk
