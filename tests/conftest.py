@@ -16,7 +16,7 @@ _BEHAVIOUR_VARS = ("TK_INDUCTOR", "TK_INDUCTOR_OPS", "TK_INDUCTOR_STRICT", "TK_I
 
 def pytest_addoption(parser):
     parser.addoption("--fuzz", type=int, default=100, metavar="N",
-                     help="random configurations per kernel family in tests/test_fuzz_gpu.py (default 100)")
+                     help="random configurations per kernel family in tests/backend/test_fuzz_gpu.py (default 100)")
     parser.addoption("--fuzz-seed", type=int, default=0, metavar="S", help="the fuzz's base seed (default 0)")
 
 

@@ -1,6 +1,6 @@
 """Small linear-attention modules (Based / Hedgehog / plain) in the spellings users write.
 
-Used by tests/test_linear_attention.py (matching + reference-mode equivalence) and by benchmarks
+Used by tests/linear_attention/test_linear_attention.py (matching + reference-mode equivalence) and by benchmarks
 (as "torch-reference layers"). Layout inside the mixers is (B, H, N, d), as in the Based code.
 """
 from __future__ import annotations

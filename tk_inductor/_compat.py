@@ -57,7 +57,7 @@ def disable_split_scans(ir=None) -> bool:
     "list indices must be integers or slices, not NoneType"), failing the whole graph. Make every scan one block
     per row. The backend calls this before compiling a graph with a scan, and it stays on for the process:
     AOTAutograd compiles the backward graph later, outside the backend. It costs speed only on long scans of few
-    rows. tests/fake_cuda_inductor.py shows the failure and the fix without a GPU. Returns whether this call
+    rows. tests/backend/fake_cuda_inductor.py shows the failure and the fix without a GPU. Returns whether this call
     turned it on."""
     if ir is None:
         try:

@@ -196,7 +196,7 @@ def load(family: str, verbose: bool = False) -> Path:
 
 def load_folder(name: str, folder: str | Path, verbose: bool = False) -> Path:
     """Build and load an extra folder of `.cu` / `.cpp` sources exactly like a family (same flags, cache
-    and tk include path) without making it one: used for the unit-test kernels in tests/csrc."""
+    and tk include path) without making it one: used for the unit-test kernels in tests/tile/csrc."""
     folder = Path(folder).resolve()
     if name in families() or not any(folder.glob("*.cu")):
         raise BuildError(f"{name!r} is a family name, or {folder} holds no .cu sources")

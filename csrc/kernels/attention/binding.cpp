@@ -10,7 +10,7 @@
 #include <torch/library.h>
 
 #include "attention.h"
-#include "tk/host/operand.h"
+#include "binding/operand.h"
 
 namespace {
 
@@ -75,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
                                              bool causal, double scale) {
   const DType dt = check_inputs(q_in, k_in, v_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = tk::host::rows16(q_in), k = tk::host::rows16(k_in), v = tk::host::rows16(v_in);
+  const at::Tensor q = binding::rows16(q_in), k = binding::rows16(k_in), v = binding::rows16(v_in);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
   // (B, N, H, D) buffer viewed as (B, H, N, D), as FlashAttention returns it.
   at::Tensor o = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
@@ -113,9 +113,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                   lse_in.size(1) == q_in.size(1) && lse_in.size(2) == q_in.size(2),
               "tk_cuda::attention_backward: lse must be float32 (B, Hq, N)");
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = tk::host::rows16(q_in), k = tk::host::rows16(k_in), v = tk::host::rows16(v_in);
-  const at::Tensor dout = tk::host::rows16(grad_o);
-  const at::Tensor o = tk::host::rows16(o_in);  // the pre-kernel reads o and grad_o in 16-byte rows
+  const at::Tensor q = binding::rows16(q_in), k = binding::rows16(k_in), v = binding::rows16(v_in);
+  const at::Tensor dout = binding::rows16(grad_o);
+  const at::Tensor o = binding::rows16(o_in);  // the pre-kernel reads o and grad_o in 16-byte rows
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor dq = grad_like(q_in), dk = grad_like(k_in), dv = grad_like(v_in);
   const View4 qv = view(q);

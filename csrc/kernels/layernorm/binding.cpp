@@ -12,7 +12,7 @@
 #include <tuple>
 
 #include "layernorm.h"
-#include "tk/host/operand.h"
+#include "binding/operand.h"
 
 namespace {
 
@@ -30,8 +30,8 @@ tk_layernorm::DType dtype_of(at::ScalarType t) {
 
 const void* ptr_or_null(const OptTensor& t) { return t && t->defined() ? t->data_ptr() : nullptr; }
 bool present(const OptTensor& t) { return t && t->defined(); }
-// The kernels read row-major operands on 16-byte aligned bases: any other is copied (tk/host/operand.h).
-OptTensor contig(const OptTensor& t) { return present(t) ? OptTensor(tk::host::dense(*t)) : t; }
+// The kernels read row-major operands on 16-byte aligned bases: any other is copied (binding/operand.h).
+OptTensor contig(const OptTensor& t) { return present(t) ? OptTensor(binding::dense(*t)) : t; }
 
 void check_operand(const OptTensor& t, const Tensor& x, int64_t numel, const char* name) {
   if (!present(t)) return;
@@ -92,7 +92,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm(const Tensor& x_in,
                                                              bool stats, std::optional<at::ScalarType> out_dtype,
                                                              const OptTensor& gate_in) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() >= 1, "tk_cuda::layernorm: x must be a CUDA tensor");
-  const Tensor x = tk::host::dense(x_in);
+  const Tensor x = binding::dense(x_in);
   const OptTensor residual = contig(residual_in), weight = contig(weight_in), bias = contig(bias_in);
   const OptTensor gate = contig(gate_in);
   const int64_t hidden = x.size(-1);
@@ -153,7 +153,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward(
     const Tensor& rstd_in, const Tensor& rng, double p, bool rms, bool has_bias, std::optional<at::ScalarType> x_dtype,
     const OptTensor& dy2_in, const OptTensor& dy3_in, const OptTensor& gate_in) {
   TORCH_CHECK(h_in.is_cuda() && h_in.dim() >= 1, "tk_cuda::layernorm_backward: h must be a CUDA tensor");
-  const Tensor dy = tk::host::dense(dy_in), h = tk::host::dense(h_in);
+  const Tensor dy = binding::dense(dy_in), h = binding::dense(h_in);
   const Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
   const OptTensor dh = contig(dh_in), weight = contig(weight_in), dy2 = contig(dy2_in), dy3 = contig(dy3_in);
   const OptTensor gate = contig(gate_in);

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "linear_attention.h"
-#include "tk/host/operand.h"
+#include "binding/operand.h"
 
 namespace {
 
@@ -52,7 +52,7 @@ Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, c10::
   const c10::cuda::CUDAGuard guard(q.device());
   Tensor o = at::empty(v.sizes(), v.options());
   if (o.numel() == 0) return o;
-  const Tensor qq = tk::host::rows16(q), kk = tk::host::rows16(k), vv = tk::host::rows16(v);
+  const Tensor qq = binding::rows16(q), kk = binding::rows16(k), vv = binding::rows16(v);
   la::BasedArgs a{};
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.o = o.data_ptr();
@@ -79,7 +79,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   // the absent weight gradients: two empty tensors (a custom op's outputs must not alias one another)
   const auto none = [&] { return at::empty({0}, q.options()); };
   if (v.numel() == 0) return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none(), none()};
-  const Tensor qq = tk::host::rows16(q), kk = tk::host::rows16(k), vv = tk::host::rows16(v);
+  const Tensor qq = binding::rows16(q), kk = binding::rows16(k), vv = binding::rows16(v);
   const Tensor dout = grad_o.to(at::kBFloat16).contiguous();
   const Tensor ob = normalize ? o.to(at::kBFloat16).contiguous() : Tensor();  // only the delta kernel reads it
   Tensor delta = normalize ? at::empty({q.size(0), q.size(1), q.size(2)}, f32) : Tensor();  // the launch fills it

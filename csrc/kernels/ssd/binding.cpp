@@ -13,13 +13,13 @@
 #include <tuple>
 
 #include "ssd.h"
-#include "tk/host/operand.h"
+#include "binding/operand.h"
 
 namespace {
 
 using at::Tensor;
 
-Tensor as(const Tensor& t, at::ScalarType dtype) { return tk::host::dense(t.to(dtype)); }
+Tensor as(const Tensor& t, at::ScalarType dtype) { return binding::dense(t.to(dtype)); }
 
 // The checks both ops share; `op` names the raw op in the messages.
 void check_inputs(const char* op, const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B,

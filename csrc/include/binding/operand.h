@@ -1,12 +1,13 @@
 #pragma once
-// Host side of the bindings: operands in a form the kernels' 16-byte loads (vectors, cp.async, TMA) can read.
-// Any tensor a user can pass is accepted; one the kernels cannot read in place is copied once.
+// Host side of the bindings, on torch tensors (the tile library under tk/ is device code and torch-free): operands in
+// a form the kernels' 16-byte loads (vectors, cp.async, TMA) can read. Any tensor a user can pass is accepted; one
+// the kernels cannot read in place is copied once.
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
-namespace tk::host {
+namespace binding {
 
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
@@ -27,4 +28,4 @@ inline at::Tensor rows16(const at::Tensor& t) {
   return ok ? t : dense(t);
 }
 
-}  // namespace tk::host
+}  // namespace binding

@@ -224,7 +224,7 @@ def test_a_stopped_run_leaves_no_e2e_child(tmp_path):
         "sys.argv = ['benchmarks', '--ops', 'none', '--e2e', '--models', 'based', '--modes', 'eager',"
         f" '--out', {str(tmp_path / 'out')!r}]\n"
         "runpy.run_module('benchmarks', run_name='__main__')\n")
-    proc = subprocess.Popen([sys.executable, "-c", runner], cwd=os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", runner], cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     deadline = time.time() + 60
     while not pid_file.exists() or not pid_file.read_text():
         assert time.time() < deadline and proc.poll() is None, "the child never started"

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: models_linear
 
 import tk_inductor  # noqa: E402
 from tk_inductor import config, rewrite  # noqa: E402

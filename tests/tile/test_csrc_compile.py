@@ -1,4 +1,4 @@
-"""Every CUDA source (csrc/kernels/*/*.cu and the unit-test kernels in tests/csrc) compiles for sm_90a
+"""Every CUDA source (csrc/kernels/*/*.cu and the unit-test kernels in tests/tile/csrc) compiles for sm_90a
 with the installed nvcc, torch-free (`-c`), warning-free: the CUDA code never breaks silently.
 Skips only when no CUDA toolkit is found. Files compile in parallel, once per session."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 from tk_inductor import build
 
-REPO = Path(__file__).resolve().parent.parent
-SOURCES = sorted([*build.KERNELS.glob("*/*.cu"), *(REPO / "tests" / "csrc").glob("*.cu")])
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = sorted([*build.KERNELS.glob("*/*.cu"), *(REPO / "tests" / "tile" / "csrc").glob("*.cu")])
 # The build's own nvcc flags minus debug info (not needed to prove the code compiles).
 FLAGS = [f for f in build.NVCC_FLAGS if f != "-lineinfo"]
 
@@ -39,7 +39,7 @@ def results() -> dict[Path, tuple[int, str]]:
 
 def test_sources_found():
     assert any(p.parent.name == "gemm" for p in SOURCES), "the gemm kernel sources are missing"
-    assert (REPO / "tests" / "csrc" / "tile_tests.cu") in SOURCES
+    assert (REPO / "tests" / "tile" / "csrc" / "tile_tests.cu") in SOURCES
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=[str(p.relative_to(REPO)) for p in SOURCES])

@@ -1,6 +1,6 @@
-"""Inductor's CUDA code generation on a machine without a GPU, for one scan graph (used by tests/test_compat.py).
+"""Inductor's CUDA code generation on a machine without a GPU, for one scan graph (used by tests/backend/test_compat.py).
 
-    python tests/fake_cuda_inductor.py [--no-split-scans]
+    python tests/backend/fake_cuda_inductor.py [--no-split-scans]
 
 Fakes what Inductor asks of the device (an H200's properties, a Triton target) and stops when Inductor loads the
 generated module, which needs the driver. Prints one JSON line: {"codegen": "ok" | "failed" | "harness",

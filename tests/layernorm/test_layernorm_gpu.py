@@ -1,4 +1,4 @@
-"""GPU tests of the layernorm and rotary kernels against their PyTorch references.
+"""GPU tests of the layernorm kernels against their PyTorch references.
 
 Outputs are poisoned before each kernel call: NaN-filled blocks of the outputs' sizes are freed
 into the caching allocator right before the op allocates, so elements a kernel fails to write
@@ -10,9 +10,7 @@ import math
 import pytest
 import torch
 
-import tk_inductor
 import tk_inductor.ops.layernorm as ln_ops
-import tk_inductor.ops.rotary as rot_ops
 from tk_inductor import build
 from tk_inductor.ops import philox
 
@@ -26,7 +24,7 @@ HIDDEN = [8, 136, 256, 520, 1024, 1032, 2048, 3000, 4096, 5000, 6144, 8192, 1638
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
-    for family in ("layernorm", "rotary"):
+    for family in ("layernorm",):
         build.load(family)
 
 
@@ -165,50 +163,6 @@ def test_layernorm_backward_sums_dy(dtypes, hidden, terms):
             assert rel_err(a, e) < TOL[y_dtype] * (4 if name == "dw" else 1), name
 
 
-def test_compiled_norm_and_rotary_call_the_cuda_ops(monkeypatch):
-    """The post-grad pass points the compiled graphs at tk_cuda:: (no Python per call) and folds the gradient sum
-    of a norm feeding two matmuls into its backward; results match eager autocast."""
-    from torch._inductor import config as inductor_config
-
-    seen = []
-
-    def spy(graph):
-        seen.append({str(n.target) for n in graph.nodes if n.op == "call_function"})
-
-    g = torch.Generator(device="cuda").manual_seed(7)
-    x = torch.randn(4, 256, 512, generator=g, device="cuda").bfloat16().requires_grad_()
-    r = torch.randn(4, 256, 512, generator=g, device="cuda").requires_grad_()
-    w = torch.randn(512, generator=g, device="cuda").requires_grad_()
-    a, b = (torch.randn(512, 512, generator=g, device="cuda").requires_grad_() for _ in range(2))
-    cos, sin = torch.randn(256, 64, device="cuda"), torch.randn(256, 64, device="cuda")
-
-    def f(x, r, w, a, b):
-        h = r + x
-        v = h.float()
-        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
-        y = w * v.to(h.dtype)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            q = (y @ a).view(4, 256, 8, 64).transpose(1, 2)
-            q = q * cos + torch.cat((-q[..., 32:], q[..., :32]), -1) * sin
-            return q, y @ b, h
-
-    with inductor_config.patch(post_grad_custom_post_pass=spy):
-        compiled = torch.compile(f, backend="thunderkittens")
-        outs = compiled(x, r, w, a, b)
-        grads = torch.autograd.grad([o.float().sum() for o in outs], (x, r, w, a, b))
-    report = str(tk_inductor.report())
-    assert "layernorm" in report and "rotary" in report, report
-    forward, backward = seen[0], seen[-1]
-    assert "tk_cuda.layernorm.default" in forward and "tk_cuda.rotary.default" in forward, forward
-    assert "tk_cuda.layernorm_backward.default" in backward and "tk.layernorm_backward.default" not in backward
-    eager = f(x, r, w, a, b)
-    ref = torch.autograd.grad([o.float().sum() for o in eager], (x, r, w, a, b))
-    for o, e in zip(outs, eager):
-        assert o.dtype == e.dtype and rel_err(o, e) < 2e-2
-    for gr, e in zip(grads, ref):
-        assert gr.dtype == e.dtype and rel_err(gr, e) < 2e-2
-
-
 def test_layernorm_mixed_autograd():
     """fp32 residual stream, bf16 branch output, fp32 weight, output cast to bf16: gradients in each input's dtype."""
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -317,131 +271,3 @@ def test_dropout_autograd_end_to_end():
     ex, er, ew = torch.autograd.grad(loss_e, (x, r, w))
     for a, e in ((gx, ex), (gr, er), (gw, ew)):
         assert rel_err(a, e) < 1e-4
-
-
-# ---------------------------------------------------------------------------- rotary
-
-def _rot_inputs(B, H, N, D, rd, dtype, layout, general, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g, device="cuda").to(dtype)
-    if layout == "BNHD":
-        q = mk(B, N, H, D).transpose(1, 2)
-        k = mk(B, N, max(1, H // 2), D).transpose(1, 2)
-    else:
-        q = mk(B, H, N, D)
-        k = mk(B, max(1, H // 2), N, D)
-    if general:
-        cos, sin = mk(B, N, rd), mk(B, N, rd)
-    else:
-        ang = torch.rand(B, N, rd // 2, generator=g, device="cuda") * 6.3
-        ang = torch.cat((ang, ang), -1)
-        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-    return q, k, cos.unsqueeze(1), sin.unsqueeze(1)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("layout", ["BHND", "BNHD"])
-@pytest.mark.parametrize("D, rd", [(128, 128), (64, 64), (128, 32), (80, 40), (20, 12), (18, 10)])
-def test_rotary(dtype, interleaved, layout, D, rd):
-    B, H, N = 2, 4, 37
-    for general in (False, True):
-        q, k, cos, sin = _rot_inputs(B, H, N, D, rd, dtype, layout, general)
-        for backward in (False, True):
-            for contiguous in (False, True):
-                poison((tuple(q.shape), dtype), (tuple(k.shape), dtype))
-                qo, ko = torch.ops.tk.rotary(q, k, cos, sin, interleaved, backward, contiguous)
-                qe, ke = rot_ops.reference(q, k, cos, sin, interleaved, backward, contiguous)
-                assert qo.stride() == qe.stride() and ko.stride() == ke.stride()
-                assert rel_err(qo, qe) < TOL[dtype] and rel_err(ko, ke) < TOL[dtype]
-                # pass-through channels are copied exactly
-                assert torch.equal(qo[..., rd:], q[..., rd:])
-
-
-# (x, cos/sin, y) dtypes beside one dtype throughout: fp32 tables on 16-bit x writing the promoted fp32 result or
-# its cast back, and the backward of the promoted forward (fp32 gradients, 16-bit input gradients).
-MIXED = [(torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.float32, torch.bfloat16),
-         (torch.float16, torch.float32, torch.float32), (torch.float16, torch.float32, torch.float16),
-         (torch.float32, torch.float32, torch.bfloat16), (torch.float32, torch.float32, torch.float16)]
-
-
-@pytest.mark.parametrize("x_dtype, table_dtype, out_dtype", MIXED)
-@pytest.mark.parametrize("layout", ["BHND", "BNHD"])
-def test_rotary_mixed_dtypes(x_dtype, table_dtype, out_dtype, layout):
-    assert rot_ops.kernel_supports(x_dtype, table_dtype, out_dtype)
-    for D, rd in ((128, 128), (128, 32), (80, 40), (18, 10)):
-        q, k, _, _ = _rot_inputs(2, 5, 37, D, rd, x_dtype, layout, True)
-        _, _, cos, sin = _rot_inputs(2, 5, 37, D, rd, table_dtype, layout, True, seed=1)
-        for interleaved in (False, True):
-            for backward in (False, True):
-                poison((tuple(q.shape), out_dtype), (tuple(k.shape), out_dtype))
-                qo, ko = torch.ops.tk.rotary(q, k, cos, sin, interleaved, backward, False, out_dtype)
-                qe, ke = rot_ops.reference(q, k, cos, sin, interleaved, backward, False, out_dtype)
-                case = (D, rd, interleaved, backward)
-                assert qo.dtype == ko.dtype == out_dtype, case
-                assert rel_err(qo, qe) < TOL[out_dtype] and rel_err(ko, ke) < TOL[out_dtype], case
-                assert torch.equal(qo[..., rd:], q[..., rd:].to(out_dtype)), case
-
-
-def test_rotary_per_head_tables_and_wide_heads():
-    """Shapes the tile kernel leaves to the row kernel: tables that vary over heads, very wide heads."""
-    for dtype, table_dtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)):
-        g = torch.Generator(device="cuda").manual_seed(3)
-        q = torch.randn(2, 4, 33, 64, generator=g, device="cuda").to(dtype)
-        cos = torch.randn(2, 4, 33, 64, generator=g, device="cuda").to(table_dtype)
-        sin = torch.randn(2, 4, 33, 64, generator=g, device="cuda").to(table_dtype)
-        for backward in (False, True):
-            qo, _ = torch.ops.tk.rotary(q, None, cos, sin, False, backward, False)
-            qe, _ = rot_ops.reference(q, None, cos, sin, False, backward, False)
-            assert rel_err(qo, qe) < TOL[qo.dtype]
-        wide = torch.randn(1, 2, 3, 8192, generator=g, device="cuda").to(dtype)
-        wc = torch.randn(1, 1, 3, 8192, generator=g, device="cuda").to(table_dtype)
-        qo, _ = torch.ops.tk.rotary(wide, None, wc, wc, True, False, False)
-        qe, _ = rot_ops.reference(wide, None, wc, wc, True, False, False)
-        assert rel_err(qo, qe) < TOL[qo.dtype]
-
-
-def test_rotary_single_and_autograd():
-    q, k, cos, sin = _rot_inputs(2, 8, 129, 128, 128, torch.bfloat16, "BNHD", False)
-    q = q.detach().requires_grad_()
-    k = k.detach().requires_grad_()
-    qo, ko = torch.ops.tk.rotary(q, k, cos, sin, False, False, False)
-    g1, g2 = torch.randn_like(qo), torch.randn_like(ko)
-    dq, dk = torch.autograd.grad((qo * g1).sum() + (ko * g2).sum(), (q, k))
-    eq, ek = rot_ops.reference(g1, g2, cos, sin, False, True, False)
-    assert rel_err(dq, eq) < 1e-2 and rel_err(dk, ek) < 1e-2
-    only_q = torch.ops.tk.rotary(q, None, cos, sin, False, False, False)
-    assert only_q[1].numel() == 0 and torch.equal(only_q[0], qo)
-
-
-def test_tiny_models_compiled_equal_eager():
-    transformers = pytest.importorskip("transformers")
-    # the matchers live in patterns/, importable as tk_inductor.patterns once the package is installed
-    pytest.importorskip("tk_inductor.patterns", reason="tk_inductor not installed (pip install -e .)")
-    import tk_inductor
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=512, vocab_size=256, max_position_embeddings=256)
-    gpt = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    for model, families in ((transformers.LlamaModel(cfg), ("layernorm", "rotary")), (transformers.GPT2Model(gpt), ("layernorm",))):
-        model = model.cuda().float()
-        ids = torch.randint(0, 256, (2, 100), device="cuda")
-        tk_inductor.reset()
-        torch._dynamo.reset()
-        # the backend function itself: works whether or not the package's entry points are installed
-        c = torch.compile(model, backend=tk_inductor.thunderkittens, options={"ops": ["layernorm", "rotary"], "inner": "aot_eager"})
-        out = c(input_ids=ids).last_hidden_state
-        ref = model(input_ids=ids).last_hidden_state
-        assert rel_err(out, ref) < 1e-4
-        rep = tk_inductor.report()
-        for f in families:
-            assert rep.replaced.get(f), str(rep)
-        params = [p for p in model.parameters() if p.requires_grad]
-        w = torch.randn_like(out)
-        ga = torch.autograd.grad((out * w).sum(), params, allow_unused=True)
-        gb = torch.autograd.grad((ref * w).sum(), params, allow_unused=True)
-        for a, b in zip(ga, gb):
-            if a is not None and b is not None and b.norm() > 0:
-                assert rel_err(a, b) < 1e-3

@@ -1,4 +1,4 @@
-"""GPU unit tests of the tile library (csrc/include/tk) through the test kernels in tests/csrc,
+"""GPU unit tests of the tile library (csrc/include/tk) through the test kernels in tests/tile/csrc,
 and of the LCSF GEMM (tk::gemm), each against PyTorch on random data with odd tile counts and tails."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 R, C = 32, 48  # the register tile of the tile_op kernel: 2 x 3 base tiles
 REG_DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 
@@ -24,7 +24,7 @@ REG_DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 def lib():
     from tk_inductor import build
 
-    build.load_folder("tile_tests", REPO / "tests" / "csrc")
+    build.load_folder("tile_tests", REPO / "tests" / "tile" / "csrc")
     return torch.ops.tk_tile_tests
 
 
@@ -208,7 +208,7 @@ def bank_conflicts(tmp_path) -> dict[str, dict[str, float]]:
     if ncu is None:
         pytest.skip("ncu (Nsight Compute) is not installed")
     script = tmp_path / "ncu_target.py"
-    script.write_text(_NCU_SCRIPT.format(repo=str(REPO), csrc=str(REPO / "tests" / "csrc")))
+    script.write_text(_NCU_SCRIPT.format(repo=str(REPO), csrc=str(REPO / "tests" / "tile" / "csrc")))
     cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:smem_load_kernel", "--metrics", NCU_METRICS, "--csv",
            sys.executable, str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())

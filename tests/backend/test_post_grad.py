@@ -1,5 +1,5 @@
 """The post-grad pass (tk_inductor/post_grad.py) on the CPU, in reference mode: gradient sums folded into the
-layernorm backward; no direct kernel calls without CUDA. The GPU half is in test_norm_rotary_gpu.py."""
+layernorm backward; no direct kernel calls without CUDA. The GPU half is in test_compiled_gpu.py."""
 from __future__ import annotations
 
 import pytest

@@ -87,7 +87,7 @@ def test_graph_has_scan():
 @pytest.mark.parametrize("no_split_scans", [False, True])
 def test_split_scan_codegen_without_a_gpu(no_split_scans, tmp_path):
     """Inductor's CUDA code generation for HF Mamba2's scan over a strided axis, on this machine with the device
-    faked (tests/fake_cuda_inductor.py): torch 2.11 and 2.14 fail in the split-scan kernel; with split scans off
+    faked (tests/backend/fake_cuda_inductor.py): torch 2.11 and 2.14 fail in the split-scan kernel; with split scans off
     the code is generated, with a one-block scan."""
     import json
     import os
