@@ -84,22 +84,25 @@ def build_command(args) -> int:
     if not wanted:
         print(f"tk_inductor build: no kernel sources under {build.KERNELS}")
         return 0
-    print(f"building {len(wanted)} kernel famil{'y' if len(wanted) == 1 else 'ies'} into {build.cache_dir()}", flush=True)
+    workers = build.build_workers(len(wanted))
+    print(f"building {len(wanted)} kernel famil{'y' if len(wanted) == 1 else 'ies'} into {build.cache_dir()}"
+          + (f", {workers} at a time" if workers > 1 else ""), flush=True)
     failed = []
     total = time.time()
-    for i, family in enumerate(wanted, 1):
-        prefix = f"[{i}/{len(wanted)}] {family:<17}"
-        print(f"{prefix}...", flush=True)
-        start = time.time()
-        cached = build.is_built(family)
-        try:
-            build.load(family, verbose=args.verbose)
-        except build.BuildError as exc:
+    done = 0
+
+    def report(family: str, error: str | None, seconds: float, cached: bool) -> None:
+        nonlocal done
+        done += 1
+        prefix = f"[{done}/{len(wanted)}] {family:<17}"
+        if error is not None:
             failed.append(family)
-            detail = str(exc) if args.verbose else str(exc).strip().splitlines()[0][:300]
-            print(f"{prefix}FAILED after {time.time() - start:.1f} s: {detail}", flush=True)
-            continue
-        print(f"{prefix}ok ({'cached, ' if cached else ''}{time.time() - start:.1f} s)", flush=True)
+            detail = error if args.verbose else error.strip().splitlines()[0][:300]
+            print(f"{prefix}FAILED after {seconds:.1f} s: {detail}", flush=True)
+        else:
+            print(f"{prefix}ok ({'cached, ' if cached else ''}{seconds:.1f} s)", flush=True)
+
+    build.build_all(wanted, verbose=args.verbose, on_done=report)
     print(f"done in {time.time() - total:.1f} s: {len(wanted) - len(failed)} built, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
     return 1 if failed else 0
 

@@ -202,6 +202,42 @@ def test_build_runs_in_a_private_folder(fake_tree, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["lock", "tk_alpha.so"]
 
 
+def test_build_all_builds_families_side_by_side(fake_tree, monkeypatch):
+    """build_all builds build_workers() families at a time (here both), reports each as it finishes, and keeps going
+    past a family that fails."""
+    import threading
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(build, "cuda_home", lambda: "/nonexistent-cuda")
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "_failed", {})
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert build.build_workers(2) == 2 and build.build_workers(1) == 1
+    running, most = set(), [0]
+    guard = threading.Lock()
+
+    def fake_load(name, build_directory, **kwargs):
+        with guard:
+            running.add(name)
+            most[0] = max(most[0], len(running))
+        time.sleep(0.3)
+        with guard:
+            running.discard(name)
+        if name == "tk_beta":
+            raise RuntimeError("nvcc: error in beta")
+        (Path(build_directory) / f"{name}.so").write_bytes(b"library")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    done = []
+    results = build.build_all(["alpha", "beta"], on_done=lambda f, err, s, cached: done.append((f, err is None, cached)))
+    assert most[0] == 2, "the two families did not build at the same time"
+    assert results["alpha"] is None and "nvcc: error in beta" in results["beta"]
+    assert sorted(done) == [("alpha", True, False), ("beta", False, False)]
+    assert build.is_built("alpha") and not build.is_built("beta")
+
+
 def test_unloaded_kernels_warn_once_or_raise_under_strict(monkeypatch):
     """CUDA operands whose family's kernels do not load run the reference with one warning naming the family and
     the reason (the case of an Inductor cache hit, where the rewrite pass and its report never ran); strict raises."""

@@ -1,5 +1,5 @@
 // Backward, persistent "pipe" kernel (instantiated by backward_pipe.cu and backward_pipe_lean.cu): same math
-// and dw/db partials as the register-only kernel (backward.cu), but dy, h, dh and the row's mean/rstd of the next
+// and dw/db partials as the register-only kernel (backward.cuh), but dy, h, dh and the row's mean/rstd of the next
 // STAGES-1 row groups are already on their way into shared memory (cp.async) while this group is reduced
 // and written. A register-only kernel has one row's loads in flight per thread and waits on two block
 // barriers per row with nothing outstanding.
@@ -267,7 +267,7 @@ cudaError_t with_pipe_split(int hidden, F&& f) {
 }
 
 // f(kernel, smem bytes, block, rows per block) for the call's instantiation (LEAN: backward_pipe_lean.cu).
-// fp32 rows (h) are not staged: the register-only kernel (backward.cu) runs them 1.1-1.7x faster on the H200
+// fp32 rows (h) are not staged: the register-only kernel (backward.cuh) runs them 1.1-1.7x faster on the H200
 // (bf16 branch and fp32 residual stream of autocast at hidden 1024-4096, fp32 throughout at 2048).
 template <bool LEAN, typename F>
 cudaError_t with_kernel(const BackwardArgs& args, F&& f) {

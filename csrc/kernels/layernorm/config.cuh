@@ -3,6 +3,8 @@
 // threads. Small rows take one warp (several rows per block), large rows a whole block; the last
 // vectors of a row may be partly out of range (hidden is any multiple of 8) and are masked, never skipped.
 #pragma once
+#include <type_traits>
+
 #include "layernorm.h"
 #include "vec.cuh"
 #include "tk/grid.cuh"
@@ -20,7 +22,7 @@ struct Split {
   static_assert(TPR % 32 == 0 && BLOCK % TPR == 0 && BLOCK <= 1024, "rows are whole warps of one block");
 };
 
-// Calls f(Split<...>{}) for the smallest split that covers `hidden`, for the register-only backward (backward.cu):
+// Calls f(Split<...>{}) for the smallest split that covers `hidden`, for the register-only backward (backward.cuh):
 // it keeps dy, h and the dw/db accumulators alive, so it gives each thread one vector per row and spreads a row over
 // more threads. Tiers of 640 and 768 threads keep rows of 5120 and 6144 (common hidden sizes) from running with a
 // third of a 1024-thread block idle and spilling (H200, autocast rows 65536 x 5120: 1.62 against 1.86 ms).
@@ -109,6 +111,31 @@ cudaError_t with_types(DTypes t, F&& f) {
     default: return cudaErrorInvalidValue;
   }
 }
+
+// The launchers are split by x's dtype, each instantiated in its own translation unit (forward_<x>.cu,
+// backward_<x>.cu, backward_gated.cu), so that the family's ~450 kernels compile in parallel. with_x calls f(X{}) for x's dtype;
+// with_x_types is with_types for the combinations with that X (the others are not instantiated).
+template <typename F>
+cudaError_t with_x(DType x, F&& f) {
+  switch (x) {
+    case DType::f32: return f(float{});
+    case DType::f16: return f(__half{});
+    case DType::bf16: return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+template <class X, typename F>
+cudaError_t with_x_types(DTypes t, F&& f) {
+  return with_types(t, [&](auto ty) {
+    if constexpr (std::is_same_v<typename decltype(ty)::X, X>) return f(ty);
+    else return cudaErrorInvalidValue;
+  });
+}
+template <class X> cudaError_t forward_x(const ForwardArgs& args, cudaStream_t stream);
+// The register-only backward (backward.cuh), plain or gated (backward_gated.cu: x fp32): its grid size for these args,
+// and its launch on that grid.
+template <class X, bool GATED> int registers_blocks_x(const BackwardArgs& args);
+template <class X, bool GATED> cudaError_t registers_backward_x(const BackwardArgs& args, int blocks, cudaStream_t stream);
 
 // Sum of v over the TPR threads of each row; every thread of the block must call it (it syncs).
 // The cross-warp order is fixed, so results are deterministic.
