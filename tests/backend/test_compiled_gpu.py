@@ -6,20 +6,16 @@ import pytest
 import torch
 
 import tk_inductor
+from kernel_checks import rel_err
 from tk_inductor import build
 
 pytestmark = pytest.mark.gpu
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
     for family in ("layernorm", "rotary"):
         build.load(family)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "NaN in kernel output (unwritten or invalid)"
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def test_compiled_norm_and_rotary_call_the_cuda_ops(monkeypatch):

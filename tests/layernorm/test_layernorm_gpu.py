@@ -1,8 +1,4 @@
-"""GPU tests of the layernorm kernels against their PyTorch references.
-
-Outputs are poisoned before each kernel call: NaN-filled blocks of the outputs' sizes are freed
-into the caching allocator right before the op allocates, so elements a kernel fails to write
-show up as NaN (and the comparisons reject NaN)."""
+"""GPU tests of the layernorm kernels against their PyTorch references (outputs NaN-poisoned first: kernel_checks.py)."""
 from __future__ import annotations
 
 import math
@@ -11,13 +7,12 @@ import pytest
 import torch
 
 import tk_inductor.ops.layernorm as ln_ops
+from kernel_checks import DTYPES, TOL, poison, rel_err
 from tk_inductor import build
 from tk_inductor.ops import philox
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # every per-row work split, plus hidden sizes that leave part of the last vectors masked
 HIDDEN = [8, 136, 256, 520, 1024, 1032, 2048, 3000, 4096, 5000, 6144, 8192, 16384]
 
@@ -26,18 +21,6 @@ HIDDEN = [8, 136, 256, 520, 1024, 1032, 2048, 3000, 4096, 5000, 6144, 8192, 1638
 def _kernels():
     for family in ("layernorm",):
         build.load(family)
-
-
-def poison(*like: tuple[tuple[int, ...], torch.dtype]) -> None:
-    """Leave NaN-filled free blocks of these sizes in the caching allocator."""
-    blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape, dtype in like]
-    del blocks
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "NaN in kernel output (unwritten or invalid)"
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _ln_inputs(rows, hidden, dtype, residual, weight, bias, seed=0):

@@ -1,39 +1,20 @@
-"""GPU tests of the rotary kernels against their PyTorch references.
-
-Outputs are poisoned before each kernel call: NaN-filled blocks of the outputs' sizes are freed
-into the caching allocator right before the op allocates, so elements a kernel fails to write
-show up as NaN (and the comparisons reject NaN)."""
+"""GPU tests of the rotary kernels against their PyTorch references (outputs NaN-poisoned first: kernel_checks.py)."""
 from __future__ import annotations
-
 
 import pytest
 import torch
 
 import tk_inductor.ops.rotary as rot_ops
+from kernel_checks import DTYPES, TOL, poison, rel_err
 from tk_inductor import build
 
 pytestmark = pytest.mark.gpu
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
     for family in ("rotary",):
         build.load(family)
-
-
-def poison(*like: tuple[tuple[int, ...], torch.dtype]) -> None:
-    """Leave NaN-filled free blocks of these sizes in the caching allocator."""
-    blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape, dtype in like]
-    del blocks
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "NaN in kernel output (unwritten or invalid)"
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _rot_inputs(B, H, N, D, rd, dtype, layout, general, seed=0):
