@@ -1,7 +1,7 @@
 """The matchers' graph-reading vocabulary.
 
-- calls: `is_call` (exact targets), `kind` (a canonical name across function, method and operator spellings),
-  `arg`, `tensor`, `shape`, `dtype`;
+- calls: `is_call` (exact targets), `name` (what a call computes, across function, method and operator spellings)
+  and `kind` (its coarsening), `arg`, `tensor`, `shape`, `dtype`;
 - values: `strip` (value-preserving nodes), `scaled` (python-scalar factors), `evaluate_constant` (subgraphs of
   constants: the mask proofs), `eq`/`shapes_eq` (sizes equal without new guards), `static_int`;
 - dtype casts: `cast_dtype`, `upcast_source`, `fused_cast`;
@@ -47,65 +47,82 @@ def tensor(node: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
-# what `kind` names each call: functions, operators and tensor methods of one computation
-_FUNCTIONS = {
-    "matmul": (torch.matmul, operator.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm),
-    "mul": (operator.mul, torch.mul, torch.Tensor.mul),
-    "div": (operator.truediv, torch.div, torch.true_divide, torch.Tensor.div),
-    "add": (operator.add, torch.add, torch.Tensor.add),
-    "sub": (operator.sub, torch.sub, torch.Tensor.sub),
-    "neg": (operator.neg, torch.neg, torch.Tensor.neg),
-    "pow": (operator.pow, torch.pow, torch.Tensor.pow),
-    "invert": (operator.invert, torch.logical_not, torch.bitwise_not),
-    "getitem": (operator.getitem,),
-    "einsum": (torch.einsum,),
-    "exp": (torch.exp, torch.Tensor.exp),
-    "cumsum": (torch.cumsum, torch.Tensor.cumsum),
-    "sum": (torch.sum, torch.Tensor.sum),
-    "tril": (torch.tril, torch.Tensor.tril),
-    "triu": (torch.triu, torch.Tensor.triu),
-    "masked_fill": (torch.masked_fill, torch.Tensor.masked_fill),
-    "where": (torch.where,),
-    "cat": (torch.cat, torch.concat, torch.concatenate),
-    "softmax": (torch.softmax, F.softmax, torch.Tensor.softmax),
-    "elu": (F.elu,),
-    "flatten": (torch.flatten, torch.Tensor.flatten),
-    "unsqueeze": (torch.unsqueeze, torch.Tensor.unsqueeze),
-    "transpose": (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.swapdims),
-    "permute": (torch.permute, torch.Tensor.permute),
-    "ones_like": (torch.ones_like,),
-    "reciprocal": (torch.reciprocal, torch.Tensor.reciprocal),
-    "reshape": (torch.reshape, torch.Tensor.reshape, torch.Tensor.view),
-    "pad": (F.pad, torch._C._nn.pad),
-    "repeat_interleave": (torch.repeat_interleave, torch.Tensor.repeat_interleave),
-    "zeros_like": (torch.zeros_like,),
-    "expand": (torch.Tensor.expand,),
+# One vocabulary for every matcher. `name` says what a call computes, fine-grained: view and reshape, bmm and matmul
+# stay apart (the mask prover and attention's operand walk need them apart); `kind` is its coarsening, one name per
+# computation, for the contraction readers. Functions and operators by target, tensor methods by method name.
+_NAMES: dict[Any, str] = {
+    operator.add: "add", torch.add: "add", torch.Tensor.add: "add", operator.sub: "sub", torch.sub: "sub",
+    torch.Tensor.sub: "sub", operator.mul: "mul", torch.mul: "mul", torch.Tensor.mul: "mul",
+    operator.truediv: "div", torch.div: "div", torch.true_divide: "div", torch.Tensor.div: "div",
+    operator.neg: "neg", torch.neg: "neg", torch.Tensor.neg: "neg", operator.pow: "pow", torch.pow: "pow",
+    torch.Tensor.pow: "pow",
+    operator.le: "le", torch.le: "le", operator.lt: "lt", torch.lt: "lt", operator.ge: "ge", torch.ge: "ge",
+    operator.gt: "gt", torch.gt: "gt", operator.eq: "eq", torch.eq: "eq", operator.ne: "ne", torch.ne: "ne",
+    torch.greater_equal: "ge", torch.greater: "gt", torch.less_equal: "le", torch.less: "lt",
+    operator.and_: "and", torch.logical_and: "and", torch.bitwise_and: "and",
+    operator.or_: "or", torch.logical_or: "or", torch.bitwise_or: "or",
+    operator.invert: "not", torch.logical_not: "not", torch.bitwise_not: "not",
+    torch.where: "where", torch.masked_fill: "masked_fill", torch.Tensor.masked_fill: "masked_fill",
+    torch.tril: "tril", torch.Tensor.tril: "tril", torch.triu: "triu", torch.Tensor.triu: "triu",
+    torch.arange: "arange", torch.ones: "ones", torch.zeros: "zeros", torch.full: "full",
+    torch.ones_like: "ones_like", torch.zeros_like: "zeros_like", torch.full_like: "full_like",
+    torch.tensor: "tensor", torch.scalar_tensor: "tensor", operator.getitem: "getitem",
+    torch.unsqueeze: "unsqueeze", torch.Tensor.unsqueeze: "unsqueeze", torch.squeeze: "squeeze",
+    torch.reshape: "reshape", torch.Tensor.reshape: "reshape", torch.Tensor.view: "view",
+    torch.transpose: "transpose", torch.Tensor.transpose: "transpose", torch.swapaxes: "transpose",
+    torch.swapdims: "transpose", torch.permute: "permute", torch.Tensor.permute: "permute",
+    torch.flatten: "flatten", torch.Tensor.flatten: "flatten", torch.diff: "diff",
+    torch.cumsum: "cumsum", torch.Tensor.cumsum: "cumsum", torch.sum: "sum", torch.Tensor.sum: "sum",
+    torch.exp: "exp", torch.Tensor.exp: "exp", torch.reciprocal: "reciprocal", torch.Tensor.reciprocal: "reciprocal",
+    torch.broadcast_to: "expand", torch.Tensor.expand: "expand",
+    torch.matmul: "matmul", operator.matmul: "matmul", torch.Tensor.matmul: "matmul", torch.bmm: "bmm",
+    torch.Tensor.bmm: "bmm", torch.einsum: "einsum", torch.baddbmm: "baddbmm",
+    torch.softmax: "softmax", F.softmax: "softmax", torch.Tensor.softmax: "softmax", torch.dropout: "dropout",
+    F.dropout: "dropout", F.scaled_dot_product_attention: "sdpa", torch.tanh: "tanh", F.elu: "elu",
+    torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat", torch.clone: "clone",
+    torch.repeat_interleave: "repeat_interleave", torch.Tensor.repeat_interleave: "repeat_interleave",
+    F.pad: "pad", torch._C._nn.pad: "pad", torch.ops.aten.mT: "mT",
 }
-_METHODS = {"matmul": ("matmul", "bmm", "__matmul__"), "mul": ("mul", "__mul__"), "div": ("div", "true_divide", "__truediv__"),
-            "add": ("add", "__add__"), "sub": ("sub", "__sub__"), "neg": ("neg", "__neg__"), "pow": ("pow", "__pow__"),
-            "invert": ("logical_not", "bitwise_not", "__invert__"), "reshape": ("reshape", "view"),
-            "transpose": ("transpose", "swapaxes", "swapdims")}
+_METHOD_NAMES = {"__and__": "and", "logical_and": "and", "__or__": "or", "logical_or": "or", "logical_not": "not",
+                 "__invert__": "not", "bitwise_not": "not", "truediv": "div", "true_divide": "div", "divide": "div",
+                 "multiply": "mul", "broadcast_to": "expand", "expand_as": "expand", "greater_equal": "ge",
+                 "less_equal": "le", "greater": "gt", "less": "lt", "swapaxes": "transpose", "swapdims": "transpose",
+                 # operators on tensors recorded as method calls (e.g. `a == b` in transformers 5.17's packed mask)
+                 "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
+                 "__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div", "__neg__": "neg",
+                 "__pow__": "pow", "__matmul__": "matmul"}
+# `kind`: the coarsening, and the names it gives at all (the computations the contraction readers know)
+_COARSE = {"view": "reshape", "bmm": "matmul", "not": "invert"}
+_KINDS = frozenset({"matmul", "mul", "div", "add", "sub", "neg", "pow", "invert", "getitem", "einsum", "exp", "cumsum",
+                    "sum", "tril", "triu", "masked_fill", "where", "cat", "softmax", "elu", "flatten", "unsqueeze",
+                    "transpose", "permute", "ones_like", "reciprocal", "reshape", "pad", "repeat_interleave",
+                    "zeros_like", "expand", "mT"})
+_KIND_METHODS = _KINDS | {"float", "to", "type", "contiguous", "size", "new_zeros", "new_ones"}
+
+
+def name(node) -> str | None:
+    """What a call computes, fine-grained (functions, operators and tensor methods alike); any other method by its
+    own name; None for anything else."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function":
+        try:
+            return _NAMES.get(node.target)
+        except TypeError:  # an unhashable target
+            return None
+    if node.op == "call_method":
+        return _METHOD_NAMES.get(node.target, node.target)
+    return None
 
 
 def kind(node) -> str | None:
-    """Canonical name of what a node computes (call_function and call_method alike)."""
-    if not isinstance(node, fx.Node):
+    """The canonical name of what a node computes: `name` coarsened (view is a reshape, bmm a matmul), among the
+    computations the contraction readers know (a few more for methods: casts, contiguous, size, new_*)."""
+    n = name(node)
+    if n is None:
         return None
-    if node.op == "call_method":
-        for name, methods in _METHODS.items():
-            if node.target in methods:
-                return name
-        return node.target if node.target in _FUNCTIONS or node.target in (
-            "float", "to", "type", "contiguous", "size", "expand", "new_zeros", "new_ones", "mT") else None
-    if node.op != "call_function":
-        return None
-    for name, fns in _FUNCTIONS.items():
-        if any(node.target is fn for fn in fns):
-            return name
-    target_name = getattr(node.target, "__name__", str(node.target))
-    if target_name in ("mT",) or str(node.target) == "aten.mT":
-        return "mT"
-    return None
+    n = _COARSE.get(n, n)
+    return n if n in (_KIND_METHODS if node.op == "call_method" else _KINDS) else None
 
 
 def shape(node) -> tuple | None:

@@ -1,5 +1,5 @@
-"""Mask analysis shared by the matchers: the node vocabulary of torch-IR graphs, and a symbolic interpreter that
-*proves* what a mask allows instead of guessing.
+"""Mask analysis shared by the matchers: a symbolic interpreter that *proves* what a mask allows instead of guessing
+(calls are named by patterns/_fx.py `name`), and the size and constant helpers it reads nodes with.
 
 `MaskEval` interprets the subgraph that builds a mask as affine functions of the element index (arange + offsets,
 broadcasting views, advanced indexing, diff/cumsum of constant steps), predicates that are intersections of
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from tk_inductor.rewrite import example
 
 from ._fx import arg as _arg
+from ._fx import name as _name
 
 _NEG_BIG = torch.finfo(torch.float16).min  # fill values at or below this vanish in softmax
 
@@ -33,48 +33,7 @@ class _Keep(Exception):
 
 # ---------------------------------------------------------------------------- node vocabulary
 
-_FN: dict[Any, str] = {
-        operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub",
-        operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
-        torch.true_divide: "div", operator.neg: "neg", torch.neg: "neg",
-        operator.le: "le", torch.le: "le", operator.lt: "lt", torch.lt: "lt",
-        operator.ge: "ge", torch.ge: "ge", operator.gt: "gt", torch.gt: "gt",
-        operator.eq: "eq", torch.eq: "eq", operator.ne: "ne", torch.ne: "ne",
-        torch.greater_equal: "ge", torch.greater: "gt", torch.less_equal: "le", torch.less: "lt",
-        operator.and_: "and", torch.logical_and: "and", torch.bitwise_and: "and",
-        operator.or_: "or", torch.logical_or: "or", torch.bitwise_or: "or",
-        operator.invert: "not", torch.logical_not: "not", torch.bitwise_not: "not",
-        torch.where: "where", torch.masked_fill: "masked_fill", torch.tril: "tril", torch.triu: "triu",
-        torch.arange: "arange", torch.ones: "ones", torch.zeros: "zeros", torch.full: "full",
-        torch.ones_like: "ones_like", torch.zeros_like: "zeros_like", torch.full_like: "full_like",
-        torch.tensor: "tensor", torch.scalar_tensor: "tensor", operator.getitem: "getitem",
-        torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape",
-        torch.transpose: "transpose", torch.permute: "permute", torch.flatten: "flatten",
-        torch.diff: "diff", torch.cumsum: "cumsum", torch.broadcast_to: "expand",
-        torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "bmm", torch.einsum: "einsum",
-        torch.baddbmm: "baddbmm",
-        torch.softmax: "softmax", F.softmax: "softmax", torch.dropout: "dropout", F.dropout: "dropout",
-        F.scaled_dot_product_attention: "sdpa", torch.tanh: "tanh", torch.cat: "cat", torch.clone: "clone",
-        torch.repeat_interleave: "repeat_interleave", torch.ops.aten.mT: "mT",
-}
-_METHOD_ALIASES = {"__and__": "and", "logical_and": "and", "__or__": "or", "logical_or": "or",
-                   "logical_not": "not", "__invert__": "not", "bitwise_not": "not", "truediv": "div",
-                   "true_divide": "div", "divide": "div", "multiply": "mul", "broadcast_to": "expand",
-                   "expand_as": "expand", "greater_equal": "ge", "less_equal": "le", "greater": "gt", "less": "lt",
-                   # operators on tensors recorded as method calls (e.g. `a == b` in transformers 5.17's packed-sequence mask)
-                   "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
-                   "__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div", "__neg__": "neg"}
 _CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "bool", "long", "int"}
-
-
-def _name(node) -> str | None:
-    if not isinstance(node, fx.Node):
-        return None
-    if node.op == "call_function":
-        return _FN.get(node.target)
-    if node.op == "call_method":
-        return _METHOD_ALIASES.get(node.target, node.target)
-    return None
 
 
 def _shape(x) -> tuple:
