@@ -40,30 +40,21 @@ template <shared_tile ST> TK_DEVICE void prefetch_map(const tma_map<ST>& m) { pr
 
 // Load tile at `at` into dst; completion is signalled (as bytes) on `bar`: pair with expect_bytes(bar, ST::bytes).
 template <shared_tile ST> TK_DEVICE void load_async(ST& dst, const tma_map<ST>& m, semaphore& bar, coord at) {
-    const uint32_t base = smem_addr(&dst), b = smem_addr(&bar);
+    constexpr int block_bytes = ST::rows * ST::block_cols * int(sizeof(typename ST::T));
 #pragma unroll
-    for (int blk = 0; blk < ST::cols / ST::block_cols; ++blk) {
-        const int c = at.c * ST::cols + blk * ST::block_cols, r = at.r * ST::rows;
-        asm volatile(
-            "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
-            ::"r"(base + blk * ST::rows * ST::block_cols * int(sizeof(typename ST::T))), "l"(&m.map), "r"(c), "r"(r),
-             "r"(at.h), "r"(at.b), "r"(b)
-            : "memory");
-    }
+    for (int blk = 0; blk < ST::cols / ST::block_cols; ++blk)
+        load_async(reinterpret_cast<char*>(&dst) + blk * block_bytes, &m.map, bar, at.c * ST::cols + blk * ST::block_cols,
+                   at.r * ST::rows, at.h, at.b);
 }
 
 // Store src to the tile at `at` (only its in-bounds part). Call fence_async_shared() and a barrier
 // first when src was written by ordinary stores; then store_commit() and a store_wait*.
 template <shared_tile ST> TK_DEVICE void store_async(const tma_map<ST>& m, const ST& src, coord at) {
-    const uint32_t base = smem_addr(&src);
+    constexpr int block_bytes = ST::rows * ST::block_cols * int(sizeof(typename ST::T));
 #pragma unroll
-    for (int blk = 0; blk < ST::cols / ST::block_cols; ++blk) {
-        const int c = at.c * ST::cols + blk * ST::block_cols, r = at.r * ST::rows;
-        asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
-                     ::"l"(&m.map), "r"(c), "r"(r), "r"(at.h), "r"(at.b),
-                      "r"(base + blk * ST::rows * ST::block_cols * int(sizeof(typename ST::T)))
-                     : "memory");
-    }
+    for (int blk = 0; blk < ST::cols / ST::block_cols; ++blk)
+        store_async(&m.map, reinterpret_cast<const char*>(&src) + blk * block_bytes, at.c * ST::cols + blk * ST::block_cols,
+                    at.r * ST::rows, at.h, at.b);
 }
 
 TK_DEVICE void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
