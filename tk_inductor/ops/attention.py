@@ -113,9 +113,9 @@ def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None) 
 
 def grad_like(t: torch.Tensor) -> torch.Tensor:
     """An empty gradient for q, k or v in the layout the backward returns (the C++ binding's `grad_like`)."""
-    B, H, N, D = t.shape
+    _, H, N, _ = t.shape
     if H > 1 and N > 1 and t.stride(1) < t.stride(2):
-        return t.new_empty(B, N, H, D).transpose(1, 2)
+        return _empty_out(t)
     return t.new_empty(t.shape)
 
 

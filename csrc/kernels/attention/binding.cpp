@@ -55,12 +55,16 @@ DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
 }
 
+// An empty tensor of t's (B, H, N, D) shape viewing a (B, N, H, D) buffer, as FlashAttention returns o.
+at::Tensor empty_bnhd(const at::Tensor& t) {
+  return at::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2);
+}
+
 // A gradient laid out as its input: (B, N, H, D) memory order when the input's heads lie inside its sequence dim
 // (HF's `proj(x).view(B, N, H, D).transpose(1, 2)`), so that the projection's backward reads it without a copy;
 // contiguous otherwise. tk_inductor/ops/attention.py `grad_like` states the same rule for the fake and the reference.
 at::Tensor grad_like(const at::Tensor& t) {
-  if (t.size(1) > 1 && t.size(2) > 1 && t.stride(1) < t.stride(2))
-    return at::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2);
+  if (t.size(1) > 1 && t.size(2) > 1 && t.stride(1) < t.stride(2)) return empty_bnhd(t);
   return at::empty(t.sizes(), t.options());
 }
 
@@ -76,10 +80,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   const DType dt = check_inputs(q_in, k_in, v_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = binding::rows16(q_in), k = binding::rows16(k_in), v = binding::rows16(v_in);
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
-  // (B, N, H, D) buffer viewed as (B, H, N, D), as FlashAttention returns it.
-  at::Tensor o = at::empty({B, N, H, D}, q.options()).transpose(1, 2);
-  at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
+  at::Tensor o = empty_bnhd(q);
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   // The dynamic schedule under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static one there,
   // 0.89-1.0x without a mask). Its task counter comes from the stream-ordered allocator, so launches on several
   // streams never share one; zeroed by a memset node rather than at::zeros' fill kernel: less host time per call.

@@ -718,23 +718,18 @@ const char* launch_sched(DType dt, const View4& q, const View4& k, const View4& 
                    : launch_fwd<T, Cfg, false>(dt, q, k, v, o, lse, causal, scale, num_sms, nullptr, stream);
 }
 
+}  // namespace
+
+// The launcher of one (dtype, head dim), instantiated per dtype in forward_bf16.cu and forward_f16.cu.
 template <typename T, int D>
-const char* launch_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
-                          float scale, int num_sms, int* next_task, cudaStream_t stream) {
+const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
+                           float scale, int num_sms, int* next_task, cudaStream_t stream) {
   using Cs = FwdConfigs<D>;
   if (!(scale > 0.f))
     return launch_sched<T, typename Cs::Serial>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
   if (causal)
     return launch_sched<T, typename Cs::Causal>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
   return launch_sched<T, typename Cs::Full>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-}
-
-}  // namespace
-
-template <typename T, int D>
-const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
-                           float scale, int num_sms, int* next_task, cudaStream_t stream) {
-  return launch_config<T, D>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
 }
 
 }  // namespace tk_attn
