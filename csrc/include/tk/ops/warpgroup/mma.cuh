@@ -14,6 +14,12 @@
 
 namespace tk {
 
+namespace warpgroup {
+// Order the warpgroup's register and shared-memory accesses before the next wgmmas; close a group of issued wgmmas.
+TK_DEVICE void mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+TK_DEVICE void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+}  // namespace warpgroup
+
 namespace detail::wgmma {
 using desc::encode;
 using desc::add;
@@ -60,7 +66,7 @@ template <int TA, int TB, register_tile D, class A, shared_tile B> TK_DEVICE voi
     constexpr int N = D::cols, K = TB ? B::rows : B::cols;
     static_assert((TB ? B::cols : B::rows) == N, "B's N dimension does not match D");
     fence_operand(d);
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    warpgroup::mma_fence();
     if constexpr (register_tile<A>) {
         static_assert(TA == 0 && A::rows == 16 && A::cols == K && A::is_row, "register A must be rt<T, 16, K> row layout");
         const uint64_t db = descriptor<TB>(b);
@@ -76,7 +82,7 @@ template <int TA, int TB, register_tile D, class A, shared_tile B> TK_DEVICE voi
             ptx<T, N>::template ss<TA, TB>(d, add(da, chunk_offset<TA, A>(c)), add(db, chunk_offset<TB, B>(c)),
                                            c == 0 ? accumulate : 1);
     }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    warpgroup::mma_commit();
     fence_operand(d);
 }
 }  // namespace detail::wgmma
@@ -118,8 +124,6 @@ template <mma_scalar T, int TA, int TB, int K> TK_DEVICE void mma_ss(float (&d)[
 template <mma_scalar T, int TB, int K> TK_DEVICE void mma_rs(float (&d)[K], const uint32_t (&a)[4], uint64_t b, int scale_d) {
     detail::wgmma::ptx<T, 2 * K>::template rs<TB>(d, a, b, scale_d);
 }
-TK_DEVICE void mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-TK_DEVICE void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 // Registers an asynchronous wgmma reads or writes, pinned in place until here (detail::wgmma::fence_operand).
 template <class D> TK_DEVICE void hold(D& d) { detail::wgmma::fence_operand(d); }
 }  // namespace warpgroup
