@@ -36,6 +36,9 @@ NVCC_FLAGS = [
     "-DNDEBUG",
 ]
 CXX_FLAGS = ["-O3", "-std=c++20", "-DNDEBUG"]
+# The link names the C++ runtime this process already runs (cxx_runtime). Part of the cache key, so that libraries
+# linked before this rule are rebuilt.
+LINK_RULE = "libstdc++: the process's, shared"
 
 _lock = threading.Lock()  # guards _family_locks
 _family_locks: dict[str, threading.Lock] = {}  # one build at a time per family; families build side by side
@@ -95,6 +98,25 @@ def cuda_home() -> str | None:
     return None
 
 
+def cxx_runtime() -> list[str]:
+    """The shared libstdc++ this process has loaded (torch brings it), as a link input; [] where none is mapped.
+
+    A library must throw through the same C++ runtime as torch: a binding's TORCH_CHECK raises a c10::Error that
+    torch's dispatcher turns into a Python RuntimeError. Some toolchains link libstdc++ statically by default (an H200
+    image's g++ did), which gives the library a private copy of the exception runtime, and the first error a kernel
+    binding raised killed the process with a segmentation fault. Naming the process's libstdc++.so before the
+    compiler's own libraries makes the linker take every C++ runtime symbol from it."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.exists(path):
+                    return [path]
+    except OSError:
+        pass
+    return []
+
+
 def cache_dir() -> Path:
     root = os.environ.get("TK_INDUCTOR_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tk_inductor"
@@ -107,9 +129,9 @@ def source_hash(family: str) -> str:
 
     h = hashlib.sha256()
     for path in [*sources(family), *_headers(family)]:
-        h.update(str(path.relative_to(CSRC.parent)).encode())
+        h.update(os.path.relpath(path, CSRC.parent).encode())  # an extra folder may lie outside the repository
         h.update(path.read_bytes())
-    h.update(" ".join(NVCC_FLAGS + CXX_FLAGS).encode())
+    h.update(" ".join(NVCC_FLAGS + CXX_FLAGS + [LINK_RULE]).encode())
     h.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}".encode())
     return h.hexdigest()[:16]
 
@@ -183,6 +205,7 @@ def load(family: str, verbose: bool = False) -> Path:
                 extra_include_paths=[str(INCLUDE), str(_folder(family))],
                 extra_cflags=CXX_FLAGS,
                 extra_cuda_cflags=NVCC_FLAGS,
+                extra_ldflags=cxx_runtime(),
                 build_directory=str(work),
                 is_python_module=False,
                 verbose=verbose,

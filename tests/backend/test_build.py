@@ -1,9 +1,12 @@
 """The kernel build system (tk_inductor/build.py) on the CPU: CUDA toolkit detection, the cache key,
-family listing, cache placement and extra (unit-test) folders. Nothing here compiles."""
+family listing, cache placement and extra (unit-test) folders. One test compiles a tiny library (the C++ runtime it
+links); the rest compile nothing."""
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -260,3 +263,44 @@ def test_unloaded_kernels_warn_once_or_raise_under_strict(monkeypatch):
     with config.patch(strict=True), pytest.raises(RuntimeError, match="rotary kernels did not load"):
         _dispatch.use_kernel("rotary", cuda)
     assert _dispatch.use_kernel("rotary", types.SimpleNamespace(is_cuda=False)) is False  # CPU: the reference, quietly
+
+
+THROWER_BINDING = r"""
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+at::Tensor boom(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 99, "boom: expected 99 dims, got ", x.dim());
+  return x;
+}
+TORCH_LIBRARY_FRAGMENT(tk_thrower, m) { m.def("boom(Tensor x) -> Tensor"); m.impl("boom", c10::DispatchKey::CPU, &boom); }
+"""
+
+THROWER_CALL = """
+import sys, torch
+from tk_inductor import build
+build.load_folder("thrower", sys.argv[1])
+try:
+    torch.ops.tk_thrower.boom(torch.zeros(2))
+except RuntimeError as exc:
+    print("raised:", str(exc).splitlines()[0])
+"""
+
+
+def test_binding_errors_raise_under_a_toolchain_that_links_libstdcxx_statically(tmp_path):
+    """A g++ that links libstdc++ statically by default (as a wrapper that appends -static-libstdc++ does) must still
+    give a library whose TORCH_CHECK raises a Python RuntimeError: with a private copy of the C++ runtime the throw
+    killed the process (segmentation fault). The library is built and called in a child process."""
+    if build.cuda_home() is None:
+        pytest.skip("no CUDA toolkit installed")
+    folder = tmp_path / "thrower"
+    folder.mkdir()
+    (folder / "kernel.cu").write_text("__global__ void nothing() {}\n")
+    (folder / "binding.cpp").write_text(THROWER_BINDING)
+    wrapper = tmp_path / "gxx-static"
+    wrapper.write_text('#!/bin/sh\nexec g++ "$@" -static-libstdc++\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, CXX=str(wrapper), TK_INDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", THROWER_CALL, str(folder)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "raised: boom: expected 99 dims, got 1" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
