@@ -41,23 +41,6 @@ inline const char* make_map(CUtensorMap* map, DType dt, const View4& t, int box_
   return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled failed (pointer or strides not 16-byte aligned?)";
 }
 
-// fp32 (Npad, BH) map over one of the backward's per-row statistics (lse2 or delta) with a (box_rows x 1) box: a q
-// tile's values. (A raw 1-D bulk copy would move the same bytes, but compute-sanitizer's racecheck cannot see that
-// the ring's mbarriers order the consumers' reads before the next copy into a stage when the write is attributed to
-// the issuing thread, and reports every step as a race; a tensor copy is the TMA unit's.)
-inline const char* make_map_rows(CUtensorMap* map, const float* ptr, int64_t Npad, int64_t BH, int box_rows) {
-  auto fn = encode_fn();
-  if (!fn) return "could not get cuTensorMapEncodeTiled from the driver";
-  cuuint64_t dims[2] = {(cuuint64_t)Npad, (cuuint64_t)BH};
-  cuuint64_t strides[1] = {(cuuint64_t)(Npad * 4)};
-  cuuint32_t box[2] = {(cuuint32_t)box_rows, 1};
-  cuuint32_t estr[2] = {1, 1};
-  CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(ptr), dims, strides, box, estr,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled failed for the backward's statistics";
-}
-
 // fp32 (D, rows, BH) map with a (32 x 64) box, 128-byte swizzle: the dq
 // accumulator, written by bulk reduce-add.
 inline const char* make_map_f32(CUtensorMap* map, float* ptr, int64_t D, int64_t rows, int64_t BH) {

@@ -10,14 +10,17 @@ namespace tk::tma {
 // Raw forms, on a CUtensorMap and coordinates in elements (innermost first), for kernels that lay their shared
 // tiles out themselves (the attention kernels' 64-column panels). The typed forms below are these on a tile.
 TK_DEVICE void prefetch_map(const CUtensorMap* map) { asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory"); }
-// Box at (c0, c1[, c2, c3]) into dst; completion (as bytes) on `bar`. Rows outside the tensor read as zero.
-TK_DEVICE void load_async(void* dst, const CUtensorMap* map, semaphore& bar, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-                 ::"r"(smem_addr(dst)), "l"(map), "r"(smem_addr(&bar)), "r"(c0), "r"(c1) : "memory");
-}
+// Box at (c0, c1, c2, c3) into dst; completion (as bytes) on `bar`. Rows outside the tensor read as zero.
 TK_DEVICE void load_async(void* dst, const CUtensorMap* map, semaphore& bar, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
                  ::"r"(smem_addr(dst)), "l"(map), "r"(smem_addr(&bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+// `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) from global src into dst, no tensor
+// map; completion (as bytes) on `bar`. (compute-sanitizer's racecheck attributes this copy's write to the issuing
+// thread and does not see the semaphore order it, so it reports a ring of these as races; tensor copies it follows.)
+TK_DEVICE void load_bytes_async(void* dst, const void* src, uint32_t bytes, semaphore& bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(&bar)) : "memory");
 }
 // src to the box at (c0, c1, c2, c3), only its part inside the tensor; a bulk group (store_commit, store_*wait).
 TK_DEVICE void store_async(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
