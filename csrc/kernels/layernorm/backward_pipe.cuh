@@ -16,9 +16,10 @@ constexpr int kDy = 0, kH = 1, kDh = 2, kDyMore = 3;  // staged operands (dy_mor
 constexpr int kStages = 3;               // 3 to 8 stages measured equal (H200)
 
 // Operand slots a call stages: dy and h, then dh, then the dy_more present (an absent dh keeps its slot then).
-__host__ __device__ inline int staged_ops(const BackwardArgs& a) {
-  if (a.dy_more[1]) return kDyMore + 2;
-  if (a.dy_more[0]) return kDyMore + 1;
+// more = false: the caller knows there is no dy_more.
+__host__ __device__ inline int staged_ops(const BackwardArgs& a, bool more = true) {
+  if (more && a.dy_more[1]) return kDyMore + 2;
+  if (more && a.dy_more[0]) return kDyMore + 1;
   return a.dh ? 3 : 2;
 }
 
@@ -38,8 +39,9 @@ constexpr int kChunks = (sizeof(typename Ty::Y) == 4 || sizeof(typename Ty::H) =
 // was a quarter of the copies), the staging has no w area, and dres / dx are stored evict-first (st.global.cs).
 // H200, hidden 1024, per call: w after the copies -1.1 us, statistics by one lane -1.4 us, evict-first stores
 // -0.7 us (2 blocks per SM, without the dropout code).
-// DROPOUT = false (LEAN only): launched only without dropout; the kernel has no dx code.
-template <class Ty, class S, bool KEEP = false, bool LEAN = false, bool DROPOUT = true>
+// EXTRAS = false (LEAN only): launched only without dropout and without dy_more; the kernel has no code for either
+// (never taken, the dropout code cost 2% at hidden 1024, the dy_more code 3-6% at hidden 1024-4096).
+template <class Ty, class S, bool KEEP = false, bool LEAN = false, bool EXTRAS = true>
 __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kernel(BackwardArgs a) {
   using H = typename Ty::H;
   using W = typename Ty::W;
@@ -58,8 +60,9 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kerne
   const H* dh_g = static_cast<const H*>(a.dh);
   const bool has_w = a.weight != nullptr;
   const Dropout drop{a.dropout.seed, a.dropout.offset, a.dropout.threshold, a.dropout.scale};
-  const Staging<kChunks<Ty>, S, STAGES, true, !LEAN> st{staging_smem, staged_ops(a)};
-  const Y* dy_more[2] = {static_cast<const Y*>(a.dy_more[0]), static_cast<const Y*>(a.dy_more[1])};
+  const Staging<kChunks<Ty>, S, STAGES, true, !LEAN> st{staging_smem, staged_ops(a, EXTRAS)};
+  const Y* dy_more[2] = {EXTRAS ? static_cast<const Y*>(a.dy_more[0]) : nullptr,
+                         EXTRAS ? static_cast<const Y*>(a.dy_more[1]) : nullptr};
   // The row's dy: the staged dy plus the staged dy_more, in fp32.
   const auto read_dy = [&](float (&dy)[8], int stage, int v) {
     unpack(dy, st.template read<Y>(stage, kDy, v));
@@ -189,7 +192,7 @@ __global__ void __launch_bounds__(S::BLOCK, (kMinBlocks<S>)) backward_pipe_kerne
         if constexpr (KEEP) {
           float dres[8];
           if (dh_g) unpack(dres, st.template read<H>(stage, kDh, v));
-          backward_vec_xhat<Ty, LEAN, DROPOUT>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr,
+          backward_vec_xhat<Ty, LEAN, EXTRAS>(a, drop, base, vi, dyk[v], xk[v], wk[v], has_w, dres, dh_g != nullptr,
                                                rstd, mean_g, mean_gx, acc_w[v], acc_b[v]);
           continue;
         }
@@ -224,8 +227,8 @@ size_t staging_bytes(const BackwardArgs& args) {
 
 // f(kernel, smem bytes, block, rows per block) for one instantiation: KEEP where the block has at most 512 threads
 // (past hidden 8192 a block has 1024 threads, so 64 registers, and the kept row would spill). per_sm > 0: the
-// shared memory is padded so that at most per_sm blocks are resident on an SM. LEAN: a kernel without the
-// dropout code runs the calls without dropout (that code, though never taken, cost 2% at hidden 1024).
+// shared memory is padded so that at most per_sm blocks are resident on an SM. LEAN: the kernel without the dropout
+// and dy_more code (EXTRAS = false) runs the calls that have neither.
 template <class Ty, class S, bool LEAN, typename F>
 cudaError_t pick(const BackwardArgs& args, F&& f, int per_sm = 0) {
   constexpr bool KEEP = S::BLOCK <= 512;
@@ -233,7 +236,8 @@ cudaError_t pick(const BackwardArgs& args, F&& f, int per_sm = 0) {
   if (per_sm > 0) smem = smem_for_residency(smem, per_sm);
   if constexpr (LEAN) {
     static_assert(KEEP, "LEAN keeps w in registers");
-    if (!args.dropout.enabled) return f(backward_pipe_kernel<Ty, S, KEEP, LEAN, false>, smem, S::BLOCK, S::ROWS);
+    if (!args.dropout.enabled && !args.dy_more[0])
+      return f(backward_pipe_kernel<Ty, S, KEEP, LEAN, false>, smem, S::BLOCK, S::ROWS);
   }
   return f(backward_pipe_kernel<Ty, S, KEEP, LEAN>, smem, S::BLOCK, S::ROWS);
 }
