@@ -130,6 +130,11 @@ def shape(node) -> tuple | None:
     return tuple(ex.shape) if isinstance(ex, torch.Tensor) else None
 
 
+def rank(node) -> int:
+    """The number of dimensions of node's tensor; 0 for anything else."""
+    return len(shape(node) or ())
+
+
 def dtype(node):
     ex = example(node)
     return ex.dtype if isinstance(ex, torch.Tensor) else None
@@ -139,12 +144,32 @@ def is_tensor(node) -> bool:
     return isinstance(example(node), torch.Tensor)
 
 
+class Keep(Exception):
+    """The subgraph is recognised (attention, a mask) but cannot be replaced; the message is the reason."""
+
+
 # ---------------------------------------------------------------------------- values
 
 def scalar(x) -> float | None:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
     return float(x)
+
+
+def number(x):
+    """x as a python number when it is a constant: an int, float or bool, a SymInt/SymFloat with a fixed value, or a
+    node whose example value is one; else None."""
+    x = example(x)
+    if isinstance(x, (bool, int, float)):
+        return x
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        try:
+            expr = x.node.expr
+            if expr.is_number:
+                return int(expr) if isinstance(x, torch.SymInt) else float(expr)
+        except Exception:  # noqa: BLE001 - an expression we cannot read is not a constant
+            return None
+    return None
 
 
 def close(a: float | None, b: float, rel: float = 1e-6) -> bool:
@@ -251,6 +276,18 @@ def static_int(x):
     return None
 
 
+def known(cond) -> bool:
+    """True only if `cond` (a bool, or a condition on SymInts) holds for every value of its symbols; adds no guard."""
+    if isinstance(cond, bool):
+        return cond
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(cond))
+    except Exception:  # noqa: BLE001 - unknown means "not provable"
+        return False
+
+
 def eq(a, b) -> bool:
     """Sizes provably equal (ints, SymInts or nodes producing them), adding no shape guards."""
     a, b = example(a), example(b)
@@ -258,8 +295,7 @@ def eq(a, b) -> bool:
         return a == b
     if not (isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt))):
         return False
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-    return bool(statically_known_true(a == b))
+    return known(a == b)
 
 
 def shapes_eq(s, t) -> bool:

@@ -1,5 +1,5 @@
 """Mask analysis shared by the matchers: a symbolic interpreter that *proves* what a mask allows instead of guessing
-(calls are named by patterns/_fx.py `name`), and the size and constant helpers it reads nodes with.
+(calls are named by patterns/_fx.py `name`; its values are patterns/_affine.py's).
 
 `MaskEval` interprets the subgraph that builds a mask as affine functions of the element index (arange + offsets,
 broadcasting views, advanced indexing, diff/cumsum of constant steps), predicates that are intersections of
@@ -11,9 +11,7 @@ from a graph input or with an op outside this vocabulary raises `Keep` with the 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import operator
 from typing import Any
 
 import torch
@@ -21,275 +19,19 @@ import torch.fx as fx
 
 from tk_inductor.rewrite import example
 
+from ._affine import (Aff, _and, _as_pred, _as_sel, _coefs, _compare, _drop_unit_axes, FALSE, _is_int, _linear, _not,
+                      _or, _plane, Pred, _remap, Sel, _shift, _simplify, TRUE)
 from ._fx import arg as _arg
+from ._fx import Keep, eq, number, rank, shape
 from ._fx import name as _name
 
+
 _NEG_BIG = torch.finfo(torch.float16).min  # fill values at or below this vanish in softmax
-
-
-class _Keep(Exception):
-    """The subgraph is recognised (attention, a mask) but cannot be replaced; the message is the reason."""
 
 
 # ---------------------------------------------------------------------------- node vocabulary
 
 _CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "bool", "long", "int"}
-
-
-def _shape(x) -> tuple:
-    ex = example(x)
-    return tuple(ex.shape) if isinstance(ex, torch.Tensor) else ()
-
-
-def _known(cond) -> bool:
-    """True only if `cond` holds for every value of the symbols (no guard is added)."""
-    if isinstance(cond, bool):
-        return cond
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return bool(statically_known_true(cond))
-    except Exception:  # noqa: BLE001 - unknown means "not provable"
-        return False
-
-
-def _same(a, b) -> bool:
-    return a is b or _known(a == b)
-
-
-def _is_one(size) -> bool:
-    return _same(size, 1)
-
-
-def _number(x):
-    """A python number for constants (ints, floats, bools, SymInts with a fixed value); else None."""
-    if isinstance(x, fx.Node):
-        x = example(x)
-    if isinstance(x, bool):
-        return x
-    if isinstance(x, (int, float)):
-        return x
-    if isinstance(x, (torch.SymInt, torch.SymFloat)):
-        try:
-            expr = x.node.expr
-            if expr.is_number:
-                return int(expr) if isinstance(x, torch.SymInt) else float(expr)
-        except Exception:  # noqa: BLE001
-            return None
-    return None
-
-
-# ---------------------------------------------------------------------------- symbolic mask values
-# Every value is a function of the element index; axes are negative (-1 = last), so broadcasting
-# aligns them for free. Coefficients on axes of size 1 are dropped (their index is always 0).
-
-Coefs = tuple  # sorted ((axis, k), ...) with k != 0
-
-
-def _coefs(d: dict) -> Coefs:
-    return tuple(sorted((a, k) for a, k in d.items() if k != 0))
-
-
-@dataclasses.dataclass(frozen=True)
-class Aff:
-    """c + Σ k·index[axis] (a constant when there are no coefficients)."""
-
-    coefs: Coefs = ()
-    c: Any = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Pred:
-    """Boolean: the intersection of half-planes Σ k·index[axis] + c >= 0; `false` is the empty set."""
-
-    planes: frozenset = frozenset()
-    false: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Sel:
-    """where(pred, a, b) with constant a, b."""
-
-    pred: Pred
-    a: Any
-    b: Any
-
-
-TRUE, FALSE = Pred(), Pred(false=True)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (bool, int)) or (isinstance(x, float) and x.is_integer())
-
-
-def _plane(coefs: dict, c) -> Pred:
-    """Normalised half-plane Σ k·x + c >= 0 over integers."""
-    coefs = {a: k for a, k in coefs.items() if k != 0}
-    if not all(_is_int(k) for k in coefs.values()) or not _is_int(c):
-        raise _Keep("mask compares non-integer index expressions")
-    coefs = {a: int(k) for a, k in coefs.items()}
-    c = int(c)
-    if not coefs:
-        return TRUE if c >= 0 else FALSE
-    g = math.gcd(*[abs(k) for k in coefs.values()])
-    return Pred(frozenset({(_coefs({a: k // g for a, k in coefs.items()}), c // g)}))
-
-
-def _and(p: Pred, q: Pred) -> Pred:
-    if p.false or q.false:
-        return FALSE
-    return Pred(p.planes | q.planes)
-
-
-def _not(p: Pred) -> Pred:
-    if p.false:
-        return TRUE
-    if not p.planes:
-        return FALSE
-    if len(p.planes) == 1:
-        (coefs, c), = p.planes
-        return _plane({a: -k for a, k in coefs}, -c - 1)
-    raise _Keep("mask negates an intersection (a union of regions)")
-
-
-def _or(p: Pred, q: Pred) -> Pred:
-    if p.false or not q.planes and not q.false:
-        return q if p.false else TRUE
-    if q.false or not p.planes:
-        return p if q.false else TRUE
-    if p == q:
-        return p
-    raise _Keep("mask is a union of regions")
-
-
-def _as_pred(v) -> Pred:
-    if isinstance(v, Pred):
-        return v
-    if isinstance(v, Aff) and not v.coefs:
-        return TRUE if v.c else FALSE
-    if isinstance(v, Sel):
-        a, b = bool(v.a), bool(v.b)
-        return TRUE if a and b else FALSE if not a and not b else v.pred if a else _not(v.pred)
-    raise _Keep("mask converts an index expression to bool")
-
-
-def _as_sel(v) -> Sel:
-    if isinstance(v, Sel):
-        return v
-    if isinstance(v, Pred):
-        return Sel(v, 1, 0)
-    if isinstance(v, Aff) and not v.coefs:
-        return Sel(TRUE, v.c, v.c)
-    raise _Keep("mask mixes index expressions with selections")
-
-
-def _simplify(v):
-    if isinstance(v, Sel):
-        if v.pred == TRUE or v.a == v.b:
-            return Aff((), v.a)
-        if v.pred.false:
-            return Aff((), v.b)
-    return v
-
-
-def _shift(v, fn):
-    """Rewrite every linear form (coefs, c) of a value with fn(coefs_dict, c) -> (coefs_dict, c)."""
-    if isinstance(v, Aff):
-        coefs, c = fn(dict(v.coefs), v.c)
-        return Aff(_coefs(coefs), c)
-    if isinstance(v, Pred):
-        if v.false or not v.planes:
-            return v
-        out = TRUE
-        for coefs, c in v.planes:
-            out = _and(out, _plane(*fn(dict(coefs), c)))
-        return out
-    if isinstance(v, Sel):
-        return _simplify(Sel(_shift(v.pred, fn), v.a, v.b))
-    raise TypeError(v)
-
-
-def _drop_unit_axes(v, shape):
-    """Forget coefficients on size-1 axes (and reject any beyond the rank)."""
-    nd = len(shape)
-
-    def fn(coefs, c):
-        out = {}
-        for a, k in coefs.items():
-            if a < -nd:
-                raise _Keep("mask index analysis lost track of an axis")
-            if not _is_one(shape[a]):
-                out[a] = k
-        return out, c
-
-    return _shift(v, fn)
-
-
-def _remap(v, mapping: dict[int, int]):
-    """Move coefficients from old axes to new axes; an axis not in `mapping` must have none."""
-
-    def fn(coefs, c):
-        out = {}
-        for a, k in coefs.items():
-            if a not in mapping:
-                raise _Keep("mask reshape mixes index dimensions")
-            out[mapping[a]] = out.get(mapping[a], 0) + k
-        return out, c
-
-    return _shift(v, fn)
-
-
-def _linear(op: str, x, y):
-    """x op y for Aff/Sel/Pred values (add, sub, mul, div)."""
-    if isinstance(x, Aff) and isinstance(y, Aff):
-        if op in ("add", "sub"):
-            s = 1 if op == "add" else -1
-            coefs = dict(x.coefs)
-            for a, k in y.coefs:
-                coefs[a] = coefs.get(a, 0) + s * k
-            return Aff(_coefs(coefs), x.c + s * y.c)
-        if op == "mul" and (not x.coefs or not y.coefs):
-            const, lin = (x, y) if not x.coefs else (y, x)
-            return Aff(_coefs({a: k * const.c for a, k in lin.coefs}), lin.c * const.c)
-        if op == "div" and not y.coefs and not x.coefs and y.c != 0:
-            return Aff((), x.c / y.c)
-        raise _Keep(f"mask uses a non-affine {op} of indices")
-    sx, sy = _as_sel(x), _as_sel(y)
-    f = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv}[op]
-    if sx.pred == sy.pred:
-        return _simplify(Sel(sx.pred, f(sx.a, sy.a), f(sx.b, sy.b)))
-    if sy.pred == TRUE or sy.a == sy.b:
-        return _simplify(Sel(sx.pred, f(sx.a, sy.a), f(sx.b, sy.a)))
-    if sx.pred == TRUE or sx.a == sx.b:
-        return _simplify(Sel(sy.pred, f(sx.a, sy.a), f(sx.a, sy.b)))
-    raise _Keep(f"mask combines two different regions with {op}")
-
-
-def _compare(op: str, x, y) -> Pred:
-    if isinstance(x, Aff) and isinstance(y, Aff):
-        d = _linear("sub", x, y)  # x - y
-        coefs = dict(d.coefs)
-        neg = {a: -k for a, k in coefs.items()}
-        if op == "ge":
-            return _plane(coefs, d.c)
-        if op == "gt":
-            return _plane(coefs, d.c - 1)
-        if op == "le":
-            return _plane(neg, -d.c)
-        if op == "lt":
-            return _plane(neg, -d.c - 1)
-        eq = _and(_plane(coefs, d.c), _plane(neg, -d.c))
-        return eq if op == "eq" else _not(eq)
-    if op in ("eq", "ne"):  # a two-valued mask compared with a constant, e.g. `tril(ones) == 0`
-        if isinstance(x, Aff) and not x.coefs:
-            x, y = y, x
-        if isinstance(y, Aff) and not y.coefs:
-            s = _as_sel(x)
-            a, b = (s.a == y.c), (s.b == y.c)
-            if op == "ne":
-                a, b = not a, not b
-            return _as_pred(Sel(s.pred, a, b))
-    raise _Keep(f"mask uses an unsupported comparison ({op})")
 
 
 class _MaskEval:
@@ -300,40 +42,39 @@ class _MaskEval:
 
     def __call__(self, x):
         if not isinstance(x, fx.Node):
-            n = _number(x)
+            n = number(x)
             if n is None:
-                raise _Keep(f"mask uses a non-constant {type(x).__name__}")
+                raise Keep(f"mask uses a non-constant {type(x).__name__}")
             return Aff((), n)
         if x not in self.memo:
             try:
                 v = self._eval(x)
-            except _Keep as e:
+            except Keep as e:
                 v = e
             self.memo[x] = v
         v = self.memo[x]
-        if isinstance(v, _Keep):
+        if isinstance(v, Keep):
             raise v
         return v
 
     def _eval(self, node: fx.Node):
-        n = _number(node)
+        n = number(node)
         if n is not None and not isinstance(example(node), torch.Tensor):
             return Aff((), n)  # a SymInt/SymFloat with a fixed value
         if isinstance(example(node), (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise _Keep(f"it depends on the symbolic value `{node.name}`")
+            raise Keep(f"it depends on the symbolic value `{node.name}`")
         if node.op == "placeholder":
-            raise _Keep(f"it is built from graph input `{node.target}` (a padding/custom mask or "
+            raise Keep(f"it is built from graph input `{node.target}` (a padding/custom mask or "
                         "position ids whose values are unknown at compile time)")
         if node.op == "get_attr":
-            raise _Keep(f"it is a constant tensor `{node.target}` whose structure is not analysed")
+            raise Keep(f"it is a constant tensor `{node.target}` whose structure is not analysed")
         name = _name(node)
         handler = getattr(self, f"_op_{name}", None) if name else None
         if handler is None:
             what = name or (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target))
-            raise _Keep(f"it uses `{what}`, which the mask analysis does not model")
+            raise Keep(f"it uses `{what}`, which the mask analysis does not model")
         v = handler(node)
-        shape = _shape(node)
-        v = _drop_unit_axes(v, shape)
+        v = _drop_unit_axes(v, shape(node) or ())
         if isinstance(example(node), torch.Tensor):
             dtype = example(node).dtype
             if dtype == torch.bool and not isinstance(v, Pred):
@@ -349,15 +90,15 @@ class _MaskEval:
             start, step = kw.get("start", 0), kw.get("step", 1)
         else:
             start, step = args[0], (args[2] if len(args) > 2 else kw.get("step", 1))
-        start, step = _number(start), _number(step)
+        start, step = number(start), number(step)
         if start is None or step is None or isinstance(start, bool):
-            raise _Keep("mask uses arange with a symbolic start/step")
+            raise Keep("mask uses arange with a symbolic start/step")
         return Aff(_coefs({-1: step}), start)
 
     def _const(self, fill):
-        v = _number(fill)
+        v = number(fill)
         if v is None:
-            raise _Keep("mask fill value is not a constant")
+            raise Keep("mask fill value is not a constant")
         return Aff((), v)
 
     def _op_ones(self, node):
@@ -381,12 +122,12 @@ class _MaskEval:
     # --- elementwise
     def _op_add(self, node):
         if node.kwargs.get("alpha", 1) != 1:
-            raise _Keep("mask uses add with alpha")
+            raise Keep("mask uses add with alpha")
         return _linear("add", self(node.args[0]), self(node.args[1]))
 
     def _op_sub(self, node):
         if node.kwargs.get("alpha", 1) != 1:
-            raise _Keep("mask uses sub with alpha")
+            raise Keep("mask uses sub with alpha")
         return _linear("sub", self(node.args[0]), self(node.args[1]))
 
     def _op_mul(self, node):
@@ -397,7 +138,7 @@ class _MaskEval:
 
     def _op_div(self, node):
         if node.kwargs.get("rounding_mode") is not None:
-            raise _Keep("mask uses a rounding division")
+            raise Keep("mask uses a rounding division")
         return _linear("div", self(node.args[0]), self(node.args[1]))
 
     def _op_neg(self, node):
@@ -435,39 +176,39 @@ class _MaskEval:
 
     def _op_where(self, node):
         if len(node.args) + len(node.kwargs) < 3:
-            raise _Keep("mask uses one-argument where")
+            raise Keep("mask uses one-argument where")
         cond = _as_pred(self(_arg(node, 0, "condition")))
         a, b = self(_arg(node, 1, "input")), self(_arg(node, 2, "other"))
         if isinstance(a, Aff) and isinstance(b, Aff) and not a.coefs and not b.coefs:
             return _simplify(Sel(cond, a.c, b.c))
         if isinstance(a, Pred) and isinstance(b, Aff) and not b.coefs and not b.c:
             return _and(cond, a)
-        raise _Keep("mask selects between non-constant values")
+        raise Keep("mask selects between non-constant values")
 
     def _op_masked_fill(self, node):
         x = self(node.args[0])
         p = _as_pred(self(_arg(node, 1, "mask")))
         v = self(_arg(node, 2, "value"))
         if not (isinstance(v, Aff) and not v.coefs):
-            raise _Keep("mask fill value is not a constant")
+            raise Keep("mask fill value is not a constant")
         if isinstance(x, Aff) and not x.coefs:
             return _simplify(Sel(p, v.c, x.c))
         if isinstance(x, Pred) and not v.c:  # a bool mask with more positions cleared
             return _and(x, _not(p))
-        raise _Keep("mask fills a non-constant tensor")
+        raise Keep("mask fills a non-constant tensor")
 
     def _tri(self, node, lower: bool):
         x = self(node.args[0])
-        d = _number(_arg(node, 1, "diagonal", 0))
+        d = number(_arg(node, 1, "diagonal", 0))
         if d is None:
-            raise _Keep("tril/triu with a symbolic diagonal")
+            raise Keep("tril/triu with a symbolic diagonal")
         # tril keeps key j <= query i + d  (i - j + d >= 0); triu keeps j >= i + d  (j - i - d >= 0)
         keep = _plane({-2: 1, -1: -1}, d) if lower else _plane({-2: -1, -1: 1}, -d)
         if isinstance(x, Pred):
             return _and(x, keep)
         s = _as_sel(x)
         if s.b != 0 and s.pred != TRUE and s.a != s.b:
-            raise _Keep("tril/triu of a non-constant mask")
+            raise Keep("tril/triu of a non-constant mask")
         if s.pred == TRUE or s.a == s.b:
             return _simplify(Sel(keep, s.a, 0))
         return _simplify(Sel(_and(s.pred, keep), s.a, 0))
@@ -492,17 +233,17 @@ class _MaskEval:
         """view/reshape/unsqueeze/squeeze/flatten that only add or remove size-1 dims."""
         src = node.args[0]
         v = self(src)
-        ins, outs = _shape(src), _shape(node)
-        big_in = [i for i, s in enumerate(ins) if not _is_one(s)]
-        big_out = [i for i, s in enumerate(outs) if not _is_one(s)]
-        if len(big_in) != len(big_out) or not all(_same(ins[a], outs[b]) for a, b in zip(big_in, big_out)):
-            raise _Keep("mask reshape merges or splits dimensions")
+        ins, outs = (shape(src) or ()), (shape(node) or ())
+        big_in = [i for i, s in enumerate(ins) if not eq(s, 1)]
+        big_out = [i for i, s in enumerate(outs) if not eq(s, 1)]
+        if len(big_in) != len(big_out) or not all(eq(ins[a], outs[b]) for a, b in zip(big_in, big_out)):
+            raise Keep("mask reshape merges or splits dimensions")
         return _remap(v, {a - len(ins): b - len(outs) for a, b in zip(big_in, big_out)})
 
     _op_view = _op_reshape = _op_unsqueeze = _op_squeeze = _op_flatten = _by_unit_dims
 
     def _op_transpose(self, node):
-        nd = len(_shape(node))
+        nd = rank(node)
         a, b = (int(x) % nd - nd for x in node.args[1:3])
         return _remap(self(node.args[0]), {a: b, b: a, **{x: x for x in range(-nd, 0) if x not in (a, b)}})
 
@@ -514,14 +255,14 @@ class _MaskEval:
     def _op_getitem(self, node):
         src, index = node.args
         if isinstance(example(src), (list, tuple)):
-            raise _Keep("mask indexes a tuple")
+            raise Keep("mask indexes a tuple")
         index = index if isinstance(index, tuple) else (index,)
         v = self(src)
-        ins, outs = _shape(src), _shape(node)
+        ins, outs = (shape(src) or ()), (shape(node) or ())
         if index and all(isinstance(i, fx.Node) and isinstance(example(i), torch.Tensor) for i in index):
             return self._advanced(v, ins, outs, index)
         if any(isinstance(i, fx.Node) and isinstance(example(i), torch.Tensor) for i in index):
-            raise _Keep("mask mixes advanced and basic indexing")
+            raise Keep("mask mixes advanced and basic indexing")
         used = sum(1 for i in index if i is not None and i is not Ellipsis)
         expanded = []
         for i in index:
@@ -535,17 +276,17 @@ class _MaskEval:
                 d_out += 1
                 continue
             if isinstance(i, slice):
-                start = 0 if i.start is None else _number(i.start)
-                step = 1 if i.step is None else _number(i.step)
+                start = 0 if i.start is None else number(i.start)
+                step = 1 if i.step is None else number(i.step)
                 if start is None or step is None or start < 0:
-                    raise _Keep("mask slices from a symbolic or negative start")
+                    raise Keep("mask slices from a symbolic or negative start")
                 mapping[d_in - len(ins)] = d_out - len(outs)
                 shift[d_in - len(ins)] = (start, step)
                 d_out += 1
             else:
-                idx = _number(i)
+                idx = number(i)
                 if idx is None or isinstance(idx, bool) or idx < 0:
-                    raise _Keep("mask indexes with a symbolic or negative integer")
+                    raise Keep("mask indexes with a symbolic or negative integer")
                 fixed[d_in - len(ins)] = idx
             d_in += 1
 
@@ -565,12 +306,12 @@ class _MaskEval:
     def _advanced(self, v, ins, outs, index):
         """x[i0, i1, ...] with integer index tensors for every dim: substitute the indices' values."""
         if len(index) != len(ins):
-            raise _Keep("mask uses partial advanced indexing")
+            raise Keep("mask uses partial advanced indexing")
         subs = {}
         for pos, i in enumerate(index):
             iv = self(i)
             if not isinstance(iv, Aff) or not all(_is_int(k) for _, k in iv.coefs) or not _is_int(iv.c):
-                raise _Keep("mask indexes with non-integer indices")
+                raise Keep("mask indexes with non-integer indices")
             subs[pos - len(ins)] = iv
 
         def fn(coefs, c):
@@ -587,12 +328,12 @@ class _MaskEval:
 
     def _op_diff(self, node):
         x = self(node.args[0])
-        dim = _number(_arg(node, 2, "dim", -1))
-        n = _number(_arg(node, 1, "n", 1))
+        dim = number(_arg(node, 2, "dim", -1))
+        n = number(_arg(node, 1, "n", 1))
         prepend, append = node.kwargs.get("prepend"), node.kwargs.get("append")
-        nd = len(_shape(node.args[0]))
+        nd = rank(node.args[0])
         if n != 1 or append is not None or dim is None or not isinstance(x, Aff):
-            raise _Keep("mask uses a diff it cannot model")
+            raise Keep("mask uses a diff it cannot model")
         ax = dim % nd - nd
         coefs = dict(x.coefs)
         step = coefs.pop(ax, 0)
@@ -600,7 +341,7 @@ class _MaskEval:
             # first element: x[..., 0] - prepend must equal the interior step
             first = _linear("sub", Aff(_coefs(coefs), x.c), self(prepend))
             if first.coefs or first.c != step:
-                raise _Keep("mask uses a diff whose first element differs")
+                raise Keep("mask uses a diff whose first element differs")
         return Aff((), step)
 
     def _op_cumsum(self, node):
@@ -608,12 +349,12 @@ class _MaskEval:
         if isinstance(x, Pred):
             x = _as_sel(x)
             if x.pred not in (TRUE, FALSE) and x.a != x.b:
-                raise _Keep("mask uses a cumsum of a non-constant")
+                raise Keep("mask uses a cumsum of a non-constant")
             x = Aff((), int(x.a) if x.pred != FALSE else int(x.b))
         if not isinstance(x, Aff) or x.coefs:
-            raise _Keep("mask uses a cumsum of a non-constant")
-        nd = len(_shape(node))
-        ax = _number(_arg(node, 1, "dim")) % nd - nd
+            raise Keep("mask uses a cumsum of a non-constant")
+        nd = rank(node)
+        ax = number(_arg(node, 1, "dim")) % nd - nd
         return Aff(_coefs({ax: x.c}), x.c)  # running sum of a constant c: c·(index + 1)
 
 
@@ -630,8 +371,8 @@ def _on_box(planes, sizes: dict) -> set | None:
     what remains is renormalised, so equal regions of the box compare equal."""
     out = set()
     for coefs, c in planes:
-        d = {a: k for a, k in coefs if not _is_one(sizes[a])}
-        sz = {a: _number(sizes[a]) for a in d}
+        d = {a: k for a, k in coefs if not eq(sizes[a], 1)}
+        sz = {a: number(sizes[a]) for a in d}
         if all(k > 0 or sz[a] is not None for a, k in d.items()):
             low = c + sum(k * (sz[a] - 1) for a, k in d.items() if k < 0)
             high = c + sum(k * (sz[a] - 1) for a, k in d.items() if k > 0) if all(v is not None for v in sz.values()) else None
@@ -647,20 +388,20 @@ def _on_box(planes, sizes: dict) -> set | None:
 
 
 def _allowed_kind(allowed: Pred, score_shape: tuple) -> bool:
-    """True: causal (top-left); False: every position allowed. Raises _Keep otherwise.
+    """True: causal (top-left); False: every position allowed. Raises Keep otherwise.
 
     Decided on the actual box of scores: for one query causal means "key 0 only", for one key it
     means "everything" (reported as non-causal, the cheaper kernel path)."""
     if allowed.false:
-        raise _Keep("the mask hides every key")
+        raise Keep("the mask hides every key")
     for coefs, _ in allowed.planes:
         if {a for a, _ in coefs} - {-1, -2}:
-            raise _Keep("the mask varies over batch or heads (padding-like)")
+            raise Keep("the mask varies over batch or heads (padding-like)")
     sizes = {-2: score_shape[-2], -1: score_shape[-1]}
     planes = _on_box(allowed.planes, sizes)
     causal = _on_box(_CAUSAL, sizes)
     if planes is None:
-        raise _Keep("the mask hides every key")
+        raise Keep("the mask hides every key")
     if not planes:
         return False
     if planes == causal:
@@ -668,10 +409,10 @@ def _allowed_kind(allowed: Pred, score_shape: tuple) -> bool:
     diagonal = _coefs({-2: 1, -1: -1})
     for coefs, c in planes:
         if coefs == diagonal and c != 0 and len(planes) == 1:
-            raise _Keep(f"causal mask with a diagonal offset of {c} (not top-left aligned)")
+            raise Keep(f"causal mask with a diagonal offset of {c} (not top-left aligned)")
     if (diagonal, 0) in planes and any(co == _coefs({-2: -1, -1: 1}) for co, _ in planes):
-        raise _Keep("sliding-window mask")
-    raise _Keep("the mask is not a plain causal mask")
+        raise Keep("sliding-window mask")
+    raise Keep("the mask is not a plain causal mask")
 
 
 def triangle(mask: Any, shape: tuple, diagonal: int = 0, negated: bool = False) -> bool:
@@ -682,14 +423,14 @@ def triangle(mask: Any, shape: tuple, diagonal: int = 0, negated: bool = False) 
     the SSD's segment sums."""
     try:
         s = _as_sel(_MaskEval()(mask))
-        if _number(s.a) == 1 and _number(s.b) == 0:
+        if number(s.a) == 1 and number(s.b) == 0:
             ones = s.pred
-        elif _number(s.a) == 0 and _number(s.b) == 1:
+        elif number(s.a) == 0 and number(s.b) == 1:
             ones = _not(s.pred)
         else:
             return False
         region = _not(ones) if negated else ones  # where the mask must be 1 for tril(ones, diagonal)
-    except _Keep:
+    except Keep:
         return False
     if region.false or any({a for a, _ in coefs} - {-1, -2} for coefs, _ in region.planes):
         return False  # hides everything, or varies over batch or heads
@@ -705,18 +446,18 @@ def _fill_ok(v) -> bool:
 def _additive_allowed(v) -> Pred:
     """The allowed set of an additive mask (0 where allowed, a vanishing value elsewhere)."""
     if isinstance(v, Pred):
-        raise _Keep("a boolean tensor is added to the scores")
+        raise Keep("a boolean tensor is added to the scores")
     if isinstance(v, Aff):
         if v.coefs:
-            raise _Keep("an index-dependent bias is added to the scores (ALiBi/relative position)")
+            raise Keep("an index-dependent bias is added to the scores (ALiBi/relative position)")
         if v.c == 0:
             return TRUE
-        raise _Keep(f"a constant {v.c} is added to the scores")
+        raise Keep(f"a constant {v.c} is added to the scores")
     if v.a == 0 and _fill_ok(v.b):
         return v.pred
     if v.b == 0 and _fill_ok(v.a):
         return _not(v.pred)
-    raise _Keep(f"additive mask values ({v.a}, {v.b}) are not (0, -inf or <= {_NEG_BIG:g})")
+    raise Keep(f"additive mask values ({v.a}, {v.b}) are not (0, -inf or <= {_NEG_BIG:g})")
 
 
 def _from_graph_input(node) -> bool:

@@ -13,7 +13,9 @@ import torch.fx as fx
 from tk_inductor.rewrite import Cast, example
 
 from ._fx import arg as _arg
-from ._mask import _CASTS, _is_one, _known, _name, _number, _same, _shape
+from ._fx import eq, known, number, rank, shape
+from ._fx import name as _name
+from ._mask import _CASTS
 
 
 @dataclasses.dataclass
@@ -44,16 +46,16 @@ class _Operand:
 
 
 def _swaps_last_two(node: fx.Node) -> bool:
-    nd = len(_shape(node))
+    nd = rank(node)
     name = _name(node)
     if name == "mT":
         return True
     if name == "transpose":
-        dims = {int(_number(d)) % nd for d in node.args[1:3]} if len(node.args) >= 3 else set()
+        dims = {int(number(d)) % nd for d in node.args[1:3]} if len(node.args) >= 3 else set()
         return dims == {nd - 2, nd - 1}
     if name == "permute":
         dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
-        dims = [int(_number(d)) % nd for d in dims]
+        dims = [int(number(d)) % nd for d in dims]
         return dims == list(range(nd - 2)) + [nd - 1, nd - 2]
     return False
 
@@ -62,39 +64,39 @@ def _repeat_kv_source(node: fx.Node) -> tuple[fx.Node, int] | None:
     """(x, r) if node is x (B, H, M, D) with every head repeated r times consecutively."""
     name = _name(node)
     if name == "repeat_interleave":
-        reps, dim = _number(_arg(node, 1, "repeats")), _arg(node, 2, "dim")
+        reps, dim = number(_arg(node, 1, "repeats")), _arg(node, 2, "dim")
         src = node.args[0]
-        if isinstance(reps, int) and dim is not None and len(_shape(src)) == 4 and int(_number(dim)) % 4 == 1:
+        if isinstance(reps, int) and dim is not None and rank(src) == 4 and int(number(dim)) % 4 == 1:
             return src, reps
         return None
     if name not in ("reshape", "view", "flatten"):
         return None
     exp = node.args[0]
-    out = _shape(node)
-    if _name(exp) != "expand" or len(_shape(exp)) != 5 or len(out) != 4:
+    out = shape(node) or ()
+    if _name(exp) != "expand" or rank(exp) != 5 or len(out) != 4:
         return None
-    B, H, r, M, D = _shape(exp)
-    if not (_same(out[0], B) and _same(out[1], H * r) and _same(out[2], M) and _same(out[3], D)):
+    B, H, r, M, D = shape(exp) or ()
+    if not (eq(out[0], B) and eq(out[1], H * r) and eq(out[2], M) and eq(out[3], D)):
         return None
     unsq = exp.args[0]
-    us = _shape(unsq)
-    if len(us) != 5 or not _is_one(us[2]):
+    us = shape(unsq) or ()
+    if len(us) != 5 or not eq(us[2], 1):
         return None
     src = None
-    if _name(unsq) == "unsqueeze" and int(_number(_arg(unsq, 1, "dim"))) % 5 == 2:
+    if _name(unsq) == "unsqueeze" and int(number(_arg(unsq, 1, "dim"))) % 5 == 2:
         src = unsq.args[0]
     elif _name(unsq) == "getitem":
         index = unsq.args[1]
         if (isinstance(index, tuple) and len(index) >= 3 and index[2] is None
                 and all(isinstance(i, slice) and i == slice(None) for i in index[:2] + index[3:])):
             src = unsq.args[0]
-    if src is None or len(_shape(src)) != 4:
+    if src is None or rank(src) != 4:
         return None
-    return src, _number(r) if isinstance(_number(r), int) else None
+    return src, number(r) if isinstance(number(r), int) else None
 
 
 def _positive_const(x):
-    v = _number(x) if not isinstance(x, fx.Node) or not isinstance(example(x), torch.Tensor) else None
+    v = number(x) if not isinstance(x, fx.Node) or not isinstance(example(x), torch.Tensor) else None
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 else None
 
 
@@ -129,11 +131,11 @@ def _peel(node: fx.Node, allow_merge: bool, allow_scale: bool) -> _Operand:
         elif (rk := _repeat_kv_source(n)) is not None and rk[1] is not None:
             op.node, op.repeated = rk[0], op.repeated * rk[1]
         elif name in ("view", "reshape") and allow_merge and not op.merged:
-            s_in, s_out = _shape(src), _shape(n)
-            if len(s_in) == 4 and len(s_out) == 3 and _same(s_out[0], s_in[0] * s_in[1]) \
-                    and _same(s_out[1], s_in[2]) and _same(s_out[2], s_in[3]):
+            s_in, s_out = (shape(src) or ()), shape(n) or ()
+            if len(s_in) == 4 and len(s_out) == 3 and eq(s_out[0], s_in[0] * s_in[1]) \
+                    and eq(s_out[1], s_in[2]) and eq(s_out[2], s_in[3]):
                 op.node, op.merged = src, True
-            elif len(s_in) == len(s_out) and all(_same(a, b) for a, b in zip(s_in, s_out)):
+            elif len(s_in) == len(s_out) and all(eq(a, b) for a, b in zip(s_in, s_out)):
                 op.node = src
             else:
                 return op
@@ -156,12 +158,12 @@ def _cat_single(node: fx.Node) -> fx.Node | None:
     if not isinstance(tensors, (list, tuple)):
         return None
     nonempty = [t for t in tensors if not (isinstance(t, fx.Node) and isinstance(example(t), torch.Tensor)
-                                           and _known(example(t).numel() == 0))]
+                                           and known(example(t).numel() == 0))]
     if len(nonempty) != 1 or not isinstance(nonempty[0], fx.Node):
         return None
     x = nonempty[0]
     ex, ey = example(x), example(node)
     if not isinstance(ex, torch.Tensor) or ex.dtype != ey.dtype or len(ex.shape) != len(ey.shape) \
-            or not all(_same(a, b) for a, b in zip(ex.shape, ey.shape)):
+            or not all(eq(a, b) for a, b in zip(ex.shape, ey.shape)):
         return None
     return x

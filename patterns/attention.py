@@ -82,8 +82,10 @@ from tk_inductor.ops import attention as attention_ops
 from tk_inductor.rewrite import Match, example
 
 from ._fx import arg as _arg
-from ._mask import (_CASTS, Aff, Pred, _additive_allowed, _allowed_kind, _as_pred, _fill_ok, _from_graph_input,
-                    _Keep, _known, _MaskEval, _name, _not, _number, _same, _shape)
+from ._affine import Aff, Pred, _as_pred, _not
+from ._fx import Keep, eq, known, number, rank, shape
+from ._fx import name as _name
+from ._mask import _CASTS, _additive_allowed, _allowed_kind, _fill_ok, _from_graph_input, _MaskEval
 from ._qkv import _Operand, _peel, _positive_const
 
 FAMILY = "attention"
@@ -162,15 +164,15 @@ def _operands(node: fx.Node):
 def _is_product(node: fx.Node, kind: str) -> bool:
     name = _name(node)
     if name == "baddbmm":  # beta=0: the input is ignored (Megatron/GPT-2 "reorder_and_upcast_attn")
-        return kind == "qk" and _number(node.kwargs.get("beta", 1)) == 0 and len(node.args) == 3
+        return kind == "qk" and number(node.kwargs.get("beta", 1)) == 0 and len(node.args) == 3
     if name in _MATMULS:
         return len(node.args) == 2 and not node.kwargs
     return name == "einsum" and _einsum_kind(node) == kind
 
 
 def _softmax_dim_ok(node: fx.Node) -> bool:
-    nd = len(_shape(node))
-    dim = _number(_arg(node, 1, "dim"))  # x.softmax(dim) and softmax(x, dim): args[1] either way
+    nd = rank(node)
+    dim = number(_arg(node, 1, "dim"))  # x.softmax(dim) and softmax(x, dim): args[1] either way
     return isinstance(dim, int) and nd > 0 and dim % nd == nd - 1
 
 
@@ -184,15 +186,15 @@ def _softmax_dtype(node: fx.Node):
 
 def _same_scores(a: tuple, b: tuple) -> bool:
     """Same (N, M) in the last two dims and the same number of (batch, head) rows before them."""
-    if len(a) < 2 or len(b) < 2 or not (_same(a[-1], b[-1]) and _same(a[-2], b[-2])):
+    if len(a) < 2 or len(b) < 2 or not (eq(a[-1], b[-1]) and eq(a[-2], b[-2])):
         return False
-    return _same(math.prod(a[:-2]), math.prod(b[:-2]))
+    return eq(math.prod(a[:-2]), math.prod(b[:-2]))
 
 
 def _path_to(start: fx.Node, is_end, depth: int) -> list[fx.Node] | None:
     """The first forward path [start, ..., end] within `depth` steps whose inner nodes keep the
     scores' shape and are not products (so one layer's output never reaches the next layer's softmax)."""
-    shape = _shape(start)
+    want = shape(start) or ()
     frontier = [[start]]
     for _ in range(depth):
         nxt = []
@@ -200,9 +202,9 @@ def _path_to(start: fx.Node, is_end, depth: int) -> list[fx.Node] | None:
             for user in path[-1].users:
                 if is_end(user, path[-1]):
                     return path + [user]
-                s = _shape(user)
+                s = shape(user) or ()
                 if (user.op in ("call_function", "call_method") and _name(user) not in _MATMULS + ("baddbmm", "einsum", "sdpa")
-                        and _same_scores(s, shape)):
+                        and _same_scores(s, want)):
                     nxt.append(path + [user])
         frontier = nxt
     return None
@@ -213,11 +215,11 @@ def _dropout_ok(node: fx.Node) -> None:
         p, train = _arg(node, 1, "p"), _arg(node, 2, "train")
     else:
         p, train = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
-    p, train = _number(p), _number(train) if train is not None else None
+    p, train = number(p), number(train) if train is not None else None
     if p is None or train is None:
-        raise _Keep("dropout with a non-constant probability or mode")
+        raise Keep("dropout with a non-constant probability or mode")
     if p != 0 and train:
-        raise _Keep(f"dropout p={p} in training (the kernels have no RNG)")
+        raise Keep(f"dropout p={p} in training (the kernels have no RNG)")
 
 
 class _Finder:
@@ -236,28 +238,28 @@ class _Finder:
         if keep is None:
             try:
                 m.target, m.args, m.outputs = self._call(out, qo, ko, vo, causal, scale, mixed, mask)
-            except _Keep as e:
+            except Keep as e:
                 m.reason = str(e)
         return m
 
     def _call(self, out, qo, ko, vo, causal, scale, mixed=False, mask=None):
         exs = [example(o.node) for o in (qo, ko, vo)]
         if not all(isinstance(e, torch.Tensor) for e in exs):
-            raise _Keep("q/k/v example values are missing")
+            raise Keep("q/k/v example values are missing")
         dts = [o.dtype() for o in (qo, ko, vo)]
         if len(set(dts)) != 1 or not dts[0].is_floating_point:
-            raise _Keep(f"q/k/v dtypes {[str(d) for d in dts]} (the op needs one float dtype)")
+            raise Keep(f"q/k/v dtypes {[str(d) for d in dts]} (the op needs one float dtype)")
         dtype = dts[0]
         if isinstance(example(out), torch.Tensor) and example(out).dtype != dtype:
-            raise _Keep(f"the output dtype {example(out).dtype} differs from the inputs' {dtype}")
+            raise Keep(f"the output dtype {example(out).dtype} differs from the inputs' {dtype}")
         if len({e.device for e in exs}) != 1:
-            raise _Keep("q/k/v are on different devices")
+            raise Keep("q/k/v are on different devices")
         merged = {o.merged for o in (qo, ko, vo)}
         if len(merged) != 1 and not mixed:
-            raise _Keep("only some of q/k/v are (B*H, N, D) views of 4-D tensors")
+            raise Keep("only some of q/k/v are (B*H, N, D) views of 4-D tensors")
         ranks = {e.dim() for e in exs}
         if ranks != {4} and ranks != {3}:
-            raise _Keep(f"q/k/v of ranks {sorted(e.dim() for e in exs)} (the op takes 4-D, or 3-D batched)")
+            raise Keep(f"q/k/v of ranks {sorted(e.dim() for e in exs)} (the op takes 4-D, or 3-D batched)")
         transposed = tuple(o.needs_transpose() for o in (qo, ko, vo))
         shapes = []
         for tr, e in zip(transposed, exs):
@@ -266,30 +268,30 @@ class _Finder:
                 s[-2], s[-1] = s[-1], s[-2]
             shapes.append(s)
         (qs, ks, vs) = shapes
-        if not _same(ks[-1], qs[-1]):
-            raise _Keep(f"q and k head dims differ ({qs[-1]} vs {ks[-1]})")
-        if not _same(vs[-1], qs[-1]):
-            raise _Keep(f"value head dim {vs[-1]} differs from the query/key head dim {qs[-1]}")
-        if not _same(ks[-2], vs[-2]):
-            raise _Keep("k and v lengths differ")
-        if not (_same(qs[0], ks[0]) and _same(ks[0], vs[0])):
-            raise _Keep("the batch is broadcast between q and k/v")
+        if not eq(ks[-1], qs[-1]):
+            raise Keep(f"q and k head dims differ ({qs[-1]} vs {ks[-1]})")
+        if not eq(vs[-1], qs[-1]):
+            raise Keep(f"value head dim {vs[-1]} differs from the query/key head dim {qs[-1]}")
+        if not eq(ks[-2], vs[-2]):
+            raise Keep("k and v lengths differ")
+        if not (eq(qs[0], ks[0]) and eq(ks[0], vs[0])):
+            raise Keep("the batch is broadcast between q and k/v")
         if len(qs) == 4:
             hq, hk, hv = qs[1], ks[1], vs[1]
-            if not _same(hk, hv):
-                raise _Keep(f"k and v head counts differ ({hk} vs {hv})")
-            if not _known(hq % hk == 0):
-                raise _Keep(f"query heads ({hq}) are not a multiple of key/value heads ({hk})")
-        elif ko.repeated != 1 or vo.repeated != 1 or not _same(qs[0], ks[0]):
-            raise _Keep("3-D attention with repeated key/value heads")
+            if not eq(hk, hv):
+                raise Keep(f"k and v head counts differ ({hk} vs {hv})")
+            if not known(hq % hk == 0):
+                raise Keep(f"query heads ({hq}) are not a multiple of key/value heads ({hk})")
+        elif ko.repeated != 1 or vo.repeated != 1 or not eq(qs[0], ks[0]):
+            raise Keep("3-D attention with repeated key/value heads")
         if not (scale > 0 and math.isfinite(scale)):
-            raise _Keep(f"scale {scale} is not a positive finite number")
+            raise Keep(f"scale {scale} is not a positive finite number")
         if exs[0].device.type == "cuda" and not self.reference:
-            why = attention_ops.kernel_supports(dtype, _number(qs[-1]))
+            why = attention_ops.kernel_supports(dtype, number(qs[-1]))
             if why is not None:
-                raise _Keep(why)
-        if mixed and not (len(_shape(out)) == 4 and all(_same(a, b) for a, b in zip(_shape(out)[:2], qs[:2]))):
-            raise _Keep("the 3-D scores are viewed to heads that differ from q's")
+                raise Keep(why)
+        if mixed and not (rank(out) == 4 and all(eq(a, b) for a, b in zip((shape(out) or ())[:2], qs[:2]))):
+            raise Keep("the 3-D scores are viewed to heads that differ from q's")
         heads = "4d" if len(qs) == 4 and (mixed or not qo.merged) else ("merged" if qo.merged else "none")
         args = (qo.arg(), ko.arg(), vo.arg(), bool(causal), float(scale))
         if heads == "merged":
@@ -301,9 +303,9 @@ class _Finder:
         contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
         if mask is not None:  # values known only at run time: the op checks them (tk::attention_masked)
             if heads != "4d" or any(transposed) or contiguous:
-                raise _Keep("the mask's values are known only at run time and the layout needs an adapter")
+                raise Keep("the mask's values are known only at run time and the layout needs an adapter")
             if getattr(example(mask), "requires_grad", False):
-                raise _Keep("the mask/bias requires grad (a learned bias)")
+                raise Keep("the mask/bias requires grad (a learned bias)")
             return torch.ops.tk.attention_masked.default, (qo.arg(), ko.arg(), vo.arg(), mask, float(scale)), [out, None]
         if heads == "4d" and not any(transposed) and not contiguous:
             return torch.ops.tk.attention.default, args, [out, None]
@@ -317,8 +319,8 @@ class _Finder:
         (user,) = out.users
         if _name(user) not in ("view", "reshape") or user.args[0] is not out:
             return None
-        s = _shape(user)
-        if len(s) == 4 and all(_same(a, b) for a, b in zip(s, q4)):
+        s = shape(user) or ()
+        if len(s) == 4 and all(eq(a, b) for a, b in zip(s, q4)):
             return user
         return None
 
@@ -329,48 +331,48 @@ class _Finder:
         ko = _peel(k, allow_merge=False, allow_scale=True)
         vo = _peel(v, allow_merge=False, allow_scale=False)
         mask = _arg(node, 3, "attn_mask")
-        dropout_p = _number(_arg(node, 4, "dropout_p", 0.0))
-        is_causal = _number(_arg(node, 5, "is_causal", False))
+        dropout_p = number(_arg(node, 4, "dropout_p", 0.0))
+        is_causal = number(_arg(node, 5, "is_causal", False))
         scale = _arg(node, 6, "scale")
         try:
             if qo.transposed or ko.transposed or vo.transposed:
                 qo, ko, vo = _Operand(q), _Operand(k), _Operand(v)
             for n in (qo.node, ko.node, vo.node):
                 if any(_in_place(u) for u in n.users):
-                    raise _Keep(f"`{n.name}` is modified in place")
+                    raise Keep(f"`{n.name}` is modified in place")
             if dropout_p is None or dropout_p != 0:
-                raise _Keep(f"SDPA dropout_p={_arg(node, 4, 'dropout_p')} (SDPA drops even in eval; no RNG kernel)")
+                raise Keep(f"SDPA dropout_p={_arg(node, 4, 'dropout_p')} (SDPA drops even in eval; no RNG kernel)")
             if is_causal is None:
-                raise _Keep("SDPA is_causal is not a constant")
+                raise Keep("SDPA is_causal is not a constant")
             causal = bool(is_causal)
             runtime_mask = None
             if mask is not None:
                 try:
-                    causal = self._sdpa_mask(mask, _shape(node)[:-1] + (_shape(k)[-2],))
-                except _Keep:
+                    causal = self._sdpa_mask(mask, (shape(node) or ())[:-1] + ((shape(k) or ())[-2],))
+                except Keep:
                     if is_causal or not _from_graph_input(mask):
                         raise
                     runtime_mask = mask
-            d = _number(_shape(q)[-1]) if _shape(q) else None
+            d = number((shape(q) or ())[-1]) if (shape(q) or ()) else None
             if scale is None:
                 if d is None:
-                    raise _Keep("default scale of a symbolic head dim")
+                    raise Keep("default scale of a symbolic head dim")
                 scale = 1.0 / math.sqrt(d)
-            scale = _number(scale)
+            scale = number(scale)
             if scale is None:
-                raise _Keep("SDPA scale is not a constant")
+                raise Keep("SDPA scale is not a constant")
             scale = float(scale) * qo.scale * ko.scale
-            if len(_shape(q)) not in (3, 4):
-                raise _Keep(f"SDPA inputs of rank {len(_shape(q))} (the op takes 4-D)")
-        except _Keep as e:
+            if rank(q) not in (3, 4):
+                raise Keep(f"SDPA inputs of rank {rank(q)} (the op takes 4-D)")
+        except Keep as e:
             return self._match(node, qo, ko, vo, False, 1.0, keep=str(e))
         return self._match(node, qo, ko, vo, causal, scale, mask=runtime_mask)
 
     def _sdpa_mask(self, mask: fx.Node, score_shape: tuple) -> bool:
         try:
             v = self.masks(mask)
-        except _Keep as e:
-            raise _Keep(f"attn_mask is not provably causal: {e}") from None
+        except Keep as e:
+            raise Keep(f"attn_mask is not provably causal: {e}") from None
         ex = example(mask)
         allowed = _as_pred(v) if ex.dtype == torch.bool else _additive_allowed(v)
         return _allowed_kind(allowed, score_shape)
@@ -395,7 +397,7 @@ class _Finder:
         _, v = _operands(pv)
         want_t = _name(qk) != "einsum"
         # (B*H, N, D) views are peeled back to (B, H, N, D) on the side(s) that multiply in 3-D
-        qk_3d, pv_3d = len(_shape(qk)) == 3, len(_shape(pv)) == 3
+        qk_3d, pv_3d = rank(qk) == 3, rank(pv) == 3
         qo = _peel(q, qk_3d, allow_scale=True)
         ko = _peel(kt, qk_3d, allow_scale=True)
         vo = _peel(v, pv_3d, allow_scale=False)
@@ -409,39 +411,39 @@ class _Finder:
         try:
             for n in [qk] + chain + [sm] + after + [qo.node, ko.node, vo.node]:
                 if any(_in_place(u) for u in n.users):
-                    raise _Keep(f"`{n.name}` is modified in place")
+                    raise Keep(f"`{n.name}` is modified in place")
             for n in [qk] + chain + [sm] + after:
                 if len(n.users) != 1:
-                    raise _Keep(f"the attention weights (`{n.name}`) are also used elsewhere "
+                    raise Keep(f"the attention weights (`{n.name}`) are also used elsewhere "
                                 "(e.g. output_attentions)")
             if not _softmax_dim_ok(sm):
-                raise _Keep("softmax is not over the key dimension")
+                raise Keep("softmax is not over the key dimension")
             sdt = _softmax_dtype(sm)
             if sdt is not None and sdt not in (torch.float32, torch.float64, example(q).dtype):
-                raise _Keep(f"softmax in {sdt}")
+                raise Keep(f"softmax in {sdt}")
             q_dtype = qo.dtype()
             scale, causal, runtime_mask = self._scores_chain(qk, chain, q_dtype)
             if _name(qk) == "baddbmm":
                 alpha = _positive_const(qk.kwargs.get("alpha", 1))
                 if alpha is None:
-                    raise _Keep("baddbmm alpha is not a positive constant")
+                    raise Keep("baddbmm alpha is not a positive constant")
                 scale *= alpha
             for n in after:
                 self._probs_step(n, q_dtype)
             scale *= qo.scale * ko.scale
-        except _Keep as e:
+        except Keep as e:
             return self._match(pv, qo, ko, vo, False, 1.0, keep=str(e))
         return self._match(pv, qo, ko, vo, causal, scale, mixed=mixed, mask=runtime_mask)
 
     def _cast_ok(self, n: fx.Node, q_dtype) -> None:
         dt = example(n).dtype
         if dt not in (torch.float32, torch.float64, q_dtype):
-            raise _Keep(f"the scores are cast to {dt}, below the inputs' {q_dtype}")
+            raise Keep(f"the scores are cast to {dt}, below the inputs' {q_dtype}")
 
     def _scores_chain(self, qk: fx.Node, chain: list[fx.Node], q_dtype) -> tuple[float, bool, fx.Node | None]:
         """(scale, causal, mask whose values are known only at run time, or None)."""
         scale, causal, runtime_mask = 1.0, False, None
-        shape = _shape(qk)
+        scores = shape(qk) or ()
         prev = qk
         for n in chain:
             name = _name(n)
@@ -453,18 +455,18 @@ class _Finder:
             elif name in ("mul", "div") and len(n.args) == 2 and not n.kwargs:
                 c = _positive_const(others[0]) if len(others) == 1 else None
                 if runtime_mask is not None:
-                    raise _Keep("the scores are scaled after a run-time mask was added (SDPA adds it after scaling)")
+                    raise Keep("the scores are scaled after a run-time mask was added (SDPA adds it after scaling)")
                 if c is None or (name == "div" and n.args[0] is not prev):
                     runtime = len(others) == 1 and isinstance(others[0], fx.Node) \
                         and not isinstance(example(others[0]), torch.Tensor)
-                    raise _Keep("the scores are scaled by a run-time value (dynamic=True passes float attributes "
+                    raise Keep("the scores are scaled by a run-time value (dynamic=True passes float attributes "
                                 "as tensors)" if runtime else
                                 f"the scores are scaled by a non-constant or non-positive `{n.name}`")
                 scale *= c if name == "mul" else 1.0 / c
             elif name in ("add",) and len(n.args) == 2 and not n.kwargs:
                 try:
-                    kind = _allowed_kind(self._additive(others[0]), shape)  # evaluated for every mask: each must be provable
-                except _Keep:
+                    kind = _allowed_kind(self._additive(others[0]), scores)  # evaluated for every mask: each must be provable
+                except Keep:
                     m = others[0] if len(others) == 1 else None
                     if runtime_mask is not None or causal or not _from_graph_input(m) \
                             or not isinstance(example(m), torch.Tensor) or not example(m).is_floating_point():
@@ -472,17 +474,17 @@ class _Finder:
                     runtime_mask, kind = m, False
                 causal = causal or kind
             elif name == "masked_fill" and n.args[0] is prev:
-                fill = _number(_arg(n, 2, "value"))
+                fill = number(_arg(n, 2, "value"))
                 if fill is None:
                     try:
                         fv = self.masks(_arg(n, 2, "value"))
                         fill = fv.c if isinstance(fv, Aff) and not fv.coefs else None
-                    except _Keep:
+                    except Keep:
                         fill = None
                 if not _fill_ok(fill):
-                    raise _Keep(f"masked_fill value {_arg(n, 2, 'value')} does not vanish in softmax")
+                    raise Keep(f"masked_fill value {_arg(n, 2, 'value')} does not vanish in softmax")
                 masked = self._bool_mask(_arg(n, 1, "mask"))
-                kind = _allowed_kind(_not(masked), shape)  # evaluated for every mask: each must be provable
+                kind = _allowed_kind(_not(masked), scores)  # evaluated for every mask: each must be provable
                 causal = causal or kind
             elif name == "where" and len(n.args) == 3:
                 cond, a, b = n.args
@@ -491,47 +493,47 @@ class _Finder:
                 elif b is prev:
                     fill, allowed = a, False
                 else:
-                    raise _Keep("where() on the scores in an unknown form")
+                    raise Keep("where() on the scores in an unknown form")
                 fv = self._const_value(fill)
                 if not _fill_ok(fv):
-                    raise _Keep(f"where() fill value {fill} does not vanish in softmax")
+                    raise Keep(f"where() fill value {fill} does not vanish in softmax")
                 p = self._bool_mask(cond)
-                kind = _allowed_kind(p if allowed else _not(p), shape)  # evaluated for every mask: each must be provable
+                kind = _allowed_kind(p if allowed else _not(p), scores)  # evaluated for every mask: each must be provable
                 causal = causal or kind
             elif name == "tanh":
-                raise _Keep("softcapping (tanh) of the scores")
+                raise Keep("softcapping (tanh) of the scores")
             elif name in ("add", "sub"):
-                raise _Keep(f"a tensor is combined with the scores by `{n.name}` (bias)")
+                raise Keep(f"a tensor is combined with the scores by `{n.name}` (bias)")
             else:
-                raise _Keep(f"`{n.name}` ({name or n.target}) between the score product and the softmax")
-            if not _same_scores(_shape(n), shape):
-                raise _Keep(f"`{n.name}` broadcasts the scores to a larger shape")
+                raise Keep(f"`{n.name}` ({name or n.target}) between the score product and the softmax")
+            if not _same_scores(shape(n) or (), scores):
+                raise Keep(f"`{n.name}` broadcasts the scores to a larger shape")
             prev = n
         if runtime_mask is not None and causal:
-            raise _Keep("a proven causal mask and a run-time mask are both applied")
+            raise Keep("a proven causal mask and a run-time mask are both applied")
         return scale, causal, runtime_mask
 
     def _const_value(self, x):
-        v = _number(x)
+        v = number(x)
         if v is not None:
             return v
         try:
             fv = self.masks(x)
-        except _Keep:
+        except Keep:
             return None
         return fv.c if isinstance(fv, Aff) and not fv.coefs else None
 
     def _bool_mask(self, x) -> Pred:
         try:
             return _as_pred(self.masks(x))
-        except _Keep as e:
-            raise _Keep(f"mask is not provably causal: {e}") from None
+        except Keep as e:
+            raise Keep(f"mask is not provably causal: {e}") from None
 
     def _additive(self, x):
         try:
             v = self.masks(x)
-        except _Keep as e:
-            raise _Keep(f"additive mask/bias is not provably causal: {e}") from None
+        except Keep as e:
+            raise Keep(f"additive mask/bias is not provably causal: {e}") from None
         return _additive_allowed(v)
 
     def _probs_step(self, n: fx.Node, q_dtype) -> None:
@@ -544,7 +546,7 @@ class _Finder:
         if name == "dropout":
             _dropout_ok(n)
             return
-        raise _Keep(f"`{n.name}` ({name or n.target}) between the softmax and the value product")
+        raise Keep(f"`{n.name}` ({name or n.target}) between the softmax and the value product")
 
 
 def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterator[Match]:
@@ -585,8 +587,8 @@ def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
         if not isinstance(ex, torch.Tensor) or ex.dim() < 2 or not (ex.dtype == torch.bool or ex.is_floating_point()):
             continue
         try:
-            kinds[i] = "causal" if finder._sdpa_mask(node, _shape(node)) else "full"
-        except _Keep:
+            kinds[i] = "causal" if finder._sdpa_mask(node, (shape(node) or ())) else "full"
+        except Keep:
             continue
         except Exception:  # noqa: BLE001  (an analysis bug must cost a value check, never the compile)
             log.debug("tk_inductor: output mask analysis failed on %s", node.name, exc_info=True)

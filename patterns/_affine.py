@@ -1,0 +1,224 @@
+"""The values the mask prover (patterns/_mask.py) computes with: functions of a tensor's element index.
+
+An `Aff` is affine in the index (Σ k·index[axis] plus a constant), a `Pred` an intersection of half-planes
+Σ k·index[axis] + c >= 0 (or the empty set), a `Sel` a choice between two constants by a `Pred`. Axes are
+negative (-1 = last), so broadcasting aligns them for free; coefficients on axes of size 1 are dropped (their index
+is always 0). Anything outside this algebra raises `Keep`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any
+
+from ._fx import Keep, eq
+
+
+Coefs = tuple  # sorted ((axis, k), ...) with k != 0
+
+
+def _coefs(d: dict) -> Coefs:
+    return tuple(sorted((a, k) for a, k in d.items() if k != 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Aff:
+    """c + Σ k·index[axis] (a constant when there are no coefficients)."""
+
+    coefs: Coefs = ()
+    c: Any = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Pred:
+    """Boolean: the intersection of half-planes Σ k·index[axis] + c >= 0; `false` is the empty set."""
+
+    planes: frozenset = frozenset()
+    false: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Sel:
+    """where(pred, a, b) with constant a, b."""
+
+    pred: Pred
+    a: Any
+    b: Any
+
+
+TRUE, FALSE = Pred(), Pred(false=True)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (bool, int)) or (isinstance(x, float) and x.is_integer())
+
+
+def _plane(coefs: dict, c) -> Pred:
+    """Normalised half-plane Σ k·x + c >= 0 over integers."""
+    coefs = {a: k for a, k in coefs.items() if k != 0}
+    if not all(_is_int(k) for k in coefs.values()) or not _is_int(c):
+        raise Keep("mask compares non-integer index expressions")
+    coefs = {a: int(k) for a, k in coefs.items()}
+    c = int(c)
+    if not coefs:
+        return TRUE if c >= 0 else FALSE
+    g = math.gcd(*[abs(k) for k in coefs.values()])
+    return Pred(frozenset({(_coefs({a: k // g for a, k in coefs.items()}), c // g)}))
+
+
+def _and(p: Pred, q: Pred) -> Pred:
+    if p.false or q.false:
+        return FALSE
+    return Pred(p.planes | q.planes)
+
+
+def _not(p: Pred) -> Pred:
+    if p.false:
+        return TRUE
+    if not p.planes:
+        return FALSE
+    if len(p.planes) == 1:
+        (coefs, c), = p.planes
+        return _plane({a: -k for a, k in coefs}, -c - 1)
+    raise Keep("mask negates an intersection (a union of regions)")
+
+
+def _or(p: Pred, q: Pred) -> Pred:
+    if p.false or not q.planes and not q.false:
+        return q if p.false else TRUE
+    if q.false or not p.planes:
+        return p if q.false else TRUE
+    if p == q:
+        return p
+    raise Keep("mask is a union of regions")
+
+
+def _as_pred(v) -> Pred:
+    if isinstance(v, Pred):
+        return v
+    if isinstance(v, Aff) and not v.coefs:
+        return TRUE if v.c else FALSE
+    if isinstance(v, Sel):
+        a, b = bool(v.a), bool(v.b)
+        return TRUE if a and b else FALSE if not a and not b else v.pred if a else _not(v.pred)
+    raise Keep("mask converts an index expression to bool")
+
+
+def _as_sel(v) -> Sel:
+    if isinstance(v, Sel):
+        return v
+    if isinstance(v, Pred):
+        return Sel(v, 1, 0)
+    if isinstance(v, Aff) and not v.coefs:
+        return Sel(TRUE, v.c, v.c)
+    raise Keep("mask mixes index expressions with selections")
+
+
+def _simplify(v):
+    if isinstance(v, Sel):
+        if v.pred == TRUE or v.a == v.b:
+            return Aff((), v.a)
+        if v.pred.false:
+            return Aff((), v.b)
+    return v
+
+
+def _shift(v, fn):
+    """Rewrite every linear form (coefs, c) of a value with fn(coefs_dict, c) -> (coefs_dict, c)."""
+    if isinstance(v, Aff):
+        coefs, c = fn(dict(v.coefs), v.c)
+        return Aff(_coefs(coefs), c)
+    if isinstance(v, Pred):
+        if v.false or not v.planes:
+            return v
+        out = TRUE
+        for coefs, c in v.planes:
+            out = _and(out, _plane(*fn(dict(coefs), c)))
+        return out
+    if isinstance(v, Sel):
+        return _simplify(Sel(_shift(v.pred, fn), v.a, v.b))
+    raise TypeError(v)
+
+
+def _drop_unit_axes(v, shape):
+    """Forget coefficients on size-1 axes (and reject any beyond the rank)."""
+    nd = len(shape)
+
+    def fn(coefs, c):
+        out = {}
+        for a, k in coefs.items():
+            if a < -nd:
+                raise Keep("mask index analysis lost track of an axis")
+            if not eq(shape[a], 1):
+                out[a] = k
+        return out, c
+
+    return _shift(v, fn)
+
+
+def _remap(v, mapping: dict[int, int]):
+    """Move coefficients from old axes to new axes; an axis not in `mapping` must have none."""
+
+    def fn(coefs, c):
+        out = {}
+        for a, k in coefs.items():
+            if a not in mapping:
+                raise Keep("mask reshape mixes index dimensions")
+            out[mapping[a]] = out.get(mapping[a], 0) + k
+        return out, c
+
+    return _shift(v, fn)
+
+
+def _linear(op: str, x, y):
+    """x op y for Aff/Sel/Pred values (add, sub, mul, div)."""
+    if isinstance(x, Aff) and isinstance(y, Aff):
+        if op in ("add", "sub"):
+            s = 1 if op == "add" else -1
+            coefs = dict(x.coefs)
+            for a, k in y.coefs:
+                coefs[a] = coefs.get(a, 0) + s * k
+            return Aff(_coefs(coefs), x.c + s * y.c)
+        if op == "mul" and (not x.coefs or not y.coefs):
+            const, lin = (x, y) if not x.coefs else (y, x)
+            return Aff(_coefs({a: k * const.c for a, k in lin.coefs}), lin.c * const.c)
+        if op == "div" and not y.coefs and not x.coefs and y.c != 0:
+            return Aff((), x.c / y.c)
+        raise Keep(f"mask uses a non-affine {op} of indices")
+    sx, sy = _as_sel(x), _as_sel(y)
+    f = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv}[op]
+    if sx.pred == sy.pred:
+        return _simplify(Sel(sx.pred, f(sx.a, sy.a), f(sx.b, sy.b)))
+    if sy.pred == TRUE or sy.a == sy.b:
+        return _simplify(Sel(sx.pred, f(sx.a, sy.a), f(sx.b, sy.a)))
+    if sx.pred == TRUE or sx.a == sx.b:
+        return _simplify(Sel(sy.pred, f(sx.a, sy.a), f(sx.a, sy.b)))
+    raise Keep(f"mask combines two different regions with {op}")
+
+
+def _compare(op: str, x, y) -> Pred:
+    if isinstance(x, Aff) and isinstance(y, Aff):
+        d = _linear("sub", x, y)  # x - y
+        coefs = dict(d.coefs)
+        neg = {a: -k for a, k in coefs.items()}
+        if op == "ge":
+            return _plane(coefs, d.c)
+        if op == "gt":
+            return _plane(coefs, d.c - 1)
+        if op == "le":
+            return _plane(neg, -d.c)
+        if op == "lt":
+            return _plane(neg, -d.c - 1)
+        eq = _and(_plane(coefs, d.c), _plane(neg, -d.c))
+        return eq if op == "eq" else _not(eq)
+    if op in ("eq", "ne"):  # a two-valued mask compared with a constant, e.g. `tril(ones) == 0`
+        if isinstance(x, Aff) and not x.coefs:
+            x, y = y, x
+        if isinstance(y, Aff) and not y.coefs:
+            s = _as_sel(x)
+            a, b = (s.a == y.c), (s.b == y.c)
+            if op == "ne":
+                a, b = not a, not b
+            return _as_pred(Sel(s.pred, a, b))
+    raise Keep(f"mask uses an unsupported comparison ({op})")
