@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 ( time python3 -m tk_inductor build ) 2>&1 | tee "$OUT/build.log" | tail -8
 if [ "${TESTS:-1}" != 0 ]; then
-  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests ${TEST_K:+-k "$TEST_K"} 2>&1 \
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests benchmarks/tests ${TEST_K:+-k "$TEST_K"} 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -v DEBUG | tail -15
 fi
 for engine in ${DIST:-}; do  # ddp, fsdp2: benchmarks.distributed under torchrun, ours and torch.compile default

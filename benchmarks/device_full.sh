@@ -4,8 +4,8 @@
 #   TK_BENCH_COMMIT=<sha> E2E_TIMEOUT=230 bash benchmarks/device_full.sh "mamba2" "based build"
 # jobs: tests (GPU tests; TEST_K: a pytest -k filter), ops (every op benchmark), ops:<list> (those ops, e.g.
 # ops:ssd,attention; ops:<list>@NAME=value runs them with that variable set),
-# timeline:<list>[@NAME=value] (benchmarks.profile_backward --timeline: kernel times and the gaps between them, do_bench
-# style), profile:<list> (benchmarks.profile_backward's tables), ncu:<list> (the same steps under Nsight Compute: speed of
+# timeline:<list>[@NAME=value] (benchmarks.tuning.profile_backward --timeline: kernel times and the gaps between them, do_bench
+# style), profile:<list> (benchmarks.tuning.profile_backward's tables), ncu:<list> (the same steps under Nsight Compute: speed of
 # light, memory, occupancy, warp stalls; NCU_METRICS: more metrics, comma-separated), build (--build), or an e2e model name
 # (E2E_MODES=thunderkittens: only those modes, e.g. a slow model's modes split over two calls; E2E_ENV="NAME=value
 # ...": the environment of the e2e jobs only). Each job gets at most what is left of BUDGET seconds (default 545,
@@ -42,13 +42,13 @@ job() {  # gpu name
     ops:*) local spec=${2#ops:}; local ops=${spec%%@*}; local env=; [ "$spec" != "$ops" ] && env=${spec#*@}
       local tag=${2//[:,@=]/_}; env $env timeout $left python3 -m benchmarks --ops $ops --out "$OUT/$tag" >"$OUT/$tag.log" 2>&1 ;;
     timeline:*) local spec=${2#timeline:}; local ops=${spec%%@*}; local env=; [ "$spec" != "$ops" ] && env=${spec#*@}
-      env $env timeout $left python3 -m benchmarks.profile_backward --timeline --steps 30 --ops $ops \
+      env $env timeout $left python3 -m benchmarks.tuning.profile_backward --timeline --steps 30 --ops $ops \
         >"$OUT/${2//[:,@=]/_}.log" 2>&1 ;;
-    profile:*) timeout $left python3 -m benchmarks.profile_backward --ops ${2#profile:} >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
+    profile:*) timeout $left python3 -m benchmarks.tuning.profile_backward --ops ${2#profile:} >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     ncu:*) timeout $left ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
              --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS}" \
-             python3 -m benchmarks.profile_backward --ops ${2#ncu:} --steps 1 --ncu >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
+             python3 -m benchmarks.tuning.profile_backward --ops ${2#ncu:} --steps 1 --ncu >"$OUT/${2//[:,]/_}.log" 2>&1 ;;
     build) timeout $left python3 -m benchmarks --ops none --build --out "$OUT/build" >"$OUT/build.log" 2>&1 ;;
     *) env ${E2E_ENV:-} timeout $left python3 -m benchmarks --ops none --e2e --models $2 --e2e-timeout ${E2E_TIMEOUT:-170} \
          ${E2E_MODES:+--modes $E2E_MODES} --out "$OUT/$2" >"$OUT/$2.log" 2>&1 ;;

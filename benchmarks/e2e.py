@@ -50,7 +50,7 @@ def _gpt2(quick: bool):
 
 
 def _based(quick: bool):
-    from .models.based import BasedConfig, BasedLM
+    from tk_inductor.models.based import BasedConfig, BasedLM
 
     return BasedLM(BasedConfig(layers=3 if quick else 12))
 

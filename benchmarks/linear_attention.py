@@ -41,7 +41,7 @@ TRAIN_CASES = ((4, 16, 4096, 64), (16, 16, 4096, 64))  # forward+backward: the m
 
 
 def taylor(x: torch.Tensor) -> torch.Tensor:
-    """The Based model's feature map (benchmarks/models/based.py): φ(q)·φ(k) = 1 + s + s²/2, s = q·k/√d."""
+    """The Based model's feature map (tk_inductor/models/based.py): φ(q)·φ(k) = 1 + s + s²/2, s = q·k/√d."""
     d = x.shape[-1]
     x2 = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2)
     return torch.cat([torch.ones_like(x[..., :1]), x / d**0.25, x2 / math.sqrt(d)], dim=-1)

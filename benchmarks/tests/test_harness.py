@@ -1,4 +1,6 @@
 """The benchmark harness's CPU-side pieces: tables, row conversion, plots (timing itself needs the GPU)."""
+import json
+
 import pytest
 import torch
 
@@ -295,10 +297,25 @@ def test_check_and_time_reports_a_wrong_or_failing_implementation():
 
 
 def test_timeline_splits_iterations_by_position():
-    from benchmarks.profile_backward import iterations
+    from benchmarks.tuning.profile_backward import iterations
 
     # a step whose own kernels include an elementwise one, like the flush: iterations are told apart by count
     names = ["fill", "main", "elementwise", "sum"] * 3
     assert iterations(names, 3) == [["fill", "main", "elementwise", "sum"]] * 3
     with pytest.raises(RuntimeError, match="not the same kernels"):
         iterations(names[:-1], 3)
+
+
+def test_before_after_table_medians_ratios_and_errors(tmp_path):
+    from benchmarks.tuning.before_after import table
+
+    path = tmp_path / "m.jsonl"
+    rows = [("old", "a fwd", 2.0), ("new", "a fwd", 1.0), ("old", "a fwd", 2.2), ("new", "a fwd", 1.1),
+            ("old", "a fwd", 9.0), ("new", "a fwd", 1.05), ("old", "b bwd", 1.0)]
+    lines = [json.dumps({"tree": t, "case": c, "ms": ms}) for t, c, ms in rows]
+    lines.append(json.dumps({"tree": "new", "case": "b bwd", "ms": None, "error": "RuntimeError: no kernel"}))
+    path.write_text("\n".join(lines) + "\n")
+    text = table(str(path), ["old", "new"]).splitlines()
+    assert text[1].split() == ["a", "fwd", "2.2000", "1.0500", f"{2.2 / 1.05:.3f}x"]  # medians of three rounds
+    assert text[2].split() == ["b", "bwd", "1.0000", "error"]
+    assert text[3] == "new b bwd: RuntimeError: no kernel"

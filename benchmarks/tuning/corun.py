@@ -1,6 +1,6 @@
 """Kernels beside NCCL: each op timed alone and while all-reduces run on another stream, as under DDP and FSDP2.
 
-    torchrun --nproc-per-node 2 -m benchmarks.corun
+    torchrun --nproc-per-node 2 -m benchmarks.tuning.corun
 
 A persistent grid gives each block a fixed share of the work, sized to the SMs. NCCL's kernels hold some SMs while
 they run, so the blocks that do not fit wait and then run their whole share: the kernel can take up to twice as long.
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import multicast_off
+from ..common import multicast_off
 
 multicast_off()
 

@@ -1,7 +1,7 @@
 """One forward and one backward of ours and of cuDNN SDPA, for Nsight Compute.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
-        python -m benchmarks.profile_attention [--n 4096 --d 128 --causal]
+        python -m benchmarks.tuning.profile_attention [--n 4096 --d 128 --causal]
 
 Only the calls between cudaProfilerStart/Stop are profiled (inputs are made and the kernels built before).
 """

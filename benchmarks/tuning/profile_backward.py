@@ -2,7 +2,7 @@
 time. SSD and Based: forward+backward through the op's autograd (the kernels and the bindings' elementwise work);
 layernorm: the raw backward (its main kernel and the dw/db column sum).
 
-    python -m benchmarks.profile_backward [--ops ssd,linear_attention,layernorm] [--steps 5]
+    python -m benchmarks.tuning.profile_backward [--ops ssd,linear_attention,layernorm] [--steps 5]
 
 With --timeline the steps run as triton's do_bench runs them (L2 flushed by a 256 MB memset, then an event pair
 around the step) under torch.profiler, and each kernel's median duration and the median gap before it are printed
@@ -11,7 +11,7 @@ next to the events' median time: where a step's time goes besides its kernels.
 With --ncu the steps run between cudaProfilerStart/Stop instead, without torch.profiler, for Nsight Compute:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        python -m benchmarks.profile_backward --ops layernorm --steps 1 --ncu
+        python -m benchmarks.tuning.profile_backward --ops layernorm --steps 1 --ncu
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tk_inductor.ops import linear_attention, ssd  # noqa: F401  (register tk::linear_attention, tk::ssd)
 
-from .common import backward_step
+from ..common import backward_step
 
 CASES = {  # the fwd+bwd rows of benchmarks/ssd.py and benchmarks/linear_attention.py
     "ssd": [(16, 4096, 80), (1, 4096, 32)],  # b, l, nh (p 64, n 128)
@@ -35,7 +35,7 @@ FAMILY = {"layernorm_fwd": "layernorm", "copy": None}  # the kernel family an op
 
 
 def ssd_step(b, l, nh):
-    from .ssd import inputs
+    from ..ssd import inputs
 
     leaves = [t.requires_grad_() for t in inputs(b, l, nh, 64, 128)]
     x, dt, A, B, C, D = leaves

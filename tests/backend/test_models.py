@@ -270,7 +270,7 @@ def _compiled_matches_eager(model, ids, family, outputs=lambda out: out, train=F
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "train"])
 def test_based_bf16_cuda_kernel(train):
     """The benchmark's Based LM, small: its Taylor layers run the Based kernel (dk 16, dv 64)."""
-    from benchmarks.models.based import BasedConfig, BasedLM
+    from tk_inductor.models.based import BasedConfig, BasedLM
 
     torch.manual_seed(0)
     model = BasedLM(BasedConfig(vocab_size=VOCAB, hidden=256, layers=2, heads=4)).cuda().bfloat16()
