@@ -485,7 +485,7 @@ def test_stats_only_where_a_backward_can_run(mode):
     inference graph's op writes no statistics (~1% of the forward at hidden 1024)."""
     import contextlib
 
-    from patterns import layernorm as P
+    from tk_inductor.patterns import layernorm as P
 
     seen = []
 

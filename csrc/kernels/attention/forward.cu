@@ -1,10 +1,10 @@
-// Attention forward: the dispatch on dtype and head dim to the kernels of forward.cuh.
+// Attention forward: the dispatch on dtype and head dim to the kernels of forward_kernels.cuh.
 #include "attention.h"
 #include "common.cuh"
 
 namespace tk_attn {
 
-// The launcher of one (dtype, head dim): forward.cuh, instantiated per dtype in forward_bf16.cu and forward_f16.cu so
+// The launcher of one (dtype, head dim): forward_kernels.cuh, instantiated per dtype in forward_bf16.cu and forward_f16.cu so
 // that the two compile in parallel.
 template <typename T, int D>
 const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,

@@ -1,5 +1,5 @@
-// The forward kernels for __nv_bfloat16 (forward.cuh).
-#include "forward.cuh"
+// The forward kernels for __nv_bfloat16 (forward_kernels.cuh).
+#include "forward_kernels.cuh"
 
 namespace tk_attn {
 template const char* forward_config<__nv_bfloat16, 64>(DType, const View4&, const View4&, const View4&, void*, float*, bool,

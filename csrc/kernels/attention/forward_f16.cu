@@ -1,5 +1,5 @@
-// The forward kernels for __half (forward.cuh).
-#include "forward.cuh"
+// The forward kernels for __half (forward_kernels.cuh).
+#include "forward_kernels.cuh"
 
 namespace tk_attn {
 template const char* forward_config<__half, 64>(DType, const View4&, const View4&, const View4&, void*, float*, bool,

@@ -1,0 +1,552 @@
+// The attention forward kernels (the serial schedule, run where scale <= 0, and the ping-pong one) on the pieces of
+// forward.cuh, and the launcher of one (dtype, head dim), instantiated per dtype in forward_bf16.cu and forward_f16.cu.
+#pragma once
+#include "forward.cuh"
+
+namespace tk_attn {
+namespace {
+
+// Serial schedule: each consumer runs QK^T -> softmax -> PV in
+// turn; only the other consumers' work overlaps it.
+template <typename T, typename Cfg, bool DYN>
+__global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
+    attention_fwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
+                         const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
+  using K_ = Fwd<T, Cfg>;
+  constexpr int D = K_::D, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM;
+  extern __shared__ uint8_t smem_raw[];
+  const FwdSmem<K_, false> sm(smem_raw);
+  uint8_t *sQ = sm.sQ, *sK = sm.sK, *sV = sm.sV;
+  tk::semaphore *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
+  tk::semaphore* kv_empty = sm.k_empty;
+  const int wg = threadIdx.x / 128;
+  const int tid = threadIdx.x % 128;
+  sm.init();
+
+  if (wg == 0) {  // ---------------- producer ----------------
+    fwd_producer<K_, DYN>(sm, p, &qmap, &kmap, &vmap, tid);
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  tk::warpgroup::increase_registers<Cfg::REG_CONS>();
+  const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
+  const int warp = tid / 32, lane = tid % 32;
+  const int row_in = 16 * warp + lane / 4;  // this thread's first row inside the warpgroup's 64
+  const int col_in = 2 * (lane % 4);        // first column inside each 8-column chunk
+  const uint32_t sQ_u = tk::smem_addr(sQ) + c * 64 * 128;
+  const uint32_t sK_u = tk::smem_addr(sK), sV_u = tk::smem_addr(sV);
+
+  int it = 0, ti = 0;
+  for (int t = blockIdx.x; t < p.tasks; t += DYN ? consumer_step(sm, t, ti + 1) : gridDim.x, ++ti) {
+    int bh, qb;
+    decode_task(p, t, bh, qb);
+    const int m0 = qb * BM;
+    const int r0 = m0 + 64 * c + row_in;  // global rows r0 and r0 + 8
+    const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
+    const int nblk = (kv_end + BN - 1) / BN;
+
+    float o[K_::O_REGS];
+#pragma unroll
+    for (int i = 0; i < K_::O_REGS; ++i) o[i] = 0.f;
+    float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
+
+    tk::wait(*q_full, ti & 1);
+    for (int j = 0; j < nblk; ++j, ++it) {
+      const int s = it % STAGES;
+      const uint32_t ph = (it / STAGES) & 1;
+      float sc[K_::S_REGS];
+      tk::wait(k_full[s], ph);
+      const uint64_t qa = desc_kmajor(sQ_u), kb = desc_kmajor(sK_u + s * K_::KV_BYTES);
+      tk::warpgroup::mma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t da = kmajor_step(qa, kk, BM);
+        const uint64_t db = kmajor_step(kb, kk, BN);
+        tk::warpgroup::mma_ss<T, 0, 0>(sc, da, db, kk > 0);
+      }
+      tk::warpgroup::mma_commit();
+      tk::warpgroup::mma_async_wait<0>();
+      tk::warpgroup::hold(sc);
+      if (j == nblk - 1) {  // Q is no longer read by this warp for this task
+        __syncwarp();
+        if (lane == 0) tk::arrive(*q_empty);
+      }
+
+      // Scores to the log2 domain; mask key tails and the causal upper triangle.
+      const int n0 = j * BN;
+      const bool need_mask = (n0 + BN > p.M) || (p.causal && n0 + BN - 1 > m0 + 64 * c);
+#pragma unroll
+      for (int ch = 0; ch < BN / 8; ++ch) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = sc[4 * ch + e] * p.scale_log2;
+          if (need_mask) {
+            const int col = n0 + 8 * ch + col_in + (e & 1);
+            const int row = r0 + 8 * (e >> 1);
+            if (col >= p.M || (p.causal && col > row)) x = -INFINITY;
+          }
+          sc[4 * ch + e] = x;
+        }
+      }
+      float alpha[2];
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        float m = mx[h2];
+#pragma unroll
+        for (int ch = 0; ch < BN / 8; ++ch) m = fmaxf(m, fmaxf(sc[4 * ch + 2 * h2], sc[4 * ch + 2 * h2 + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        alpha[h2] = exp2f(mx[h2] - m);  // first block: exp2(-inf) = 0
+        mx[h2] = m;
+        sum[h2] *= alpha[h2];
+      }
+#pragma unroll
+      for (int ch = 0; ch < BN / 8; ++ch) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pe = exp2f(sc[4 * ch + e] - mx[e >> 1]);
+          sc[4 * ch + e] = pe;
+          sum[e >> 1] += pe;
+        }
+      }
+#pragma unroll
+      for (int ch = 0; ch < D / 8; ++ch) {
+        o[4 * ch + 0] *= alpha[0];
+        o[4 * ch + 1] *= alpha[0];
+        o[4 * ch + 2] *= alpha[1];
+        o[4 * ch + 3] *= alpha[1];
+      }
+
+      uint32_t pa[BN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
+      tk::wait(v_full[s], ph);
+      const uint64_t vb = desc_mnmajor(sV_u + s * K_::KV_BYTES, BN * 128);
+      tk::warpgroup::mma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(o, pa[kk], mnmajor_step(vb, kk), 1);
+      tk::warpgroup::mma_commit();
+      tk::warpgroup::mma_async_wait<0>();
+      tk::warpgroup::hold(o);
+      tk::warpgroup::hold(pa);
+      __syncwarp();
+      if (lane == 0) tk::arrive(kv_empty[s]);
+    }
+
+    // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE.
+    const int b = bh / p.Hq, h = bh % p.Hq;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      float l = sum[h2];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = 1.f / l;
+      const int row = r0 + 8 * h2;
+      if (row < p.N) {
+        T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * D;
+#pragma unroll
+        for (int ch = 0; ch < D / 8; ++ch) {
+          const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
+          *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
+        }
+        if ((lane & 3) == 0) p.lse[static_cast<int64_t>(bh) * p.N + row] = (mx[h2] + log2f(l)) * 0.69314718055994531f;
+      }
+    }
+  }
+}
+
+// ---- ping-pong schedule --------------------------------------------------
+// Each consumer warpgroup issues its GEMMs in "rounds": round 0 = S_0 = Q K_0^T,
+// round j+1 = S_{j+1} = Q K_{j+1}^T together with O += P_j V_j, last round =
+// the final PV. Rounds of the warpgroups take turns (named barriers, round
+// robin), so the tensor cores run one warpgroup's round while the others do
+// their softmax (inter-warpgroup overlap); inside a warpgroup the softmax of
+// S_{j+1} runs while PV_j is still in flight (intra-warpgroup overlap).
+// The max is kept on raw scores and folded into one FFMA per element, which
+// needs scale > 0 (the launcher sends other scales to the serial kernel).
+template <typename T, typename Cfg>
+struct PP {
+  using K_ = Fwd<T, Cfg>;
+  static constexpr int D = K_::D, BN = K_::BN, BM = K_::BM;
+
+  // This warpgroup's turns at the tensor cores (named barrier 1 + c is warpgroup c's; 0 is __syncthreads).
+  using Turn = Turns<true, 1, Cfg::NC>;
+
+  static __device__ __forceinline__ void issue_qk(float (&sc)[K_::S_REGS], uint32_t sQ_u, uint32_t sK_s) {
+    const uint64_t qa = desc_kmajor(sQ_u), kb = desc_kmajor(sK_s);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da = kmajor_step(qa, kk, BM);
+      const uint64_t db = kmajor_step(kb, kk, BN);
+      tk::warpgroup::mma_ss<T, 0, 0>(sc, da, db, kk > 0);
+    }
+    tk::warpgroup::mma_commit();
+  }
+  static __device__ __forceinline__ void issue_pv(float (&o)[K_::O_REGS], const uint32_t (&pa)[BN / 16][4],
+                                                  uint32_t sV_s) {
+    const uint64_t vb = desc_mnmajor(sV_s, BN * 128);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(o, pa[kk], mnmajor_step(vb, kk), 1);
+    tk::warpgroup::mma_commit();
+  }
+
+  // S (raw scores) -> P = exp2(S*scale_log2 - max*scale_log2) in place, with
+  // the running max (raw units) and thread-partial row sums updated and the
+  // factor alpha by which O must be rescaled. MASK: key tail / causal.
+  template <bool MASK>
+  static __device__ __forceinline__ void softmax(float (&sc)[K_::S_REGS], float (&mx)[2], float (&sum)[2],
+                                                 float (&alpha)[2], float sl2, int n0, int r0, int col_in,
+                                                 const FwdParams& p) {
+    if constexpr (MASK) {
+#pragma unroll
+      for (int ch = 0; ch < BN / 8; ++ch)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n0 + 8 * ch + col_in + (e & 1);
+          const int row = r0 + 8 * (e >> 1);
+          if (col >= p.M || (p.causal && col > row)) sc[4 * ch + e] = -INFINITY;
+        }
+    }
+    float msc[2];
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      float m = mx[h2];
+#pragma unroll
+      for (int ch = 0; ch < BN / 8; ++ch) m = fmaxf(m, fmaxf(sc[4 * ch + 2 * h2], sc[4 * ch + 2 * h2 + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      alpha[h2] = tk::ex2_approx((mx[h2] - m) * sl2);  // first block: 2^-inf = 0
+      mx[h2] = m;
+      msc[h2] = m * sl2;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int ch = 0; ch < BN / 8; ++ch)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = fmaf(sc[4 * ch + e], sl2, -msc[e >> 1]);
+        const float pe = tk::ex2_approx(x);
+        sc[4 * ch + e] = pe;
+        rs[e >> 1] += pe;
+      }
+    sum[0] = sum[0] * alpha[0] + rs[0];
+    sum[1] = sum[1] * alpha[1] + rs[1];
+  }
+
+  static __device__ __forceinline__ void rescale(float (&o)[K_::O_REGS], const float (&alpha)[2]) {
+#pragma unroll
+    for (int ch = 0; ch < D / 8; ++ch) {
+      o[4 * ch + 0] *= alpha[0];
+      o[4 * ch + 1] *= alpha[0];
+      o[4 * ch + 2] *= alpha[1];
+      o[4 * ch + 3] *= alpha[1];
+    }
+  }
+  static __device__ __forceinline__ void to_a(uint32_t (&pa)[BN / 16][4], const float (&sc)[K_::S_REGS]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
+  }
+  // Keeps P alive (its registers are read by the in-flight PV wgmma) until here.
+  static __device__ __forceinline__ void hold(uint32_t (&pa)[BN / 16][4]) { tk::warpgroup::hold(pa); }
+};
+
+template <typename T, typename Cfg, bool DYN>
+__global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
+    attention_fwd_pp_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
+                            const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap omap,
+                            const FwdParams p) {
+  using K_ = Fwd<T, Cfg>;
+  using S = PP<T, Cfg>;
+  constexpr int D = K_::D, NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM;
+  extern __shared__ uint8_t smem_raw[];
+  // K and V stages are released separately: K as soon as its QK^T is done,
+  // so the next K can land while V is still read by PV.
+  const FwdSmem<K_, true> sm(smem_raw);
+  uint8_t *sQ = sm.sQ, *sK = sm.sK, *sV = sm.sV;
+  tk::semaphore *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
+  tk::semaphore *k_empty = sm.k_empty, *v_empty = sm.v_empty;
+  const int wg = threadIdx.x / 128;
+  const int tid = threadIdx.x % 128;
+  sm.init();
+
+  if (wg == 0) {  // ---------------- producer ----------------
+    fwd_producer<K_, DYN>(sm, p, &qmap, &kmap, &vmap, tid);
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  tk::warpgroup::increase_registers<Cfg::REG_CONS>();
+  const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
+  const int warp = tid / 32, lane = tid % 32;
+  const int row_in = 16 * warp + lane / 4;
+  const int col_in = 2 * (lane % 4);
+  const uint32_t sQ_u = tk::smem_addr(sQ) + c * 64 * 128;
+  const uint32_t sK_u = tk::smem_addr(sK), sV_u = tk::smem_addr(sV);
+  const float sl2 = p.scale_log2;
+  if (c == NC - 1) S::Turn::pass(c);  // warpgroup 0 takes the first turn
+
+  // A task's place and extent for this warpgroup.
+  struct Task {
+    int bh, m0, r0;
+    int nblk;   // key blocks the producer streams
+    int nb;     // this warpgroup's own blocks (causal: its 64 rows end before the tile's)
+    int nfree;  // leading blocks that need no mask at all
+  };
+  auto task_of = [&](int t) {
+    Task k;
+    int qb;
+    decode_task(p, t, k.bh, qb);
+    k.m0 = qb * BM;
+    k.r0 = k.m0 + 64 * c + row_in;
+    const int kv_end = p.causal ? min(p.M, min(p.N, k.m0 + BM)) : p.M;
+    k.nblk = (kv_end + BN - 1) / BN;
+    const int my_end = p.causal ? min(kv_end, k.m0 + 64 * c + 64) : kv_end;
+    k.nb = (my_end + BN - 1) / BN;
+    k.nfree = (p.causal ? min(p.M, k.m0 + 64 * c + 1) : p.M) / BN;
+    return k;
+  };
+
+  int it = 0;  // key blocks consumed so far: the ring's phases
+  float o[K_::O_REGS];
+  float mx[2], sum[2], alpha[2];
+  float sc[K_::S_REGS];
+  uint32_t pa[BN / 16][4];
+
+  // Round 0 of a task whose Q arrives with q_full's phase ti: S_0 issued on this warpgroup's turn ...
+  auto round0_issue = [&](int ti) {
+    tk::wait(*q_full, ti & 1);
+    const int s = it % STAGES;
+    tk::wait(k_full[s], (it / STAGES) & 1);
+    S::Turn::take(c, [&] {
+      tk::warpgroup::mma_fence();
+      S::issue_qk(sc, sQ_u, sK_u + s * K_::KV_BYTES);
+    });
+  };
+  // ... and, once it is done, its softmax starts the task's statistics; O starts at zero.
+  auto round0_finish = [&](const Task& k) {
+    tk::warpgroup::mma_async_wait<0>();
+    tk::warpgroup::hold(sc);
+    tk::warp::arrive(k_empty[it % STAGES]);
+#pragma unroll
+    for (int i = 0; i < K_::O_REGS; ++i) o[i] = 0.f;
+    mx[0] = mx[1] = -INFINITY;
+    sum[0] = sum[1] = 0.f;
+    if (k.nfree > 0)
+      S::template softmax<false>(sc, mx, sum, alpha, sl2, 0, k.r0, col_in, p);
+    else
+      S::template softmax<true>(sc, mx, sum, alpha, sl2, 0, k.r0, col_in, p);
+    S::to_a(pa, sc);
+  };
+  // Rounds 1 .. nb-1 (S_{j+1} and PV_j; the softmax of S_{j+1} overlaps PV_j), the last PV, and the turns of
+  // the blocks fully masked for this warpgroup.
+  auto rounds = [&](const Task& k) {
+    auto round = [&](int j, auto masked) {
+      constexpr bool MASK = decltype(masked)::value;
+      const int pos = it + j, pos1 = pos + 1;
+      const int s = pos % STAGES, s1 = pos1 % STAGES;
+      tk::wait(k_full[s1], (pos1 / STAGES) & 1);
+      tk::wait(v_full[s], (pos / STAGES) & 1);
+      S::Turn::take(c, [&] {
+        tk::warpgroup::mma_fence();
+        S::issue_qk(sc, sQ_u, sK_u + s1 * K_::KV_BYTES);
+        S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
+      });
+      tk::warpgroup::mma_async_wait<1>();
+      tk::warpgroup::hold(sc);
+      tk::warp::arrive(k_empty[s1]);
+      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (j + 1) * BN, k.r0, col_in, p);
+      tk::warpgroup::mma_async_wait<0>();
+      tk::warpgroup::hold(o);
+      S::hold(pa);
+      tk::warp::arrive(v_empty[s]);
+      S::rescale(o, alpha);
+      S::to_a(pa, sc);
+    };
+    const int split = min(k.nb - 1, max(k.nfree - 1, 0));  // rounds j < split compute an unmasked S_{j+1}
+    for (int j = 0; j < split; ++j) round(j, std::false_type{});
+    for (int j = split; j < k.nb - 1; ++j) round(j, std::true_type{});
+    __syncwarp();
+    if (lane == 0) tk::arrive(*q_empty);  // this warpgroup's last QK^T is done
+    // Last round: PV_{nb-1}.
+    {
+      const int pos = it + k.nb - 1;
+      const int s = pos % STAGES;
+      tk::wait(v_full[s], (pos / STAGES) & 1);
+      S::Turn::take(c, [&] {
+        tk::warpgroup::mma_fence();
+        S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
+      });
+      tk::warpgroup::mma_async_wait<0>();
+      tk::warpgroup::hold(o);
+      S::hold(pa);
+      tk::warp::arrive(v_empty[s]);
+    }
+    // Blocks fully masked for this warpgroup (causal): release their stages
+    // once they have landed, and keep taking (empty) turns so every warpgroup
+    // runs nblk + 1 rounds per task.
+    for (int j = k.nb; j < k.nblk; ++j) {
+      const int pos = it + j, s = pos % STAGES;
+      tk::wait(k_full[s], (pos / STAGES) & 1);
+      tk::warp::arrive(k_empty[s]);
+      tk::wait(v_full[s], (pos / STAGES) & 1);
+      tk::warp::arrive(v_empty[s]);
+      S::Turn::wait(c);
+      S::Turn::pass(c);
+    }
+    it += k.nblk;
+  };
+  // Finish: normalise, write O in (B, N, Hq, D) through the O stage and the natural-log LSE. Without branches (with
+  // XTASK the next task's S_0 is in flight, and ptxas would serialize the wgmma): predicated stores, MUFU rcp/lg2.
+  auto finish = [&](const Task& k) {
+    const int b = k.bh / p.Hq, h = k.bh % p.Hq;
+    // This warpgroup's rows of the O stage: free once its previous store has read them (named barrier 4 + c).
+    tk::tma::store_read_wait_if(tid == 0);
+    tk::named_sync(4 + c, 128);
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      float l = sum[h2];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int row = k.r0 + 8 * h2;
+      const float inv = tk::rcp_approx(l);
+      const uint32_t sO_u = tk::smem_addr(sm.sO);
+#pragma unroll
+      for (int ch = 0; ch < D / 8; ++ch)
+        tk::st_shared(sO_u + (ch / 8) * BM * 128 + swz128(64 * c + row_in + 8 * h2, 8 * (ch % 8) + col_in, 2),
+                  pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv));
+      tk::st_global_if(row < p.N && (lane & 3) == 0, p.lse + static_cast<int64_t>(k.bh) * p.N + row,
+                   (mx[h2] * sl2 + tk::lg2_approx(l)) * 0.69314718055994531f);
+    }
+    tk::fence_async_shared();  // the rows written above, visible to the TMA unit
+    tk::named_sync(4 + c, 128);
+    const bool store = tid == 0 && k.m0 + 64 * c < p.N;
+#pragma unroll
+    for (int pn = 0; pn < K_::PANELS; ++pn)
+      tk::tma::store_async_if(store, &omap, sm.sO + pn * BM * 128 + 64 * c * 128, pn * 64, k.m0 + 64 * c, h, b);
+    tk::tma::store_commit_if(store);
+  };
+
+  if constexpr (!Cfg::XTASK) {
+    int ti = 0;
+    for (int t = blockIdx.x; t < p.tasks; t += DYN ? consumer_step(sm, t, ti + 1) : gridDim.x, ++ti) {
+      const Task k = task_of(t);
+      round0_issue(ti);
+      round0_finish(k);
+      rounds(k);
+      finish(k);
+    }
+  } else if (blockIdx.x < p.tasks) {
+    // XTASK: the next task's S_0 is issued before this task's finish, so the tensor cores have it to work on
+    // while both warpgroups normalise and store O (the turn order is the same as above).
+    int t = blockIdx.x, ti = 0;
+    Task k = task_of(t);
+    round0_issue(ti);
+    round0_finish(k);
+    while (true) {
+      rounds(k);
+      const int tn = t + (DYN ? int(consumer_step(sm, t, ti + 1)) : int(gridDim.x));
+      if (tn >= p.tasks) {
+        finish(k);
+        break;
+      }
+      const Task kn = task_of(tn);
+      round0_issue(ti + 1);
+      finish(k);
+      round0_finish(kn);
+      k = kn;
+      t = tn;
+      ++ti;
+    }
+  }
+  if (c == 0) S::Turn::wait(c);  // consume the last warpgroup's final hand-over
+  if (tid == 0) tk::tma::store_wait();  // the stores read shared memory until they are done
+}
+
+template <typename T, typename Cfg, bool DYN>
+const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
+                       float scale, int num_sms, int* next_task, cudaStream_t stream) {
+  using K_ = Fwd<T, Cfg>;
+  CUtensorMap qm, km, vm, om{};  // om: ping-pong only
+  if (const char* e = make_map(&qm, dt, q, K_::BM)) return e;
+  if (const char* e = make_map(&km, dt, k, K_::BN)) return e;
+  if (const char* e = make_map(&vm, dt, v, K_::BN)) return e;
+  if constexpr (Cfg::PP) {  // o: (B, N, Hq, D) contiguous, as a (B, Hq, N, D) view; stored 64 rows per warpgroup
+    const View4 ov{o, q.B, q.H, q.S, q.D, q.S * q.H * q.D, q.D, q.H * q.D};
+    if (const char* e = make_map(&om, dt, ov, 64)) return e;
+  }
+  FwdParams p;
+  p.B = q.B;
+  p.Hq = q.H;
+  p.Hkv = k.H;
+  p.N = q.S;
+  p.M = k.S;
+  p.group = q.H / k.H;
+  p.nq = (q.S + K_::BM - 1) / K_::BM;
+  const int BH = q.B * q.H;
+  p.tasks = BH * p.nq;
+  p.section = section_heads(BH, p.nq, 2LL * num_sms, BH);
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.causal = causal;
+  p.o = o;
+  p.lse = lse;
+  p.next_task = next_task;
+  auto kern = [] {
+    if constexpr (Cfg::PP)
+      return attention_fwd_pp_kernel<T, Cfg, DYN>;
+    else
+      return attention_fwd_kernel<T, Cfg, DYN>;
+  }();
+  // Per device, so set on every launch (cheap).
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
+    return "cudaFuncSetAttribute failed for the attention forward kernel";
+  const int grid = std::min(p.tasks, num_sms);
+  if constexpr (Cfg::PP)
+    kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, om, p);
+  else
+    kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, p);
+  return cudaGetLastError() == cudaSuccess ? nullptr : "attention forward launch failed";
+}
+
+// The configurations the forward runs, per head dim (measured on the H200 against cuDNN: benchmarks/RESULTS.md).
+// Ping-pong consumers (O stored by TMA), and at D = 128 without a mask also the next task's first scores
+// under the current one's finish (XTASK; under a mask it spilled and ran 4% slower). Serial serves scale <= 0, which
+// the ping-pong kernels' max-on-raw-scores trick cannot.
+template <int D>
+struct FwdConfigs;
+template <>
+struct FwdConfigs<128> {
+  using Serial = FwdCfg<128, 2, 128, 2, false>;
+  using Causal = FwdCfg<128, 2, 128, 2, true>;
+  using Full = FwdCfg<128, 2, 128, 2, true, true>;
+};
+template <>
+struct FwdConfigs<64> {
+  using Serial = FwdCfg<64, 3, 128, 4, false>;
+  using Causal = FwdCfg<64, 3, 128, 4, true>;
+  using Full = Causal;
+};
+
+// next_task: the dynamic schedule's counter (zeroed), or null for the static schedule.
+template <typename T, typename Cfg>
+const char* launch_sched(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
+                         float scale, int num_sms, int* next_task, cudaStream_t stream) {
+  return next_task ? launch_fwd<T, Cfg, true>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream)
+                   : launch_fwd<T, Cfg, false>(dt, q, k, v, o, lse, causal, scale, num_sms, nullptr, stream);
+}
+
+}  // namespace
+
+// The launcher of one (dtype, head dim), instantiated per dtype in forward_bf16.cu and forward_f16.cu.
+template <typename T, int D>
+const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
+                           float scale, int num_sms, int* next_task, cudaStream_t stream) {
+  using Cs = FwdConfigs<D>;
+  if (!(scale > 0.f))
+    return launch_sched<T, typename Cs::Serial>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+  if (causal)
+    return launch_sched<T, typename Cs::Causal>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+  return launch_sched<T, typename Cs::Full>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+}
+
+}  // namespace tk_attn
