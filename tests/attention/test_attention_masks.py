@@ -1,0 +1,411 @@
+"""Attention family: masks. Masks known only at run time (checked by value), masks made by another graph (proven),
+the mask prover on unit graphs and random masks, and tk::attention_masked."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tk_inductor
+from tk_inductor.ops import attention as A
+from tk_inductor.patterns import attention as P
+
+from attention_helpers import OPTS, _qkv, _compile, _kept, _inputs, Fn, _kernel_built
+
+# ---------------------------------------------------------------------------- masks known only at run time
+
+def _sdpa_sliced_mask(q, k, v, m):  # transformers slices the mask handed to each layer to the key length
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m[..., : k.shape[-2]])
+
+
+def _eager_added_mask(q, k, v, m):
+    s = (q @ k.transpose(-1, -2)) * 0.25 + m
+    return F.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def _masks(n: int, m: int) -> dict:
+    causal = torch.ones(n, m, dtype=torch.bool).tril()
+    pad = causal.clone()
+    pad[:, 0] = False
+    pad[:, 1] = True  # no empty rows
+    neg = torch.finfo(torch.float32).min
+    return {"causal": causal, "full": torch.ones(n, m, dtype=torch.bool), "padding": pad,
+            "random": torch.rand(n, m) > 0.3,
+            "causal_additive": torch.zeros(n, m).masked_fill(~causal, neg),
+            "padding_additive": torch.zeros(n, m).masked_fill(~pad, neg), "bias": torch.randn(n, m)}
+
+
+@pytest.mark.parametrize("form", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["causal", "full", "padding", "random", "causal_additive", "padding_additive", "bias"])
+def test_graph_input_mask_checked_at_run_time(form, kind):
+    """A mask handed into the graph (DDP/FSDP graph splits, per-layer compile) goes to tk::attention_masked,
+    which equals the original graph, forward and gradients, whatever the mask's values."""
+    mask = _masks(8, 8)[kind]
+    if form == "eager" and mask.dtype == torch.bool:
+        pytest.skip("eager attention adds float masks")
+    fn = _sdpa_sliced_mask if form == "sdpa" else _eager_added_mask
+    qkv = [x.requires_grad_() for x in _inputs()]
+    out = _compile(Fn(fn))(*qkv, mask)
+    assert tk_inductor.report().replaced == {"attention": 1}, str(tk_inductor.report())
+    ref = fn(*qkv, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), qkv), torch.autograd.grad((ref * w).sum(), qkv)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_learned_bias_input_kept():
+    bias = torch.randn(4, 8, 8, requires_grad=True)
+    assert "requires grad" in _kept(Fn(_eager_added_mask), *_inputs(), bias)[0]
+
+
+def test_mask_kind():
+    masks = _masks(5, 7)
+    kinds = {name: A.mask_kind(m, 5, 7) for name, m in masks.items()}
+    assert kinds == {"causal": "causal", "full": "full", "padding": None, "random": None,
+                     "causal_additive": "causal", "padding_additive": None, "bias": None}
+    # broadcast views, leading dims, and an in-place change after the answer was cached
+    m = masks["causal"][None, None].expand(3, 4, 5, 7)
+    assert A.mask_kind(m, 5, 7) == "causal"
+    owner = masks["causal"].clone()
+    assert A.mask_kind(owner[None, None], 5, 7) == "causal"
+    owner[4, 0] = False
+    assert A.mask_kind(owner[None, None], 5, 7) is None
+    assert A.mask_kind(masks["causal_additive"] * 0.5, 5, 7) == "causal"  # still 0 / <= fp16 min
+    assert A.mask_kind(masks["causal_additive"] / 1e35, 5, 7) is None  # hidden values too mild
+
+
+def _fresh_paths():
+    A.masked_paths.clear()
+    return A.masked_paths
+
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda q: torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril(), "causal"),
+    (lambda q: torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()[None, None]
+     .expand(q.shape[0], 1, -1, -1), "causal"),
+    (lambda q: torch.where(torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril(), 0.0, float("-inf")), "causal"),
+    (lambda q: torch.ones(q.shape[2], q.shape[2], dtype=torch.bool), "full"),
+    (lambda q: torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(), None),  # anti-causal: values decide
+    (lambda q: q[0, 0] > 0, None),  # from the data
+])
+def test_mask_made_by_another_graph_is_proven(make, kind):
+    """A mask output by one compiled graph (as across DDP's graph splits) carries its proof to the graph that
+    takes it as input: its kind is known without reading its values; other outputs carry none."""
+    q = _inputs()[0]
+    paths = _fresh_paths()
+    mask = _compile(Fn(lambda x: (make(x), x * 2)))(q)[0]
+    n = q.shape[2]
+    view = mask[..., :n - 1]  # transformers slices the mask to the key length
+    got = A.mask_kind(view, n, n - 1)
+    assert paths["proven"] == (kind is not None) and paths["value checks"] == (kind is None)
+    if kind is not None:
+        assert got == kind
+        A._kinds.clear()
+        A._proofs.clear()
+        assert A.mask_kind(view, n, n - 1) == got  # the values agree with the proof
+
+
+def test_mask_proof_crosses_ddp_graph_split(monkeypatch):
+    """Under DDP's graph splitting (DDPOptimizer, one bucket per parameter), the mask made in one submodule
+    reaches the attention of the next as an input, with its proof: its kind is known without its values."""
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    from tk_inductor import backend
+
+    class TwoLayers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, q, k, v):
+            n = q.shape[2]
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            o = F.scaled_dot_product_attention(self.l1(q), k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(self.l2(o), k, v, attn_mask=mask[..., :n])
+
+    seen = []
+    masked_path = A._masked_path
+
+    def spy(q, k, v, mask):
+        seen.append(A._proven_kind(mask, q.shape[2], k.shape[2]))
+        return masked_path(q, k, v, mask)
+
+    monkeypatch.setattr(A, "_masked_path", spy)
+    tk_inductor.reset()
+    torch._dynamo.reset()
+    ddp = DDPOptimizer(1, lambda gm, ex: backend.thunderkittens(gm, ex, options=OPTS), first_bucket_cap=1)
+    model = TwoLayers()
+    q, k, v = _inputs()
+    out = torch.compile(model, backend=ddp.compile_fn)(q, k, v)
+    torch.testing.assert_close(out, model(q, k, v), rtol=1e-5, atol=1e-5)
+    assert seen == ["causal"], seen  # the second layer's mask crossed the split, proven
+
+
+def test_proven_mask_views():
+    """Only views whose every plane is a top-left corner of a proven plane take the proof."""
+    base = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    cases = {  # view -> taken from the proof?
+        "same": (base, 6, 6, True),
+        "keys sliced": (base[..., :4], 6, 4, True),
+        "corner": (base[:, :, :3, :5], 3, 5, True),
+        "one key": (base[..., :1], 6, 1, True),
+        "heads expanded": (base.expand(2, 3, 6, 6), 6, 6, True),
+        "one batch entry": (base[1:], 6, 6, False),  # another storage offset: values decide
+        "rows shifted": (base[:, :, 1:], 5, 6, False),
+        "transposed": (base.transpose(-1, -2), 6, 6, False),
+    }
+    for name, (view, n, m, proven) in cases.items():
+        A._kinds.clear()
+        A._proofs.clear()
+        A.prove_mask(base, "causal")
+        paths = _fresh_paths()
+        got = A.mask_kind(view, n, m)
+        assert paths["proven"] == proven, name
+        A._kinds.clear()
+        A._proofs.clear()
+        assert A.mask_kind(view, n, m) == got, name  # the proof never disagrees with the values
+    A.prove_mask(base, "causal")
+    base[..., 5, 0] = False  # changed in place after the proof: values decide
+    paths = _fresh_paths()
+    assert A.mask_kind(base, 6, 6) is None and paths["value checks"] == 1
+    with pytest.raises(ValueError, match="kind"):
+        A.prove_mask(base, "padding")
+
+
+def test_attention_masked_bad_mask():
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match="does not broadcast"):
+        torch.ops.tk.attention_masked(q, k, v, torch.ones(3, 8, dtype=torch.bool), 0.25)
+    with pytest.raises(TypeError, match="bool or floating"):
+        torch.ops.tk.attention_masked(q, k, v, torch.ones(8, 8, dtype=torch.long), 0.25)
+
+
+def test_attention_masked_opcheck():
+    q, k, v = _inputs()
+    torch.library.opcheck(torch.ops.tk.attention_masked.default, (q, k, v, _masks(8, 8)["padding"], 0.25))
+
+
+def test_sliding_window_kept():
+    def fn(q, k, v):
+        N = q.shape[-2]
+        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+        allowed = (j <= i) & (j > i - 3)
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        return s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+    reasons = _kept(Fn(fn), *_inputs())
+    assert "union" in reasons[0] or "sliding" in reasons[0], reasons
+
+
+def test_sliding_window_where_kept():
+    def fn(q, k, v):
+        N = q.shape[-2]
+        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+        allowed = (j <= i) & (i - j < 3)
+        s = torch.where(allowed, (q @ k.transpose(-1, -2)) * 0.25, float("-inf"))
+        return s.softmax(-1) @ v
+
+    assert "sliding-window" in _kept(Fn(fn), *_inputs())[0]
+
+
+def test_offset_causal_kept():
+    def fn(q, k, v):  # bottom-right aligned causal (keys = cache + new tokens): not the op's top-left
+        N, M = q.shape[-2], k.shape[-2]
+        allowed = torch.ones(N, M, dtype=torch.bool).tril(diagonal=M - N)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+    assert "diagonal offset of 3" in _kept(Fn(fn), *_inputs(N=5, M=8))[0]
+
+
+def test_alibi_bias_kept():
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(1, 4, 1, 1)
+
+    def fn(q, k, v):
+        N = q.shape[-2]
+        rel = (torch.arange(N)[None, :] - torch.arange(N)[:, None]).float()
+        s = (q @ k.transpose(-1, -2)) * 0.25 + slopes * rel
+        return F.softmax(s, dim=-1) @ v
+
+    reasons = _kept(Fn(fn), *_inputs())
+    assert "not provably causal" in reasons[0] or "bias" in reasons[0], reasons
+
+
+def test_weak_fill_value_kept():
+    def fn(q, k, v):
+        N = q.shape[-2]
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        return s.masked_fill(torch.ones(N, N).tril() == 0, -1e4).softmax(-1) @ v
+
+    assert "does not vanish" in _kept(Fn(fn), *_inputs())[0]
+
+
+def test_in_place_mask_kept():
+    def fn(q, k, v):
+        N = q.shape[-2]
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        s.masked_fill_(~torch.ones(N, N, dtype=torch.bool).tril(), float("-inf"))
+        return s.softmax(-1) @ v
+
+    assert "in place" in _kept(Fn(fn), *_inputs())[0]
+
+
+# ---------------------------------------------------------------------------- mask proofs (unit)
+
+def _mask_graph(fn, *shapes):
+    """The node computing fn's result in the Dynamo graph of fn(*zeros(shapes))."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["out"] = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+        seen["gm"] = gm  # keep the graph alive
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*[torch.zeros(s) for s in shapes])
+    return seen["out"]
+
+
+@pytest.mark.parametrize("fn, expect", [
+    (lambda x: torch.ones(5, 7, dtype=torch.bool).tril(), True),
+    (lambda x: torch.ones(5, 7).triu(1) == 0, True),
+    (lambda x: torch.arange(5)[:, None] >= torch.arange(7), True),
+    (lambda x: torch.arange(7)[None, :] < torch.arange(5)[:, None] + 1, True),
+    (lambda x: torch.ones(5, 7, dtype=torch.bool), False),
+    (lambda x: x.new_full((5, 7), -math.inf).triu(1) == 0, True),
+    (lambda x: torch.arange(start=0, end=7)[None, :] <= torch.arange(start=0, end=5)[:, None], True),
+])
+def test_mask_proofs(fn, expect):
+    node = _mask_graph(fn, (1,))
+    assert P._allowed_kind(P._as_pred(P._MaskEval()(node)), (5, 7)) is expect
+
+
+@pytest.mark.parametrize("fn, why", [
+    (lambda x: torch.ones(5, 7, dtype=torch.bool).tril(1), "diagonal offset"),
+    (lambda x: torch.arange(5)[:, None] * 2 >= torch.arange(7), "not a plain causal"),
+    (lambda x: x > 0, "graph input"),
+    (lambda x: torch.rand(5, 7) > 0.5, "rand"),
+])
+def test_mask_refusals(fn, why):
+    node = _mask_graph(fn, (5, 7))
+    with pytest.raises(P.Keep, match=why):
+        P._allowed_kind(P._as_pred(P._MaskEval()(node)), (5, 7))
+
+
+# ============================================================================ on the GPU (skipped without CUDA)
+
+def _random_mask_fn(rng):
+    """A random boolean mask spelled with the ops the prover models, and its concrete evaluation."""
+    N, M = rng.randint(1, 9), rng.randint(1, 9)
+    a, b, c = rng.randint(-2, 2), rng.randint(-2, 2), rng.randint(-2, 2)
+    kind = rng.randrange(6)
+
+    def fn(x):
+        i = torch.arange(N)[:, None] + a
+        j = torch.arange(M)[None, :] + b
+        if kind == 0:
+            m = j <= i + c
+        elif kind == 1:
+            m = i - j >= c
+        elif kind == 2:
+            m = torch.ones(N, M, dtype=torch.bool).tril(c)
+        elif kind == 3:
+            m = torch.ones(N, M).triu(c + 1) == 0
+        elif kind == 4:
+            m = (j <= i) & (j > i - 3 + c)
+        else:
+            m = ~(j > i + c) & (torch.zeros(N, M) == 0)
+        return m.view(1, 1, N, M).expand(2, 1, N, M)
+
+    return fn, (N, M)
+
+
+def test_mask_prover_is_sound_on_random_masks():
+    """Whatever the prover concludes must hold on the concrete mask (soundness), and every one of these
+    spellings that is concretely causal or all-visible on its box is proven (completeness here)."""
+    import random
+
+    rng = random.Random(0)
+    proven = 0
+    for _ in range(60):
+        fn, (N, M) = _random_mask_fn(rng)
+        concrete = fn(torch.zeros(1))[0, 0]
+        node = _mask_graph(fn, (1,))
+        try:
+            causal = P._allowed_kind(P._as_pred(P._MaskEval()(node)), (2, 4, N, M))
+        except P.Keep as e:
+            assert not torch.equal(concrete, torch.ones(N, M, dtype=torch.bool).tril()), (N, M, str(e))
+            assert not concrete.all(), (N, M, str(e))
+            continue
+        proven += 1
+        expected = torch.ones(N, M, dtype=torch.bool).tril() if causal else torch.ones(N, M, dtype=torch.bool)
+        assert torch.equal(concrete, expected), (N, M, causal, concrete)
+    assert proven >= 15  # most random spellings of causal/all-visible masks are proven, not refused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["causal", "full", "padding", "causal_additive", "bias"])
+def test_gpu_attention_masked_paths(kind):
+    """A causal or all-visible run-time mask runs the kernel (lse computed), any other runs SDPA; forward and
+    gradients equal SDPA with the mask either way; one check per mask tensor (cached)."""
+    if not _kernel_built():
+        pytest.skip("the attention kernels need an sm_90 GPU")
+    N = M = 300
+    q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(2, 8, 2, N, M, 128, dtype=torch.float32))
+    mask = _masks(N, M)[kind].cuda()
+    if mask.is_floating_point():
+        mask = mask.bfloat16()
+    o, lse = torch.ops.tk.attention_masked(q, k, v, mask[None, None], 0.0883)
+    assert (lse.abs().sum() > 0) == (kind in ("causal", "full", "causal_additive"))  # which path ran
+    assert A.mask_kind(mask[None, None], N, M) == {"causal": "causal", "full": "full",
+                                                   "causal_additive": "causal"}.get(kind)
+    kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    ref = F.scaled_dot_product_attention(q.float(), kk.float(), vv.float(),
+                                         attn_mask=mask if mask.dtype == torch.bool else mask.float(), scale=0.0883)
+    assert (o.float() - ref).norm() / ref.norm() < 1e-2
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    want = torch.autograd.grad(ref, (q, k, v), do.float())
+    for g, w in zip(got, want):
+        assert (g.float() - w.float()).norm() / w.float().norm() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_attention_masked_under_cuda_graph_capture_takes_sdpa_path():
+    if not _kernel_built():
+        pytest.skip("the attention kernels need an sm_90 GPU")
+    q, k, v = (t.cuda().bfloat16() for t in _qkv(1, 4, 4, 64, 64, 64, dtype=torch.float32))
+    mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
+    torch.ops.tk.attention_masked(q, k, v, mask, 0.125)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = torch.ops.tk.attention_masked(q, k, v, mask, 0.125)
+    mask[10, 0] = False  # the captured graph must honour the new values: it runs SDPA with the mask
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+    torch.testing.assert_close(o, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_attention_masked_warns_once_when_the_kernel_cannot_take_the_mask(monkeypatch):
+    """Where the kernel would run but the mask is general, the SDPA fallback says so, once."""
+    monkeypatch.setattr(A, "_kernel_ok", lambda *tensors: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(A, "masked_paths", __import__("collections").Counter())
+    monkeypatch.setattr(A, "_warned_sdpa", False)
+    q, k, v = _inputs()
+    masks = _masks(8, 8)
+    with pytest.warns(UserWarning, match="neither causal nor all-visible"):
+        out, _ = torch.ops.tk.attention_masked(q, k, v, masks["padding"], 0.25)
+    torch.testing.assert_close(out, A._masked_sdpa(q, k, v, masks["padding"], 0.25))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.ops.tk.attention_masked(q, k, v, masks["random"], 0.25)  # said already
+    assert A.masked_paths["sdpa"] == 2 and A.masked_paths["value checks"] == 2
