@@ -65,26 +65,38 @@ def _single_user(node):
 # ---------------------------------------------------------------------------- pieces
 
 def _segsum_input(node):
-    """exp(segsum(a)) in HF/mamba's masked-cumsum spelling -> a (the (..., T) tensor)."""
+    """exp(segsum(a)) -> a (the (..., T) tensor), in either spelling of segsum: the masked cumsum of a[..., None]
+    expanded over T columns (HF, mamba_ssm), or the difference of a's cumsum with itself, cs[..., :, None] -
+    cs[..., None, :] (the Mamba-2 blog's first listing); both masked to -inf above the diagonal."""
     node = strip(node)
     _need(kind(node) == "exp", "decay is not exp(segsum)")
     fill2 = strip(node.args[0])
     _need(kind(fill2) == "masked_fill" and scalar(arg(fill2, 2, "value")) == float("-inf"), "segsum: no -inf mask")
-    cs = strip(fill2.args[0])
+    inner = strip(fill2.args[0])
+    rank = len(shape(inner) or ())
+    _need(rank >= 2, "segsum: rank")
+    T = shape(inner)[-1]
+    _need(triangle(fill2.args[1], (T, T), 0, negated=True), "segsum: masks not triangular")
+    letters = "abcdefgh"[:rank - 1]
+    if kind(inner) == "sub":  # cs[..., :, None] - cs[..., None, :], cs = cumsum(a, -1)
+        rows = peel_to(inner.args[0], letters + "z", letters)
+        cols = peel_to(inner.args[1], letters[:-1] + "z" + letters[-1], letters)
+        _need(rows is not None and strip(rows) is strip(cols), "segsum: not cs[..., :, None] - cs[..., None, :]")
+        cs = strip(rows)
+        _need(kind(cs) == "cumsum" and arg(cs, 1, "dim") % (rank - 1) == rank - 2 and eq(shape(cs)[-1], T),
+              "segsum: no cumsum")
+        return strip(cs.args[0])
+    cs = inner
     _need(kind(cs) == "cumsum" and arg(cs, 1, "dim") is not None, "segsum: no cumsum")
     fill1 = strip(cs.args[0])
     _need(kind(fill1) == "masked_fill" and scalar(arg(fill1, 2, "value")) == 0.0, "segsum: no zero mask")
     expanded = strip(fill1.args[0])
     _need(kind(expanded) == "expand", "segsum: input not expanded")
-    T = shape(expanded)[-1]
-    rank = len(shape(expanded))
     _need(arg(cs, 1, "dim") % rank == rank - 2, "segsum: cumsum over the wrong dim")
-    letters = "abcdefgh"[:rank - 1]
     src = peel_to(expanded.args[0], letters + "z", letters)
     _need(src is not None and eq(shape(src)[-1], T) and shapes_eq(shape(expanded)[:-1], shape(src)),
           "segsum: not a[..., None].expand(..., T)")
-    for fill, diagonal in ((fill1, -1), (fill2, 0)):
-        _need(triangle(fill.args[1], (T, T), diagonal, negated=True), "segsum: masks not triangular")
+    _need(triangle(fill1.args[1], (T, T), -1, negated=True), "segsum: masks not triangular")
     return strip(src)
 
 
@@ -148,6 +160,8 @@ def _discretised(node, what: str):
             if d is None:
                 continue
             d = through_upcasts(d)
+        if shape(t) is not None and 1 < len(shape(t)) < 4 and all(eq(s, 1) for s in shape(t)[:-1]):
+            t = peel_to(t, "xyz"[:len(shape(t)) - 1] + "h", "h") or t  # A[None, None, :]: A
         if shape(d) is not None and len(shape(d)) == 3 and shape(t) is not None and (
                 len(shape(t)) == 4 or len(shape(t)) == 1):
             return t, d

@@ -109,8 +109,14 @@ def test_bad_inputs_raise_clear_errors(change, error):
 
 # ---------------------------------------------------------------------------- spellings
 
-def _segsum(x, first_diagonal=-1, einops_like=False):
+def _segsum(x, first_diagonal=-1, einops_like=False, naive=None):
     T = x.size(-1)
+    if naive:  # the Mamba-2 blog's first listing: a difference of cumsums ("reversed", "strict": wrong on purpose)
+        x_cumsum = torch.cumsum(x, dim=-1)
+        rows, cols = x_cumsum[..., :, None], x_cumsum[..., None, :]
+        segsum = cols - rows if naive == "reversed" else rows - cols
+        keep = torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=-1 if naive == "strict" else 0)
+        return segsum.masked_fill(~keep, -torch.inf)
     # einops' repeat("... d -> ... d e") adds the axis with a reshape
     x = (x.reshape(*x.shape, 1) if einops_like else x[..., None]).expand(*x.size(), T)
     x = x.masked_fill(~torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=first_diagonal), 0)
@@ -161,7 +167,10 @@ def ssd_mul_sum(x, dt, A, B, C, chunk, D=None, h0=None, *, segsum_diagonal=-1, o
 def ssd_minimal(X, A, B, C, block_len, initial_states=None, spelling=()):
     """mamba_ssm's ssd_minimal_discrete, the Mamba-2 paper's listing (4-operand einsums), with einops' rearrange as
     reshape/permute (or einops itself), in the spellings people write it: chunks by reshape with explicit sizes, -1
-    or view; chunk ends indexed [:, :, :, -1:] or [..., -1:], kept as unsqueeze(-1) or [..., -1, None]."""
+    or view; chunk ends indexed [:, :, :, -1:] or [..., -1:], kept as unsqueeze(-1) or [..., -1, None]; segsum as the
+    masked cumsum or as a difference of cumsums ("naive-segsum")."""
+    naive = next((t.removeprefix("naive-segsum").lstrip("-") or "difference" for t in spelling
+                  if t.startswith("naive-segsum")), None)
     b, l, h, p = X.shape
     if "einops" in spelling:
         X, A, B, C = (einops.rearrange(t, "b (c l) ... -> b c l ...", l=block_len) for t in (X, A, B, C))
@@ -175,7 +184,7 @@ def ssd_minimal(X, A, B, C, block_len, initial_states=None, spelling=()):
             X, A, B, C = (t.reshape(b, l // block_len, block_len, *t.shape[2:]) for t in (X, A, B, C))
         A = A.permute(0, 3, 1, 2)
     A_cumsum = torch.cumsum(A, dim=-1)
-    L = torch.exp(_segsum(A, einops_like=True))
+    L = torch.exp(_segsum(A, einops_like=True, naive=naive))
     Y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, L, X)
     if "unsqueeze" in spelling:
         end = A_cumsum[..., -1].unsqueeze(-1)
@@ -189,7 +198,7 @@ def ssd_minimal(X, A, B, C, block_len, initial_states=None, spelling=()):
         initial_states = torch.zeros_like(states[:, :1])
     states = torch.cat([initial_states, states], dim=1)
     ends = A_cumsum[..., -1] if "ellipsis" in spelling else A_cumsum[:, :, :, -1]
-    decay_chunk = torch.exp(_segsum(F.pad(ends, (1, 0)), einops_like=True))
+    decay_chunk = torch.exp(_segsum(F.pad(ends, (1, 0)), einops_like=True, naive=naive))
     new_states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
     states, final_state = new_states[:, :-1], new_states[:, -1]
     Y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states, torch.exp(A_cumsum))
@@ -198,8 +207,11 @@ def ssd_minimal(X, A, B, C, block_len, initial_states=None, spelling=()):
 
 def _heads(G, h, spelling):
     """Groups to heads: repeat_interleave, an expand and reshape of the same layout, einops' repeat, or tiled
-    (head i takes group i % groups: another model, matched with the per-head tensor itself)."""
+    (head i takes group i % groups, by expand or by Tensor.repeat: another model, matched with the per-head tensor
+    itself)."""
     b, l, g, n = G.shape
+    if "repeat" in spelling:
+        return G.repeat(1, 1, h // g, 1)
     if "expand" in spelling:
         return G[:, :, :, None].expand(b, l, g, h // g, n).reshape(b, l, h, n)
     if "tile" in spelling:
@@ -229,8 +241,9 @@ class MinimalSSD(nn.Module):
         Bh, Ch = (_heads(G, x.shape[2], self.spelling) for G in (B, C))
         if self.dtype is not None:  # computed in bf16 throughout, as the listing does with bf16 inputs
             x, dt, A, Bh, Ch = (t.to(self.dtype) for t in (x, dt, A, Bh, Ch))
-        return ssd_minimal(x * dt[..., None], A * dt, Bh, Ch, self.chunk, h0[:, None] if self.h0 else None,
-                           self.spelling)
+        # "a-broadcast": A written against dt's axes, A[None, None, :] * dt
+        a = A[None, None, :] * dt if "a-broadcast" in self.spelling else A * dt
+        return ssd_minimal(x * dt[..., None], a, Bh, Ch, self.chunk, h0[:, None] if self.h0 else None, self.spelling)
 
 
 def _spelling_inputs(l=21, requires_grad=False):
@@ -276,8 +289,10 @@ def test_ssd_minimal_spelling_is_replaced_and_equal(h0):
 
 
 @pytest.mark.parametrize("spelling", [("minus-one",), ("view",), ("ellipsis",), ("unsqueeze",), ("new-axis",),
-                                      ("expand",), ("tile",), ("einops",), ("einops-repeat",),
-                                      ("minus-one", "ellipsis", "new-axis", "expand")], ids="+".join)
+                                      ("expand",), ("tile",), ("repeat",), ("einops",), ("einops-repeat",),
+                                      ("naive-segsum",), ("a-broadcast",),
+                                      ("minus-one", "ellipsis", "new-axis", "expand"),
+                                      ("naive-segsum", "a-broadcast", "view", "unsqueeze")], ids="+".join)
 def test_ssd_minimal_spellings_are_replaced_and_equal(spelling):
     if any(s.startswith("einops") for s in spelling):
         if einops is None:
@@ -382,6 +397,20 @@ def test_not_provably_ssd_is_not_replaced(variant, why):
         assert any(f == "ssd" and why in r for f, r in report.kept), report.kept
     for o, w in zip(out, MulSumSSD(chunk=8, **variant)(*args)):
         torch.testing.assert_close(o, w)
+
+
+@pytest.mark.parametrize("flaw", ["reversed", "strict"])
+def test_segsum_as_a_difference_must_be_exact(flaw):
+    """cs[..., None, :] - cs[..., :, None] (the decay's inverse) or a mask without the diagonal is not the SSD: not
+    replaced, and the compiled model still equals eager."""
+    module = MinimalSSD(chunk=8, h0=True, spelling=("naive-segsum-" + flaw,))
+    args = _spelling_inputs(l=16)
+    torch._dynamo.reset()
+    tk_inductor.reset()
+    out = torch.compile(module, backend="thunderkittens", options=OPTIONS)(*args)
+    assert "ssd" not in tk_inductor.report().replaced
+    for o, w in zip(out, module(*args)):
+        torch.testing.assert_close(o, w, equal_nan=True)
 
 
 def _training_reasons(module, options=None, l=24):
