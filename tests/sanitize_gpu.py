@@ -13,10 +13,10 @@ with residual, dropout, bias and gate, and the row-kernel and persistent backwar
 value tiles; the SSD's three forward grids and two backward ones (chosen from the SM count, as its GPU tests do).
 memcheck runs with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1), so that every tensor is its
 own allocation and an access past a tensor's end is outside any allocation, not in a neighbouring tensor.
-racecheck reports hazards in the attention backward: its ring stages take lse2/delta by raw byte copies
-(tk::tma::load_bytes_async), whose writes racecheck attributes to the issuing thread without seeing the semaphores
-that order them. As 2-D tensor copies (which racecheck follows, and reported 0 hazards) the D = 128 causal backward
-ran 3.5% slower; run racecheck on `--families attention` knowing that.
+racecheck reports the attention backward's raw byte copies of lse2/delta into its ring (tk::tma::load_bytes_async)
+as races with the consumers' reads: it attributes the copy's write to the issuing thread and does not see the
+semaphores that order them (as 2-D tensor copies, which it follows, 0 hazards; they cost the D = 128 causal backward
+3.5%). Those reports are counted apart as known (KNOWN_RACES); any other race is an error.
 """
 from __future__ import annotations
 
@@ -116,14 +116,26 @@ def cases(families):
     _dispatch.kernel = real
 
 
+# Writes racecheck reports although semaphores order them: the raw byte copies it cannot follow (module docstring).
+KNOWN_RACES = ("tk::tma::load_bytes_async",)
+
+
 def summary(tool: str, log: str) -> tuple[int, str]:
-    """(errors, the tool's summary line) from a compute-sanitizer log."""
+    """(errors, the tool's summary line) from a compute-sanitizer log; racecheck's reports whose write is one of
+    KNOWN_RACES are not counted (the line says how many there were)."""
     m = re.search(r"ERROR SUMMARY: (\d+) errors?", log)
     race = re.search(r"RACECHECK SUMMARY: [^\n]*?\((\d+) errors?[^\n]*", log)  # racecheck's own line
     if m:
         return int(m.group(1)), m.group(0)
     if race:
-        return int(race.group(1)), race.group(0)
+        # a report is a write and the accesses it races with, one error each ("and Read access at ...")
+        known = 0
+        for report in re.split(r"(?=Error: Race reported between )", log)[1:]:
+            first, _, rest = report.partition("\n")
+            if first.startswith("Error: Race reported between Write access at") and any(k in first for k in KNOWN_RACES):
+                known += len(re.findall(r"^=+\s+and \w+ access at ", rest, re.M))
+        line = race.group(0) + (f"; {known} of them known (KNOWN_RACES)" if known else "")
+        return int(race.group(1)) - known, line
     return -1, "no summary line (the tool did not finish)"
 
 
@@ -142,7 +154,8 @@ def main() -> int:
         env = dict(os.environ)
         if tool == "memcheck":
             env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
-        cmd = ["compute-sanitizer", f"--tool={tool}", "--print-limit=20"]
+        # racecheck prints every report, so that each is classified (summary)
+        cmd = ["compute-sanitizer", f"--tool={tool}", "--print-limit=" + ("100000" if tool == "racecheck" else "20")]
         cmd += ["--leak-check=no"] if tool == "memcheck" else []
         cmd += [sys.executable, __file__, "--cases", "--families", args.families]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
