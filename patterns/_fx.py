@@ -81,7 +81,7 @@ _NAMES: dict[Any, str] = {
     F.dropout: "dropout", F.scaled_dot_product_attention: "sdpa", torch.tanh: "tanh", F.elu: "elu",
     torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat", torch.clone: "clone",
     torch.repeat_interleave: "repeat_interleave", torch.Tensor.repeat_interleave: "repeat_interleave",
-    F.pad: "pad", torch._C._nn.pad: "pad", torch.ops.aten.mT: "mT",
+    F.pad: "pad", torch._C._nn.pad: "pad", torch.ops.aten.mT: "mT", torch.narrow: "narrow", torch.Tensor.narrow: "narrow",
 }
 _METHOD_NAMES = {"__and__": "and", "logical_and": "and", "__or__": "or", "logical_or": "or", "logical_not": "not",
                  "__invert__": "not", "bitwise_not": "not", "truediv": "div", "true_divide": "div", "divide": "div",
@@ -96,7 +96,7 @@ _COARSE = {"view": "reshape", "bmm": "matmul", "not": "invert"}
 _KINDS = frozenset({"matmul", "mul", "div", "add", "sub", "neg", "pow", "invert", "getitem", "einsum", "exp", "cumsum",
                     "sum", "tril", "triu", "masked_fill", "where", "cat", "softmax", "elu", "flatten", "unsqueeze",
                     "transpose", "permute", "ones_like", "reciprocal", "reshape", "pad", "repeat_interleave",
-                    "zeros_like", "expand", "mT"})
+                    "zeros_like", "expand", "mT", "narrow"})
 _KIND_METHODS = _KINDS | {"float", "to", "type", "contiguous", "size", "new_zeros", "new_ones"}
 
 
@@ -368,13 +368,28 @@ def full_index(index, rank: int):
     return index + (slice(None),) * (rank - len(index))
 
 
+def _index_entry(entry, size):
+    """One dim's index entry in a normal form where the size is known: t[..., -1] is t[..., T - 1], t[..., -1:] is
+    t[..., T - 1:] and t[..., :] is t[..., 0:T]."""
+    n = static_int(size)
+    if n is None:
+        return entry
+    if isinstance(entry, int) and not isinstance(entry, bool) and -n <= entry < n:
+        return entry % n
+    if isinstance(entry, slice) and all(v is None or isinstance(v, int) for v in (entry.start, entry.stop, entry.step)):
+        return slice(*entry.indices(n))
+    return entry
+
+
 def indexes(node, index) -> bool:
-    """`node` is `t[index]`, in any spelling of the same index (`t[:, :, :, -1]`, `t[..., -1]`)."""
+    """`node` is `t[index]`, in any spelling of the same index (`t[:, :, :, -1]`, `t[..., -1]`, `t[..., T - 1]`)."""
     if kind(node) != "getitem" or shape(node.args[0]) is None:
         return False
-    rank = len(shape(node.args[0]))
-    got = full_index(node.args[1], rank)
-    return got is not None and got == full_index(index, rank)
+    sizes = shape(node.args[0])
+    got, want = full_index(node.args[1], len(sizes)), full_index(index, len(sizes))
+    if got is None or want is None:
+        return False
+    return all(_index_entry(g, n) == _index_entry(w, n) for g, w, n in zip(got, want, sizes))
 
 
 def peel_to(node, letters: str, want: str):

@@ -43,9 +43,15 @@ def _need(cond, why: str):
 
 
 def _last_keepdim(node, src) -> bool:
-    """`node` is src[..., -1:], in one of its spellings: src[..., -1].unsqueeze(-1), src[..., -1, None]."""
+    """`node` is src[..., -1:], in one of its spellings: src[..., T - 1:], src[..., -1].unsqueeze(-1),
+    src[..., -1, None], src.narrow(-1, -1 or T - 1, 1)."""
     if indexes(node, (Ellipsis, slice(-1, None))):
         return strip(node.args[0]) is src
+    if kind(node) == "narrow" and shape(node.args[0]) is not None:
+        rank, last = len(shape(node.args[0])), static_int(shape(node.args[0])[-1])
+        dim, start, length = arg(node, 1, "dim"), static_int(arg(node, 2, "start")), static_int(arg(node, 3, "length"))
+        return (isinstance(dim, int) and dim % rank == rank - 1 and length == 1 and last is not None
+                and start is not None and start % last == last - 1 and strip(node.args[0]) is src)
     if kind(node) == "unsqueeze" and arg(node, 1, "dim") in (-1, len(shape(node)) - 1):
         inner = strip(node.args[0])
         return indexes(inner, (Ellipsis, -1)) and strip(inner.args[0]) is src
@@ -149,6 +155,31 @@ def _chunks(node, chunk: int, length: int):
     return src
 
 
+def _a_chunks(node, chunk: int, length: int):
+    """The (b, h, c, chunk) chunks of A·dt -> A·dt, (b, l, h): chunked along l and permuted (0, 3, 1, 2), or made
+    (b, h, l) first (transpose(1, 2) or permute(0, 2, 1)) and chunked along its last dim (a length the chunk
+    divides)."""
+    if kind(node) == "permute" and tuple(node.args[1:] if len(node.args) > 2 else node.args[1]) == (0, 3, 1, 2):
+        return _chunks(node.args[0], chunk, length)
+    _need(kind(node) == "reshape" and _chunk_size_last(node) == chunk, "dt·A layout")
+    src = strip(node.args[0])
+    _need(len(shape(src)) == 3 and eq(shape(src)[-1], length), "dt·A length (chunked unpadded along l)")
+    dims = tuple(src.args[1:] if len(src.args) > 2 else src.args[1]) if kind(src) == "permute" else None
+    _need(dims == (0, 2, 1) or (kind(src) == "transpose" and {arg(src, 1, "dim0") % 3, arg(src, 2, "dim1") % 3} == {1, 2}),
+          "dt·A layout")
+    return src.args[0]
+
+
+def _chunk_size_last(node):
+    """reshape(t, (b, h, -1 or l/chunk, chunk)) of a (b, h, l) t -> chunk (None if it is not that)."""
+    sizes, s = _reshape_sizes(node), shape(node.args[0])
+    if len(sizes) != 4 or s is None or len(s) != 3 or not (eq(sizes[0], s[0]) and eq(sizes[1], s[1])):
+        return None
+    chunk = static_int(sizes[3])
+    ok = chunk is not None and chunk > 0 and (static_int(sizes[2]) == -1 or eq(sizes[2], s[2] // chunk))
+    return chunk if ok else None
+
+
 def _discretised(node, what: str):
     """t * dt (dt possibly [..., None] and upcast) -> (t, dt) with dt of shape (b, l, h)."""
     node = strip(node)
@@ -247,10 +278,7 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
     padded = shape(strip(Xc).args[0])[1]  # the padded length (nc·chunk, not simplified when symbolic)
     length = _output_length(anchor, b, padded, h, p)
     x_dt, dt_x = _discretised(_chunks(Xc, chunk, length), "x")
-    a_src = strip(a)
-    _need(kind(a_src) == "permute" and tuple(a_src.args[1:] if len(a_src.args) > 2 else a_src.args[1]) == (0, 3, 1, 2),
-          "dt·A layout")
-    A_node, dt_a = _discretised(_chunks(a_src.args[0], chunk, length), "A")
+    A_node, dt_a = _discretised(_a_chunks(strip(a), chunk, length), "A")
     _need(through_upcasts(dt_a) is through_upcasts(dt_x), "x and A discretised with different dt")
     _need(shapes_eq(shape(A_node), (h,)), "A per head")
     B_src = _heads_from_groups(_chunks(Bc, chunk, length), h)

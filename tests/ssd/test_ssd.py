@@ -168,10 +168,12 @@ def ssd_minimal(X, A, B, C, block_len, initial_states=None, spelling=()):
     """mamba_ssm's ssd_minimal_discrete, the Mamba-2 paper's listing (4-operand einsums), with einops' rearrange as
     reshape/permute (or einops itself), in the spellings people write it: chunks by reshape with explicit sizes, -1
     or view; chunk ends indexed [:, :, :, -1:] or [..., -1:], kept as unsqueeze(-1) or [..., -1, None]; segsum as the
-    masked cumsum or as a difference of cumsums ("naive-segsum")."""
+    masked cumsum or as a difference of cumsums ("naive-segsum"); A's chunks made from its (b, h, l) transpose
+    ("a-transposed"); chunk ends as narrow(-1, -1, 1) ("narrow") or indexed by block_len - 1 ("explicit-last")."""
     naive = next((t.removeprefix("naive-segsum").lstrip("-") or "difference" for t in spelling
                   if t.startswith("naive-segsum")), None)
     b, l, h, p = X.shape
+    A_flat = A
     if "einops" in spelling:
         X, A, B, C = (einops.rearrange(t, "b (c l) ... -> b c l ...", l=block_len) for t in (X, A, B, C))
         A = einops.rearrange(A, "b c l h -> b h c l")
@@ -183,6 +185,8 @@ def ssd_minimal(X, A, B, C, block_len, initial_states=None, spelling=()):
         else:
             X, A, B, C = (t.reshape(b, l // block_len, block_len, *t.shape[2:]) for t in (X, A, B, C))
         A = A.permute(0, 3, 1, 2)
+    if "a-transposed" in spelling:
+        A = A_flat.transpose(1, 2).reshape(b, h, l // block_len, block_len)
     A_cumsum = torch.cumsum(A, dim=-1)
     L = torch.exp(_segsum(A, einops_like=True, naive=naive))
     Y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, L, X)
@@ -190,6 +194,10 @@ def ssd_minimal(X, A, B, C, block_len, initial_states=None, spelling=()):
         end = A_cumsum[..., -1].unsqueeze(-1)
     elif "new-axis" in spelling:
         end = A_cumsum[..., -1, None]
+    elif "narrow" in spelling:
+        end = A_cumsum.narrow(-1, -1, 1)
+    elif "explicit-last" in spelling:
+        end = A_cumsum[:, :, :, block_len - 1:]
     else:
         end = A_cumsum[..., -1:] if "ellipsis" in spelling else A_cumsum[:, :, :, -1:]
     decay_states = torch.exp(end - A_cumsum)
@@ -198,6 +206,8 @@ def ssd_minimal(X, A, B, C, block_len, initial_states=None, spelling=()):
         initial_states = torch.zeros_like(states[:, :1])
     states = torch.cat([initial_states, states], dim=1)
     ends = A_cumsum[..., -1] if "ellipsis" in spelling else A_cumsum[:, :, :, -1]
+    if "explicit-last" in spelling:
+        ends = A_cumsum[:, :, :, block_len - 1]
     decay_chunk = torch.exp(_segsum(F.pad(ends, (1, 0)), einops_like=True, naive=naive))
     new_states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
     states, final_state = new_states[:, :-1], new_states[:, -1]
@@ -290,7 +300,8 @@ def test_ssd_minimal_spelling_is_replaced_and_equal(h0):
 
 @pytest.mark.parametrize("spelling", [("minus-one",), ("view",), ("ellipsis",), ("unsqueeze",), ("new-axis",),
                                       ("expand",), ("tile",), ("repeat",), ("einops",), ("einops-repeat",),
-                                      ("naive-segsum",), ("a-broadcast",),
+                                      ("naive-segsum",), ("a-broadcast",), ("a-transposed",), ("narrow",),
+                                      ("explicit-last",),
                                       ("minus-one", "ellipsis", "new-axis", "expand"),
                                       ("naive-segsum", "a-broadcast", "view", "unsqueeze")], ids="+".join)
 def test_ssd_minimal_spellings_are_replaced_and_equal(spelling):
