@@ -143,23 +143,28 @@ struct BwdParams {
   int section;  // kv heads per section of the block order (bwd_section)
 };
 
-// Block blockIdx.x -> (batch * kv head, key block) by section_decode, key block ranks first-to-last: under causal
-// key block 0 is the heaviest (every query block sees it), so the hardware's in-order dispatch starts the heavy
-// blocks of a section's heads first and the light ones fill the tail.
-__device__ __forceinline__ void decode_bwd_block(const BwdParams& p, int& b, int& hk, int& kb) {
-  int bh;
-  section_decode(static_cast<int>(blockIdx.x), p.B * p.Hkv, p.nk, p.section, bh, kb);
-  b = bh / p.Hkv;
-  hk = bh - b * p.Hkv;
-}
-
 // A backward block's place: batch b, kv head hk, keys [n0, n0 + BN), and its steps: one (Q, dO) tile per q
 // block from mb_start on, for every query head of the GQA group (step it: head it / steps_per_head).
 struct BwdBlock {
-  int b, hk, n0, mb_start, steps_per_head, steps;
+  int b, hk, n0, mb_start, nqb, steps_per_head, steps;  // nqb: query blocks of a head
   __device__ __forceinline__ int mb(int it) const { return mb_start + it % steps_per_head; }  // q block of step it
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / steps_per_head; }
 };
+
+// This block's BwdBlock. Block blockIdx.x -> (batch * kv head, key block) by section_decode, key blocks first to
+// last: under causal key block 0 is the heaviest (every query block sees it), so the hardware's in-order dispatch
+// starts the heavy blocks of a section's heads first and the light ones fill the tail. Causal (top-left): query
+// row i sees keys j <= i, so the query blocks before the one holding row n0 see none of this block's keys.
+template <int BM, int BN>
+__device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
+  int bh, kb;
+  section_decode(static_cast<int>(blockIdx.x), p.B * p.Hkv, p.nk, p.section, bh, kb);
+  const int b = bh / p.Hkv, n0 = kb * BN;
+  const int mb_start = p.causal ? n0 / BM : 0;
+  const int nqb = (p.N + BM - 1) / BM;
+  const int steps_per_head = max(0, nqb - mb_start);
+  return {b, bh - b * p.Hkv, n0, mb_start, nqb, steps_per_head, steps_per_head * p.group};
+}
 
 // lse2 and delta are laid out in groups of 32 rows with row 8 k + 2 q + e at slot 8 q + 2 k + e, so that
 // the pairs one thread reads (rows 8 k + col_in, +1 of chunks k; col_in = 2 q) are contiguous over four chunks: one
@@ -336,6 +341,18 @@ __device__ __forceinline__ void bwd_dq_reducer(const BwdSmem<K_>& sm, const BwdP
     }
   }
   tk::tma::store_wait();
+}
+
+// The producer warpgroup of both kernels: the (Q, dO) stream by thread 0 and, with PRODQ, the dQ reducer warp.
+template <class K_>
+__device__ __forceinline__ void bwd_producer_warpgroup(const BwdSmem<K_>& sm, const BwdParams& p, const BwdBlock& blk,
+                                                       const CUtensorMap* qmap, const CUtensorMap* kmap,
+                                                       const CUtensorMap* vmap, const CUtensorMap* domap,
+                                                       const CUtensorMap* dqmap, int tid) {
+  bwd_producer<K_>(sm, p, blk, qmap, kmap, vmap, domap, tid);
+  if constexpr (K_::PRODQ) {
+    if (tid == 32) bwd_dq_reducer<K_>(sm, p, blk, dqmap);
+  }
 }
 
 // The TMA maps of dK and dV (B, Hkv, M, D), boxes of 64 columns x 64 keys (store_dkdv).

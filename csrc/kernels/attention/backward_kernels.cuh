@@ -24,25 +24,15 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
   uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS;
   tk::semaphore *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
-  int b, hk, kb;
-  decode_bwd_block(p, b, hk, kb);
-  const int n0 = kb * BN;
-  // Causal (top-left): query row i sees keys j <= i, so rows below n0 see none of this block.
-  const int mb_start = p.causal ? n0 / BM : 0;
-  const int nqb = (p.N + BM - 1) / BM;
-  const int steps_per_head = max(0, nqb - mb_start);
-  const int steps = steps_per_head * p.group;
+  const BwdBlock blk = bwd_block<BM, BN>(p);
+  const int b = blk.b, hk = blk.hk, n0 = blk.n0, mb_start = blk.mb_start, nqb = blk.nqb, steps = blk.steps;
 
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    const BwdBlock blk{b, hk, n0, mb_start, steps_per_head, steps};
-    bwd_producer<K_>(sm, p, blk, &qmap, &kmap, &vmap, &domap, tid);
-    if constexpr (K_::PRODQ) {
-      if (tid == 32) bwd_dq_reducer<K_>(sm, p, blk, &dqmap);
-    }
+    bwd_producer_warpgroup<K_>(sm, p, blk, &qmap, &kmap, &vmap, &domap, &dqmap, tid);
     return;
   }
 
@@ -223,26 +213,15 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
   uint8_t *sK = sm.sK, *sV = sm.sV, *sQ = sm.sQ, *sdO = sm.sdO, *sdS = sm.sdS;
   tk::semaphore *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
-  int b, hk, kb;
-  decode_bwd_block(p, b, hk, kb);
-  const int n0 = kb * BN;
-  // Causal (top-left): rows below n0 see none of this block; BM == BN, so the
-  // first tile is the diagonal one.
-  const int mb_start = p.causal ? n0 / BM : 0;
-  const int nqb = (p.N + BM - 1) / BM;
-  const int steps_per_head = max(0, nqb - mb_start);
-  const int steps = steps_per_head * p.group;
+  const BwdBlock blk = bwd_block<BM, BN>(p);  // BM == BN: a causal block's first tile is the diagonal one
+  const int b = blk.b, hk = blk.hk, n0 = blk.n0, mb_start = blk.mb_start, nqb = blk.nqb, steps = blk.steps;
 
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   sm.init();
 
   if (wg == 0) {  // ---------------- producer ----------------
-    const BwdBlock blk{b, hk, n0, mb_start, steps_per_head, steps};
-    bwd_producer<K_>(sm, p, blk, &qmap, &kmap, &vmap, &domap, tid);
-    if constexpr (K_::PRODQ) {
-      if (tid == 32) bwd_dq_reducer<K_>(sm, p, blk, &dqmap);
-    }
+    bwd_producer_warpgroup<K_>(sm, p, blk, &qmap, &kmap, &vmap, &domap, &dqmap, tid);
     return;
   }
 
