@@ -233,7 +233,7 @@ class _MaskEval:
         """view/reshape/unsqueeze/squeeze/flatten that only add or remove size-1 dims."""
         src = node.args[0]
         v = self(src)
-        ins, outs = (shape(src) or ()), (shape(node) or ())
+        ins, outs = shape(src) or (), shape(node) or ()
         big_in = [i for i, s in enumerate(ins) if not eq(s, 1)]
         big_out = [i for i, s in enumerate(outs) if not eq(s, 1)]
         if len(big_in) != len(big_out) or not all(eq(ins[a], outs[b]) for a, b in zip(big_in, big_out)):
@@ -258,7 +258,7 @@ class _MaskEval:
             raise Keep("mask indexes a tuple")
         index = index if isinstance(index, tuple) else (index,)
         v = self(src)
-        ins, outs = (shape(src) or ()), (shape(node) or ())
+        ins, outs = shape(src) or (), shape(node) or ()
         if index and all(isinstance(i, fx.Node) and isinstance(example(i), torch.Tensor) for i in index):
             return self._advanced(v, ins, outs, index)
         if any(isinstance(i, fx.Node) and isinstance(example(i), torch.Tensor) for i in index):

@@ -131,7 +131,7 @@ def _peel(node: fx.Node, allow_merge: bool, allow_scale: bool) -> _Operand:
         elif (rk := _repeat_kv_source(n)) is not None and rk[1] is not None:
             op.node, op.repeated = rk[0], op.repeated * rk[1]
         elif name in ("view", "reshape") and allow_merge and not op.merged:
-            s_in, s_out = (shape(src) or ()), shape(n) or ()
+            s_in, s_out = shape(src) or (), shape(n) or ()
             if len(s_in) == 4 and len(s_out) == 3 and eq(s_out[0], s_in[0] * s_in[1]) \
                     and eq(s_out[1], s_in[2]) and eq(s_out[2], s_in[3]):
                 op.node, op.merged = src, True

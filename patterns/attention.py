@@ -290,7 +290,7 @@ class _Finder:
             why = attention_ops.kernel_supports(dtype, number(qs[-1]))
             if why is not None:
                 raise Keep(why)
-        if mixed and not (rank(out) == 4 and all(eq(a, b) for a, b in zip((shape(out) or ())[:2], qs[:2]))):
+        if mixed and not (rank(out) == 4 and all(eq(a, b) for a, b in zip(shape(out)[:2], qs[:2]))):
             raise Keep("the 3-D scores are viewed to heads that differ from q's")
         heads = "4d" if len(qs) == 4 and (mixed or not qo.merged) else ("merged" if qo.merged else "none")
         args = (qo.arg(), ko.arg(), vo.arg(), bool(causal), float(scale))
@@ -353,7 +353,7 @@ class _Finder:
                     if is_causal or not _from_graph_input(mask):
                         raise
                     runtime_mask = mask
-            d = number((shape(q) or ())[-1]) if (shape(q) or ()) else None
+            d = number(shape(q)[-1]) if shape(q) else None
             if scale is None:
                 if d is None:
                     raise Keep("default scale of a symbolic head dim")
@@ -587,7 +587,7 @@ def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
         if not isinstance(ex, torch.Tensor) or ex.dim() < 2 or not (ex.dtype == torch.bool or ex.is_floating_point()):
             continue
         try:
-            kinds[i] = "causal" if finder._sdpa_mask(node, (shape(node) or ())) else "full"
+            kinds[i] = "causal" if finder._sdpa_mask(node, shape(node) or ()) else "full"
         except Keep:
             continue
         except Exception:  # noqa: BLE001  (an analysis bug must cost a value check, never the compile)

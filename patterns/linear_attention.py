@@ -36,7 +36,7 @@ from tk_inductor import config
 from tk_inductor.rewrite import Match, example
 
 from ._fx import (LETTERS, Contraction, arg, close, contraction, dtype, eq, evaluate_constant, is_tensor, kind, peel_to,
-                  scalar, scaled, shape, shapes_eq, strip, unify)
+                  rank, scalar, scaled, shape, shapes_eq, strip, unify)
 from ._mask import triangle
 
 FAMILY = "linear_attention"
@@ -159,7 +159,7 @@ def _causal(node):
     node = strip(node)
     k = kind(node)
     N = (shape(node) or (0, 0))[-1]
-    if len(shape(node) or ()) < 2 or not eq(shape(node)[-2], N):
+    if rank(node) < 2 or not eq(shape(node)[-2], N):
         return None
     box = shape(node)
     if k == "tril" and arg(node, 1, "diagonal", 0) == 0:
@@ -281,7 +281,7 @@ def _numerator_state(node):
 def _den_of(node):
     """Peel `[..., None]` / unsqueeze(-1) off a (B, H, N, 1) denominator: the (B, H, N) node."""
     node = strip(node)
-    peeled = peel_to(node, "bhnx", "bhn") if len(shape(node) or ()) == 4 and eq(shape(node)[-1], 1) else None
+    peeled = peel_to(node, "bhnx", "bhn") if rank(node) == 4 and eq(shape(node)[-1], 1) else None
     return peeled if peeled is not None else node
 
 
@@ -381,7 +381,7 @@ def _match(node, cfg: config.Config) -> Match | None:
         fq, cq = scaled(fq0)
         fk, ck = scaled(fk0)
         M, total = None, cq * ck * cs
-        if not shapes_eq(shape(fq), shape(fk)) or len(shape(fq) or ()) != 4:
+        if not shapes_eq(shape(fq), shape(fk)) or rank(fq) != 4:
             return None
         fm, fq_x, fk_x, qw, kw, scale = _pair(fq, fk, total)
     if not shapes_eq(shape(v)[:3], shape(fq_x)[:3]):
