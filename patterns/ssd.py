@@ -26,8 +26,8 @@ from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.s
 from tk_inductor import config
 from tk_inductor.rewrite import Match, Squeeze, example
 
-from ._fx import (arg, contraction, dtype, eq, evaluate_constant, full_index, indexes, is_tensor, kind, peel_to, scalar,
-                  shape, shapes_eq, static_int, strip, through_upcasts, unify)
+from ._fx import (arg, contraction, dtype, eq, evaluate_constant, full_index, indexes, is_tensor, kind, peel_to, rank,
+                  scalar, shape, shapes_eq, static_int, strip, through_upcasts, unify)
 from ._mask import triangle
 
 FAMILY = "ssd"
@@ -106,8 +106,8 @@ def _segsum_input(node):
     return strip(src)
 
 
-def _padded_seq(node, pad_right: int):
-    """F.pad(t, ...) padding only dim 1 at its end with zeros, by `pad_right` -> t (or node if no pad)."""
+def _padded_seq(node, pad_right: int, dim: int = 1):
+    """F.pad(t, ...) padding only dim `dim` at its end with zeros, by `pad_right` -> t (or node if no pad)."""
     node = strip(node)
     if kind(node) != "pad":
         _need(eq(pad_right, 0), "chunks: no padding where the length needs it")
@@ -115,12 +115,12 @@ def _padded_seq(node, pad_right: int):
     src, pads = node.args[0], arg(node, 1, "pad")
     mode, value = arg(node, 2, "mode", "constant"), arg(node, 3, "value", None)
     _need(mode == "constant" and (value is None or scalar(value) == 0.0), "chunks: padding not with zeros")
-    rank = len(shape(src))
+    nd = rank(src)
     for i in range(len(pads) // 2):
-        dim = rank - 1 - i
         left, right = pads[2 * i], pads[2 * i + 1]
-        _need(eq(left, 0) and eq(right, pad_right if dim == 1 else 0), "chunks: padding other than the sequence end")
-    _need(eq(shape(node)[1], shape(src)[1] + pad_right), "chunks: padded length")
+        _need(eq(left, 0) and eq(right, pad_right if nd - 1 - i == dim else 0),
+              "chunks: padding other than the sequence end")
+    _need(eq(shape(node)[dim], shape(src)[dim] + pad_right), "chunks: padded length")
     return src
 
 
@@ -131,53 +131,42 @@ def _reshape_sizes(node):
     return list(sizes) or list(node.kwargs.get("shape", ()))
 
 
-def _chunk_size(node):
-    """The literal chunk length of reshape(t, (b, -1 or l/chunk, chunk, ...)) (a symbolic length
-    leaves the example shape as an unsimplified l_pad // (l_pad // chunk))."""
+def _chunk_size(node, dim: int = 1):
+    """The literal chunk length of a reshape splitting dim `dim` of its input into (-1 or n/chunk, chunk) (a symbolic
+    length leaves the example shape as an unsimplified l_pad // (l_pad // chunk))."""
     node = strip(node)
-    _need(kind(node) == "reshape" and len(_reshape_sizes(node)) >= 3, "chunks: not a reshape")
-    chunk = static_int(_reshape_sizes(node)[2])
+    _need(kind(node) == "reshape" and len(_reshape_sizes(node)) >= dim + 2, "chunks: not a reshape")
+    chunk = static_int(_reshape_sizes(node)[dim + 1])
     _need(chunk is not None and chunk > 0, "symbolic chunk size")
     return chunk
 
 
-def _chunks(node, chunk: int, length: int):
-    """reshape(pad(t), (b, -1, chunk, ...)) -> t, the (b, length, ...) tensor."""
+def _chunks(node, chunk: int, length: int, dim: int = 1):
+    """reshape(pad(t), (..., -1 or n/chunk, chunk, ...)), dim `dim` (the sequence) of t split into chunks -> t, whose
+    dim `dim` has size `length` (the padding, if any, at its end)."""
     node = strip(node)
-    _need(_chunk_size(node) == chunk, "chunks: chunk sizes differ")
+    _need(_chunk_size(node, dim) == chunk, "chunks: chunk sizes differ")
     padded = node.args[0]
     s = shape(padded)
     sizes = _reshape_sizes(node)
-    _need(len(sizes) == len(s) + 1 and eq(sizes[0], s[0]) and (static_int(sizes[1]) == -1 or eq(sizes[1], s[1] // chunk))
-          and all(eq(a, b) for a, b in zip(sizes[3:], s[2:])), "chunks: reshape shape")
-    src = _padded_seq(padded, s[1] - length)
-    _need(eq(shape(src)[1], length), "chunks: source length")
+    _need(len(sizes) == len(s) + 1 and all(eq(a, b) for a, b in zip(sizes[:dim], s[:dim]))
+          and (static_int(sizes[dim]) == -1 or eq(sizes[dim], s[dim] // chunk))
+          and all(eq(a, b) for a, b in zip(sizes[dim + 2:], s[dim + 1:])), "chunks: reshape shape")
+    src = _padded_seq(padded, s[dim] - length, dim)
+    _need(eq(shape(src)[dim], length), "chunks: source length")
     return src
 
 
 def _a_chunks(node, chunk: int, length: int):
     """The (b, h, c, chunk) chunks of A·dt -> A·dt, (b, l, h): chunked along l and permuted (0, 3, 1, 2), or made
-    (b, h, l) first (transpose(1, 2) or permute(0, 2, 1)) and chunked along its last dim (a length the chunk
-    divides)."""
+    (b, h, l) first (transpose(1, 2) or permute(0, 2, 1)) and chunked along its last dim."""
     if kind(node) == "permute" and tuple(node.args[1:] if len(node.args) > 2 else node.args[1]) == (0, 3, 1, 2):
         return _chunks(node.args[0], chunk, length)
-    _need(kind(node) == "reshape" and _chunk_size_last(node) == chunk, "dt·A layout")
-    src = strip(node.args[0])
-    _need(len(shape(src)) == 3 and eq(shape(src)[-1], length), "dt·A length (chunked unpadded along l)")
+    src = strip(_chunks(node, chunk, length, dim=2))
     dims = tuple(src.args[1:] if len(src.args) > 2 else src.args[1]) if kind(src) == "permute" else None
-    _need(dims == (0, 2, 1) or (kind(src) == "transpose" and {arg(src, 1, "dim0") % 3, arg(src, 2, "dim1") % 3} == {1, 2}),
-          "dt·A layout")
+    _need(rank(src) == 3 and (dims == (0, 2, 1) or (
+        kind(src) == "transpose" and {arg(src, 1, "dim0") % 3, arg(src, 2, "dim1") % 3} == {1, 2})), "dt·A layout")
     return src.args[0]
-
-
-def _chunk_size_last(node):
-    """reshape(t, (b, h, -1 or l/chunk, chunk)) of a (b, h, l) t -> chunk (None if it is not that)."""
-    sizes, s = _reshape_sizes(node), shape(node.args[0])
-    if len(sizes) != 4 or s is None or len(s) != 3 or not (eq(sizes[0], s[0]) and eq(sizes[1], s[1])):
-        return None
-    chunk = static_int(sizes[3])
-    ok = chunk is not None and chunk > 0 and (static_int(sizes[2]) == -1 or eq(sizes[2], s[2] // chunk))
-    return chunk if ok else None
 
 
 def _discretised(node, what: str):
@@ -215,7 +204,7 @@ def _heads_from_groups(node, heads: int):
 # ---------------------------------------------------------------------------- the walk
 
 def _match(anchor, cfg: config.Config) -> Match | None:
-    if kind(anchor) != "add" or not (is_tensor(anchor.args[0]) and is_tensor(anchor.args[1])) or len(shape(anchor) or ()) != 5:
+    if kind(anchor) != "add" or not (is_tensor(anchor.args[0]) and is_tensor(anchor.args[1])) or rank(anchor) != 5:
         return None
     for yd_node, yo_node in ((anchor.args[0], anchor.args[1]), (anchor.args[1], anchor.args[0])):
         diag = unify(contraction(yd_node), [("C", "bclhn"), ("B", "bcshn"), ("L", "bhcls"), ("X", "bcshp")], "bclhp")

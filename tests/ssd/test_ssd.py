@@ -129,8 +129,9 @@ def _chunks(t, pad, chunk):
     return t.reshape(t.shape[0], -1, chunk, *t.shape[2:])
 
 
-def ssd_mul_sum(x, dt, A, B, C, chunk, D=None, h0=None, *, segsum_diagonal=-1, other_dt=None):
-    """The HF transformers 5.17 / 4.x torch-path spelling: contractions as broadcast products + sums."""
+def ssd_mul_sum(x, dt, A, B, C, chunk, D=None, h0=None, *, segsum_diagonal=-1, other_dt=None, a_transposed=False):
+    """The HF transformers 5.17 / 4.x torch-path spelling: contractions as broadcast products + sums. a_transposed: A·dt
+    made (b, h, l) first, then padded and chunked along its last dim."""
     b, l, h, p = x.shape
     x = x.float()
     B = B.float().repeat_interleave(h // B.shape[2], dim=2, output_size=h)
@@ -139,8 +140,12 @@ def ssd_mul_sum(x, dt, A, B, C, chunk, D=None, h0=None, *, segsum_diagonal=-1, o
     D_res = D[..., None] * F.pad(x, (0, 0, 0, 0, 0, pad, 0, 0)) if D is not None else None
     x = x * dt[..., None].float()
     A = A.to(x.dtype) * (dt if other_dt is None else other_dt).float()
-    x, A, B, C = (_chunks(t, pad, chunk) for t in (x, A, B, C))
-    A = A.permute(0, 3, 1, 2)
+    if a_transposed:
+        A = F.pad(A.transpose(1, 2), (0, pad)).reshape(b, h, -1, chunk)
+        x, B, C = (_chunks(t, pad, chunk) for t in (x, B, C))
+    else:
+        x, A, B, C = (_chunks(t, pad, chunk) for t in (x, A, B, C))
+        A = A.permute(0, 3, 1, 2)
     A_cumsum = torch.cumsum(A, dim=-1)
     L = torch.exp(_segsum(A, segsum_diagonal))
     G = (C[:, :, :, None, :, :] * B[:, :, None, :, :, :]).sum(dim=-1)
@@ -232,14 +237,15 @@ def _heads(G, h, spelling):
 
 
 class MulSumSSD(nn.Module):
-    def __init__(self, chunk=8, D=True, h0=False, segsum_diagonal=-1, use_other_dt=False):
+    def __init__(self, chunk=8, D=True, h0=False, segsum_diagonal=-1, use_other_dt=False, a_transposed=False):
         super().__init__()
         self.chunk, self.D, self.h0 = chunk, D, h0
-        self.segsum_diagonal, self.use_other_dt = segsum_diagonal, use_other_dt
+        self.segsum_diagonal, self.use_other_dt, self.a_transposed = segsum_diagonal, use_other_dt, a_transposed
 
     def forward(self, x, dt, A, B, C, D, h0, dt2):
         return ssd_mul_sum(x, dt, A, B, C, self.chunk, D if self.D else None, h0 if self.h0 else None,
-                           segsum_diagonal=self.segsum_diagonal, other_dt=dt2 if self.use_other_dt else None)
+                           segsum_diagonal=self.segsum_diagonal, other_dt=dt2 if self.use_other_dt else None,
+                           a_transposed=self.a_transposed)
 
 
 class MinimalSSD(nn.Module):
@@ -291,6 +297,12 @@ def _compile_and_compare(module, args, *, replaced=1, grads=True):
 @pytest.mark.parametrize("D, h0", [(True, False), (False, True), (True, True)])
 def test_mul_sum_spelling_is_replaced_and_equal(l, D, h0):
     _compile_and_compare(MulSumSSD(chunk=8, D=D, h0=h0), _spelling_inputs(l=l, requires_grad=True))
+
+
+@pytest.mark.parametrize("l", [16, 21])
+def test_mul_sum_spelling_with_a_chunked_after_a_transpose(l):
+    """A·dt made (b, h, l), padded at the end of l and chunked along it (the matcher's _chunks on dim 2)."""
+    _compile_and_compare(MulSumSSD(chunk=8, a_transposed=True), _spelling_inputs(l=l, requires_grad=True))
 
 
 @pytest.mark.parametrize("h0", [False, True])
