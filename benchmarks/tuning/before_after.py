@@ -27,7 +27,8 @@ import time
 
 
 def measure(root: str, label: str, out: str, only: str) -> None:
-    """Time every case with the tk_inductor of `root`; append one JSON line per case to `out`."""
+    """Time every case with the tk_inductor of `root`; append one JSON line per case to `out`. (benchmarks.common's
+    median_ms and warm_up are not used: that module imports tk_inductor, which must come from `root`.)"""
     sys.path.insert(0, root)
     import torch
     from triton.testing import do_bench
