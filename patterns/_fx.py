@@ -162,11 +162,13 @@ def number(x):
     x = example(x)
     if isinstance(x, (bool, int, float)):
         return x
-    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+    if isinstance(x, torch.SymInt):
+        value = getattr(x.node, "maybe_as_int", lambda: None)()
+        return value if isinstance(value, int) else None
+    if isinstance(x, torch.SymFloat):
         try:
             expr = x.node.expr
-            if expr.is_number:
-                return int(expr) if isinstance(x, torch.SymInt) else float(expr)
+            return float(expr) if expr.is_number else None
         except Exception:  # noqa: BLE001 - an expression we cannot read is not a constant
             return None
     return None
@@ -266,14 +268,9 @@ def evaluate_constant(node, _depth: int = 0):
 
 
 def static_int(x):
-    """x as a python int when it is one, even behind a SymInt with a constant value; else None."""
-    x = example(x)
-    if isinstance(x, int):
-        return x
-    if isinstance(x, torch.SymInt):
-        value = getattr(x.node, "maybe_as_int", lambda: None)()
-        return value if isinstance(value, int) else None
-    return None
+    """x as a python int when it is one, even behind a SymInt with a constant value; else None (`number`, ints only)."""
+    n = number(x)
+    return n if isinstance(n, int) else None
 
 
 def known(cond) -> bool:
