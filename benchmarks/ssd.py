@@ -6,10 +6,13 @@ torch path), in one run.
 
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
 Mamba2-370M's (nh 32) at l 4096 and the e2e Mamba2's layer (b1 l4096 nh32); bf16 x, B, C, fp32 dt, A, D; final
-state returned. "ours" is the kernel the launch picks by block count (ssd.cu `choose_kernel`).
+state returned. The forward rows of "ours" note its TFLOPS of chunk math (per head and 64-token chunk, the four
+products C·Bᵀ, (L∘C·Bᵀ)·X, C·hᵀ and the state update: 2·64·(64n + 64p + 2np) flops) and its fraction of the floor,
+max(bytes / copy bandwidth, flops / bf16 matmul peak), both measured in the same run; bytes are x and y in bf16, B and
+C, and dt in fp32.
 
 Forward+backward at 65536 tokens and at the e2e layer:
-- "ours": the op's autograd, the forward and backward kernels (each picked by block count);
+- "ours": the op's autograd, the forward and backward kernels;
 - "ours (kernel fwd, reference bwd)": the same with the backward kernels off: the reference's autograd as the
   backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (split scans off). Figure: Mtokens/s.
@@ -23,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .common import (Row, backward_step, check_and_time, inductor_as_our_backend_runs_it, op_main, progress, with_attr)
+from .common import (Row, backward_step, check_and_time, copy_ceiling_gbs, inductor_as_our_backend_runs_it, median_ms,
+                     op_main, progress, with_attr)
 
 
 def cases(quick: bool = False):
@@ -33,7 +37,7 @@ def cases(quick: bool = False):
         yield 64, 1024, 80, 64, 128
         yield 4, 16384, 80, 64, 128
         yield 16, 4096, 32, 64, 128
-        yield 1, 4096, 32, 64, 128  # the e2e Mamba2's layer (1 x 4096 tokens: 32 blocks of 64 head dims)
+        yield 1, 4096, 32, 64, 128  # the e2e Mamba2's layer (1 x 4096 tokens: 16 tasks of two heads)
 
 
 TRAIN_CASES = ((16, 4096, 80, 64, 128), (1, 4096, 32, 64, 128))  # forward+backward: 65536 tokens, the e2e layer
@@ -52,6 +56,7 @@ def run(quick: bool = False) -> list[Row]:
     rows: list[Row] = []
     inductor_as_our_backend_runs_it()
     compiled = torch.compile(ssd_ops.ssd_reference, dynamic=False)
+    floor_ms = floor(copy_ceiling_gbs(), matmul_peak_tflops())
     for b, l, nh, p, n in cases(quick):
         name = f"b{b} l{l} nh{nh} p{p} n{n} fwd"
         progress(name)
@@ -70,7 +75,12 @@ def run(quick: bool = False) -> list[Row]:
             impls["mamba_ssm"] = lambda: mamba(x, dt, A, B, C, D)
         if chunk_simple_gla is not None:
             impls["fla chunk_simple_gla"] = lambda: fla_ssd(chunk_simple_gla, x, dt, A, B, C, D)
-        rows += check_and_time("ssd", name, impls, ref, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)
+        timed = check_and_time("ssd", name, impls, ref, l, "Mtok/s", lambda ms: b * l / ms / 1e3, tol=2e-2)
+        for row in timed:
+            if row.impl == "ours" and row.ms:
+                flops, least = floor_ms(b, l, nh, p, n)
+                row.note = f"{flops / row.ms / 1e9:.0f} TFLOPS, {100 * least / row.ms:.0f}% of the floor ({least:.3f} ms)"
+        rows += timed
         if mamba is None:
             rows.append(Row("ssd", name, "mamba_ssm", None, note=mamba_missing))
         if chunk_simple_gla is None:
@@ -103,6 +113,21 @@ def run(quick: bool = False) -> list[Row]:
         del leaves, x, B, C, want
         torch.cuda.empty_cache()
     return rows
+
+
+def matmul_peak_tflops(size: int = 8192) -> float:
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    return 2 * size**3 / median_ms(lambda: a @ a) / 1e9
+
+
+def floor(copy_gbs: float, peak_tflops: float):
+    """(b, l, nh, p, n) -> (chunk-math flops, the floor in ms) for one group (docstring)."""
+    def at(b, l, nh, p, n):
+        chunks = (l + 63) // 64
+        flops = 2 * 64 * (64 * n + 64 * p + 2 * n * p) * b * nh * chunks
+        nbytes = 2 * 2 * b * l * nh * p + 2 * 2 * b * l * n + 4 * b * l * nh
+        return flops, max(nbytes / copy_gbs / 1e6, flops / peak_tflops / 1e9)
+    return at
 
 
 def inputs(b, l, nh, p, n):

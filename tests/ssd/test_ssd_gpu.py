@@ -41,13 +41,12 @@ def inputs(b, l, nh, ng, p, n, dtype=torch.bfloat16, D=True, h0=False, layout="b
     return x.to(dtype), dt.to(dtype), A, B.to(dtype), C.to(dtype), Dv, state
 
 
-def grid(kernel: str, p: int = 64) -> tuple[int, int]:
-    """(b, nh), nh even, whose grid of 64-head-dim blocks reaches `kernel` (ssd.cu choose_kernel): "p32" at most half
-    the SMs (32 head dims per block; the backward's 32 too), "1blk" one wave, "2blk" more (two blocks per SM)."""
+def grid(kind: str) -> tuple[int, int, int]:
+    """(b, nh, ng) for the kernels' tasks (ssd.cuh: a task is two heads of a group by 64 head dims, one block per SM
+    walking the tasks): "pairs" fewer tasks than SMs, "short" an odd number of heads per group (the last task of each
+    group has one head), "persistent" more tasks than SMs (blocks take several tasks)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles = p // 64
-    one_wave = max(2, sms // tiles // 2 * 2)  # even heads; (sms/2, sms] blocks for p 64 and 128 on an even SM count
-    return {"p32": (2, 4), "1blk": (1, one_wave), "2blk": (2, one_wave)}[kernel]
+    return {"pairs": (2, 4, 2), "short": (1, 6, 2), "persistent": (2, sms + 2, 1)}[kind]
 
 
 def rel_err(got, want):
@@ -69,20 +68,26 @@ def check(ops, x, dt, A, B, C, D, h0):
     assert rel_err(state, want_state) < TOL, f"final state: relative error {rel_err(state, want_state):.3g}"
 
 
-@pytest.mark.parametrize("kernel", ["1blk", "2blk", "p32"])  # each of the launch's three, by grid size
+@pytest.mark.parametrize("kind", ["pairs", "short", "persistent"])
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("l", [1, 17, 64, 65, 300, 2048])
-def test_ssd_forward(ops, l, n, kernel):
-    b, nh = grid(kernel)
-    check(ops, *inputs(b, l, nh, 2, 64, n, seed=l + n))
+def test_ssd_forward(ops, l, n, kind):
+    b, nh, ng = grid(kind)
+    check(ops, *inputs(b, l, nh, ng, 64, n, seed=l + n))
 
 
-@pytest.mark.parametrize("kernel", ["1blk", "p32"])
+@pytest.mark.parametrize("kind", ["pairs", "short"])
 @pytest.mark.parametrize("D,h0", [(False, False), (True, True), (False, True)], ids=["plain", "D+h0", "h0"])
 @pytest.mark.parametrize("p", [64, 128])
-def test_ssd_forward_options(ops, p, D, h0, kernel):
-    b, nh = grid(kernel, p)
-    check(ops, *inputs(b, 200, nh, 1, p, 128, D=D, h0=h0, seed=p))
+def test_ssd_forward_options(ops, p, D, h0, kind):
+    b, nh, ng = grid(kind)
+    check(ops, *inputs(b, 200, nh, ng, p, 128, D=D, h0=h0, seed=p))
+
+
+def test_ssd_forward_fp16_and_fp32(ops):
+    """y comes back in x's dtype: the kernel writes bf16 for bf16 x and fp32 otherwise."""
+    for dtype in (torch.float16, torch.float32):
+        check(ops, *inputs(2, 129, 6, 2, 64, 64, dtype=dtype, h0=True, seed=11))
 
 
 def test_ssd_forward_fp32_hf_layout(ops):
@@ -92,7 +97,7 @@ def test_ssd_forward_fp32_hf_layout(ops):
     check(ops, x.float(), dt, A, B, C, D.to(torch.bfloat16), h0)
 
 
-@pytest.mark.parametrize("b", [2, 3, 8])  # 64 to 256 blocks: each kernel on 132 SMs
+@pytest.mark.parametrize("b", [2, 3, 9])  # 32 to 144 tasks
 def test_ssd_forward_many_blocks(ops, b):
     """Mamba2-370M's head shape (nh 32, p 64, n 128, ng 1)."""
     check(ops, *inputs(b, 1024, 32, 1, 64, 128, seed=4 + b))
@@ -153,20 +158,20 @@ def da_error(dA, leaves, dy):
     return ((dA.float() - grads[2]).norm() / scale.norm().clamp_min(1e-6)).item()
 
 
-@pytest.mark.parametrize("kernel", ["1blk", "p32"])  # the backward's 64 and 32 head dims per block, by grid size
+@pytest.mark.parametrize("kind", ["pairs", "short", "persistent"])
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("l", [1, 17, 64, 65, 300])
-def test_ssd_backward(ops, l, n, kernel):
-    b, nh = grid(kernel)
-    check_backward(ops, *inputs(b, l, nh, 2, 64, n, h0=True, seed=l + n), seed=l)
+def test_ssd_backward(ops, l, n, kind):
+    b, nh, ng = grid(kind)
+    check_backward(ops, *inputs(b, l, nh, ng, 64, n, h0=True, seed=l + n), seed=l)
 
 
 @pytest.mark.parametrize("D,h0,grad_state", [(False, False, False), (True, False, True), (False, True, False)],
                          ids=["plain", "D+dstate", "h0"])
-@pytest.mark.parametrize("kernel", ["1blk", "p32"])
-def test_ssd_backward_options(ops, D, h0, grad_state, kernel):
-    b, nh = grid(kernel, 128)
-    check_backward(ops, *inputs(b, 200, nh, 1, 128, 128, D=D, h0=h0, seed=7), grad_state=grad_state)
+@pytest.mark.parametrize("kind", ["pairs", "short"])
+def test_ssd_backward_options(ops, D, h0, grad_state, kind):
+    b, nh, ng = grid(kind)
+    check_backward(ops, *inputs(b, 200, nh, ng, 128, 128, D=D, h0=h0, seed=7), grad_state=grad_state)
 
 
 def test_ssd_backward_hf_layout_and_many_blocks(ops):

@@ -21,6 +21,15 @@ using at::Tensor;
 
 Tensor as(const Tensor& t, at::ScalarType dtype) { return binding::dense(t.to(dtype)); }
 
+// dt as the kernels read it: (b, nh, l_pad) fp32, the sequence innermost and zero-padded to whole 64-token chunks
+// (each chunk's values are one contiguous copy; padded tokens have no decay and no input).
+Tensor dt_by_head(const Tensor& dt) {
+  const int64_t b = dt.size(0), l = dt.size(1), nh = dt.size(2), l_pad = (l + 63) / 64 * 64;
+  Tensor dtt = at::zeros({b, nh, l_pad}, dt.options().dtype(at::kFloat));
+  dtt.narrow(2, 0, l).copy_(dt.permute({0, 2, 1}));
+  return dtt;
+}
+
 // The checks both ops share; `op` names the raw op in the messages.
 void check_inputs(const char* op, const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B,
                   const Tensor& C, const std::optional<Tensor>& D, const std::optional<Tensor>& initial_state) {
@@ -54,21 +63,24 @@ std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& 
     Tensor state = has_h0 ? as(*initial_state, at::kFloat).clone() : at::zeros({b, nh, p, n}, f32);
     return {at::empty(x.sizes(), x.options()), state};
   }
-  const Tensor xb = as(x, at::kBFloat16), dtf = as(dt, at::kFloat), Af = as(A, at::kFloat);
+  const Tensor xb = as(x, at::kBFloat16), Af = as(A, at::kFloat);
   const Tensor Bb = as(B, at::kBFloat16), Cb = as(C, at::kBFloat16);
   const Tensor Df = has_d ? as(*D, at::kFloat) : Tensor(), h0 = has_h0 ? as(*initial_state, at::kFloat) : Tensor();
-  Tensor y = at::empty({b, l, nh, p}, f32);
+  const Tensor dtt = dt_by_head(dt);
+  const int64_t l_pad = dtt.size(2);
+  const bool y_bf16 = x.scalar_type() == at::kBFloat16;  // else fp32, cast to x's dtype below
+  Tensor y = at::empty({b, l, nh, p}, x.options().dtype(y_bf16 ? at::kBFloat16 : at::kFloat));
   Tensor h_final = at::empty({b, nh, p, n}, f32);
   tk_ssd::Args a{};
-  a.x = xb.data_ptr(), a.dt = dtf.data_ptr<float>(), a.A = Af.data_ptr<float>();
+  a.x = xb.data_ptr(), a.dt = dtt.data_ptr<float>(), a.A = Af.data_ptr<float>();
   a.B = Bb.data_ptr(), a.C = Cb.data_ptr();
   a.D = has_d ? Df.data_ptr<float>() : nullptr;
   a.h0 = has_h0 ? h0.data_ptr<float>() : nullptr;
-  a.y = y.data_ptr<float>(), a.h_final = h_final.data_ptr<float>();
-  a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
+  a.y = y.data_ptr(), a.y_bf16 = y_bf16, a.h_final = h_final.data_ptr<float>();
+  a.b = int(b), a.l = int(l), a.l_pad = int(l_pad), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
   const char* err = tk_ssd::launch(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::ssd: ", err ? err : "");
-  return {x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type()), h_final};
+  return {y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type()), h_final};
 }
 
 // (dx, ddt, dA, dB, dC, dD, dinitial_state), the op's schema and dtypes. The kernels give dx, dB, dC, dD and dh0, and
@@ -101,16 +113,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     const Tensor xb = as(x, at::kBFloat16), dyb = as(grad_y, at::kBFloat16);
     const Tensor Bb = as(B, at::kBFloat16), Cb = as(C, at::kBFloat16);
     const Tensor h0 = has_h0 ? as(*initial_state, at::kFloat) : Tensor(), Df = has_d ? as(*D, at::kFloat) : Tensor();
+    const Tensor dtt = dt_by_head(dt);
     tk_ssd::BwdArgs a{};
-    a.x = xb.data_ptr(), a.dy = dyb.data_ptr(), a.dt = dtf.data_ptr<float>(), a.A = Af.data_ptr<float>();
+    a.x = xb.data_ptr(), a.dy = dyb.data_ptr(), a.dt = dtt.data_ptr<float>(), a.A = Af.data_ptr<float>();
     a.B = Bb.data_ptr(), a.C = Cb.data_ptr(), a.h0 = has_h0 ? h0.data_ptr<float>() : nullptr;
     a.D = has_d ? Df.data_ptr<float>() : nullptr, a.dh = dh.data_ptr<float>(), a.dx = dx.data_ptr();
     a.dB = dB.data_ptr<float>(), a.dC = dC.data_ptr<float>(), a.dlam = dlam.data_ptr<float>();
     a.xdX = xdX.data_ptr<float>(), a.dD = has_d ? dDf.data_ptr<float>() : nullptr;
     a.dh0 = dh0.data_ptr<float>(), a.anchor = anchor.data_ptr<float>();
-    Tensor chunk_states = at::empty({b * nh * p * chunks * n}, x.options().dtype(at::kBFloat16));  // any head-dim tile
+    Tensor chunk_states = at::empty({b * nh * p * chunks * n}, x.options().dtype(at::kBFloat16));
     a.chunk_states = chunk_states.data_ptr();
-    a.b = int(b), a.l = int(l), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
+    a.b = int(b), a.l = int(l), a.l_pad = int(dtt.size(2)), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
     const char* err = tk_ssd::launch_backward(a, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
   }

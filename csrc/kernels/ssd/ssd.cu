@@ -1,196 +1,120 @@
-// Mamba-2 SSD forward (ssd.h): a chunked scan with the fp32 state in registers.
+// Mamba-2 SSD forward (ssd.h) on the LCSF template (tk/lcsf.cuh) and wgmma.
 //
-// One block per (batch, head, 64 head dims of p) walks the sequence in chunks of 64 tokens. With a_t = dt_t·A and
-// Λ the inclusive cumulative sum of a inside the chunk, and S = hᵀ (n x p) the state before the chunk:
-//   y_t  = Σ_{s≤t} (C_t·B_s) exp(Λ_t − Λ_s) dt_s x_s       (intra-chunk: masked "attention" with a decay)
-//        + exp(Λ_t) C_t S                                    (inter-chunk: everything before the chunk)
-//        + D x_t
-//   S   ← exp(Λ_end) S + Σ_s exp(Λ_end − Λ_s) dt_s B_sᵀ x_s  (then the next chunk)
-// All four products run on mma.sync (tk/ops/warp/mma.cuh); the decays are applied to the bf16 operands as they
-// are built. Warps: 8. For the outputs, warp w owns chunk rows 16·(w/2).. and head dims 32·(w%2)..; for the
-// state, warp w < n/16 owns rows 16w.. of S as an fp32 register tile (16 x 64) and publishes a bf16 copy in shared
-// memory for the next chunk's inter-chunk product. Every warp computes Λ itself (a shuffle scan over the 64
-// tokens, two per lane), so a chunk needs only the two block barriers around the state update. Loads are
-// cp.async, double-buffered; padded tokens past l load as zeros (dt = 0: no decay, no input), so the final state
-// is the state after token l.
+// Tasks, inputs and the state's place as in ssd.cuh: each consumer warpgroup scans one head. With a_t = dt_t·A, Λ the
+// inclusive cumulative sum of a inside the chunk and h (64 head dims × n) the state before the chunk, it computes
+//   y = exp(Λ_t) ⊙ (C hᵀ) + (C Bᵀ ∘ L) X + D x,   L_ts = exp(Λ_t − Λ_s) dt_s for s ≤ t, else 0
+//   h ← exp(Λ_end) h + (Xᵀ diag(exp(Λ_end − Λ_s) dt_s)) B
+// all four products on wgmma: C Bᵀ and C hᵀ with both operands in shared memory (h as the bf16 copy the warpgroup
+// publishes after each chunk), the masked scores and the decayed Xᵀ as register A operands against x and B in
+// shared memory. The state never leaves registers; y leaves through a shared staging tile by TMA store (which drops
+// the padded rows past l), in bf16 for bf16 x.
 #include "ssd.cuh"
 
 namespace tk_ssd {
 namespace {
 
-// PT: head dims per block (64, or 32 for twice the blocks when batch·heads leave SMs idle).
-template <int NS, int PT>
-struct Smem {
-  st<bf16, CHUNK, PT> x[2];
-  st<bf16, CHUNK, NS> b[2], c[2];
-  st<bf16, NS, PT> state;  // bf16 copy of S (n x p) before the current chunk
-  float dt[2][CHUNK];
-};
+template <int NS, class OutT, int HEADS>
+struct ssd_fwd {
+  static constexpr int CONSUMER_WARPGROUPS = HEADS, INPUT_PIPE_STAGES = 3;
+  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = HEADS == 1 ? 256 : 232;
+  using y_tile = st<OutT, CHUNK, PT>;
+  struct globals {
+    Stream<NS> in;
+    tma_map<y_tile> y;
+    const float* A;
+    const float* D;   // or nullptr
+    const float* h0;  // or nullptr
+    float* h_final;
+  };
+  using input_block = Chunk<NS, HEADS, false>;
+  struct scratch_block {
+    state_tile<NS> h[HEADS];  // bf16 copy of each head's state before the current chunk
+    y_tile y[HEADS];          // each head's output chunk on its way out
+  };
+  struct state {
+    state_acc<NS> h;
+  };
 
-// MIN_BLOCKS: blocks per SM the register budget is set for (2 for grids past one wave: more warps to hide mma.sync
-// latency).
-template <int NS, int PT, int MIN_BLOCKS>
-__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ssd_fwd_kernel(const Args a) {
-  extern __shared__ uint8_t raw[];
-  Smem<NS, PT>& s = *reinterpret_cast<Smem<NS, PT>*>(align_shared<1024>(raw));
-  constexpr int HALF = PT / 2;  // head dims per output warp
-  const int ptiles = a.p / PT;
-  const int pt = blockIdx.x % ptiles, bh = blockIdx.x / ptiles;
-  const int bi = bh / a.nh, h = bh % a.nh, grp_of_head = h / (a.nh / a.ng);
-  Rows<NS> g;
-  g.x = static_cast<const bf16*>(a.x) + (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
-  g.b = static_cast<const bf16*>(a.B) + (int64_t(bi) * a.l * a.ng + grp_of_head) * NS;
-  g.c = static_cast<const bf16*>(a.C) + (int64_t(bi) * a.l * a.ng + grp_of_head) * NS;
-  g.dt = a.dt + int64_t(bi) * a.l * a.nh + h;
-  g.x_row = int64_t(a.nh) * a.p, g.bc_row = int64_t(a.ng) * NS, g.dt_row = a.nh;
-  g.l = a.l;
-  float* y = a.y + (int64_t(bi) * a.l * a.nh + h) * a.p + pt * PT;
-  const int64_t y_row = int64_t(a.nh) * a.p;
-  const int64_t state_base = (int64_t(bh) * a.p + pt * PT) * NS;  // (b, h, p0, 0) of (b, nh, p, n)
-  const float Ah = a.A[h], Dh = a.D ? a.D[h] : 0.f;
+  __device__ static bool setup(lcsf::task& t, const globals& g) { return setup_task(t, g.in.shape); }
+  __device__ static void load(input_block& in, semaphore& arrived, const globals& g, const lcsf::task& t, int it) {
+    load_chunk(in, arrived, g.in, t, it);
+  }
 
-  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = HALF * (warp & 1);
-  const bool owner = warp < NS / BASE;
-  load_chunk(s, 0, g, 0);
-
-  // the state rows this warp owns (S = hᵀ: rows are state dims, columns head dims), from h0 or zero (read_state's
-  // loop, kept inline for the same reason as the scan below)
-  rt_fl<BASE, PT> S;
-#pragma unroll
-  for (int j = 0; j < PT / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float2 v = make_float2(0.f, 0.f);
-      if (owner && a.h0) {
-        const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
-        v.x = a.h0[state_base + int64_t(cc) * NS + r];
-        v.y = a.h0[state_base + int64_t(cc + 1) * NS + r];
-      }
-      S.tiles[0][j].data[k] = v;
+  __device__ static void compute(state& s, input_block& in, scratch_block& sc, const globals& g, const lcsf::task& t,
+                                 int it) {
+    const int wg = lcsf::consumer_id(), h = head_of<HEADS>(g.in.shape, t, wg), bar = 1 + wg;
+    if (h < 0) return;
+    if (it == 0) {
+      read_state<NS>(s.h, g.h0, state_base<NS>(g.in.shape, t, h));
+      publish_state(sc.h[wg], s.h, bar);
     }
-  if (owner) publish_state(s, S, warp);
+    const x_tile& x = in.x[wg];
 
-  const int chunks = (a.l + CHUNK - 1) / CHUNK;
-  for (int c = 0; c < chunks; ++c) {
-    const int buf = c & 1;
-    cp_async_wait<0>();
-    __syncthreads();  // chunk c and the state before it are visible; chunk c - 1's buffers are free
-    if (c + 1 < chunks) load_chunk(s, buf ^ 1, g, c + 1);
+    rt_fl<BASE, CHUNK> cb;  // C_t · B_s: this warp's 16 tokens t by the chunk's 64 tokens s
+    rt_fl<BASE, PT> y;      // C_t · h, then the output rows
+    warpgroup::mm_ABt(cb, in.c, in.b);
+    warpgroup::mm_ABt(y, in.c, sc.h[wg]);
 
-    // Λ: inclusive cumulative sum of dt·A over the chunk, two tokens per lane (chunk_decays' scan, kept inline: as a
-    // call the compiler schedules the whole kernel differently)
-    const float dt0 = s.dt[buf][2 * lane], dt1 = s.dt[buf][2 * lane + 1];
-    const float a0 = dt0 * Ah, a1 = dt1 * Ah;
-    float run = a0 + a1;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const float up = __shfl_up_sync(0xffffffffu, run, off);
-      if (lane >= off) run += up;
+    // while those run: the decays, and the state update's A operand
+    const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    const int row0 = BASE * warpid_in_group(), t0 = row0 + (laneid() >> 2);  // rows t0 and t0 + 8
+    const float lt[2] = {d.lam(t0), d.lam(t0 + 8)};
+    rt_bf<BASE, CHUNK> xw;  // Xᵀ with token s scaled by exp(Λ_end − Λ_s) dt_s
+    weighted_transpose(xw, x, [&](int src) { return __expf(d.l_end - d.lam_col(src)) * d.dt_col(src); });
+
+    warpgroup::mma_async_wait<0>(cb, y);
+    rt_bf<BASE, CHUNK> w;  // (C_t·B_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal
+    causal_decay<false>(w, cb, d, lt, row0, [&](int, int src) { return d.dt_col(src); });
+    scale_rows(y, {__expf(lt[0]), __expf(lt[1])});
+    mul(s.h, s.h, __expf(d.l_end));
+    warpgroup::mma_AB(y, w, x);
+    warpgroup::mma_AB(s.h, xw, in.b);
+    warpgroup::mma_async_wait<0>(y, s.h, w, xw);
+
+    if (g.D) {
+      const float Dh = g.D[h];
+      map_indexed(y, y, [&](int r, int c, float v) { return v + Dh * __bfloat162float(x(row0 + r, c)); });
     }
-    const float l1 = run, l0 = run - a1, l_end = __shfl_sync(0xffffffffu, l1, 31);
-    const Decays d{dt0, dt1, l0, l1, l_end};
-
-    // ---- outputs: this warp's 16 rows x 32 head dims
-    {
-      const int t0 = BASE * grp + (lane >> 2);  // this lane's rows: t0 and t0 + 8
-      const float lt[2] = {d.lam(t0), d.lam(t0 + 8)};
-      rt_fl<BASE, CHUNK> cb;  // C_t · B_s
-      zero(cb);
-#pragma unroll
-      for (int kk = 0; kk < NS / BASE; ++kk) {
-        rt_bf<BASE, BASE> cw;
-        load(cw, s.c[buf], BASE * grp, BASE * kk);
-        rt_bf<CHUNK, BASE> bk;
-        load(bk, s.b[buf], 0, BASE * kk);
-        mma_ABt(cb, cw, bk, cb);
-      }
-      rt_bf<BASE, CHUNK> w;  // (C_t·B_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal
-      causal_decay<false>(w, cb, d, lt, BASE * grp, [&](int, int src) { return d.dt_col(src); });
-      rt_bf<CHUNK, HALF, col_layout> xr;
-      load(xr, s.x[buf], 0, cols);
-      rt_fl<BASE, HALF> out;
-      zero(out);
-      mma_AB(out, w, xr, out);
-      // inter-chunk: exp(Λ_t) C_t · S, the decay folded into C's rows. C's tiles are loaded again rather than
-      // kept from the loop above: fusing the two loops keeps cb and out live together (178 -> 214 registers,
-      // and the two-blocks-per-SM kernel spills 96 bytes instead of 24) to save 8 ldmatrix per warp and chunk.
-      const float decay[2] = {__expf(lt[0]), __expf(lt[1])};
-#pragma unroll
-      for (int kk = 0; kk < NS / BASE; ++kk) {
-        rt_bf<BASE, BASE> cw;
-        load(cw, s.c[buf], BASE * grp, BASE * kk);
-        map_indexed(cw, cw, [&](int r, int, float v) { return v * decay[r >> 3]; });
-        rt_bf<BASE, HALF, col_layout> sv;
-        load(sv, s.state, BASE * kk, cols);
-        mma_AB(out, cw, sv, out);
-      }
-#pragma unroll
-      for (int j = 0; j < HALF / BASE; ++j)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int t = t0 + 8 * (k & 1), n = c * CHUNK + t;
-          if (n >= a.l) continue;
-          const int col = cols + BASE * j + base_col<row_layout>(k, 0);
-          float2 v = out.tiles[0][j].data[k];
-          if (a.D) {
-            v.x += Dh * __bfloat162float(s.x[buf](t, col));
-            v.y += Dh * __bfloat162float(s.x[buf](t, col + 1));
-          }
-          *reinterpret_cast<float2*>(y + n * y_row + col) = v;
-        }
+    // y out through the staging tile, once the previous chunk's store has read it; h's copy for the next chunk
+    const bool leader = threadIdx.x % WARPGROUP_THREADS == 0;
+    if (leader) tma::store_read_wait<0>();
+    warpgroup::sync(bar);
+    if constexpr (std::is_same_v<OutT, bf16>) {
+      rt_bf<BASE, PT> yb;
+      copy(yb, y);
+      warpgroup::store(sc.y[wg], yb);
+    } else {
+      warpgroup::store(sc.y[wg], y);
     }
-    __syncthreads();  // every warp has read the state before its owners change it
-
-    // ---- state: S ← exp(Λ_end) S + Σ_s exp(Λ_end − Λ_s) dt_s B_sᵀ x_s
-    if (owner) {
-      const float keep = __expf(d.l_end);
-#pragma unroll
-      for (int j = 0; j < PT / BASE; ++j)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) S.tiles[0][j].data[k].x *= keep, S.tiles[0][j].data[k].y *= keep;
-#pragma unroll
-      for (int j = 0; j < CHUNK / BASE; ++j) {
-        // B's tokens 16j.. by this warp's 16 state dims, loaded in col layout: Bᵀ (state dims x tokens)
-        rt_bf<BASE, BASE, col_layout> bt;
-        load(bt, s.b[buf], BASE * j, BASE * warp);
-        rt_bf<BASE, BASE> wb;  // Bᵀ with each token's column scaled by exp(Λ_end − Λ_s) dt_s
-        map_indexed(wb, transposed(bt), [&](int, int col, float v) {
-          const int src = BASE * j + col;
-          const float ls = d.lam_col(src), ds = d.dt_col(src);
-          return v * __expf(d.l_end - ls) * ds;
-        });
-        rt_bf<BASE, PT, col_layout> xj;
-        load(xj, s.x[buf], BASE * j, 0);
-        mma_AB(S, wb, xj, S);
-      }
-      publish_state(s, S, warp);
+    publish_state(sc.h[wg], s.h, bar);  // (its fence and barrier also order the staging tile before the store)
+    if (leader) {
+      tma::store_async(g.y, sc.y[wg], {t.coord[0], 0, it, h * g.in.shape.ptiles + t.coord[3]});
+      tma::store_commit();
     }
   }
 
-  if (owner) write_state<NS>(a.h_final, S, state_base, warp);  // the final state, transposed back to (p, n)
-}
+  __device__ static void store(state& s, scratch_block&, const globals& g, const lcsf::task& t) {
+    const int h = head_of<HEADS>(g.in.shape, t, lcsf::consumer_id());
+    if (h >= 0) write_state<NS>(g.h_final, s.h, state_base<NS>(g.in.shape, t, h));
+  }
 
-template <int NS, int PT, int MIN_BLOCKS>
-const char* launch_n(const Args& a, cudaStream_t stream) {
-  const int64_t blocks = int64_t(a.b) * a.nh * (a.p / PT);
-  if (blocks > 0x7fffffff) return "too many (batch, head, head-dim tile) blocks for one launch";
-  const size_t smem = sizeof(Smem<NS, PT>) + 1024;  // + the alignment of the dynamic shared memory base
-  const auto kernel = ssd_fwd_kernel<NS, PT, MIN_BLOCKS>;
-  // per call: the attribute belongs to the current device's context
-  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  kernel<<<unsigned(blocks), THREADS, smem, stream>>>(a);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
+  __device__ static void finish(scratch_block&, const globals&) {
+    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::store_wait<0>();
+  }
+};
 
-// Measured on the H200 (benchmarks/RESULTS.md): two blocks per SM (1) is 9-16% faster than one (0) once
-// the grid of 64-head-dim blocks spans more than one wave; a grid that fills at most half the SMs runs faster as
-// twice the blocks of 32 head dims (2: b1 nh32 p64 0.30 ms vs 0.36), and in between one wave of (0) is best.
-int choose_kernel(const Args& a) {
-  const long long blocks = (long long)a.b * a.nh * (a.p / P_TILE);
-  if (2 * blocks <= tk::grid::sm_count()) return 2;
-  return tk::grid::waves_of(blocks, 1) == 1 ? 0 : 1;
+template <int NS, class OutT>
+const char* run(const Args& a, cudaStream_t stream) {
+  constexpr int HEADS = 2;
+  using K = ssd_fwd<NS, OutT, HEADS>;
+  typename K::globals g{};
+  const Shape sh = shape_of(a.b, a.l, a.l_pad, a.nh, a.ng, a.p, HEADS);
+  if (const char* e = make_stream(g.in, a.x, nullptr, a.B, a.C, a.dt, sh)) return e;
+  if (const char* e = make_tma_map(g.y, gl<OutT>(static_cast<OutT*>(a.y), a.b, 1, a.l, a.nh * a.p))) return e;
+  g.A = a.A, g.D = a.D, g.h0 = a.h0, g.h_final = a.h_final;
+  if (tasks_of(sh) > 0x7fffffff) return "too many (batch, head, head-dim tile) tasks";
+  const cudaError_t e = lcsf::launch<K>(g, int(tasks_of(sh)), stream);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 
 }  // namespace
@@ -200,13 +124,12 @@ const char* launch(const Args& a, cudaStream_t stream) {
   if (a.ng <= 0 || a.nh % a.ng != 0) return "nh must be a multiple of ng";
   if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
-  switch (a.n * 4 + choose_kernel(a)) {
-    case 64 * 4 + 0: return launch_n<64, 64, 1>(a, stream);
-    case 64 * 4 + 1: return launch_n<64, 64, 2>(a, stream);
-    case 64 * 4 + 2: return launch_n<64, 32, 1>(a, stream);
-    case 128 * 4 + 0: return launch_n<128, 64, 1>(a, stream);
-    case 128 * 4 + 1: return launch_n<128, 64, 2>(a, stream);
-    case 128 * 4 + 2: return launch_n<128, 32, 1>(a, stream);
+  if (a.l_pad < a.l || a.l_pad % CHUNK != 0) return "dt must be padded to whole chunks of 64";
+  switch (a.n * 2 + a.y_bf16) {
+    case 64 * 2 + 1: return run<64, bf16>(a, stream);
+    case 64 * 2: return run<64, float>(a, stream);
+    case 128 * 2 + 1: return run<128, bf16>(a, stream);
+    case 128 * 2: return run<128, float>(a, stream);
     default: return "the state size n must be 64 or 128";
   }
 }

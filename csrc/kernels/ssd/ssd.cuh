@@ -1,10 +1,16 @@
-// What the SSD forward (ssd.cu) and backward (ssd_backward.cu) share: the chunk constants, the block's rows and
-// their chunk loads, a token's value from the lanes' pairs, the chunk's decays and their causal mask, and the owner
-// warps' fp32 state rows (read, written, published as bf16).
+// What the SSD forward (ssd.cu) and backward (ssd_backward.cu) share. All three kernels are chunked scans on the
+// LCSF template (tk/lcsf.cuh) with the same tasks and inputs:
+//  - a task is (batch, group, HEADS of the group's heads, 64 head dims); consumer warpgroup w scans head
+//    HEADS·set + w of the group (none in a group's short last set), one 64-token chunk per iteration;
+//  - the producer streams each chunk's B and C once for the task's heads (they share the group) and each head's
+//    x, dt (and for the backward dy) by TMA; tokens past l read as zeros and dt is zero-padded to whole chunks (no
+//    decay, no input);
+//  - a warpgroup's state (h or ∂L/∂h, 64 head dims × n) is its fp32 wgmma accumulator: warp w holds head dims
+//    16w..16w+15, so a state update is one wgmma with the decayed, transposed chunk rows as register A operand.
+// Here: the tasks and the input loads, the chunk's decays (Λ, the inclusive cumulative sum of dt·A) and causal
+// masks, and the state's moves (from and to (b, nh, p, n) fp32 tensors, its bf16 copy in shared memory).
 #pragma once
 #include <tk/tk.cuh>
-#include <tk/ops/thread/cp_async.cuh>
-#include <tk/ops/warp/mma.cuh>
 
 #include "ssd.h"
 
@@ -13,45 +19,94 @@ namespace {
 
 using namespace tk;
 
-constexpr int CHUNK = 64, WARPS = 8, THREADS = WARPS * 32;
+constexpr int CHUNK = 64, PT = P_TILE;  // tokens per chunk; head dims per task (the state's 64 rows, wgmma's M)
 
+using x_tile = st<bf16, CHUNK, PT>;  // a chunk of x or dy (tokens × head dims)
+template <int NS> using bc_tile = st<bf16, CHUNK, NS>;  // a chunk of B or C (tokens × state dims)
+template <int NS> using state_tile = st<bf16, PT, NS>;  // a state's bf16 copy (head dims × state dims)
+template <int NS> using state_acc = rt_fl<BASE, NS>;    // a warp's 16 head dims of a state
+
+struct Shape {
+  int batch, nh, ng, p, l, l_pad, chunks, head_sets, ptiles;
+};
+inline Shape shape_of(int b, int l, int l_pad, int nh, int ng, int p, int heads) {
+  return {b, nh, ng, p, l, l_pad, (l + CHUNK - 1) / CHUNK, (nh / ng + heads - 1) / heads, p / PT};
+}
+inline long long tasks_of(const Shape& s) { return (long long)s.batch * s.ng * s.head_sets * s.ptiles; }
+
+// What every kernel streams: x (and dy), B, C by TMA, dt (b, nh, l_pad) by bulk copy.
 template <int NS>
-struct Rows {  // this block's rows in global memory, and their strides (elements)
-  const bf16* x;
-  const bf16* b;
-  const bf16* c;
+struct Stream {
+  tma_map<x_tile> x, dy;  // dy: the backward only
+  tma_map<bc_tile<NS>> b, c;
   const float* dt;
-  int64_t x_row, bc_row, dt_row;
-  int l;
+  Shape shape;
+};
+template <int NS>
+const char* make_stream(Stream<NS>& s, const void* x, const void* dy, const void* B, const void* C, const float* dt,
+                        const Shape& sh) {
+  auto view = [&](const void* p, int cols) { return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), sh.batch, 1, sh.l, cols); };
+  if (const char* e = make_tma_map(s.x, view(x, sh.nh * sh.p))) return e;
+  if (dy)
+    if (const char* e = make_tma_map(s.dy, view(dy, sh.nh * sh.p))) return e;
+  if (const char* e = make_tma_map(s.b, view(B, sh.ng * NS))) return e;
+  if (const char* e = make_tma_map(s.c, view(C, sh.ng * NS))) return e;
+  s.dt = dt, s.shape = sh;
+  return nullptr;
+}
+
+// One ring stage: the chunk's B and C, and each head's x, dt and (DY) dy.
+template <int HEADS, bool DY>
+struct DyTiles {
+  x_tile dy[HEADS];
+};
+template <int HEADS>
+struct DyTiles<HEADS, false> {};
+template <int NS, int HEADS, bool DY>
+struct Chunk : DyTiles<HEADS, DY> {
+  bc_tile<NS> b, c;
+  x_tile x[HEADS];
+  float dt[HEADS][CHUNK];
 };
 
-// x, B, C and dt of chunk c into buffer `buf` of a shared struct with those members, as one cp.async group; rows
-// past l are zero-filled (dt = 0: no decay, no input).
-template <int NS, class S>
-__device__ __forceinline__ void load_chunk(S& s, int buf, const Rows<NS>& g, int c) {
-  using XT = std::remove_reference_t<decltype(s.x[0])>;
-  using BT = st<bf16, CHUNK, NS>;
-  constexpr int PT = XT::cols;
-  const int tid = threadIdx.x, n0 = c * CHUNK;
+// task id -> (batch, group, set of HEADS heads in the group, head-dim tile)
+__device__ __forceinline__ bool setup_task(lcsf::task& t, const Shape& s) {
+  const int per_group = s.head_sets * s.ptiles, per_batch = s.ng * per_group;
+  if (t.id >= s.batch * per_batch) return false;
+  const int r = t.id % per_batch;
+  t.coord[0] = t.id / per_batch, t.coord[1] = r / per_group, t.coord[2] = r % per_group / s.ptiles;
+  t.coord[3] = r % s.ptiles;
+  t.iters = s.chunks;
+  return true;
+}
+// Consumer w's head in task t, or -1 (the group's last set may be short).
+template <int HEADS>
+__device__ __forceinline__ int head_of(const Shape& s, const lcsf::task& t, int w) {
+  const int per_group = s.nh / s.ng, j = HEADS * t.coord[2] + w;
+  return j < per_group ? t.coord[1] * per_group + j : -1;
+}
+
+// Chunk `chunk` of task t into a stage (one producer thread).
+template <int NS, int HEADS, bool DY>
+__device__ __forceinline__ void load_chunk(Chunk<NS, HEADS, DY>& in, semaphore& arrived, const Stream<NS>& g,
+                                           const lcsf::task& t, int chunk) {
+  int heads = 0;
 #pragma unroll
-  for (int i = 0; i < CHUNK * PT / 8 / THREADS; ++i) {  // x: PT / 8 segments of 8 per row
-    const int t = tid + i * THREADS, r = t / (PT / 8), seg = t % (PT / 8), n = n0 + r;
-    const bool ok = n < g.l;
-    cp_async16(smem_addr(s.x[buf].data) + XT::offset(r, seg * 8), g.x + (ok ? n * g.x_row + seg * 8 : 0), ok);
-  }
+  for (int w = 0; w < HEADS; ++w) heads += head_of<HEADS>(g.shape, t, w) >= 0;
+  expect_bytes(arrived, 2 * bc_tile<NS>::bytes + heads * ((DY ? 2 : 1) * x_tile::bytes + CHUNK * int(sizeof(float))));
+  const int b = t.coord[0];
+  tma::load_async(in.b, g.b, arrived, {b, 0, chunk, t.coord[1]});
+  tma::load_async(in.c, g.c, arrived, {b, 0, chunk, t.coord[1]});
 #pragma unroll
-  for (int i = 0; i < CHUNK * NS / 8 / THREADS; ++i) {  // B and C: n/8 segments per row
-    const int t = tid + i * THREADS, r = t / (NS / 8), seg = t % (NS / 8), n = n0 + r;
-    const bool ok = n < g.l;
-    const int64_t off = ok ? n * g.bc_row + seg * 8 : 0;
-    cp_async16(smem_addr(s.b[buf].data) + BT::offset(r, seg * 8), g.b + off, ok);
-    cp_async16(smem_addr(s.c[buf].data) + BT::offset(r, seg * 8), g.c + off, ok);
+  for (int w = 0; w < HEADS; ++w) {
+    const int h = head_of<HEADS>(g.shape, t, w);
+    if (h < 0) continue;
+    const coord at{b, 0, chunk, h * g.shape.ptiles + t.coord[3]};
+    tma::load_async(in.x[w], g.x, arrived, at);
+    if constexpr (DY) tma::load_async(in.dy[w], g.dy, arrived, at);
+    tma::load_bytes_async(in.dt[w], g.dt + (int64_t(b) * g.shape.nh + h) * g.shape.l_pad + chunk * CHUNK,
+                          CHUNK * sizeof(float), arrived);
   }
-  if (tid < CHUNK) {
-    const bool ok = n0 + tid < g.l;
-    cp_async4(smem_addr(&s.dt[buf][tid]), g.dt + (ok ? (n0 + tid) * g.dt_row : 0), ok);
-  }
-  cp_async_commit();
 }
 
 // The value of token t (0..63) from the lanes' pairs (lane holds tokens 2·lane and 2·lane + 1). All lanes must call
@@ -73,11 +128,11 @@ struct Decays {
   __device__ __forceinline__ float dt_col(int t) const { return __shfl_sync(0xffffffffu, t & 1 ? dt1 : dt0, t >> 1); }
 };
 
-template <class S>
-__device__ __forceinline__ Decays chunk_decays(const S& s, int buf, float Ah) {
+// From the chunk's 64 dt values in shared memory and the head's A.
+__device__ __forceinline__ Decays chunk_decays(const float* dt, float Ah) {
   const int lane = laneid();
   Decays d;
-  d.dt0 = s.dt[buf][2 * lane], d.dt1 = s.dt[buf][2 * lane + 1];
+  d.dt0 = dt[2 * lane], d.dt1 = dt[2 * lane + 1];
   const float a0 = d.dt0 * Ah, a1 = d.dt1 * Ah;
   float run = a0 + a1;
 #pragma unroll
@@ -104,42 +159,72 @@ __device__ __forceinline__ void causal_decay(rt_bf<BASE, CHUNK>& dst, const rt_f
   });
 }
 
-// An owner warp's 16 state dims (rows of the transposed state, n x p) from a (b, nh, p, n) fp32 tensor at `base`
-// (zero without one), and back.
-template <int NS, int PT>
-__device__ __forceinline__ void read_state(rt_fl<BASE, PT>& S, const float* src, int64_t base, int warp) {
-#pragma unroll
-  for (int j = 0; j < PT / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float2 v = make_float2(0.f, 0.f);
-      if (src) {
-        const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
-        v.x = src[base + int64_t(cc) * NS + r];
-        v.y = src[base + int64_t(cc + 1) * NS + r];
-      }
-      S.tiles[0][j].data[k] = v;
-    }
+// A state update's A operand: this warp's 16 head dims of a chunk tile (tokens × head dims) transposed, token s
+// scaled by weight(s) (one parity in every lane: Decays' *_col lookups apply).
+template <class Weight>
+__device__ __forceinline__ void weighted_transpose(rt_bf<BASE, CHUNK>& dst, const x_tile& src, Weight&& weight) {
+  rt_bf<CHUNK, BASE, col_layout> t;
+  load(t, src, 0, BASE * warpid_in_group());
+  map_indexed(dst, transposed(t), [&](int, int s, float v) { return v * weight(s); });
 }
 
-template <int NS, int PT>
-__device__ __forceinline__ void write_state(float* dst, const rt_fl<BASE, PT>& S, int64_t base, int warp) {
-#pragma unroll
-  for (int j = 0; j < PT / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int r = BASE * warp + base_row<row_layout>(k, 0), cc = BASE * j + base_col<row_layout>(k, 0);
-      dst[base + int64_t(cc) * NS + r] = S.tiles[0][j].data[k].x;
-      dst[base + int64_t(cc + 1) * NS + r] = S.tiles[0][j].data[k].y;
-    }
+// Scales the rows of a warp's 16-row accumulator: row r (this lane's r and r + 8) by f[r >> 3].
+template <int W>
+__device__ __forceinline__ void scale_rows(rt_fl<BASE, W>& t, const float (&f)[2]) {
+  map_indexed(t, t, [&](int r, int, float v) { return v * f[r >> 3]; });
 }
 
-// Publishes an owner warp's state rows as the bf16 copy every warp reads.
-template <int PT, class S>
-__device__ __forceinline__ void publish_state(S& s, const rt_fl<BASE, PT>& state, int warp) {
-  rt_bf<BASE, PT> copy_bf;
-  copy(copy_bf, state);
-  store(s.state, copy_bf, BASE * warp, 0);
+// (b, h, p0 + 16·warp, 0) of a (b, nh, p, n) state tensor: where this warp's rows of task t's state start.
+template <int NS>
+__device__ __forceinline__ int64_t state_base(const Shape& s, const lcsf::task& t, int h) {
+  return ((int64_t(t.coord[0]) * s.nh + h) * s.p + t.coord[3] * PT + BASE * warpid_in_group()) * NS;
+}
+// A warp's state rows from a (b, nh, p, n) fp32 tensor (zero without one), and back.
+template <int NS>
+__device__ __forceinline__ void read_state(state_acc<NS>& S, const float* src, int64_t base) {
+#pragma unroll
+  for (int j = 0; j < NS / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = base_row<row_layout>(k, 0), c = BASE * j + base_col<row_layout>(k, 0);
+      S.tiles[0][j].data[k] = src ? *reinterpret_cast<const float2*>(src + base + r * NS + c) : make_float2(0.f, 0.f);
+    }
+}
+template <int NS>
+__device__ __forceinline__ void write_state(float* dst, const state_acc<NS>& S, int64_t base) {
+#pragma unroll
+  for (int j = 0; j < NS / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = base_row<row_layout>(k, 0), c = BASE * j + base_col<row_layout>(k, 0);
+      *reinterpret_cast<float2*>(dst + base + r * NS + c) = S.tiles[0][j].data[k];
+    }
+}
+// The state's bf16 copy for the next wgmmas that read it: the caller's warpgroup must be done reading the old one;
+// ends with the fence and the warpgroup barrier `bar`.
+template <int NS>
+__device__ __forceinline__ void publish_state(state_tile<NS>& dst, const state_acc<NS>& S, int bar) {
+  rt_bf<BASE, NS> copy_bf;
+  copy(copy_bf, S);
+  warpgroup::store(dst, copy_bf);
+  fence_async_shared();
+  warpgroup::sync(bar);
+}
+
+// Σ over the columns of t(row, ·)·other(row, ·), other a bf16 chunk tile in shared memory with t's columns, for the
+// lane's two rows r0 and r0 + 8 (r0 = 16·warp + lane/4), summed over the quad of lanes sharing those rows.
+template <int W, class ST>
+__device__ __forceinline__ float2 row_dots(const rt_fl<BASE, W>& t, const ST& other, int r0) {
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < W / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = r0 + 8 * (k & 1), col = BASE * j + base_col<row_layout>(k, 0);
+      const float2 o = __bfloat1622float2(*reinterpret_cast<const bf16_2*>(&other(r, col)));
+      sum[k & 1] += t.tiles[0][j].data[k].x * o.x + t.tiles[0][j].data[k].y * o.y;
+    }
+  return make_float2(quad_sum(sum[0]), quad_sum(sum[1]));
 }
 
 }  // namespace

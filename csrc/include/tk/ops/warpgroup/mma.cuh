@@ -38,7 +38,8 @@ template <int MNMajor, shared_tile ST> TK_DEVICE uint64_t descriptor(const ST& t
     return encode(smem_addr(t.data)) | encode(lbo) << 16 | encode(8 * sw) << 32 | mode << 62;
 }
 // Keeps the compiler from moving reads or writes of d across an asynchronous wgmma: an accumulator (rt<float, 16, N>
-// or its registers as a float array) or A-operand fragments (uint32_t[KK][4]), which a wgmma in flight still reads.
+// or its registers as a float array) or an A operand (rt<bf16 or half, 16, K>, or fragments as uint32_t[KK][4]),
+// which a wgmma in flight still reads.
 template <class D> TK_DEVICE void fence_operand(D& d) {
     if constexpr (std::is_array_v<D> && std::is_array_v<std::remove_extent_t<D>>) {
 #pragma unroll
@@ -48,12 +49,17 @@ template <class D> TK_DEVICE void fence_operand(D& d) {
     } else if constexpr (std::is_array_v<D>) {
 #pragma unroll
         for (int i = 0; i < int(std::extent_v<D>); ++i) asm volatile("" : "+f"(d[i])::"memory");
-    } else {
+    } else if constexpr (std::is_same_v<typename D::T, float>) {
 #pragma unroll
         for (int w = 0; w < D::width; ++w)
 #pragma unroll
             for (int k = 0; k < 4; ++k)
                 asm volatile("" : "+f"(d.tiles[0][w].data[k].x), "+f"(d.tiles[0][w].data[k].y)::"memory");
+    } else {  // a 16-bit register A operand: each packed pair is one 32-bit register
+#pragma unroll
+        for (int w = 0; w < D::width; ++w)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&d.tiles[0][w].data[k]))::"memory");
     }
 }
 template <class D> constexpr bool is_acc = std::is_same_v<typename D::T, float> && D::rows == 16 && D::is_row;
