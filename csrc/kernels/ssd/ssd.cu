@@ -13,20 +13,21 @@
 namespace tk_ssd {
 namespace {
 
-template <int NS, class OutT, int HEADS>
-struct ssd_fwd {
-  static constexpr int CONSUMER_WARPGROUPS = HEADS, INPUT_PIPE_STAGES = 3;
-  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = HEADS == 1 ? 256 : 232;
+template <int NS, class OutT>
+struct FwdGlobals {
+  Stream<NS> in;
+  tma_map<st<OutT, CHUNK, PT>> y;
+  const float* A;
+  const float* D;   // or nullptr
+  const float* h0;  // or nullptr
+  float* h_final;
+};
+
+template <int NS, class OutT>
+struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
+  using globals = FwdGlobals<NS, OutT>;
+  using input_block = Chunk<NS, false>;
   using y_tile = st<OutT, CHUNK, PT>;
-  struct globals {
-    Stream<NS> in;
-    tma_map<y_tile> y;
-    const float* A;
-    const float* D;   // or nullptr
-    const float* h0;  // or nullptr
-    float* h_final;
-  };
-  using input_block = Chunk<NS, HEADS, false>;
   struct scratch_block {
     state_tile<NS> h[HEADS];  // bf16 copy of each head's state before the current chunk
     y_tile y[HEADS];          // each head's output chunk on its way out
@@ -35,14 +36,9 @@ struct ssd_fwd {
     state_acc<NS> h;
   };
 
-  __device__ static bool setup(lcsf::task& t, const globals& g) { return setup_task(t, g.in.shape); }
-  __device__ static void load(input_block& in, semaphore& arrived, const globals& g, const lcsf::task& t, int it) {
-    load_chunk(in, arrived, g.in, t, it);
-  }
-
   __device__ static void compute(state& s, input_block& in, scratch_block& sc, const globals& g, const lcsf::task& t,
                                  int it) {
-    const int wg = lcsf::consumer_id(), h = head_of<HEADS>(g.in.shape, t, wg), bar = 1 + wg;
+    const int wg = lcsf::consumer_id(), h = head_of(g.in.shape, t, wg), bar = 1 + wg;
     if (h < 0) return;
     if (it == 0) {
       read_state<NS>(s.h, g.h0, state_base<NS>(g.in.shape, t, h));
@@ -94,7 +90,7 @@ struct ssd_fwd {
   }
 
   __device__ static void store(state& s, scratch_block&, const globals& g, const lcsf::task& t) {
-    const int h = head_of<HEADS>(g.in.shape, t, lcsf::consumer_id());
+    const int h = head_of(g.in.shape, t, lcsf::consumer_id());
     if (h >= 0) write_state<NS>(g.h_final, s.h, state_base<NS>(g.in.shape, t, h));
   }
 
@@ -105,8 +101,7 @@ struct ssd_fwd {
 
 template <int NS, class OutT>
 const char* run(const Args& a, cudaStream_t stream) {
-  constexpr int HEADS = 2;
-  using K = ssd_fwd<NS, OutT, HEADS>;
+  using K = ssd_fwd<NS, OutT>;
   typename K::globals g{};
   const Shape sh = shape_of(a.b, a.l, a.l_pad, a.nh, a.ng, a.p, HEADS);
   if (const char* e = make_stream(g.in, a.x, nullptr, a.B, a.C, a.dt, sh)) return e;

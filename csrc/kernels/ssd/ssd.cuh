@@ -20,6 +20,7 @@ namespace {
 using namespace tk;
 
 constexpr int CHUNK = 64, PT = P_TILE;  // tokens per chunk; head dims per task (the state's 64 rows, wgmma's M)
+constexpr int HEADS = 2;                // heads per task: one per consumer warpgroup
 
 using x_tile = st<bf16, CHUNK, PT>;  // a chunk of x or dy (tokens × head dims)
 template <int NS> using bc_tile = st<bf16, CHUNK, NS>;  // a chunk of B or C (tokens × state dims)
@@ -56,14 +57,14 @@ const char* make_stream(Stream<NS>& s, const void* x, const void* dy, const void
 }
 
 // One ring stage: the chunk's B and C, and each head's x, dt and (DY) dy.
-template <int HEADS, bool DY>
+template <bool DY>
 struct DyTiles {
   x_tile dy[HEADS];
 };
-template <int HEADS>
-struct DyTiles<HEADS, false> {};
-template <int NS, int HEADS, bool DY>
-struct Chunk : DyTiles<HEADS, DY> {
+template <>
+struct DyTiles<false> {};
+template <int NS, bool DY>
+struct Chunk : DyTiles<DY> {
   bc_tile<NS> b, c;
   x_tile x[HEADS];
   float dt[HEADS][CHUNK];
@@ -80,26 +81,25 @@ __device__ __forceinline__ bool setup_task(lcsf::task& t, const Shape& s) {
   return true;
 }
 // Consumer w's head in task t, or -1 (the group's last set may be short).
-template <int HEADS>
 __device__ __forceinline__ int head_of(const Shape& s, const lcsf::task& t, int w) {
   const int per_group = s.nh / s.ng, j = HEADS * t.coord[2] + w;
   return j < per_group ? t.coord[1] * per_group + j : -1;
 }
 
 // Chunk `chunk` of task t into a stage (one producer thread).
-template <int NS, int HEADS, bool DY>
-__device__ __forceinline__ void load_chunk(Chunk<NS, HEADS, DY>& in, semaphore& arrived, const Stream<NS>& g,
+template <int NS, bool DY>
+__device__ __forceinline__ void load_chunk(Chunk<NS, DY>& in, semaphore& arrived, const Stream<NS>& g,
                                            const lcsf::task& t, int chunk) {
   int heads = 0;
 #pragma unroll
-  for (int w = 0; w < HEADS; ++w) heads += head_of<HEADS>(g.shape, t, w) >= 0;
+  for (int w = 0; w < HEADS; ++w) heads += head_of(g.shape, t, w) >= 0;
   expect_bytes(arrived, 2 * bc_tile<NS>::bytes + heads * ((DY ? 2 : 1) * x_tile::bytes + CHUNK * int(sizeof(float))));
   const int b = t.coord[0];
   tma::load_async(in.b, g.b, arrived, {b, 0, chunk, t.coord[1]});
   tma::load_async(in.c, g.c, arrived, {b, 0, chunk, t.coord[1]});
 #pragma unroll
   for (int w = 0; w < HEADS; ++w) {
-    const int h = head_of<HEADS>(g.shape, t, w);
+    const int h = head_of(g.shape, t, w);
     if (h < 0) continue;
     const coord at{b, 0, chunk, h * g.shape.ptiles + t.coord[3]};
     tma::load_async(in.x[w], g.x, arrived, at);
@@ -108,6 +108,22 @@ __device__ __forceinline__ void load_chunk(Chunk<NS, HEADS, DY>& in, semaphore& 
                           CHUNK * sizeof(float), arrived);
   }
 }
+
+// The LCSF pieces every SSD kernel shares: its warpgroups and ring, the tasks, and the chunk loads (REVERSE: the
+// last chunk first). G is the kernel's globals, with the streamed inputs as `in`.
+template <int NS, bool DY, bool REVERSE, int STAGES, class G>
+struct Scan {
+  static constexpr int CONSUMER_WARPGROUPS = HEADS, INPUT_PIPE_STAGES = STAGES;
+  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+  using globals = G;
+  using input_block = Chunk<NS, DY>;
+  // the chunk that iteration it works on
+  __device__ static int chunk_of(const G& g, int it) { return REVERSE ? g.in.shape.chunks - 1 - it : it; }
+  __device__ static bool setup(lcsf::task& t, const G& g) { return setup_task(t, g.in.shape); }
+  __device__ static void load(input_block& in, semaphore& arrived, const G& g, const lcsf::task& t, int it) {
+    load_chunk(in, arrived, g.in, t, chunk_of(g, it));
+  }
+};
 
 // The value of token t (0..63) from the lanes' pairs (lane holds tokens 2·lane and 2·lane + 1). All lanes must call
 // it (shuffles).

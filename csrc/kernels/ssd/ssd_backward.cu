@@ -20,8 +20,6 @@
 namespace tk_ssd {
 namespace {
 
-constexpr int HEADS = 2;
-
 template <int NS>
 struct BwdGlobals {
   Stream<NS> in;
@@ -66,11 +64,9 @@ __device__ __forceinline__ void add_token_sums(float* dst, int64_t base, int nh,
 
 // Kernel A: dC and its per-token sums C·dC, and the chunk-end states.
 template <int NS>
-struct ssd_bwd_dc {
-  static constexpr int CONSUMER_WARPGROUPS = HEADS, INPUT_PIPE_STAGES = 2;
-  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
   using globals = BwdGlobals<NS>;
-  using input_block = Chunk<NS, HEADS, true>;
+  using input_block = Chunk<NS, true>;
   struct scratch_block {
     state_tile<NS> h[HEADS];
   };
@@ -78,15 +74,10 @@ struct ssd_bwd_dc {
     state_acc<NS> h;
   };
 
-  __device__ static bool setup(lcsf::task& t, const globals& g) { return setup_task(t, g.in.shape); }
-  __device__ static void load(input_block& in, semaphore& arrived, const globals& g, const lcsf::task& t, int it) {
-    load_chunk(in, arrived, g.in, t, it);
-  }
-
   __device__ static void compute(state& s, input_block& in, scratch_block& sc, const globals& g, const lcsf::task& t,
                                  int it) {
     const Shape& sh = g.in.shape;
-    const int wg = lcsf::consumer_id(), h = head_of<HEADS>(sh, t, wg), bar = 1 + wg;
+    const int wg = lcsf::consumer_id(), h = head_of(sh, t, wg), bar = 1 + wg;
     if (h < 0) return;
     if (it == 0) {
       read_state<NS>(s.h, g.h0, state_base<NS>(sh, t, h));
@@ -135,11 +126,9 @@ struct ssd_bwd_dc {
 
 // Kernel B: dx, dB, dh0, the chunk anchors and the per-token sums.
 template <int NS>
-struct ssd_bwd_dxdb {
-  static constexpr int CONSUMER_WARPGROUPS = HEADS, INPUT_PIPE_STAGES = 2;
-  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
   using globals = BwdGlobals<NS>;
-  using input_block = Chunk<NS, HEADS, true>;
+  using input_block = Chunk<NS, true>;
   struct scratch_block {
     state_tile<NS> g[HEADS];
   };
@@ -148,17 +137,12 @@ struct ssd_bwd_dxdb {
     float x_dy;  // this thread's share of Σ x·dy (dD)
   };
 
-  __device__ static bool setup(lcsf::task& t, const globals& g) { return setup_task(t, g.in.shape); }
-  __device__ static void load(input_block& in, semaphore& arrived, const globals& g, const lcsf::task& t, int it) {
-    load_chunk(in, arrived, g.in, t, g.in.shape.chunks - 1 - it);
-  }
-
   __device__ static void compute(state& s, input_block& in, scratch_block& sc, const globals& g, const lcsf::task& t,
                                  int it) {
     const Shape& sh = g.in.shape;
-    const int wg = lcsf::consumer_id(), h = head_of<HEADS>(sh, t, wg), bar = 1 + wg;
+    const int wg = lcsf::consumer_id(), h = head_of(sh, t, wg), bar = 1 + wg;
     if (h < 0) return;
-    const int c = sh.chunks - 1 - it, b = t.coord[0];
+    const int c = ssd_bwd_dxdb::chunk_of(g, it), b = t.coord[0];
     if (it == 0) {
       read_state<NS>(s.g, g.dh, state_base<NS>(sh, t, h));
       publish_state(sc.g[wg], s.g, bar);
@@ -244,7 +228,7 @@ struct ssd_bwd_dxdb {
   }
 
   __device__ static void store(state& s, scratch_block&, const globals& g, const lcsf::task& t) {
-    const int h = head_of<HEADS>(g.in.shape, t, lcsf::consumer_id());
+    const int h = head_of(g.in.shape, t, lcsf::consumer_id());
     if (h < 0) return;
     write_state<NS>(g.dh0, s.g, state_base<NS>(g.in.shape, t, h));
     if (g.dD) {
