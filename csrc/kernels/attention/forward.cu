@@ -4,8 +4,8 @@
 
 namespace tk_attn {
 
-// The launcher of one (dtype, head dim): forward_kernels.cuh, instantiated per dtype in forward_bf16.cu and forward_f16.cu so
-// that the two compile in parallel.
+// The launcher of one (dtype, head dim): forward_kernels.cuh, instantiated in forward_<dtype>_d<head dim>.cu so that
+// the four compile in parallel.
 template <typename T, int D>
 const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
                            float scale, int num_sms, int* next_task, cudaStream_t stream);

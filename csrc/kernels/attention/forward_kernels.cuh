@@ -1,5 +1,5 @@
 // The attention forward kernels (the serial schedule, run where scale <= 0, and the ping-pong one) on the pieces of
-// forward.cuh, and the launcher of one (dtype, head dim), instantiated per dtype in forward_bf16.cu and forward_f16.cu.
+// forward.cuh, and the launcher of one (dtype, head dim), instantiated in forward_<dtype>_d<head dim>.cu.
 #pragma once
 #include "forward.cuh"
 
@@ -537,7 +537,7 @@ const char* launch_sched(DType dt, const View4& q, const View4& k, const View4& 
 
 }  // namespace
 
-// The launcher of one (dtype, head dim), instantiated per dtype in forward_bf16.cu and forward_f16.cu.
+// The launcher of one (dtype, head dim), instantiated in forward_<dtype>_d<head dim>.cu.
 template <typename T, int D>
 const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
                            float scale, int num_sms, int* next_task, cudaStream_t stream) {
