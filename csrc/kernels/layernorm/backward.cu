@@ -1,6 +1,6 @@
 // Backward: the dispatcher (the persistent kernel of backward_pipe*.cu, or the register-only kernel of backward.cuh
-// instantiated per x dtype in backward_<x>.cu and for gated rows in backward_gated.cu) and the column sum of the dw/db
-// partials.
+// instantiated per x dtype and row length in backward_<x>_<rows>.cu and for gated rows in backward_gated_<rows>.cu)
+// and the column sum of the dw/db partials.
 #include "config.cuh"
 
 namespace tk_layernorm {
@@ -33,18 +33,25 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
 }
 
 int registers_blocks(const BackwardArgs& args) {
-  if (args.gate) return registers_blocks_x<float, true>(args);
   int blocks = 0;
-  with_x(args.dtypes.x, [&](auto x) {
-    blocks = registers_blocks_x<decltype(x), false>(args);
+  with_rows(args.hidden, [&](auto r) {
+    if (args.gate) blocks = registers_blocks_x<float, true, r.value>(args);
+    else
+      with_x(args.dtypes.x, [&](auto x) {
+        blocks = registers_blocks_x<decltype(x), false, r.value>(args);
+        return cudaSuccess;
+      });
     return cudaSuccess;
   });
   return blocks;
 }
 
 cudaError_t registers_backward(const BackwardArgs& args, int blocks, cudaStream_t stream) {
-  if (args.gate) return registers_backward_x<float, true>(args, blocks, stream);
-  return with_x(args.dtypes.x, [&](auto x) { return registers_backward_x<decltype(x), false>(args, blocks, stream); });
+  return with_rows(args.hidden, [&](auto r) {
+    if (args.gate) return registers_backward_x<float, true, r.value>(args, blocks, stream);
+    return with_x(args.dtypes.x,
+                  [&](auto x) { return registers_backward_x<decltype(x), false, r.value>(args, blocks, stream); });
+  });
 }
 
 // The persistent kernels stage h in its one dtype: gated calls (h recomputed from x and the gate) run the

@@ -2,8 +2,9 @@
 // dw/db: each block of a persistent grid accumulates its rows' contributions in fp32 registers and
 // writes one partial row; a second kernel sums the partials over blocks in a fixed order (deterministic).
 // This header holds the register-only kernel (fp32 rows, the gated norm, and the shapes whose staging does not fit the
-// persistent kernel's shared memory), instantiated per x dtype in backward_<x>.cu and for the gated norm in
-// backward_gated.cu; backward.cu holds the column sum and the dispatcher, backward_pipe*.cu the persistent kernel.
+// persistent kernel's shared memory), instantiated per x dtype and row length in backward_<x>_<rows>.cu and for the
+// gated norm in backward_gated_<rows>.cu; backward.cu holds the column sum and the dispatcher, backward_pipe*.cu the
+// persistent kernel.
 #pragma once
 #include <type_traits>
 
@@ -172,35 +173,35 @@ int grid_blocks(int64_t rows) {
 
 // Calls f(Ty, S, GATE) for the register-only kernel of these args with x of dtype X, gated or not (gated kernels exist
 // for the fp32 types only).
-template <class X, bool GATED, typename F>
+template <class X, bool GATED, Rows R, typename F>
 cudaError_t with_registers_kernel(const BackwardArgs& args, F&& f) {
   return with_x_types<X>(kernel_types(args.dtypes, args.gate), [&](auto ty) {
     using Ty = decltype(ty);
     if constexpr (GATED) {
       if constexpr (std::is_same_v<typename Ty::X, float> && std::is_same_v<typename Ty::H, float>)
-        return with_split<true>(args.hidden, [&](auto s) { return f(ty, s, std::true_type{}); });
+        return with_split<R, true>(args.hidden, [&](auto s) { return f(ty, s, std::true_type{}); });
       else return cudaErrorInvalidValue;
     } else {
-      return with_split(args.hidden, [&](auto s) { return f(ty, s, std::false_type{}); });
+      return with_split<R>(args.hidden, [&](auto s) { return f(ty, s, std::false_type{}); });
     }
   });
 }
 
 }  // namespace
 
-template <class X, bool GATED>
+template <class X, bool GATED, Rows R>
 int registers_blocks_x(const BackwardArgs& args) {
   int blocks = 0;
-  const cudaError_t err = with_registers_kernel<X, GATED>(args, [&](auto ty, auto s, auto gate) {
+  const cudaError_t err = with_registers_kernel<X, GATED, R>(args, [&](auto ty, auto s, auto gate) {
     blocks = grid_blocks<decltype(ty), decltype(s), decltype(gate)::value>(args.rows);
     return cudaSuccess;
   });
   return err == cudaSuccess ? blocks : 0;
 }
 
-template <class X, bool GATED>
+template <class X, bool GATED, Rows R>
 cudaError_t registers_backward_x(const BackwardArgs& args, int blocks, cudaStream_t stream) {
-  return with_registers_kernel<X, GATED>(args, [&](auto ty, auto s, auto gate) {
+  return with_registers_kernel<X, GATED, R>(args, [&](auto ty, auto s, auto gate) {
     using S = decltype(s);
     return tk::grid::launch_dependent(backward_kernel<decltype(ty), S, decltype(gate)::value>, blocks, S::BLOCK, 0,
                                       stream, args);

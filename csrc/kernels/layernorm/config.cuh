@@ -22,44 +22,63 @@ struct Split {
   static_assert(TPR % 32 == 0 && BLOCK % TPR == 0 && BLOCK <= 1024, "rows are whole warps of one block");
 };
 
+// Row lengths, hidden up to 2048 or longer: the two halves of every launcher's tiers, each instantiated in its own
+// translation unit (with the dtype split below) so that they compile in parallel. with_split and with_row_split
+// instantiate only their half's tiers; with_rows calls f(integral_constant<Rows, ·>) for a call's half.
+enum class Rows { short_rows, long_rows };
+inline Rows rows_of(int hidden) { return hidden <= 2048 ? Rows::short_rows : Rows::long_rows; }
+template <typename F>
+cudaError_t with_rows(int hidden, F&& f) {
+  if (rows_of(hidden) == Rows::short_rows) return f(std::integral_constant<Rows, Rows::short_rows>{});
+  return f(std::integral_constant<Rows, Rows::long_rows>{});
+}
+
 // Calls f(Split<...>{}) for the smallest split that covers `hidden`, for the register-only backward (backward.cuh):
 // it keeps dy, h and the dw/db accumulators alive, so it gives each thread one vector per row and spreads a row over
 // more threads. Tiers of 640 and 768 threads keep rows of 5120 and 6144 (common hidden sizes) from running with a
 // third of a 1024-thread block idle and spilling (H200, autocast rows 65536 x 5120: 1.62 against 1.86 ms).
 // GATED (rows recomputed from x and the gate, both kept in registers): two vectors a thread at 2049..4096
 // (65536 x 4096: 1.11 against 1.34 ms). A template parameter, so each kind instantiates only its own splits.
-template <bool GATED = false, typename F>
+template <Rows R, bool GATED = false, typename F>
 cudaError_t with_split(int hidden, F&& f) {
-  if (hidden <= 256) return f(Split<32, 1>{});
-  if (hidden <= 512) return f(Split<64, 1>{});
-  if (hidden <= 1024) return f(Split<128, 1>{});
-  if (hidden <= 2048) return f(Split<256, 1>{});
-  if (hidden <= 4096) {
-    if constexpr (GATED) return f(Split<256, 2>{});
-    else return f(Split<512, 1>{});
+  if (rows_of(hidden) != R) return cudaErrorInvalidValue;
+  if constexpr (R == Rows::short_rows) {
+    if (hidden <= 256) return f(Split<32, 1>{});
+    if (hidden <= 512) return f(Split<64, 1>{});
+    if (hidden <= 1024) return f(Split<128, 1>{});
+    return f(Split<256, 1>{});
+  } else {
+    if (hidden <= 4096) {
+      if constexpr (GATED) return f(Split<256, 2>{});
+      else return f(Split<512, 1>{});
+    }
+    if (hidden <= 5120) return f(Split<640, 1>{});
+    if (hidden <= 6144) return f(Split<768, 1>{});
+    if (hidden <= 8192) return f(Split<1024, 1>{});
+    if (hidden <= kMaxHidden) return f(Split<1024, 2>{});
+    return cudaErrorInvalidValue;
   }
-  if (hidden <= 5120) return f(Split<640, 1>{});
-  if (hidden <= 6144) return f(Split<768, 1>{});
-  if (hidden <= 8192) return f(Split<1024, 1>{});
-  if (hidden <= kMaxHidden) return f(Split<1024, 2>{});
-  return cudaErrorInvalidValue;
 }
 
 // One row per block, spread over hidden / 16 threads (rounded up to a warp, at most 1024), two vectors each: few
 // rows in flight per SM and many short blocks, the shape of torch.compile's persistent reductions (the forward).
 // Tiers of 320 and 384 threads for rows of 5120 and 6144 (H200, 65536 x 5120: bf16 0.72 -> 0.63 ms, autocast rows
 // 1.21 -> 0.95 ms, the gated norm 1.12 -> 0.76 ms).
-template <typename F>
+template <Rows R, typename F>
 cudaError_t with_row_split(int hidden, F&& f) {
-  if (hidden <= 512) return f(Split<32, 2, 32>{});
-  if (hidden <= 1024) return f(Split<64, 2, 64>{});
-  if (hidden <= 2048) return f(Split<128, 2, 128>{});
-  if (hidden <= 4096) return f(Split<256, 2, 256>{});
-  if (hidden <= 5120) return f(Split<320, 2, 320>{});
-  if (hidden <= 6144) return f(Split<384, 2, 384>{});
-  if (hidden <= 8192) return f(Split<512, 2, 512>{});
-  if (hidden <= kMaxHidden) return f(Split<1024, 2, 1024>{});
-  return cudaErrorInvalidValue;
+  if (rows_of(hidden) != R) return cudaErrorInvalidValue;
+  if constexpr (R == Rows::short_rows) {
+    if (hidden <= 512) return f(Split<32, 2, 32>{});
+    if (hidden <= 1024) return f(Split<64, 2, 64>{});
+    return f(Split<128, 2, 128>{});
+  } else {
+    if (hidden <= 4096) return f(Split<256, 2, 256>{});
+    if (hidden <= 5120) return f(Split<320, 2, 320>{});
+    if (hidden <= 6144) return f(Split<384, 2, 384>{});
+    if (hidden <= 8192) return f(Split<512, 2, 512>{});
+    if (hidden <= kMaxHidden) return f(Split<1024, 2, 1024>{});
+    return cudaErrorInvalidValue;
+  }
 }
 
 // The element types of one call (layernorm.h DTypes): X for x and dx, H for the residual, h and dres, W for the
@@ -112,8 +131,9 @@ cudaError_t with_types(DTypes t, F&& f) {
   }
 }
 
-// The launchers are split by x's dtype, each instantiated in its own translation unit (forward_<x>.cu,
-// backward_<x>.cu, backward_gated.cu), so that the family's ~450 kernels compile in parallel. with_x calls f(X{}) for x's dtype;
+// The launchers are split by x's dtype and row length (Rows), each instantiated in its own translation unit
+// (forward_<x>_<rows>.cu, backward_<x>_<rows>.cu, backward_gated_<rows>.cu), so that the family's ~450 kernels
+// compile in parallel. with_x calls f(X{}) for x's dtype;
 // with_x_types is with_types for the combinations with that X (the others are not instantiated).
 template <typename F>
 cudaError_t with_x(DType x, F&& f) {
@@ -131,11 +151,11 @@ cudaError_t with_x_types(DTypes t, F&& f) {
     else return cudaErrorInvalidValue;
   });
 }
-template <class X> cudaError_t forward_x(const ForwardArgs& args, cudaStream_t stream);
-// The register-only backward (backward.cuh), plain or gated (backward_gated.cu: x fp32): its grid size for these args,
+template <class X, Rows R> cudaError_t forward_x(const ForwardArgs& args, cudaStream_t stream);
+// The register-only backward (backward.cuh), plain or gated (backward_gated_<rows>.cu: x fp32): its grid size for these args,
 // and its launch on that grid.
-template <class X, bool GATED> int registers_blocks_x(const BackwardArgs& args);
-template <class X, bool GATED> cudaError_t registers_backward_x(const BackwardArgs& args, int blocks, cudaStream_t stream);
+template <class X, bool GATED, Rows R> int registers_blocks_x(const BackwardArgs& args);
+template <class X, bool GATED, Rows R> cudaError_t registers_backward_x(const BackwardArgs& args, int blocks, cudaStream_t stream);
 
 // Sum of v over the TPR threads of each row; every thread of the block must call it (it syncs).
 // The cross-warp order is fixed, so results are deterministic.

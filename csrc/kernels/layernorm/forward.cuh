@@ -140,12 +140,12 @@ __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<Ty, S, EARLY>())) fo
 }  // namespace
 
 // The launch for the dtype combinations with this x (forward.cu checks the arguments and picks x).
-template <class X>
+template <class X, Rows R>
 cudaError_t forward_x(const ForwardArgs& args, cudaStream_t stream) {
   const bool gated = args.gate != nullptr;
   return with_x_types<X>(kernel_types(args.dtypes, gated), [&](auto ty) {
     using Ty = decltype(ty);
-    return with_row_split(args.hidden, [&](auto s) {
+    return with_row_split<R>(args.hidden, [&](auto s) {
       using S = decltype(s);
       // EARLY where the block has at most 64 threads (hidden <= 1024): a 512-thread block holding w and b needs
       // more than 64 registers, so one block per SM (H200, hidden 8192: 1.59 ms against 1.03).

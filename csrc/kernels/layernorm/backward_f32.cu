@@ -1,7 +1,0 @@
-// The register-only backward kernels for float x (backward.cuh).
-#include "backward.cuh"
-
-namespace tk_layernorm {
-template int registers_blocks_x<float, false>(const BackwardArgs& args);
-template cudaError_t registers_backward_x<float, false>(const BackwardArgs& args, int blocks, cudaStream_t stream);
-}  // namespace tk_layernorm

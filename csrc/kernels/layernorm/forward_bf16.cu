@@ -1,6 +1,0 @@
-// The forward kernels for __nv_bfloat16 x (forward.cuh).
-#include "forward.cuh"
-
-namespace tk_layernorm {
-template cudaError_t forward_x<__nv_bfloat16>(const ForwardArgs& args, cudaStream_t stream);
-}  // namespace tk_layernorm

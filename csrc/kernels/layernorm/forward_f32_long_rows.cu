@@ -1,0 +1,6 @@
+// The forward kernels for float x, rows of hidden over 2048 (forward.cuh).
+#include "forward.cuh"
+
+namespace tk_layernorm {
+template cudaError_t forward_x<float, Rows::long_rows>(const ForwardArgs& args, cudaStream_t stream);
+}  // namespace tk_layernorm
