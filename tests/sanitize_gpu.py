@@ -129,8 +129,8 @@ def summary(tool: str, log: str) -> tuple[int, str]:
         return int(m.group(1)), m.group(0)
     if race:
         reports = [r.partition("\n")[0] for r in re.split(r"(?=Error: Race reported between )", log)[1:]]
-        unknown = [r for r in reports
-                   if not (r.startswith("Error: Race reported between Write access at") and any(k in r for k in KNOWN_RACES))]
+        known_write = "Error: Race reported between Write access at"
+        unknown = [r for r in reports if not (r.startswith(known_write) and any(k in r for k in KNOWN_RACES))]
         known = len(reports) - len(unknown)
         line = race.group(0) + f"; {len(reports)} reports, {known} of them known (KNOWN_RACES)"
         return len(unknown), line

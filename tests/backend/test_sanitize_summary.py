@@ -7,8 +7,8 @@ RACE_LOG = Path(__file__).resolve().parents[2] / "benchmarks/plots/2026-12-02-a/
 
 
 def _known_log() -> str:
-    """A recorded racecheck log of the attention backward's raw byte copies (4 reports, 32 errors by the tool's count), with the copy under the
-    name it has in the tile library now."""
+    """A recorded racecheck log of the attention backward's raw byte copies (4 reports, 32 errors by the tool's
+    count), with the copy under the name it has in the tile library now."""
     return RACE_LOG.read_text().replace(
         "tk_attn::bulk_load_1d(void *, const void *, unsigned int, unsigned long *)",
         "tk::tma::load_bytes_async(void *, const void *, unsigned int, tk::semaphore &)")

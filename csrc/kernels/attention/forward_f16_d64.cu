@@ -1,5 +1,5 @@
-// The forward kernels for __half, head dim 64 (forward_kernels.cuh): one translation unit per (dtype, head dim), so
-// that the four compile in parallel.
+// The forward kernels for __half, head dim 64 (forward_kernels.cuh): one translation unit per
+// (dtype, head dim), so that the four compile in parallel.
 #include "forward_kernels.cuh"
 
 namespace tk_attn {

@@ -55,13 +55,13 @@ struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
     const Decays d = chunk_decays(in.dt[wg], g.A[h]);
     const int row0 = BASE * warpid_in_group(), t0 = row0 + (laneid() >> 2);  // rows t0 and t0 + 8
     const float lt[2] = {d.lam(t0), d.lam(t0 + 8)};
-    rt_bf<BASE, CHUNK> xw;  // Xᵀ with token s scaled by exp(Λ_end − Λ_s) dt_s
-    weighted_transpose(xw, x, [&](int src) { return __expf(d.l_end - d.lam_col(src)) * d.dt_col(src); });
+    rt_bf<BASE, CHUNK> xw;
+    update_operand(xw, x, d);
 
     warpgroup::mma_async_wait<0>(cb, y);
     rt_bf<BASE, CHUNK> w;  // (C_t·B_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal
     causal_decay<false>(w, cb, d, lt, row0, [&](int, int src) { return d.dt_col(src); });
-    scale_rows(y, {__expf(lt[0]), __expf(lt[1])});
+    mul_row(y, y, rows(__expf(lt[0]), __expf(lt[1])));
     mul(s.h, s.h, __expf(d.l_end));
     warpgroup::mma_AB(y, w, x);
     warpgroup::mma_AB(s.h, xw, in.b);

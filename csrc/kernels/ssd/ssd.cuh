@@ -46,7 +46,9 @@ struct Stream {
 template <int NS>
 const char* make_stream(Stream<NS>& s, const void* x, const void* dy, const void* B, const void* C, const float* dt,
                         const Shape& sh) {
-  auto view = [&](const void* p, int cols) { return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), sh.batch, 1, sh.l, cols); };
+  auto view = [&](const void* p, int cols) {
+    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), sh.batch, 1, sh.l, cols);
+  };
   if (const char* e = make_tma_map(s.x, view(x, sh.nh * sh.p))) return e;
   if (dy)
     if (const char* e = make_tma_map(s.dy, view(dy, sh.nh * sh.p))) return e;
@@ -184,10 +186,18 @@ __device__ __forceinline__ void weighted_transpose(rt_bf<BASE, CHUNK>& dst, cons
   map_indexed(dst, transposed(t), [&](int, int s, float v) { return v * weight(s); });
 }
 
-// Scales the rows of a warp's 16-row accumulator: row r (this lane's r and r + 8) by f[r >> 3].
-template <int W>
-__device__ __forceinline__ void scale_rows(rt_fl<BASE, W>& t, const float (&f)[2]) {
-  map_indexed(t, t, [&](int r, int, float v) { return v * f[r >> 3]; });
+// Per-row factors of a warp's 16-row accumulator (tk's row vector, for mul_row): this lane's rows r and r + 8.
+using row_factors = rv<float, BASE, vec_pair8>;
+__device__ __forceinline__ row_factors rows(float r, float r8) {
+  row_factors v;
+  v.data[0][0] = r, v.data[0][1] = r8;
+  return v;
+}
+
+// The forward's state update, h ← exp(Λ_end) h + (Xᵀ diag(exp(Λ_end − Λ_s) dt_s)) B: its register A operand from the
+// chunk's x (the forward and backward kernel A run the same update).
+__device__ __forceinline__ void update_operand(rt_bf<BASE, CHUNK>& dst, const x_tile& x, const Decays& d) {
+  weighted_transpose(dst, x, [&](int s) { return __expf(d.l_end - d.lam_col(s)) * d.dt_col(s); });
 }
 
 // (b, h, p0 + 16·warp, 0) of a (b, nh, p, n) state tensor: where this warp's rows of task t's state start.
@@ -225,22 +235,6 @@ __device__ __forceinline__ void publish_state(state_tile<NS>& dst, const state_a
   warpgroup::store(dst, copy_bf);
   fence_async_shared();
   warpgroup::sync(bar);
-}
-
-// Σ over the columns of t(row, ·)·other(row, ·), other a bf16 chunk tile in shared memory with t's columns, for the
-// lane's two rows r0 and r0 + 8 (r0 = 16·warp + lane/4), summed over the quad of lanes sharing those rows.
-template <int W, class ST>
-__device__ __forceinline__ float2 row_dots(const rt_fl<BASE, W>& t, const ST& other, int r0) {
-  float sum[2] = {0.f, 0.f};
-#pragma unroll
-  for (int j = 0; j < W / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int r = r0 + 8 * (k & 1), col = BASE * j + base_col<row_layout>(k, 0);
-      const float2 o = __bfloat1622float2(*reinterpret_cast<const bf16_2*>(&other(r, col)));
-      sum[k & 1] += t.tiles[0][j].data[k].x * o.x + t.tiles[0][j].data[k].y * o.y;
-    }
-  return make_float2(quad_sum(sum[0]), quad_sum(sum[1]));
 }
 
 }  // namespace

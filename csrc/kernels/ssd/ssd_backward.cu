@@ -44,7 +44,8 @@ __device__ __forceinline__ uint4* chunk_state(const BwdGlobals<NS>& g, const lcs
 // Adds a warp's 16 rows (tokens chunk·64 + 16·warp + r) of an fp32 tile to a (b, l, ·) tensor's rows at `base`
 // (its element (b, 0, col0)); rows past l skipped.
 template <int W>
-__device__ __forceinline__ void add_rows(float* dst, int64_t base, int64_t ld, const rt_fl<BASE, W>& t, int row0, int l) {
+__device__ __forceinline__ void add_rows(float* dst, int64_t base, int64_t ld, const rt_fl<BASE, W>& t, int row0,
+                                         int l) {
 #pragma unroll
   for (int j = 0; j < W / BASE; ++j)
 #pragma unroll
@@ -60,6 +61,22 @@ __device__ __forceinline__ void add_token_sums(float* dst, int64_t base, int nh,
   if ((laneid() & 3) != 0) return;
   if (r0 < l) atomicAdd(dst + base + int64_t(r0) * nh, v.x);
   if (r0 + 8 < l) atomicAdd(dst + base + int64_t(r0 + 8) * nh, v.y);
+}
+
+// Σ over the columns of t(row, ·)·other(row, ·), other a bf16 chunk tile in shared memory with t's columns, for the
+// lane's two rows r0 and r0 + 8 (r0 = 16·warp + lane/4), summed over the quad of lanes sharing those rows.
+template <int W, class ST>
+__device__ __forceinline__ float2 row_dots(const rt_fl<BASE, W>& t, const ST& other, int r0) {
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < W / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = r0 + 8 * (k & 1), col = BASE * j + base_col<row_layout>(k, 0);
+      const float2 o = __bfloat1622float2(*reinterpret_cast<const bf16_2*>(&other(r, col)));
+      sum[k & 1] += t.tiles[0][j].data[k].x * o.x + t.tiles[0][j].data[k].y * o.y;
+    }
+  return make_float2(quad_sum(sum[0]), quad_sum(sum[1]));
 }
 
 // Kernel A: dC and its per-token sums C·dC, and the chunk-end states.
@@ -92,13 +109,13 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
     const Decays d = chunk_decays(in.dt[wg], g.A[h]);
     const int row0 = BASE * warpid_in_group(), t0 = row0 + (laneid() >> 2);
     const float lt[2] = {d.lam(t0), d.lam(t0 + 8)};
-    rt_bf<BASE, CHUNK> xw;  // Xᵀ with token s scaled by exp(Λ_end − Λ_s) dt_s (the forward's update)
-    weighted_transpose(xw, x, [&](int src) { return __expf(d.l_end - d.lam_col(src)) * d.dt_col(src); });
+    rt_bf<BASE, CHUNK> xw;
+    update_operand(xw, x, d);
 
     warpgroup::mma_async_wait<0>(m, dc);
     rt_bf<BASE, CHUNK> w;  // (dy_t·x_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal
     causal_decay<false>(w, m, d, lt, row0, [&](int, int src) { return d.dt_col(src); });
-    scale_rows(dc, {__expf(lt[0]), __expf(lt[1])});
+    mul_row(dc, dc, rows(__expf(lt[0]), __expf(lt[1])));
     mul(s.h, s.h, __expf(d.l_end));
     warpgroup::mma_AB(dc, w, in.b);
     warpgroup::mma_AB(s.h, xw, in.b);
@@ -180,7 +197,7 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
     }
     rt_bf<BASE, CHUNK> pw;  // (B_s·C_t) exp(Λ_t − Λ_s) on and above the diagonal
     causal_decay<true>(pw, bc, d, ls, row0, [](int, int) { return 1.f; });
-    scale_rows(dX, to_end);
+    mul_row(dX, dX, rows(to_end[0], to_end[1]));
     warpgroup::mma_AB(dX, pw, dy);
     warpgroup::mma_async_wait<0>(dX, pw);
 
@@ -214,7 +231,7 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
     warpgroup::mma_async_wait<0>(db, q);
     rt_bf<BASE, CHUNK> qw;  // (x_s·dy_t) exp(Λ_t − Λ_s) dt_s on and above the diagonal
     causal_decay<true>(qw, q, d, ls, row0, [&](int r, int) { return dts[r >> 3]; });
-    scale_rows(db, {to_end[0] * dts[0], to_end[1] * dts[1]});
+    mul_row(db, db, rows(to_end[0] * dts[0], to_end[1] * dts[1]));
     mul(s.g, s.g, __expf(d.l_end));
     warpgroup::mma_AB(db, qw, in.c);
     warpgroup::mma_AB(s.g, dyw, in.c);

@@ -59,7 +59,8 @@ template <class D> TK_DEVICE void fence_operand(D& d) {
 #pragma unroll
         for (int w = 0; w < D::width; ++w)
 #pragma unroll
-            for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&d.tiles[0][w].data[k]))::"memory");
+            for (int k = 0; k < 4; ++k)
+                asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&d.tiles[0][w].data[k]))::"memory");
     }
 }
 template <class D> constexpr bool is_acc = std::is_same_v<typename D::T, float> && D::rows == 16 && D::is_row;
