@@ -31,3 +31,14 @@ def test_racecheck_counts_any_other_race():
     assert sanitize_gpu.summary("racecheck", log)[0] == 1
     # before the copies were renamed nothing is known: every report counts
     assert sanitize_gpu.summary("racecheck", RACE_LOG.read_text())[0] == 4
+
+
+def test_racecheck_read_first_reports_on_the_byte_copies_are_known():
+    copy = "tk::tma::load_bytes_async(void *, const void *, unsigned int, tk::semaphore &)"
+    read_first = (f"========= Error: Race reported between Read access at tk_ssd::chunk_decays(const float *, float)+0x1f00"
+                  f" in ssd.cuh:153\n=========     and Write access at {copy}+0xb800 in tma.cuh:23 [496 hazards]\n"
+                  f"=========     and Write access at {copy}+0xbb40 in tma.cuh:23 [496 hazards]\n")
+    assert sanitize_gpu.summary("racecheck", _known_log() + read_first)[0] == 0
+    # a read racing with any other write is not known, whichever access the report names first
+    other = read_first.replace(f"{copy}+0xbb40", "tk_ssd::store_state(float *)+0x40")
+    assert sanitize_gpu.summary("racecheck", _known_log() + other)[0] == 1
