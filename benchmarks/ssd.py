@@ -40,7 +40,8 @@ def cases(quick: bool = False):
         yield 1, 4096, 32, 64, 128  # the e2e Mamba2's layer (1 x 4096 tokens: 16 tasks of two heads)
 
 
-TRAIN_CASES = ((16, 4096, 80, 64, 128), (1, 4096, 32, 64, 128))  # forward+backward: 65536 tokens, the e2e layer
+# forward+backward: 65536 tokens in long and in very long sequences, the e2e layer
+TRAIN_CASES = ((16, 4096, 80, 64, 128), (4, 16384, 80, 64, 128), (1, 4096, 32, 64, 128))
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -80,6 +81,9 @@ def run(quick: bool = False) -> list[Row]:
             if row.impl == "ours" and row.ms:
                 flops, least = floor_ms(b, l, nh, p, n)
                 row.note = f"{flops / row.ms / 1e9:.0f} TFLOPS, {100 * least / row.ms:.0f}% of the floor ({least:.3f} ms)"
+                segments = torch.ops.tk_cuda.ssd_segments(b, l, nh, 1, p)
+                if segments > 1:
+                    row.note += f", sequences in {segments} segments"
         rows += timed
         if mamba is None:
             rows.append(Row("ssd", name, "mamba_ssm", None, note=mamba_missing))

@@ -10,7 +10,8 @@
 The shapes are small (a sanitizer slows a kernel 10-1000x) but reach each kernel's launch variants: attention head
 dims 64 and 128, causal or not, GQA; rotary NeoX and interleaved, mixed dtypes; layernorm at each hidden-size tier,
 with residual, dropout, bias and gate, and the row-kernel and persistent backward; Based with narrow and wide
-value tiles; the SSD with two heads per task, a short last task of a group, and more tasks than SMs.
+value tiles; the SSD with two heads per task, a short last task of a group, more tasks than SMs, and sequences
+split into segments.
 memcheck runs with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1), so that every tensor is its
 own allocation and an access past a tensor's end is outside any allocation, not in a neighbouring tensor.
 racecheck reports raw byte copies into a ring (tk::tma::load_bytes_async: the attention backward's lse2/delta, the
@@ -105,13 +106,15 @@ def cases(families):
                 lambda q, k, v: torch.ops.tk.linear_attention(q, k, v, "based", None, None, 0.25, normalize, 1e-6),
                 q, k, v, expect=("linear_attention", "linear_attention_backward"))
 
-    # tasks of two heads, a group's short last task (3 heads per group), more tasks than SMs
-    for b, nh, ng in ((2, 4, 2), (1, 6, 2), (2, sms + 2, 1)) if "ssd" in families else ():
-        l, p, n = 130, 64, 128
+    # tasks of two heads, a group's short last task (3 heads per group), more tasks than SMs, sequences split into
+    # segments (few tasks: 21 chunks in segments of 5, the last of one chunk)
+    for b, nh, ng, l in ((2, 4, 2, 130), (1, 6, 2, 130), (2, sms + 2, 1, 130), (1, 6, 2, 1300)) \
+            if "ssd" in families else ():
+        p, n = 64, 128
         x, dt = rand(b, l, nh, p), torch.nn.functional.softplus(torch.randn(b, l, nh, device=dev) - 1)
         A, B, C = -torch.rand(nh, device=dev) - 0.1, rand(b, l, ng, n), rand(b, l, ng, n)
         D, h0 = torch.randn(nh, device=dev), torch.randn(b, nh, p, n, device=dev)
-        run(f"ssd b{b} nh{nh}", lambda x, dt, B, C, h0: torch.ops.tk.ssd(x, dt, A, B, C, D, h0, 64),
+        run(f"ssd b{b} nh{nh} l{l}", lambda x, dt, B, C, h0: torch.ops.tk.ssd(x, dt, A, B, C, D, h0, 64),
             x, dt, B, C, h0, expect=("ssd", "ssd_backward"))
     _dispatch.kernel = real
 

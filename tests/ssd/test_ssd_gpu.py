@@ -103,6 +103,28 @@ def test_ssd_forward_many_blocks(ops, b):
     check(ops, *inputs(b, 1024, 32, 1, 64, 128, seed=4 + b))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D,h0", [(True, True), (False, False)], ids=["D+h0", "plain"])
+@pytest.mark.parametrize("n,p", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("kind", ["single", "short"])
+@pytest.mark.parametrize("l", [1000, 2373])
+def test_ssd_forward_split(ops, l, kind, n, p, D, h0, dtype):
+    """Few tasks for the SMs: the forward splits each sequence into segments of chunks (a first pass gives each
+    segment's state from zero and its decay; each segment's scan starts from the state carried across the segments
+    before it). 1000 tokens: 16 chunks in segments of 4; 2373: 38 chunks, a short last segment (on 132 SMs)."""
+    b, nh, ng = {"single": (1, 2, 1), "short": (1, 6, 2)}[kind]
+    assert ops.ssd_segments(b, l, nh, ng, p) > 1, "expected a split sequence"
+    check(ops, *inputs(b, l, nh, ng, p, n, dtype=dtype, D=D, h0=h0, seed=l + n))
+
+
+def test_ssd_segments_only_split_short_grids(ops):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ops.ssd_segments(16, 4096, 80, 1, 64) == 1  # 640 tasks: whole waves
+    assert ops.ssd_segments(1, 200, 2, 1, 64) == 1  # 4 chunks: too short to split
+    assert 1 < ops.ssd_segments(1, 4096, 32, 1, 64) <= 16  # 16 tasks
+    assert 16 * ops.ssd_segments(1, 4096, 32, 1, 64) <= 2 * sms
+
+
 def test_ssd_forward_empty_and_bad_shapes(ops):
     x, dt, A, B, C, D, h0 = inputs(1, 0, 2, 1, 64, 64, h0=True)
     y, state = ops.ssd(x, dt, A, B, C, D, h0, 64)
@@ -172,6 +194,18 @@ def test_ssd_backward(ops, l, n, kind):
 def test_ssd_backward_options(ops, D, h0, grad_state, kind):
     b, nh, ng = grid(kind)
     check_backward(ops, *inputs(b, 200, nh, ng, 128, 128, D=D, h0=h0, seed=7), grad_state=grad_state)
+
+
+@pytest.mark.parametrize("D,h0,grad_state", [(True, True, True), (False, False, False)], ids=["D+h0+dstate", "plain"])
+@pytest.mark.parametrize("n,p", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("kind", ["single", "short"])
+@pytest.mark.parametrize("l", [1000, 2373])
+def test_ssd_backward_split(ops, l, kind, n, p, D, h0, grad_state):
+    """Both backward scans split as the forward does: h's segment states for kernel A, ∂L/∂h's (last segment first)
+    for kernel B; dh0 from the first segment's task."""
+    b, nh, ng = {"single": (1, 2, 1), "short": (1, 6, 2)}[kind]
+    assert ops.ssd_segments(b, l, nh, ng, p) > 1, "expected a split sequence"
+    check_backward(ops, *inputs(b, l, nh, ng, p, n, D=D, h0=h0, seed=l + p), grad_state=grad_state, seed=l)
 
 
 def test_ssd_backward_hf_layout_and_many_blocks(ops):

@@ -32,7 +32,7 @@ namespace tk::lcsf {
 struct task {
     int id;
     int iters;      // input blocks this task consumes (>= 1)
-    int coord[4];   // kernel-defined (e.g. row tile, col tile)
+    int coord[5];   // kernel-defined (e.g. row tile, col tile)
 };
 
 TK_DEVICE int consumer_id() { return warpgroupid(); }  // consumers are warpgroups 0 .. CONSUMER_WARPGROUPS-1

@@ -71,6 +71,10 @@ std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& 
   const bool y_bf16 = x.scalar_type() == at::kBFloat16;  // else fp32, cast to x's dtype below
   Tensor y = at::empty({b, l, nh, p}, x.options().dtype(y_bf16 ? at::kBFloat16 : at::kFloat));
   Tensor h_final = at::empty({b, nh, p, n}, f32);
+  // a sequence split into segments (few tasks for the SMs) needs each segment's state and decay
+  const int segments = tk_ssd::scan_segments(int(b), int(l), int(nh), int(ng), int(p));
+  Tensor seg_states, seg_decay;
+  if (segments > 1) seg_states = at::empty({b, nh, segments, p, n}, f32), seg_decay = at::empty({b, nh, segments}, f32);
   tk_ssd::Args a{};
   a.x = xb.data_ptr(), a.dt = dtt.data_ptr<float>(), a.A = Af.data_ptr<float>();
   a.B = Bb.data_ptr(), a.C = Cb.data_ptr();
@@ -78,6 +82,9 @@ std::tuple<Tensor, Tensor> ssd(const Tensor& x, const Tensor& dt, const Tensor& 
   a.h0 = has_h0 ? h0.data_ptr<float>() : nullptr;
   a.y = y.data_ptr(), a.y_bf16 = y_bf16, a.h_final = h_final.data_ptr<float>();
   a.b = int(b), a.l = int(l), a.l_pad = int(l_pad), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
+  a.segments = segments;
+  a.seg_states = segments > 1 ? seg_states.data_ptr<float>() : nullptr;
+  a.seg_decay = segments > 1 ? seg_decay.data_ptr<float>() : nullptr;
   const char* err = tk_ssd::launch(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::ssd: ", err ? err : "");
   return {y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type()), h_final};
@@ -123,6 +130,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
     a.dh0 = dh0.data_ptr<float>(), a.anchor = anchor.data_ptr<float>();
     Tensor chunk_states = at::empty({b * nh * p * chunks * n}, x.options().dtype(at::kBFloat16));
     a.chunk_states = chunk_states.data_ptr();
+    const int segments = tk_ssd::scan_segments(int(b), int(l), int(nh), int(ng), int(p));
+    Tensor seg_states, seg_grads, seg_decay;
+    if (segments > 1) {
+      seg_states = at::empty({b, nh, segments, p, n}, f32), seg_grads = at::empty({b, nh, segments, p, n}, f32);
+      seg_decay = at::empty({b, nh, segments}, f32);
+    }
+    a.segments = segments;
+    a.seg_states = segments > 1 ? seg_states.data_ptr<float>() : nullptr;
+    a.seg_grads = segments > 1 ? seg_grads.data_ptr<float>() : nullptr;
+    a.seg_decay = segments > 1 ? seg_decay.data_ptr<float>() : nullptr;
     a.b = int(b), a.l = int(l), a.l_pad = int(dtt.size(2)), a.nh = int(nh), a.ng = int(ng), a.p = int(p), a.n = int(n);
     const char* err = tk_ssd::launch_backward(a, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
@@ -146,9 +163,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ssd_backward(
           dC.to(C.scalar_type()), dD, dinit};
 }
 
+// The segments per sequence tk_cuda::ssd and tk_cuda::ssd_backward split each scan into on the current device
+// (1: none).
+int64_t ssd_segments(int64_t b, int64_t l, int64_t nh, int64_t ng, int64_t p) {
+  return tk_ssd::scan_segments(int(b), int(l), int(nh), int(ng), int(p));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
+  m.def("ssd_segments(int b, int l, int nh, int ng, int p) -> int", &ssd_segments);
   m.def("ssd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D=None, Tensor? initial_state=None, "
         "int chunk_size=64) -> (Tensor, Tensor)");
   m.def("ssd_backward(Tensor grad_y, Tensor grad_state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "

@@ -21,6 +21,7 @@ struct FwdGlobals {
   const float* D;   // or nullptr
   const float* h0;  // or nullptr
   float* h_final;
+  Segments seg;  // a split sequence's segment states (Shape::segments > 1)
 };
 
 template <int NS, class OutT>
@@ -41,7 +42,7 @@ struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
     const int wg = lcsf::consumer_id(), h = head_of(g.in.shape, t, wg), bar = 1 + wg;
     if (h < 0) return;
     if (it == 0) {
-      read_state<NS>(s.h, g.h0, state_base<NS>(g.in.shape, t, h));
+      enter_state<NS, false>(s.h, g.h0, g.seg, g.in.shape, t, h);
       publish_state(sc.h[wg], s.h, bar);
     }
     const x_tile& x = in.x[wg];
@@ -84,14 +85,15 @@ struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
     }
     publish_state(sc.h[wg], s.h, bar);  // (its fence and barrier also order the staging tile before the store)
     if (leader) {
-      tma::store_async(g.y, sc.y[wg], {t.coord[0], 0, it, h * g.in.shape.ptiles + t.coord[3]});
+      tma::store_async(g.y, sc.y[wg], {t.coord[0], 0, ssd_fwd::chunk_of(g, t, it), h * g.in.shape.ptiles + t.coord[3]});
       tma::store_commit();
     }
   }
 
   __device__ static void store(state& s, scratch_block&, const globals& g, const lcsf::task& t) {
     const int h = head_of(g.in.shape, t, lcsf::consumer_id());
-    if (h >= 0) write_state<NS>(g.h_final, s.h, state_base<NS>(g.in.shape, t, h));
+    if (h >= 0 && t.coord[4] == g.in.shape.segments - 1)  // the sequence's last segment: the final state
+      write_state<NS>(g.h_final, s.h, state_base<NS>(g.in.shape, t, h));
   }
 
   __device__ static void finish(scratch_block&, const globals&) {
@@ -103,16 +105,25 @@ template <int NS, class OutT>
 const char* run(const Args& a, cudaStream_t stream) {
   using K = ssd_fwd<NS, OutT>;
   typename K::globals g{};
-  const Shape sh = shape_of(a.b, a.l, a.l_pad, a.nh, a.ng, a.p, HEADS);
+  const Shape sh = shape_of(a.b, a.l, a.l_pad, a.nh, a.ng, a.p, HEADS, a.segments);
+  if (sh.segments != (sh.chunks + sh.seg_chunks - 1) / sh.seg_chunks) return "segments must split the chunks evenly";
   if (const char* e = make_stream(g.in, a.x, nullptr, a.B, a.C, a.dt, sh)) return e;
   if (const char* e = make_tma_map(g.y, gl<OutT>(static_cast<OutT*>(a.y), a.b, 1, a.l, a.nh * a.p))) return e;
-  g.A = a.A, g.D = a.D, g.h0 = a.h0, g.h_final = a.h_final;
-  if (tasks_of(sh) > 0x7fffffff) return "too many (batch, head, head-dim tile) tasks";
-  const cudaError_t e = lcsf::launch<K>(g, int(tasks_of(sh)), stream);
+  g.A = a.A, g.D = a.D, g.h0 = a.h0, g.h_final = a.h_final, g.seg = {a.seg_states, a.seg_decay};
+  if (tasks_of(sh) > 0x7fffffff) return "too many (batch, head, head-dim tile, segment) tasks";
+  cudaError_t e = cudaSuccess;
+  if (sh.segments > 1) e = launch_segment_states<NS, false>(g.in, a.A, g.seg, stream);
+  if (e == cudaSuccess) e = lcsf::launch<K>(g, int(tasks_of(sh)), stream);
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 
 }  // namespace
+
+int scan_segments(int b, int l, int nh, int ng, int p) {
+  if (b <= 0 || l <= 0 || nh <= 0 || ng <= 0 || nh % ng != 0 || p <= 0 || p % P_TILE != 0) return 1;
+  const Shape sh = shape_of(b, l, (l + CHUNK - 1) / CHUNK * CHUNK, nh, ng, p, HEADS);
+  return segments_for(tasks_of(sh, 1), sh.chunks, grid::sm_count());
+}
 
 const char* launch(const Args& a, cudaStream_t stream) {
   if (a.p <= 0 || a.p % P_TILE != 0) return "the head dim p must be a positive multiple of 64";
@@ -120,6 +131,8 @@ const char* launch(const Args& a, cudaStream_t stream) {
   if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
   if (a.l_pad < a.l || a.l_pad % CHUNK != 0) return "dt must be padded to whole chunks of 64";
+  if (a.segments < 1 || (a.segments > 1 && (!a.seg_states || !a.seg_decay)))
+    return "a split sequence (segments > 1) needs the segment scratch";
   switch (a.n * 2 + a.y_bf16) {
     case 64 * 2 + 1: return run<64, bf16>(a, stream);
     case 64 * 2: return run<64, float>(a, stream);

@@ -6,7 +6,10 @@
 //    x, dt (and for the backward dy) by TMA; tokens past l read as zeros and dt is zero-padded to whole chunks (no
 //    decay, no input);
 //  - a warpgroup's state (h or ∂L/∂h, 64 head dims × n) is its fp32 wgmma accumulator: warp w holds head dims
-//    16w..16w+15, so a state update is one wgmma with the decayed, transposed chunk rows as register A operand.
+//    16w..16w+15, so a state update is one wgmma with the decayed, transposed chunk rows as register A operand;
+//  - a scan may split each sequence into segments of chunks (when there are too few tasks for the SMs): a first
+//    pass (ssd.cu's ssd_segment_states) gives each segment's state from zero and its total decay, and a segment's
+//    task starts from the scan's initial state carried across the segments before it (enter_state).
 // Here: the tasks and the input loads, the chunk's decays (Λ, the inclusive cumulative sum of dt·A) and causal
 // masks, and the state's moves (from and to (b, nh, p, n) fp32 tensors, its bf16 copy in shared memory).
 #pragma once
@@ -29,11 +32,35 @@ template <int NS> using state_acc = rt_fl<BASE, NS>;    // a warp's 16 head dims
 
 struct Shape {
   int batch, nh, ng, p, l, l_pad, chunks, head_sets, ptiles;
+  int segments, seg_chunks;  // segments per sequence (1: no split), chunks per segment (the last may have fewer)
 };
-inline Shape shape_of(int b, int l, int l_pad, int nh, int ng, int p, int heads) {
-  return {b, nh, ng, p, l, l_pad, (l + CHUNK - 1) / CHUNK, (nh / ng + heads - 1) / heads, p / PT};
+inline Shape shape_of(int b, int l, int l_pad, int nh, int ng, int p, int heads, int segments = 1) {
+  const int chunks = (l + CHUNK - 1) / CHUNK, seg_chunks = (chunks + segments - 1) / segments;
+  return {b, nh, ng, p, l, l_pad, chunks, (nh / ng + heads - 1) / heads, p / PT, segments, seg_chunks};
 }
-inline long long tasks_of(const Shape& s) { return (long long)s.batch * s.ng * s.head_sets * s.ptiles; }
+// Tasks of a scan over `segments` segments of each sequence.
+inline long long tasks_of(const Shape& s, int segments) {
+  return (long long)s.batch * s.ng * s.head_sets * s.ptiles * segments;
+}
+inline long long tasks_of(const Shape& s) { return tasks_of(s, s.segments); }
+
+// Segments per sequence for a scan of `tasks` tasks (one per SM at a time) of `chunks` chunks each on `sms` SMs:
+// the count with the fewest estimated chunk-times, waves × segment length, plus the segment-states pass over all
+// segments but one at SEGMENT_PASS_COST of a scan's chunk. Segments keep at least MIN_SEGMENT_CHUNKS chunks.
+constexpr int MIN_SEGMENT_CHUNKS = 4, MAX_SEGMENTS = 16;
+constexpr double SEGMENT_PASS_COST = 0.4;
+inline int segments_for(long long tasks, int chunks, int sms) {
+  auto waves = [&](long long n) { return double((n + sms - 1) / sms); };
+  int best = 1;
+  double best_cost = waves(tasks) * chunks;
+  for (int s = 2; s <= MAX_SEGMENTS && chunks / s >= MIN_SEGMENT_CHUNKS; ++s) {
+    const int len = (chunks + s - 1) / s;
+    if ((chunks + len - 1) / len != s) continue;  // the same segments as a smaller count
+    const double cost = waves(tasks * s) * len + SEGMENT_PASS_COST * waves(tasks * (s - 1)) * len;
+    if (cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
 
 // What every kernel streams: x (and dy), B, C by TMA, dt (b, nh, l_pad) by bulk copy.
 template <int NS>
@@ -72,14 +99,15 @@ struct Chunk : DyTiles<DY> {
   float dt[HEADS][CHUNK];
 };
 
-// task id -> (batch, group, set of HEADS heads in the group, head-dim tile)
-__device__ __forceinline__ bool setup_task(lcsf::task& t, const Shape& s) {
-  const int per_group = s.head_sets * s.ptiles, per_batch = s.ng * per_group;
-  if (t.id >= s.batch * per_batch) return false;
-  const int r = t.id % per_batch;
-  t.coord[0] = t.id / per_batch, t.coord[1] = r / per_group, t.coord[2] = r % per_group / s.ptiles;
-  t.coord[3] = r % s.ptiles;
-  t.iters = s.chunks;
+// task id -> (batch, group, set of HEADS heads in the group, head-dim tile, segment) for a scan over `segments`
+// segments from segment `first` on; the segment's chunks are its iterations.
+__device__ __forceinline__ bool setup_task(lcsf::task& t, const Shape& s, int segments, int first) {
+  const int per_group = s.head_sets * s.ptiles, per_batch = s.ng * per_group, per_segment = s.batch * per_batch;
+  if (t.id >= per_segment * segments) return false;
+  const int r = t.id % per_segment % per_batch;
+  t.coord[0] = t.id % per_segment / per_batch, t.coord[1] = r / per_group, t.coord[2] = r % per_group / s.ptiles;
+  t.coord[3] = r % s.ptiles, t.coord[4] = first + t.id / per_segment;
+  t.iters = min(s.seg_chunks, s.chunks - t.coord[4] * s.seg_chunks);
   return true;
 }
 // Consumer w's head in task t, or -1 (the group's last set may be short).
@@ -88,42 +116,58 @@ __device__ __forceinline__ int head_of(const Shape& s, const lcsf::task& t, int 
   return j < per_group ? t.coord[1] * per_group + j : -1;
 }
 
-// Chunk `chunk` of task t into a stage (one producer thread).
-template <int NS, bool DY>
+// Which of a chunk's tiles a kernel reads (dt always).
+enum Loads : int { LOAD_B = 1, LOAD_C = 2, LOAD_X = 4, LOAD_DY = 8 };
+
+// Chunk `chunk` of task t into a stage (one producer thread): the tiles in LOADS.
+template <int LOADS, int NS, bool DY>
 __device__ __forceinline__ void load_chunk(Chunk<NS, DY>& in, semaphore& arrived, const Stream<NS>& g,
                                            const lcsf::task& t, int chunk) {
+  static_assert(DY || !(LOADS & LOAD_DY), "dy needs a stage with a dy tile");
   int heads = 0;
 #pragma unroll
   for (int w = 0; w < HEADS; ++w) heads += head_of(g.shape, t, w) >= 0;
-  expect_bytes(arrived, 2 * bc_tile<NS>::bytes + heads * ((DY ? 2 : 1) * x_tile::bytes + CHUNK * int(sizeof(float))));
+  constexpr int shared = (LOADS & LOAD_B ? 1 : 0) + (LOADS & LOAD_C ? 1 : 0);
+  constexpr int per_head = (LOADS & LOAD_X ? 1 : 0) + (LOADS & LOAD_DY ? 1 : 0);
+  expect_bytes(arrived, shared * bc_tile<NS>::bytes + heads * (per_head * x_tile::bytes + CHUNK * int(sizeof(float))));
   const int b = t.coord[0];
-  tma::load_async(in.b, g.b, arrived, {b, 0, chunk, t.coord[1]});
-  tma::load_async(in.c, g.c, arrived, {b, 0, chunk, t.coord[1]});
+  if constexpr (LOADS & LOAD_B) tma::load_async(in.b, g.b, arrived, {b, 0, chunk, t.coord[1]});
+  if constexpr (LOADS & LOAD_C) tma::load_async(in.c, g.c, arrived, {b, 0, chunk, t.coord[1]});
 #pragma unroll
   for (int w = 0; w < HEADS; ++w) {
     const int h = head_of(g.shape, t, w);
     if (h < 0) continue;
     const coord at{b, 0, chunk, h * g.shape.ptiles + t.coord[3]};
-    tma::load_async(in.x[w], g.x, arrived, at);
-    if constexpr (DY) tma::load_async(in.dy[w], g.dy, arrived, at);
+    if constexpr (LOADS & LOAD_X) tma::load_async(in.x[w], g.x, arrived, at);
+    if constexpr (LOADS & LOAD_DY) tma::load_async(in.dy[w], g.dy, arrived, at);
     tma::load_bytes_async(in.dt[w], g.dt + (int64_t(b) * g.shape.nh + h) * g.shape.l_pad + chunk * CHUNK,
                           CHUNK * sizeof(float), arrived);
   }
 }
 
-// The LCSF pieces every SSD kernel shares: its warpgroups and ring, the tasks, and the chunk loads (REVERSE: the
-// last chunk first). G is the kernel's globals, with the streamed inputs as `in`.
-template <int NS, bool DY, bool REVERSE, int STAGES, class G>
+// The LCSF pieces every SSD kernel shares: its warpgroups and ring, the tasks, and the chunk loads (REVERSE: a
+// segment's last chunk first). G is the kernel's globals, with the streamed inputs as `in`. PASS: a segment-states
+// pass, which walks every segment but the scan's last (the sequence's last forward, its first in REVERSE) and reads
+// only the state update's operands (x and B forward, dy and C in REVERSE).
+template <int NS, bool DY, bool REVERSE, int STAGES, class G, bool PASS = false>
 struct Scan {
   static constexpr int CONSUMER_WARPGROUPS = HEADS, INPUT_PIPE_STAGES = STAGES;
   static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+  static constexpr int LOADS = !PASS ? LOAD_B | LOAD_C | LOAD_X | (DY ? LOAD_DY : 0)
+                                     : REVERSE ? LOAD_C | LOAD_DY : LOAD_B | LOAD_X;
   using globals = G;
   using input_block = Chunk<NS, DY>;
-  // the chunk that iteration it works on
-  __device__ static int chunk_of(const G& g, int it) { return REVERSE ? g.in.shape.chunks - 1 - it : it; }
-  __device__ static bool setup(lcsf::task& t, const G& g) { return setup_task(t, g.in.shape); }
+  // the chunk that iteration it of task t works on
+  __device__ static int chunk_of(const G& g, const lcsf::task& t, int it) {
+    const int first = t.coord[4] * g.in.shape.seg_chunks;
+    return REVERSE ? first + t.iters - 1 - it : first + it;
+  }
+  __device__ static bool setup(lcsf::task& t, const G& g) {
+    const Shape& s = g.in.shape;
+    return PASS ? setup_task(t, s, s.segments - 1, REVERSE ? 1 : 0) : setup_task(t, s, s.segments, 0);
+  }
   __device__ static void load(input_block& in, semaphore& arrived, const G& g, const lcsf::task& t, int it) {
-    load_chunk(in, arrived, g.in, t, chunk_of(g, it));
+    load_chunk<LOADS>(in, arrived, g.in, t, chunk_of(g, t, it));
   }
 };
 
@@ -205,27 +249,60 @@ template <int NS>
 __device__ __forceinline__ int64_t state_base(const Shape& s, const lcsf::task& t, int h) {
   return ((int64_t(t.coord[0]) * s.nh + h) * s.p + t.coord[3] * PT + BASE * warpid_in_group()) * NS;
 }
-// A warp's state rows from a (b, nh, p, n) fp32 tensor (zero without one), and back.
+// Calls f(register pair, its element offset from the rows' start) for each of a warp's state registers, as the rows
+// lie in a (…, p, n) fp32 tensor.
+template <int NS, class F>
+__device__ __forceinline__ void for_state_pairs(state_acc<NS>& S, F&& f) {
+#pragma unroll
+  for (int j = 0; j < NS / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      f(S.tiles[0][j].data[k], base_row<row_layout>(k, 0) * NS + BASE * j + base_col<row_layout>(k, 0));
+}
+// A warp's state rows from a (b, nh, p, n) fp32 tensor (zero without one), added from one, and back.
 template <int NS>
 __device__ __forceinline__ void read_state(state_acc<NS>& S, const float* src, int64_t base) {
-#pragma unroll
-  for (int j = 0; j < NS / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int r = base_row<row_layout>(k, 0), c = BASE * j + base_col<row_layout>(k, 0);
-      S.tiles[0][j].data[k] = src ? *reinterpret_cast<const float2*>(src + base + r * NS + c) : make_float2(0.f, 0.f);
-    }
+  for_state_pairs(S, [&](float2& v, int at) {
+    v = src ? *reinterpret_cast<const float2*>(src + base + at) : make_float2(0.f, 0.f);
+  });
 }
 template <int NS>
-__device__ __forceinline__ void write_state(float* dst, const state_acc<NS>& S, int64_t base) {
-#pragma unroll
-  for (int j = 0; j < NS / BASE; ++j)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int r = base_row<row_layout>(k, 0), c = BASE * j + base_col<row_layout>(k, 0);
-      *reinterpret_cast<float2*>(dst + base + r * NS + c) = S.tiles[0][j].data[k];
-    }
+__device__ __forceinline__ void add_state(state_acc<NS>& S, const float* src, int64_t base) {
+  for_state_pairs(S, [&](float2& v, int at) {
+    const float2 a = *reinterpret_cast<const float2*>(src + base + at);
+    v.x += a.x, v.y += a.y;
+  });
 }
+template <int NS>
+__device__ __forceinline__ void write_state(float* dst, state_acc<NS>& S, int64_t base) {
+  for_state_pairs(S, [&](float2& v, int at) { *reinterpret_cast<float2*>(dst + base + at) = v; });
+}
+// The split scans' segment results: each segment's state from zero ((b, nh, segments, p, n) fp32) and total decay
+// Σ dt·A ((b, nh, segments) fp32), from the segment-states pass.
+struct Segments {
+  float* states;
+  float* decay;
+};
+// (b, h, segment j, p0 + 16·warp, 0) of the segment states: where this warp's rows of task t's head h start.
+template <int NS>
+__device__ __forceinline__ int64_t segment_base(const Shape& s, const lcsf::task& t, int h, int j) {
+  return (((int64_t(t.coord[0]) * s.nh + h) * s.segments + j) * s.p + t.coord[3] * PT + BASE * warpid_in_group()) * NS;
+}
+// The state entering task t's segment (REVERSE: the scan runs last segment first): the scan's initial state `init`
+// ((b, nh, p, n) fp32 or null: zero) carried across the segments the scan passes before it, S ← exp(decay_j) S +
+// state_j, from the first on.
+template <int NS, bool REVERSE>
+__device__ __forceinline__ void enter_state(state_acc<NS>& S, const float* init, const Segments& seg, const Shape& s,
+                                            const lcsf::task& t, int h) {
+  read_state<NS>(S, init, state_base<NS>(s, t, h));
+  const int k = t.coord[4], before = REVERSE ? s.segments - 1 - k : k;
+  for (int i = 0; i < before; ++i) {
+    const int j = REVERSE ? s.segments - 1 - i : i;
+    mul(S, S, __expf(seg.decay[(int64_t(t.coord[0]) * s.nh + h) * s.segments + j]));
+    add_state<NS>(S, seg.states, segment_base<NS>(s, t, h, j));
+  }
+}
+
 // The state's bf16 copy for the next wgmmas that read it: the caller's warpgroup must be done reading the old one;
 // ends with the fence and the warpgroup barrier `bar`.
 template <int NS>
@@ -235,6 +312,59 @@ __device__ __forceinline__ void publish_state(state_tile<NS>& dst, const state_a
   warpgroup::store(dst, copy_bf);
   fence_async_shared();
   warpgroup::sync(bar);
+}
+
+
+// The segment-states pass of a split scan (Scan's PASS): each segment's state from zero and its total decay Σ dt·A
+// (Segments) for the segments a scan's tasks enter after. Forward, the state h: h ← exp(Λ_end) h + (Xᵀ diag(exp(Λ_end −
+// Λ_s) dt_s)) B; REVERSE, ∂L/∂h as the backward's kernel B carries it (last chunk first): g ← exp(Λ_end) g +
+// (dyᵀ diag(exp(Λ_t))) C.
+template <int NS>
+struct SegmentGlobals {
+  Stream<NS> in;
+  const float* A;
+  Segments seg;
+};
+
+template <int NS, bool REVERSE>
+struct ssd_segment_states : Scan<NS, REVERSE, REVERSE, 3, SegmentGlobals<NS>, true> {
+  using globals = SegmentGlobals<NS>;
+  using input_block = Chunk<NS, REVERSE>;
+  struct scratch_block {};
+  struct state {
+    state_acc<NS> h;
+    float decay;  // Σ Λ_end over the chunks so far
+  };
+
+  __device__ static void compute(state& s, input_block& in, scratch_block&, const globals& g, const lcsf::task& t,
+                                 int it) {
+    const int wg = lcsf::consumer_id(), h = head_of(g.in.shape, t, wg);
+    if (h < 0) return;
+    if (it == 0) zero(s.h), s.decay = 0.f;
+    const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    rt_bf<BASE, CHUNK> w;  // the update's A operand
+    if constexpr (REVERSE) weighted_transpose(w, in.dy[wg], [&](int tok) { return __expf(d.lam_col(tok)); });
+    else update_operand(w, in.x[wg], d);
+    mul(s.h, s.h, __expf(d.l_end));
+    warpgroup::mma_AB(s.h, w, REVERSE ? in.c : in.b);
+    warpgroup::mma_async_wait<0>(s.h, w);
+    s.decay += d.l_end;
+  }
+
+  __device__ static void store(state& s, scratch_block&, const globals& g, const lcsf::task& t) {
+    const Shape& sh = g.in.shape;
+    const int h = head_of(sh, t, lcsf::consumer_id());
+    if (h < 0) return;
+    write_state<NS>(g.seg.states, s.h, segment_base<NS>(sh, t, h, t.coord[4]));
+    if (t.coord[3] == 0 && threadIdx.x % WARPGROUP_THREADS == 0)
+      g.seg.decay[(int64_t(t.coord[0]) * sh.nh + h) * sh.segments + t.coord[4]] = s.decay;
+  }
+};
+
+template <int NS, bool REVERSE>
+cudaError_t launch_segment_states(const Stream<NS>& in, const float* A, const Segments& seg, cudaStream_t stream) {
+  const SegmentGlobals<NS> g{in, A, seg};
+  return lcsf::launch<ssd_segment_states<NS, REVERSE>>(g, int(tasks_of(in.shape, in.shape.segments - 1)), stream);
 }
 
 }  // namespace

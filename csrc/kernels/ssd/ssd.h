@@ -24,6 +24,11 @@ struct Args {
   bool y_bf16;
   float* h_final;
   int b, l, l_pad, nh, ng, p, n;
+  // Sequences split into `segments` segments of chunks (scan_segments; 1: none) need fp32 scratch for each
+  // segment's state from zero, seg_states (b, nh, segments, p, n), and its total decay, seg_decay (b, nh, segments).
+  int segments;
+  float* seg_states;
+  float* seg_decay;
 };
 
 // Whether the kernel computes this state size (n).
@@ -31,6 +36,10 @@ constexpr bool state_size_supported(int n) { return n == 64 || n == 128; }
 
 // Forward (ssd.cu). nullptr on success, else why not (a bad argument or a launch error).
 const char* launch(const Args& a, cudaStream_t stream);
+// The segments per sequence a scan (the forward, each backward kernel) runs best with on the current device: more
+// than one when the (batch, group, head pair, head-dim tile) tasks leave SMs idle (a first pass then gives each
+// segment's state from zero, and each segment's task starts from the state carried across the segments before it).
+int scan_segments(int b, int l, int nh, int ng, int p);
 
 // Backward (ssd_backward.cu): from dy (b, l, nh, p) bf16 and dh (b, nh, p, n) fp32 (the final state's gradient, or
 // null): dx = dt·dX + D·dy (X = dt·x; (b, l, nh, p) bf16), the gradients of B and C ((b, l, ng, n) fp32), the per-token
@@ -57,6 +66,12 @@ struct BwdArgs {
   void* chunk_states;  // bf16 scratch of b·nh·p·chunks·n (16-byte aligned): each chunk's end state, from kernel A
   float* anchor;       // (b, nh, chunks), zeroed: ⟨∂L/∂h, h⟩ at each chunk's end, for the dt/A gradients
   int b, l, l_pad, nh, ng, p, n;
+  // as Args: split sequences (scan_segments) need each segment's state from zero for h (seg_states) and for ∂L/∂h
+  // (seg_grads), both (b, nh, segments, p, n) fp32, and its decay, seg_decay (b, nh, segments) fp32
+  int segments;
+  float* seg_states;
+  float* seg_grads;
+  float* seg_decay;
 };
 const char* launch_backward(const BwdArgs& a, cudaStream_t stream);
 

@@ -30,6 +30,7 @@ struct BwdGlobals {
   bf16* dx;
   float *dB, *dC, *dlam, *xdX, *dD, *dh0, *anchor;
   uint4* chunk_states;
+  Segments fwd, rev;  // a split sequence's segment states (Shape::segments > 1): h's for kernel A, g's for kernel B
 };
 
 // The bf16 chunk-end state of task t's head h at chunk c, in the order of a warpgroup's accumulator registers: slot j
@@ -97,7 +98,7 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
     const int wg = lcsf::consumer_id(), h = head_of(sh, t, wg), bar = 1 + wg;
     if (h < 0) return;
     if (it == 0) {
-      read_state<NS>(s.h, g.h0, state_base<NS>(sh, t, h));
+      enter_state<NS, false>(s.h, g.h0, g.fwd, sh, t, h);
       publish_state(sc.h[wg], s.h, bar);
     }
     const x_tile &x = in.x[wg], &dy = in.dy[wg];
@@ -121,13 +122,13 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
     warpgroup::mma_AB(s.h, xw, in.b);
     warpgroup::mma_async_wait<0>(dc, s.h, w, xw);
 
-    const int tok0 = it * CHUNK, b = t.coord[0];
+    const int c = ssd_bwd_dc::chunk_of(g, t, it), tok0 = c * CHUNK, b = t.coord[0];
     add_rows(g.dC, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, dc, tok0 + row0, sh.l);
     add_token_sums(g.dlam, int64_t(b) * sh.l * sh.nh + h, sh.nh, row_dots(dc, in.c, t0), tok0 + t0, sh.l);
     // the chunk-end state: its bf16 copy for kernel B (registers' order) and for the next chunk here
     rt_bf<BASE, NS> hb;
     copy(hb, s.h);
-    uint4* out = chunk_state(g, t, h, it);
+    uint4* out = chunk_state(g, t, h, c);
 #pragma unroll
     for (int j = 0; j < NS / 16; ++j) {
       const auto& r = hb.tiles[0][j].data;
@@ -159,9 +160,9 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
     const Shape& sh = g.in.shape;
     const int wg = lcsf::consumer_id(), h = head_of(sh, t, wg), bar = 1 + wg;
     if (h < 0) return;
-    const int c = ssd_bwd_dxdb::chunk_of(g, it), b = t.coord[0];
+    const int c = ssd_bwd_dxdb::chunk_of(g, t, it), b = t.coord[0];
     if (it == 0) {
-      read_state<NS>(s.g, g.dh, state_base<NS>(sh, t, h));
+      enter_state<NS, true>(s.g, g.dh, g.rev, sh, t, h);
       publish_state(sc.g[wg], s.g, bar);
       s.x_dy = 0.f;
     }
@@ -247,7 +248,7 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
   __device__ static void store(state& s, scratch_block&, const globals& g, const lcsf::task& t) {
     const int h = head_of(g.in.shape, t, lcsf::consumer_id());
     if (h < 0) return;
-    write_state<NS>(g.dh0, s.g, state_base<NS>(g.in.shape, t, h));
+    if (t.coord[4] == 0) write_state<NS>(g.dh0, s.g, state_base<NS>(g.in.shape, t, h));  // the sequence's start
     if (g.dD) {
       const float sum = warp_sum(s.x_dy);
       if (laneid() == 0) atomicAdd(g.dD + h, sum);
@@ -258,13 +259,18 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
 template <int NS>
 const char* run(const BwdArgs& a, cudaStream_t stream) {
   BwdGlobals<NS> g{};
-  const Shape sh = shape_of(a.b, a.l, a.l_pad, a.nh, a.ng, a.p, HEADS);
+  const Shape sh = shape_of(a.b, a.l, a.l_pad, a.nh, a.ng, a.p, HEADS, a.segments);
+  if (sh.segments != (sh.chunks + sh.seg_chunks - 1) / sh.seg_chunks) return "segments must split the chunks evenly";
   if (const char* e = make_stream(g.in, a.x, a.dy, a.B, a.C, a.dt, sh)) return e;
   g.A = a.A, g.D = a.D, g.h0 = a.h0, g.dh = a.dh;
   g.dx = static_cast<bf16*>(a.dx), g.dB = a.dB, g.dC = a.dC, g.dlam = a.dlam, g.xdX = a.xdX, g.dD = a.dD;
   g.dh0 = a.dh0, g.anchor = a.anchor, g.chunk_states = static_cast<uint4*>(a.chunk_states);
-  if (tasks_of(sh) > 0x7fffffff) return "too many (batch, head, head-dim tile) tasks";
-  cudaError_t e = lcsf::launch<ssd_bwd_dc<NS>>(g, int(tasks_of(sh)), stream);
+  g.fwd = {a.seg_states, a.seg_decay}, g.rev = {a.seg_grads, a.seg_decay};  // (both passes give the same decays)
+  if (tasks_of(sh) > 0x7fffffff) return "too many (batch, head, head-dim tile, segment) tasks";
+  const bool split = sh.segments > 1;
+  cudaError_t e = split ? launch_segment_states<NS, false>(g.in, a.A, g.fwd, stream) : cudaSuccess;
+  if (e == cudaSuccess) e = lcsf::launch<ssd_bwd_dc<NS>>(g, int(tasks_of(sh)), stream);
+  if (e == cudaSuccess && split) e = launch_segment_states<NS, true>(g.in, a.A, g.rev, stream);
   if (e == cudaSuccess) e = lcsf::launch<ssd_bwd_dxdb<NS>>(g, int(tasks_of(sh)), stream);
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
@@ -277,6 +283,8 @@ const char* launch_backward(const BwdArgs& a, cudaStream_t stream) {
   if (a.b <= 0 || a.nh <= 0) return nullptr;  // nothing to compute
   if (a.l <= 0) return "l must be >= 1 (the binding handles empty sequences)";
   if (a.l_pad < a.l || a.l_pad % CHUNK != 0) return "dt must be padded to whole chunks of 64";
+  if (a.segments < 1 || (a.segments > 1 && (!a.seg_states || !a.seg_grads || !a.seg_decay)))
+    return "a split sequence (segments > 1) needs the segment scratch";
   if (a.n == 64) return run<64>(a, stream);
   if (a.n == 128) return run<128>(a, stream);
   return "the state size n must be 64 or 128";
