@@ -56,6 +56,47 @@ __device__ __forceinline__ void add_rows(float* dst, int64_t base, int64_t ld, c
     }
 }
 
+// A task's two heads add into the same rows of dB or dC (one group): its warpgroups sum their tiles first and each
+// adds half the columns, which halves the fp32 atomics. Each hands its partner the other half through shared memory,
+// in two buffers by chunk parity, so that one barrier of the two warpgroups per chunk orders the exchange (a buffer
+// is written again two chunks later, after the partner has passed the barrier that follows its reads).
+template <int NS>
+struct PairSum {
+  float half[2][HEADS][PT][NS / 2];  // [chunk parity][writer][row][column in the half, swizzled by the row]
+};
+constexpr int PAIR_BARRIER = 1 + HEADS;  // (named barriers 1..HEADS are the warpgroups' own)
+
+// add_rows for warpgroup wg's tile t of rows row0 + 16·warp + r: with a partner (the other head of the task exists),
+// the pair's sum, wg adding columns [wg·NS/2, (wg + 1)·NS/2). t is overwritten.
+template <int NS>
+__device__ __forceinline__ void add_rows_paired(float* dst, int64_t base, int64_t ld, rt_fl<BASE, NS>& t,
+                                                PairSum<NS>& ps, int it, bool partner, int row0, int l) {
+  if (!partner) return add_rows(dst, base, ld, t, row0 + BASE * warpid_in_group(), l);
+  const int wg = lcsf::consumer_id(), half = NS / 2;
+  auto slot = [&](int writer, int j, int k) -> float2& {
+    const int r = BASE * warpid_in_group() + base_row<row_layout>(k, 0), c = (BASE * j + base_col<row_layout>(k, 0)) % half;
+    return *reinterpret_cast<float2*>(&ps.half[it & 1][writer][r][c ^ ((r & 3) << 3)]);  // conflict-free float2s
+  };
+  constexpr int J = NS / BASE;
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+    if ((j < J / 2) != (wg == 0))  // the partner's half
+#pragma unroll
+      for (int k = 0; k < 4; ++k) slot(wg, j, k) = t.tiles[0][j].data[k];
+  named_sync(PAIR_BARRIER, HEADS * WARPGROUP_THREADS);
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+    if ((j < J / 2) == (wg == 0))
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 o = slot(1 - wg, j, k);
+        float2& v = t.tiles[0][j].data[k];
+        v.x += o.x, v.y += o.y;
+        const int r = row0 + BASE * warpid_in_group() + base_row<row_layout>(k, 0);
+        if (r < l) atomicAdd(reinterpret_cast<float2*>(dst + base + r * ld + BASE * j + base_col<row_layout>(k, 0)), v);
+      }
+}
+
 // Adds per-token values (the lane's rows r0 and r0 + 8) to a (b, l, nh) tensor at `base` (its element (b, 0, h)); one
 // lane per quad; rows past l skipped.
 __device__ __forceinline__ void add_token_sums(float* dst, int64_t base, int nh, float2 v, int r0, int l) {
@@ -87,6 +128,7 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
   using input_block = Chunk<NS, true>;
   struct scratch_block {
     state_tile<NS> h[HEADS];
+    PairSum<NS> dc;
   };
   struct state {
     state_acc<NS> h;
@@ -123,8 +165,9 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
     warpgroup::mma_async_wait<0>(dc, s.h, w, xw);
 
     const int c = ssd_bwd_dc::chunk_of(g, t, it), tok0 = c * CHUNK, b = t.coord[0];
-    add_rows(g.dC, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, dc, tok0 + row0, sh.l);
     add_token_sums(g.dlam, int64_t(b) * sh.l * sh.nh + h, sh.nh, row_dots(dc, in.c, t0), tok0 + t0, sh.l);
+    add_rows_paired(g.dC, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, dc, sc.dc, it,
+                    head_of(sh, t, 1 - wg) >= 0, tok0, sh.l);
     // the chunk-end state: its bf16 copy for kernel B (registers' order) and for the next chunk here
     rt_bf<BASE, NS> hb;
     copy(hb, s.h);
@@ -149,6 +192,7 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
   using input_block = Chunk<NS, true>;
   struct scratch_block {
     state_tile<NS> g[HEADS];
+    PairSum<NS> db;
   };
   struct state {
     state_acc<NS> g;
@@ -238,9 +282,10 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
     warpgroup::mma_AB(s.g, dyw, in.c);
     warpgroup::mma_async_wait<0>(db, s.g, qw, dyw);
 
-    add_rows(g.dB, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, db, tok0 + row0, sh.l);
     const float2 bdb = row_dots(db, in.b, s0);
     add_token_sums(g.dlam, tok_base, sh.nh, make_float2(-bdb.x, -bdb.y), tok0 + s0, sh.l);
+    add_rows_paired(g.dB, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, db, sc.db, it,
+                    head_of(sh, t, 1 - wg) >= 0, tok0, sh.l);
     warpgroup::sync(bar);  // every warp's wgmmas have read the old copy of g
     publish_state(sc.g[wg], s.g, bar);
   }
