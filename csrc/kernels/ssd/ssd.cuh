@@ -46,7 +46,8 @@ inline long long tasks_of(const Shape& s) { return tasks_of(s, s.segments); }
 
 // Segments per sequence for a scan of `tasks` tasks (one per SM at a time) of `chunks` chunks each on `sms` SMs:
 // the count with the fewest estimated chunk-times, waves × segment length, plus the segment-states pass over all
-// segments but one at SEGMENT_PASS_COST of a scan's chunk. Segments keep at least MIN_SEGMENT_CHUNKS chunks.
+// segments but one at SEGMENT_PASS_COST of a scan's chunk (an estimate: the state update alone). At most
+// chunks / MIN_SEGMENT_CHUNKS segments (the last may be shorter than the others) and MAX_SEGMENTS.
 constexpr int MIN_SEGMENT_CHUNKS = 4, MAX_SEGMENTS = 16;
 constexpr double SEGMENT_PASS_COST = 0.4;
 inline int segments_for(long long tasks, int chunks, int sms) {
