@@ -110,7 +110,9 @@ template <class K> __global__ void __launch_bounds__(num_threads<K>, 1) kernel(c
 // Launch on `stream` with one block per SM (at most `tasks` blocks). Returns the launch status.
 template <class K> cudaError_t launch(const typename K::globals& g, int tasks, cudaStream_t stream) {
     constexpr size_t bytes = shared_bytes<K>;
-    static_assert(bytes <= 227 * 1024, "LCSF kernel needs more than the 227 KB of shared memory a block may have");
+    // (the block's static shared memory, its semaphores, counts against the same 227 KB)
+    static_assert(bytes + 2 * K::INPUT_PIPE_STAGES * sizeof(semaphore) <= 227 * 1024,
+                  "LCSF kernel needs more than the 227 KB of shared memory a block may have");
     cudaError_t e = cudaFuncSetAttribute(kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
     if (e != cudaSuccess) return e;
     kernel<K><<<grid::persistent_blocks(tasks), num_threads<K>, bytes, stream>>>(g);

@@ -57,12 +57,12 @@ __device__ __forceinline__ void add_rows(float* dst, int64_t base, int64_t ld, c
 }
 
 // A task's two heads add into the same rows of dB or dC (one group): its warpgroups sum their tiles first and each
-// adds half the columns, which halves the fp32 atomics. Each hands its partner the other half through shared memory,
-// in two buffers by chunk parity, so that one barrier of the two warpgroups per chunk orders the exchange (a buffer
-// is written again two chunks later, after the partner has passed the barrier that follows its reads).
+// adds half the columns, which halves the fp32 atomics. Each hands its partner the other half through shared memory
+// (one buffer: double-buffering would pass the shared memory a block may have), between barriers of the two
+// warpgroups: the partner has read the previous chunk's half before it is written again.
 template <int NS>
 struct PairSum {
-  float half[2][HEADS][PT][NS / 2];  // [chunk parity][writer][row][column in the half, swizzled by the row]
+  float half[HEADS][PT][NS / 2];  // [writer][row][column in the half, swizzled by the row]
 };
 constexpr int PAIR_BARRIER = 1 + HEADS;  // (named barriers 1..HEADS are the warpgroups' own)
 
@@ -70,14 +70,15 @@ constexpr int PAIR_BARRIER = 1 + HEADS;  // (named barriers 1..HEADS are the war
 // the pair's sum, wg adding columns [wg·NS/2, (wg + 1)·NS/2). t is overwritten.
 template <int NS>
 __device__ __forceinline__ void add_rows_paired(float* dst, int64_t base, int64_t ld, rt_fl<BASE, NS>& t,
-                                                PairSum<NS>& ps, int it, bool partner, int row0, int l) {
+                                                PairSum<NS>& ps, bool partner, int row0, int l) {
   if (!partner) return add_rows(dst, base, ld, t, row0 + BASE * warpid_in_group(), l);
   const int wg = lcsf::consumer_id(), half = NS / 2;
   auto slot = [&](int writer, int j, int k) -> float2& {
     const int r = BASE * warpid_in_group() + base_row<row_layout>(k, 0), c = (BASE * j + base_col<row_layout>(k, 0)) % half;
-    return *reinterpret_cast<float2*>(&ps.half[it & 1][writer][r][c ^ ((r & 3) << 3)]);  // conflict-free float2s
+    return *reinterpret_cast<float2*>(&ps.half[writer][r][c ^ ((r & 3) << 3)]);  // conflict-free float2s
   };
   constexpr int J = NS / BASE;
+  named_sync(PAIR_BARRIER, HEADS * WARPGROUP_THREADS);  // the partner has read the previous chunk's half
 #pragma unroll
   for (int j = 0; j < J; ++j)
     if ((j < J / 2) != (wg == 0))  // the partner's half
@@ -166,7 +167,7 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
 
     const int c = ssd_bwd_dc::chunk_of(g, t, it), tok0 = c * CHUNK, b = t.coord[0];
     add_token_sums(g.dlam, int64_t(b) * sh.l * sh.nh + h, sh.nh, row_dots(dc, in.c, t0), tok0 + t0, sh.l);
-    add_rows_paired(g.dC, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, dc, sc.dc, it,
+    add_rows_paired(g.dC, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, dc, sc.dc,
                     head_of(sh, t, 1 - wg) >= 0, tok0, sh.l);
     // the chunk-end state: its bf16 copy for kernel B (registers' order) and for the next chunk here
     rt_bf<BASE, NS> hb;
@@ -284,7 +285,7 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
 
     const float2 bdb = row_dots(db, in.b, s0);
     add_token_sums(g.dlam, tok_base, sh.nh, make_float2(-bdb.x, -bdb.y), tok0 + s0, sh.l);
-    add_rows_paired(g.dB, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, db, sc.db, it,
+    add_rows_paired(g.dB, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, db, sc.db,
                     head_of(sh, t, 1 - wg) >= 0, tok0, sh.l);
     warpgroup::sync(bar);  // every warp's wgmmas have read the old copy of g
     publish_state(sc.g[wg], s.g, bar);
