@@ -26,6 +26,7 @@ from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.s
 from tk_inductor import config
 from tk_inductor.rewrite import Match, Squeeze, example
 
+from . import _ssd_recurrent
 from ._fx import (arg, contraction, dtype, eq, evaluate_constant, full_index, indexes, is_tensor, kind, peel_to, rank,
                   scalar, shape, shapes_eq, static_int, strip, through_upcasts, unify)
 from ._mask import triangle
@@ -367,14 +368,17 @@ def _output(anchor, b, padded, length, h, p, x_f):
 
 
 def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
+    """The chunked SSD (anchored on Y_diag + Y_off) and the token-by-token recurrence (on the stack of the tokens'
+    outputs, _ssd_recurrent.py)."""
     cfg = cfg or config.current()
     matches = []
     for node in list(graph.nodes):
-        if kind(node) != "add":
+        if kind(node) not in ("add", "stack"):
             continue
         try:
-            m = _match(node, cfg)
-        except (_NoMatch, TypeError, IndexError, AttributeError, KeyError, ValueError, RuntimeError):
+            m = _match(node, cfg) if kind(node) == "add" else _ssd_recurrent.match(node, cfg)
+        except (_NoMatch, _ssd_recurrent._NoMatch, TypeError, IndexError, AttributeError, KeyError, ValueError,
+                RuntimeError):
             m = None  # not SSD (or not one we can read)
         if m is not None:
             matches.append(m)
