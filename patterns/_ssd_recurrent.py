@@ -8,7 +8,7 @@ tk_inductor.ops.ssd.ssd_recurrence:
         ys.append(einsum("bhpn,bhn->bhp", h, C[:, t])  (+ D[:, None] * x[:, t]))
     y = torch.stack(ys, dim=1)
 
-Anchored on `stack(ys, dim=1)`; every token's output is read back to the inputs: products are read by
+Anchored on `stack(ys, dim=1)` (or the `cat` of the ys given a sequence axis); every token's output is read back to the inputs: products are read by
 which tensor each factor is a token of (x[:, t], x.unbind(1)[t], x.select(1, t)) and which of the output's
 axes (batch, head, head dim, state dim) its axes broadcast to, so the order of factors, einsum or broadcast
 products, and x·dt formed before the loop all read the same. Token t must read token t of the same x, dt,
@@ -223,11 +223,25 @@ def _x_and_dt(sources: dict):
     raise _NoMatch("x·dt is not x * dt[..., None]")
 
 
+def _outputs(node) -> list | None:
+    """The tokens' outputs y_t (b, h, p) that `node` joins along the sequence: torch.stack(ys, dim=1), or
+    torch.cat of each y_t given a sequence axis (y[:, None], y.unsqueeze(1)) along it; None otherwise."""
+    items = arg(node, 0, "tensors")
+    if kind(node) not in ("stack", "cat") or arg(node, 1, "dim", 0) not in (1, -3) \
+            or not isinstance(items, (list, tuple)) or len(items) < 2 or not all(is_tensor(i) for i in items):
+        return None
+    if kind(node) == "cat":
+        bases = [_leaf(i) for i in items]
+        if any(tok is not None or inserted != [1] for _, tok, inserted in bases):
+            return None
+        items = [base for base, _, _ in bases]
+    return list(items) if all(rank(y) == 3 for y in items) else None
+
+
 def match(stack: fx.Node, cfg: config.Config) -> Match | None:
-    """The recurrent SSD ending in `stack` (torch.stack(ys, dim=1)), or None."""
-    ys = arg(stack, 0, "tensors")
-    if kind(stack) != "stack" or arg(stack, 1, "dim", 0) not in (1, -3) or not isinstance(ys, (list, tuple)) \
-            or len(ys) < 2 or any(not is_tensor(y) or rank(y) != 3 for y in ys):
+    """The recurrent SSD whose outputs `stack` joins (_outputs), or None."""
+    ys = _outputs(stack)
+    if ys is None:
         return None
     sources: dict = {}
     try:
@@ -254,7 +268,7 @@ def _verify(stack, sources, h0, h_last, cfg: config.Config) -> Match:
     A, D = sources["A"], sources.get("D")
     _need(rank(x) == 4, "x (b, l, h, p)")
     b, l, nh, p = shape(x)
-    _need(eq(l, len(arg(stack, 0, "tensors"))), "not every token of the sequence")
+    _need(eq(l, len(_outputs(stack))), "not every token of the sequence")
     _need(shapes_eq(shape(dt), (b, l, nh)) and shapes_eq(shape(A), (nh,)), "dt (b, l, h) and A (h)")
     _need(D is None or shapes_eq(shape(D), (nh,)), "D per head")
     B, C = _per_head(sources["B"], nh), _per_head(sources["C"], nh)

@@ -368,12 +368,12 @@ def _output(anchor, b, padded, length, h, p, x_f):
 
 
 def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
-    """The chunked SSD (anchored on Y_diag + Y_off) and the token-by-token recurrence (on the stack of the tokens'
-    outputs, _ssd_recurrent.py)."""
+    """The chunked SSD (anchored on Y_diag + Y_off) and the token-by-token recurrence (on the stack or cat of the
+    tokens' outputs, _ssd_recurrent.py)."""
     cfg = cfg or config.current()
     matches = []
     for node in list(graph.nodes):
-        if kind(node) not in ("add", "stack"):
+        if kind(node) not in ("add", "stack", "cat"):
             continue
         try:
             m = _match(node, cfg) if kind(node) == "add" else _ssd_recurrent.match(node, cfg)

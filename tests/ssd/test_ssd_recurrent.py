@@ -19,7 +19,7 @@ class RecurrentSSD(nn.Module):
     """h_t = exp(dt_t A) h_{t-1} + dt_t x_t ⊗ B_t, y_t = h_t C_t (+ D x_t), one Python loop step per token. Spellings:
     "einsum" / "mul-sum" readout, tokens by "index" / "select" / "unbind", "h-first" (h * decay), "X-before" (x·dt
     before the loop), "einsum-input" (the input term as one einsum), "groups" (B/C per group, repeat_interleave'd to
-    heads), and flaws that make it another computation: "stale-x" (x of token 0 every step), "no-exp" (the decay
+    heads), "cat" (the outputs joined by cat, not stack), and flaws that make it another computation: "stale-x" (x of token 0 every step), "no-exp" (the decay
     without exp), "X-scaled" (with X-before: 2x·dt as the input)."""
 
     def __init__(self, spelling=("einsum", "index"), D=True, h0=False):
@@ -60,6 +60,8 @@ class RecurrentSSD(nn.Module):
             if self.D:
                 y = y + D[:, None] * token(x, i)
             ys.append(y)
+        if "cat" in s:  # each token's output given a sequence axis, joined along it
+            return torch.cat([y[:, None] if i % 2 else y.unsqueeze(1) for i, y in enumerate(ys)], dim=1), h
         return torch.stack(ys, dim=1), h
 
 
@@ -84,7 +86,7 @@ def _compile(module, args, replaced=1):
 
 @pytest.mark.parametrize("spelling", [
     ("einsum", "index", "groups"), ("mul-sum", "select"), ("einsum", "unbind", "h-first"),
-    ("mul-sum", "index", "X-before", "groups"), ("einsum", "select", "einsum-input"),
+    ("mul-sum", "index", "X-before", "groups"), ("einsum", "select", "einsum-input", "cat"),
 ])
 @pytest.mark.parametrize("D, h0", [(True, False), (False, True)])
 def test_recurrent_spellings_are_replaced_and_equal(spelling, D, h0):
