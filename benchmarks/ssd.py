@@ -11,7 +11,7 @@ products C·Bᵀ, (L∘C·Bᵀ)·X, C·hᵀ and the state update: 2·64·(64n + 
 max(bytes / copy bandwidth, flops / bf16 matmul peak), both measured in the same run; bytes are x and y in bf16, B and
 C, and dt in fp32.
 
-Forward+backward at 65536 tokens and at the e2e layer:
+Forward+backward at 65536 tokens (b16 l4096 and b4 l16384) and at the e2e layer:
 - "ours": the op's autograd, the forward and backward kernels;
 - "ours (kernel fwd, reference bwd)": the same with the backward kernels off: the reference's autograd as the
   backward.
