@@ -138,10 +138,11 @@ def _bind(factors, template: dict, t: int, sources: dict):
             raise _NoMatch(f"token {t}: a factor of {sorted(template)} is not the expected token")
 
 
-def _readout(y, t: int, sources: dict):
-    """y_t = h_t·C_t (+ D·x_t) -> h_t; binds C (and D, x)."""
+def _readout(y, t: int, sources: dict, skip: bool = False):
+    """y_t = h_t·C_t (+ D·x_t, once) -> h_t; binds C (and D, x). skip: the D·x term has been read."""
     y = strip(y)
     if kind(y) == "add" and is_tensor(y.args[0]) and is_tensor(y.args[1]):
+        _need(not skip, f"token {t}: more than one term beside the readout")
         for r, dx in ((y.args[0], y.args[1]), (y.args[1], y.args[0])):
             try:
                 trial = dict(sources)
@@ -149,7 +150,7 @@ def _readout(y, t: int, sources: dict):
             except _NoMatch:
                 continue
             sources.update(trial)
-            return _readout(r, t, sources)
+            return _readout(r, t, sources, skip=True)
         raise _NoMatch(f"token {t}: an output term is not D·x")
     if kind(y) == "sum":
         dims = arg(y, 1, "dim")

@@ -20,7 +20,7 @@ class RecurrentSSD(nn.Module):
     "einsum" / "mul-sum" readout, tokens by "index" / "select" / "unbind", "h-first" (h * decay), "X-before" (x·dt
     before the loop), "einsum-input" (the input term as one einsum), "groups" (B/C per group, repeat_interleave'd to
     heads), "cat" (the outputs joined by cat, not stack), and flaws that make it another computation: "stale-x" (x of token 0 every step), "no-exp" (the decay
-    without exp), "X-scaled" (with X-before: 2x·dt as the input)."""
+    without exp), "X-scaled" (with X-before: 2x·dt as the input), "twice-D" (D·x added twice)."""
 
     def __init__(self, spelling=("einsum", "index"), D=True, h0=False):
         super().__init__()
@@ -58,6 +58,8 @@ class RecurrentSSD(nn.Module):
             else:
                 y = torch.einsum("bhpn,bhn->bhp", h, token(C, i))
             if self.D:
+                y = y + D[:, None] * token(x, i)
+            if "twice-D" in s:
                 y = y + D[:, None] * token(x, i)
             ys.append(y)
         if "cat" in s:  # each token's output given a sequence axis, joined along it
@@ -138,7 +140,7 @@ def test_the_library_recurrence_in_bf16_is_replaced_with_its_dtypes():
         assert float((o.double() - e).norm() / e.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("flaw", [("stale-x",), ("no-exp",), ("X-before", "X-scaled")])
+@pytest.mark.parametrize("flaw", [("stale-x",), ("no-exp",), ("X-before", "X-scaled"), ("twice-D",)])
 def test_loops_that_are_not_the_ssd_are_kept(flaw):
     module = RecurrentSSD(("einsum", "index") + flaw, D=True)
     args = _inputs(ng=4)
