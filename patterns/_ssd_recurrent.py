@@ -24,19 +24,10 @@ from tk_inductor import config
 from tk_inductor.ops import ssd as ssd_ops
 from tk_inductor.rewrite import Match, example
 
-from ._fx import arg, dtype, eq, evaluate_constant, is_tensor, kind, rank, shape, shapes_eq, strip, through_upcasts
+from ._fx import arg, dtype, eq, is_tensor, kind, rank, shape, shapes_eq, strip, through_upcasts
+from .ssd import FAMILY, _heads_from_groups, _is_zeros, _kept_reason, _need, _NoMatch
 
-FAMILY = "ssd"
 BATCH, HEAD, HEADDIM, STATE = "b", "h", "p", "n"
-
-
-class _NoMatch(Exception):
-    pass
-
-
-def _need(cond, why: str):
-    if not cond:
-        raise _NoMatch(why)
 
 
 def _index(idx, base_rank: int):
@@ -199,14 +190,6 @@ def _update(h, t: int, sources: dict):
     raise _NoMatch(f"token {t}: no decayed previous state")
 
 
-def _per_head(src, heads: int):
-    """B or C per head from groups: G.repeat_interleave(heads / groups, dim=2) -> G; per-head itself."""
-    if kind(src) == "repeat_interleave" and arg(src, 2, "dim") in (2, -2):
-        return through_upcasts(src.args[0])
-    _need(eq(shape(src)[2], heads), "B/C heads")
-    return src
-
-
 def _x_and_dt(sources: dict):
     """x and dt from the bound roles: with X = x·dt formed before the loop, X must be x * dt[..., None] for the dt
     of the decays (and the x of D·x, if any)."""
@@ -272,16 +255,11 @@ def _verify(stack, sources, h0, h_last, cfg: config.Config) -> Match:
     _need(eq(l, len(_outputs(stack))), "not every token of the sequence")
     _need(shapes_eq(shape(dt), (b, l, nh)) and shapes_eq(shape(A), (nh,)), "dt (b, l, h) and A (h)")
     _need(D is None or shapes_eq(shape(D), (nh,)), "D per head")
-    B, C = _per_head(sources["B"], nh), _per_head(sources["C"], nh)
+    B, C = _heads_from_groups(sources["B"], nh), _heads_from_groups(sources["C"], nh)
     _need(rank(B) == 4 and shapes_eq(shape(B), shape(C)) and eq(shape(B)[1], l), "B and C (b, l, g, n)")
     n = shape(B)[-1]
-    init = strip(h0)
-    if kind(init) in ("zeros", "zeros_like", "new_zeros") or (
-            isinstance(evaluate_constant(init), torch.Tensor) and not evaluate_constant(init).any()):
-        init = None
-    else:
-        init = through_upcasts(init)
-        _need(shapes_eq(shape(init), (b, nh, p, n)), "initial state shape")
+    init = None if _is_zeros(h0) else through_upcasts(h0)
+    _need(init is None or shapes_eq(shape(init), (b, nh, p, n)), "initial state shape")
     # y: the stack, or its cast back to x's dtype (a recurrence computed in fp32 from 16-bit inputs)
     y = stack
     users = list(stack.users)
@@ -289,21 +267,13 @@ def _verify(stack, sources, h0, h_last, cfg: config.Config) -> Match:
             and dtype(users[0]) == dtype(x) and shapes_eq(shape(users[0]), shape(stack)):
         y = users[0]
     final = h_last if len(h_last.users) > 1 else None  # used beyond token l - 1's readout
-    tensors = [t for t in (x, dt, A, B, C, D, init) if t is not None]
-    examples = [example(t) for t in tensors]
-    reason = None
-    if any(e.dtype not in (torch.float32, torch.bfloat16, torch.float16) for e in examples):
-        reason = f"dtypes {sorted({str(e.dtype) for e in examples})}"
-    elif dtype(y) != dtype(x):
-        reason = f"output dtype {dtype(y)} differs from x's {dtype(x)}"
-    elif examples[0].device.type == "cuda" and not cfg.reference:
-        reason = ssd_ops.kernel_supports(n, p)
+    examples = [example(t) for t in (x, dt, A, B, C, D, init) if t is not None]
     return Match(
         family=FAMILY,
         outputs=[y, final],
         target=torch.ops.tk.ssd.default,
         args=(x, dt, A, B, C, D, init, 64),
-        reason=reason,
+        reason=_kept_reason(examples, x, y, final, n, cfg),
         needs_grad=bool(getattr(example(stack), "requires_grad", False)),
         has_backward_kernel=ssd_ops.BACKWARD_KERNEL_VALIDATED,
         device=examples[0].device,

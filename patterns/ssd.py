@@ -26,7 +26,6 @@ from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.s
 from tk_inductor import config
 from tk_inductor.rewrite import Match, Squeeze, example
 
-from . import _ssd_recurrent
 from ._fx import (arg, contraction, dtype, eq, evaluate_constant, full_index, indexes, is_tensor, kind, peel_to, rank,
                   scalar, shape, shapes_eq, static_int, strip, through_upcasts, unify)
 from ._mask import triangle
@@ -280,21 +279,12 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
     x_arg = strip(x_dt)
     tensors = [x_arg, through_upcasts(dt_x), through_upcasts(A_node), B_src, C_src, D, h0]
     examples = [example(t.node if isinstance(t, Squeeze) else t) for t in tensors if t is not None]
-    reason = None
-    if any(e.dtype not in (torch.float32, torch.bfloat16, torch.float16) for e in examples):
-        reason = f"dtypes {sorted({str(e.dtype) for e in examples})}"
-    elif dtype(y_node) != dtype(x_arg):
-        reason = f"output dtype {dtype(y_node)} differs from x's {dtype(x_arg)}"
-    elif final is not None and dtype(final) not in (torch.float32, torch.bfloat16, torch.float16):
-        reason = f"final state dtype {dtype(final)}"
-    elif examples[0].device.type == "cuda" and not cfg.reference:
-        reason = _ops.kernel_supports(shape(B_src)[-1], shape(x_arg)[-1])
     return Match(
         family=FAMILY,
         outputs=[y_node, final],
         target=torch.ops.tk.ssd.default,
         args=(x_arg, through_upcasts(dt_x), through_upcasts(A_node), B_src, C_src, D, h0, int(chunk)),
-        reason=reason,
+        reason=_kept_reason(examples, x_arg, y_node, final, shape(B_src)[-1], cfg),
         # the output's example value knows whether grad mode was on (parameters' alone do not)
         needs_grad=bool(getattr(example(y_node), "requires_grad", False)),
         has_backward_kernel=_ops.BACKWARD_KERNEL_VALIDATED,  # the backward kernels, once validated on the GPU
@@ -308,12 +298,33 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
     )
 
 
+def _kept_reason(examples, x, y, final, n, cfg: config.Config) -> str | None:
+    """Why a proven SSD keeps its code (examples: the op's tensor arguments' values), or None."""
+    if any(e.dtype not in (torch.float32, torch.bfloat16, torch.float16) for e in examples):
+        return f"dtypes {sorted({str(e.dtype) for e in examples})}"
+    if dtype(y) != dtype(x):
+        return f"output dtype {dtype(y)} differs from x's {dtype(x)}"
+    if final is not None and dtype(final) not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"final state dtype {dtype(final)}"
+    if examples[0].device.type == "cuda" and not cfg.reference:
+        return _ops.kernel_supports(n, shape(x)[-1])
+    return None
+
+
+def _is_zeros(node) -> bool:
+    """node is zeros (torch.zeros, zeros_like, new_zeros, or a constant that evaluates to zeros): no initial state."""
+    node = strip(node)
+    if kind(node) in ("zeros", "zeros_like", "new_zeros"):
+        return True
+    value = evaluate_constant(node)
+    return isinstance(value, torch.Tensor) and not value.any()
+
+
 def _initial_state(node, expected_shape):
     """zeros / zeros_like (no initial state) -> None; h0[:, None] (upcast) -> h0; any other T0 -> T0.squeeze(1)."""
     node = strip(node)
     _need(shapes_eq(shape(node), expected_shape), "initial state shape")
-    if kind(node) in ("zeros_like", "new_zeros") or (
-            isinstance(evaluate_constant(node), torch.Tensor) and not evaluate_constant(node).any()):
+    if _is_zeros(node):
         return None
     node = through_upcasts(node)
     h0 = peel_to(node, "bxhpn", "bhpn")
@@ -367,6 +378,11 @@ def _output(anchor, b, padded, length, h, p, x_f):
     return node, D
 
 
+# The recurrence's matcher reads with this module's pieces (_need, _heads_from_groups, _is_zeros, _kept_reason): it is
+# imported once they exist.
+from . import _ssd_recurrent  # noqa: E402
+
+
 def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
     """The chunked SSD (anchored on Y_diag + Y_off) and the token-by-token recurrence (on the stack or cat of the
     tokens' outputs, _ssd_recurrent.py)."""
@@ -377,8 +393,7 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
             continue
         try:
             m = _match(node, cfg) if kind(node) == "add" else _ssd_recurrent.match(node, cfg)
-        except (_NoMatch, _ssd_recurrent._NoMatch, TypeError, IndexError, AttributeError, KeyError, ValueError,
-                RuntimeError):
+        except (_NoMatch, TypeError, IndexError, AttributeError, KeyError, ValueError, RuntimeError):
             m = None  # not SSD (or not one we can read)
         if m is not None:
             matches.append(m)
