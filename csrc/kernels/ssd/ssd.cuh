@@ -8,7 +8,7 @@
 //  - a warpgroup's state (h or ∂L/∂h, 64 head dims × n) is its fp32 wgmma accumulator: warp w holds head dims
 //    16w..16w+15, so a state update is one wgmma with the decayed, transposed chunk rows as register A operand;
 //  - a scan may split each sequence into segments of chunks (when there are too few tasks for the SMs): a first
-//    pass (ssd.cu's ssd_segment_states) gives each segment's state from zero and its total decay, and a segment's
+//    pass (ssd_segment_states, below) gives each segment's state from zero and its total decay, and a segment's
 //    task starts from the scan's initial state carried across the segments before it (enter_state).
 // Here: the tasks and the input loads, the chunk's decays (Λ, the inclusive cumulative sum of dt·A) and causal
 // masks, and the state's moves (from and to (b, nh, p, n) fp32 tensors, its bf16 copy in shared memory).
