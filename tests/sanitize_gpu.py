@@ -134,11 +134,11 @@ def summary(tool: str, log: str) -> tuple[int, str]:
     if race:
         reports = re.split(r"(?=Error: Race reported between )", log)[1:]
 
-        def known(report: str) -> bool:  # every write it names is a known copy
+        def is_known(report: str) -> bool:  # every write it names is a known copy
             writes = re.findall(r"Write access at ([^\n]*)", report.partition("RACECHECK SUMMARY")[0])
             return bool(writes) and all(any(k in w for k in KNOWN_RACES) for w in writes)
 
-        unknown = [r for r in reports if not known(r)]
+        unknown = [r for r in reports if not is_known(r)]
         known = len(reports) - len(unknown)
         line = race.group(0) + f"; {len(reports)} reports, {known} of them known (KNOWN_RACES)"
         return len(unknown), line
