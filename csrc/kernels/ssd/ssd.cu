@@ -32,6 +32,7 @@ struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
   struct scratch_block {
     state_tile<NS> h[HEADS];  // bf16 copy of each head's state before the current chunk
     y_tile y[HEADS];          // each head's output chunk on its way out
+    Table table[HEADS][WARPGROUP_WARPS];
   };
   struct state {
     state_acc<NS> h;
@@ -54,14 +55,17 @@ struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
 
     // while those run: the decays, and the state update's A operand
     const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    Table& tb = sc.table[wg][warpid_in_group()];
+    fill_update(tb, d);
     const int row0 = BASE * warpid_in_group(), t0 = row0 + (laneid() >> 2);  // rows t0 and t0 + 8
-    const float lt[2] = {d.lam(t0), d.lam(t0 + 8)};
+    const float lt[2] = {tb.lam[t0], tb.lam[t0 + 8]};
     rt_bf<BASE, CHUNK> xw;
-    update_operand(xw, x, d);
+    weighted_transpose(xw, x, tb);
 
-    warpgroup::mma_async_wait<0>(cb, y);
+    warpgroup::mma_async_wait<1>(cb);  // (C hᵀ may still run)
     rt_bf<BASE, CHUNK> w;  // (C_t·B_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal
-    causal_decay<false>(w, cb, d, lt, row0, [&](int, int src) { return d.dt_col(src); });
+    decay_mask<false, true>(w, cb, tb, lt, {1.f, 1.f}, row0);
+    warpgroup::mma_async_wait<0>(y);
     mul_row(y, y, rows(__expf(lt[0]), __expf(lt[1])));
     mul(s.h, s.h, __expf(d.l_end));
     warpgroup::mma_AB(y, w, x);

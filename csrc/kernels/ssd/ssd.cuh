@@ -172,23 +172,10 @@ struct Scan {
   }
 };
 
-// The value of token t (0..63) from the lanes' pairs (lane holds tokens 2·lane and 2·lane + 1). All lanes must call
-// it (shuffles).
-__device__ __forceinline__ float pair_at(float v0, float v1, int t) {
-  const float a0 = __shfl_sync(0xffffffffu, v0, t >> 1), a1 = __shfl_sync(0xffffffffu, v1, t >> 1);
-  return (t & 1) ? a1 : a0;
-}
-
 // Λ inside a chunk (the inclusive cumulative sum of a = dt·A), two tokens per lane: lane holds tokens 2·lane and
 // 2·lane + 1 (Λ in l0, l1; dt in dt0, dt1); every lane holds Λ_end. Every warp computes it (a shuffle scan).
 struct Decays {
   float dt0, dt1, l0, l1, l_end;
-  // Λ or dt of token t (0..63); all lanes must call them (shuffles)
-  __device__ __forceinline__ float lam(int t) const { return pair_at(l0, l1, t); }
-  __device__ __forceinline__ float dt(int t) const { return pair_at(dt0, dt1, t); }
-  // the same for a t of one parity in every lane (a register tile's column in map_indexed): one shuffle
-  __device__ __forceinline__ float lam_col(int t) const { return __shfl_sync(0xffffffffu, t & 1 ? l1 : l0, t >> 1); }
-  __device__ __forceinline__ float dt_col(int t) const { return __shfl_sync(0xffffffffu, t & 1 ? dt1 : dt0, t >> 1); }
 };
 
 // From the chunk's 64 dt values in shared memory and the head's A.
@@ -207,28 +194,65 @@ __device__ __forceinline__ Decays chunk_decays(const float* dt, float Ah) {
   return d;
 }
 
-// dst = scores ∘ the causal decay between a warp's 16 rows (row0 + r; their Λ in lrow, rows r and r + 8) and the
-// chunk's 64 tokens as columns, times weight(r, col): lower (col ≤ row) exp(Λ_row − Λ_col), upper (col ≥ row)
-// exp(Λ_col − Λ_row), zero elsewhere. A lower weight is evaluated by every lane (it may shuffle, as Decays::dt_col);
-// an upper one only where the mask is on.
-template <bool UPPER, class Weight>
-__device__ __forceinline__ void causal_decay(rt_bf<BASE, CHUNK>& dst, const rt_fl<BASE, CHUNK>& scores,
-                                             const Decays& d, const float (&lrow)[2], int row0, Weight&& weight) {
-  map_indexed(dst, scores, [&](int r, int col, float v) {
-    const float lc = d.lam_col(col);  // every lane shuffles
-    if constexpr (UPPER) return col >= row0 + r ? v * __expf(lc - lrow[r >> 3]) * weight(r, col) : 0.f;
-    const float w = weight(r, col);  // (may shuffle too: every lane)
-    return col <= row0 + r ? v * __expf(lrow[r >> 3] - lc) * w : 0.f;
-  });
+// A chunk's per-token values for one warp's lookups by column: Λ, dt and the state update's per-token weight, in
+// shared memory. Each warp keeps its own copy, written and read only by itself (__syncwarp orders them); a register
+// tile's element pair (columns c, c + 1, c even) reads each as one float2, where the lanes' registers would take a
+// shuffle per element.
+struct Table {
+  float lam[CHUNK], dt[CHUNK], w[CHUNK];
+};
+// Fills the table from the chunk's decays and the weights of the lane's tokens 2·lane and 2·lane + 1.
+__device__ __forceinline__ void fill(Table& tb, const Decays& d, float w0, float w1) {
+  __syncwarp();  // the previous chunk's reads are done
+  const int i = 2 * laneid();
+  *reinterpret_cast<float2*>(&tb.lam[i]) = make_float2(d.l0, d.l1);
+  *reinterpret_cast<float2*>(&tb.dt[i]) = make_float2(d.dt0, d.dt1);
+  *reinterpret_cast<float2*>(&tb.w[i]) = make_float2(w0, w1);
+  __syncwarp();
+}
+// The weights of the forward's state update (and kernel A's), exp(Λ_end − Λ_s) dt_s, and of g's, exp(Λ_t).
+__device__ __forceinline__ void fill_update(Table& tb, const Decays& d) {
+  fill(tb, d, __expf(d.l_end - d.l0) * d.dt0, __expf(d.l_end - d.l1) * d.dt1);
+}
+__device__ __forceinline__ void fill_reverse(Table& tb, const Decays& d) { fill(tb, d, __expf(d.l0), __expf(d.l1)); }
+__device__ __forceinline__ float2 pair(const float* v, int c) { return *reinterpret_cast<const float2*>(v + c); }
+// The first of this lane's two columns in register pair (base tile j, register k) of a row-layout tile.
+__device__ __forceinline__ int pair_col(int j, int k) { return BASE * j + base_col<row_layout>(k, 0); }
+
+// dst = scores ∘ the causal decay between a warp's 16 rows (row0 + r; their Λ in lrow and a factor in rw, rows r and
+// r + 8) and the chunk's 64 tokens as columns: lower (col ≤ row) exp(Λ_row − Λ_col), upper (col ≥ row)
+// exp(Λ_col − Λ_row), zero elsewhere; times dt_col with COL_DT, and times the row's factor.
+template <bool UPPER, bool COL_DT>
+__device__ __forceinline__ void decay_mask(rt_bf<BASE, CHUNK>& dst, const rt_fl<BASE, CHUNK>& scores, const Table& tb,
+                                           const float (&lrow)[2], const float (&rw)[2], int row0) {
+  const int r0 = row0 + (laneid() >> 2);
+#pragma unroll
+  for (int j = 0; j < CHUNK / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int c = pair_col(j, k), t = r0 + 8 * (k & 1);
+      const float2 lc = pair(tb.lam, c), dc = COL_DT ? pair(tb.dt, c) : make_float2(1.f, 1.f);
+      const float2 v = scores.tiles[0][j].data[k];
+      const float l = lrow[k & 1], f = rw[k & 1];
+      const bool on0 = UPPER ? c >= t : c <= t, on1 = UPPER ? c + 1 >= t : c + 1 <= t;
+      const float e0 = __expf(UPPER ? lc.x - l : l - lc.x), e1 = __expf(UPPER ? lc.y - l : l - lc.y);
+      dst.tiles[0][j].data[k] = __floats2bfloat162_rn(on0 ? v.x * e0 * dc.x * f : 0.f, on1 ? v.y * e1 * dc.y * f : 0.f);
+    }
 }
 
 // A state update's A operand: this warp's 16 head dims of a chunk tile (tokens × head dims) transposed, token s
-// scaled by weight(s) (one parity in every lane: Decays' *_col lookups apply).
-template <class Weight>
-__device__ __forceinline__ void weighted_transpose(rt_bf<BASE, CHUNK>& dst, const x_tile& src, Weight&& weight) {
+// scaled by the table's weight.
+__device__ __forceinline__ void weighted_transpose(rt_bf<BASE, CHUNK>& dst, const x_tile& src, const Table& tb) {
   rt_bf<CHUNK, BASE, col_layout> t;
   load(t, src, 0, BASE * warpid_in_group());
-  map_indexed(dst, transposed(t), [&](int, int s, float v) { return v * weight(s); });
+  const rt_bf<BASE, CHUNK>& tt = transposed(t);
+#pragma unroll
+  for (int j = 0; j < CHUNK / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 w = pair(tb.w, pair_col(j, k)), v = __bfloat1622float2(tt.tiles[0][j].data[k]);
+      dst.tiles[0][j].data[k] = __floats2bfloat162_rn(v.x * w.x, v.y * w.y);
+    }
 }
 
 // Per-row factors of a warp's 16-row accumulator (tk's row vector, for mul_row): this lane's rows r and r + 8.
@@ -237,12 +261,6 @@ __device__ __forceinline__ row_factors rows(float r, float r8) {
   row_factors v;
   v.data[0][0] = r, v.data[0][1] = r8;
   return v;
-}
-
-// The forward's state update, h ← exp(Λ_end) h + (Xᵀ diag(exp(Λ_end − Λ_s) dt_s)) B: its register A operand from the
-// chunk's x (the forward and backward kernel A run the same update).
-__device__ __forceinline__ void update_operand(rt_bf<BASE, CHUNK>& dst, const x_tile& x, const Decays& d) {
-  weighted_transpose(dst, x, [&](int s) { return __expf(d.l_end - d.lam_col(s)) * d.dt_col(s); });
 }
 
 // (b, h, p0 + 16·warp, 0) of a (b, nh, p, n) state tensor: where this warp's rows of task t's state start.
@@ -331,21 +349,26 @@ template <int NS, bool REVERSE>
 struct ssd_segment_states : Scan<NS, REVERSE, REVERSE, 3, SegmentGlobals<NS>, true> {
   using globals = SegmentGlobals<NS>;
   using input_block = Chunk<NS, REVERSE>;
-  struct scratch_block {};
+  struct scratch_block {
+    Table table[HEADS][WARPGROUP_WARPS];
+  };
   struct state {
     state_acc<NS> h;
     float decay;  // Σ Λ_end over the chunks so far
   };
 
-  __device__ static void compute(state& s, input_block& in, scratch_block&, const globals& g, const lcsf::task& t,
+  __device__ static void compute(state& s, input_block& in, scratch_block& sc, const globals& g, const lcsf::task& t,
                                  int it) {
     const int wg = lcsf::consumer_id(), h = head_of(g.in.shape, t, wg);
     if (h < 0) return;
     if (it == 0) zero(s.h), s.decay = 0.f;
     const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    Table& tb = sc.table[wg][warpid_in_group()];
+    if constexpr (REVERSE) fill_reverse(tb, d);
+    else fill_update(tb, d);
     rt_bf<BASE, CHUNK> w;  // the update's A operand
-    if constexpr (REVERSE) weighted_transpose(w, in.dy[wg], [&](int tok) { return __expf(d.lam_col(tok)); });
-    else update_operand(w, in.x[wg], d);
+    if constexpr (REVERSE) weighted_transpose(w, in.dy[wg], tb);
+    else weighted_transpose(w, in.x[wg], tb);
     mul(s.h, s.h, __expf(d.l_end));
     warpgroup::mma_AB(s.h, w, REVERSE ? in.c : in.b);
     warpgroup::mma_async_wait<0>(s.h, w);

@@ -130,6 +130,7 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
   struct scratch_block {
     state_tile<NS> h[HEADS];
     PairSum<NS> dc;
+    Table table[HEADS][WARPGROUP_WARPS];
   };
   struct state {
     state_acc<NS> h;
@@ -151,14 +152,17 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
     warpgroup::mm_AB(dc, dy, sc.h[wg]);
 
     const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    Table& tb = sc.table[wg][warpid_in_group()];
+    fill_update(tb, d);  // weights: the forward's update
     const int row0 = BASE * warpid_in_group(), t0 = row0 + (laneid() >> 2);
-    const float lt[2] = {d.lam(t0), d.lam(t0 + 8)};
+    const float lt[2] = {tb.lam[t0], tb.lam[t0 + 8]};
     rt_bf<BASE, CHUNK> xw;
-    update_operand(xw, x, d);
+    weighted_transpose(xw, x, tb);
 
-    warpgroup::mma_async_wait<0>(m, dc);
+    warpgroup::mma_async_wait<1>(m);  // (dy h may still run)
     rt_bf<BASE, CHUNK> w;  // (dy_t·x_s) exp(Λ_t − Λ_s) dt_s on and below the diagonal
-    causal_decay<false>(w, m, d, lt, row0, [&](int, int src) { return d.dt_col(src); });
+    decay_mask<false, true>(w, m, tb, lt, {1.f, 1.f}, row0);
+    warpgroup::mma_async_wait<0>(dc);
     mul_row(dc, dc, rows(__expf(lt[0]), __expf(lt[1])));
     mul(s.h, s.h, __expf(d.l_end));
     warpgroup::mma_AB(dc, w, in.b);
@@ -194,6 +198,7 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
   struct scratch_block {
     state_tile<NS> g[HEADS];
     PairSum<NS> db;
+    Table table[HEADS][WARPGROUP_WARPS];
   };
   struct state {
     state_acc<NS> g;
@@ -219,14 +224,19 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
     const x_tile &x = in.x[wg], &dy = in.dy[wg];
     rt_fl<BASE, PT> dX;     // B_s · gᵀ, then dX_s
     rt_fl<BASE, CHUNK> bc;  // B_s · C_t
-    warpgroup::mm_ABt(dX, in.b, sc.g[wg]);
     warpgroup::mm_ABt(bc, in.b, in.c);
+    warpgroup::mm_ABt(dX, in.b, sc.g[wg]);
     const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    Table& tb = sc.table[wg][warpid_in_group()];
+    fill_reverse(tb, d);  // weights: g's update
     const int row0 = BASE * warpid_in_group(), s0 = row0 + (laneid() >> 2);  // rows s0 and s0 + 8
-    const float ls[2] = {d.lam(s0), d.lam(s0 + 8)}, dts[2] = {d.dt(s0), d.dt(s0 + 8)};
+    const float ls[2] = {tb.lam[s0], tb.lam[s0 + 8]}, dts[2] = {tb.dt[s0], tb.dt[s0 + 8]};
     const float to_end[2] = {__expf(d.l_end - ls[0]), __expf(d.l_end - ls[1])};
 
-    warpgroup::mma_async_wait<0>(dX, bc);
+    warpgroup::mma_async_wait<1>(bc);  // (B gᵀ may still run)
+    rt_bf<BASE, CHUNK> pw;  // (B_s·C_t) exp(Λ_t − Λ_s) on and above the diagonal
+    decay_mask<true, false>(pw, bc, tb, ls, {1.f, 1.f}, row0);
+    warpgroup::mma_async_wait<0>(dX);
     {
       float sum = 0.f;
 #pragma unroll
@@ -241,8 +251,6 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
       sum = warp_sum(sum);
       if (laneid() == 0) atomicAdd(g.anchor + (int64_t(b) * sh.nh + h) * sh.chunks + c, sum);
     }
-    rt_bf<BASE, CHUNK> pw;  // (B_s·C_t) exp(Λ_t − Λ_s) on and above the diagonal
-    causal_decay<true>(pw, bc, d, ls, row0, [](int, int) { return 1.f; });
     mul_row(dX, dX, rows(to_end[0], to_end[1]));
     warpgroup::mma_AB(dX, pw, dy);
     warpgroup::mma_async_wait<0>(dX, pw);
@@ -270,13 +278,14 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
 
     rt_fl<BASE, NS> db;    // x_s · g, then dB_s
     rt_fl<BASE, CHUNK> q;  // x_s · dy_t
-    warpgroup::mm_AB(db, x, sc.g[wg]);
     warpgroup::mm_ABt(q, x, dy);
+    warpgroup::mm_AB(db, x, sc.g[wg]);
     rt_bf<BASE, CHUNK> dyw;  // dyᵀ with token t scaled by exp(Λ_t): g's update
-    weighted_transpose(dyw, dy, [&](int src) { return __expf(d.lam_col(src)); });
-    warpgroup::mma_async_wait<0>(db, q);
+    weighted_transpose(dyw, dy, tb);
+    warpgroup::mma_async_wait<1>(q);  // (x g may still run)
     rt_bf<BASE, CHUNK> qw;  // (x_s·dy_t) exp(Λ_t − Λ_s) dt_s on and above the diagonal
-    causal_decay<true>(qw, q, d, ls, row0, [&](int r, int) { return dts[r >> 3]; });
+    decay_mask<true, false>(qw, q, tb, ls, dts, row0);
+    warpgroup::mma_async_wait<0>(db);
     mul_row(db, db, rows(to_end[0] * dts[0], to_end[1] * dts[1]));
     mul(s.g, s.g, __expf(d.l_end));
     warpgroup::mma_AB(db, qw, in.c);
