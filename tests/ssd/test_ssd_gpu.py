@@ -1,5 +1,5 @@
 """The SSD forward kernel (csrc/kernels/ssd/ssd.cu) against the fp32 chunked reference, through the raw op
-tk_cuda::ssd, on random inputs: odd lengths (chunk tails), one and many chunks, state sizes 64 and 128, head dims
+tk_cuda::ssd, on random inputs: odd lengths (chunk tails), one and many chunks, state sizes 16, 32, 64 and 128, head dims
 64 and 128 (one and two head-dim tiles), grouped B/C, with and without D and an initial state, bf16 and fp32 x,
 and HF Mamba2's layout (sequence axis innermost). Outputs are poisoned before each call."""
 from __future__ import annotations
@@ -69,7 +69,7 @@ def check(ops, x, dt, A, B, C, D, h0):
 
 
 @pytest.mark.parametrize("kind", ["pairs", "short", "persistent"])
-@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("n", [16, 32, 64, 128])
 @pytest.mark.parametrize("l", [1, 17, 64, 65, 300, 2048])
 def test_ssd_forward(ops, l, n, kind):
     b, nh, ng = grid(kind)
@@ -105,7 +105,7 @@ def test_ssd_forward_many_blocks(ops, b):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("D,h0", [(True, True), (False, False)], ids=["D+h0", "plain"])
-@pytest.mark.parametrize("n,p", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("n,p", [(16, 64), (32, 128), (64, 64), (128, 128)])
 @pytest.mark.parametrize("kind", ["single", "short"])
 @pytest.mark.parametrize("l", [1000, 2373])
 def test_ssd_forward_split(ops, l, kind, n, p, D, h0, dtype):
@@ -129,7 +129,7 @@ def test_ssd_forward_empty_and_bad_shapes(ops):
     x, dt, A, B, C, D, h0 = inputs(1, 0, 2, 1, 64, 64, h0=True)
     y, state = ops.ssd(x, dt, A, B, C, D, h0, 64)
     assert y.shape == x.shape and torch.equal(state, h0)
-    x, dt, A, B, C, D, _ = inputs(1, 8, 2, 1, 64, 32)
+    x, dt, A, B, C, D, _ = inputs(1, 8, 2, 1, 64, 48)
     with pytest.raises(RuntimeError, match="state size"):
         ops.ssd(x, dt, A, B, C, D, None, 64)
     x, dt, A, B, C, D, _ = inputs(1, 8, 2, 1, 48, 64)
@@ -181,7 +181,7 @@ def da_error(dA, leaves, dy):
 
 
 @pytest.mark.parametrize("kind", ["pairs", "short", "persistent"])
-@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("n", [16, 32, 64, 128])
 @pytest.mark.parametrize("l", [1, 17, 64, 65, 300])
 def test_ssd_backward(ops, l, n, kind):
     b, nh, ng = grid(kind)
@@ -197,7 +197,7 @@ def test_ssd_backward_options(ops, D, h0, grad_state, kind):
 
 
 @pytest.mark.parametrize("D,h0,grad_state", [(True, True, True), (False, False, False)], ids=["D+h0+dstate", "plain"])
-@pytest.mark.parametrize("n,p", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("n,p", [(16, 64), (32, 128), (64, 64), (128, 128)])
 @pytest.mark.parametrize("kind", ["single", "short"])
 @pytest.mark.parametrize("l", [1000, 2373])
 def test_ssd_backward_split(ops, l, kind, n, p, D, h0, grad_state):

@@ -31,9 +31,9 @@ from . import _dispatch
 
 FAMILY = "ssd"
 
-# The CUDA kernels (csrc/kernels/ssd/ssd.cu, ssd_backward.cu): state size n 64 or 128, head dim p a multiple of 64;
+# The CUDA kernels (csrc/kernels/ssd/ssd.cu, ssd_backward.cu): state size n 16, 32, 64 or 128, head dim p a multiple of 64;
 # bf16 tensor-core products with fp32 states (inputs in other dtypes are converted by its binding).
-KERNEL_STATE_SIZES, KERNEL_P_TILE = (64, 128), 64
+KERNEL_STATE_SIZES, KERNEL_P_TILE = (16, 32, 64, 128), 64
 # The backward kernels (csrc/kernels/ssd/ssd_backward.cu) are validated on the GPU by tests/test_ssd_gpu.py.
 # False: the backward op and the matcher fall back to the reference (while a changed kernel awaits its GPU run).
 BACKWARD_KERNEL_VALIDATED = True

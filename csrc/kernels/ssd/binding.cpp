@@ -1,5 +1,5 @@
 // Registers the SSD kernels as the raw ops tk_cuda::ssd and tk_cuda::ssd_backward, with the schemas of the
-// user-facing tk:: ops. tk_inductor/ops/ssd.py calls them only for what `kernel_supports` accepts (n 64 or 128, p a
+// user-facing tk:: ops. tk_inductor/ops/ssd.py calls them only for what `kernel_supports` accepts (n 16, 32, 64 or 128, p a
 // multiple of 64); the checks here guard direct calls. The kernel takes one layout (ssd.h): inputs in other dtypes or strides (HF
 // Mamba2 hands over fp32 x and B/C with the sequence axis innermost) are converted here first.
 #include <ATen/core/Tensor.h>
@@ -41,7 +41,7 @@ void check_inputs(const char* op, const Tensor& x, const Tensor& dt, const Tenso
   TORCH_CHECK(dt.size(0) == b && dt.size(1) == l && dt.size(2) == nh && A.size(0) == nh && B.size(0) == b &&
                   B.size(1) == l && ng >= 1 && nh % ng == 0,
               op, ": shapes disagree");
-  TORCH_CHECK(tk_ssd::state_size_supported(int(n)), op, ": the kernel takes state size n 64 or 128, got ", n);
+  TORCH_CHECK(tk_ssd::state_size_supported(int(n)), op, ": the kernel takes state size n 16, 32, 64 or 128, got ", n);
   TORCH_CHECK(p % tk_ssd::P_TILE == 0 && p > 0, op, ": the kernel takes head dims p that are multiples of ",
               tk_ssd::P_TILE, ", got ", p);
   if (D && D->defined()) TORCH_CHECK(D->dim() == 1 && D->size(0) == nh, op, ": D must be (nh)");

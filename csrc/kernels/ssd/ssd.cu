@@ -138,11 +138,15 @@ const char* launch(const Args& a, cudaStream_t stream) {
   if (a.segments < 1 || (a.segments > 1 && (!a.seg_states || !a.seg_decay)))
     return "a split sequence (segments > 1) needs the segment scratch";
   switch (a.n * 2 + a.y_bf16) {
+    case 16 * 2 + 1: return run<16, bf16>(a, stream);
+    case 16 * 2: return run<16, float>(a, stream);
+    case 32 * 2 + 1: return run<32, bf16>(a, stream);
+    case 32 * 2: return run<32, float>(a, stream);
     case 64 * 2 + 1: return run<64, bf16>(a, stream);
     case 64 * 2: return run<64, float>(a, stream);
     case 128 * 2 + 1: return run<128, bf16>(a, stream);
     case 128 * 2: return run<128, float>(a, stream);
-    default: return "the state size n must be 64 or 128";
+    default: return "the state size n must be 16, 32, 64 or 128";
   }
 }
 

@@ -32,7 +32,7 @@ struct Args {
 };
 
 // Whether the kernel computes this state size (n).
-constexpr bool state_size_supported(int n) { return n == 64 || n == 128; }
+constexpr bool state_size_supported(int n) { return n == 16 || n == 32 || n == 64 || n == 128; }
 
 // Forward (ssd.cu). nullptr on success, else why not (a bad argument or a launch error).
 const char* launch(const Args& a, cudaStream_t stream);

@@ -71,11 +71,12 @@ constexpr int PAIR_BARRIER = 1 + HEADS;  // (named barriers 1..HEADS are the war
 template <int NS>
 __device__ __forceinline__ void add_rows_paired(float* dst, int64_t base, int64_t ld, rt_fl<BASE, NS>& t,
                                                 PairSum<NS>& ps, bool partner, int row0, int l) {
-  if (!partner) return add_rows(dst, base, ld, t, row0 + BASE * warpid_in_group(), l);
+  // (a 16-column tile cannot be split in column halves of whole tiles: its heads add separately)
+  if (!partner || NS < 2 * BASE) return add_rows(dst, base, ld, t, row0 + BASE * warpid_in_group(), l);
   const int wg = lcsf::consumer_id(), half = NS / 2;
   auto slot = [&](int writer, int j, int k) -> float2& {
     const int r = BASE * warpid_in_group() + base_row<row_layout>(k, 0), c = (BASE * j + base_col<row_layout>(k, 0)) % half;
-    return *reinterpret_cast<float2*>(&ps.half[writer][r][c ^ ((r & 3) << 3)]);  // conflict-free float2s
+    return *reinterpret_cast<float2*>(&ps.half[writer][r][c ^ (((r & 3) << 3) % half)]);  // few-conflict float2s
   };
   constexpr int J = NS / BASE;
   named_sync(PAIR_BARRIER, HEADS * WARPGROUP_THREADS);  // the partner has read the previous chunk's half
@@ -340,9 +341,11 @@ const char* launch_backward(const BwdArgs& a, cudaStream_t stream) {
   if (a.l_pad < a.l || a.l_pad % CHUNK != 0) return "dt must be padded to whole chunks of 64";
   if (a.segments < 1 || (a.segments > 1 && (!a.seg_states || !a.seg_grads || !a.seg_decay)))
     return "a split sequence (segments > 1) needs the segment scratch";
+  if (a.n == 16) return run<16>(a, stream);
+  if (a.n == 32) return run<32>(a, stream);
   if (a.n == 64) return run<64>(a, stream);
   if (a.n == 128) return run<128>(a, stream);
-  return "the state size n must be 64 or 128";
+  return "the state size n must be 16, 32, 64 or 128";
 }
 
 }  // namespace tk_ssd
