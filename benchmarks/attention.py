@@ -9,6 +9,11 @@ timed in three interleaved rounds (median_ms_rounds), so none is always the one
 that runs after the others.
 
     python -m benchmarks.attention [--quick]
+
+`--scores`: the score modifications, sliding windows (Mistral, Gemma-2) and softcapping (Gemma-2), against what a
+user would otherwise run: FlexAttention (compiled, with a block mask for the window and a score_mod for the cap) and,
+for windows, SDPA with the boolean mask materialised (transformers' sdpa path; torch picks the memory-efficient
+kernel). TFLOPS count only the visible (query, key) pairs.
 """
 from __future__ import annotations
 
@@ -142,12 +147,107 @@ def summary(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+SCORE_CASES = (  # (B, Hq, Hkv, N, D, window, softcap): 65536 tokens
+    (4, 32, 8, 16384, 128, 4096, 0.0),    # Mistral-7B's window
+    (8, 32, 16, 8192, 128, 4096, 50.0),   # Gemma-2-27B's window and cap
+    (16, 16, 16, 4096, 128, 0, 50.0),     # cap only (Gemma-2's global layers)
+    (16, 16, 16, 4096, 64, 1024, 0.0),
+)
+
+
+def _visible(N, window):
+    w = min(window or N, N)
+    return N * w - w * (w - 1) / 2  # causal pairs within the window
+
+
+def run_scores(backward: bool = True) -> list[Row]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from tk_inductor import build
+
+    build.load("attention")
+    flex = torch.compile(flex_attention)
+    rows: list[Row] = []
+    for B, Hq, Hkv, N, D, window, cap in SCORE_CASES:
+        name = f"B{B} H{Hq}:{Hkv} N{N} D{D} causal" + (f" window {window}" if window else "") + (f" softcap {cap:g}" if cap else "")
+        progress(name)
+        scale = 1.0 / math.sqrt(D)
+        q, do = (torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+        def visible(b, h, i, j):
+            return (j <= i) & (i - j < window) if window else j <= i
+
+        block_mask = create_block_mask(visible, None, None, N, N)
+
+        def score_mod(s, b, h, i, j):
+            return cap * torch.tanh(s / cap)
+
+        fns = {
+            "ours": lambda q, k, v: torch.ops.tk.attention(q, k, v, True, scale, window, cap)[0],
+            "flex": lambda q, k, v: flex(q, k, v, score_mod=score_mod if cap else None, block_mask=block_mask,
+                                         scale=scale, enable_gqa=True),
+        }
+        if window and not cap:
+            ii = torch.arange(N, device="cuda")
+            dense = (ii[None, :] <= ii[:, None]) & (ii[:, None] - ii[None, :] < window)
+
+            def sdpa_mask(q, k, v):
+                with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=True)
+
+            fns["sdpa+mask"] = sdpa_mask
+        ref = fns["flex"](q, k, v)
+        try:
+            check_close(f"attention {name}", fns["ours"](q, k, v), ref)
+        except AssertionError as exc:
+            rows.append(Row("attention", f"{name} fwd", "ours", None, note=f"wrong output: {exc}"))
+            del fns["ours"]
+        flops = 4.0 * B * Hq * _visible(N, window) * D
+        rows += _timed(f"{name} fwd", {n: (lambda f=f: f(q, k, v)) for n, f in fns.items()}, flops, N)
+        if backward:
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+            def step(f):
+                qg.grad = kg.grad = vg.grad = None
+                f(qg, kg, vg).backward(do)
+
+            rows += _timed(f"{name} fwd+bwd", {n: (lambda f=f: step(f)) for n, f in fns.items()}, flops * 3.5, N)
+            del qg, kg, vg
+        del q, k, v, do, block_mask
+        torch.cuda.empty_cache()
+    return rows
+
+
+def scores_summary(rows: list[Row]) -> str:
+    by_case: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        by_case.setdefault(r.case, {})[r.impl] = r
+    out = ["| case | ours ms | flex ms | sdpa+mask ms | flex/ours | sdpa+mask/ours |", "|---|---|---|---|---|---|"]
+    for case, impls in by_case.items():
+        o, f, m = impls.get("ours"), impls.get("flex"), impls.get("sdpa+mask")
+
+        def ms(r):
+            return f"{r.ms:.3f}" if r is not None and r.ms else (r.note if r is not None else "-")
+
+        def ratio(r):
+            return f"{r.ms / o.ms:.2f}" if r is not None and o is not None and r.ms and o.ms else "-"
+
+        out.append(f"| {case} | {ms(o)} | {ms(f)} | {ms(m)} | {ratio(f)} | {ratio(m)} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="N in {2048, 4096} only")
     p.add_argument("--forward-only", action="store_true", help="skip forward+backward timings")
+    p.add_argument("--scores", action="store_true", help="sliding windows and softcapping instead")
     args = p.parse_args(argv)
-    print(summary(run(quick=args.quick, backward=not args.forward_only)))
+    if args.scores:
+        print(scores_summary(run_scores(backward=not args.forward_only)))
+    else:
+        print(summary(run(quick=args.quick, backward=not args.forward_only)))
     return 0
 
 

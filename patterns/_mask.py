@@ -12,7 +12,7 @@ from a graph input or with an op outside this vocabulary raises `Keep` with the 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -387,11 +387,18 @@ def _on_box(planes, sizes: dict) -> set | None:
     return out
 
 
-def _allowed_kind(allowed: Pred, score_shape: tuple) -> bool:
-    """True: causal (top-left); False: every position allowed. Raises Keep otherwise.
+class MaskKind(NamedTuple):
+    """What a proven mask allows: `causal` (key j <= query i, top-left) or everything, and within causal a sliding
+    `window` > 0 (also j > i - window, as transformers' sliding-window masks), 0 for none."""
 
-    Decided on the actual box of scores: for one query causal means "key 0 only", for one key it
-    means "everything" (reported as non-causal, the cheaper kernel path)."""
+    causal: bool
+    window: int = 0
+
+
+def _mask_kind(allowed: Pred, score_shape: tuple) -> MaskKind:
+    """The kind of an allowed set, decided on the actual box of scores: for one query causal means "key 0 only",
+    for one key it means "everything" (reported as non-causal, the cheaper kernel path), and a window that reaches
+    past the box is plain causal. Raises Keep for any other set."""
     if allowed.false:
         raise Keep("the mask hides every key")
     for coefs, _ in allowed.planes:
@@ -403,16 +410,30 @@ def _allowed_kind(allowed: Pred, score_shape: tuple) -> bool:
     if planes is None:
         raise Keep("the mask hides every key")
     if not planes:
-        return False
+        return MaskKind(False)
     if planes == causal:
-        return True
-    diagonal = _coefs({-2: 1, -1: -1})
+        return MaskKind(True)
+    diagonal, anti = _coefs({-2: 1, -1: -1}), _coefs({-2: -1, -1: 1})
     for coefs, c in planes:
         if coefs == diagonal and c != 0 and len(planes) == 1:
             raise Keep(f"causal mask with a diagonal offset of {c} (not top-left aligned)")
-    if (diagonal, 0) in planes and any(co == _coefs({-2: -1, -1: 1}) for co, _ in planes):
-        raise Keep("sliding-window mask")
+    rest = planes - causal
+    if causal <= planes and len(rest) == 1:
+        (coefs, c), = rest
+        if coefs == anti and c >= 0:  # j - i + c >= 0: j > i - (c + 1)
+            return MaskKind(True, c + 1)
+    if (diagonal, 0) in planes and any(co == anti for co, _ in planes):
+        raise Keep("sliding-window mask in an unsupported form")
     raise Keep("the mask is not a plain causal mask")
+
+
+def _allowed_kind(allowed: Pred, score_shape: tuple) -> bool:
+    """True: causal (top-left); False: every position allowed. Raises Keep otherwise (a sliding window included:
+    for the callers that take only these two kinds)."""
+    kind = _mask_kind(allowed, score_shape)
+    if kind.window:
+        raise Keep(f"sliding-window mask (window {kind.window})")
+    return kind.causal
 
 
 def triangle(mask: Any, shape: tuple, diagonal: int = 0, negated: bool = False) -> bool:

@@ -82,17 +82,18 @@ from tk_inductor.ops import attention as attention_ops
 from tk_inductor.rewrite import Match, example
 
 from ._fx import arg as _arg
-from ._affine import Aff, Pred, _as_pred, _not
+from ._affine import Aff, Pred, _and, _as_pred, _not
 from ._fx import Keep, eq, known, number, rank, shape
 from ._fx import name as _name
-from ._mask import _CASTS, _additive_allowed, _allowed_kind, _fill_ok, _from_graph_input, _MaskEval
+from ._mask import _CASTS, _additive_allowed, _fill_ok, _from_graph_input, _mask_kind, _MaskEval, MaskKind
 from ._qkv import _Operand, _peel, _positive_const
 
 FAMILY = "attention"
 log = logging.getLogger("tk_inductor")
 # ---------------------------------------------------------------------------- the replacement call
 
-def attention_adapter(q, k, v, causal: bool, scale: float, transposed: tuple, heads: str, contiguous: bool = False):
+def attention_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, transposed: tuple, heads: str,
+                      contiguous: bool = False):
     """tk::attention for operands that need a layout change first (3-D batches, pre-transposed k...).
 
     `transposed` says which of q, k, v must be transposed back (last two dims); `heads` is "4d"
@@ -102,7 +103,7 @@ def attention_adapter(q, k, v, causal: bool, scale: float, transposed: tuple, he
     q, k, v = (t.transpose(-1, -2) if tr else t for t, tr in zip((q, k, v), transposed))
     if heads == "none":
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    o = torch.ops.tk.attention(q, k, v, causal, scale)[0]
+    o = torch.ops.tk.attention(q, k, v, causal, scale, window, softcap)[0]
     if heads == "none":
         o = o.squeeze(1)
     elif heads == "merged":
@@ -230,19 +231,20 @@ class _Finder:
 
     # ------------------------------------------------------------------ shared checks and the match
     def _match(self, out: fx.Node, qo: _Operand, ko: _Operand, vo: _Operand, causal: bool, scale: float,
-               keep: str | None = None, mixed: bool = False, mask: fx.Node | None = None) -> Match:
+               keep: str | None = None, mixed: bool = False, mask: fx.Node | None = None, window: int = 0,
+               softcap: float = 0.0) -> Match:
         exs = [example(o.node) for o in (qo, ko, vo)]
         device = exs[0].device if isinstance(exs[0], torch.Tensor) else None
         needs_grad = any(isinstance(e, torch.Tensor) and e.requires_grad for e in exs)
         m = Match(FAMILY, [out], needs_grad=needs_grad, device=device, reason=keep)
         if keep is None:
             try:
-                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, causal, scale, mixed, mask)
+                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, causal, scale, mixed, mask, window, softcap)
             except Keep as e:
                 m.reason = str(e)
         return m
 
-    def _call(self, out, qo, ko, vo, causal, scale, mixed=False, mask=None):
+    def _call(self, out, qo, ko, vo, causal, scale, mixed=False, mask=None, window=0, softcap=0.0):
         exs = [example(o.node) for o in (qo, ko, vo)]
         if not all(isinstance(e, torch.Tensor) for e in exs):
             raise Keep("q/k/v example values are missing")
@@ -293,7 +295,7 @@ class _Finder:
         if mixed and not (rank(out) == 4 and all(eq(a, b) for a, b in zip(shape(out)[:2], qs[:2]))):
             raise Keep("the 3-D scores are viewed to heads that differ from q's")
         heads = "4d" if len(qs) == 4 and (mixed or not qo.merged) else ("merged" if qo.merged else "none")
-        args = (qo.arg(), ko.arg(), vo.arg(), bool(causal), float(scale))
+        args = (qo.arg(), ko.arg(), vo.arg(), bool(causal), float(scale), int(window), float(softcap))
         if heads == "merged":
             back = self._merged_back(out, qs)
             if back is not None:
@@ -344,11 +346,11 @@ class _Finder:
                 raise Keep(f"SDPA dropout_p={_arg(node, 4, 'dropout_p')} (SDPA drops even in eval; no RNG kernel)")
             if is_causal is None:
                 raise Keep("SDPA is_causal is not a constant")
-            causal = bool(is_causal)
+            kind = MaskKind(bool(is_causal))
             runtime_mask = None
             if mask is not None:
                 try:
-                    causal = self._sdpa_mask(mask, (shape(node) or ())[:-1] + ((shape(k) or ())[-2],))
+                    kind = self._sdpa_mask(mask, (shape(node) or ())[:-1] + ((shape(k) or ())[-2],))
                 except Keep:
                     if is_causal or not _from_graph_input(mask):
                         raise
@@ -366,16 +368,16 @@ class _Finder:
                 raise Keep(f"SDPA inputs of rank {rank(q)} (the op takes 4-D)")
         except Keep as e:
             return self._match(node, qo, ko, vo, False, 1.0, keep=str(e))
-        return self._match(node, qo, ko, vo, causal, scale, mask=runtime_mask)
+        return self._match(node, qo, ko, vo, kind.causal, scale, mask=runtime_mask, window=kind.window)
 
-    def _sdpa_mask(self, mask: fx.Node, score_shape: tuple) -> bool:
+    def _sdpa_mask(self, mask: fx.Node, score_shape: tuple) -> MaskKind:
         try:
             v = self.masks(mask)
         except Keep as e:
             raise Keep(f"attn_mask is not provably causal: {e}") from None
         ex = example(mask)
         allowed = _as_pred(v) if ex.dtype == torch.bool else _additive_allowed(v)
-        return _allowed_kind(allowed, score_shape)
+        return _mask_kind(allowed, score_shape)
 
     # ------------------------------------------------------------------ eager
     def eager(self, qk: fx.Node) -> Match | None:
@@ -422,7 +424,7 @@ class _Finder:
             if sdt is not None and sdt not in (torch.float32, torch.float64, example(q).dtype):
                 raise Keep(f"softmax in {sdt}")
             q_dtype = qo.dtype()
-            scale, causal, runtime_mask = self._scores_chain(qk, chain, q_dtype)
+            scale, kind, softcap, runtime_mask = self._scores_chain(qk, chain, q_dtype)
             if _name(qk) == "baddbmm":
                 alpha = _positive_const(qk.kwargs.get("alpha", 1))
                 if alpha is None:
@@ -433,18 +435,29 @@ class _Finder:
             scale *= qo.scale * ko.scale
         except Keep as e:
             return self._match(pv, qo, ko, vo, False, 1.0, keep=str(e))
-        return self._match(pv, qo, ko, vo, causal, scale, mixed=mixed, mask=runtime_mask)
+        return self._match(pv, qo, ko, vo, kind.causal, scale, mixed=mixed, mask=runtime_mask, window=kind.window,
+                           softcap=softcap)
 
     def _cast_ok(self, n: fx.Node, q_dtype) -> None:
         dt = example(n).dtype
         if dt not in (torch.float32, torch.float64, q_dtype):
             raise Keep(f"the scores are cast to {dt}, below the inputs' {q_dtype}")
 
-    def _scores_chain(self, qk: fx.Node, chain: list[fx.Node], q_dtype) -> tuple[float, bool, fx.Node | None]:
-        """(scale, causal, mask whose values are known only at run time, or None)."""
-        scale, causal, runtime_mask = 1.0, False, None
+    def _scores_chain(self, qk: fx.Node, chain: list[fx.Node], q_dtype
+                      ) -> tuple[float, MaskKind, float, fx.Node | None]:
+        """(scale, the masks' kind, softcap or 0, mask whose values are known only at run time, or None).
+
+        Softcapping is `tanh` between a division (or scaling) and a multiplication by the cap: cap · tanh(a · s)
+        is the op's softcap = cap with scale = a · cap. Masks must come after it (tanh(-inf) is -1, no mask)."""
+        scale, runtime_mask = 1.0, None
+        allowed = None  # the intersection of the proven masks' allowed sets; its kind is decided at the end
+        softcap, capping = 0.0, None  # capping: None, "tanh" (its multiply is next), "done"
         scores = shape(qk) or ()
         prev = qk
+
+        def add_mask(p: Pred) -> Pred:
+            return p if allowed is None else _and(allowed, p)
+
         for n in chain:
             name = _name(n)
             others = [a for a in list(n.args) + list(n.kwargs.values()) if a is not prev]
@@ -462,17 +475,24 @@ class _Finder:
                     raise Keep("the scores are scaled by a run-time value (dynamic=True passes float attributes "
                                 "as tensors)" if runtime else
                                 f"the scores are scaled by a non-constant or non-positive `{n.name}`")
-                scale *= c if name == "mul" else 1.0 / c
+                if capping == "tanh":
+                    if name != "mul":
+                        raise Keep("tanh of the scores is divided, not multiplied by the cap")
+                    softcap, capping = c, "done"
+                    scale *= c
+                elif capping == "done":
+                    raise Keep("the softcapped scores are scaled again")
+                else:
+                    scale *= c if name == "mul" else 1.0 / c
             elif name in ("add",) and len(n.args) == 2 and not n.kwargs:
                 try:
-                    kind = _allowed_kind(self._additive(others[0]), scores)  # evaluated for every mask: each must be provable
+                    allowed = add_mask(self._additive(others[0]))  # evaluated for every mask: each must be provable
                 except Keep:
                     m = others[0] if len(others) == 1 else None
-                    if runtime_mask is not None or causal or not _from_graph_input(m) \
+                    if runtime_mask is not None or allowed is not None or not _from_graph_input(m) \
                             or not isinstance(example(m), torch.Tensor) or not example(m).is_floating_point():
                         raise
-                    runtime_mask, kind = m, False
-                causal = causal or kind
+                    runtime_mask = m
             elif name == "masked_fill" and n.args[0] is prev:
                 fill = number(_arg(n, 2, "value"))
                 if fill is None:
@@ -483,25 +503,26 @@ class _Finder:
                         fill = None
                 if not _fill_ok(fill):
                     raise Keep(f"masked_fill value {_arg(n, 2, 'value')} does not vanish in softmax")
-                masked = self._bool_mask(_arg(n, 1, "mask"))
-                kind = _allowed_kind(_not(masked), scores)  # evaluated for every mask: each must be provable
-                causal = causal or kind
+                allowed = add_mask(self._hidden_complement(_arg(n, 1, "mask")))  # each mask must be provable
             elif name == "where" and len(n.args) == 3:
                 cond, a, b = n.args
                 if a is prev:
-                    fill, allowed = b, True
+                    fill, keeps = b, True
                 elif b is prev:
-                    fill, allowed = a, False
+                    fill, keeps = a, False
                 else:
                     raise Keep("where() on the scores in an unknown form")
                 fv = self._const_value(fill)
                 if not _fill_ok(fv):
                     raise Keep(f"where() fill value {fill} does not vanish in softmax")
                 p = self._bool_mask(cond)
-                kind = _allowed_kind(p if allowed else _not(p), scores)  # evaluated for every mask: each must be provable
-                causal = causal or kind
+                allowed = add_mask(p if keeps else _not(p))  # each mask must be provable
             elif name == "tanh":
-                raise Keep("softcapping (tanh) of the scores")
+                if capping is not None:
+                    raise Keep("tanh is applied to the scores twice")
+                if allowed is not None or runtime_mask is not None:
+                    raise Keep("the scores are masked before the softcap's tanh")
+                capping = "tanh"
             elif name in ("add", "sub"):
                 raise Keep(f"a tensor is combined with the scores by `{n.name}` (bias)")
             else:
@@ -509,9 +530,12 @@ class _Finder:
             if not _same_scores(shape(n) or (), scores):
                 raise Keep(f"`{n.name}` broadcasts the scores to a larger shape")
             prev = n
-        if runtime_mask is not None and causal:
-            raise Keep("a proven causal mask and a run-time mask are both applied")
-        return scale, causal, runtime_mask
+        if capping == "tanh":
+            raise Keep("tanh of the scores without a multiplication by the cap (softcapping)")
+        kind = _mask_kind(allowed, scores) if allowed is not None else MaskKind(False)
+        if runtime_mask is not None and (kind.causal or softcap):
+            raise Keep("a run-time mask is applied with a proven causal mask or a softcap")
+        return scale, kind, softcap, runtime_mask
 
     def _const_value(self, x):
         v = number(x)
@@ -522,6 +546,14 @@ class _Finder:
         except Keep:
             return None
         return fv.c if isinstance(fv, Aff) and not fv.coefs else None
+
+    def _hidden_complement(self, hidden) -> Pred:
+        """The allowed set of a mask that says what is hidden (masked_fill's). `~allowed` is read as `allowed`: the
+        mask analysis models intersections of half-planes, and the complement of an intersection (a sliding window's
+        hidden set) is not one."""
+        if isinstance(hidden, fx.Node) and _name(hidden) == "not" and len(hidden.args) == 1:
+            return self._bool_mask(hidden.args[0])
+        return _not(self._bool_mask(hidden))
 
     def _bool_mask(self, x) -> Pred:
         try:
@@ -587,7 +619,10 @@ def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
         if not isinstance(ex, torch.Tensor) or ex.dim() < 2 or not (ex.dtype == torch.bool or ex.is_floating_point()):
             continue
         try:
-            kinds[i] = "causal" if finder._sdpa_mask(node, shape(node) or ()) else "full"
+            kind = finder._sdpa_mask(node, shape(node) or ())
+            if kind.window:
+                continue  # tk::attention_masked runs causal or all-visible masks only
+            kinds[i] = "causal" if kind.causal else "full"
         except Keep:
             continue
         except Exception:  # noqa: BLE001  (an analysis bug must cost a value check, never the compile)

@@ -189,29 +189,6 @@ def test_attention_masked_opcheck():
     torch.library.opcheck(torch.ops.tk.attention_masked.default, (q, k, v, _masks(8, 8)["padding"], 0.25))
 
 
-def test_sliding_window_kept():
-    def fn(q, k, v):
-        N = q.shape[-2]
-        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
-        allowed = (j <= i) & (j > i - 3)
-        s = (q @ k.transpose(-1, -2)) * 0.25
-        return s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
-
-    reasons = _kept(Fn(fn), *_inputs())
-    assert "union" in reasons[0] or "sliding" in reasons[0], reasons
-
-
-def test_sliding_window_where_kept():
-    def fn(q, k, v):
-        N = q.shape[-2]
-        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
-        allowed = (j <= i) & (i - j < 3)
-        s = torch.where(allowed, (q @ k.transpose(-1, -2)) * 0.25, float("-inf"))
-        return s.softmax(-1) @ v
-
-    assert "sliding-window" in _kept(Fn(fn), *_inputs())[0]
-
-
 def test_offset_causal_kept():
     def fn(q, k, v):  # bottom-right aligned causal (keys = cache + new tokens): not the op's top-left
         N, M = q.shape[-2], k.shape[-2]
@@ -280,7 +257,7 @@ def _mask_graph(fn, *shapes):
 ])
 def test_mask_proofs(fn, expect):
     node = _mask_graph(fn, (1,))
-    assert P._allowed_kind(P._as_pred(P._MaskEval()(node)), (5, 7)) is expect
+    assert P._mask_kind(P._as_pred(P._MaskEval()(node)), (5, 7)) == (expect, 0)
 
 
 @pytest.mark.parametrize("fn, why", [
@@ -292,7 +269,7 @@ def test_mask_proofs(fn, expect):
 def test_mask_refusals(fn, why):
     node = _mask_graph(fn, (5, 7))
     with pytest.raises(P.Keep, match=why):
-        P._allowed_kind(P._as_pred(P._MaskEval()(node)), (5, 7))
+        P._mask_kind(P._as_pred(P._MaskEval()(node)), (5, 7))
 
 
 # ============================================================================ on the GPU (skipped without CUDA)
@@ -325,7 +302,7 @@ def _random_mask_fn(rng):
 
 def test_mask_prover_is_sound_on_random_masks():
     """Whatever the prover concludes must hold on the concrete mask (soundness), and every one of these
-    spellings that is concretely causal or all-visible on its box is proven (completeness here)."""
+    spellings that is concretely causal, a causal window or all-visible on its box is proven (completeness here)."""
     import random
 
     rng = random.Random(0)
@@ -334,15 +311,20 @@ def test_mask_prover_is_sound_on_random_masks():
         fn, (N, M) = _random_mask_fn(rng)
         concrete = fn(torch.zeros(1))[0, 0]
         node = _mask_graph(fn, (1,))
+        i, j = torch.arange(N)[:, None], torch.arange(M)[None, :]
         try:
-            causal = P._allowed_kind(P._as_pred(P._MaskEval()(node)), (2, 4, N, M))
+            kind = P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, N, M))
         except P.Keep as e:
-            assert not torch.equal(concrete, torch.ones(N, M, dtype=torch.bool).tril()), (N, M, str(e))
+            for w in range(1, N + 1):  # no causal window that leaves every row a key, or plain causal mask, is refused
+                window = (j <= i) & (i - j < w)
+                assert not (torch.equal(concrete, window) and window.any(-1).all()), (N, M, w, str(e))
             assert not concrete.all(), (N, M, str(e))
             continue
         proven += 1
-        expected = torch.ones(N, M, dtype=torch.bool).tril() if causal else torch.ones(N, M, dtype=torch.bool)
-        assert torch.equal(concrete, expected), (N, M, causal, concrete)
+        expected = (j <= i) if kind.causal else torch.ones(N, M, dtype=torch.bool)
+        if kind.window:
+            expected = expected & (i - j < kind.window)
+        assert torch.equal(concrete, expected), (N, M, kind, concrete)
     assert proven >= 15  # most random spellings of causal/all-visible masks are proven, not refused
 
 

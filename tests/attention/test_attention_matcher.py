@@ -349,15 +349,6 @@ def test_hf_output_attentions_kept():
 
 # ---------------------------------------------------------------------------- must not replace
 
-def test_softcapping_kept():
-    def fn(q, k, v):
-        s = (q @ k.transpose(-1, -2)) * 0.25
-        s = torch.tanh(s / 30.0) * 30.0
-        return F.softmax(s, dim=-1) @ v
-
-    assert any("softcapping" in r for r in _kept(Fn(fn), *_inputs()))
-
-
 def test_dropout_in_training_kept():
     torch.manual_seed(0)
     fn = Fn(_eager(dropout=(0.5, True)))

@@ -33,6 +33,23 @@ def _llama(attn: str, layers: int = 2):
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _mistral(attn: str):  # a sliding window shorter than the test's 24 tokens
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=128, sliding_window=8, attn_implementation=attn,
+    )
+    return transformers.MistralForCausalLM(cfg)
+
+
+def _gemma2():  # softcapped scores on every layer, a sliding window on alternate ones (eager: HF has no SDPA path)
+    cfg = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=128, sliding_window=8,
+        attn_logit_softcapping=1.0, query_pre_attn_scalar=64, attn_implementation="eager",
+    )
+    return transformers.Gemma2ForCausalLM(cfg)
+
+
 def _gpt2():
     cfg = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=128, n_head=2, n_layer=2, n_positions=128,
@@ -84,6 +101,9 @@ class Case:
 CASES = {
     "llama-sdpa": Case(lambda: _llama("sdpa"), ("attention", "rotary", "layernorm"), attention_count=2),
     "llama-eager": Case(lambda: _llama("eager"), ("attention", "rotary", "layernorm"), attention_count=2),
+    "mistral-sdpa": Case(lambda: _mistral("sdpa"), ("attention", "rotary", "layernorm"), attention_count=2),
+    "mistral-eager": Case(lambda: _mistral("eager"), ("attention", "rotary", "layernorm"), attention_count=2),
+    "gemma2": Case(_gemma2, ("attention", "rotary", "layernorm"), attention_count=2),
     "gpt2": Case(_gpt2, ("attention", "layernorm"), attention_count=2),
     "bert-padding": Case(_bert, ("layernorm",), kept=("attention",), padding_mask=True),
     "gpt-neox": Case(_neox, ("attention", "rotary", "layernorm"), attention_count=2),

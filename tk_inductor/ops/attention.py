@@ -2,16 +2,20 @@
 
 Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops with the same schemas):
 
-    tk::attention(q, k, v, causal, scale) -> (o, lse)
+    tk::attention(q, k, v, causal, scale, window=0, softcap=0.) -> (o, lse)
         q (B, Hq, N, D), k and v (B, Hkv, M, D), Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq/Hkv),
         as `repeat_interleave` / SDPA `enable_gqa=True`), any strides with stride(-1) == 1.
-        s = scale · q kᵀ, masked to key j <= query i when `causal` (top-left aligned, SDPA `is_causal=True`,
-        also for N != M: every row sees key 0, so no row is empty);
+        s = scale · q kᵀ; with softcap > 0, s = softcap · tanh(s / softcap) (Gemma-2's score capping);
+        masked to key j <= query i when `causal` (top-left aligned, SDPA `is_causal=True`, also for N != M: every
+        row sees key 0, so no row is empty), and with window > 0 (needs causal) also to j > i - window: each query
+        sees itself and the window - 1 keys before it, the sliding window of transformers' masks (Mistral, Gemma-2,
+        Qwen2; FlashAttention's window_size=(window - 1, 0)). A row left with no key (only when N > M + window - 1)
+        gets NaN, as softmax over no keys does;
         lse = logsumexp(s) over keys, fp32 (B, Hq, N) contiguous, natural log;
         o = softmax(s) v in q's dtype, shape (B, Hq, N, D), a view of a (B, N, Hq, D) contiguous buffer
         (what FlashAttention returns: the usual `o.transpose(1, 2).reshape(B, N, Hq * D)` is then free).
 
-    tk::attention_backward(grad_o, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
+    tk::attention_backward(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.) -> (dq, dk, dv)
         shapes and dtypes of q, k, v, each laid out as `grad_like` its input: (B, N, H, D) memory order when the
         input's heads lie inside its sequence dim (HF's transposed projections: the projections' backward then reads
         the gradient without a copy), contiguous otherwise; dk/dv summed over the query heads of each GQA group.
@@ -61,6 +65,15 @@ def kernel_supports(dtype: torch.dtype, head_dim) -> str | None:
 
 # ---------------------------------------------------------------------------- validation
 
+def _validate_scores(causal, window, softcap, op: str) -> None:
+    check = _dispatch.check
+    check(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
+          lambda: f"{op}: window must be an int >= 0 (0: none), got {window!r}", TypeError)
+    check(window == 0 or causal, lambda: f"{op}: a sliding window (window={window}) needs causal=True")
+    check(isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0,
+          lambda: f"{op}: softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+
+
 def _validate(q, k, v, scale, op: str = "tk::attention") -> None:
     check = _dispatch.check
     _dispatch.check_operands(op, "B, H, N, D", q=q, k=k, v=v)
@@ -95,20 +108,28 @@ def _validate_backward(grad_o, q, k, v, o, lse, scale) -> None:
 
 # ---------------------------------------------------------------------------- reference
 
-def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 (fp64 for fp64 inputs) masked, scaled scores (B, Hq, N, M); GQA by indexing, as the kernel reads it.
+def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None, window: int = 0,
+            softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 (fp64 for fp64 inputs) masked, scaled (and capped) scores (B, Hq, N, M), GQA by indexing as the kernel
+    reads it, and with a softcap the derivative of the capped scores by the scaled ones, 1 - tanh², else None.
     `mask` (tk::attention_masked's SDPA path): bool (True = attend) or added to the scores, as SDPA's attn_mask."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
     kf = k.to(acc).repeat_interleave(group, dim=1) if group > 1 else k.to(acc)
     s = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale
+    dcap = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s, dcap = softcap * t, 1 - t * t
     if causal:
         N, M = q.shape[2], k.shape[2]
         allowed = torch.ones(N, M, dtype=torch.bool, device=q.device).tril()  # top-left: key j <= query i
+        if window:
+            allowed = allowed.triu(1 - window)  # and j > i - window
         s = s.masked_fill(~allowed, float("-inf"))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
-    return s
+    return s, dcap
 
 
 def grad_like(t: torch.Tensor) -> torch.Tensor:
@@ -133,9 +154,10 @@ def _empty_out(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(B, N, H, D).transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) buffer
 
 
-def attention_reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_reference(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) in the op's layout; accumulates in fp32."""
-    s = _scores(q, k, causal, scale)
+    s, _ = _scores(q, k, causal, scale, None, window, softcap)
     lse = torch.logsumexp(s, dim=-1)
     group = q.shape[1] // k.shape[1]
     vf = v.to(s.dtype).repeat_interleave(group, dim=1) if group > 1 else v.to(s.dtype)
@@ -144,11 +166,12 @@ def attention_reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tens
     return o, lse.to(torch.float32).contiguous()
 
 
-def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float, mask=None):
+def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float, mask=None, window: int = 0,
+                                 softcap: float = 0.0):
     """(dq, dk, dv) in `grad_like` layouts, from the forward's o and lse; dk/dv summed over each GQA group.
     With a `mask` (see `_scores`), lse=None recomputes it and rows with every key hidden get 0, as SDPA's safe
     softmax gives."""
-    s = _scores(q, k, causal, scale, mask)
+    s, dcap = _scores(q, k, causal, scale, mask, window, softcap)
     acc = s.dtype
     B, Hkv, M, D = k.shape
     group = q.shape[1] // Hkv
@@ -164,6 +187,8 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
     dp = torch.matmul(do, vf.transpose(-1, -2))
     delta = (do * o.to(acc)).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
+    if dcap is not None:
+        ds = ds * dcap
     dq = torch.matmul(ds, kf)
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
     if group > 1:  # sum the query heads of each group onto their kv head
@@ -195,63 +220,70 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("tk::attention", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, bool? causal, float scale) -> (Tensor o, Tensor lse)")
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+                         schema="(Tensor q, Tensor k, Tensor v, bool? causal, float scale, int window=0, "
+                                "float softcap=0.) -> (Tensor o, Tensor lse)")
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, window: int = 0,
+              softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     _dispatch.check_flags("tk::attention", causal=causal)
     _validate(q, k, v, scale)
+    _validate_scores(causal, window, softcap, "tk::attention")
     if q.numel() == 0:
         return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
     if _kernel_ok(q, k, v):
         q, k, v = map(_last_dim_unit, (q, k, v))
-        return _dispatch.kernel("attention")(q, k, v, causal, scale)
-    return attention_reference(q, k, v, causal, scale)
+        return _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap)
+    return attention_reference(q, k, v, causal, scale, window, softcap)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, causal, scale):
+def _attention_fake(q, k, v, causal, scale, window=0, softcap=0.0):
     _dispatch.check_flags("tk::attention", causal=causal)
     _validate(q, k, v, scale)
+    _validate_scores(causal, window, softcap, "tk::attention")
     return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tk::attention_backward", mutates_args=(),
                          schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool? causal, "
-                                "float scale) -> (Tensor dq, Tensor dk, Tensor dv)")
+                                "float scale, int window=0, float softcap=0.) -> (Tensor dq, Tensor dk, Tensor dv)")
 def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                       lse: torch.Tensor, causal: bool, scale: float
+                       lse: torch.Tensor, causal: bool, scale: float, window: int = 0, softcap: float = 0.0
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale)
+    _validate_scores(causal, window, softcap, "tk::attention_backward")
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
     if _kernel_ok(q, k, v, grad_o, o, lse):
         grad_o, q, k, v, o = map(_last_dim_unit, (grad_o, q, k, v, o))
-        return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale)
-    return attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale)
+        return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale, window,
+                                                      softcap)
+    return attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, None, window, softcap)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_o, q, k, v, o, lse, causal, scale):
+def _attention_backward_fake(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.0):
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale)
+    _validate_scores(causal, window, softcap, "tk::attention_backward")
     return grad_like(q), grad_like(k), grad_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, window, softcap = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_o, _grad_lse):
     q, k, v, o, lse = ctx.saved_tensors
     if grad_o is None:
-        return None, None, None, None, None
-    dq, dk, dv = torch.ops.tk.attention_backward(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+        return None, None, None, None, None, None, None
+    dq, dk, dv = torch.ops.tk.attention_backward(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window,
+                                                 ctx.softcap)
+    return dq, dk, dv, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

@@ -14,12 +14,22 @@ struct View4 {
   int64_t sb, sh, ss;
 };
 
-// o: (B, N, Hq, D) contiguous; lse: (B, Hq, N) fp32 contiguous. next_task: null for the static schedule, or a
-// zeroed device int for the dynamic one (the binding's choice: dynamic under a causal mask, whose tasks differ in
-// length; static without one, whose equal tasks the static shares balance). Returns nullptr on success, else a
-// static error string.
+// The score function: s = scale · q kᵀ; with softcap > 0, s = softcap · tanh(s / softcap) (Gemma-2); then, when
+// causal, key j is hidden from query i unless j <= i (top-left), and with window > 0 also unless j > i - window
+// (the sliding window as transformers builds it: each query sees itself and the window - 1 keys before it).
+struct Scores {
+  bool causal;
+  float scale;
+  int window;     // 0: none; > 0 needs causal
+  float softcap;  // 0: none
+};
+
+// o: (B, N, Hq, D) contiguous; lse: (B, Hq, N) fp32 contiguous. next_task: a zeroed device int, the counter of the
+// dynamic schedule a causal mask runs (its tasks differ in length); unused without a mask (the static schedule: equal
+// tasks, balanced by the static shares), where it may be null. Returns nullptr on success, else a static error
+// string.
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                              bool causal, float scale, int num_sms, int* next_task, cudaStream_t stream);
+                              const Scores& sc, int num_sms, int* next_task, cudaStream_t stream);
 
 // Scratch sizes (bytes) the backward needs: fp32 dq accumulator, padded log2-domain lse and rowsum(do * o) (the
 // backward's q tile for this head dim sets the padding).
@@ -32,7 +42,7 @@ BwdScratch attention_backward_scratch(const View4& q);
 // elements). dq_accum needs no init (the pre-kernel zeroes it).
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, const View4& dq, const View4& dk, const View4& dv,
-                               float* dq_accum, float* lse2, float* delta, bool causal, float scale, int num_sms,
+                               float* dq_accum, float* lse2, float* delta, const Scores& sc, int num_sms,
                                cudaStream_t stream);
 
 }  // namespace tk_attn

@@ -96,11 +96,10 @@ int bwd_section(bool sections, int num_sms, int nk, int64_t BH, int64_t group, i
   return section_heads(BH, nk, 4LL * num_sms, (32LL << 20) / std::max<int64_t>(1, group * N * D * 8));
 }
 
-template <typename T, int D, typename Cfg>
+template <typename T, int D, typename Cfg, bool CAP>
 const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v, const View4& o,
                        const float* lse, const View4& dq, const View4& dk, const View4& dv, float* dq_accum,
-                       float* lse2, float* delta, bool causal, float scale, int num_sms, bool sections,
-                       cudaStream_t stream) {
+                       float* lse2, float* delta, const Scores& sc, int num_sms, cudaStream_t stream) {
   constexpr bool WIDE = Cfg::kind == Kind::Wide;
   static_assert(!WIDE || D == 64, "the wide kernel is D = 64");
   constexpr int BM = Cfg::BM;
@@ -130,24 +129,31 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.M = k.S;
   p.group = q.H / k.H;
   p.Npad = Npad;
+  const float scale = sc.scale;
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
-  p.causal = causal;
+  p.cap_in = CAP ? scale / sc.softcap : 0.f;
+  p.cap_log2 = CAP ? sc.softcap * 1.4426950408889634f : 0.f;
+  p.cap_inv_log2 = CAP ? 1.f / p.cap_log2 : 0.f;
+  p.causal = sc.causal;
+  p.window = sc.window > 0 ? sc.window : INT_MAX;
   p.lse2 = lse2;
   p.delta = delta;
   p.dq_accum = dq_accum;
   p.nk = static_cast<int>((k.S + BWD_BN - 1) / BWD_BN);
-  p.section = bwd_section(sections, num_sms, p.nk, k.B * k.H, p.group, q.S, D);
+  // L2 sections of heads, key blocks outermost, under a causal mask (its key blocks differ in cost); head by head
+  // without one (its equal blocks are balanced already).
+  p.section = bwd_section(sc.causal, num_sms, p.nk, k.B * k.H, p.group, q.S, D);
   int smem, threads;
   void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, DkvMaps, BwdParams);
   if constexpr (WIDE) {
     using K_ = BwdWide<T, Cfg>;
-    kern = attention_bwd_wide_kernel<T, Cfg>;
+    kern = attention_bwd_wide_kernel<T, Cfg, CAP>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   } else {
     using K_ = Bwd<T, D, Cfg>;
-    kern = attention_bwd_kernel<T, D, Cfg>;
+    kern = attention_bwd_kernel<T, D, Cfg, CAP>;
     smem = K_::SMEM;
     threads = K_::THREADS;
   }
@@ -191,15 +197,18 @@ BwdScratch attention_backward_scratch(const View4& q) {
 
 const char* attention_backward(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
                                const View4& o, const float* lse, const View4& dq, const View4& dk, const View4& dv,
-                               float* dq_accum, float* lse2, float* delta, bool causal, float scale, int num_sms,
+                               float* dq_accum, float* lse2, float* delta, const Scores& sc, int num_sms,
                                cudaStream_t stream) {
+  if (sc.window < 0 || (sc.window > 0 && !sc.causal)) return "a sliding window needs a causal mask";
+  if (!(sc.softcap >= 0.f)) return "softcap must be >= 0";
   const auto run = [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
-    // L2 sections of heads, key blocks outermost, under a causal mask (its key blocks differ in cost); head by head
-    // without one (its equal blocks are balanced already).
-    return launch_bwd<T, D, typename BwdConfig<D>::Cfg>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta,
-                                                        causal, scale, num_sms, causal, stream);
+    using Cfg = typename BwdConfig<D>::Cfg;
+    return sc.softcap > 0.f ? launch_bwd<T, D, Cfg, true>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2,
+                                                          delta, sc, num_sms, stream)
+                            : launch_bwd<T, D, Cfg, false>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2,
+                                                           delta, sc, num_sms, stream);
   };
   using D128 = std::integral_constant<int, 128>;
   using D64 = std::integral_constant<int, 64>;

@@ -14,6 +14,7 @@
 // (backward_kernels.cuh: the kernels; backward.cu: the pre/post kernels and the launch).
 #pragma once
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <tuple>
 #include <type_traits>
@@ -135,7 +136,10 @@ struct BwdSmem {
 struct BwdParams {
   int B, Hq, Hkv, N, M, group, Npad;
   float scale, scale_log2;
+  // softcap (CAP kernels): s log2 e = cap_log2 * tanh(cap_in * q k^T), as the forward's; cap_inv_log2 = 1 / cap_log2
+  float cap_in, cap_log2, cap_inv_log2;
   bool causal;
+  int window;  // causal sliding window: key j hidden from query i when i - j >= window (INT_MAX: none)
   const float* lse2;   // (B*Hq, Npad)
   const float* delta;  // (B*Hq, Npad)
   float* dq_accum;     // (B*Hq, Npad, D)
@@ -144,9 +148,9 @@ struct BwdParams {
 };
 
 // A backward block's place: batch b, kv head hk, keys [n0, n0 + BN), and its steps: one (Q, dO) tile per q
-// block from mb_start on, for every query head of the GQA group (step it: head it / steps_per_head).
+// block in [mb_start, mb_end), for every query head of the GQA group (step it: head it / steps_per_head).
 struct BwdBlock {
-  int b, hk, n0, mb_start, nqb, steps_per_head, steps;  // nqb: query blocks of a head
+  int b, hk, n0, mb_start, mb_end, steps_per_head, steps;
   __device__ __forceinline__ int mb(int it) const { return mb_start + it % steps_per_head; }  // q block of step it
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / steps_per_head; }
 };
@@ -154,16 +158,24 @@ struct BwdBlock {
 // This block's BwdBlock. Block blockIdx.x -> (batch * kv head, key block) by section_decode, key blocks first to
 // last: under causal key block 0 is the heaviest (every query block sees it), so the hardware's in-order dispatch
 // starts the heavy blocks of a section's heads first and the light ones fill the tail. Causal (top-left): query
-// row i sees keys j <= i, so the query blocks before the one holding row n0 see none of this block's keys.
+// row i sees keys j <= i, so the query blocks before the one holding row n0 see none of this block's keys; with a
+// window, those after row n0 + BN - 1 + window - 1 see none either.
 template <int BM, int BN>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
   int bh, kb;
   section_decode(static_cast<int>(blockIdx.x), p.B * p.Hkv, p.nk, p.section, bh, kb);
   const int b = bh / p.Hkv, n0 = kb * BN;
   const int mb_start = p.causal ? n0 / BM : 0;
-  const int nqb = (p.N + BM - 1) / BM;
-  const int steps_per_head = max(0, nqb - mb_start);
-  return {b, bh - b * p.Hkv, n0, mb_start, nqb, steps_per_head, steps_per_head * p.group};
+  const int last_row = n0 + BN - 2 + min(p.window, p.N);  // the last query that sees a key of the block
+  const int mb_end = min((p.N + BM - 1) / BM, last_row / BM + 1);
+  const int steps_per_head = max(0, mb_end - mb_start);
+  return {b, bh - b * p.Hkv, n0, mb_start, mb_end, steps_per_head, steps_per_head * p.group};
+}
+
+// Whether a step's tile (queries [i0, i0 + BM), keys [j0, j0 + 64)) has an entry the mask hides.
+template <int BM>
+__device__ __forceinline__ bool bwd_need_mask(const BwdParams& p, int i0, int j0) {
+  return (p.causal && i0 < j0 + 63) || j0 + 64 > p.M || i0 + BM - 1 - j0 >= p.window;
 }
 
 // lse2 and delta are laid out in groups of 32 rows with row 8 k + 2 q + e at slot 8 q + 2 k + e, so that
@@ -186,12 +198,13 @@ struct StatsPairs {
 };
 
 // P^T = 2^(S^T * scale_log2 - lse2) in place over this thread's part of a consumer's 64 keys x BM queries (rows
-// j0, j0 + 8; columns i0 + 8 ch + col_in, +1), zero on the causal upper triangle and on keys past M (their
-// zero-filled rows would otherwise give 2^-lse2, which can overflow for extreme scales). need_mask says whether
-// this consumer's block of the step has any such entry; lse_row is the step's lse2 in the ring stage. 2^x by the
-// MUFU alone (ex2_ftz: P needs no range fix-up). A warp-uniform branch picks a masked or an unmasked compiled block,
-// so the mask's arithmetic is not predicated into every step.
-template <int BM>
+// j0, j0 + 8; columns i0 + 8 ch + col_in, +1), zero on the causal upper triangle, left of the window and on keys
+// past M (their zero-filled rows would otherwise give 2^-lse2, which can overflow for extreme scales). need_mask
+// says whether this consumer's block of the step has any such entry; lse_row is the step's lse2 in the ring stage.
+// 2^x by the MUFU alone (ex2_ftz: P needs no range fix-up). A warp-uniform branch picks a masked or an unmasked
+// compiled block, so the mask's arithmetic is not predicated into every step.
+// CAP: the scores are softcapped first, z = cap * tanh(cap_in * s), and P = 2^(z log2 e - lse2).
+template <int BM, bool CAP>
 __device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_row, const BwdParams& p, int i0,
                                           int j0, int col_in, bool need_mask) {
   // mode 0: no mask; 1: masked
@@ -202,12 +215,12 @@ __device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_
       const float2 l2 = lse(ch);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float x = st[4 * ch + e] * p.scale_log2 - ((e & 1) ? l2.y : l2.x);
-        float pe = tk::ex2_approx(x);
+        const float z = CAP ? tk::tanh_approx(st[4 * ch + e] * p.cap_in) * p.cap_log2 : st[4 * ch + e] * p.scale_log2;
+        float pe = tk::ex2_approx(z - ((e & 1) ? l2.y : l2.x));
         if (decltype(mode)::value == 1) {
           const int i = i0 + 8 * ch + col_in + (e & 1);
           const int j = j0 + 8 * (e >> 1);
-          if ((p.causal && i < j) || j >= p.M) pe = 0.f;
+          if ((p.causal && i < j) || j >= p.M || i - j >= p.window) pe = 0.f;
         }
         st[4 * ch + e] = pe;
       }
@@ -217,6 +230,32 @@ __device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_
     block(std::integral_constant<int, 1>{});
   else
     block(std::integral_constant<int, 0>{});
+}
+
+// dS^T = P^T (dP^T - delta) in place over dpt, from P^T in st (bwd_probs). CAP: times dz/ds (over scale) of the
+// softcapped score z = cap t, t = tanh(cap_in s), that is 1 - t^2; t comes back from P = 2^(z log2 e - lse2) as
+// (log2 P + lse2) / (cap log2 e), so no tanh stays in registers between the exponential and dS. P = 0 (masked or
+// underflowed; lse2 = +inf on padded rows) clamps t to -1 or 1, and the factor to 0.
+template <int BM, bool CAP>
+__device__ __forceinline__ void bwd_ds(float (&dpt)[BM / 2], const float (&st)[BM / 2], const float* lse_row,
+                                       const float* del_row, const BwdParams& p, int col_in) {
+  StatsPairs del{del_row, col_in}, lse{lse_row, col_in};
+#pragma unroll
+  for (int ch = 0; ch < BM / 8; ++ch) {
+    const float2 dl = del(ch);
+    float2 l2;
+    if constexpr (CAP) l2 = lse(ch);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float ds = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
+      if constexpr (CAP) {
+        const float t = (tk::lg2_approx(st[4 * ch + e]) + ((e & 1) ? l2.y : l2.x)) * p.cap_inv_log2;
+        const float tc = fmaxf(-1.f, fminf(1.f, t));
+        ds *= 1.f - tc * tc;
+      }
+      dpt[4 * ch + e] = ds;
+    }
+  }
 }
 
 // Copy lse2[bh, i0 : i0 + BM] and delta[bh, i0 : i0 + BM] into dst[0 : BM], dst[BM : 2 BM] on `bar`.

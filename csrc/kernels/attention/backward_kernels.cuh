@@ -6,7 +6,7 @@
 namespace tk_attn {
 namespace {
 
-template <typename T, int D, class Cfg>
+template <typename T, int D, class Cfg, bool CAP>
 __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
   tk::semaphore *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
   const BwdBlock blk = bwd_block<BM, BN>(p);
-  const int b = blk.b, hk = blk.hk, n0 = blk.n0, mb_start = blk.mb_start, nqb = blk.nqb, steps = blk.steps;
+  const int b = blk.b, hk = blk.hk, n0 = blk.n0, mb_start = blk.mb_start, mb_end = blk.mb_end, steps = blk.steps;
 
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
@@ -96,8 +96,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     });
     tk::warpgroup::mma_async_wait<1>();
     tk::warpgroup::hold(st);
-    const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
-    bwd_probs<BM>(st, lse_row, p, i0, j0, col_in, need_mask);
+    bwd_probs<BM, CAP>(st, lse_row, p, i0, j0, col_in, bwd_need_mask<BM>(p, i0, n0 + 64 * c));
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
@@ -110,13 +109,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
     tk::warpgroup::mma_commit();
-    StatsPairs del{del_row, col_in};
-#pragma unroll
-    for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 dl = del(ch);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[4 * ch + e] = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
-    }
+    bwd_ds<BM, CAP>(dpt, st, lse_row, del_row, p, col_in);
     uint32_t dsa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(dsa[kk], dpt, kk);
@@ -153,7 +146,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     __syncwarp();
     if (lane == 0) tk::arrive(q_empty[s]);
     hand_over_dq<K_, K_::DQ_COLS>(sm, &dqmap, dq, it, c, tid, i0, bh);
-    mb_it = mb_it + 1 < nqb ? mb_it + 1 : (++g_it, mb_start);
+    mb_it = mb_it + 1 < mb_end ? mb_it + 1 : (++g_it, mb_start);
   };
   if (c == NC - 1) Turn::pass(c);  // consumer 0 takes the first turn
   for (int it = 0; it < steps; ++it) step(it);
@@ -198,7 +191,7 @@ struct BwdWide {
   static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
-template <typename T, class Cfg>
+template <typename T, class Cfg, bool CAP>
 __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
@@ -214,7 +207,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
   tk::semaphore *kv_full = sm.kv_full, *q_full = sm.q_full, *q_empty = sm.q_empty;
 
   const BwdBlock blk = bwd_block<BM, BN>(p);  // BM == BN: a causal block's first tile is the diagonal one
-  const int b = blk.b, hk = blk.hk, n0 = blk.n0, mb_start = blk.mb_start, nqb = blk.nqb, steps = blk.steps;
+  const int b = blk.b, hk = blk.hk, n0 = blk.n0, mb_start = blk.mb_start, mb_end = blk.mb_end, steps = blk.steps;
 
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
@@ -241,7 +234,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
 
   tk::wait(*kv_full, 0);
   int g = 0, mb = mb_start;  // (head in the group, q block) of step it
-  for (int it = 0; it < steps; ++it, mb = mb + 1 < nqb ? mb + 1 : (++g, mb_start)) {  // no division per step
+  for (int it = 0; it < steps; ++it, mb = mb + 1 < mb_end ? mb + 1 : (++g, mb_start)) {  // no division per step
     const int bh = (b * p.Hkv + hk) * p.group + g;  // query head index b*Hq + h
     const int i0 = mb * BM;
     const int s = it % STAGES;
@@ -265,8 +258,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     tk::warpgroup::mma_commit();
     tk::warpgroup::mma_async_wait<1>();
     tk::warpgroup::hold(st);
-    const bool need_mask = (p.causal && i0 < n0 + 64 * c + 63) || n0 + 64 * c + 64 > p.M;
-    bwd_probs<BM>(st, lse_row, p, i0, j0, col_in, need_mask);
+    bwd_probs<BM, CAP>(st, lse_row, p, i0, j0, col_in, bwd_need_mask<BM>(p, i0, n0 + 64 * c));
     tk::warpgroup::mma_async_wait<0>();
     tk::warpgroup::hold(dpt);
     // dS^T = P^T (dP^T - delta) in place, then dV += P^T dO and dK += dS^T Q
@@ -275,13 +267,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     // math, as the 64-row kernel does) keeps the fp32 P^T live as well, and
     // ptxas then runs out of registers and serializes every wgmma (C7512).
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
-    StatsPairs del{del_row, col_in};
-#pragma unroll
-    for (int ch = 0; ch < BM / 8; ++ch) {
-      const float2 dl = del(ch);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[4 * ch + e] = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
-    }
+    bwd_ds<BM, CAP>(dpt, st, lse_row, del_row, p, col_in);
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
       acc_to_a<T>(pa[kk], st, kk);

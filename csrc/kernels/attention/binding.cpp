@@ -1,11 +1,12 @@
 // Registers tk_cuda::attention and tk_cuda::attention_backward (same schemas as
-// the tk:: ops in tk_inductor/ops/attention.py). Checks inputs, allocates
+// the tk:: ops in tk_inductor/ops/attention.py, with window 0 and softcap 0 for none). Checks inputs, allocates
 // outputs and scratch, and calls the torch-free launchers on the current stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <string>
 #include <torch/library.h>
 
@@ -75,9 +76,18 @@ int num_sms(const at::Tensor& t) {
   return n;
 }
 
+// The score function's arguments (tk_attn::Scores), checked.
+tk_attn::Scores scores(bool causal, double scale, int64_t window, double softcap) {
+  check(window >= 0 && window < (1LL << 31), "window must be >= 0 (0: none), got " + std::to_string(window));
+  check(window == 0 || causal, "a sliding window needs causal=True");
+  check(softcap >= 0.0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: none)");
+  return {causal, static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap)};
+}
+
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                             bool causal, double scale) {
+                                             bool causal, double scale, int64_t window, double softcap) {
   const DType dt = check_inputs(q_in, k_in, v_in);
+  const tk_attn::Scores sc = scores(causal, scale, window, softcap);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = binding::rows16(q_in), k = binding::rows16(k_in), v = binding::rows16(v_in);
   at::Tensor o = empty_bnhd(q);
@@ -92,8 +102,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
                     cudaSuccess,
                 "tk_cuda::attention: cannot zero the task counter");
   }
-  const char* err = tk_attn::attention_forward(dt, view(q), view(k), view(v), o.data_ptr(), lse.data_ptr<float>(),
-                                               causal, static_cast<float>(scale), num_sms(q),
+  const char* err = tk_attn::attention_forward(dt, view(q), view(k), view(v), o.data_ptr(), lse.data_ptr<float>(), sc,
+                                               num_sms(q),
                                                next_task.defined() ? next_task.data_ptr<int>() : nullptr,
                                                c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention: ", err ? err : "");
@@ -103,8 +113,10 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad_o, const at::Tensor& q_in,
                                                                   const at::Tensor& k_in, const at::Tensor& v_in,
                                                                   const at::Tensor& o_in, const at::Tensor& lse_in,
-                                                                  bool causal, double scale) {
+                                                                  bool causal, double scale, int64_t window,
+                                                                  double softcap) {
   const DType dt = check_inputs(q_in, k_in, v_in);
+  const tk_attn::Scores sc = scores(causal, scale, window, softcap);
   TORCH_CHECK(grad_o.sizes() == q_in.sizes() && o_in.sizes() == q_in.sizes(),
               "tk_cuda::attention_backward: grad_o and o must have q's shape " + shape_str(q_in));
   TORCH_CHECK(grad_o.scalar_type() == q_in.scalar_type() && o_in.scalar_type() == q_in.scalar_type(),
@@ -128,8 +140,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   at::Tensor delta = at::empty({static_cast<int64_t>(sz.delta_bytes / 4)}, q.options().dtype(at::kFloat));
   const char* err = tk_attn::attention_backward(
       dt, view(dout), qv, view(k), view(v), view(o), lse.data_ptr<float>(), view(dq), view(dk), view(dv),
-      dq_accum.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), causal, static_cast<float>(scale),
-      num_sms(q), c10::cuda::getCurrentCUDAStream());
+      dq_accum.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), sc, num_sms(q),
+      c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, "tk_cuda::attention_backward: ", err ? err : "");
   return {dq, dk, dv};
 }
@@ -137,10 +149,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor o, Tensor lse)");
   m.def(
-      "attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, float softcap=0.) "
+      "-> (Tensor o, Tensor lse)");
+  m.def(
+      "attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
+      "int window=0, float softcap=0.) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {

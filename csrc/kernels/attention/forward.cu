@@ -7,18 +7,20 @@ namespace tk_attn {
 // The launcher of one (dtype, head dim): forward_kernels.cuh, instantiated in forward_<dtype>_d<head dim>.cu so that
 // the four compile in parallel.
 template <typename T, int D>
-const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
-                           float scale, int num_sms, int* next_task, cudaStream_t stream);
+const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
+                           const Scores& sc, int num_sms, int* next_task, cudaStream_t stream);
 
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                              bool causal, float scale, int num_sms, int* next_task, cudaStream_t stream) {
+                              const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
+  if (sc.window < 0 || (sc.window > 0 && !sc.causal)) return "a sliding window needs a causal mask";
+  if (!(sc.softcap >= 0.f)) return "softcap must be >= 0";
   const int n = num_sms;
   if (q.D == 128)
-    return dt == DType::bf16 ? forward_config<__nv_bfloat16, 128>(dt, q, k, v, o, lse, causal, scale, n, next_task, stream)
-                             : forward_config<__half, 128>(dt, q, k, v, o, lse, causal, scale, n, next_task, stream);
+    return dt == DType::bf16 ? forward_config<__nv_bfloat16, 128>(dt, q, k, v, o, lse, sc, n, next_task, stream)
+                             : forward_config<__half, 128>(dt, q, k, v, o, lse, sc, n, next_task, stream);
   if (q.D == 64)
-    return dt == DType::bf16 ? forward_config<__nv_bfloat16, 64>(dt, q, k, v, o, lse, causal, scale, n, next_task, stream)
-                             : forward_config<__half, 64>(dt, q, k, v, o, lse, causal, scale, n, next_task, stream);
+    return dt == DType::bf16 ? forward_config<__nv_bfloat16, 64>(dt, q, k, v, o, lse, sc, n, next_task, stream)
+                             : forward_config<__half, 64>(dt, q, k, v, o, lse, sc, n, next_task, stream);
   return "head dim must be 64 or 128";
 }
 

@@ -7,6 +7,7 @@
 // This header: the configurations, shared memory, task order and the producer both forward kernels share
 // (forward_kernels.cuh: the kernels and their launcher).
 #pragma once
+#include <climits>
 #include <cmath>
 #include <type_traits>
 
@@ -96,12 +97,24 @@ struct FwdSmem {
 struct FwdParams {
   int B, Hq, Hkv, N, M, group;
   int nq, tasks, section;  // query blocks per head, total tasks, heads per L2 section
-  float scale_log2;
+  float scale_log2;        // the exponent's factor: scale * log2 e, or log2 e on softcapped scores
+  float cap_in, cap_out;   // softcap: s = cap_out * tanh(cap_in * q k^T) (cap_in = scale / cap, cap_out = cap)
   bool causal;
+  int window;  // causal sliding window: key j hidden from query i when i - j >= window (INT_MAX: none)
   void* o;
   float* lse;
   int* next_task;  // dynamic schedule: the task counter, zero at launch (static schedule: unused)
 };
+
+// The key blocks [lo, hi) that query rows [m0, m0 + BM) see: up to the tile's last row under a causal mask (rows past
+// N are never stored), from the window of its first row (lo < hi: rows past the keys and their window see nothing,
+// and their block is masked whole).
+template <int BN>
+__device__ __forceinline__ int2 key_blocks(const FwdParams& p, int m0, int BM) {
+  const int end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
+  const int hi = (end + BN - 1) / BN;
+  return make_int2(min(max(0, m0 - p.window + 1) / BN, hi - 1), hi);
+}
 
 // Task t -> (batch*head, query block), by section_decode: heads in L2 sections, query blocks outermost in a
 // section, and for causal last-first, so the heaviest blocks start first and the light ones fill the tail.
@@ -155,14 +168,14 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, co
     tk::expect_bytes(*sm.q_full, K_::Q_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn) tk::tma::load_async(sm.sQ + pn * BM * 128, qmap, *sm.q_full, pn * 64, m0, h, b);
-    const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
-    const int nblk = (kv_end + BN - 1) / BN;
-    // Key block j of K or V into stage s.
+    const int2 kb = key_blocks<BN>(p, m0, BM);
+    const int nblk = kb.y - kb.x;
+    // Key block kb.x + j of K or V into stage s.
     auto issue = [&](tk::semaphore* full, uint8_t* ring, const CUtensorMap* map, int s, int j) {
       tk::expect_bytes(full[s], K_::KV_BYTES);
 #pragma unroll
       for (int pn = 0; pn < PANELS; ++pn)
-        tk::tma::load_async(ring + s * K_::KV_BYTES + pn * BN * 128, map, full[s], pn * 64, j * BN, hk, b);
+        tk::tma::load_async(ring + s * K_::KV_BYTES + pn * BN * 128, map, full[s], pn * 64, (kb.x + j) * BN, hk, b);
     };
     if constexpr (SPLIT_KV) {
       auto load = [&](tk::semaphore* empty, tk::semaphore* full, uint8_t* ring, const CUtensorMap* map, int pos, int j) {

@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     decode_task(p, t, bh, qb);
     const int m0 = qb * BM;
     const int r0 = m0 + 64 * c + row_in;  // global rows r0 and r0 + 8
-    const int kv_end = p.causal ? min(p.M, min(p.N, m0 + BM)) : p.M;
-    const int nblk = (kv_end + BN - 1) / BN;
+    const int2 keys = key_blocks<BN>(p, m0, BM);
+    const int nblk = keys.y - keys.x;
 
     float o[K_::O_REGS];
 #pragma unroll
@@ -73,9 +73,10 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
         if (lane == 0) tk::arrive(*q_empty);
       }
 
-      // Scores to the log2 domain; mask key tails and the causal upper triangle.
-      const int n0 = j * BN;
-      const bool need_mask = (n0 + BN > p.M) || (p.causal && n0 + BN - 1 > m0 + 64 * c);
+      // Scores to the log2 domain; mask key tails, the causal upper triangle and keys left of the window.
+      const int n0 = (keys.x + j) * BN;
+      const bool need_mask = (n0 + BN > p.M) || (p.causal && n0 + BN - 1 > m0 + 64 * c) ||
+                             m0 + 64 * c + 63 - n0 >= p.window;
 #pragma unroll
       for (int ch = 0; ch < BN / 8; ++ch) {
 #pragma unroll
@@ -84,12 +85,12 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
           if (need_mask) {
             const int col = n0 + 8 * ch + col_in + (e & 1);
             const int row = r0 + 8 * (e >> 1);
-            if (col >= p.M || (p.causal && col > row)) x = -INFINITY;
+            if (col >= p.M || (p.causal && col > row) || row - col >= p.window) x = -INFINITY;
           }
           sc[4 * ch + e] = x;
         }
       }
-      float alpha[2];
+      float alpha[2], ms[2];
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         float m = mx[h2];
@@ -97,7 +98,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
         for (int ch = 0; ch < BN / 8; ++ch) m = fmaxf(m, fmaxf(sc[4 * ch + 2 * h2], sc[4 * ch + 2 * h2 + 1]));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        alpha[h2] = exp2f(mx[h2] - m);  // first block: exp2(-inf) = 0
+        ms[h2] = m == -INFINITY ? 0.f : m;  // a row whose window has not started: P = 0, not NaN
+        alpha[h2] = exp2f(mx[h2] - ms[h2]);  // first block: exp2(-inf) = 0
         mx[h2] = m;
         sum[h2] *= alpha[h2];
       }
@@ -105,7 +107,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       for (int ch = 0; ch < BN / 8; ++ch) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pe = exp2f(sc[4 * ch + e] - mx[e >> 1]);
+          const float pe = exp2f(sc[4 * ch + e] - ms[e >> 1]);
           sc[4 * ch + e] = pe;
           sum[e >> 1] += pe;
         }
@@ -165,7 +167,9 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 // S_{j+1} runs while PV_j is still in flight (intra-warpgroup overlap).
 // The max is kept on raw scores and folded into one FFMA per element, which
 // needs scale > 0 (the launcher sends other scales to the serial kernel).
-template <typename T, typename Cfg>
+// CAP: the scores are softcapped first (cap_out * tanh(cap_in * s)), and the max is kept on the capped scores
+// (then the exponent's factor is log2 e > 0 whatever the scale).
+template <typename T, typename Cfg, bool CAP>
 struct PP {
   using K_ = Fwd<T, Cfg>;
   static constexpr int D = K_::D, BN = K_::BN, BM = K_::BM;
@@ -193,11 +197,16 @@ struct PP {
 
   // S (raw scores) -> P = exp2(S*scale_log2 - max*scale_log2) in place, with
   // the running max (raw units) and thread-partial row sums updated and the
-  // factor alpha by which O must be rescaled. MASK: key tail / causal.
+  // factor alpha by which O must be rescaled. MASK: key tail / causal / window; a row that sees no key of this
+  // block or an earlier one (left of its window) keeps max -inf and P = 0.
   template <bool MASK>
   static __device__ __forceinline__ void softmax(float (&sc)[K_::S_REGS], float (&mx)[2], float (&sum)[2],
                                                  float (&alpha)[2], float sl2, int n0, int r0, int col_in,
                                                  const FwdParams& p) {
+    if constexpr (CAP) {
+#pragma unroll
+      for (int i = 0; i < K_::S_REGS; ++i) sc[i] = p.cap_out * tk::tanh_approx(sc[i] * p.cap_in);
+    }
     if constexpr (MASK) {
 #pragma unroll
       for (int ch = 0; ch < BN / 8; ++ch)
@@ -205,7 +214,7 @@ struct PP {
         for (int e = 0; e < 4; ++e) {
           const int col = n0 + 8 * ch + col_in + (e & 1);
           const int row = r0 + 8 * (e >> 1);
-          if (col >= p.M || (p.causal && col > row)) sc[4 * ch + e] = -INFINITY;
+          if (col >= p.M || (p.causal && col > row) || row - col >= p.window) sc[4 * ch + e] = -INFINITY;
         }
     }
     float msc[2];
@@ -216,9 +225,10 @@ struct PP {
       for (int ch = 0; ch < BN / 8; ++ch) m = fmaxf(m, fmaxf(sc[4 * ch + 2 * h2], sc[4 * ch + 2 * h2 + 1]));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      alpha[h2] = tk::ex2_approx((mx[h2] - m) * sl2);  // first block: 2^-inf = 0
+      const float ms = MASK && m == -INFINITY ? 0.f : m;  // no key seen yet: P = 0, not NaN
+      alpha[h2] = tk::ex2_approx((mx[h2] - ms) * sl2);  // first block: 2^-inf = 0
       mx[h2] = m;
-      msc[h2] = m * sl2;
+      msc[h2] = ms * sl2;
     }
     float rs[2] = {0.f, 0.f};
 #pragma unroll
@@ -251,13 +261,13 @@ struct PP {
   static __device__ __forceinline__ void hold(uint32_t (&pa)[BN / 16][4]) { tk::warpgroup::hold(pa); }
 };
 
-template <typename T, typename Cfg, bool DYN>
+template <typename T, typename Cfg, bool DYN, bool CAP>
 __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     attention_fwd_pp_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap omap,
                             const FwdParams p) {
   using K_ = Fwd<T, Cfg>;
-  using S = PP<T, Cfg>;
+  using S = PP<T, Cfg, CAP>;
   constexpr int D = K_::D, NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM;
   extern __shared__ uint8_t smem_raw[];
   // K and V stages are released separately: K as soon as its QK^T is done,
@@ -286,12 +296,14 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   const float sl2 = p.scale_log2;
   if (c == NC - 1) S::Turn::pass(c);  // warpgroup 0 takes the first turn
 
-  // A task's place and extent for this warpgroup.
+  // A task's place and extent for this warpgroup. Its key blocks are counted from the first one the producer
+  // streams (key_blocks' lo); block r needs a mask when r < lead (left of some row's window) or r >= free (the key
+  // tail or the causal diagonal).
   struct Task {
-    int bh, m0, r0;
-    int nblk;   // key blocks the producer streams
-    int nb;     // this warpgroup's own blocks (causal: its 64 rows end before the tile's)
-    int nfree;  // leading blocks that need no mask at all
+    int bh, m0, r0, lo;
+    int nblk;  // key blocks the producer streams
+    int nb;    // this warpgroup's own blocks (causal: its 64 rows end before the tile's)
+    int lead, free;
   };
   auto task_of = [&](int t) {
     Task k;
@@ -299,11 +311,13 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     decode_task(p, t, k.bh, qb);
     k.m0 = qb * BM;
     k.r0 = k.m0 + 64 * c + row_in;
-    const int kv_end = p.causal ? min(p.M, min(p.N, k.m0 + BM)) : p.M;
-    k.nblk = (kv_end + BN - 1) / BN;
-    const int my_end = p.causal ? min(kv_end, k.m0 + 64 * c + 64) : kv_end;
-    k.nb = (my_end + BN - 1) / BN;
-    k.nfree = (p.causal ? min(p.M, k.m0 + 64 * c + 1) : p.M) / BN;
+    const int2 kb = key_blocks<BN>(p, k.m0, BM);
+    const int a = k.m0 + 64 * c;  // this warpgroup's first row
+    k.lo = kb.x;
+    k.nblk = kb.y - kb.x;
+    k.nb = p.causal ? (min(kb.y * BN, a + 64) + BN - 1) / BN - kb.x : k.nblk;
+    k.lead = max(0, (a + 64 - p.window + BN - 1) / BN - kb.x);  // window: blocks starting before the last row's
+    k.free = (p.causal ? min(p.M, a + 1) : p.M) / BN - kb.x;
     return k;
   };
 
@@ -332,10 +346,10 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     for (int i = 0; i < K_::O_REGS; ++i) o[i] = 0.f;
     mx[0] = mx[1] = -INFINITY;
     sum[0] = sum[1] = 0.f;
-    if (k.nfree > 0)
-      S::template softmax<false>(sc, mx, sum, alpha, sl2, 0, k.r0, col_in, p);
+    if (k.lead == 0 && k.free > 0)
+      S::template softmax<false>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, col_in, p);
     else
-      S::template softmax<true>(sc, mx, sum, alpha, sl2, 0, k.r0, col_in, p);
+      S::template softmax<true>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, col_in, p);
     S::to_a(pa, sc);
   };
   // Rounds 1 .. nb-1 (S_{j+1} and PV_j; the softmax of S_{j+1} overlaps PV_j), the last PV, and the turns of
@@ -355,7 +369,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       tk::warpgroup::mma_async_wait<1>();
       tk::warpgroup::hold(sc);
       tk::warp::arrive(k_empty[s1]);
-      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (j + 1) * BN, k.r0, col_in, p);
+      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (k.lo + j + 1) * BN, k.r0, col_in, p);
       tk::warpgroup::mma_async_wait<0>();
       tk::warpgroup::hold(o);
       S::hold(pa);
@@ -363,8 +377,10 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       S::rescale(o, alpha);
       S::to_a(pa, sc);
     };
-    const int split = min(k.nb - 1, max(k.nfree - 1, 0));  // rounds j < split compute an unmasked S_{j+1}
-    for (int j = 0; j < split; ++j) round(j, std::false_type{});
+    // Round j computes S_{j+1}: masked for j + 1 < lead and for j + 1 >= free, unmasked in between.
+    const int first = min(max(k.lead - 1, 0), k.nb - 1), split = min(max(k.free - 1, first), k.nb - 1);
+    for (int j = 0; j < first; ++j) round(j, std::true_type{});
+    for (int j = first; j < split; ++j) round(j, std::false_type{});
     for (int j = split; j < k.nb - 1; ++j) round(j, std::true_type{});
     __syncwarp();
     if (lane == 0) tk::arrive(*q_empty);  // this warpgroup's last QK^T is done
@@ -463,10 +479,11 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   if (tid == 0) tk::tma::store_wait();  // the stores read shared memory until they are done
 }
 
-template <typename T, typename Cfg, bool DYN>
-const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
-                       float scale, int num_sms, int* next_task, cudaStream_t stream) {
+template <typename T, typename Cfg, bool DYN, bool CAP>
+const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, const Scores& sc,
+                       int num_sms, int* next_task, cudaStream_t stream) {
   using K_ = Fwd<T, Cfg>;
+  static_assert(Cfg::PP || !CAP, "softcapped scores run on the ping-pong kernels");
   CUtensorMap qm, km, vm, om{};  // om: ping-pong only
   if (const char* e = make_map(&qm, dt, q, K_::BM)) return e;
   if (const char* e = make_map(&km, dt, k, K_::BN)) return e;
@@ -486,14 +503,18 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   const int BH = q.B * q.H;
   p.tasks = BH * p.nq;
   p.section = section_heads(BH, p.nq, 2LL * num_sms, BH);
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.causal = causal;
+  constexpr float LOG2E = 1.4426950408889634f;
+  p.scale_log2 = CAP ? LOG2E : sc.scale * LOG2E;
+  p.cap_in = CAP ? sc.scale / sc.softcap : 0.f;
+  p.cap_out = CAP ? sc.softcap : 0.f;
+  p.causal = sc.causal;
+  p.window = sc.window > 0 ? sc.window : INT_MAX;
   p.o = o;
   p.lse = lse;
   p.next_task = next_task;
   auto kern = [] {
     if constexpr (Cfg::PP)
-      return attention_fwd_pp_kernel<T, Cfg, DYN>;
+      return attention_fwd_pp_kernel<T, Cfg, DYN, CAP>;
     else
       return attention_fwd_kernel<T, Cfg, DYN>;
   }();
@@ -527,26 +548,43 @@ struct FwdConfigs<64> {
   using Full = Causal;
 };
 
-// next_task: the dynamic schedule's counter (zeroed), or null for the static schedule.
-template <typename T, typename Cfg>
-const char* launch_sched(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
-                         float scale, int num_sms, int* next_task, cudaStream_t stream) {
-  return next_task ? launch_fwd<T, Cfg, true>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream)
-                   : launch_fwd<T, Cfg, false>(dt, q, k, v, o, lse, causal, scale, num_sms, nullptr, stream);
+// The dynamic schedule runs under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static one there),
+// the static one without (equal tasks: 0.89-1.0x as dynamic).
+template <typename T, typename Cfg, bool CAP>
+const char* launch_sched(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
+                         const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
+  if (!sc.causal) return launch_fwd<T, Cfg, false, CAP>(dt, q, k, v, o, lse, sc, num_sms, nullptr, stream);
+  if (next_task == nullptr) return "the causal forward needs its task counter";
+  return launch_fwd<T, Cfg, true, CAP>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
 }
 
 }  // namespace
 
 // The launcher of one (dtype, head dim), instantiated in forward_<dtype>_d<head dim>.cu.
 template <typename T, int D>
-const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, bool causal,
-                           float scale, int num_sms, int* next_task, cudaStream_t stream) {
+const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
+                           const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
   using Cs = FwdConfigs<D>;
-  if (!(scale > 0.f))
-    return launch_sched<T, typename Cs::Serial>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-  if (causal)
-    return launch_sched<T, typename Cs::Causal>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
-  return launch_sched<T, typename Cs::Full>(dt, q, k, v, o, lse, causal, scale, num_sms, next_task, stream);
+  const auto run = [&](auto cfg, auto cap) {
+    return launch_sched<T, decltype(cfg), decltype(cap)::value>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
+  };
+  if constexpr (std::is_same_v<typename Cs::Causal, typename Cs::Full>) {  // one configuration for both masks
+    if (sc.softcap > 0.f) return run(typename Cs::Causal{}, std::true_type{});
+    if (!(sc.scale > 0.f)) return run(typename Cs::Serial{}, std::false_type{});
+    return run(typename Cs::Causal{}, std::false_type{});
+  } else {  // each mask's own configuration, and only its schedule instantiated
+    const auto one = [&](auto cfg, auto cap, auto causal) {
+      constexpr bool CAUSAL = decltype(causal)::value, CAP = decltype(cap)::value;
+      return launch_fwd<T, decltype(cfg), CAUSAL, CAP>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
+    };
+    if (sc.causal && next_task == nullptr) return "the causal forward needs its task counter";
+    if (!(sc.scale > 0.f) && !(sc.softcap > 0.f)) return run(typename Cs::Serial{}, std::false_type{});
+    if (sc.causal)
+      return sc.softcap > 0.f ? one(typename Cs::Causal{}, std::true_type{}, std::true_type{})
+                              : one(typename Cs::Causal{}, std::false_type{}, std::true_type{});
+    return sc.softcap > 0.f ? one(typename Cs::Full{}, std::true_type{}, std::false_type{})
+                            : one(typename Cs::Full{}, std::false_type{}, std::false_type{});
+  }
 }
 
 }  // namespace tk_attn
