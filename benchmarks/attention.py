@@ -165,6 +165,7 @@ def run_scores(backward: bool = True) -> list[Row]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from tk_inductor import build
+    from tk_inductor.ops import attention as ops  # tk::attention: what the backend's graphs call
 
     build.load("attention")
     flex = torch.compile(flex_attention)
@@ -185,7 +186,7 @@ def run_scores(backward: bool = True) -> list[Row]:
             return cap * torch.tanh(s / cap)
 
         fns = {
-            "ours": lambda q, k, v: torch.ops.tk.attention(q, k, v, True, scale, window, cap)[0],
+            "ours": lambda q, k, v: ops.attention(q, k, v, True, scale, window, cap)[0],
             "flex": lambda q, k, v: flex(q, k, v, score_mod=score_mod if cap else None, block_mask=block_mask,
                                          scale=scale, enable_gqa=True),
         }

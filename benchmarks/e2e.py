@@ -41,6 +41,29 @@ def _llama(attn: str, quick: bool):
     return LlamaForCausalLM(cfg)
 
 
+def _mistral(quick: bool):  # the Llama above with Mistral's sliding window, over twice the window
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        num_hidden_layers=4 if quick else 16, vocab_size=32000, max_position_embeddings=8192, sliding_window=2048,
+        attn_implementation="sdpa",
+    )
+    return MistralForCausalLM(cfg)
+
+
+def _gemma2(quick: bool):  # Gemma-2's scores (softcap 50, a window on alternate layers) at head dim 128, eager
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(
+        hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        num_hidden_layers=4 if quick else 8, vocab_size=32000, max_position_embeddings=8192, sliding_window=2048,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=128,
+        attn_implementation="eager",
+    )
+    return Gemma2ForCausalLM(cfg)
+
+
 def _gpt2(quick: bool):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -69,6 +92,8 @@ def _mamba2(quick: bool):
 MODELS: dict[str, tuple[Callable[[bool], torch.nn.Module], tuple[int, int]]] = {
     "llama-sdpa": (lambda q: _llama("sdpa", q), (2, 4096)),
     "llama-eager": (lambda q: _llama("eager", q), (2, 4096)),
+    "mistral": (_mistral, (1, 8192)),
+    "gemma2": (_gemma2, (2, 4096)),
     "gpt2-medium": (_gpt2, (4, 2048)),
     "based": (_based, (4, 4096)),
     "mamba2": (_mamba2, (1, 4096)),

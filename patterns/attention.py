@@ -21,6 +21,8 @@ Two sources, one op:
     `s + mask`, with v = -inf or a finite value <= finfo(float16).min (finfo(dtype).min of every
     float dtype): after the max-subtracting softmax those give exactly zero probability, as -inf
     does, unless genuine scores are themselves below about -6.5e4; `-1e4` and friends are kept;
+  - softcapping, `cap · tanh(a · s)` as Gemma-2 writes it (`s / cap`, `tanh`, `* cap`, before any mask):
+    the op's softcap = cap with scale = a · cap;
   - `F.dropout` / `torch.dropout` with p == 0 or training=False;
   - `repeat_kv` (`x[:, :, None].expand(...).reshape(...)`, `unsqueeze(2).expand(...).reshape/flatten`)
     and `repeat_interleave(x, r, dim=1)` are dropped: the op does GQA natively; HF's empty-cache
@@ -32,7 +34,10 @@ diff/cumsum of constant steps), predicates that are intersections of half-planes
 and two-valued selections. It covers tril/triu of ones/full, arange comparisons, `where`,
 `masked_fill`, and transformers 5.x's `sdpa_mask`/`eager_mask` including the packed-sequence
 detection on in-graph position ids. A mask is causal iff its allowed set is exactly {j <= i}
-(top-left, as the op), all-visible iff it allows everything. A mask built in the graph from a graph
+(top-left, as the op), a sliding window of w iff it is exactly {i - w < j <= i} (as transformers'
+`sliding_window_overlay` with its causal mask builds it), all-visible iff it allows everything. Several masks
+applied to the scores intersect (a causal mask, then a window), and `masked_fill(~allowed, ...)` is read
+through its negation. A mask built in the graph from a graph
 input (a padding mask, user position_ids, a mask buffer) or with any op outside this vocabulary is kept
 with the reason.
 
@@ -54,8 +59,8 @@ inputs: kept. A decode step against a cache (q offset = cache length) gives an a
 one query and is replaced as non-causal attention; offsets that leave a diagonal are kept.
 
 Kept (recognised, not replaced), each with its reason in the report: padding or arbitrary masks,
-sliding windows, diagonal-offset causal masks, additive biases (ALiBi, relative position),
-softcapping (tanh) or any other op between the products, dropout p > 0 in training, SDPA
+two-sided windows, diagonal-offset causal masks, additive biases (ALiBi, relative position),
+any other op between the products, dropout p > 0 in training, SDPA
 dropout_p > 0, attention weights used elsewhere (output_attentions), value head dim != q/k head dim,
 Hq % Hkv != 0, batch broadcasting, and (kernel mode on CUDA) dtypes other than bf16/fp16 or head
 dims other than 64/128.
