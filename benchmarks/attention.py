@@ -30,9 +30,9 @@ HIDDEN = 2048
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 
 
-def cases(quick: bool = False):
+def cases(quick: bool = False, dims=(128, 64)):
     lengths = (2048, 4096) if quick else LENGTHS
-    for D in (128, 64):
+    for D in dims:
         for N in lengths:
             for causal in (False, True):
                 yield TOKENS // N, HIDDEN // D, N, D, causal
@@ -78,7 +78,7 @@ def _timed(case: str, fns: dict, flops: float, n: int, notes: dict | None = None
     return rows
 
 
-def run(quick: bool = False, backward: bool = True) -> list[Row]:
+def run(quick: bool = False, backward: bool = True, dims=(128, 64)) -> list[Row]:
     from torch.nn.attention import SDPBackend
 
     from tk_inductor import build
@@ -86,7 +86,7 @@ def run(quick: bool = False, backward: bool = True) -> list[Row]:
     build.load("attention")
     baselines = {"cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "flash": _sdpa(SDPBackend.FLASH_ATTENTION)}
     rows: list[Row] = []
-    for B, H, N, D, causal in cases(quick):
+    for B, H, N, D, causal in cases(quick, dims):
         name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
         progress(name)
         scale = 1.0 / math.sqrt(D)
@@ -244,11 +244,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="N in {2048, 4096} only")
     p.add_argument("--forward-only", action="store_true", help="skip forward+backward timings")
     p.add_argument("--scores", action="store_true", help="sliding windows and softcapping instead")
+    p.add_argument("--dims", default="128,64", help="comma-separated head dims (default: 128,64; H = 2048 // D)")
     args = p.parse_args(argv)
     if args.scores:
         print(scores_summary(run_scores(backward=not args.forward_only)))
     else:
-        print(summary(run(quick=args.quick, backward=not args.forward_only)))
+        dims = tuple(int(d) for d in args.dims.split(","))
+        print(summary(run(quick=args.quick, backward=not args.forward_only, dims=dims)))
     return 0
 
 

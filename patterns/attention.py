@@ -63,7 +63,7 @@ two-sided windows, diagonal-offset causal masks, additive biases (ALiBi, relativ
 any other op between the products, dropout p > 0 in training, SDPA
 dropout_p > 0, attention weights used elsewhere (output_attentions), value head dim != q/k head dim,
 Hq % Hkv != 0, batch broadcasting, and (kernel mode on CUDA) dtypes other than bf16/fp16 or head
-dims other than 64/128.
+dims other than 32/64/80/96/128.
 
 Dtype/head-dim policy in reference mode: those two limits belong to the CUDA kernels, not to the
 op (whose reference accepts any float dtype and head dim). So they are checked only when a kernel

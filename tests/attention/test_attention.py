@@ -159,7 +159,9 @@ def test_kernel_supports():
     assert A.kernel_supports(torch.bfloat16, 128) is None
     assert A.kernel_supports(torch.float16, 64) is None
     assert "dtype" in A.kernel_supports(torch.float32, 64)
-    assert "head dim 96" in A.kernel_supports(torch.bfloat16, 96)
+    assert A.kernel_supports(torch.bfloat16, 96) is None and A.kernel_supports(torch.bfloat16, 80) is None
+    assert "head dim 112" in A.kernel_supports(torch.bfloat16, 112)  # the kernels run it, unmeasured: not routed
+    assert "head dim 256" in A.kernel_supports(torch.bfloat16, 256)
 
 
 # ============================================================================ on the GPU (skipped without CUDA)

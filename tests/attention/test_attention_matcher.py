@@ -430,7 +430,7 @@ def test_kernel_mode_supported(fn):
 
 @pytest.mark.parametrize("fn", [sdpa_causal, eager_causal])
 @pytest.mark.parametrize("dtype, D, why", [(torch.float32, 64, "dtype torch.float32"),
-                                           (torch.bfloat16, 96, "head dim 96")])
+                                           (torch.bfloat16, 112, "head dim 112")])
 def test_kernel_mode_unsupported_dtype_or_head_dim(fn, dtype, D, why):
     gm = _fake_cuda_graph(fn, [(2, 4, 16, D)] * 3, dtype)
     (reason,) = _reasons(gm)

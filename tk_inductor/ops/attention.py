@@ -22,8 +22,8 @@ Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops 
         Uses the forward's o and lse (FlashAttention's recipe: P = exp(s - lse), Δ = rowsum(do ∘ o)).
 
 Kernel or reference: the op calls `torch.ops.tk_cuda.attention` when `_dispatch.use_kernel` allows it (CUDA
-inputs, kernels built, not reference mode) *and* the kernel covers the inputs (bf16/fp16, head dim 64 or
-128, see `kernel_supports`); otherwise the fp32-accumulating PyTorch reference below, on any device and any
+inputs, kernels built, not reference mode) *and* the kernel covers the inputs (bf16/fp16, head dim 32, 64, 80,
+96 or 128, see `kernel_supports`); otherwise the fp32-accumulating PyTorch reference below, on any device and any
 float dtype. The matcher (patterns/attention.py) only routes supported shapes to the op in kernel mode, so the
 reference fallback there is for direct calls and reference mode.
 
@@ -51,7 +51,10 @@ from . import _dispatch
 
 FAMILY = "attention"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-KERNEL_HEAD_DIMS = (64, 128)
+# The kernels run any head dim that is a multiple of 8 up to 128 (below 64 and 128 zero-filled to the next one up);
+# the op routes them those measured at or above cuDNN SDPA on the H200 (benchmarks/RESULTS.md): 32 (small models),
+# 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x, 64 and 128.
+KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128)
 
 
 def kernel_supports(dtype: torch.dtype, head_dim) -> str | None:

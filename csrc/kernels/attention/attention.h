@@ -7,6 +7,11 @@ namespace tk_attn {
 
 enum class DType { bf16, f16 };
 
+// Head dims the kernels take: multiples of 8 (16-byte rows for TMA) up to 128. The kernels are compiled for D = 64
+// and 128; a smaller head dim runs on the next one up, whose tensor maps zero-fill the columns past it (zero
+// columns of q and k add nothing to the scores, those of v give output columns that are never stored).
+inline bool head_dim_supported(int64_t d) { return d >= 8 && d <= 128 && d % 8 == 0; }
+
 // A (B, H, S, D) view with element strides; the last dim is contiguous.
 struct View4 {
   const void* ptr;

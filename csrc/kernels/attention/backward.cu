@@ -15,8 +15,8 @@ __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x)
 // Per padded (bh, row): delta = rowsum(dO * O), lse2 = lse * log2e, and the
 // row of dq_accum zeroed (one pass instead of a separate fill). D / 8 lanes
 // per row with 16-byte loads (o and dO rows are 16-byte aligned: tma_ready in
-// the binding). Rows in [N, Npad) get delta 0 and lse2 +inf so the main
-// kernel needs no bounds. delta and lse2 go to their stats_slot (StatsPairs).
+// the binding); lanes past the head dim o.D <= D read nothing. Rows in [N, Npad) get delta 0 and lse2 +inf so the
+// main kernel needs no bounds. delta and lse2 go to their stats_slot (StatsPairs).
 template <typename T, int D>
 __global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, float* lse2, float* delta,
                                          float* dq_accum, int Npad) {
@@ -34,7 +34,7 @@ __global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, 
     for (int i = l; i < D / 4; i += LPR) dqrow[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     const int64_t bh = w / Npad;
     row = static_cast<int>(w % Npad);
-    if (row < o.S) {
+    if (row < o.S && 8 * l < o.D) {
       const int64_t b = bh / o.H, h = bh % o.H;
       const uint4 ov = *reinterpret_cast<const uint4*>(static_cast<const T*>(o.ptr) + b * o.sb + h * o.sh +
                                                        row * o.ss + 8 * l);
@@ -56,17 +56,17 @@ __global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, 
   }
 }
 
-// dq = dq_accum * scale, cast, into dq's strides; 8 elements per thread (D is a multiple of 8, so a group never
-// crosses a row, and the binding's dq has 16-byte rows). Each 8-column group of dq_accum holds its even columns,
-// then its odd ones (stage_dq by stmatrix).
+// dq = dq_accum * scale, cast, into dq's strides; 8 elements per thread (the head dim d = dq.D <= D is a multiple of
+// 8, so a group never crosses a row, and the binding's dq has 16-byte rows; dq_accum's rows are D wide). Each
+// 8-column group of dq_accum holds its even columns, then its odd ones (stage_dq by stmatrix).
 template <typename T, int D>
 __global__ void attention_bwd_post_kernel(const float* dq_accum, View4 dq, int Npad, float scale) {
   const int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
-  const int64_t N = dq.S, BH = dq.B * dq.H;
-  if (idx >= BH * N * D) return;
-  const int64_t bh = idx / (N * D);
-  const int64_t rem = idx - bh * N * D;
-  const float4* src = reinterpret_cast<const float4*>(dq_accum + bh * Npad * D + rem);
+  const int64_t N = dq.S, BH = dq.B * dq.H, d = dq.D;
+  if (idx >= BH * N * d) return;
+  const int64_t bh = idx / (N * d);
+  const int64_t rem = idx - bh * N * d, n = rem / d, col = rem - n * d;
+  const float4* src = reinterpret_cast<const float4*>(dq_accum + (bh * Npad + n) * D + col);
   float4 a = src[0], c = src[1];
   {  // a = columns 0 2 4 6, c = 1 3 5 7
     const float4 ev = a, od = c;
@@ -78,9 +78,9 @@ __global__ void attention_bwd_post_kernel(const float* dq_accum, View4 dq, int N
   out.y = pack2<T>(a.z * scale, a.w * scale);
   out.z = pack2<T>(c.x * scale, c.y * scale);
   out.w = pack2<T>(c.z * scale, c.w * scale);
-  const int64_t b = bh / dq.H, h = bh - b * dq.H, n = rem / D;
+  const int64_t b = bh / dq.H, h = bh - b * dq.H;
   T* row = static_cast<T*>(const_cast<void*>(dq.ptr)) + b * dq.sb + h * dq.sh + n * dq.ss;
-  *reinterpret_cast<uint4*>(row + (rem - n * D)) = out;
+  *reinterpret_cast<uint4*>(row + col) = out;
 }
 
 // Rows of the padded lse2 / delta / dq_accum: a multiple of the q tile.
@@ -162,7 +162,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   kern<<<static_cast<unsigned>(p.nk * k.B * k.H), threads, smem, stream>>>(qm, km, vm, dom, dqm, dkvm, p);
   if (cudaGetLastError() != cudaSuccess) return "attention backward launch failed";
   {
-    const int64_t groups = BH * q.S * D / 8;
+    const int64_t groups = BH * q.S * q.D / 8;
     const int threads = 256;
     attention_bwd_post_kernel<T, D><<<static_cast<unsigned>((groups + threads - 1) / threads), threads, 0, stream>>>(
         dq_accum, dq, Npad, scale);
@@ -184,14 +184,16 @@ struct BwdConfig<64> {
   using Cfg = BwdCfg<Kind::Wide, 2, bwd::PRODQ>;
 };
 
-int bwd_bm(int D) { return D == 64 ? BwdConfig<64>::Cfg::BM : BwdConfig<128>::Cfg::BM; }
+// The kernels' head dim for a head dim d: the next of 64 and 128.
+int bwd_d(int64_t d) { return d <= 64 ? 64 : 128; }
+int bwd_bm(int64_t d) { return bwd_d(d) == 64 ? BwdConfig<64>::Cfg::BM : BwdConfig<128>::Cfg::BM; }
 
 }  // namespace
 
 BwdScratch attention_backward_scratch(const View4& q) {
-  const int64_t Npad = bwd_npad(q.S, bwd_bm(static_cast<int>(q.D)));
+  const int64_t Npad = bwd_npad(q.S, bwd_bm(q.D));
   const int64_t BH = q.B * q.H;
-  return {static_cast<size_t>(BH * Npad * q.D * 4), static_cast<size_t>(BH * Npad * 4),
+  return {static_cast<size_t>(BH * Npad * bwd_d(q.D) * 4), static_cast<size_t>(BH * Npad * 4),
           static_cast<size_t>(BH * Npad * 4)};
 }
 
@@ -212,9 +214,9 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
   };
   using D128 = std::integral_constant<int, 128>;
   using D64 = std::integral_constant<int, 64>;
-  if (q.D == 128) return dt == DType::bf16 ? run(__nv_bfloat16{}, D128{}) : run(__half{}, D128{});
-  if (q.D == 64) return dt == DType::bf16 ? run(__nv_bfloat16{}, D64{}) : run(__half{}, D64{});
-  return "head dim must be 64 or 128";
+  if (!head_dim_supported(q.D)) return "head dim must be a multiple of 8 up to 128";
+  if (bwd_d(q.D) == 128) return dt == DType::bf16 ? run(__nv_bfloat16{}, D128{}) : run(__half{}, D128{});
+  return dt == DType::bf16 ? run(__nv_bfloat16{}, D64{}) : run(__half{}, D64{});
 }
 
 }  // namespace tk_attn

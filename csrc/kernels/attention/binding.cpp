@@ -43,7 +43,8 @@ DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   check(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v must share a dtype");
   check(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
         std::string("dtype must be bfloat16 or float16, got ") + c10::toString(q.scalar_type()));
-  check(q.size(3) == 64 || q.size(3) == 128, "head dim must be 64 or 128, got " + std::to_string(q.size(3)));
+  check(tk_attn::head_dim_supported(q.size(3)),
+        "head dim must be a multiple of 8 up to 128, got " + std::to_string(q.size(3)));
   check(k.size(3) == q.size(3) && v.size(3) == q.size(3), "q, k, v head dims differ");
   check(k.sizes() == v.sizes(), "k and v shapes differ: " + shape_str(k) + " vs " + shape_str(v));
   check(k.size(0) == q.size(0), "batch sizes differ");

@@ -1,4 +1,5 @@
-// Attention forward: the dispatch on dtype and head dim to the kernels of forward_kernels.cuh.
+// Attention forward: the dispatch on dtype and head dim to the kernels of forward_kernels.cuh (head dims up to 64 run
+// the D = 64 kernels, up to 128 the D = 128 ones).
 #include "attention.h"
 #include "common.cuh"
 
@@ -15,13 +16,12 @@ const char* attention_forward(DType dt, const View4& q, const View4& k, const Vi
   if (sc.window < 0 || (sc.window > 0 && !sc.causal)) return "a sliding window needs a causal mask";
   if (!(sc.softcap >= 0.f)) return "softcap must be >= 0";
   const int n = num_sms;
-  if (q.D == 128)
+  if (!head_dim_supported(q.D)) return "head dim must be a multiple of 8 up to 128";
+  if (q.D > 64)  // the D = 128 kernels, zero-filled past the head dim
     return dt == DType::bf16 ? forward_config<__nv_bfloat16, 128>(dt, q, k, v, o, lse, sc, n, next_task, stream)
                              : forward_config<__half, 128>(dt, q, k, v, o, lse, sc, n, next_task, stream);
-  if (q.D == 64)
-    return dt == DType::bf16 ? forward_config<__nv_bfloat16, 64>(dt, q, k, v, o, lse, sc, n, next_task, stream)
-                             : forward_config<__half, 64>(dt, q, k, v, o, lse, sc, n, next_task, stream);
-  return "head dim must be 64 or 128";
+  return dt == DType::bf16 ? forward_config<__nv_bfloat16, 64>(dt, q, k, v, o, lse, sc, n, next_task, stream)
+                           : forward_config<__half, 64>(dt, q, k, v, o, lse, sc, n, next_task, stream);
 }
 
 }  // namespace tk_attn

@@ -96,6 +96,7 @@ struct FwdSmem {
 
 struct FwdParams {
   int B, Hq, Hkv, N, M, group;
+  int d;  // the head dim of q, k, v and o: D or less (TMA zero-fills the columns past it and never stores them)
   int nq, tasks, section;  // query blocks per head, total tasks, heads per L2 section
   float scale_log2;        // the exponent's factor: scale * log2 e, or log2 e on softcapped scores
   float cap_in, cap_out;   // softcap: s = cap_out * tanh(cap_in * q k^T) (cap_in = scale / cap, cap_out = cap)

@@ -146,11 +146,11 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       const float inv = 1.f / l;
       const int row = r0 + 8 * h2;
       if (row < p.N) {
-        T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * D;
+        T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * p.d;
 #pragma unroll
         for (int ch = 0; ch < D / 8; ++ch) {
           const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
-          *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
+          if (8 * ch < p.d) *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
         }
         if ((lane & 3) == 0) p.lse[static_cast<int64_t>(bh) * p.N + row] = (mx[h2] + log2f(l)) * 0.69314718055994531f;
       }
@@ -499,6 +499,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.N = q.S;
   p.M = k.S;
   p.group = q.H / k.H;
+  p.d = static_cast<int>(q.D);
   p.nq = (q.S + K_::BM - 1) / K_::BM;
   const int BH = q.B * q.H;
   p.tasks = BH * p.nq;
