@@ -8,7 +8,7 @@
         to the reference fails), forward and autograd backward
 
 The shapes are small (a sanitizer slows a kernel 10-1000x) but reach each kernel's launch variants: attention head
-dims 64 and 128, causal or not, GQA; rotary NeoX and interleaved, mixed dtypes; layernorm at each hidden-size tier,
+dims 64 and 128, causal or not, GQA, and sliding windows and softcaps at head dims 32 and 96 (zero-filled); rotary NeoX and interleaved, mixed dtypes; layernorm at each hidden-size tier,
 with residual, dropout, bias and gate, and the row-kernel and persistent backward; Based with narrow and wide
 value tiles; the SSD with two heads per task, a short last task of a group, more tasks than SMs, and sequences
 split into segments.
@@ -71,6 +71,14 @@ def cases(families):
                 run(f"attention D{D} causal={causal} {dtype}",
                     lambda q, k, v: torch.ops.tk.attention(q, k, v, causal, D ** -0.5), q, k, v,
                     expect=("attention", "attention_backward"))
+        # the score modifications (the window's leading masked blocks, the capped kernels) at a head dim zero-filled
+        # to D
+        d = {64: 32, 128: 96}[D]
+        q, k, v = rand(1, 4, 300, d), rand(1, 2, 300, d), rand(1, 2, 300, d)
+        for window, cap in ((70, 0.0), (0, 5.0), (150, 5.0)):
+            run(f"attention D{d} causal window={window} softcap={cap}",
+                lambda q, k, v: torch.ops.tk.attention(q, k, v, True, 0.1, window, cap), q, k, v,
+                expect=("attention", "attention_backward"))
 
     for interleaved in (False, True) if "rotary" in families else ():
         for x_dtype, table in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),

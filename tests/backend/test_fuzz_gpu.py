@@ -144,17 +144,20 @@ def delta_error(family: str, case: dict, got, want_args, douts) -> dict:
         from tk_inductor.ops.attention import _scores, attention_reference
         causal = want_args[3] if isinstance(want_args[3], bool) else bool((~want_args[3]).any())
         scale = want_args[4]
-        o, lse = attention_reference(q, k, v, causal, scale)
+        window, cap = (want_args[5], want_args[6]) if len(want_args) > 5 else (0, 0.0)
+        o, lse = attention_reference(q, k, v, causal, scale, window, cap)
         prod = douts[0].float() * (got[0].float() - o.detach())
         dq, dk = torch.autograd.grad((-prod.sum(-1) * lse).sum(), (q, k))
         # plus the fp32 sums of Δ and of dP = do·v (all there is where o is exact, as at one key, where the two
         # cancel): D additions, each off by up to an ulp of the running sum on the tensor cores' truncating adders.
-        # Unsigned, so through |∂lse_i/∂q_i| = |scale| Σ_j p_ij |k_j| and |∂lse_i/∂k_j| = |scale| p_ij |q_i|.
+        # Unsigned, so through |∂lse_i/∂q_i| = |scale| Σ_j p_ij |k_j| and |∂lse_i/∂k_j| = |scale| p_ij |q_i| (a softcap
+        # only scales these by 1 - tanh² <= 1).
         B, Hkv, M, D = k.shape
         group = q.shape[1] // Hkv
         with torch.no_grad():
             bound = D * 2 ** -23 * (douts[0].float() * o).abs().sum(-1)
-            p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1)) * (abs(scale) * bound).unsqueeze(-1)
+            s = _scores(q, k, causal, scale, None, window, cap)[0]
+            p = torch.exp(s - lse.unsqueeze(-1)) * (abs(scale) * bound).unsqueeze(-1)
             dq_bound = p @ k.abs().repeat_interleave(group, dim=1)
             dk_bound = (p.transpose(-1, -2) @ q.abs()).view(B, Hkv, group, M, D).sum(2)
         return {"dq": dq.abs() + dq_bound, "dk": dk.abs() + dk_bound}
@@ -310,15 +313,19 @@ def attention_case(rng):
     q = randn((B, Hkv * ratio, N, D), dtype, 1.0, lay[0])
     k, v = randn((B, Hkv, M, D), dtype, 1.0, lay[1]), randn((B, Hkv, M, D), dtype, 1.0, lay[2])
     masked = rng.random() < 0.2  # tk::attention_masked with a mask the run-time check proves causal / all-visible
-    desc = f"B{B} Hq{Hkv * ratio} Hkv{Hkv} N{N} M{M} D{D} {dtype} causal={causal} masked={masked} layouts {lay}"
+    # a window leaves rows past M + window - 1 with no key (N > M): those rows are NaN in the kernel and reference alike
+    window = pick(rng, 1, 17, 128, 200, size(rng)) if causal and N <= M and not masked and rng.random() < 0.3 else 0
+    cap = pick(rng, 1.0, 5.0, 30.0) if not masked and rng.random() < 0.3 else 0.0
+    desc = (f"B{B} Hq{Hkv * ratio} Hkv{Hkv} N{N} M{M} D{D} {dtype} causal={causal} window={window} softcap={cap} "
+            f"masked={masked} layouts {lay}")
     if masked:
         mask = torch.ones(N, M, dtype=torch.bool, device="cuda")
         mask = mask.tril() if causal else mask
         op = lambda q, k, v, mask, s: torch.ops.tk.attention_masked(q, k, v, mask, s)  # noqa: E731
         args = [q, k, v, mask, scale]
     else:
-        op = lambda q, k, v, c, s: torch.ops.tk.attention(q, k, v, c, s)  # noqa: E731
-        args = [q, k, v, causal, scale]
+        op = lambda q, k, v, c, s, w, cap: torch.ops.tk.attention(q, k, v, c, s, w, cap)  # noqa: E731
+        args = [q, k, v, causal, scale, window, cap]
     return dict(desc=desc, op=op, args=args, outputs=[0], grad_inputs=[0, 1, 2], tol=TOL["attention"],
                 grad_names=["dq", "dk", "dv"], out_tol={1: 5e-4},
                 unchecked=(1,) if masked else ())  # the masked op's reference (SDPA with the mask) has no lse
