@@ -32,7 +32,9 @@ def _masks(n: int, m: int) -> dict:
     pad[:, 0] = False
     pad[:, 1] = True  # no empty rows
     neg = torch.finfo(torch.float32).min
-    return {"causal": causal, "full": torch.ones(n, m, dtype=torch.bool), "padding": pad,
+    window = causal & ~torch.ones(n, m, dtype=torch.bool).tril(-3)  # i - 3 < j <= i
+    return {"causal": causal, "full": torch.ones(n, m, dtype=torch.bool), "padding": pad, "window": window,
+            "window_additive": torch.zeros(n, m).masked_fill(~window, neg),
             "random": torch.rand(n, m) > 0.3,
             "causal_additive": torch.zeros(n, m).masked_fill(~causal, neg),
             "padding_additive": torch.zeros(n, m).masked_fill(~pad, neg), "bias": torch.randn(n, m)}
@@ -65,14 +67,16 @@ def test_learned_bias_input_kept():
 def test_mask_kind():
     masks = _masks(5, 7)
     kinds = {name: A.mask_kind(m, 5, 7) for name, m in masks.items()}
-    assert kinds == {"causal": "causal", "full": "full", "padding": None, "random": None,
-                     "causal_additive": "causal", "padding_additive": None, "bias": None}
+    assert kinds == {"causal": "causal", "full": "full", "padding": None, "random": None, "window": 3,
+                     "window_additive": 3, "causal_additive": "causal", "padding_additive": None, "bias": None}
+    assert A.mask_kind(masks["window"][:2], 2, 7) == "causal"  # two rows of a window of 3: plain causal there
+    assert A.mask_kind(masks["window"][:, :2], 5, 2) is None  # rows 3 and 4 see no key of these two
     # broadcast views, leading dims, and an in-place change after the answer was cached
     m = masks["causal"][None, None].expand(3, 4, 5, 7)
     assert A.mask_kind(m, 5, 7) == "causal"
     owner = masks["causal"].clone()
     assert A.mask_kind(owner[None, None], 5, 7) == "causal"
-    owner[4, 0] = False
+    owner[4, 2] = False  # a hole, not a window
     assert A.mask_kind(owner[None, None], 5, 7) is None
     assert A.mask_kind(masks["causal_additive"] * 0.5, 5, 7) == "causal"  # still 0 / <= fp16 min
     assert A.mask_kind(masks["causal_additive"] / 1e35, 5, 7) is None  # hidden values too mild
@@ -169,7 +173,7 @@ def test_proven_mask_views():
         A._proofs.clear()
         assert A.mask_kind(view, n, m) == got, name  # the proof never disagrees with the values
     A.prove_mask(base, "causal")
-    base[..., 5, 0] = False  # changed in place after the proof: values decide
+    base[..., 5, 2] = False  # changed in place after the proof: values decide
     paths = _fresh_paths()
     assert A.mask_kind(base, 6, 6) is None and paths["value checks"] == 1
     with pytest.raises(ValueError, match="kind"):
@@ -330,10 +334,10 @@ def test_mask_prover_is_sound_on_random_masks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["causal", "full", "padding", "causal_additive", "bias"])
+@pytest.mark.parametrize("kind", ["causal", "full", "padding", "causal_additive", "bias", "window", "window_additive"])
 def test_gpu_attention_masked_paths(kind):
-    """A causal or all-visible run-time mask runs the kernel (lse computed), any other runs SDPA; forward and
-    gradients equal SDPA with the mask either way; one check per mask tensor (cached)."""
+    """A causal, sliding-window or all-visible run-time mask runs the kernel (lse computed), any other runs SDPA;
+    forward and gradients equal SDPA with the mask either way; one check per mask tensor (cached)."""
     if not _kernel_built():
         pytest.skip("the attention kernels need an sm_90 GPU")
     N = M = 300
@@ -342,9 +346,9 @@ def test_gpu_attention_masked_paths(kind):
     if mask.is_floating_point():
         mask = mask.bfloat16()
     o, lse = torch.ops.tk.attention_masked(q, k, v, mask[None, None], 0.0883)
-    assert (lse.abs().sum() > 0) == (kind in ("causal", "full", "causal_additive"))  # which path ran
-    assert A.mask_kind(mask[None, None], N, M) == {"causal": "causal", "full": "full",
-                                                   "causal_additive": "causal"}.get(kind)
+    assert (lse.abs().sum() > 0) == (kind in ("causal", "full", "causal_additive", "window", "window_additive"))
+    assert A.mask_kind(mask[None, None], N, M) == {"causal": "causal", "full": "full", "causal_additive": "causal",
+                                                   "window": 3, "window_additive": 3}.get(kind)
     kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
     ref = F.scaled_dot_product_attention(q.float(), kk.float(), vv.float(),
                                          attn_mask=mask if mask.dtype == torch.bool else mask.float(), scale=0.0883)
@@ -382,7 +386,7 @@ def test_attention_masked_warns_once_when_the_kernel_cannot_take_the_mask(monkey
     monkeypatch.setattr(A, "_warned_sdpa", False)
     q, k, v = _inputs()
     masks = _masks(8, 8)
-    with pytest.warns(UserWarning, match="neither causal nor all-visible"):
+    with pytest.warns(UserWarning, match="neither causal"):
         out, _ = torch.ops.tk.attention_masked(q, k, v, masks["padding"], 0.25)
     torch.testing.assert_close(out, A._masked_sdpa(q, k, v, masks["padding"], 0.25))
     import warnings

@@ -130,10 +130,11 @@ def test_bad_arguments(ops, args, message):
         ops.attention(q, k, v, *args)
 
 
-@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+@pytest.mark.parametrize("model", ["mistral", "gemma2", "phi3"])
 def test_hf_models_train_with_the_kernels(model):
-    """Mistral (sliding window, SDPA) and Gemma-2 (window on alternate layers, softcap 50, eager attention) in bf16
-    on the GPU: every layer's attention is replaced, and the loss and gradients match eager's."""
+    """Mistral (sliding window, SDPA), Gemma-2 (window on alternate layers, softcap 50, eager attention) and Phi-3
+    (head dim 96, window) in bf16 on the GPU: every layer's attention is replaced, and the loss and gradients match
+    eager's."""
     transformers = pytest.importorskip("transformers")
     import tk_inductor
 
@@ -141,6 +142,9 @@ def test_hf_models_train_with_the_kernels(model):
                   num_key_value_heads=2, head_dim=128, max_position_embeddings=2048, sliding_window=200)
     if model == "mistral":
         net = transformers.MistralForCausalLM(transformers.MistralConfig(**common, attn_implementation="sdpa"))
+    elif model == "phi3":
+        common.update(hidden_size=384, head_dim=96, pad_token_id=0, eos_token_id=0, bos_token_id=0)
+        net = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, attn_implementation="sdpa"))
     else:
         net = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             **common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=128,

@@ -50,6 +50,24 @@ def _gemma2():  # softcapped scores on every layer, a sliding window on alternat
     return transformers.Gemma2ForCausalLM(cfg)
 
 
+def _phi3():  # head dim 96 (the D = 128 kernels, zero-filled) and a sliding window
+    cfg = transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=7, pad_token_id=0, eos_token_id=0,
+        bos_token_id=0, attn_implementation="sdpa",
+    )
+    return transformers.Phi3ForCausalLM(cfg)
+
+
+def _phi():  # head dim 80, partial rotary
+    cfg = transformers.PhiConfig(
+        vocab_size=VOCAB, hidden_size=160, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=128, partial_rotary_factor=0.4, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+        attn_implementation="sdpa",
+    )
+    return transformers.PhiForCausalLM(cfg)
+
+
 def _gpt2():
     cfg = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=128, n_head=2, n_layer=2, n_positions=128,
@@ -104,6 +122,8 @@ CASES = {
     "mistral-sdpa": Case(lambda: _mistral("sdpa"), ("attention", "rotary", "layernorm"), attention_count=2),
     "mistral-eager": Case(lambda: _mistral("eager"), ("attention", "rotary", "layernorm"), attention_count=2),
     "gemma2": Case(_gemma2, ("attention", "rotary", "layernorm"), attention_count=2),
+    "phi3": Case(_phi3, ("attention", "rotary", "layernorm"), attention_count=2),
+    "phi": Case(_phi, ("attention", "rotary", "layernorm"), attention_count=2),
     "gpt2": Case(_gpt2, ("attention", "layernorm"), attention_count=2),
     "bert-padding": Case(_bert, ("layernorm",), kept=("attention",), padding_mask=True),
     "gpt-neox": Case(_neox, ("attention", "rotary", "layernorm"), attention_count=2),

@@ -33,8 +33,8 @@ reference fallback there is for direct calls and reference mode.
         SDPA with `attn_mask=mask` (bool, True = attend, or additive float, broadcast to (B, Hq, N, M)) for a mask
         whose values the compiler cannot see: one handed into the graph, as after DDP's graph splitting, FSDP's
         graph breaks or a per-layer `torch.compile`. At run time `mask_kind` checks the values once per mask
-        tensor (one device-to-host copy, cached per tensor and version); a causal or all-visible mask runs the
-        kernel, any other mask runs SDPA with the mask, exactly as the original graph did (then `lse` is not computed
+        tensor (one device-to-host copy, cached per tensor and version); a causal, causal sliding-window or
+        all-visible mask runs the kernel, any other mask runs SDPA with the mask, exactly as the original graph did (then `lse` is not computed
         (zeros) and the backward uses the reference formulas in fp32, one batch entry at a time). While a CUDA graph is being captured the check
         cannot run, so the SDPA path is taken.
 """
@@ -346,9 +346,10 @@ def _proven_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
     return "full" if kind == "full" or M == 1 else "causal"  # a corner of the causal set is causal
 
 
-def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
-    """"causal" (key j <= query i), "full" (every key) or None (anything else) for a bool (True = attend) or
-    additive (0 = attend, <= NEG_BIG = hidden) mask that broadcasts to (..., N, M).
+def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | int | None:
+    """"causal" (key j <= query i), "full" (every key), an int w (a causal sliding window: i - w < j <= i, narrower
+    than the rows) or None (anything else) for a bool (True = attend) or additive (0 = attend, <= NEG_BIG = hidden)
+    mask that broadcasts to (..., N, M).
 
     Taken from the proof of the graph that made the mask when there is one (prove_mask), else decided on the
     values, with one device-to-host copy; the answer is cached on the tensor (or the tensor it
@@ -374,14 +375,19 @@ def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
     else:
         visible = m == 0
         valid = (visible | (m <= NEG_BIG)).all()
-    causal = torch.ones(N, M, dtype=torch.bool, device=m.device).tril()
+    i = torch.arange(N, device=m.device)[:, None]
+    j = torch.arange(M, device=m.device)[None, :]
+    causal = j <= i
+    # a window's widest row holds its width; compared on the device, so that one copy to the host decides all three
+    width = visible.sum(-1).amax(-1, keepdim=True).amax() if visible.numel() else torch.zeros((), device=m.device)
     is_causal = (visible == causal).all()
+    is_window = (visible == (causal & (i - j < width))).all() & (width < min(N, M))
     is_full = visible.all()
     if valid is not None:
-        is_causal, is_full = is_causal & valid, is_full & valid
-    c, f = torch.stack((is_causal, is_full)).tolist()
+        is_causal, is_window, is_full = is_causal & valid, is_window & valid, is_full & valid
+    c, w, f, width = torch.stack((is_causal, is_window, is_full, width.to(is_causal.device))).long().tolist()
     masked_paths["value checks"] += 1  # each one waits for the GPU
-    kind = "full" if f else ("causal" if c else None)
+    kind = "full" if f else ("causal" if c else (width if w and width >= 1 else None))
     _kinds.setdefault(owner, {})[key] = kind
     return kind
 
@@ -421,7 +427,7 @@ def _rows16(t: torch.Tensor) -> bool:
         st * t.element_size() % 16 == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
-def _masked_path(q, k, v, mask) -> str | None:
+def _masked_path(q, k, v, mask) -> str | int | None:
     """The kernel's mask kind, or None for the SDPA path."""
     if not _kernel_ok(q, k, v) or torch.cuda.is_current_stream_capturing():
         return None
@@ -429,10 +435,15 @@ def _masked_path(q, k, v, mask) -> str | None:
     kind = mask_kind(mask, q.shape[2], k.shape[2])
     if kind is None and not _warned_sdpa:  # once per process: the kernel could have run, but not this mask
         _warned_sdpa = True
-        warnings.warn("tk::attention_masked: the attention mask is neither causal nor all-visible, so SDPA runs "
-                      "instead of the kernel, and the backward recomputes the scores per batch entry (slower)",
-                      stacklevel=2)
+        warnings.warn("tk::attention_masked: the attention mask is neither causal, a causal sliding window nor "
+                      "all-visible, so SDPA runs instead of the kernel, and the backward recomputes the scores per "
+                      "batch entry (slower)", stacklevel=2)
     return kind
+
+
+def _kind_args(kind: str | int) -> tuple[bool, int]:
+    """(causal, window) of tk::attention for a mask kind of `mask_kind`."""
+    return (kind != "full", kind if isinstance(kind, int) else 0)
 
 
 @torch.library.custom_op("tk::attention_masked", mutates_args=(),
@@ -447,7 +458,8 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     kind = _masked_path(q, k, v, mask)
     masked_paths[kind or "sdpa"] += 1
     if kind is not None:
-        return attention(q, k, v, kind == "causal", scale)
+        causal, window = _kind_args(kind)
+        return attention(q, k, v, causal, scale, window)
     o = _empty_out(q)
     o.copy_(_masked_sdpa(q, k, v, mask, scale))
     return o, q.new_zeros(q.shape[:3], dtype=torch.float32)  # lse is not computed on this path
@@ -474,7 +486,8 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     # The same values give the same answer as in the forward (cached), so the paths agree.
     kind = _masked_path(q, k, v, mask)
     if kind is not None:
-        return attention_backward(grad_o, q, k, v, o, lse, kind == "causal", scale)
+        causal, window = _kind_args(kind)
+        return attention_backward(grad_o, q, k, v, o, lse, causal, scale, window)
     # SDPA's gradients for any mask from the reference formulas, one batch entry at a time to bound the memory
     # (this path runs only for masks that are neither causal nor all-visible; its lse was not computed)
     full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
