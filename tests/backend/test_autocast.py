@@ -45,6 +45,21 @@ def _gemma():
     return transformers.GemmaForCausalLM(cfg)
 
 
+def _gemma2():  # softcapped scores (eager, bf16 under autocast) and a window on alternate layers
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                    max_position_embeddings=128, sliding_window=8, attn_logit_softcapping=1.0,
+                                    query_pre_attn_scalar=64, attn_implementation="eager")
+    return transformers.Gemma2ForCausalLM(cfg)
+
+
+def _mistral():  # a sliding window (SDPA with the window's mask)
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                     max_position_embeddings=128, sliding_window=8, attn_implementation="sdpa")
+    return transformers.MistralForCausalLM(cfg)
+
+
 def _mamba2():
     cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
                                     n_groups=1, expand=2, num_hidden_layers=2, chunk_size=8, conv_kernel=4)
@@ -59,6 +74,8 @@ MODELS = {
     "qwen2": (_qwen2, {"attention": 2, "layernorm": 5, "rotary": 2}),
     "gpt-neox": (_neox, {"attention": 2, "layernorm": 5, "rotary": 2}),
     "gemma": (_gemma, {"attention": 2, "layernorm": 5, "rotary": 2}),
+    "gemma2": (_gemma2, {"attention": 2, "layernorm": 9, "rotary": 2}),
+    "mistral": (_mistral, {"attention": 2, "layernorm": 5, "rotary": 2}),
     # the SSD in fp32 under autocast's bf16 einsums; the gated norms (MambaRMSNormGated) with their gate
     "mamba2": (_mamba2, {"ssd": 2, "layernorm": 5}),
 }
