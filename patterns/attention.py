@@ -1,76 +1,47 @@
 """Matcher for softmax attention on the Dynamo (torch-IR) graph -> `tk::attention`.
 
 Two sources, one op:
-
-* `F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)`:
-  no mask, `is_causal=True`, or an `attn_mask` proven causal/all-visible by the mask analysis below;
-  `dropout_p == 0` (SDPA drops even in eval); default scale 1/sqrt(D) or the given one; GQA by
-  `enable_gqa` or a `repeat_kv` in front of it.
-* eager attention, `matmul -> scale -> mask -> softmax -> dropout -> matmul`:
-  - the products as `torch.matmul`, `@`, `Tensor.matmul`, `torch.bmm` on (B*H, N, D) views of
-    (B, H, N, D) tensors (also scores made in 3-D then viewed to 4-D), `torch.baddbmm(_, q, kᵀ,
-    beta=0, alpha=scale)` (GPT-2's reorder_and_upcast_attn), or `einsum("...nd,...md->...nm")` /
-    `einsum("...nm,...md->...nd")`;
-    k transposed by `transpose(-1, -2)` / `transpose(2, 3)` / `permute` / `.mT`;
-  - scaling by `mul` or `div` with a positive constant, on q, on k, or on the scores, before or
-    after the mask (several factors multiply);
-  - softmax over the last dim as `torch.softmax`, `F.softmax`, `Tensor.softmax`, with
-    `dtype=torch.float32` or with a `.float()`/`.to(torch.float32)` upcast and a cast back
-    (`.to(q.dtype)`, `.type(v.dtype)`, `.type_as(q)`...);
-  - causal masks applied by `masked_fill(masked, v)`, `torch.where(allowed, s, v)` or additive
-    `s + mask`, with v = -inf or a finite value <= finfo(float16).min (finfo(dtype).min of every
-    float dtype): after the max-subtracting softmax those give exactly zero probability, as -inf
-    does, unless genuine scores are themselves below about -6.5e4; `-1e4` and friends are kept;
-  - softcapping, `cap · tanh(a · s)` as Gemma-2 writes it (`s / cap`, `tanh`, `* cap`, before any mask):
-    the op's softcap = cap with scale = a · cap;
-  - `F.dropout` / `torch.dropout` with p == 0 or training=False;
-  - `repeat_kv` (`x[:, :, None].expand(...).reshape(...)`, `unsqueeze(2).expand(...).reshape/flatten`)
-    and `repeat_interleave(x, r, dim=1)` are dropped: the op does GQA natively; HF's empty-cache
+* `F.scaled_dot_product_attention`: no mask, `is_causal=True`, or an `attn_mask` the mask analysis proves causal,
+  a causal sliding window or all-visible; `dropout_p == 0` (SDPA drops even in eval); the default or a given scale;
+  GQA by `enable_gqa` or a `repeat_kv` in front of it.
+* eager `matmul -> scale -> [softcap] -> mask -> softmax -> dropout -> matmul`:
+  - the products as `torch.matmul`, `@`, `torch.bmm` on (B*H, N, D) views (also 3-D scores viewed to 4-D),
+    `torch.baddbmm(_, q, kᵀ, beta=0, alpha=scale)` (GPT-2) or the two einsums; kᵀ by `transpose`, `permute`, `.mT`;
+  - scaling by `mul`/`div` with positive constants on q, k or the scores, before or after the mask;
+  - softcapping `cap · tanh(a · s)` as Gemma-2 writes it (`/ cap`, `tanh`, `* cap`, before any mask): the op's
+    softcap = cap with scale = a · cap;
+  - masks by `masked_fill`, `torch.where` or an additive `s + mask`, with -inf or a finite value <= finfo(fp16).min
+    (zero probability after the max-subtracting softmax, unless genuine scores are below about -6.5e4; `-1e4` is
+    kept); several masks intersect;
+  - softmax over the last dim in any spelling, in fp32 (`dtype=` or an upcast and a cast back) or the inputs' dtype;
+    `dropout` with p == 0 or training=False;
+  - `repeat_kv` / `repeat_interleave(x, r, dim=1)` are dropped (the op does GQA), and HF's empty-cache
     `torch.cat([tensor([]), k], dim=-2)` is seen through.
 
-Masks are *proven*, not guessed: `_MaskEval` (patterns/_mask.py) interprets the subgraph that builds a mask symbolically,
-as affine functions of the element index (arange + offsets, broadcasting views, advanced indexing,
-diff/cumsum of constant steps), predicates that are intersections of half-planes in (query i, key j),
-and two-valued selections. It covers tril/triu of ones/full, arange comparisons, `where`,
-`masked_fill`, and transformers 5.x's `sdpa_mask`/`eager_mask` including the packed-sequence
-detection on in-graph position ids. A mask is causal iff its allowed set is exactly {j <= i}
-(top-left, as the op), a sliding window of w iff it is exactly {i - w < j <= i} (as transformers'
-`sliding_window_overlay` with its causal mask builds it), all-visible iff it allows everything. Several masks
-applied to the scores intersect (a causal mask, then a window), and `masked_fill(~allowed, ...)` is read
-through its negation. A mask built in the graph from a graph
-input (a padding mask, user position_ids, a mask buffer) or with any op outside this vocabulary is kept
-with the reason.
+Masks are *proven*, not guessed: `_MaskEval` (patterns/_mask.py) interprets the subgraph that builds a mask as affine
+functions of the element index (aranges, broadcasting views, advanced indexing, diff/cumsum of constant steps),
+predicates that are intersections of half-planes in (query i, key j), and two-valued selections: tril/triu,
+arange comparisons, `where`, `masked_fill` (`~allowed` read through its negation), and transformers 5.x's
+`sdpa_mask`/`eager_mask`, with the packed-sequence check on in-graph position ids. The allowed set decides the
+kind, on the scores' box: exactly {j <= i} is causal (top-left, as the op), {i - w < j <= i} a sliding window of w
+(transformers' `sliding_window_overlay` with its causal mask), everything all-visible. Without a padding mask,
+transformers builds its masks in the graph from aranges, and all of them are proven; a decode step against a cache
+(one query) gives an all-visible mask. A mask built from a graph input (a padding `attention_mask`, user
+position ids, a mask buffer) or with an op outside this vocabulary is kept with the reason.
 
-A mask that *is* a graph input (up to views and casts) — what every layer sees after DDP's graph
-splitting, FSDP2's graph breaks or a per-layer `torch.compile`, where the mask was built in another
-graph — goes to `tk::attention_masked` (SDPA masks, and additive masks in eager attention when nothing
-scales the scores after the mask): the op checks its values once per mask tensor at run time and runs the
-kernel when it is causal or all-visible, SDPA with the mask otherwise. The graph that made such a mask proves
-it here too (`output_mask_kinds`), and the backend records the proof on the output tensor at run time, so the
-op need not read the values (which waits for the GPU once per step).
+A mask that *is* a graph input (as after DDP's graph splitting, FSDP2's graph breaks or a per-layer compile) goes to
+`tk::attention_masked` (SDPA masks, and additive masks in eager attention when nothing scales the scores after
+them): the op checks its values once per mask tensor and runs the kernel for a causal, sliding-window or
+all-visible mask, SDPA with the mask otherwise. The graph that made the mask proves it here too
+(`output_mask_kinds`) and the backend records the proof on the output tensor, so the op need not read the values.
 
-What Dynamo sees of transformers 5.x masks (masking_utils): without a padding mask the mask is built
-inside the graph from `arange`s — `sdpa_mask` returns None (SDPA gets is_causal=True) unless
-position ids are known, in which case (training, no cache) it materialises `kv_idx <= q_idx` combined
-with the packed-sequence check `diff(position_ids) != 1 ... cumsum` on the in-graph position ids;
-`eager_mask` turns the same boolean mask into `where(mask, 0, finfo.min)`. All of these are proven
-here. A user `attention_mask` (padding) or user `position_ids` (possibly packed sequences) are graph
-inputs: kept. A decode step against a cache (q offset = cache length) gives an all-visible mask for
-one query and is replaced as non-causal attention; offsets that leave a diagonal are kept.
-
-Kept (recognised, not replaced), each with its reason in the report: padding or arbitrary masks,
-two-sided windows, diagonal-offset causal masks, additive biases (ALiBi, relative position),
-any other op between the products, dropout p > 0 in training, SDPA
-dropout_p > 0, attention weights used elsewhere (output_attentions), value head dim != q/k head dim,
-Hq % Hkv != 0, batch broadcasting, and (kernel mode on CUDA) dtypes other than bf16/fp16 or head
-dims other than 32/64/80/96/128.
-
-Dtype/head-dim policy in reference mode: those two limits belong to the CUDA kernels, not to the
-op (whose reference accepts any float dtype and head dim). So they are checked only when a kernel
-would run: inputs on CUDA and reference mode off in the compile's resolved config (`find(graph, cfg)`:
-TK_INDUCTOR_REFERENCE, `tk_inductor.config.patch(reference=True)` or `options={"reference": True}`). On
-other devices the op only ever runs its reference, so reference-mode CPU tests in fp32 are replaced, and
-without reference mode the shared check keeps them for their device.
+Kept, each with its reason in the report: padding or arbitrary masks, two-sided windows, diagonal-offset causal
+masks, additive biases (ALiBi, relative position), any other op between the products, dropout p > 0 in training,
+attention weights used elsewhere (output_attentions), value head dim != q/k head dim, Hq % Hkv != 0, batch
+broadcasting, and (kernel mode on CUDA) dtypes other than bf16/fp16 or head dims other than 32/64/80/96/128. Those
+two limits belong to the kernels, not to the op, whose reference takes any float dtype and head dim: they are
+checked only when a kernel would run, on CUDA inputs with reference mode off in the compile's resolved config
+(`find(graph, cfg)`).
 """
 from __future__ import annotations
 
@@ -450,18 +421,14 @@ class _Finder:
 
     def _scores_chain(self, qk: fx.Node, chain: list[fx.Node], q_dtype
                       ) -> tuple[float, MaskKind, float, fx.Node | None]:
-        """(scale, the masks' kind, softcap or 0, mask whose values are known only at run time, or None).
-
-        Softcapping is `tanh` between a division (or scaling) and a multiplication by the cap: cap · tanh(a · s)
-        is the op's softcap = cap with scale = a · cap. Masks must come after it (tanh(-inf) is -1, no mask)."""
+        """(scale, the masks' kind, softcap or 0, mask whose values are known only at run time, or None). A softcap
+        is `tanh` between scaling and a multiplication by the cap, before any mask (tanh(-inf) is -1, no mask)."""
         scale, runtime_mask = 1.0, None
         allowed = None  # the intersection of the proven masks' allowed sets; its kind is decided at the end
         softcap, capping = 0.0, None  # capping: None, "tanh" (its multiply is next), "done"
         scores = shape(qk) or ()
         prev = qk
-
-        def add_mask(p: Pred) -> Pred:
-            return p if allowed is None else _and(allowed, p)
+        add_mask = lambda p: p if allowed is None else _and(allowed, p)  # noqa: E731
 
         for n in chain:
             name = _name(n)
@@ -480,13 +447,10 @@ class _Finder:
                     raise Keep("the scores are scaled by a run-time value (dynamic=True passes float attributes "
                                 "as tensors)" if runtime else
                                 f"the scores are scaled by a non-constant or non-positive `{n.name}`")
-                if capping == "tanh":
-                    if name != "mul":
-                        raise Keep("tanh of the scores is divided, not multiplied by the cap")
-                    softcap, capping = c, "done"
-                    scale *= c
-                elif capping == "done":
-                    raise Keep("the softcapped scores are scaled again")
+                if capping == "tanh" and name == "mul":
+                    softcap, capping, scale = c, "done", scale * c
+                elif capping is not None:
+                    raise Keep("the softcapped scores are scaled again (or tanh's are divided)")
                 else:
                     scale *= c if name == "mul" else 1.0 / c
             elif name in ("add",) and len(n.args) == 2 and not n.kwargs:
@@ -553,9 +517,8 @@ class _Finder:
         return fv.c if isinstance(fv, Aff) and not fv.coefs else None
 
     def _hidden_complement(self, hidden) -> Pred:
-        """The allowed set of a mask that says what is hidden (masked_fill's). `~allowed` is read as `allowed`: the
-        mask analysis models intersections of half-planes, and the complement of an intersection (a sliding window's
-        hidden set) is not one."""
+        """The allowed set of masked_fill's hidden set; `~allowed` is read as `allowed` (a sliding window's hidden
+        set is a union, which the analysis of intersections of half-planes cannot hold)."""
         if isinstance(hidden, fx.Node) and _name(hidden) == "not" and len(hidden.args) == 1:
             return self._bool_mask(hidden.args[0])
         return _not(self._bool_mask(hidden))
