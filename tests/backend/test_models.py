@@ -68,6 +68,15 @@ def _phi():  # head dim 80, partial rotary
     return transformers.PhiForCausalLM(cfg)
 
 
+def _qwen2_window():  # a sliding window on the layers from max_window_layers on, full causal below
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, use_sliding_window=True, sliding_window=6,
+        max_window_layers=1, attn_implementation="sdpa",
+    )
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
 def _gpt2():
     cfg = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=128, n_head=2, n_layer=2, n_positions=128,
@@ -124,6 +133,7 @@ CASES = {
     "gemma2": Case(_gemma2, ("attention", "rotary", "layernorm"), attention_count=2),
     "phi3": Case(_phi3, ("attention", "rotary", "layernorm"), attention_count=2),
     "phi": Case(_phi, ("attention", "rotary", "layernorm"), attention_count=2),
+    "qwen2-window": Case(_qwen2_window, ("attention", "rotary", "layernorm"), attention_count=2),
     "gpt2": Case(_gpt2, ("attention", "layernorm"), attention_count=2),
     "bert-padding": Case(_bert, ("layernorm",), kept=("attention",), padding_mask=True),
     "gpt-neox": Case(_neox, ("attention", "rotary", "layernorm"), attention_count=2),
