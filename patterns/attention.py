@@ -284,7 +284,8 @@ class _Finder:
                 raise Keep("the mask's values are known only at run time and the layout needs an adapter")
             if getattr(example(mask), "requires_grad", False):
                 raise Keep("the mask/bias requires grad (a learned bias)")
-            return torch.ops.tk.attention_masked.default, (qo.arg(), ko.arg(), vo.arg(), mask, float(scale)), [out, None]
+            args = (qo.arg(), ko.arg(), vo.arg(), mask, float(scale), float(softcap))
+            return torch.ops.tk.attention_masked.default, args, [out, None]
         if heads == "4d" and not any(transposed) and not contiguous:
             return torch.ops.tk.attention.default, args, [out, None]
         return attention_adapter, args + (transposed, heads, contiguous), [out]
@@ -502,8 +503,8 @@ class _Finder:
         if capping == "tanh":
             raise Keep("tanh of the scores without a multiplication by the cap (softcapping)")
         kind = _mask_kind(allowed, scores) if allowed is not None else MaskKind(False)
-        if runtime_mask is not None and (kind.causal or softcap):
-            raise Keep("a run-time mask is applied with a proven causal mask or a softcap")
+        if runtime_mask is not None and kind.causal:
+            raise Keep("a proven causal mask and a run-time mask are both applied")
         return scale, kind, softcap, runtime_mask
 
     def _const_value(self, x):

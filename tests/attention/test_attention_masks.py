@@ -26,6 +26,11 @@ def _eager_added_mask(q, k, v, m):
     return F.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
 
+def _eager_capped_added_mask(q, k, v, m):  # Gemma-2's eager attention: capped scores, then the mask
+    s = torch.tanh((q @ k.transpose(-1, -2)) * 0.25 / 0.7) * 0.7 + m
+    return F.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
 def _masks(n: int, m: int) -> dict:
     causal = torch.ones(n, m, dtype=torch.bool).tril()
     pad = causal.clone()
@@ -40,15 +45,16 @@ def _masks(n: int, m: int) -> dict:
             "padding_additive": torch.zeros(n, m).masked_fill(~pad, neg), "bias": torch.randn(n, m)}
 
 
-@pytest.mark.parametrize("form", ["sdpa", "eager"])
-@pytest.mark.parametrize("kind", ["causal", "full", "padding", "random", "causal_additive", "padding_additive", "bias"])
+@pytest.mark.parametrize("form", ["sdpa", "eager", "eager_softcap"])
+@pytest.mark.parametrize("kind", ["causal", "full", "padding", "random", "causal_additive", "padding_additive", "bias",
+                                  "window", "window_additive"])
 def test_graph_input_mask_checked_at_run_time(form, kind):
     """A mask handed into the graph (DDP/FSDP graph splits, per-layer compile) goes to tk::attention_masked,
-    which equals the original graph, forward and gradients, whatever the mask's values."""
+    which equals the original graph, forward and gradients, whatever the mask's values (softcapped scores too)."""
     mask = _masks(8, 8)[kind]
-    if form == "eager" and mask.dtype == torch.bool:
+    if form != "sdpa" and mask.dtype == torch.bool:
         pytest.skip("eager attention adds float masks")
-    fn = _sdpa_sliced_mask if form == "sdpa" else _eager_added_mask
+    fn = {"sdpa": _sdpa_sliced_mask, "eager": _eager_added_mask, "eager_softcap": _eager_capped_added_mask}[form]
     qkv = [x.requires_grad_() for x in _inputs()]
     out = _compile(Fn(fn))(*qkv, mask)
     assert tk_inductor.report().replaced == {"attention": 1}, str(tk_inductor.report())
@@ -330,6 +336,27 @@ def test_mask_prover_is_sound_on_random_masks():
             expected = expected & (i - j < kind.window)
         assert torch.equal(concrete, expected), (N, M, kind, concrete)
     assert proven >= 15  # most random spellings of causal/all-visible masks are proven, not refused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["window_additive", "padding_additive"])
+def test_gpu_attention_masked_softcap(kind):
+    """Softcapped scores with a run-time mask: a window runs the capped kernel (lse computed), a padding mask the
+    reference formulas; forward and gradients equal the written-out attention either way."""
+    if not _kernel_built():
+        pytest.skip("the attention kernels need an sm_90 GPU")
+    N = 300
+    q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(2, 8, 2, N, N, 128, dtype=torch.float32))
+    mask = _masks(N, N)[kind].cuda()
+    o, lse = torch.ops.tk.attention_masked(q, k, v, mask[None, None].bfloat16(), 0.3, 2.0)
+    assert (lse.abs().sum() > 0) == (kind == "window_additive")
+    qf, kf, vf = q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1)
+    ref = torch.softmax(2.0 * torch.tanh(qf @ kf.transpose(-1, -2) * 0.3 / 2.0) + mask, -1) @ vf
+    assert (o.float() - ref).norm() / ref.norm() < 1e-2
+    do = torch.randn_like(o)
+    for g, w in zip(torch.autograd.grad(o, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do.float())):
+        assert (g.float() - w.float()).norm() / w.float().norm() < 2e-2
 
 
 @pytest.mark.gpu

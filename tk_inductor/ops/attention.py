@@ -29,14 +29,15 @@ reference fallback there is for direct calls and reference mode.
 
 `lse` is an auxiliary output for the backward and is not differentiable (autograd marks it so).
 
-    tk::attention_masked(q, k, v, mask, scale) -> (o, lse)
-        SDPA with `attn_mask=mask` (bool, True = attend, or additive float, broadcast to (B, Hq, N, M)) for a mask
-        whose values the compiler cannot see: one handed into the graph, as after DDP's graph splitting, FSDP's
-        graph breaks or a per-layer `torch.compile`. At run time `mask_kind` checks the values once per mask
-        tensor (one device-to-host copy, cached per tensor and version); a causal, causal sliding-window or
-        all-visible mask runs the kernel, any other mask runs SDPA with the mask, exactly as the original graph did (then `lse` is not computed
-        (zeros) and the backward uses the reference formulas in fp32, one batch entry at a time). While a CUDA graph is being captured the check
-        cannot run, so the SDPA path is taken.
+    tk::attention_masked(q, k, v, mask, scale, softcap=0.) -> (o, lse)
+        SDPA with `attn_mask=mask` (bool, True = attend, or additive float, broadcast to (B, Hq, N, M)), the scores
+        softcapped first when softcap > 0, for a mask whose values the compiler cannot see: one handed into the
+        graph, as after DDP's graph splitting, FSDP's graph breaks or a per-layer `torch.compile`. At run time
+        `mask_kind` checks the values once per mask tensor (one device-to-host copy, cached per tensor and version);
+        a causal, causal sliding-window or all-visible mask runs the kernel, any other mask runs SDPA with the mask,
+        exactly as the original graph did (with a softcap, which SDPA lacks, the reference formulas); then `lse` is
+        not computed (zeros) and the backward uses the reference formulas in fp32, one batch entry at a time. While a
+        CUDA graph is being captured the check cannot run, so the SDPA path is taken.
 """
 from __future__ import annotations
 
@@ -446,12 +447,28 @@ def _kind_args(kind: str | int) -> tuple[bool, int]:
     return (kind != "full", kind if isinstance(kind, int) else 0)
 
 
+def _masked_reference(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """The masked attention with capped scores, which SDPA cannot do, one batch entry at a time (rows with every key
+    hidden get 0, as SDPA's safe softmax)."""
+    group = q.shape[1] // k.shape[1]
+    full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    out = []
+    for b in range(q.shape[0]):
+        s, _ = _scores(q[b:b + 1], k[b:b + 1], False, scale, full[b:b + 1], 0, softcap)
+        vf = v[b:b + 1].to(s.dtype)
+        vf = vf.repeat_interleave(group, dim=1) if group > 1 else vf
+        out.append(torch.matmul(torch.softmax(s, dim=-1).nan_to_num(0.0), vf))
+    return torch.cat(out)
+
+
 @torch.library.custom_op("tk::attention_masked", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> (Tensor o, Tensor lse)")
-def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap=0.) "
+                                "-> (Tensor o, Tensor lse)")
+def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     _validate(q, k, v, scale, "tk::attention_masked")
     _validate_mask(q, k, mask, "tk::attention_masked")
+    _validate_scores(False, 0, softcap, "tk::attention_masked")
     if q.numel() == 0:
         return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
     mask = _as_scores_mask(mask)
@@ -459,27 +476,29 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     masked_paths[kind or "sdpa"] += 1
     if kind is not None:
         causal, window = _kind_args(kind)
-        return attention(q, k, v, causal, scale, window)
+        return attention(q, k, v, causal, scale, window, softcap)
     o = _empty_out(q)
-    o.copy_(_masked_sdpa(q, k, v, mask, scale))
+    o.copy_(_masked_reference(q, k, v, mask, scale, softcap) if softcap else _masked_sdpa(q, k, v, mask, scale))
     return o, q.new_zeros(q.shape[:3], dtype=torch.float32)  # lse is not computed on this path
 
 
 @attention_masked.register_fake
-def _(q, k, v, mask, scale):
+def _(q, k, v, mask, scale, softcap=0.0):
     _validate(q, k, v, scale, "tk::attention_masked")
     _validate_mask(q, k, mask, "tk::attention_masked")
+    _validate_scores(False, 0, softcap, "tk::attention_masked")
     return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tk::attention_masked_backward", mutates_args=(),
                          schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor mask, Tensor o, Tensor lse, "
-                                "float scale) -> (Tensor dq, Tensor dk, Tensor dv)")
+                                "float scale, float softcap=0.) -> (Tensor dq, Tensor dk, Tensor dv)")
 def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              mask: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              mask: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float,
+                              softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     _validate_mask(q, k, mask, "tk::attention_masked_backward")
+    _validate_scores(False, 0, softcap, "tk::attention_masked_backward")
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
     mask = _as_scores_mask(mask)
@@ -487,35 +506,35 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     kind = _masked_path(q, k, v, mask)
     if kind is not None:
         causal, window = _kind_args(kind)
-        return attention_backward(grad_o, q, k, v, o, lse, causal, scale, window)
+        return attention_backward(grad_o, q, k, v, o, lse, causal, scale, window, softcap)
     # SDPA's gradients for any mask from the reference formulas, one batch entry at a time to bound the memory
-    # (this path runs only for masks that are neither causal nor all-visible; its lse was not computed)
+    # (this path runs only for masks the kernels do not take; its lse was not computed)
     full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     per_batch = [attention_backward_reference(grad_o[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], o[b:b + 1], None,
-                                              False, scale, full[b:b + 1]) for b in range(q.shape[0])]
+                                              False, scale, full[b:b + 1], 0, softcap) for b in range(q.shape[0])]
     return _as_grads(q, k, v, *(torch.cat(g) for g in zip(*per_batch)))
 
 
 @attention_masked_backward.register_fake
-def _(grad_o, q, k, v, mask, o, lse, scale):
+def _(grad_o, q, k, v, mask, o, lse, scale, softcap=0.0):
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     return grad_like(q), grad_like(k), grad_like(v)
 
 
 def _masked_setup_context(ctx, inputs, output):
-    q, k, v, mask, scale = inputs
+    q, k, v, mask, scale, softcap = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, mask, o, lse)
-    ctx.scale = scale
+    ctx.scale, ctx.softcap = scale, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _masked_backward(ctx, grad_o, _grad_lse):
     q, k, v, mask, o, lse = ctx.saved_tensors
     if grad_o is None:
-        return None, None, None, None, None
-    dq, dk, dv = torch.ops.tk.attention_masked_backward(grad_o, q, k, v, mask, o, lse, ctx.scale)
-    return dq, dk, dv, None, None
+        return None, None, None, None, None, None
+    dq, dk, dv = torch.ops.tk.attention_masked_backward(grad_o, q, k, v, mask, o, lse, ctx.scale, ctx.softcap)
+    return dq, dk, dv, None, None, None
 
 
 attention_masked.register_autograd(_masked_backward, setup_context=_masked_setup_context)
