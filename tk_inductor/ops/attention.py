@@ -158,15 +158,17 @@ def _empty_out(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(B, N, H, D).transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) buffer
 
 
-def attention_reference(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0
+def attention_reference(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0, mask=None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) in the op's layout; accumulates in fp32."""
-    s, _ = _scores(q, k, causal, scale, None, window, softcap)
+    """(o, lse) in the op's layout; accumulates in fp32. With a `mask` (see `_scores`), rows with every key hidden
+    get 0, as SDPA's safe softmax gives."""
+    s, _ = _scores(q, k, causal, scale, mask, window, softcap)
     lse = torch.logsumexp(s, dim=-1)
     group = q.shape[1] // k.shape[1]
     vf = v.to(s.dtype).repeat_interleave(group, dim=1) if group > 1 else v.to(s.dtype)
+    p = torch.exp(s - lse.unsqueeze(-1))
     o = _empty_out(q)
-    o.copy_(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vf))
+    o.copy_(torch.matmul(p.nan_to_num(0.0) if mask is not None else p, vf))
     return o, lse.to(torch.float32).contiguous()
 
 
@@ -380,13 +382,13 @@ def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | int | None:
     j = torch.arange(M, device=m.device)[None, :]
     causal = j <= i
     # a window's widest row holds its width; compared on the device, so that one copy to the host decides all three
-    width = visible.sum(-1).amax(-1, keepdim=True).amax() if visible.numel() else torch.zeros((), device=m.device)
+    width = visible.sum(-1).amax() if visible.numel() else torch.zeros((), dtype=torch.long, device=m.device)
     is_causal = (visible == causal).all()
     is_window = (visible == (causal & (i - j < width))).all() & (width < min(N, M))
     is_full = visible.all()
     if valid is not None:
         is_causal, is_window, is_full = is_causal & valid, is_window & valid, is_full & valid
-    c, w, f, width = torch.stack((is_causal, is_window, is_full, width.to(is_causal.device))).long().tolist()
+    c, w, f, width = torch.stack((is_causal, is_window, is_full, width)).long().tolist()
     masked_paths["value checks"] += 1  # each one waits for the GPU
     kind = "full" if f else ("causal" if c else (width if w and width >= 1 else None))
     _kinds.setdefault(owner, {})[key] = kind
@@ -447,20 +449,6 @@ def _kind_args(kind: str | int) -> tuple[bool, int]:
     return (kind != "full", kind if isinstance(kind, int) else 0)
 
 
-def _masked_reference(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """The masked attention with capped scores, which SDPA cannot do, one batch entry at a time (rows with every key
-    hidden get 0, as SDPA's safe softmax)."""
-    group = q.shape[1] // k.shape[1]
-    full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    out = []
-    for b in range(q.shape[0]):
-        s, _ = _scores(q[b:b + 1], k[b:b + 1], False, scale, full[b:b + 1], 0, softcap)
-        vf = v[b:b + 1].to(s.dtype)
-        vf = vf.repeat_interleave(group, dim=1) if group > 1 else vf
-        out.append(torch.matmul(torch.softmax(s, dim=-1).nan_to_num(0.0), vf))
-    return torch.cat(out)
-
-
 @torch.library.custom_op("tk::attention_masked", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap=0.) "
                                 "-> (Tensor o, Tensor lse)")
@@ -478,7 +466,12 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         causal, window = _kind_args(kind)
         return attention(q, k, v, causal, scale, window, softcap)
     o = _empty_out(q)
-    o.copy_(_masked_reference(q, k, v, mask, scale, softcap) if softcap else _masked_sdpa(q, k, v, mask, scale))
+    if softcap:  # SDPA has no softcap: the reference formulas, one batch entry at a time to bound the memory
+        full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        o.copy_(torch.cat([attention_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], False, scale, 0, softcap,
+                                               full[b:b + 1])[0] for b in range(q.shape[0])]))
+    else:
+        o.copy_(_masked_sdpa(q, k, v, mask, scale))
     return o, q.new_zeros(q.shape[:3], dtype=torch.float32)  # lse is not computed on this path
 
 
