@@ -29,6 +29,13 @@ struct Scores {
   float softcap;  // 0: none
 };
 
+// Why `sc` is not a score function the kernels take, or nullptr.
+inline const char* scores_error(const Scores& sc) {
+  if (sc.window < 0 || (sc.window > 0 && !sc.causal)) return "a sliding window needs a causal mask";
+  if (!(sc.softcap >= 0.f)) return "softcap must be >= 0";
+  return nullptr;
+}
+
 // o: (B, N, Hq, D) contiguous; lse: (B, Hq, N) fp32 contiguous. next_task: a zeroed device int, the counter of the
 // dynamic schedule a causal mask runs (its tasks differ in length); unused without a mask (the static schedule: equal
 // tasks, balanced by the static shares), where it may be null. Returns nullptr on success, else a static error

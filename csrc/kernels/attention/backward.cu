@@ -201,8 +201,7 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
                                const View4& o, const float* lse, const View4& dq, const View4& dk, const View4& dv,
                                float* dq_accum, float* lse2, float* delta, const Scores& sc, int num_sms,
                                cudaStream_t stream) {
-  if (sc.window < 0 || (sc.window > 0 && !sc.causal)) return "a sliding window needs a causal mask";
-  if (!(sc.softcap >= 0.f)) return "softcap must be >= 0";
+  if (const char* e = scores_error(sc)) return e;
   const auto run = [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;

@@ -13,8 +13,7 @@ const char* forward_config(DType dt, const View4& q, const View4& k, const View4
 
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                               const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
-  if (sc.window < 0 || (sc.window > 0 && !sc.causal)) return "a sliding window needs a causal mask";
-  if (!(sc.softcap >= 0.f)) return "softcap must be >= 0";
+  if (const char* e = scores_error(sc)) return e;
   const int n = num_sms;
   if (!head_dim_supported(q.D)) return "head dim must be a multiple of 8 up to 128";
   if (q.D > 64)  // the D = 128 kernels, zero-filled past the head dim

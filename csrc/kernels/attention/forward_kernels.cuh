@@ -549,43 +549,28 @@ struct FwdConfigs<64> {
   using Full = Causal;
 };
 
-// The dynamic schedule runs under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static one there),
-// the static one without (equal tasks: 0.89-1.0x as dynamic).
-template <typename T, typename Cfg, bool CAP>
-const char* launch_sched(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
-                         const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
-  if (!sc.causal) return launch_fwd<T, Cfg, false, CAP>(dt, q, k, v, o, lse, sc, num_sms, nullptr, stream);
-  if (next_task == nullptr) return "the causal forward needs its task counter";
-  return launch_fwd<T, Cfg, true, CAP>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
-}
-
 }  // namespace
 
-// The launcher of one (dtype, head dim), instantiated in forward_<dtype>_d<head dim>.cu.
+// The launcher of one (dtype, head dim), instantiated in forward_<dtype>_d<head dim>.cu: each mask's configuration,
+// on the dynamic schedule under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static one there) and
+// the static one without (equal tasks: 0.89-1.0x as dynamic); the serial configuration for scale <= 0 without a cap.
 template <typename T, int D>
 const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                            const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
   using Cs = FwdConfigs<D>;
-  const auto run = [&](auto cfg, auto cap) {
-    return launch_sched<T, decltype(cfg), decltype(cap)::value>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
+  if (sc.causal && next_task == nullptr) return "the causal forward needs its task counter";
+  const bool cap = sc.softcap > 0.f;
+  const auto run = [&](auto cfg, auto dyn) {
+    using Cfg = decltype(cfg);
+    constexpr bool DYN = decltype(dyn)::value;
+    if constexpr (Cfg::PP) {
+      if (cap) return launch_fwd<T, Cfg, DYN, true>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
+    }
+    return launch_fwd<T, Cfg, DYN, false>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
   };
-  if constexpr (std::is_same_v<typename Cs::Causal, typename Cs::Full>) {  // one configuration for both masks
-    if (sc.softcap > 0.f) return run(typename Cs::Causal{}, std::true_type{});
-    if (!(sc.scale > 0.f)) return run(typename Cs::Serial{}, std::false_type{});
-    return run(typename Cs::Causal{}, std::false_type{});
-  } else {  // each mask's own configuration, and only its schedule instantiated
-    const auto one = [&](auto cfg, auto cap, auto causal) {
-      constexpr bool CAUSAL = decltype(causal)::value, CAP = decltype(cap)::value;
-      return launch_fwd<T, decltype(cfg), CAUSAL, CAP>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
-    };
-    if (sc.causal && next_task == nullptr) return "the causal forward needs its task counter";
-    if (!(sc.scale > 0.f) && !(sc.softcap > 0.f)) return run(typename Cs::Serial{}, std::false_type{});
-    if (sc.causal)
-      return sc.softcap > 0.f ? one(typename Cs::Causal{}, std::true_type{}, std::true_type{})
-                              : one(typename Cs::Causal{}, std::false_type{}, std::true_type{});
-    return sc.softcap > 0.f ? one(typename Cs::Full{}, std::true_type{}, std::false_type{})
-                            : one(typename Cs::Full{}, std::false_type{}, std::false_type{});
-  }
+  if (!(sc.scale > 0.f) && !cap)
+    return sc.causal ? run(typename Cs::Serial{}, std::true_type{}) : run(typename Cs::Serial{}, std::false_type{});
+  return sc.causal ? run(typename Cs::Causal{}, std::true_type{}) : run(typename Cs::Full{}, std::false_type{});
 }
 
 }  // namespace tk_attn
