@@ -5,8 +5,9 @@
 broadcasting views, advanced indexing, diff/cumsum of constant steps), predicates that are intersections of
 half-planes in (query i, key j), and two-valued selections. It covers tril/triu of ones/full, arange comparisons,
 `where`, `masked_fill`, and transformers 5.x's `sdpa_mask`/`eager_mask` including the packed-sequence detection on
-in-graph position ids. `allowed_kind` decides whether an allowed set is exactly {j <= i} (causal, top-left) or
-everything, and names what else it is (a sliding window, a diagonal offset, a padding-like mask). A mask built
+in-graph position ids. `_mask_kind` decides whether an allowed set is exactly {j <= i} (causal, top-left),
+{i - w < j <= i} (a causal sliding window) or everything, and names what else it is (a diagonal offset, a
+padding-like mask). A mask built
 from a graph input or with an op outside this vocabulary raises `Keep` with the reason.
 """
 from __future__ import annotations
@@ -425,15 +426,6 @@ def _mask_kind(allowed: Pred, score_shape: tuple) -> MaskKind:
     if (diagonal, 0) in planes and any(co == anti for co, _ in planes):
         raise Keep("sliding-window mask in an unsupported form")
     raise Keep("the mask is not a plain causal mask")
-
-
-def _allowed_kind(allowed: Pred, score_shape: tuple) -> bool:
-    """True: causal (top-left); False: every position allowed. Raises Keep otherwise (a sliding window included:
-    for the callers that take only these two kinds)."""
-    kind = _mask_kind(allowed, score_shape)
-    if kind.window:
-        raise Keep(f"sliding-window mask (window {kind.window})")
-    return kind.causal
 
 
 def triangle(mask: Any, shape: tuple, diagonal: int = 0, negated: bool = False) -> bool:
