@@ -129,11 +129,16 @@ def run(quick: bool = False, backward: bool = True, dims=(128, 64)) -> list[Row]
     return rows
 
 
-def summary(rows: list[Row]) -> str:
-    """Markdown table: TFLOPS per implementation and ours / cuDNN."""
+def _by_case(rows: list[Row]) -> dict[str, dict[str, Row]]:
     by_case: dict[str, dict[str, Row]] = {}
     for r in rows:
         by_case.setdefault(r.case, {})[r.impl] = r
+    return by_case
+
+
+def summary(rows: list[Row]) -> str:
+    """Markdown table: TFLOPS per implementation and ours / cuDNN."""
+    by_case = _by_case(rows)
     out = ["| case | ours TFLOPS | cuDNN TFLOPS | flash TFLOPS | ours/cuDNN | ours/flash |", "|---|---|---|---|---|---|"]
 
     def fig(r):
@@ -222,9 +227,8 @@ def run_scores(backward: bool = True) -> list[Row]:
 
 
 def scores_summary(rows: list[Row]) -> str:
-    by_case: dict[str, dict[str, Row]] = {}
-    for r in rows:
-        by_case.setdefault(r.case, {})[r.impl] = r
+    """Markdown table: ms per implementation and theirs / ours."""
+    by_case = _by_case(rows)
     out = ["| case | ours ms | flex ms | sdpa+mask ms | flex/ours | sdpa+mask/ours |", "|---|---|---|---|---|---|"]
     for case, impls in by_case.items():
         o, f, m = impls.get("ours"), impls.get("flex"), impls.get("sdpa+mask")
