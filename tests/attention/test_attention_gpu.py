@@ -34,18 +34,25 @@ def ops():
     return torch.ops.tk_cuda
 
 
-def reference(q, k, v, causal, scale):
-    """fp32 attention with GQA by repeating K/V; returns (o, lse)."""
+def reference(q, k, v, causal, scale, window=0, softcap=0.0):
+    """fp32 attention with GQA by repeating K/V, a top-left causal mask (row i sees keys j <= i), a sliding window
+    (also i - j < window) and softcapped scores; returns (o, lse)."""
     qf, kf, vf = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
-    kf = kf.repeat_interleave(group, dim=1)
-    vf = vf.repeat_interleave(group, dim=1)
+    kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
     s = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:  # top-left aligned: row i sees keys j <= i
-        n, m = s.shape[-2:]
-        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.softmax(s, dim=-1) @ vf, lse
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    n, m = s.shape[-2:]
+    i = torch.arange(n, device=s.device)[:, None]
+    j = torch.arange(m, device=s.device)[None, :]
+    allowed = torch.ones(n, m, dtype=torch.bool, device=s.device)
+    if causal:
+        allowed &= j <= i
+    if window:
+        allowed &= i - j < window
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, dim=-1) @ vf, torch.logsumexp(s, dim=-1)
 
 
 def rel_err(out, ref):

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from test_attention_gpu import GRAD_TOL, OUT_TOL, make_inputs, poison, rel_err
+from test_attention_gpu import GRAD_TOL, OUT_TOL, make_inputs, poison, reference, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,26 +27,6 @@ def ops():
 
     build.load("attention")
     return torch.ops.tk_cuda
-
-
-def reference(q, k, v, causal, scale, window=0, softcap=0.0):
-    """fp32 attention with GQA by repeating K/V, a top-left causal mask, the window and the cap; (o, lse)."""
-    qf, kf, vf = q.float(), k.float(), v.float()
-    group = q.shape[1] // k.shape[1]
-    kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    n, m = s.shape[-2:]
-    i = torch.arange(n, device=s.device)[:, None]
-    j = torch.arange(m, device=s.device)[None, :]
-    allowed = torch.ones(n, m, dtype=torch.bool, device=s.device)
-    if causal:
-        allowed &= j <= i
-    if window:
-        allowed &= i - j < window
-    s = s.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(s, dim=-1) @ vf, torch.logsumexp(s, dim=-1)
 
 
 def cases():
