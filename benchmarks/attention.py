@@ -14,6 +14,9 @@ that runs after the others.
 user would otherwise run: FlexAttention (compiled, with a block mask for the window and a score_mod for the cap) and,
 for windows, SDPA with the boolean mask materialised (transformers' sdpa path; torch picks the memory-efficient
 kernel). TFLOPS count only the visible (query, key) pairs.
+
+`--padded`: key-padding masks (right-padded full attention as in BERT, left-padded causal as in batched
+generation), against SDPA with the dense boolean mask (memory-efficient and cuDNN backends) and FlexAttention.
 """
 from __future__ import annotations
 
@@ -243,15 +246,103 @@ def scores_summary(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+# Padding: (B, H, N, D, causal, side); entry lengths drawn uniformly from [N/4, N] (seeded), the rest padding.
+PADDED_CASES = [(8, 16, 4096, 128, False, "right"), (8, 16, 4096, 128, True, "left"), (8, 32, 4096, 64, False, "right"),
+                (8, 32, 4096, 64, True, "left"), (32, 16, 1024, 128, False, "right")]
+
+
+def run_padded(backward: bool = True) -> list[Row]:
+    """Key-padding masks (HF's attention_mask): ours (tk::attention_padded, the op the backend's graphs call) against
+    SDPA with the boolean (B, 1, N, N) mask materialised (transformers' sdpa path) on the memory-efficient and cuDNN
+    backends, and compiled FlexAttention with a block mask of the lengths (built once, outside the timing)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from tk_inductor import build
+    from tk_inductor.ops import attention as _ops  # noqa: F401  (registers tk::attention_padded)
+
+    build.load("attention")
+    flex = torch.compile(flex_attention)
+    rows: list[Row] = []
+    for B, H, N, D, causal, side in PADDED_CASES:
+        g = torch.Generator().manual_seed(B * N + D)
+        lengths = torch.randint(N // 4, N + 1, (B,), generator=g).cuda()
+        pos = torch.arange(N, device="cuda")
+        keep = pos[None] < lengths[:, None] if side == "right" else pos[None] >= (N - lengths)[:, None]
+        name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'} {side}-padded"
+        progress(name)
+        scale = 1.0 / math.sqrt(D)
+        q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        dense = keep[:, None, None, :] & ((pos[None, :] <= pos[:, None]) if causal else True)
+
+        def visible(b, h, i, j):
+            return keep[b, j] & (j <= i) if causal else keep[b, j]
+
+        block_mask = create_block_mask(visible, B, None, N, N)
+
+        def sdpa(backend):
+            def fn(q, k, v):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale)
+            return fn
+
+        fns = {
+            "ours": lambda q, k, v: torch.ops.tk.attention_padded(q, k, v, keep, causal, scale)[0],
+            "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+            "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+            "flex": lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=scale),
+        }
+        ref = fns["sdpa efficient"](q, k, v)
+        for impl in list(fns):
+            try:
+                check_close(f"attention {name} {impl}", fns[impl](q, k, v), ref)
+            except (AssertionError, RuntimeError) as exc:
+                rows.append(Row("attention", f"{name} fwd", impl, None, note=f"failed: {str(exc)[:80]}"))
+                del fns[impl]
+        visible_pairs = float(dense.expand(B, 1, N, N).sum())
+        flops = 4.0 * H * visible_pairs * D
+        rows += _timed(f"{name} fwd", {n: (lambda f=f: f(q, k, v)) for n, f in fns.items()}, flops, N)
+        if backward:
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+            def step(f):
+                qg.grad = kg.grad = vg.grad = None
+                f(qg, kg, vg).backward(do)
+
+            rows += _timed(f"{name} fwd+bwd", {n: (lambda f=f: step(f)) for n, f in fns.items()}, flops * 3.5, N)
+            del qg, kg, vg
+        del q, k, v, do, block_mask, dense
+        torch.cuda.empty_cache()
+    return rows
+
+
+def padded_summary(rows: list[Row]) -> str:
+    """Markdown table: ms per implementation and theirs / ours."""
+    impls = ("ours", "sdpa efficient", "sdpa cudnn", "flex")
+    out = ["| case | " + " | ".join(f"{i} ms" for i in impls) + " | " + " | ".join(f"{i}/ours" for i in impls[1:]) + " |",
+           "|---" * (2 * len(impls)) + "|"]
+    for case, got in _by_case(rows).items():
+        o = got.get("ours")
+        cells = [f"{got[i].ms:.3f}" if i in got and got[i].ms else (got[i].note[:40] if i in got else "-")
+                 for i in impls]
+        ratios = [f"{got[i].ms / o.ms:.2f}" if i in got and got[i].ms and o is not None and o.ms else "-"
+                  for i in impls[1:]]
+        out.append(f"| {case} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="N in {2048, 4096} only")
     p.add_argument("--forward-only", action="store_true", help="skip forward+backward timings")
     p.add_argument("--scores", action="store_true", help="sliding windows and softcapping instead")
+    p.add_argument("--padded", action="store_true", help="key-padding masks instead")
     p.add_argument("--dims", default="128,64", help="comma-separated head dims (default: 128,64; H = 2048 // D)")
     args = p.parse_args(argv)
     if args.scores:
         print(scores_summary(run_scores(backward=not args.forward_only)))
+    elif args.padded:
+        print(padded_summary(run_padded(backward=not args.forward_only)))
     else:
         dims = tuple(int(d) for d in args.dims.split(","))
         print(summary(run(quick=args.quick, backward=not args.forward_only, dims=dims)))

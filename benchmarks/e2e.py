@@ -92,12 +92,26 @@ def _mamba2(quick: bool):
 MODELS: dict[str, tuple[Callable[[bool], torch.nn.Module], tuple[int, int]]] = {
     "llama-sdpa": (lambda q: _llama("sdpa", q), (2, 4096)),
     "llama-eager": (lambda q: _llama("eager", q), (2, 4096)),
+    "llama-padded": (lambda q: _llama("sdpa", q), (8, 2048)),
     "mistral": (_mistral, (1, 8192)),
     "gemma2": (_gemma2, (2, 4096)),
     "gpt2-medium": (_gpt2, (4, 2048)),
     "based": (_based, (4, 4096)),
     "mamba2": (_mamba2, (1, 4096)),
 }
+
+
+# Models run with a right-padded attention_mask (fine-tuning on padded batches; lengths drawn from [seq/4, seq]).
+PADDED = ("llama-padded",)
+
+
+def _inputs(name: str, batch: int, seq: int) -> dict:
+    """The model's keyword inputs besides the ids: a padding mask for PADDED models."""
+    if name not in PADDED:
+        return {}
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(seq // 4, seq + 1, (batch,), generator=g)
+    return {"attention_mask": (torch.arange(seq)[None] < lengths[:, None]).long().cuda()}
 
 
 # Training recipes: bf16 parameters, or fp32 parameters under bf16 / fp16 autocast (fp16 with a GradScaler), as
@@ -151,6 +165,7 @@ def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple
         factory, (batch, seq) = MODELS[name]
         model = factory(quick).to("cuda", param_dtype)
         ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+        extra = _inputs(name, batch, seq)
         tokens = batch * seq
         tk_inductor.reset()
         compiled = _compile(model, mode)
@@ -162,7 +177,7 @@ def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple
 
                 def step():
                     with torch.no_grad(), autocast():
-                        return _logits(compiled(ids))
+                        return _logits(compiled(ids, **extra))
             else:
                 model.train()
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -170,7 +185,7 @@ def bench_model(name: str, quick: bool = False, train: bool = True, modes: tuple
 
                 def step():
                     with autocast():
-                        loss = _logits(compiled(ids)).float().logsumexp(-1).mean()
+                        loss = _logits(compiled(ids, **extra)).float().logsumexp(-1).mean()
                     scaler.scale(loss).backward()
                     scaler.step(opt)
                     scaler.update()

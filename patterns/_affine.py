@@ -1,7 +1,8 @@
 """The values the mask prover (patterns/_mask.py) computes with: functions of a tensor's element index.
 
 An `Aff` is affine in the index (Σ k·index[axis] plus a constant), a `Pred` an intersection of half-planes
-Σ k·index[axis] + c >= 0 (or the empty set), a `Sel` a choice between two constants by a `Pred`. Axes are
+Σ k·index[axis] + c >= 0 (or the empty set) and of padding literals (a run-time 2-D bool tensor read at two affine
+indices, HF's `attention_mask[batch, key]`), a `Sel` a choice between two constants by a `Pred`. Axes are
 negative (-1 = last), so broadcasting aligns them for free; coefficients on axes of size 1 are dropped (their index
 is always 0). Anything outside this algebra raises `Keep`.
 """
@@ -32,10 +33,13 @@ class Aff:
 
 @dataclasses.dataclass(frozen=True)
 class Pred:
-    """Boolean: the intersection of half-planes Σ k·index[axis] + c >= 0; `false` is the empty set."""
+    """Boolean: the intersection of half-planes Σ k·index[axis] + c >= 0 and of `pads`; `false` is the empty set.
+    A pad (node, row, col) is true where the run-time 2-D bool tensor `node` holds True at [row, col], each an affine
+    form (coefs, c) of the index."""
 
     planes: frozenset = frozenset()
     false: bool = False
+    pads: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +74,12 @@ def _plane(coefs: dict, c) -> Pred:
 def _and(p: Pred, q: Pred) -> Pred:
     if p.false or q.false:
         return FALSE
-    return Pred(p.planes | q.planes)
+    return Pred(p.planes | q.planes, pads=p.pads | q.pads)
 
 
 def _not(p: Pred) -> Pred:
+    if p.pads:
+        raise Keep("mask negates a padding mask")
     if p.false:
         return TRUE
     if not p.planes:
@@ -85,6 +91,12 @@ def _not(p: Pred) -> Pred:
 
 
 def _or(p: Pred, q: Pred) -> Pred:
+    if p.pads or q.pads:
+        if p == q or q.false:
+            return p
+        if p.false:
+            return q
+        raise Keep("mask is a union with a padding mask")
     if p.false or not q.planes and not q.false:
         return q if p.false else TRUE
     if q.false or not p.planes:
@@ -130,12 +142,19 @@ def _shift(v, fn):
         coefs, c = fn(dict(v.coefs), v.c)
         return Aff(_coefs(coefs), c)
     if isinstance(v, Pred):
-        if v.false or not v.planes:
+        if v.false or not (v.planes or v.pads):
             return v
         out = TRUE
         for coefs, c in v.planes:
             out = _and(out, _plane(*fn(dict(coefs), c)))
-        return out
+        if out.false:
+            return out
+
+        def form(f):
+            coefs, c = fn(dict(f[0]), f[1])
+            return _coefs(coefs), c
+
+        return Pred(out.planes, pads=frozenset((node, form(r), form(k)) for node, r, k in v.pads))
     if isinstance(v, Sel):
         return _simplify(Sel(_shift(v.pred, fn), v.a, v.b))
     raise TypeError(v)

@@ -61,7 +61,8 @@ from ._fx import arg as _arg
 from ._affine import Aff, Pred, _and, _as_pred, _not
 from ._fx import Keep, eq, known, number, rank, shape
 from ._fx import name as _name
-from ._mask import _CASTS, _additive_allowed, _fill_ok, _from_graph_input, _mask_kind, _MaskEval, MaskKind
+from ._mask import (_CASTS, _additive_allowed, _fill_finite, _fill_ok, _from_graph_input, _mask_kind, _MaskEval,
+                    MaskKind)
 from ._qkv import _Operand, _peel, _positive_const
 
 FAMILY = "attention"
@@ -85,6 +86,17 @@ def attention_adapter(q, k, v, causal: bool, scale: float, window: int, softcap:
     elif heads == "merged":
         o = o.flatten(0, 1)
     return o.contiguous() if contiguous else o
+
+
+def attention_padded_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, mask, offset: int,
+                             uniform_empty: bool):
+    """tk::attention_padded's o, its keep being the key columns [offset, offset + M) of a (B or 1, M') padding mask
+    (one row: every batch entry's)."""
+    B, M = q.shape[0], k.shape[2]
+    keep = mask[:, offset:offset + M]
+    if keep.shape[0] != B:
+        keep = keep.expand(B, M)
+    return torch.ops.tk.attention_padded(q, k, v, keep, causal, scale, window, softcap, uniform_empty)[0]
 
 
 # ---------------------------------------------------------------------------- matching
@@ -206,8 +218,8 @@ class _Finder:
         self.reference = (cfg or config.current()).reference
 
     # ------------------------------------------------------------------ shared checks and the match
-    def _match(self, out: fx.Node, qo: _Operand, ko: _Operand, vo: _Operand, causal: bool, scale: float,
-               keep: str | None = None, mixed: bool = False, mask: fx.Node | None = None, window: int = 0,
+    def _match(self, out: fx.Node, qo: _Operand, ko: _Operand, vo: _Operand, kind: MaskKind, scale: float,
+               keep: str | None = None, mixed: bool = False, mask: fx.Node | None = None,
                softcap: float = 0.0) -> Match:
         exs = [example(o.node) for o in (qo, ko, vo)]
         device = exs[0].device if isinstance(exs[0], torch.Tensor) else None
@@ -215,12 +227,12 @@ class _Finder:
         m = Match(FAMILY, [out], needs_grad=needs_grad, device=device, reason=keep)
         if keep is None:
             try:
-                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, causal, scale, mixed, mask, window, softcap)
+                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, kind, scale, mixed, mask, softcap)
             except Keep as e:
                 m.reason = str(e)
         return m
 
-    def _call(self, out, qo, ko, vo, causal, scale, mixed=False, mask=None, window=0, softcap=0.0):
+    def _call(self, out, qo, ko, vo, kind: MaskKind, scale, mixed=False, mask=None, softcap=0.0):
         exs = [example(o.node) for o in (qo, ko, vo)]
         if not all(isinstance(e, torch.Tensor) for e in exs):
             raise Keep("q/k/v example values are missing")
@@ -271,7 +283,7 @@ class _Finder:
         if mixed and not (rank(out) == 4 and all(eq(a, b) for a, b in zip(shape(out)[:2], qs[:2]))):
             raise Keep("the 3-D scores are viewed to heads that differ from q's")
         heads = "4d" if len(qs) == 4 and (mixed or not qo.merged) else ("merged" if qo.merged else "none")
-        args = (qo.arg(), ko.arg(), vo.arg(), bool(causal), float(scale), int(window), float(softcap))
+        args = (qo.arg(), ko.arg(), vo.arg(), bool(kind.causal), float(scale), int(kind.window), float(softcap))
         if heads == "merged":
             back = self._merged_back(out, qs)
             if back is not None:
@@ -279,9 +291,12 @@ class _Finder:
         # The op's o is a transposed view of a (B, N, H, D) buffer; a later `.view` of the eager
         # (contiguous) result may not be expressible on it, so those users get a contiguous copy.
         contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
-        if mask is not None:  # values known only at run time: the op checks them (tk::attention_masked)
+        if mask is not None or kind.pad is not None:
             if heads != "4d" or any(transposed) or contiguous:
                 raise Keep("the mask's values are known only at run time and the layout needs an adapter")
+        if kind.pad is not None:  # a padding mask: its values are read at run time (tk::attention_padded)
+            return attention_padded_adapter, args + kind.pad + (kind.uniform_empty,), [out]
+        if mask is not None:  # values known only at run time: the op checks them (tk::attention_masked)
             if getattr(example(mask), "requires_grad", False):
                 raise Keep("the mask/bias requires grad (a learned bias)")
             args = (qo.arg(), ko.arg(), vo.arg(), mask, float(scale), float(softcap))
@@ -344,17 +359,17 @@ class _Finder:
             if rank(q) not in (3, 4):
                 raise Keep(f"SDPA inputs of rank {rank(q)} (the op takes 4-D)")
         except Keep as e:
-            return self._match(node, qo, ko, vo, False, 1.0, keep=str(e))
-        return self._match(node, qo, ko, vo, kind.causal, scale, mask=runtime_mask, window=kind.window)
+            return self._match(node, qo, ko, vo, MaskKind(False), 1.0, keep=str(e))
+        return self._match(node, qo, ko, vo, kind, scale, mask=runtime_mask)
 
     def _sdpa_mask(self, mask: fx.Node, score_shape: tuple) -> MaskKind:
         try:
             v = self.masks(mask)
         except Keep as e:
             raise Keep(f"attn_mask is not provably causal: {e}") from None
-        ex = example(mask)
-        allowed = _as_pred(v) if ex.dtype == torch.bool else _additive_allowed(v)
-        return _mask_kind(allowed, score_shape)
+        if example(mask).dtype == torch.bool:
+            return _mask_kind(_as_pred(v), score_shape)
+        return _mask_kind(_additive_allowed(v), score_shape, _fill_finite(v))
 
     # ------------------------------------------------------------------ eager
     def eager(self, qk: fx.Node) -> Match | None:
@@ -411,9 +426,8 @@ class _Finder:
                 self._probs_step(n, q_dtype)
             scale *= qo.scale * ko.scale
         except Keep as e:
-            return self._match(pv, qo, ko, vo, False, 1.0, keep=str(e))
-        return self._match(pv, qo, ko, vo, kind.causal, scale, mixed=mixed, mask=runtime_mask, window=kind.window,
-                           softcap=softcap)
+            return self._match(pv, qo, ko, vo, MaskKind(False), 1.0, keep=str(e))
+        return self._match(pv, qo, ko, vo, kind, scale, mixed=mixed, mask=runtime_mask, softcap=softcap)
 
     def _cast_ok(self, n: fx.Node, q_dtype) -> None:
         dt = example(n).dtype
@@ -426,6 +440,7 @@ class _Finder:
         is `tanh` between scaling and a multiplication by the cap, before any mask (tanh(-inf) is -1, no mask)."""
         scale, runtime_mask = 1.0, None
         allowed = None  # the intersection of the proven masks' allowed sets; its kind is decided at the end
+        fills = set()  # whether each proven mask's fill is finite
         softcap, capping = 0.0, None  # capping: None, "tanh" (its multiply is next), "done"
         scores = shape(qk) or ()
         prev = qk
@@ -456,7 +471,7 @@ class _Finder:
                     scale *= c if name == "mul" else 1.0 / c
             elif name in ("add",) and len(n.args) == 2 and not n.kwargs:
                 try:
-                    allowed = add_mask(self._additive(others[0]))  # evaluated for every mask: each must be provable
+                    allowed = add_mask(self._additive(others[0], fills))  # each mask must be provable
                 except Keep:
                     m = others[0] if len(others) == 1 else None
                     if runtime_mask is not None or allowed is not None or not _from_graph_input(m) \
@@ -474,6 +489,7 @@ class _Finder:
                 if not _fill_ok(fill):
                     raise Keep(f"masked_fill value {_arg(n, 2, 'value')} does not vanish in softmax")
                 allowed = add_mask(self._hidden_complement(_arg(n, 1, "mask")))  # each mask must be provable
+                fills.add(math.isfinite(fill))
             elif name == "where" and len(n.args) == 3:
                 cond, a, b = n.args
                 if a is prev:
@@ -487,6 +503,7 @@ class _Finder:
                     raise Keep(f"where() fill value {fill} does not vanish in softmax")
                 p = self._bool_mask(cond)
                 allowed = add_mask(p if keeps else _not(p))  # each mask must be provable
+                fills.add(math.isfinite(fv))
             elif name == "tanh":
                 if capping is not None:
                     raise Keep("tanh is applied to the scores twice")
@@ -502,7 +519,10 @@ class _Finder:
             prev = n
         if capping == "tanh":
             raise Keep("tanh of the scores without a multiplication by the cap (softcapping)")
-        kind = _mask_kind(allowed, scores) if allowed is not None else MaskKind(False)
+        if allowed is not None and allowed.pads and len(fills) > 1:
+            raise Keep("a padding mask among masks with finite and infinite fills (rows without keys would average "
+                       "only some keys)")
+        kind = _mask_kind(allowed, scores, fills == {True}) if allowed is not None else MaskKind(False)
         if runtime_mask is not None and kind.causal:
             raise Keep("a proven causal mask and a run-time mask are both applied")
         return scale, kind, softcap, runtime_mask
@@ -530,12 +550,14 @@ class _Finder:
         except Keep as e:
             raise Keep(f"mask is not provably causal: {e}") from None
 
-    def _additive(self, x):
+    def _additive(self, x, fills: set):
         try:
             v = self.masks(x)
         except Keep as e:
             raise Keep(f"additive mask/bias is not provably causal: {e}") from None
-        return _additive_allowed(v)
+        allowed = _additive_allowed(v)
+        fills.add(_fill_finite(v))
+        return allowed
 
     def _probs_step(self, n: fx.Node, q_dtype) -> None:
         name = _name(n)
@@ -589,7 +611,7 @@ def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
             continue
         try:
             kind = finder._sdpa_mask(node, shape(node) or ())
-            if kind.window:
+            if kind.window or kind.pad is not None:
                 continue  # tk::attention_masked runs causal or all-visible masks only
             kinds[i] = "causal" if kind.causal else "full"
         except Keep:

@@ -34,9 +34,10 @@ def ops():
     return torch.ops.tk_cuda
 
 
-def reference(q, k, v, causal, scale, window=0, softcap=0.0):
+def reference(q, k, v, causal, scale, window=0, softcap=0.0, keep=None):
     """fp32 attention with GQA by repeating K/V, a top-left causal mask (row i sees keys j <= i), a sliding window
-    (also i - j < window) and softcapped scores; returns (o, lse)."""
+    (also i - j < window), softcapped scores and a key-padding mask (B, M) (True: visible); returns (o, lse), o = 0
+    and lse = -inf on rows without a visible key."""
     qf, kf, vf = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
     kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
@@ -51,8 +52,13 @@ def reference(q, k, v, causal, scale, window=0, softcap=0.0):
         allowed &= j <= i
     if window:
         allowed &= i - j < window
+    if keep is not None:
+        allowed = allowed & keep.bool()[:, None, None, :]
     s = s.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(s, dim=-1) @ vf, torch.logsumexp(s, dim=-1)
+    mx = s.amax(-1, keepdim=True).detach()
+    e = torch.exp(s - torch.where(torch.isfinite(mx), mx, 0.0))  # a safe softmax: exactly 0 on rows without keys
+    total = e.sum(-1, keepdim=True)
+    return (e / torch.where(total > 0, total, 1.0)) @ vf, torch.logsumexp(s, dim=-1)
 
 
 def rel_err(out, ref):

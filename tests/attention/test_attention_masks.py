@@ -267,7 +267,7 @@ def _mask_graph(fn, *shapes):
 ])
 def test_mask_proofs(fn, expect):
     node = _mask_graph(fn, (1,))
-    assert P._mask_kind(P._as_pred(P._MaskEval()(node)), (5, 7)) == (expect, 0)
+    assert P._mask_kind(P._as_pred(P._MaskEval()(node)), (5, 7)) == P.MaskKind(expect)
 
 
 @pytest.mark.parametrize("fn, why", [

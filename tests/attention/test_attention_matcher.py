@@ -314,22 +314,63 @@ def test_hf_bert_without_padding_is_full_attention(impl):
     _check(Logits(_bert(impl)), torch.randint(0, 64, (2, 10)), replaced=2, grad=False)
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_hf_bert_padding_mask_kept(impl):
-    ids = torch.randint(0, 64, (2, 10))
-    am = torch.ones(2, 10, dtype=torch.long)
-    am[0, 7:] = 0
-    reasons = _kept(Logits(_bert(impl)), ids, am)
-    assert len(reasons) == 2 and all("graph input" in r for r in reasons), reasons
+def _padded(B, N, pads):
+    """(ids, attention_mask) with entry b's padding: ("right", n) or ("left", n) zeros, or ("holes", n)."""
+    ids = torch.randint(0, 64, (B, N))
+    am = torch.ones(B, N, dtype=torch.long)
+    for b, (side, n) in enumerate(pads):
+        if side == "right" and n:
+            am[b, N - n:] = 0
+        elif side == "left" and n:
+            am[b, :n] = 0
+        elif side == "holes":
+            am[b, 1:1 + n] = 0
+    return ids, am
+
+
+class PaddedLogits(nn.Module):
+    """Logits with the padding mask as a graph input (ids and mask both forward arguments)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, am):
+        out = self.model(input_ids=ids, attention_mask=am)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_hf_llama_padding_mask_kept(impl):
-    ids = torch.randint(0, 64, (2, 9))
-    am = torch.ones(2, 9, dtype=torch.long)
-    am[1, :3] = 0
-    reasons = _kept(Logits(_llama(impl)).eval(), ids, am)
-    assert len(reasons) == 2 and all("graph input" in r for r in reasons), reasons
+@pytest.mark.parametrize("pads", [[("right", 3), ("right", 0)], [("holes", 2), ("right", 9)], [("right", 10)]])
+def test_hf_bert_padding_mask(impl, pads):
+    """BERT under a key-padding mask: swapped (tk::attention_padded) and equal to eager, gradients included; an
+    entry with holes, or without any token (eager's finite fill averages v there), takes the reference."""
+    ids, am = _padded(2, 10, pads)
+    model = PaddedLogits(_bert(impl))
+    out = _compile(model)(ids, am)
+    report = tk_inductor.report()
+    assert report.replaced.get("attention", 0) == 2, str(report)
+    torch.testing.assert_close(out, model(ids, am), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_hf_llama_padding_mask(impl, side):
+    """Llama (causal) under left or right padding: swapped, equal to eager at every position (left padding's rows
+    without keys: 0 under SDPA, eager's average of v under its finite fill), gradients included."""
+    ids, am = _padded(2, 9, [(side, 3), (side, 0)])
+    model = PaddedLogits(_llama(impl)).train()
+    out = _compile(model)(ids, am)
+    report = tk_inductor.report()
+    assert report.replaced.get("attention", 0) == 2, str(report)
+    ref = model(ids, am)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn_like(ref)
+    params = list(model.parameters())
+    got = torch.autograd.grad((out * w).sum(), params)
+    want = torch.autograd.grad((ref * w).sum(), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_hf_llama_user_position_ids_kept():

@@ -10,7 +10,7 @@ Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops 
         row sees key 0, so no row is empty), and with window > 0 (needs causal) also to j > i - window: each query
         sees itself and the window - 1 keys before it, the sliding window of transformers' masks (Mistral, Gemma-2,
         Qwen2; FlashAttention's window_size=(window - 1, 0)). A row left with no key (only when N > M + window - 1)
-        gets NaN, as softmax over no keys does;
+        gets o = 0 and lse = +inf, as SDPA's safe softmax gives (and the backward's P = 0);
         lse = logsumexp(s) over keys, fp32 (B, Hq, N) contiguous, natural log;
         o = softmax(s) v in q's dtype, shape (B, Hq, N, D), a view of a (B, N, Hq, D) contiguous buffer
         (what FlashAttention returns: the usual `o.transpose(1, 2).reshape(B, N, Hq * D)` is then free).
@@ -158,34 +158,42 @@ def _empty_out(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(B, N, H, D).transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) buffer
 
 
+def _lse(s: torch.Tensor) -> torch.Tensor:
+    """logsumexp over keys, +inf on rows with every key hidden (the kernels' value: their backward's P = 0)."""
+    lse = torch.logsumexp(s, dim=-1)
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def _probs(s: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """P = exp(s - lse) from a forward's lse, or softmax(s) with None (exact also where every score is the same
+    huge finite fill, whose logsumexp rounds); rows with every key hidden get 0 (SDPA's safe softmax)."""
+    if lse is not None:
+        return torch.exp(s - lse.to(s.dtype).unsqueeze(-1))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0)
+
+
 def attention_reference(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0, mask=None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) in the op's layout; accumulates in fp32. With a `mask` (see `_scores`), rows with every key hidden
-    get 0, as SDPA's safe softmax gives."""
+    """(o, lse) in the op's layout; accumulates in fp32. `mask`: see `_scores`."""
     s, _ = _scores(q, k, causal, scale, mask, window, softcap)
-    lse = torch.logsumexp(s, dim=-1)
+    lse = _lse(s)
     group = q.shape[1] // k.shape[1]
     vf = v.to(s.dtype).repeat_interleave(group, dim=1) if group > 1 else v.to(s.dtype)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p = _probs(s)
     o = _empty_out(q)
-    o.copy_(torch.matmul(p.nan_to_num(0.0) if mask is not None else p, vf))
+    o.copy_(torch.matmul(p, vf))
     return o, lse.to(torch.float32).contiguous()
 
 
 def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float, mask=None, window: int = 0,
                                  softcap: float = 0.0):
-    """(dq, dk, dv) in `grad_like` layouts, from the forward's o and lse; dk/dv summed over each GQA group.
-    With a `mask` (see `_scores`), lse=None recomputes it and rows with every key hidden get 0, as SDPA's safe
-    softmax gives."""
+    """(dq, dk, dv) in `grad_like` layouts, from the forward's o and lse (None: P = softmax(s), see `_probs`); dk/dv
+    summed over each GQA group. `mask`: see `_scores`; rows with every key hidden get no gradient."""
     s, dcap = _scores(q, k, causal, scale, mask, window, softcap)
     acc = s.dtype
     B, Hkv, M, D = k.shape
     group = q.shape[1] // Hkv
-    if lse is None:
-        lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
-    if mask is not None:
-        p = p.nan_to_num(0.0)
+    p = _probs(s, lse)
     do = grad_o.to(acc)
     kf = k.to(acc).repeat_interleave(group, dim=1) if group > 1 else k.to(acc)
     vf = v.to(acc).repeat_interleave(group, dim=1) if group > 1 else v.to(acc)
@@ -531,3 +539,6 @@ def _masked_backward(ctx, grad_o, _grad_lse):
 
 
 attention_masked.register_autograd(_masked_backward, setup_context=_masked_setup_context)
+
+
+from . import attention_padded as _padded  # noqa: E402,F401  (registers tk::attention_padded)

@@ -21,12 +21,15 @@ struct View4 {
 
 // The score function: s = scale · q kᵀ; with softcap > 0, s = softcap · tanh(s / softcap) (Gemma-2); then, when
 // causal, key j is hidden from query i unless j <= i (top-left), and with window > 0 also unless j > i - window
-// (the sliding window as transformers builds it: each query sees itself and the window - 1 keys before it).
+// (the sliding window as transformers builds it: each query sees itself and the window - 1 keys before it); with
+// key_range, batch entry b also hides the keys outside [key_range[2b], key_range[2b + 1]) (a padding mask: left,
+// right or both). A row that sees no key gets o = 0 and lse = +inf (SDPA's safe softmax; the backward's P = 0).
 struct Scores {
   bool causal;
   float scale;
   int window;     // 0: none; > 0 needs causal
   float softcap;  // 0: none
+  const int* key_range = nullptr;  // device, (B, 2) int32 with 0 <= start, end <= M; null: every key
 };
 
 // Why `sc` is not a score function the kernels take, or nullptr.

@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     });
     tk::warpgroup::mma_async_wait<1>();
     tk::warpgroup::hold(st);
-    bwd_probs<BM, CAP>(st, lse_row, p, i0, j0, col_in, bwd_need_mask<BM>(p, i0, n0 + 64 * c));
+    bwd_probs<BM, CAP>(st, lse_row, p, blk.kr, i0, j0, col_in, bwd_need_mask<BM>(p, blk.kr, i0, n0 + 64 * c));
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     tk::warpgroup::mma_commit();
     tk::warpgroup::mma_async_wait<1>();
     tk::warpgroup::hold(st);
-    bwd_probs<BM, CAP>(st, lse_row, p, i0, j0, col_in, bwd_need_mask<BM>(p, i0, n0 + 64 * c));
+    bwd_probs<BM, CAP>(st, lse_row, p, blk.kr, i0, j0, col_in, bwd_need_mask<BM>(p, blk.kr, i0, n0 + 64 * c));
     tk::warpgroup::mma_async_wait<0>();
     tk::warpgroup::hold(dpt);
     // dS^T = P^T (dP^T - delta) in place, then dV += P^T dO and dK += dS^T Q

@@ -1,5 +1,6 @@
-// Registers tk_cuda::attention and tk_cuda::attention_backward (same schemas as
-// the tk:: ops in tk_inductor/ops/attention.py, with window 0 and softcap 0 for none). Checks inputs, allocates
+// Registers tk_cuda::attention and tk_cuda::attention_backward (the schemas of the tk:: ops in
+// tk_inductor/ops/attention.py, with window 0 and softcap 0 for none, and the padding mask's per-entry key range
+// that tk::attention_padded computes). Checks inputs, allocates
 // outputs and scratch, and calls the torch-free launchers on the current stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -7,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <torch/library.h>
 
@@ -77,18 +79,29 @@ int num_sms(const at::Tensor& t) {
   return n;
 }
 
-// The score function's arguments (tk_attn::Scores), checked.
-tk_attn::Scores scores(bool causal, double scale, int64_t window, double softcap) {
+// The score function's arguments (tk_attn::Scores), checked. key_range: (B, 2) int32 [start, end) per batch entry,
+// on q's device (the kernels clamp it to [0, M); the tk:: op computes it from a padding mask).
+tk_attn::Scores scores(const at::Tensor& q, bool causal, double scale, int64_t window, double softcap,
+                       const std::optional<at::Tensor>& key_range) {
   check(window >= 0 && window < (1LL << 31), "window must be >= 0 (0: none), got " + std::to_string(window));
   check(window == 0 || causal, "a sliding window needs causal=True");
   check(softcap >= 0.0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: none)");
-  return {causal, static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap)};
+  const int* range = nullptr;
+  if (key_range.has_value()) {
+    const at::Tensor& r = *key_range;
+    check(r.scalar_type() == at::kInt && r.dim() == 2 && r.size(0) == q.size(0) && r.size(1) == 2 &&
+              r.is_contiguous() && r.device() == q.device(),
+          "key_range must be a contiguous int32 (B, 2) tensor on q's device, got " + shape_str(r));
+    range = r.data_ptr<int>();
+  }
+  return {causal, static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap), range};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                             bool causal, double scale, int64_t window, double softcap) {
+                                             bool causal, double scale, int64_t window, double softcap,
+                                             const std::optional<at::Tensor>& key_range) {
   const DType dt = check_inputs(q_in, k_in, v_in);
-  const tk_attn::Scores sc = scores(causal, scale, window, softcap);
+  const tk_attn::Scores sc = scores(q_in, causal, scale, window, softcap, key_range);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = binding::rows16(q_in), k = binding::rows16(k_in), v = binding::rows16(v_in);
   at::Tensor o = empty_bnhd(q);
@@ -115,9 +128,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                                                                   const at::Tensor& k_in, const at::Tensor& v_in,
                                                                   const at::Tensor& o_in, const at::Tensor& lse_in,
                                                                   bool causal, double scale, int64_t window,
-                                                                  double softcap) {
+                                                                  double softcap,
+                                                                  const std::optional<at::Tensor>& key_range) {
   const DType dt = check_inputs(q_in, k_in, v_in);
-  const tk_attn::Scores sc = scores(causal, scale, window, softcap);
+  const tk_attn::Scores sc = scores(q_in, causal, scale, window, softcap, key_range);
   TORCH_CHECK(grad_o.sizes() == q_in.sizes() && o_in.sizes() == q_in.sizes(),
               "tk_cuda::attention_backward: grad_o and o must have q's shape " + shape_str(q_in));
   TORCH_CHECK(grad_o.scalar_type() == q_in.scalar_type() && o_in.scalar_type() == q_in.scalar_type(),
@@ -151,11 +165,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def(
-      "attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, float softcap=0.) "
-      "-> (Tensor o, Tensor lse)");
+      "attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, float softcap=0., "
+      "Tensor? key_range=None) -> (Tensor o, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
-      "int window=0, float softcap=0.) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window=0, float softcap=0., Tensor? key_range=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {

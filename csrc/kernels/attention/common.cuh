@@ -33,6 +33,13 @@ __device__ __forceinline__ void section_decode(int t, int heads_total, int ranks
   head = sec * section + (r - rank * heads);
 }
 
+// The keys [x, y) of batch entry b (Scores::key_range, clamped to [0, M); every key without one).
+__device__ __forceinline__ int2 entry_keys(const int* key_range, int b, int M) {
+  if (key_range == nullptr) return make_int2(0, M);
+  const int2 kr = __ldg(reinterpret_cast<const int2*>(key_range) + b);
+  return make_int2(max(kr.x, 0), min(kr.y, M));
+}
+
 // Heads per section for section_decode (host side): enough that a section holds about `blocks` blocks of `ranks`
 // each, at most `max_heads` (an L2 budget) and `heads_total`, at least 1.
 inline int section_heads(int64_t heads_total, int ranks, int64_t blocks, int64_t max_heads) {

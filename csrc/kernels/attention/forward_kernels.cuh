@@ -43,8 +43,11 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     decode_task(p, t, bh, qb);
     const int m0 = qb * BM;
     const int r0 = m0 + 64 * c + row_in;  // global rows r0 and r0 + 8
-    const int2 keys = key_blocks<BN>(p, m0, BM);
+    const int b = bh / p.Hq, h = bh % p.Hq;
+    const int2 kr = batch_keys(p, b);
+    const int2 keys = key_blocks<BN>(p, m0, BM, kr);
     const int nblk = keys.y - keys.x;
+    const int2 rk[2] = {row_keys(p, kr, r0), row_keys(p, kr, r0 + 8)};
 
     float o[K_::O_REGS];
 #pragma unroll
@@ -73,9 +76,9 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
         if (lane == 0) tk::arrive(*q_empty);
       }
 
-      // Scores to the log2 domain; mask key tails, the causal upper triangle and keys left of the window.
+      // Scores to the log2 domain; mask the keys outside each row's (row_keys).
       const int n0 = (keys.x + j) * BN;
-      const bool need_mask = (n0 + BN > p.M) || (p.causal && n0 + BN - 1 > m0 + 64 * c) ||
+      const bool need_mask = (n0 + BN > kr.y) || n0 < kr.x || (p.causal && n0 + BN - 1 > m0 + 64 * c) ||
                              m0 + 64 * c + 63 - n0 >= p.window;
 #pragma unroll
       for (int ch = 0; ch < BN / 8; ++ch) {
@@ -84,8 +87,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
           float x = sc[4 * ch + e] * p.scale_log2;
           if (need_mask) {
             const int col = n0 + 8 * ch + col_in + (e & 1);
-            const int row = r0 + 8 * (e >> 1);
-            if (col >= p.M || (p.causal && col > row) || row - col >= p.window) x = -INFINITY;
+            if (col < rk[e >> 1].x || col > rk[e >> 1].y) x = -INFINITY;
           }
           sc[4 * ch + e] = x;
         }
@@ -136,14 +138,13 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       if (lane == 0) tk::arrive(kv_empty[s]);
     }
 
-    // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE.
-    const int b = bh / p.Hq, h = bh % p.Hq;
+    // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE (a row that saw no key: 0 and +inf).
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       float l = sum[h2];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = 1.f / l;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
       const int row = r0 + 8 * h2;
       if (row < p.N) {
         T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * p.d;
@@ -152,7 +153,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
           const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
           if (8 * ch < p.d) *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
         }
-        if ((lane & 3) == 0) p.lse[static_cast<int64_t>(bh) * p.N + row] = (mx[h2] + log2f(l)) * 0.69314718055994531f;
+        if ((lane & 3) == 0)
+          p.lse[static_cast<int64_t>(bh) * p.N + row] = l > 0.f ? (mx[h2] + log2f(l)) * 0.69314718055994531f : INFINITY;
       }
     }
   }
@@ -197,24 +199,24 @@ struct PP {
 
   // S (raw scores) -> P = exp2(S*scale_log2 - max*scale_log2) in place, with
   // the running max (raw units) and thread-partial row sums updated and the
-  // factor alpha by which O must be rescaled. MASK: key tail / causal / window; a row that sees no key of this
-  // block or an earlier one (left of its window) keeps max -inf and P = 0.
+  // factor alpha by which O must be rescaled. MASK: the keys outside each row's (row_keys of the batch entry's keys
+  // kr); a row that sees no key of this block or an earlier one keeps max -inf and P = 0.
   template <bool MASK>
   static __device__ __forceinline__ void softmax(float (&sc)[K_::S_REGS], float (&mx)[2], float (&sum)[2],
-                                                 float (&alpha)[2], float sl2, int n0, int r0, int col_in,
+                                                 float (&alpha)[2], float sl2, int n0, int r0, int2 kr, int col_in,
                                                  const FwdParams& p) {
     if constexpr (CAP) {
 #pragma unroll
       for (int i = 0; i < K_::S_REGS; ++i) sc[i] = p.cap_out * tk::tanh_approx(sc[i] * p.cap_in);
     }
     if constexpr (MASK) {
+      const int2 rk[2] = {row_keys(p, kr, r0), row_keys(p, kr, r0 + 8)};
 #pragma unroll
       for (int ch = 0; ch < BN / 8; ++ch)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = n0 + 8 * ch + col_in + (e & 1);
-          const int row = r0 + 8 * (e >> 1);
-          if (col >= p.M || (p.causal && col > row) || row - col >= p.window) sc[4 * ch + e] = -INFINITY;
+          if (col < rk[e >> 1].x || col > rk[e >> 1].y) sc[4 * ch + e] = -INFINITY;
         }
     }
     float msc[2];
@@ -297,12 +299,14 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   if (c == NC - 1) S::Turn::pass(c);  // warpgroup 0 takes the first turn
 
   // A task's place and extent for this warpgroup. Its key blocks are counted from the first one the producer
-  // streams (key_blocks' lo); block r needs a mask when r < lead (left of some row's window) or r >= free (the key
+  // streams (key_blocks' lo); block r needs a mask when r < lead (left of some row's first key) or r >= free (the key
   // tail or the causal diagonal).
+  // kr: the batch entry's keys (batch_keys).
   struct Task {
     int bh, m0, r0, lo;
+    int2 kr;
     int nblk;  // key blocks the producer streams
-    int nb;    // this warpgroup's own blocks (causal: its 64 rows end before the tile's)
+    int nb;    // this warpgroup's own blocks (causal: its 64 rows end before the tile's), at least one
     int lead, free;
   };
   auto task_of = [&](int t) {
@@ -311,13 +315,15 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     decode_task(p, t, k.bh, qb);
     k.m0 = qb * BM;
     k.r0 = k.m0 + 64 * c + row_in;
-    const int2 kb = key_blocks<BN>(p, k.m0, BM);
+    k.kr = batch_keys(p, k.bh / p.Hq);
+    const int2 kb = key_blocks<BN>(p, k.m0, BM, k.kr);
     const int a = k.m0 + 64 * c;  // this warpgroup's first row
     k.lo = kb.x;
     k.nblk = kb.y - kb.x;
-    k.nb = p.causal ? (min(kb.y * BN, a + 64) + BN - 1) / BN - kb.x : k.nblk;
-    k.lead = max(0, (a + 64 - p.window + BN - 1) / BN - kb.x);  // window: blocks starting before the last row's
-    k.free = (p.causal ? min(p.M, a + 1) : p.M) / BN - kb.x;
+    k.nb = p.causal ? max(1, (min(kb.y * BN, a + 64) + BN - 1) / BN - kb.x) : k.nblk;
+    // blocks starting before the last row's first key (its window's or the entry's)
+    k.lead = max(0, (max(a + 64 - p.window, k.kr.x) + BN - 1) / BN - kb.x);
+    k.free = (p.causal ? min(k.kr.y, a + 1) : k.kr.y) / BN - kb.x;
     return k;
   };
 
@@ -347,9 +353,9 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     mx[0] = mx[1] = -INFINITY;
     sum[0] = sum[1] = 0.f;
     if (k.lead == 0 && k.free > 0)
-      S::template softmax<false>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, col_in, p);
+      S::template softmax<false>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.kr, col_in, p);
     else
-      S::template softmax<true>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, col_in, p);
+      S::template softmax<true>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.kr, col_in, p);
     S::to_a(pa, sc);
   };
   // Rounds 1 .. nb-1 (S_{j+1} and PV_j; the softmax of S_{j+1} overlaps PV_j), the last PV, and the turns of
@@ -369,7 +375,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       tk::warpgroup::mma_async_wait<1>();
       tk::warpgroup::hold(sc);
       tk::warp::arrive(k_empty[s1]);
-      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (k.lo + j + 1) * BN, k.r0, col_in, p);
+      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (k.lo + j + 1) * BN, k.r0, k.kr, col_in, p);
       tk::warpgroup::mma_async_wait<0>();
       tk::warpgroup::hold(o);
       S::hold(pa);
@@ -425,14 +431,14 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int row = k.r0 + 8 * h2;
-      const float inv = tk::rcp_approx(l);
+      const float inv = l > 0.f ? tk::rcp_approx(l) : 0.f;  // a row that saw no key: o = 0, lse = +inf
       const uint32_t sO_u = tk::smem_addr(sm.sO);
 #pragma unroll
       for (int ch = 0; ch < D / 8; ++ch)
         tk::st_shared(sO_u + (ch / 8) * BM * 128 + swz128(64 * c + row_in + 8 * h2, 8 * (ch % 8) + col_in, 2),
                   pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv));
       tk::st_global_if(row < p.N && (lane & 3) == 0, p.lse + static_cast<int64_t>(k.bh) * p.N + row,
-                   (mx[h2] * sl2 + tk::lg2_approx(l)) * 0.69314718055994531f);
+                   l > 0.f ? (mx[h2] * sl2 + tk::lg2_approx(l)) * 0.69314718055994531f : INFINITY);
     }
     tk::fence_async_shared();  // the rows written above, visible to the TMA unit
     tk::named_sync(4 + c, 128);
@@ -510,6 +516,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.cap_out = CAP ? sc.softcap : 0.f;
   p.causal = sc.causal;
   p.window = sc.window > 0 ? sc.window : INT_MAX;
+  p.key_range = sc.key_range;
   p.o = o;
   p.lse = lse;
   p.next_task = next_task;

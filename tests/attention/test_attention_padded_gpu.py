@@ -1,0 +1,136 @@
+"""GPU tests of tk::attention_padded: the attention kernels under a key-padding mask (one [start, end) key range per
+batch entry), forward and backward, against an fp32 autograd reference with the dense mask. Skipped without CUDA.
+
+The entries of each case cover left padding (rows before the first key see nothing under a causal mask: o = 0),
+right padding, both, none, an entry without keys and ranges that start or end inside a key block and a query tile.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from test_attention_gpu import GRAD_TOL, OUT_TOL, make_inputs, poison, reference, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from tk_inductor import build
+
+    build.load("attention")
+    import tk_inductor.ops.attention  # noqa: F401  (registers tk::attention_padded)
+
+    return torch.ops.tk
+
+
+def keep_of(B, M, seed, holes=False):
+    """(B, M) bool: entry 0 right-padded, 1 left-padded, 2 both, 3 none, 4 empty, the rest random ranges; with
+    `holes`, entry 1 also has a gap inside its range."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.zeros(B, M, dtype=torch.bool)
+    for b in range(B):
+        lo, hi = sorted(torch.randint(0, M + 1, (2,), generator=g).tolist())
+        start, end = [(0, hi), (lo, M), (lo, hi), (0, M), (0, 0)][b] if b < 5 else (lo, hi)
+        keep[b, start:end] = True
+    if holes and B > 1 and M > 8:
+        keep[1, M - 6:M - 3] = False
+        keep[1, M - 1] = True
+    return keep.cuda()
+
+
+def cases():
+    out = []
+    for i, ((N, M), causal, D) in enumerate(itertools.product([(1000, 1000), (333, 517), (129, 129), (17, 300)],
+                                                              (False, True), (64, 128, 96))):
+        if causal and N != M and i % 2:
+            continue
+        dtype = (torch.bfloat16, torch.float16)[i % 2]
+        heads = ((4, 4), (8, 2))[(i // 2) % 2]
+        window = 200 if causal and i % 3 == 0 else 0
+        cap = 30.0 if i % 4 == 1 else 0.0
+        out.append((6, *heads, N, M, D, dtype, causal, window, cap))
+    return out
+
+
+def _id(c):
+    B, Hq, Hkv, N, M, D, dtype, causal, window, cap = c
+    return (f"B{B}-H{Hq}:{Hkv}-N{N}-M{M}-D{D}-{str(dtype)[6:]}-{'causal' if causal else 'full'}"
+            f"{f'-w{window}' if window else ''}{f'-cap{cap:g}' if cap else ''}")
+
+
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("case", cases(), ids=_id)
+def test_forward_backward(ops, case, holes):
+    B, Hq, Hkv, N, M, D, dtype, causal, window, cap = case
+    q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, layout="bnhd", seed=N + D)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    keep = keep_of(B, M, seed=N + M, holes=holes)
+    scale = 1.0 / math.sqrt(D)
+    poison(((B, N, Hq, D), dtype), ((B, Hq, N), torch.float32))
+    o, lse = ops.attention_padded(q, k, v, keep, causal, scale, window, cap)
+    do = torch.randn_like(o)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    torch.cuda.synchronize()
+    assert not any(torch.isnan(t).any() for t in (o, dq, dk, dv))
+
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = reference(qr, kr, vr, causal, scale, window, cap, keep=keep)
+    assert rel_err(o, o_ref) < OUT_TOL
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isinf(lse) & (lse > 0), ~seen), "rows without keys: lse +inf"
+    torch.testing.assert_close(lse[seen], lse_ref[seen], atol=2e-3, rtol=1e-4)
+    grads = torch.autograd.grad(o_ref, (qr, kr, vr), do.float())
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        assert rel_err(got, want) < GRAD_TOL, f"{name}: relative error {rel_err(got, want):.3e}"
+
+
+def test_uniform_empty_rows_average_v(ops):
+    """uniform_empty (an eager model's finite fill): left-padded rows get the mean of v over every key, exactly as
+    softmax over equal scores, through the reference for those entries; the other entries run the kernel."""
+    from tk_inductor.ops import attention_padded as AP
+
+    B, H, N, D = 3, 4, 300, 64
+    q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, H, H, N, N, D, torch.bfloat16, seed=7))
+    keep = torch.ones(B, N, dtype=torch.bool, device="cuda")
+    keep[0, :40] = False  # left padding: rows 0..39 see no key under the causal mask
+    keep[1, 250:] = False  # right padding: every row sees a key
+    before = dict(AP.padded_paths)
+    o, _ = ops.attention_padded(q, k, v, keep, True, 0.125, 0, 0.0, True)
+    assert AP.padded_paths["reference entries"] - before["reference entries"] == 1
+    mask = torch.where(keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool, device="cuda").tril(), 0.0,
+                       torch.finfo(torch.float32).min)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    want = torch.softmax(qf @ kf.transpose(-1, -2) * 0.125 + mask, -1) @ vf
+    assert rel_err(o, want) < OUT_TOL
+    torch.testing.assert_close(o[0, :, :40].float(), vf[0].mean(1, keepdim=True).expand(H, 40, D).detach(),
+                               atol=1e-2, rtol=1e-2)
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    ref = torch.autograd.grad(want, (qf, kf, vf), do.float())
+    for g, r in zip(got, ref):
+        assert rel_err(g, r) < GRAD_TOL
+
+
+def test_kernel_matches_tk_attention_without_padding(ops):
+    """An all-ones keep gives tk::attention's result bit for bit (same kernels, the full key range)."""
+    q, k, v = make_inputs(2, 8, 2, 777, 777, 128, torch.bfloat16, seed=2)
+    keep = torch.ones(2, 777, dtype=torch.bool, device="cuda")
+    for causal in (False, True):
+        o, lse = ops.attention_padded(q, k, v, keep, causal, 0.09)
+        o2, lse2 = ops.attention(q, k, v, causal, 0.09)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+def test_bad_key_range(ops):
+    q, k, v = make_inputs(2, 4, 4, 64, 64, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="key_range must be a contiguous int32"):
+        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, torch.zeros(2, 2, dtype=torch.long, device="cuda"))
+    with pytest.raises(RuntimeError, match="key_range must be a contiguous int32"):
+        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, torch.zeros(3, 2, dtype=torch.int32, device="cuda"))
