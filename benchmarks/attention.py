@@ -295,7 +295,7 @@ def run_padded(backward: bool = True) -> list[Row]:
         ref = fns["sdpa efficient"](q, k, v)
         for impl in list(fns):
             try:
-                check_close(f"attention {name} {impl}", fns[impl](q, k, v), ref)
+                check_close(impl, fns[impl](q, k, v), ref)
             except (AssertionError, RuntimeError) as exc:
                 rows.append(Row("attention", f"{name} fwd", impl, None, note=f"failed: {str(exc)[:80]}"))
                 del fns[impl]
