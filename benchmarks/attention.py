@@ -15,8 +15,9 @@ user would otherwise run: FlexAttention (compiled, with a block mask for the win
 for windows, SDPA with the boolean mask materialised (transformers' sdpa path; torch picks the memory-efficient
 kernel). TFLOPS count only the visible (query, key) pairs.
 
-`--padded`: key-padding masks (right-padded full attention as in BERT, left-padded causal as in batched
-generation), against SDPA with the dense boolean mask (memory-efficient and cuDNN backends) and FlexAttention.
+`--varlen`: key-padding masks (right-padded full attention as in BERT, left-padded causal as in batched
+generation) and packed sequences (causal, as fine-tuning on packed batches), against SDPA with the dense boolean
+mask (memory-efficient and cuDNN backends) and FlexAttention.
 """
 from __future__ import annotations
 
@@ -246,37 +247,60 @@ def scores_summary(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-# Padding: (B, H, N, D, causal, side); entry lengths drawn uniformly from [N/4, N] (seeded), the rest padding.
-PADDED_CASES = [(8, 16, 4096, 128, False, "right"), (8, 16, 4096, 128, True, "left"), (8, 32, 4096, 64, False, "right"),
-                (8, 32, 4096, 64, True, "left"), (32, 16, 1024, 128, False, "right")]
+# (B, H, N, D, causal, layout): "right"/"left" padding with entry lengths drawn uniformly from [N/4, N], "packed"
+# sequences of lengths drawn from [N/32, N/4] filling each entry (seeded).
+VARLEN_CASES = [(8, 16, 4096, 128, False, "right"), (8, 16, 4096, 128, True, "left"), (8, 32, 4096, 64, False, "right"),
+                (8, 32, 4096, 64, True, "left"), (32, 16, 1024, 128, False, "right"), (2, 16, 16384, 128, True, "packed"),
+                (2, 32, 16384, 64, True, "packed")]
 
 
-def run_padded(backward: bool = True) -> list[Row]:
-    """Key-padding masks (HF's attention_mask): ours (tk::attention_padded, the op the backend's graphs call) against
-    SDPA with the boolean (B, 1, N, N) mask materialised (transformers' sdpa path) on the memory-efficient and cuDNN
-    backends, and compiled FlexAttention with a block mask of the lengths (built once, outside the timing)."""
+def _varlen_masks(B, N, layout, seed):
+    """(keep or None, segments or None) of a VARLEN_CASES layout."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(N)
+    if layout == "packed":
+        segments = torch.zeros(B, N, dtype=torch.long)
+        for b in range(B):
+            cuts = torch.randint(N // 32, N // 4 + 1, (N // 32,), generator=g).cumsum(0)
+            for c in cuts[cuts < N].tolist():
+                segments[b, c:] += 1
+        return None, segments.cuda()
+    lengths = torch.randint(N // 4, N + 1, (B,), generator=g)
+    keep = pos[None] < lengths[:, None] if layout == "right" else pos[None] >= (N - lengths)[:, None]
+    return keep.cuda(), None
+
+
+def run_varlen(backward: bool = True) -> list[Row]:
+    """Key-padding masks (HF's attention_mask) and packed sequences: ours (tk::attention_varlen, the op the backend's
+    graphs call) against SDPA with the boolean (B, 1, N, N) mask materialised (transformers' sdpa path) on the
+    memory-efficient and cuDNN backends, and compiled FlexAttention with a block mask (built once, outside the
+    timing)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from tk_inductor import build
-    from tk_inductor.ops import attention as _ops  # noqa: F401  (registers tk::attention_padded)
+    from tk_inductor.ops import attention as _ops  # noqa: F401  (registers tk::attention_varlen)
 
     build.load("attention")
     flex = torch.compile(flex_attention)
     rows: list[Row] = []
-    for B, H, N, D, causal, side in PADDED_CASES:
-        g = torch.Generator().manual_seed(B * N + D)
-        lengths = torch.randint(N // 4, N + 1, (B,), generator=g).cuda()
+    for B, H, N, D, causal, layout in VARLEN_CASES:
+        keep, segments = _varlen_masks(B, N, layout, seed=B * N + D)
         pos = torch.arange(N, device="cuda")
-        keep = pos[None] < lengths[:, None] if side == "right" else pos[None] >= (N - lengths)[:, None]
-        name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'} {side}-padded"
+        name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'} {layout}" + ("" if segments is not None else "-padded")
         progress(name)
         scale = 1.0 / math.sqrt(D)
         q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        dense = keep[:, None, None, :] & ((pos[None, :] <= pos[:, None]) if causal else True)
+        ones = torch.ones(B, N, dtype=torch.bool, device="cuda")
+        kp = keep if keep is not None else ones
+        seg = segments if segments is not None else ones.long()
+        dense = kp[:, None, None, :] & (seg[:, None, :, None] == seg[:, None, None, :])
+        if causal:
+            dense = dense & (pos[None, :] <= pos[:, None])
 
         def visible(b, h, i, j):
-            return keep[b, j] & (j <= i) if causal else keep[b, j]
+            m = kp[b, j] & (seg[b, i] == seg[b, j])
+            return m & (j <= i) if causal else m
 
         block_mask = create_block_mask(visible, B, None, N, N)
 
@@ -287,7 +311,7 @@ def run_padded(backward: bool = True) -> list[Row]:
             return fn
 
         fns = {
-            "ours": lambda q, k, v: torch.ops.tk.attention_padded(q, k, v, keep, causal, scale)[0],
+            "ours": lambda q, k, v: torch.ops.tk.attention_varlen(q, k, v, keep, segments, causal, scale)[0],
             "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
             "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
             "flex": lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=scale),
@@ -316,7 +340,7 @@ def run_padded(backward: bool = True) -> list[Row]:
     return rows
 
 
-def padded_summary(rows: list[Row]) -> str:
+def varlen_summary(rows: list[Row]) -> str:
     """Markdown table: ms per implementation and theirs / ours."""
     impls = ("ours", "sdpa efficient", "sdpa cudnn", "flex")
     out = ["| case | " + " | ".join(f"{i} ms" for i in impls) + " | " + " | ".join(f"{i}/ours" for i in impls[1:]) + " |",
@@ -336,13 +360,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="N in {2048, 4096} only")
     p.add_argument("--forward-only", action="store_true", help="skip forward+backward timings")
     p.add_argument("--scores", action="store_true", help="sliding windows and softcapping instead")
-    p.add_argument("--padded", action="store_true", help="key-padding masks instead")
+    p.add_argument("--varlen", action="store_true", help="key-padding masks and packed sequences instead")
     p.add_argument("--dims", default="128,64", help="comma-separated head dims (default: 128,64; H = 2048 // D)")
     args = p.parse_args(argv)
     if args.scores:
         print(scores_summary(run_scores(backward=not args.forward_only)))
-    elif args.padded:
-        print(padded_summary(run_padded(backward=not args.forward_only)))
+    elif args.varlen:
+        print(varlen_summary(run_varlen(backward=not args.forward_only)))
     else:
         dims = tuple(int(d) for d in args.dims.split(","))
         print(summary(run(quick=args.quick, backward=not args.forward_only, dims=dims)))

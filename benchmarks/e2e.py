@@ -93,6 +93,7 @@ MODELS: dict[str, tuple[Callable[[bool], torch.nn.Module], tuple[int, int]]] = {
     "llama-sdpa": (lambda q: _llama("sdpa", q), (2, 4096)),
     "llama-eager": (lambda q: _llama("eager", q), (2, 4096)),
     "llama-padded": (lambda q: _llama("sdpa", q), (8, 2048)),
+    "llama-packed": (lambda q: _llama("sdpa", q), (1, 16384)),
     "mistral": (_mistral, (1, 8192)),
     "gemma2": (_gemma2, (2, 4096)),
     "gpt2-medium": (_gpt2, (4, 2048)),
@@ -101,17 +102,23 @@ MODELS: dict[str, tuple[Callable[[bool], torch.nn.Module], tuple[int, int]]] = {
 }
 
 
-# Models run with a right-padded attention_mask (fine-tuning on padded batches; lengths drawn from [seq/4, seq]).
-PADDED = ("llama-padded",)
-
-
+# Fine-tuning batches: "llama-padded" with a right-padded attention_mask (lengths drawn from [seq/4, seq]),
+# "llama-packed" with sequences of lengths drawn from [512, 4096] packed into one row, told apart by position ids
+# that restart (DataCollatorWithFlattening's format), from which HF builds the mask.
 def _inputs(name: str, batch: int, seq: int) -> dict:
-    """The model's keyword inputs besides the ids: a padding mask for PADDED models."""
-    if name not in PADDED:
-        return {}
+    """The model's keyword inputs besides the ids."""
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(seq // 4, seq + 1, (batch,), generator=g)
-    return {"attention_mask": (torch.arange(seq)[None] < lengths[:, None]).long().cuda()}
+    if name == "llama-padded":
+        lengths = torch.randint(seq // 4, seq + 1, (batch,), generator=g)
+        return {"attention_mask": (torch.arange(seq)[None] < lengths[:, None]).long().cuda()}
+    if name == "llama-packed":
+        pos = torch.arange(seq).repeat(batch, 1)
+        for b in range(batch):
+            cuts = torch.randint(512, 4097, (seq // 512,), generator=g).cumsum(0)
+            for c in cuts[cuts < seq].tolist():
+                pos[b, c:] -= pos[b, c].item()
+        return {"position_ids": pos.cuda()}
+    return {}
 
 
 # Training recipes: bf16 parameters, or fp32 parameters under bf16 / fp16 autocast (fp16 with a GradScaler), as

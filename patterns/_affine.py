@@ -1,8 +1,9 @@
 """The values the mask prover (patterns/_mask.py) computes with: functions of a tensor's element index.
 
 An `Aff` is affine in the index (Σ k·index[axis] plus a constant), a `Pred` an intersection of half-planes
-Σ k·index[axis] + c >= 0 (or the empty set) and of padding literals (a run-time 2-D bool tensor read at two affine
-indices, HF's `attention_mask[batch, key]`), a `Sel` a choice between two constants by a `Pred`. Axes are
+Σ k·index[axis] + c >= 0 (or the empty set) and of run-time literals (HF's padding `attention_mask[batch, key]`, its
+packed-sequence ids compared at the query and the key), a `Sel` a choice between two constants by a `Pred`, a
+`Gather` a run-time tensor read at affine indices (only compared for equality). Axes are
 negative (-1 = last), so broadcasting aligns them for free; coefficients on axes of size 1 are dropped (their index
 is always 0). Anything outside this algebra raises `Keep`.
 """
@@ -33,13 +34,23 @@ class Aff:
 
 @dataclasses.dataclass(frozen=True)
 class Pred:
-    """Boolean: the intersection of half-planes Σ k·index[axis] + c >= 0 and of `pads`; `false` is the empty set.
-    A pad (node, row, col) is true where the run-time 2-D bool tensor `node` holds True at [row, col], each an affine
-    form (coefs, c) of the index."""
+    """Boolean: the intersection of half-planes Σ k·index[axis] + c >= 0 and of run-time literals `pads`; `false` is
+    the empty set. A literal ("keep", node, row, col) is true where the run-time 2-D bool tensor `node` holds True at
+    [row, col]; ("same", node, row, col, col2) where `node` holds equal values at [row, col] and [row, col2]; each
+    index an affine form (coefs, c)."""
 
     planes: frozenset = frozenset()
     false: bool = False
     pads: frozenset = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """A run-time 2-D tensor `node` read at [row, col] (affine forms); only compared for equality."""
+
+    node: Any
+    row: tuple
+    col: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +148,11 @@ def _simplify(v):
 
 
 def _shift(v, fn):
-    """Rewrite every linear form (coefs, c) of a value with fn(coefs_dict, c) -> (coefs_dict, c)."""
+    """Rewrite every linear form (coefs, c) of a value with fn(coefs_dict, c) -> (coefs_dict, c) (a run offset, see
+    `run_axis`, is no axis of the index and stays as it is)."""
     if isinstance(v, Aff):
-        coefs, c = fn(dict(v.coefs), v.c)
-        return Aff(_coefs(coefs), c)
+        coefs, c = fn({a: k for a, k in v.coefs if a < 0}, v.c)
+        return Aff(_coefs({**coefs, **{a: k for a, k in v.coefs if a > 0}}), c)
     if isinstance(v, Pred):
         if v.false or not (v.planes or v.pads):
             return v
@@ -150,14 +162,17 @@ def _shift(v, fn):
         if out.false:
             return out
 
-        def form(f):
-            coefs, c = fn(dict(f[0]), f[1])
-            return _coefs(coefs), c
-
-        return Pred(out.planes, pads=frozenset((node, form(r), form(k)) for node, r, k in v.pads))
+        return Pred(out.planes, pads=frozenset((lit[0], lit[1], *(_form(fn, f) for f in lit[2:])) for lit in v.pads))
+    if isinstance(v, Gather):
+        return Gather(v.node, _form(fn, v.row), _form(fn, v.col))
     if isinstance(v, Sel):
         return _simplify(Sel(_shift(v.pred, fn), v.a, v.b))
     raise TypeError(v)
+
+
+def _form(fn, f):
+    coefs, c = fn(dict(f[0]), f[1])
+    return _coefs(coefs), c
 
 
 def _drop_unit_axes(v, shape):
@@ -216,9 +231,26 @@ def _linear(op: str, x, y):
     raise Keep(f"mask combines two different regions with {op}")
 
 
+def run_axis(node) -> int:
+    """The pseudo-axis of run-time position ids `node` (positive; the index's axes are negative): a read
+    pos[b, x] is the Aff x + R, R an unknown offset per packed sequence, which cancels between two reads in one
+    sequence. A comparison where it cancels carries the literal ("runs", axis): the mask analysis then requires the
+    same-sequence literal of the ids made from these positions (patterns/_mask.py)."""
+    return id(node)
+
+
 def _compare(op: str, x, y) -> Pred:
+    if isinstance(x, Gather) or isinstance(y, Gather):
+        if op == "eq" and isinstance(x, Gather) and isinstance(y, Gather) and x.node is y.node and x.row == y.row:
+            return Pred(pads=frozenset({("same", x.node, x.row, *sorted((x.col, y.col)))}))
+        raise Keep("mask compares a run-time tensor other than by equality of two reads of one row")
     if isinstance(x, Aff) and isinstance(y, Aff):
         d = _linear("sub", x, y)  # x - y
+        if any(a > 0 for a, _ in d.coefs):
+            raise Keep("mask compares run-time position ids other than two reads in one packed sequence")
+        runs = {a for a, _ in x.coefs + y.coefs if a > 0}
+        if runs:
+            return _and(_compare(op, Aff(d.coefs, d.c), Aff()), Pred(pads=frozenset(("runs", a) for a in runs)))
         coefs = dict(d.coefs)
         neg = {a: -k for a, k in coefs.items()}
         if op == "ge":

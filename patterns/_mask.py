@@ -6,7 +6,8 @@ broadcasting views, advanced indexing, diff/cumsum of constant steps), predicate
 half-planes in (query i, key j), and two-valued selections. It covers tril/triu of ones/full, arange comparisons,
 `where`, `masked_fill`, and transformers 5.x's `sdpa_mask`/`eager_mask` including the packed-sequence detection on
 in-graph position ids. A run-time 2-D bool mask read at [batch, key] (HF's padding `attention_mask`) becomes a
-padding literal. `_mask_kind` decides whether an allowed set is exactly {j <= i} (causal, top-left),
+padding literal, and run-time packed-sequence ids (a cumsum of a bool) compared at the query and the key a
+same-sequence literal. `_mask_kind` decides whether an allowed set is exactly {j <= i} (causal, top-left),
 {i - w < j <= i} (a causal sliding window) or everything, each with or without a padding literal, and names what
 else it is (a diagonal offset, a mask varying over batch or heads). A mask built otherwise from a graph input or
 with an op outside this vocabulary raises `Keep` with the reason.
@@ -21,20 +22,18 @@ import torch.fx as fx
 
 from tk_inductor.rewrite import example
 
-from ._affine import (Aff, _and, _as_pred, _as_sel, _coefs, _compare, _drop_unit_axes, FALSE, _is_int, _linear, _not,
-                      _or, _plane, Pred, _remap, Sel, _shift, _simplify, TRUE)
+from ._affine import (Aff, _and, _as_pred, _as_sel, _coefs, _compare, _drop_unit_axes, FALSE, Gather, _is_int, _linear,
+                      _not, _or, _plane, Pred, _remap, run_axis, Sel, _shift, _simplify, TRUE)
 from ._fx import arg as _arg
 from ._fx import Keep, eq, number, rank, shape
 from ._fx import name as _name
+from ._varlen import _input_of, literals, _padding_source, _position_source, _segment_source
 
 
 _NEG_BIG = torch.finfo(torch.float16).min  # fill values at or below this vanish in softmax
 
 
 # ---------------------------------------------------------------------------- node vocabulary
-
-_CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "bool", "long", "int"}
-
 
 class _MaskEval:
     """Symbolic values of the nodes that build a mask (memoised per graph)."""
@@ -260,8 +259,11 @@ class _MaskEval:
             raise Keep("mask indexes a tuple")
         index = index if isinstance(index, tuple) else (index,)
         advanced = bool(index) and all(isinstance(i, fx.Node) and isinstance(example(i), torch.Tensor) for i in index)
-        if advanced and _padding_source(src):
-            return self._padding(src, index)
+        if advanced and (_padding_source(src) or _segment_source(src) or _position_source(src)):
+            try:
+                self(src)  # values the analysis knows (in-graph position ids, say) are read as they are
+            except Keep:
+                return self._runtime_read(src, index)
         v = self(src)
         ins, outs = shape(src) or (), shape(node) or ()
         if advanced:
@@ -308,9 +310,11 @@ class _MaskEval:
 
         return _shift(v, fn)
 
-    def _padding(self, src, index):
-        """mask[rows, cols] of a run-time 2-D bool mask (HF's `attention_mask[batch_idx, kv_idx]`): a padding literal
-        whose row and column are the indices' affine values."""
+    def _runtime_read(self, src, index):
+        """src[rows, cols] of a run-time 2-D tensor at the indices' affine values: for a bool mask (HF's
+        `attention_mask[batch_idx, kv_idx]`) a padding literal, for packed-sequence ids a `Gather` to compare, for
+        position ids (HF evaluates its causal and window rules on them when sequences are packed) the column index
+        plus the sequence's unknown offset (`run_axis`)."""
         if len(index) != 2:
             raise Keep("mask indexes a run-time mask with other than two index tensors")
         forms = []
@@ -319,7 +323,14 @@ class _MaskEval:
             if not isinstance(iv, Aff) or not all(_is_int(k) for _, k in iv.coefs) or not _is_int(iv.c):
                 raise Keep("mask indexes a run-time mask with non-integer indices")
             forms.append((iv.coefs, int(iv.c)))
-        return Pred(pads=frozenset({(src, forms[0], forms[1])}))
+        if _segment_source(src):
+            return Gather(src, forms[0], forms[1])
+        if _padding_source(src):
+            return Pred(pads=frozenset({("keep", src, forms[0], forms[1])}))
+        (col, c), row = forms[1], forms[0]
+        if row not in ((((-4, 1),), 0), ((), 0)) or len(col) != 1 or col[0][1] != 1:
+            raise Keep("position ids are not read at [batch, query or key]")
+        return Aff(_coefs({col[0][0]: 1, run_axis(_input_of(src)): 1}), c)
 
     def _advanced(self, v, ins, outs, index):
         """x[i0, i1, ...] with integer index tensors for every dim: substitute the indices' values."""
@@ -408,56 +419,34 @@ def _on_box(planes, sizes: dict) -> set | None:
 class MaskKind(NamedTuple):
     """What a proven mask allows: `causal` (key j <= query i, top-left) or everything, and within causal a sliding
     `window` > 0 (also j > i - window, as transformers' sliding-window masks), 0 for none; with `pad` = (mask node,
-    offset) only the keys j where the run-time (B or 1, M') bool `mask[b, offset + j]` holds (a padding mask), and
-    `uniform_empty` when the fill is finite (a row with no visible key then averages v, as in eager)."""
+    offset) only the keys j where the run-time (B or 1, M') bool `mask[b, offset + j]` holds (a padding mask), with
+    `segments` (a (B or 1, N) node of packed-sequence ids) only the keys of the query's sequence, and
+    `uniform_empty` when a padded mask's fill is finite (a row with no visible key then averages v, as in eager)."""
 
     causal: bool
     window: int = 0
     pad: tuple | None = None
+    segments: Any = None
     uniform_empty: bool = False
-
-
-def _padding(allowed: Pred, score_shape: tuple) -> tuple | None:
-    """The (mask node, key offset) of the allowed set's padding literal, or None: it must read the mask at
-    [batch, offset + key] (batch 0 when the scores or the mask have one batch entry), the same for every head and
-    query."""
-    if not allowed.pads:
-        return None
-    if len(allowed.pads) > 1:
-        raise Keep("the mask combines several padding masks")
-    (node, row, col), = allowed.pads
-    ex = example(node)
-    B, M = score_shape[0], score_shape[-1]
-    if len(score_shape) != 4 or not isinstance(ex, torch.Tensor) or ex.dim() != 2:
-        raise Keep("a padding mask on scores that are not (B, H, N, M)")
-    batch_ok = row == (((-4, 1),), 0) or (row == ((), 0) and (eq(B, 1) or eq(ex.shape[0], 1)))
-    if not batch_ok or not (eq(ex.shape[0], B) or eq(ex.shape[0], 1)):
-        raise Keep("the padding mask is not read at [batch, key]")
-    coefs, offset = col
-    if not (coefs == ((-1, 1),) or (coefs == () and eq(M, 1))) or offset < 0 \
-            or number(ex.shape[1]) is None or number(M) is None or offset + number(M) > number(ex.shape[1]):
-        raise Keep("the padding mask is not read at [batch, key + a constant offset] inside its columns")
-    return node, offset
 
 
 def _mask_kind(allowed: Pred, score_shape: tuple, finite: bool | None = None) -> MaskKind:
     """The kind of an allowed set, decided on the actual box of scores: for one query causal means "key 0 only",
     for one key it means "everything" (reported as non-causal, the cheaper kernel path), and a window that reaches
-    past the box is plain causal; a padding literal becomes `pad`, and `finite` says the hidden entries were filled
-    with a finite value (True), -inf (False) or are a bool mask's (None). Raises Keep for any other set."""
-    pad = _padding(allowed, score_shape)
-    kind = _planes_kind(Pred(allowed.planes, allowed.false), score_shape, pad is not None)
-    return kind._replace(pad=pad, uniform_empty=bool(pad is not None and finite))
+    past the box is plain causal; run-time literals become `pad` and `segments`, and `finite` says the hidden entries
+    were filled with a finite value (True), -inf (False) or are a bool mask's (None). Raises Keep for any other
+    set."""
+    pad, segments = literals(allowed, score_shape)
+    kind = _planes_kind(Pred(allowed.planes, allowed.false), score_shape)
+    return kind._replace(pad=pad, segments=segments, uniform_empty=bool(pad is not None and finite))
 
 
-def _planes_kind(allowed: Pred, score_shape: tuple, padded: bool) -> MaskKind:
+def _planes_kind(allowed: Pred, score_shape: tuple) -> MaskKind:
     if allowed.false:
         raise Keep("the mask hides every key")
     for coefs, _ in allowed.planes:
         if {a for a, _ in coefs} - {-1, -2}:
             raise Keep("the mask varies over batch or heads (padding-like)")
-    if padded and len(score_shape) != 4:
-        raise Keep("a padding mask on scores that are not (B, H, N, M)")
     sizes = {-2: score_shape[-2], -1: score_shape[-1]}
     planes = _on_box(allowed.planes, sizes)
     causal = _on_box(_CAUSAL, sizes)
@@ -531,21 +520,3 @@ def _fill_finite(v) -> bool:
     s = _as_sel(v)
     hidden = s.b if s.a == 0 else s.a
     return isinstance(hidden, (int, float)) and math.isfinite(hidden)
-
-
-def _padding_source(node) -> bool:
-    """Whether `node` is a run-time 2-D bool mask (a graph input up to views and casts): HF's padding mask."""
-    ex = example(node) if isinstance(node, fx.Node) else None
-    return isinstance(ex, torch.Tensor) and ex.dtype == torch.bool and ex.dim() == 2 and _from_graph_input(node)
-
-
-def _from_graph_input(node) -> bool:
-    """Whether a mask is a graph input, up to views and casts: its values exist only at run time (DDP's graph
-    splitting, FSDP's graph breaks, a per-layer compile), so tk::attention_masked checks them there."""
-    while isinstance(node, fx.Node) and node.op != "placeholder":
-        if node.op not in ("call_function", "call_method") or not node.args:
-            return False
-        if _name(node) not in _CASTS | {"getitem", "expand", "unsqueeze", "view", "reshape", "contiguous", "clone"}:
-            return False
-        node = node.args[0]
-    return isinstance(node, fx.Node)

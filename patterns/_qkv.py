@@ -15,7 +15,7 @@ from tk_inductor.rewrite import Cast, example
 from ._fx import arg as _arg
 from ._fx import eq, known, number, rank, shape
 from ._fx import name as _name
-from ._mask import _CASTS
+from ._varlen import _CASTS
 
 
 @dataclasses.dataclass

@@ -19,29 +19,24 @@ Two sources, one op:
     `torch.cat([tensor([]), k], dim=-2)` is seen through.
 
 Masks are *proven*, not guessed: `_MaskEval` (patterns/_mask.py) interprets the subgraph that builds a mask as affine
-functions of the element index (aranges, broadcasting views, advanced indexing, diff/cumsum of constant steps),
-predicates that are intersections of half-planes in (query i, key j), and two-valued selections: tril/triu,
+functions of the element index (aranges, views, advanced indexing, diff/cumsum of constant steps), intersections of
+half-planes in (query i, key j), two-valued selections and run-time literals (patterns/_varlen.py): tril/triu,
 arange comparisons, `where`, `masked_fill` (`~allowed` read through its negation), and transformers 5.x's
-`sdpa_mask`/`eager_mask`, with the packed-sequence check on in-graph position ids. The allowed set decides the
-kind, on the scores' box: exactly {j <= i} is causal (top-left, as the op), {i - w < j <= i} a sliding window of w
-(transformers' `sliding_window_overlay` with its causal mask), everything all-visible. Without a padding mask,
-transformers builds its masks in the graph from aranges, and all of them are proven; a decode step against a cache
-(one query) gives an all-visible mask. A mask built from a graph input (a padding `attention_mask`, user
-position ids, a mask buffer) or with an op outside this vocabulary is kept with the reason.
+`sdpa_mask`/`eager_mask`. On the scores' box, {j <= i} is causal (top-left, as the op), {i - w < j <= i} a sliding
+window of w (transformers' `sliding_window_overlay`), everything all-visible. HF's padding `attention_mask` and its
+packed-sequence ids (from position ids that restart) are run-time data: such masks go to `tk::attention_varlen`,
+which reads their values at run time (with a finite fill, rows without keys average v, as eager computes).
 
 A mask that *is* a graph input (as after DDP's graph splitting, FSDP2's graph breaks or a per-layer compile) goes to
-`tk::attention_masked` (SDPA masks, and additive masks in eager attention when nothing scales the scores after
-them): the op checks its values once per mask tensor and runs the kernel for a causal, sliding-window or
-all-visible mask, SDPA with the mask otherwise. The graph that made the mask proves it here too
-(`output_mask_kinds`) and the backend records the proof on the output tensor, so the op need not read the values.
+`tk::attention_masked`: the op checks its values once per mask tensor and runs the kernel for a causal,
+sliding-window or all-visible mask, SDPA with the mask otherwise. The graph that made the mask proves it here too
+(`output_mask_kinds`), and the backend records the proof on the output tensor, so the op need not read the values.
 
-Kept, each with its reason in the report: padding or arbitrary masks, two-sided windows, diagonal-offset causal
-masks, additive biases (ALiBi, relative position), any other op between the products, dropout p > 0 in training,
-attention weights used elsewhere (output_attentions), value head dim != q/k head dim, Hq % Hkv != 0, batch
-broadcasting, and (kernel mode on CUDA) dtypes other than bf16/fp16 or head dims other than 32/64/80/96/128. Those
-two limits belong to the kernels, not to the op, whose reference takes any float dtype and head dim: they are
-checked only when a kernel would run, on CUDA inputs with reference mode off in the compile's resolved config
-(`find(graph, cfg)`).
+Kept, each with its reason in the report: arbitrary masks, two-sided windows, diagonal-offset causal masks, additive
+biases (ALiBi, relative position), any other op between the products, dropout p > 0 in training, attention weights
+used elsewhere (output_attentions), value head dim != q/k head dim, Hq % Hkv != 0, batch broadcasting, and (kernel
+mode on CUDA) dtypes other than bf16/fp16 or head dims other than 32/64/80/96/128: limits of the kernels, checked only
+when a kernel would run (CUDA inputs, reference mode off in the compile's resolved config, `find(graph, cfg)`).
 """
 from __future__ import annotations
 
@@ -55,50 +50,19 @@ import torch.nn.functional as F
 
 from tk_inductor import config
 from tk_inductor.ops import attention as attention_ops
+from tk_inductor.ops import attention_varlen as varlen_ops
 from tk_inductor.rewrite import Match, example
 
 from ._fx import arg as _arg
 from ._affine import Aff, Pred, _and, _as_pred, _not
 from ._fx import Keep, eq, known, number, rank, shape
 from ._fx import name as _name
-from ._mask import (_CASTS, _additive_allowed, _fill_finite, _fill_ok, _from_graph_input, _mask_kind, _MaskEval,
-                    MaskKind)
+from ._mask import _additive_allowed, _fill_finite, _fill_ok, _mask_kind, _MaskEval, MaskKind
+from ._varlen import _CASTS, _from_graph_input
 from ._qkv import _Operand, _peel, _positive_const
 
 FAMILY = "attention"
 log = logging.getLogger("tk_inductor")
-# ---------------------------------------------------------------------------- the replacement call
-
-def attention_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, transposed: tuple, heads: str,
-                      contiguous: bool = False):
-    """tk::attention for operands that need a layout change first (3-D batches, pre-transposed k...).
-
-    `transposed` says which of q, k, v must be transposed back (last two dims); `heads` is "4d"
-    (as is), "merged" (inputs were (B, H, ...) tensors, the output must be (B*H, N, D)) or
-    "none" (3-D inputs without heads: a head axis of 1 is added and removed); `contiguous` returns
-    a contiguous result, as the eager product was."""
-    q, k, v = (t.transpose(-1, -2) if tr else t for t, tr in zip((q, k, v), transposed))
-    if heads == "none":
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    o = torch.ops.tk.attention(q, k, v, causal, scale, window, softcap)[0]
-    if heads == "none":
-        o = o.squeeze(1)
-    elif heads == "merged":
-        o = o.flatten(0, 1)
-    return o.contiguous() if contiguous else o
-
-
-def attention_padded_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, mask, offset: int,
-                             uniform_empty: bool):
-    """tk::attention_padded's o, its keep being the key columns [offset, offset + M) of a (B or 1, M') padding mask
-    (one row: every batch entry's)."""
-    B, M = q.shape[0], k.shape[2]
-    keep = mask[:, offset:offset + M]
-    if keep.shape[0] != B:
-        keep = keep.expand(B, M)
-    return torch.ops.tk.attention_padded(q, k, v, keep, causal, scale, window, softcap, uniform_empty)[0]
-
-
 # ---------------------------------------------------------------------------- matching
 
 _MATMULS = ("matmul", "bmm")
@@ -291,11 +255,12 @@ class _Finder:
         # The op's o is a transposed view of a (B, N, H, D) buffer; a later `.view` of the eager
         # (contiguous) result may not be expressible on it, so those users get a contiguous copy.
         contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
-        if mask is not None or kind.pad is not None:
-            if heads != "4d" or any(transposed) or contiguous:
-                raise Keep("the mask's values are known only at run time and the layout needs an adapter")
-        if kind.pad is not None:  # a padding mask: its values are read at run time (tk::attention_padded)
-            return attention_padded_adapter, args + kind.pad + (kind.uniform_empty,), [out]
+        varlen = kind.pad is not None or kind.segments is not None
+        if (mask is not None or varlen) and (heads != "4d" or any(transposed) or contiguous):
+            raise Keep("the mask's values are known only at run time and the layout needs an adapter")
+        if varlen:  # padding / packed sequences: their values are read at run time (tk::attention_varlen)
+            pad = kind.pad or (None, 0)
+            return varlen_ops.attention_varlen_adapter, args + pad + (kind.segments, kind.uniform_empty), [out]
         if mask is not None:  # values known only at run time: the op checks them (tk::attention_masked)
             if getattr(example(mask), "requires_grad", False):
                 raise Keep("the mask/bias requires grad (a learned bias)")
@@ -303,7 +268,7 @@ class _Finder:
             return torch.ops.tk.attention_masked.default, args, [out, None]
         if heads == "4d" and not any(transposed) and not contiguous:
             return torch.ops.tk.attention.default, args, [out, None]
-        return attention_adapter, args + (transposed, heads, contiguous), [out]
+        return attention_ops.attention_adapter, args + (transposed, heads, contiguous), [out]
 
     @staticmethod
     def _merged_back(out: fx.Node, q4) -> fx.Node | None:
@@ -611,7 +576,7 @@ def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
             continue
         try:
             kind = finder._sdpa_mask(node, shape(node) or ())
-            if kind.window or kind.pad is not None:
+            if kind.window or kind.pad is not None or kind.segments is not None:
                 continue  # tk::attention_masked runs causal or all-visible masks only
             kinds[i] = "causal" if kind.causal else "full"
         except Keep:

@@ -79,13 +79,14 @@ def cases(families):
             run(f"attention D{d} causal window={window} softcap={cap}",
                 lambda q, k, v: torch.ops.tk.attention(q, k, v, True, 0.1, window, cap), q, k, v,
                 expect=("attention", "attention_backward"))
-        # padding: per-entry key ranges (right, left, none, empty), causal and not
+        # interval tables: padding (right, left, none, empty) with packed sequences, causal and not
         keep = torch.zeros(4, 300, dtype=torch.bool, device=dev)
         keep[0, :170] = keep[1, 77:] = keep[2] = True
+        segments = (torch.arange(300, device=dev) // 90).expand(4, 300)
         q, k, v = rand(4, 4, 300, D), rand(4, 2, 300, D), rand(4, 2, 300, D)
         for causal in (False, True):
-            run(f"attention_padded D{D} causal={causal}",
-                lambda q, k, v: torch.ops.tk.attention_padded(q, k, v, keep, causal, 0.1), q, k, v,
+            run(f"attention_varlen D{D} causal={causal}",
+                lambda q, k, v: torch.ops.tk.attention_varlen(q, k, v, keep, segments, causal, 0.1), q, k, v,
                 expect=("attention", "attention_backward"))
 
     for interleaved in (False, True) if "rotary" in families else ():

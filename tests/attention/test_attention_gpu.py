@@ -34,10 +34,11 @@ def ops():
     return torch.ops.tk_cuda
 
 
-def reference(q, k, v, causal, scale, window=0, softcap=0.0, keep=None):
+def reference(q, k, v, causal, scale, window=0, softcap=0.0, keep=None, segments=None):
     """fp32 attention with GQA by repeating K/V, a top-left causal mask (row i sees keys j <= i), a sliding window
-    (also i - j < window), softcapped scores and a key-padding mask (B, M) (True: visible); returns (o, lse), o = 0
-    and lse = -inf on rows without a visible key."""
+    (also i - j < window), softcapped scores, a key-padding mask (B, M) (True: visible) and packed-sequence ids
+    (B, N) (a query sees the keys of its own id); returns (o, lse), o = 0 and lse = -inf on rows without a visible
+    key."""
     qf, kf, vf = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
     kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
@@ -54,6 +55,8 @@ def reference(q, k, v, causal, scale, window=0, softcap=0.0, keep=None):
         allowed &= i - j < window
     if keep is not None:
         allowed = allowed & keep.bool()[:, None, None, :]
+    if segments is not None:
+        allowed = allowed & (segments[:, :, None] == segments[:, None, :])[:, None]
     s = s.masked_fill(~allowed, float("-inf"))
     mx = s.amax(-1, keepdim=True).detach()
     e = torch.exp(s - torch.where(torch.isfinite(mx), mx, 0.0))  # a safe softmax: exactly 0 on rows without keys

@@ -343,7 +343,7 @@ class PaddedLogits(nn.Module):
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("pads", [[("right", 3), ("right", 0)], [("holes", 2), ("right", 9)], [("right", 10)]])
 def test_hf_bert_padding_mask(impl, pads):
-    """BERT under a key-padding mask: swapped (tk::attention_padded) and equal to eager, gradients included; an
+    """BERT under a key-padding mask: swapped (tk::attention_varlen) and equal to eager, gradients included; an
     entry with holes, or without any token (eager's finite fill averages v there), takes the reference."""
     ids, am = _padded(2, 10, pads)
     model = PaddedLogits(_bert(impl))
@@ -373,13 +373,24 @@ def test_hf_llama_padding_mask(impl, side):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_hf_llama_user_position_ids_kept():
-    """User-given position ids may describe packed sequences: the mask depends on their values."""
-    ids = torch.randint(0, 64, (2, 9))
-    pos = torch.arange(9).expand(2, 9)
-    model = _llama("eager").eval()
-    reasons = _kept(Fn(lambda i, p: model(i, position_ids=p).logits), ids, pos)
-    assert all("position" in r or "graph input" in r for r in reasons), reasons
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_hf_llama_packed_sequences(impl):
+    """Packed sequences (position ids that restart at each sequence, as DataCollatorWithFlattening gives): HF builds
+    the mask from the ids at run time; swapped (tk::attention_varlen with the sequence ids) and equal to eager,
+    gradients included."""
+    ids = torch.randint(0, 64, (2, 11))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    model = _llama(impl).train()
+    fn = Fn(lambda i, p: model(i, position_ids=p).logits)
+    out = _compile(fn)(ids, pos)
+    report = tk_inductor.report()
+    assert report.replaced.get("attention", 0) == 2, str(report)
+    ref = fn(ids, pos)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn_like(ref)
+    params = list(model.parameters())
+    for a, b in zip(torch.autograd.grad((out * w).sum(), params), torch.autograd.grad((ref * w).sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_hf_output_attentions_kept():

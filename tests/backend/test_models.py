@@ -200,7 +200,7 @@ def test_model_matches_eager_in_reference_mode(name):
 
 def test_llama_left_padding_through_inductor():
     """A left-padded batch (generation's prefill) through real Inductor: the padding mask's slice reaches
-    tk::attention_padded, and every position equals eager, rows before the first token included."""
+    tk::attention_varlen, and every position equals eager, rows before the first token included."""
     _skip_missing(("attention",))
     torch.manual_seed(0)
     model = _llama("sdpa").eval()

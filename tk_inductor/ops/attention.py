@@ -303,6 +303,25 @@ def _backward(ctx, grad_o, _grad_lse):
 attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+def attention_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, transposed: tuple, heads: str,
+                      contiguous: bool = False):
+    """tk::attention for operands that need a layout change first (3-D batches, pre-transposed k...).
+
+    `transposed` says which of q, k, v must be transposed back (last two dims); `heads` is "4d"
+    (as is), "merged" (inputs were (B, H, ...) tensors, the output must be (B*H, N, D)) or
+    "none" (3-D inputs without heads: a head axis of 1 is added and removed); `contiguous` returns
+    a contiguous result, as the eager product was."""
+    q, k, v = (t.transpose(-1, -2) if tr else t for t, tr in zip((q, k, v), transposed))
+    if heads == "none":
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    o = torch.ops.tk.attention(q, k, v, causal, scale, window, softcap)[0]
+    if heads == "none":
+        o = o.squeeze(1)
+    elif heads == "merged":
+        o = o.flatten(0, 1)
+    return o.contiguous() if contiguous else o
+
+
 # ---------------------------------------------------------------------------- masks known only at run time
 
 NEG_BIG = torch.finfo(torch.float16).min  # additive values at or below this vanish in softmax (as the matcher's)
@@ -541,4 +560,4 @@ def _masked_backward(ctx, grad_o, _grad_lse):
 attention_masked.register_autograd(_masked_backward, setup_context=_masked_setup_context)
 
 
-from . import attention_padded as _padded  # noqa: E402,F401  (registers tk::attention_padded)
+from . import attention_varlen as _varlen  # noqa: E402,F401  (registers tk::attention_varlen)

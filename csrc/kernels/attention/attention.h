@@ -22,14 +22,18 @@ struct View4 {
 // The score function: s = scale · q kᵀ; with softcap > 0, s = softcap · tanh(s / softcap) (Gemma-2); then, when
 // causal, key j is hidden from query i unless j <= i (top-left), and with window > 0 also unless j > i - window
 // (the sliding window as transformers builds it: each query sees itself and the window - 1 keys before it); with
-// key_range, batch entry b also hides the keys outside [key_range[2b], key_range[2b + 1]) (a padding mask: left,
-// right or both). A row that sees no key gets o = 0 and lse = +inf (SDPA's safe softmax; the backward's P = 0).
+// row_keys, query i of batch entry b also hides the keys outside the interval [x, y] = row_keys[b, i] (key-padding
+// masks, packed sequences). A row that sees no key gets o = 0 and lse = +inf (SDPA's safe softmax; the backward's
+// P = 0). The backward reads the same mask by keys: key_rows[b, j] = [x, y] are the queries whose interval holds j.
+// Both tables are (B, rows, 2) int32, nondecreasing in x and in y along the rows (the kernels read a tile's range from
+// its first and last rows); the forward takes row_keys, the backward key_rows.
 struct Scores {
   bool causal;
   float scale;
   int window;     // 0: none; > 0 needs causal
   float softcap;  // 0: none
-  const int* key_range = nullptr;  // device, (B, 2) int32 with 0 <= start, end <= M; null: every key
+  const int* row_keys = nullptr;  // device, (B, N, 2); null: every key
+  const int* key_rows = nullptr;  // device, (B, M, 2); null: every query
 };
 
 // Why `sc` is not a score function the kernels take, or nullptr.

@@ -137,7 +137,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.cap_inv_log2 = CAP ? 1.f / p.cap_log2 : 0.f;
   p.causal = sc.causal;
   p.window = sc.window > 0 ? sc.window : INT_MAX;
-  p.key_range = sc.key_range;
+  p.key_rows = sc.key_rows;
   p.lse2 = lse2;
   p.delta = delta;
   p.dq_accum = dq_accum;

@@ -140,7 +140,7 @@ struct BwdParams {
   float cap_in, cap_log2, cap_inv_log2;
   bool causal;
   int window;  // causal sliding window: key j hidden from query i when i - j >= window (INT_MAX: none)
-  const int* key_range;  // (B, 2) [start, end) of the keys each batch entry sees (Scores::key_range); null: all
+  const int* key_rows;  // (B, M, 2): the queries [x, y] that may see each key (Scores::key_rows); null: all
   const float* lse2;   // (B*Hq, Npad)
   const float* delta;  // (B*Hq, Npad)
   float* dq_accum;     // (B*Hq, Npad, D)
@@ -148,41 +148,54 @@ struct BwdParams {
   int section;  // kv heads per section of the block order (bwd_section)
 };
 
-// A backward block's place: batch b, kv head hk, keys [n0, n0 + BN) of the batch entry's keys [kr.x, kr.y), and its
-// steps: one (Q, dO) tile per q block in [mb_start, mb_end), for every query head of the GQA group (step it: head
-// it / steps_per_head).
+// A backward block's place: batch b, kv head hk, keys [n0, n0 + BN), and its steps: one (Q, dO) tile per q block in
+// [mb_start, mb_end), for every query head of the GQA group (step it: head it / steps_per_head).
 struct BwdBlock {
   int b, hk, n0, mb_start, mb_end, steps_per_head, steps;
-  int2 kr;
   __device__ __forceinline__ int mb(int it) const { return mb_start + it % steps_per_head; }  // q block of step it
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / steps_per_head; }
 };
 
+// The queries [x, y] that may see key j of batch entry b by Scores::key_rows, clamped to the queries (keys past M:
+// none). Nondecreasing in x and y along the keys below M.
+__device__ __forceinline__ int2 key_bounds(const BwdParams& p, int b, int j) {
+  if (j >= p.M) return make_int2(p.N, -1);
+  const int2 v = interval(p.key_rows, b, p.M, j, make_int2(0, p.N - 1));
+  return make_int2(max(v.x, 0), min(v.y, p.N - 1));
+}
+
 // This block's BwdBlock. Block blockIdx.x -> (batch * kv head, key block) by section_decode, key blocks first to
 // last: under causal key block 0 is the heaviest (every query block sees it), so the hardware's in-order dispatch
-// starts the heavy blocks of a section's heads first and the light ones fill the tail. Only the batch entry's keys
-// count (a block without any has no steps: dK = dV = 0). Causal (top-left): query row i sees keys j <= i, so the
-// query blocks before the one holding the block's first key see none of them; with a window, those after its last
-// key's row + window - 1 see none either.
+// starts the heavy blocks of a section's heads first and the light ones fill the tail. The block's queries run from
+// its first key's first query (key_bounds; under a causal mask not before the first key) to its last key's last
+// query (with a window, not after that key + window - 1); a block that no query sees has no steps (dK = dV = 0).
 template <int BM, int BN>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
   int bh, kb;
   section_decode(static_cast<int>(blockIdx.x), p.B * p.Hkv, p.nk, p.section, bh, kb);
   const int b = bh / p.Hkv, n0 = kb * BN;
-  const int2 kr = entry_keys(p.key_range, b, p.M);
-  const int first = max(n0, kr.x), last = min(n0 + BN, kr.y) - 1;  // the block's keys the entry has
-  const int mb_start = p.causal ? first / BM : 0;
-  const int last_row = last - 1 + min(p.window, p.N);  // the last query that sees a key of the block
-  const int mb_end = min((p.N + BM - 1) / BM, last_row / BM + 1);
+  const int last_key = min(n0 + BN, p.M) - 1;
+  const int first = max(key_bounds(p, b, n0).x, p.causal ? n0 : 0);
+  const int last = min(key_bounds(p, b, last_key).y, last_key + min(p.window, p.N) - 1);
+  const int mb_start = first / BM;
+  const int mb_end = min((p.N + BM - 1) / BM, last / BM + 1);
   const int steps_per_head = first <= last ? max(0, mb_end - mb_start) : 0;
-  return {b, bh - b * p.Hkv, n0, mb_start, mb_end, steps_per_head, steps_per_head * p.group, kr};
+  return {b, bh - b * p.Hkv, n0, mb_start, mb_end, steps_per_head, steps_per_head * p.group};
 }
 
-// Whether a step's tile (queries [i0, i0 + BM), keys [j0, j0 + 64) of a batch entry with keys kr) has an entry the
-// mask hides.
+// A consumer's 64 keys [j0, j0 + 64) of batch entry b as the mask sees them: each of this thread's two keys' queries
+// (kq, key_bounds) and the queries all 64 keys may be seen by, [lo, hi] (a tile inside needs no mask).
+struct KeyMask {
+  int2 kq[2];
+  int lo, hi;
+  __device__ __forceinline__ KeyMask(const BwdParams& p, int b, int j0, int j)
+      : kq{key_bounds(p, b, j), key_bounds(p, b, j + 8)}, lo(key_bounds(p, b, j0 + 63).x), hi(key_bounds(p, b, j0).y) {}
+};
+
+// Whether a step's tile (queries [i0, i0 + BM), the consumer's keys [j0, j0 + 64)) has an entry the mask hides.
 template <int BM>
-__device__ __forceinline__ bool bwd_need_mask(const BwdParams& p, int2 kr, int i0, int j0) {
-  return (p.causal && i0 < j0 + 63) || j0 + 64 > kr.y || j0 < kr.x || i0 + BM - 1 - j0 >= p.window;
+__device__ __forceinline__ bool bwd_need_mask(const BwdParams& p, const KeyMask& km, int i0, int j0) {
+  return (p.causal && i0 < j0 + 63) || i0 < km.lo || i0 + BM - 1 > km.hi || i0 + BM - 1 - j0 >= p.window;
 }
 
 // lse2 and delta are laid out in groups of 32 rows with row 8 k + 2 q + e at slot 8 q + 2 k + e, so that
@@ -205,16 +218,16 @@ struct StatsPairs {
 };
 
 // P^T = 2^(S^T * scale_log2 - lse2) in place over this thread's part of a consumer's 64 keys x BM queries (rows
-// j0, j0 + 8; columns i0 + 8 ch + col_in, +1), zero on the causal upper triangle, left of the window and on keys
-// outside the batch entry's kr, those past M included (their zero-filled rows would otherwise give 2^-lse2, which
-// can overflow for extreme scales). need_mask
+// j0, j0 + 8; columns i0 + 8 ch + col_in, +1), zero on the causal upper triangle, left of the window and outside
+// each key's queries (km.kq; keys past M have none: their zero-filled rows would otherwise give 2^-lse2, which can
+// overflow for extreme scales). need_mask
 // says whether this consumer's block of the step has any such entry; lse_row is the step's lse2 in the ring stage.
 // 2^x by the MUFU alone (ex2_ftz: P needs no range fix-up). A warp-uniform branch picks a masked or an unmasked
 // compiled block, so the mask's arithmetic is not predicated into every step.
 // CAP: the scores are softcapped first, z = cap * tanh(cap_in * s), and P = 2^(z log2 e - lse2).
 template <int BM, bool CAP>
-__device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_row, const BwdParams& p, int2 kr,
-                                          int i0, int j0, int col_in, bool need_mask) {
+__device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_row, const BwdParams& p,
+                                          const KeyMask& km, int i0, int j0, int col_in, bool need_mask) {
   // mode 0: no mask; 1: masked
   const auto block = [&](auto mode) {
     StatsPairs lse{lse_row, col_in};
@@ -228,7 +241,8 @@ __device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_
         if (decltype(mode)::value == 1) {
           const int i = i0 + 8 * ch + col_in + (e & 1);
           const int j = j0 + 8 * (e >> 1);
-          if ((p.causal && i < j) || j >= kr.y || j < kr.x || i - j >= p.window) pe = 0.f;
+          const int2 kq = km.kq[e >> 1];
+          if ((p.causal && i < j) || i < kq.x || i > kq.y || i - j >= p.window) pe = 0.f;
         }
         st[4 * ch + e] = pe;
       }

@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
   const int j0 = n0 + 64 * c + row_in;  // this thread's keys: j0 and j0 + 8
+  const KeyMask km(p, b, n0 + 64 * c, j0);
   const uint32_t sK_u = tk::smem_addr(sK), sV_u = tk::smem_addr(sV), sQ_u = tk::smem_addr(sQ), sdO_u = tk::smem_addr(sdO);
   const uint32_t sdS_u = tk::smem_addr(sdS);
 
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     });
     tk::warpgroup::mma_async_wait<1>();
     tk::warpgroup::hold(st);
-    bwd_probs<BM, CAP>(st, lse_row, p, blk.kr, i0, j0, col_in, bwd_need_mask<BM>(p, blk.kr, i0, n0 + 64 * c));
+    bwd_probs<BM, CAP>(st, lse_row, p, km, i0, j0, col_in, bwd_need_mask<BM>(p, km, i0, n0 + 64 * c));
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
@@ -225,6 +226,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
   const int row_in = 16 * warp + lane / 4;
   const int col_in = 2 * (lane % 4);
   const int j0 = n0 + 64 * c + row_in;  // this thread's keys: j0 and j0 + 8
+  const KeyMask km(p, b, n0 + 64 * c, j0);
   const uint32_t sK_u = tk::smem_addr(sK), sV_u = tk::smem_addr(sV), sQ_u = tk::smem_addr(sQ), sdO_u = tk::smem_addr(sdO);
   const uint32_t sdS_u = tk::smem_addr(sdS);
 
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     tk::warpgroup::mma_commit();
     tk::warpgroup::mma_async_wait<1>();
     tk::warpgroup::hold(st);
-    bwd_probs<BM, CAP>(st, lse_row, p, blk.kr, i0, j0, col_in, bwd_need_mask<BM>(p, blk.kr, i0, n0 + 64 * c));
+    bwd_probs<BM, CAP>(st, lse_row, p, km, i0, j0, col_in, bwd_need_mask<BM>(p, km, i0, n0 + 64 * c));
     tk::warpgroup::mma_async_wait<0>();
     tk::warpgroup::hold(dpt);
     // dS^T = P^T (dP^T - delta) in place, then dV += P^T dO and dK += dS^T Q

@@ -1,7 +1,7 @@
 // Registers tk_cuda::attention and tk_cuda::attention_backward (the schemas of the tk:: ops in
-// tk_inductor/ops/attention.py, with window 0 and softcap 0 for none, and the padding mask's per-entry key range
-// that tk::attention_padded computes). Checks inputs, allocates
-// outputs and scratch, and calls the torch-free launchers on the current stream.
+// tk_inductor/ops/attention.py, with window 0 and softcap 0 for none, and the interval tables of padding masks and
+// packed sequences that tk::attention_varlen builds: row_keys for the forward, key_rows for the backward). Checks
+// inputs, allocates outputs and scratch, and calls the torch-free launchers on the current stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -79,29 +79,32 @@ int num_sms(const at::Tensor& t) {
   return n;
 }
 
-// The score function's arguments (tk_attn::Scores), checked. key_range: (B, 2) int32 [start, end) per batch entry,
-// on q's device (the kernels clamp it to [0, M); the tk:: op computes it from a padding mask).
-tk_attn::Scores scores(const at::Tensor& q, bool causal, double scale, int64_t window, double softcap,
-                       const std::optional<at::Tensor>& key_range) {
+// The score function's arguments (tk_attn::Scores), checked.
+tk_attn::Scores scores(bool causal, double scale, int64_t window, double softcap) {
   check(window >= 0 && window < (1LL << 31), "window must be >= 0 (0: none), got " + std::to_string(window));
   check(window == 0 || causal, "a sliding window needs causal=True");
   check(softcap >= 0.0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: none)");
-  const int* range = nullptr;
-  if (key_range.has_value()) {
-    const at::Tensor& r = *key_range;
-    check(r.scalar_type() == at::kInt && r.dim() == 2 && r.size(0) == q.size(0) && r.size(1) == 2 &&
-              r.is_contiguous() && r.device() == q.device(),
-          "key_range must be a contiguous int32 (B, 2) tensor on q's device, got " + shape_str(r));
-    range = r.data_ptr<int>();
-  }
-  return {causal, static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap), range};
+  return {causal, static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap)};
+}
+
+// An interval table's data (Scores::row_keys, key_rows): a contiguous int32 (B, rows, 2) tensor on q's device, or
+// null. Its monotonicity is the caller's contract (the tk:: ops build the tables).
+const int* intervals(const std::optional<at::Tensor>& table, const at::Tensor& q, int64_t rows, const char* name) {
+  if (!table.has_value()) return nullptr;
+  const at::Tensor& t = *table;
+  check(t.scalar_type() == at::kInt && t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == rows && t.size(2) == 2 &&
+            t.is_contiguous() && t.device() == q.device(),
+        std::string(name) + " must be a contiguous int32 (B, " + std::to_string(rows) + ", 2) tensor on q's device, got " +
+            shape_str(t));
+  return t.data_ptr<int>();
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                              bool causal, double scale, int64_t window, double softcap,
-                                             const std::optional<at::Tensor>& key_range) {
+                                             const std::optional<at::Tensor>& row_keys) {
   const DType dt = check_inputs(q_in, k_in, v_in);
-  const tk_attn::Scores sc = scores(q_in, causal, scale, window, softcap, key_range);
+  tk_attn::Scores sc = scores(causal, scale, window, softcap);
+  sc.row_keys = intervals(row_keys, q_in, q_in.size(2), "row_keys");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = binding::rows16(q_in), k = binding::rows16(k_in), v = binding::rows16(v_in);
   at::Tensor o = empty_bnhd(q);
@@ -129,9 +132,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                                                                   const at::Tensor& o_in, const at::Tensor& lse_in,
                                                                   bool causal, double scale, int64_t window,
                                                                   double softcap,
-                                                                  const std::optional<at::Tensor>& key_range) {
+                                                                  const std::optional<at::Tensor>& key_rows) {
   const DType dt = check_inputs(q_in, k_in, v_in);
-  const tk_attn::Scores sc = scores(q_in, causal, scale, window, softcap, key_range);
+  tk_attn::Scores sc = scores(causal, scale, window, softcap);
+  sc.key_rows = intervals(key_rows, q_in, k_in.size(2), "key_rows");
   TORCH_CHECK(grad_o.sizes() == q_in.sizes() && o_in.sizes() == q_in.sizes(),
               "tk_cuda::attention_backward: grad_o and o must have q's shape " + shape_str(q_in));
   TORCH_CHECK(grad_o.scalar_type() == q_in.scalar_type() && o_in.scalar_type() == q_in.scalar_type(),
@@ -166,10 +170,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
 TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, float softcap=0., "
-      "Tensor? key_range=None) -> (Tensor o, Tensor lse)");
+      "Tensor? row_keys=None) -> (Tensor o, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
-      "int window=0, float softcap=0., Tensor? key_range=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window=0, float softcap=0., Tensor? key_rows=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {

@@ -33,11 +33,9 @@ __device__ __forceinline__ void section_decode(int t, int heads_total, int ranks
   head = sec * section + (r - rank * heads);
 }
 
-// The keys [x, y) of batch entry b (Scores::key_range, clamped to [0, M); every key without one).
-__device__ __forceinline__ int2 entry_keys(const int* key_range, int b, int M) {
-  if (key_range == nullptr) return make_int2(0, M);
-  const int2 kr = __ldg(reinterpret_cast<const int2*>(key_range) + b);
-  return make_int2(max(kr.x, 0), min(kr.y, M));
+// Entry (b, i) of a (B, n, 2) int32 interval table (Scores::row_keys, key_rows), `none` without one.
+__device__ __forceinline__ int2 interval(const int* table, int b, int n, int i, int2 none) {
+  return table ? __ldg(reinterpret_cast<const int2*>(table) + (static_cast<int64_t>(b) * n + i)) : none;
 }
 
 // Heads per section for section_decode (host side): enough that a section holds about `blocks` blocks of `ranks`

@@ -102,30 +102,35 @@ struct FwdParams {
   float cap_in, cap_out;   // softcap: s = cap_out * tanh(cap_in * q k^T) (cap_in = scale / cap, cap_out = cap)
   bool causal;
   int window;  // causal sliding window: key j hidden from query i when i - j >= window (INT_MAX: none)
-  const int* key_range;  // (B, 2) [start, end) of the keys each batch entry sees (Scores::key_range); null: all
+  const int* row_keys;  // (B, N, 2): the keys [x, y] each query may see (Scores::row_keys); null: all
   void* o;
   float* lse;
   int* next_task;  // dynamic schedule: the task counter, zero at launch (static schedule: unused)
 };
 
-// The keys [x, y) batch entry b sees (entry_keys).
-__device__ __forceinline__ int2 batch_keys(const FwdParams& p, int b) { return entry_keys(p.key_range, b, p.M); }
-
-// The keys [x, y] (inclusive; empty when y < x) query row r sees in a batch entry with keys kr: the entry's keys,
-// up to the row under a causal mask, from its window's first key.
-__device__ __forceinline__ int2 row_keys(const FwdParams& p, int2 kr, int r) {
-  return make_int2(max(kr.x, r - p.window + 1), p.causal ? min(kr.y - 1, r) : kr.y - 1);
+// The keys [x, y] row r of batch entry b may see by Scores::row_keys, clamped to the keys (rows past N, which are
+// never stored: row N - 1's). Nondecreasing in x and y along the rows.
+__device__ __forceinline__ int2 row_bounds(const FwdParams& p, int b, int r) {
+  const int2 v = interval(p.row_keys, b, p.N, min(r, p.N - 1), make_int2(0, p.M - 1));
+  return make_int2(max(v.x, 0), min(v.y, p.M - 1));
 }
 
-// The key blocks [lo, hi) that query rows [m0, m0 + BM) of a batch entry with keys kr see: up to the tile's last
-// row under a causal mask (rows past N are never stored), from the window of its first row. lo < hi: a tile whose
-// rows see no key (past the keys and their window, before the entry's first key, or an entry without keys) streams
-// one block, masked whole.
+// The keys [x, y] (inclusive; empty when y < x) row r of batch entry b sees: its row_bounds, up to the row under a
+// causal mask, from its window's first key.
+__device__ __forceinline__ int2 row_keys(const FwdParams& p, int b, int r) {
+  const int2 v = row_bounds(p, b, r);
+  return make_int2(max(v.x, r - p.window + 1), p.causal ? min(v.y, r) : v.y);
+}
+
+// The key blocks [lo, hi) that query rows [m0, m0 + BM) of batch entry b see: from the first row's first key (or its
+// window's), up to the last row's last key (and the tile's last row under a causal mask; rows past N are never
+// stored). lo < hi: a tile whose rows see no key streams one block, masked whole.
 template <int BN>
-__device__ __forceinline__ int2 key_blocks(const FwdParams& p, int m0, int BM, int2 kr) {
-  const int end = p.causal ? min(kr.y, min(p.N, m0 + BM)) : kr.y;
+__device__ __forceinline__ int2 key_blocks(const FwdParams& p, int b, int m0, int BM) {
+  const int first = row_bounds(p, b, m0).x, last = row_bounds(p, b, min(m0 + BM, p.N) - 1).y;
+  const int end = p.causal ? min(last + 1, min(p.N, m0 + BM)) : last + 1;
   const int hi = max(1, (end + BN - 1) / BN);
-  return make_int2(min(max(kr.x, m0 - p.window + 1) / BN, hi - 1), hi);
+  return make_int2(min(max(first, m0 - p.window + 1) / BN, hi - 1), hi);
 }
 
 // Task t -> (batch*head, query block), by section_decode: heads in L2 sections, query blocks outermost in a
@@ -180,7 +185,7 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, co
     tk::expect_bytes(*sm.q_full, K_::Q_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn) tk::tma::load_async(sm.sQ + pn * BM * 128, qmap, *sm.q_full, pn * 64, m0, h, b);
-    const int2 kb = key_blocks<BN>(p, m0, BM, batch_keys(p, b));
+    const int2 kb = key_blocks<BN>(p, b, m0, BM);
     const int nblk = kb.y - kb.x;
     // Key block kb.x + j of K or V into stage s.
     auto issue = [&](tk::semaphore* full, uint8_t* ring, const CUtensorMap* map, int s, int j) {

@@ -44,10 +44,11 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     const int m0 = qb * BM;
     const int r0 = m0 + 64 * c + row_in;  // global rows r0 and r0 + 8
     const int b = bh / p.Hq, h = bh % p.Hq;
-    const int2 kr = batch_keys(p, b);
-    const int2 keys = key_blocks<BN>(p, m0, BM, kr);
+    const int2 keys = key_blocks<BN>(p, b, m0, BM);
     const int nblk = keys.y - keys.x;
-    const int2 rk[2] = {row_keys(p, kr, r0), row_keys(p, kr, r0 + 8)};
+    const int2 rk[2] = {row_keys(p, b, r0), row_keys(p, b, r0 + 8)};
+    // the keys every row of this warpgroup may see (row_bounds are nondecreasing): blocks inside need no mask
+    const int lo_max = row_bounds(p, b, m0 + 64 * c + 63).x, hi_min = row_bounds(p, b, m0 + 64 * c).y;
 
     float o[K_::O_REGS];
 #pragma unroll
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 
       // Scores to the log2 domain; mask the keys outside each row's (row_keys).
       const int n0 = (keys.x + j) * BN;
-      const bool need_mask = (n0 + BN > kr.y) || n0 < kr.x || (p.causal && n0 + BN - 1 > m0 + 64 * c) ||
+      const bool need_mask = n0 + BN - 1 > hi_min || n0 < lo_max || (p.causal && n0 + BN - 1 > m0 + 64 * c) ||
                              m0 + 64 * c + 63 - n0 >= p.window;
 #pragma unroll
       for (int ch = 0; ch < BN / 8; ++ch) {
@@ -199,18 +200,18 @@ struct PP {
 
   // S (raw scores) -> P = exp2(S*scale_log2 - max*scale_log2) in place, with
   // the running max (raw units) and thread-partial row sums updated and the
-  // factor alpha by which O must be rescaled. MASK: the keys outside each row's (row_keys of the batch entry's keys
-  // kr); a row that sees no key of this block or an earlier one keeps max -inf and P = 0.
+  // factor alpha by which O must be rescaled. MASK: the keys outside each row's (row_keys of batch entry b); a row
+  // that sees no key of this block or an earlier one keeps max -inf and P = 0.
   template <bool MASK>
   static __device__ __forceinline__ void softmax(float (&sc)[K_::S_REGS], float (&mx)[2], float (&sum)[2],
-                                                 float (&alpha)[2], float sl2, int n0, int r0, int2 kr, int col_in,
+                                                 float (&alpha)[2], float sl2, int n0, int r0, int b, int col_in,
                                                  const FwdParams& p) {
     if constexpr (CAP) {
 #pragma unroll
       for (int i = 0; i < K_::S_REGS; ++i) sc[i] = p.cap_out * tk::tanh_approx(sc[i] * p.cap_in);
     }
     if constexpr (MASK) {
-      const int2 rk[2] = {row_keys(p, kr, r0), row_keys(p, kr, r0 + 8)};
+      const int2 rk[2] = {row_keys(p, b, r0), row_keys(p, b, r0 + 8)};
 #pragma unroll
       for (int ch = 0; ch < BN / 8; ++ch)
 #pragma unroll
@@ -301,10 +302,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   // A task's place and extent for this warpgroup. Its key blocks are counted from the first one the producer
   // streams (key_blocks' lo); block r needs a mask when r < lead (left of some row's first key) or r >= free (the key
   // tail or the causal diagonal).
-  // kr: the batch entry's keys (batch_keys).
   struct Task {
-    int bh, m0, r0, lo;
-    int2 kr;
+    int bh, b, m0, r0, lo;
     int nblk;  // key blocks the producer streams
     int nb;    // this warpgroup's own blocks (causal: its 64 rows end before the tile's), at least one
     int lead, free;
@@ -315,15 +314,17 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     decode_task(p, t, k.bh, qb);
     k.m0 = qb * BM;
     k.r0 = k.m0 + 64 * c + row_in;
-    k.kr = batch_keys(p, k.bh / p.Hq);
-    const int2 kb = key_blocks<BN>(p, k.m0, BM, k.kr);
+    k.b = k.bh / p.Hq;
+    const int2 kb = key_blocks<BN>(p, k.b, k.m0, BM);
     const int a = k.m0 + 64 * c;  // this warpgroup's first row
     k.lo = kb.x;
     k.nblk = kb.y - kb.x;
     k.nb = p.causal ? max(1, (min(kb.y * BN, a + 64) + BN - 1) / BN - kb.x) : k.nblk;
-    // blocks starting before the last row's first key (its window's or the entry's)
-    k.lead = max(0, (max(a + 64 - p.window, k.kr.x) + BN - 1) / BN - kb.x);
-    k.free = (p.causal ? min(k.kr.y, a + 1) : k.kr.y) / BN - kb.x;
+    // blocks starting before the last row's first key (its window's or its row_bounds'), and blocks inside every
+    // row's keys (up to the first row's last key, and the first row itself under a causal mask)
+    k.lead = max(0, (max(a + 64 - p.window, row_bounds(p, k.b, a + 63).x) + BN - 1) / BN - kb.x);
+    const int hi_min = row_bounds(p, k.b, a).y;
+    k.free = (p.causal ? min(hi_min, a) + 1 : hi_min + 1) / BN - kb.x;
     return k;
   };
 
@@ -353,9 +354,9 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     mx[0] = mx[1] = -INFINITY;
     sum[0] = sum[1] = 0.f;
     if (k.lead == 0 && k.free > 0)
-      S::template softmax<false>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.kr, col_in, p);
+      S::template softmax<false>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.b, col_in, p);
     else
-      S::template softmax<true>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.kr, col_in, p);
+      S::template softmax<true>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.b, col_in, p);
     S::to_a(pa, sc);
   };
   // Rounds 1 .. nb-1 (S_{j+1} and PV_j; the softmax of S_{j+1} overlaps PV_j), the last PV, and the turns of
@@ -375,7 +376,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       tk::warpgroup::mma_async_wait<1>();
       tk::warpgroup::hold(sc);
       tk::warp::arrive(k_empty[s1]);
-      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (k.lo + j + 1) * BN, k.r0, k.kr, col_in, p);
+      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (k.lo + j + 1) * BN, k.r0, k.b, col_in, p);
       tk::warpgroup::mma_async_wait<0>();
       tk::warpgroup::hold(o);
       S::hold(pa);
@@ -516,7 +517,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.cap_out = CAP ? sc.softcap : 0.f;
   p.causal = sc.causal;
   p.window = sc.window > 0 ? sc.window : INT_MAX;
-  p.key_range = sc.key_range;
+  p.row_keys = sc.row_keys;
   p.o = o;
   p.lse = lse;
   p.next_task = next_task;

@@ -1,8 +1,10 @@
-"""GPU tests of tk::attention_padded: the attention kernels under a key-padding mask (one [start, end) key range per
-batch entry), forward and backward, against an fp32 autograd reference with the dense mask. Skipped without CUDA.
+"""GPU tests of tk::attention_varlen: the attention kernels under key-padding masks and packed sequences (interval
+tables: each query's keys, each key's queries), forward and backward, against an fp32 autograd reference with the
+dense mask. Skipped without CUDA.
 
 The entries of each case cover left padding (rows before the first key see nothing under a causal mask: o = 0),
-right padding, both, none, an entry without keys and ranges that start or end inside a key block and a query tile.
+right padding, both, none, an entry without keys and ranges that start or end inside a key block and a query tile;
+packed sequences of random lengths (some shorter than a tile, some longer than several), alone and under padding.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def ops():
     from tk_inductor import build
 
     build.load("attention")
-    import tk_inductor.ops.attention  # noqa: F401  (registers tk::attention_padded)
+    import tk_inductor.ops.attention  # noqa: F401  (registers tk::attention_varlen)
 
     return torch.ops.tk
 
@@ -43,6 +45,17 @@ def keep_of(B, M, seed, holes=False):
         keep[1, M - 6:M - 3] = False
         keep[1, M - 1] = True
     return keep.cuda()
+
+
+def segments_of(B, N, seed):
+    """(B, N) nondecreasing packed-sequence ids: runs of random lengths from 1 to about N / 3."""
+    g = torch.Generator().manual_seed(seed)
+    seg = torch.zeros(B, N, dtype=torch.long)
+    for b in range(B):
+        cuts = torch.randint(1, max(2, N // 3), (N,), generator=g).cumsum(0)
+        for c in cuts[cuts < N].tolist():
+            seg[b, c:] += 1
+    return seg.cuda()
 
 
 def cases():
@@ -65,23 +78,26 @@ def _id(c):
             f"{f'-w{window}' if window else ''}{f'-cap{cap:g}' if cap else ''}")
 
 
-@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("masks", ["keep", "holes", "segments", "both"])
 @pytest.mark.parametrize("case", cases(), ids=_id)
-def test_forward_backward(ops, case, holes):
+def test_forward_backward(ops, case, masks):
     B, Hq, Hkv, N, M, D, dtype, causal, window, cap = case
+    if masks in ("segments", "both") and N != M:
+        pytest.skip("packed sequences are self-attention")
     q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, layout="bnhd", seed=N + D)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    keep = keep_of(B, M, seed=N + M, holes=holes)
+    keep = keep_of(B, M, seed=N + M, holes=masks == "holes") if masks != "segments" else None
+    segments = segments_of(B, N, seed=N + D) if masks in ("segments", "both") else None
     scale = 1.0 / math.sqrt(D)
     poison(((B, N, Hq, D), dtype), ((B, Hq, N), torch.float32))
-    o, lse = ops.attention_padded(q, k, v, keep, causal, scale, window, cap)
+    o, lse = ops.attention_varlen(q, k, v, keep, segments, causal, scale, window, cap)
     do = torch.randn_like(o)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     torch.cuda.synchronize()
     assert not any(torch.isnan(t).any() for t in (o, dq, dk, dv))
 
     qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
-    o_ref, lse_ref = reference(qr, kr, vr, causal, scale, window, cap, keep=keep)
+    o_ref, lse_ref = reference(qr, kr, vr, causal, scale, window, cap, keep=keep, segments=segments)
     assert rel_err(o, o_ref) < OUT_TOL
     seen = torch.isfinite(lse_ref)
     assert torch.equal(torch.isinf(lse) & (lse > 0), ~seen), "rows without keys: lse +inf"
@@ -94,16 +110,16 @@ def test_forward_backward(ops, case, holes):
 def test_uniform_empty_rows_average_v(ops):
     """uniform_empty (an eager model's finite fill): left-padded rows get the mean of v over every key, exactly as
     softmax over equal scores, through the reference for those entries; the other entries run the kernel."""
-    from tk_inductor.ops import attention_padded as AP
+    from tk_inductor.ops import attention_varlen as AV
 
     B, H, N, D = 3, 4, 300, 64
     q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, H, H, N, N, D, torch.bfloat16, seed=7))
     keep = torch.ones(B, N, dtype=torch.bool, device="cuda")
     keep[0, :40] = False  # left padding: rows 0..39 see no key under the causal mask
     keep[1, 250:] = False  # right padding: every row sees a key
-    before = dict(AP.padded_paths)
-    o, _ = ops.attention_padded(q, k, v, keep, True, 0.125, 0, 0.0, True)
-    assert AP.padded_paths["reference entries"] - before["reference entries"] == 1
+    before = dict(AV.varlen_paths)
+    o, _ = ops.attention_varlen(q, k, v, keep, None, True, 0.125, 0, 0.0, True)
+    assert AV.varlen_paths["reference entries"] - before["reference entries"] == 1
     mask = torch.where(keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool, device="cuda").tril(), 0.0,
                        torch.finfo(torch.float32).min)
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -119,18 +135,18 @@ def test_uniform_empty_rows_average_v(ops):
 
 
 def test_kernel_matches_tk_attention_without_padding(ops):
-    """An all-ones keep gives tk::attention's result bit for bit (same kernels, the full key range)."""
+    """An all-ones keep and one sequence give tk::attention's result bit for bit (same kernels, full intervals)."""
     q, k, v = make_inputs(2, 8, 2, 777, 777, 128, torch.bfloat16, seed=2)
     keep = torch.ones(2, 777, dtype=torch.bool, device="cuda")
     for causal in (False, True):
-        o, lse = ops.attention_padded(q, k, v, keep, causal, 0.09)
+        o, lse = ops.attention_varlen(q, k, v, keep, torch.zeros_like(keep, dtype=torch.long), causal, 0.09)
         o2, lse2 = ops.attention(q, k, v, causal, 0.09)
         assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 
-def test_bad_key_range(ops):
+def test_bad_interval_tables(ops):
     q, k, v = make_inputs(2, 4, 4, 64, 64, 64, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="key_range must be a contiguous int32"):
-        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, torch.zeros(2, 2, dtype=torch.long, device="cuda"))
-    with pytest.raises(RuntimeError, match="key_range must be a contiguous int32"):
-        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, torch.zeros(3, 2, dtype=torch.int32, device="cuda"))
+    with pytest.raises(RuntimeError, match="row_keys must be a contiguous int32"):
+        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, torch.zeros(2, 64, 2, dtype=torch.long, device="cuda"))
+    with pytest.raises(RuntimeError, match="row_keys must be a contiguous int32"):
+        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, torch.zeros(2, 2, dtype=torch.int32, device="cuda"))

@@ -1,0 +1,132 @@
+"""tk::attention_varlen on the CPU (the reference path): semantics against SDPA and eager softmax with the dense
+mask (key padding, packed sequences, both), the interval tables the kernels get, bad inputs, opcheck."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tk_inductor.ops.attention  # noqa: F401  (registers the ops)
+from tk_inductor.ops import attention_varlen as AV
+
+
+def _qkv(B=3, Hq=4, Hkv=2, N=9, M=9, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for H, S in ((Hq, N), (Hkv, M), (Hkv, M))]
+
+
+def _keep(M=9):
+    keep = torch.zeros(3, M, dtype=torch.bool)
+    keep[0, :5] = True  # right padding
+    keep[1, 3:] = True  # left padding
+    keep[2, 1:4] = keep[2, 6:] = True  # holes
+    return keep
+
+
+def _segments():
+    return torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 5], [0, 1, 1, 1, 7, 7, 3, 3, 3]])
+
+
+def _dense(keep, segments, N, M, causal, window=0):
+    allowed = torch.ones(keep.shape[0] if keep is not None else segments.shape[0], 1, N, M, dtype=torch.bool)
+    if keep is not None:
+        allowed = allowed & keep[:, None, None, :]
+    if segments is not None:  # runs of equal ids (every run here has its own id)
+        allowed = allowed & (segments[:, :, None] == segments[:, None, :])[:, None]
+    if causal:
+        tri = torch.ones(N, M, dtype=torch.bool).tril()
+        allowed = allowed & (tri.triu(1 - window) if window else tri)
+    return allowed
+
+
+def _rep(t):
+    return t.repeat_interleave(2, dim=1)
+
+
+@pytest.mark.parametrize("masks", ["keep", "segments", "both"])
+@pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 3)])
+def test_matches_sdpa_with_the_dense_mask(masks, causal, window):
+    """SDPA with the dense mask as attn_mask, empty rows 0 (SDPA's safe softmax), gradients included."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    keep = _keep() if masks in ("keep", "both") else None
+    segments = _segments() if masks in ("segments", "both") else None
+    o, lse = torch.ops.tk.attention_varlen(q, k, v, keep, segments, causal, 0.3, window)
+    dense = _dense(keep, segments, 9, 9, causal, window)
+    want = F.scaled_dot_product_attention(q, _rep(k), _rep(v), attn_mask=dense, scale=0.3)
+    torch.testing.assert_close(o, want)
+    w = torch.randn_like(want)
+    got = torch.autograd.grad((o * w).sum(), (q, k, v))
+    ref = torch.autograd.grad((want * w).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    empty = ~dense.expand(3, 4, 9, 9).any(-1)
+    assert torch.isinf(lse[empty]).all() and (lse[empty] > 0).all() and torch.isfinite(lse[~empty]).all()
+
+
+def test_uniform_empty_is_eager_with_a_finite_fill():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    keep = _keep()
+    o, _ = torch.ops.tk.attention_varlen(q, k, v, keep, None, True, 0.3, 0, 0.0, True)
+    fill = torch.where(_dense(keep, None, 9, 9, True), 0.0, torch.finfo(torch.float32).min).double()
+    want = torch.softmax(q @ _rep(k).transpose(-1, -2) * 0.3 + fill, -1) @ _rep(v)
+    torch.testing.assert_close(o, want)
+    torch.testing.assert_close(o[1, :, :3], _rep(v)[1].mean(1, keepdim=True).expand(4, 3, 8))  # rows before key 3
+    got = torch.autograd.grad(o.sum(), (q, k, v))
+    ref = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("masks", ["keep", "segments", "both"])
+@pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 3)])
+def test_interval_tables(masks, causal, window):
+    """The tables hold exactly the dense mask's intervals (before causal/window): row_keys per query, key_rows per
+    key; both nondecreasing; `exact` flags the entry with holes, `empty` the entries with a row that sees nothing."""
+    keep = _keep() if masks in ("keep", "both") else None
+    segments = _segments() if masks in ("segments", "both") else None
+    t = AV.Intervals(keep, segments, 9, 9, causal, window)
+    dense = _dense(keep, segments, 9, 9, False)[:, 0]
+    j = torch.arange(9)
+    for b in range(3):
+        exact = keep is None or bool(t.exact[b])
+        for i in range(9):
+            x, y = t.row_keys[b, i].tolist()
+            if exact:
+                assert torch.equal(dense[b, i], (j >= x) & (j <= y)), (b, i)
+            x, y = t.key_rows[b, i].tolist()
+            if exact:
+                assert torch.equal(dense[b, :, i], (j >= x) & (j <= y)), (b, i)
+        for table in (t.row_keys, t.key_rows):
+            assert (table[b, 1:] >= table[b, :-1]).all()
+    if keep is not None:
+        assert t.exact == [True, True, False]
+        rows = _dense(keep, segments, 9, 9, causal, window)[:, 0].any(-1)
+        assert t.empty[:2] == [bool((~rows[b]).any()) for b in range(2)]
+
+
+def test_tables_are_cached_per_tensor_and_version():
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    before = AV.varlen_paths["table builds"]
+    assert AV.intervals(keep, None, 6, 6, True, 0) is AV.intervals(keep, None, 6, 6, True, 0)
+    keep[0, 4:] = False  # in place: a new version
+    assert AV.intervals(keep, None, 6, 6, True, 0).row_keys[0, 0].tolist() == [0, 3]
+    assert AV.varlen_paths["table builds"] - before == 2
+
+
+def test_bad_inputs():
+    q, k, v = _qkv(M=8)
+    with pytest.raises(ValueError, match=r"keep must be \(B, M\) = \(3, 8\)"):
+        torch.ops.tk.attention_varlen(q, k, v, torch.ones(3, 9, dtype=torch.bool), None, False, 0.3)
+    with pytest.raises(ValueError, match="segments need as many queries as keys"):
+        torch.ops.tk.attention_varlen(q, k, v, None, torch.zeros(3, 9, dtype=torch.long), False, 0.3)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="sliding window"):
+        torch.ops.tk.attention_varlen(q, k, v, _keep(), None, False, 0.3, 4)
+    with pytest.raises(TypeError, match="segments must be integer"):
+        torch.ops.tk.attention_varlen(q, k, v, None, torch.zeros(3, 9), False, 0.3)
+
+
+def test_opcheck():
+    q, k, v = (t.float().requires_grad_() for t in _qkv())
+    torch.library.opcheck(torch.ops.tk.attention_varlen.default,
+                          (q, k, v, _keep(), _segments(), True, 0.3, 0, 0.0, False))

@@ -1,0 +1,287 @@
+"""`tk::attention_varlen` and its backward: softmax attention under masks whose values are run-time data of the
+kind HF builds per batch: key padding (`attention_mask`) and packed sequences (position ids that restart).
+
+Semantics (the kernels of csrc/kernels/attention read the mask as intervals: each query's keys, each key's queries):
+
+    tk::attention_varlen(q, k, v, keep, segments, causal, scale, window=0, softcap=0., uniform_empty=False)
+        -> (o, lse)
+        q, k, v, causal, scale, window, softcap as tk::attention, and two optional run-time masks:
+        keep (B, M) of any dtype: key j of entry b is visible only where keep[b, j] is nonzero (1 = token,
+            0 = padding, left, right or anywhere);
+        segments (B, N) integer ids, N == M (self-attention over packed sequences): query i sees key j only when
+            both lie in one run of equal consecutive ids of segments[b] (HF's packed-sequence ids are nondecreasing,
+            so a run is one sequence).
+        That is SDPA with attn_mask = keep[:, None, None, :] & same_run & causal(i, j) (& window). A row with no
+        visible key (left padding under a causal mask, an entry whose keep is all zero) gets o = 0 and lse = +inf,
+        as SDPA's safe softmax gives; with `uniform_empty` it gets the mean of v over every key instead, which is
+        what an eager model's finite additive mask (0 / finfo.min) computes there (every score rounds to the fill,
+        so softmax is uniform), gradients included.
+
+Run time: the masks become two interval tables on the device (`Intervals`, cached on the tensors and their
+versions, so the layers of a step and the backward share one build). A padding mask costs one device-to-host copy
+per keep tensor, which says which entries the intervals describe exactly; the kernel runs every entry, and the
+entries it cannot describe -- a keep with holes between its first and last visible key, or rows with no key under
+`uniform_empty` -- are recomputed by the fp32 reference, one entry at a time (forward and backward). Segments alone
+need no copy. While a CUDA graph is being captured the copy cannot run, so a padded call takes the reference for
+every entry.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import _dispatch
+from .attention import (_as_grads, _empty_out, _kernel_ok, _last_dim_unit, _validate, _validate_backward,
+                        _validate_scores, attention_backward_reference, attention_reference, grad_like)
+
+OP = "tk::attention_varlen"
+_tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # keep or segments (or its base) -> {key: Intervals}
+varlen_paths: dict[str, int] = {"kernel": 0, "reference entries": 0, "table builds": 0, "value checks": 0}
+
+
+def _runs(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, end) positions of the run of equal consecutive ids each position lies in, (B, N) each."""
+    B, N = segments.shape
+    pos = torch.arange(N, device=segments.device).expand(B, N)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    ends = torch.ones_like(starts)
+    ends[:, :-1] = starts[:, 1:]
+    first = torch.where(starts, pos, 0).cummax(1).values
+    end = torch.where(ends, pos + 1, N).flip(1).cummin(1).values.flip(1)
+    return first, end
+
+
+class Intervals:
+    """The kernels' interval tables for (keep, segments) over N queries and M keys: `row_keys` (B, N, 2), the keys
+    [x, y] each query may see, and `key_rows` (B, M, 2), the queries each key may be seen by (before the causal and
+    window rules; both nondecreasing, as the kernels need); with keep, per entry on the host, whether the tables
+    describe it exactly (`exact`, no holes in keep) and whether some row sees no key (`empty`)."""
+
+    def __init__(self, keep, segments, N: int, M: int, causal: bool, window: int):
+        device = (keep if keep is not None else segments).device
+        B = (keep if keep is not None else segments).shape[0]
+        lo_q = torch.zeros(B, N, dtype=torch.long, device=device)
+        hi_q = torch.full((B, N), M - 1, dtype=torch.long, device=device)
+        lo_k = torch.zeros(B, M, dtype=torch.long, device=device)
+        hi_k = torch.full((B, M), N - 1, dtype=torch.long, device=device)
+        if segments is not None:  # N == M: a query's keys and a key's queries are its run
+            first, end = _runs(segments)
+            lo_q, hi_q, lo_k, hi_k = first, end - 1, first, end - 1
+        self.exact = self.empty = None
+        if keep is not None:
+            visible = keep != 0
+            pos = torch.arange(M, device=device)
+            count = visible.sum(-1)
+            start = torch.where(count > 0, torch.where(visible, pos, M).amin(-1), 0)
+            stop = torch.where(count > 0, torch.where(visible, pos + 1, 0).amax(-1), 0)
+            lo_q = torch.maximum(lo_q, start[:, None])
+            hi_q = torch.minimum(hi_q, stop[:, None] - 1)
+            before, after = pos[None] < start[:, None], pos[None] >= stop[:, None]
+            lo_k = torch.where(before, 0, torch.where(after, N, lo_k))
+            hi_k = torch.where(before, -1, torch.where(after, N - 1, hi_k))
+            rows = torch.arange(N, device=device)
+            lo = torch.maximum(lo_q, rows - window + 1) if window else lo_q
+            hi = torch.minimum(hi_q, rows) if causal else hi_q
+            exact = count == stop - start
+            empty = (lo > hi).any(-1)
+            host = torch.stack((exact, empty), -1).tolist()  # the one wait for the device
+            varlen_paths["value checks"] += 1
+            self.exact = [bool(e) for e, _ in host]
+            self.empty = [bool(m) for _, m in host]
+        self.row_keys = torch.stack((lo_q, hi_q), -1).to(torch.int32).contiguous()
+        self.key_rows = torch.stack((lo_k, hi_k), -1).to(torch.int32).contiguous()
+
+
+def _geometry(t: torch.Tensor | None) -> tuple:
+    return () if t is None else (id(t._base if t._base is not None else t), t.storage_offset(), tuple(t.shape),
+                                 t.stride(), t.dtype, t._version)
+
+
+def intervals(keep, segments, N: int, M: int, causal: bool, window: int) -> Intervals:
+    """The Intervals of (keep, segments), cached on the first given tensor (or the one it views) with both tensors'
+    geometry and versions and the mask's causal and window (they decide which rows are empty)."""
+    primary = keep if keep is not None else segments
+    owner = primary._base if primary._base is not None else primary
+    key = (_geometry(keep), _geometry(segments), N, M, causal, window)
+    cached = _tables.get(owner)
+    if cached is None or key not in cached:
+        varlen_paths["table builds"] += 1
+        _tables[owner] = {key: Intervals(keep, segments, N, M, causal, window)}  # a step's new mask replaces the old
+        cached = _tables[owner]
+    return cached[key]
+
+
+def _dense_mask(q, k, keep, segments, causal: bool, window: int, uniform_empty: bool) -> torch.Tensor:
+    """The SDPA mask of the op over (B, 1, N, M): bool (True = attend), or with `uniform_empty` the eager model's
+    additive one (0 / finfo(float32).min, every rule folded in, so a row without keys is uniform)."""
+    B, N, M = q.shape[0], q.shape[2], k.shape[2]
+    allowed = torch.ones(B, 1, N, M, dtype=torch.bool, device=q.device)
+    if keep is not None:
+        allowed = allowed & (keep != 0)[:, None, None, :]
+    if segments is not None:
+        first, _ = _runs(segments)
+        allowed = allowed & (first[:, :, None] == first[:, None, :])[:, None]
+    if causal:
+        tri = torch.ones(N, M, dtype=torch.bool, device=q.device).tril()
+        allowed = allowed & (tri.triu(1 - window) if window else tri)
+    if not uniform_empty:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill(
+        ~allowed, torch.finfo(torch.float32).min)
+
+
+def attention_varlen_reference(q, k, v, keep, segments, causal: bool, scale: float, window: int = 0,
+                               softcap: float = 0.0, uniform_empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of the op in fp32 (through attention_reference, one batch entry at a time to bound the memory)."""
+    mask = _dense_mask(q, k, keep, segments, causal, window, uniform_empty)
+    outs = [attention_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], False, scale, 0, softcap, mask[b:b + 1])
+            for b in range(q.shape[0])]
+    o = _empty_out(q)
+    o.copy_(torch.cat([x[0] for x in outs]))
+    return o, torch.cat([x[1] for x in outs])
+
+
+def attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal: bool, scale: float,
+                                        window: int = 0, softcap: float = 0.0, uniform_empty: bool = False):
+    """(dq, dk, dv) of the op in fp32 (P recomputed), one batch entry at a time, in `grad_like` layouts."""
+    mask = _dense_mask(q, k, keep, segments, causal, window, uniform_empty)
+    grads = [attention_backward_reference(grad_o[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], o[b:b + 1], None,
+                                          False, scale, mask[b:b + 1], 0, softcap)
+             for b in range(q.shape[0])]
+    return _as_grads(q, k, v, *(torch.cat(g) for g in zip(*grads)))
+
+
+def _validate_masks(q, k, keep, segments, op: str) -> None:
+    check = _dispatch.check
+    B, N, M = q.shape[0], q.shape[2], k.shape[2]
+    for name, t, rows in (("keep", keep, M), ("segments", segments, N)):
+        if t is None:
+            continue
+        check(isinstance(t, torch.Tensor), lambda: f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
+        check(t.device == q.device, lambda: f"{op}: {name} is on {t.device}, q on {q.device}")
+        check(t.dim() == 2 and t.shape[0] == B and t.shape[1] == rows,
+              lambda: f"{op}: {name} must be (B, {'M' if name == 'keep' else 'N'}) = ({B}, {rows}), got {tuple(t.shape)}")
+    check(keep is None or not keep.is_complex(), lambda: f"{op}: keep must be real, got {keep.dtype}", TypeError)
+    check(segments is None or not (segments.is_floating_point() or segments.is_complex()),
+          lambda: f"{op}: segments must be integer or bool ids, got {segments.dtype}", TypeError)
+    check(segments is None or N == M, lambda: f"{op}: segments need as many queries as keys, got N {N}, M {M}")
+
+
+def _reference_entries(tensors, keep, segments, causal: bool, window: int, uniform_empty: bool
+                       ) -> tuple[Intervals | None, list[int]]:
+    """(the kernel's tables, the batch entries the reference must compute), or (None, every entry): the kernel
+    cannot run at all (`tensors`: the operands, q, k, v first)."""
+    q, k = tensors[0], tensors[1]
+    everything = list(range(q.shape[0]))
+    if not _kernel_ok(*tensors) or (keep is not None and torch.cuda.is_current_stream_capturing()):
+        return None, everything
+    tables = intervals(keep, segments, q.shape[2], k.shape[2], causal, window)
+    if keep is None:
+        return tables, []
+    return tables, [b for b in everything if not tables.exact[b] or (uniform_empty and tables.empty[b])]
+
+
+@torch.library.custom_op(OP, mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor? segments, bool causal, "
+                                "float scale, int window=0, float softcap=0., bool uniform_empty=False) "
+                                "-> (Tensor o, Tensor lse)")
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
+                     segments: torch.Tensor | None, causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
+                     uniform_empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(q, k, v, scale, OP)
+    _validate_masks(q, k, keep, segments, OP)
+    _validate_scores(causal, window, softcap, OP)
+    if q.numel() == 0:
+        return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
+    tables, ref = _reference_entries((q, k, v), keep, segments, causal, window, uniform_empty)
+    if tables is None:
+        varlen_paths["reference entries"] += q.shape[0]
+        return attention_varlen_reference(q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty)
+    q, k, v = map(_last_dim_unit, (q, k, v))
+    varlen_paths["kernel"] += 1
+    o, lse = _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, tables.row_keys)
+    for b in ref:
+        e = slice(b, b + 1)
+        varlen_paths["reference entries"] += 1
+        ob, lb = attention_varlen_reference(q[e], k[e], v[e], keep[e], None if segments is None else segments[e],
+                                            causal, scale, window, softcap, uniform_empty)
+        o[e].copy_(ob)
+        lse[e].copy_(lb)
+    return o, lse
+
+
+@attention_varlen.register_fake
+def _(q, k, v, keep, segments, causal, scale, window=0, softcap=0.0, uniform_empty=False):
+    _validate(q, k, v, scale, OP)
+    _validate_masks(q, k, keep, segments, OP)
+    _validate_scores(causal, window, softcap, OP)
+    return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op(OP + "_backward", mutates_args=(),
+                         schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor? segments, "
+                                "Tensor o, Tensor lse, bool causal, float scale, int window=0, float softcap=0., "
+                                "bool uniform_empty=False) -> (Tensor dq, Tensor dk, Tensor dv)")
+def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              keep: torch.Tensor | None, segments: torch.Tensor | None, o: torch.Tensor,
+                              lse: torch.Tensor, causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
+                              uniform_empty: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = OP + "_backward"
+    _validate_backward(grad_o, q, k, v, o, lse, scale)
+    _validate_masks(q, k, keep, segments, op)
+    _validate_scores(causal, window, softcap, op)
+    if q.numel() == 0 or k.numel() == 0:
+        return tuple(grad_like(t).zero_() for t in (q, k, v))
+    # the forward's masks: their tables are cached, so the same entries take the reference as there
+    tables, ref = _reference_entries((q, k, v, grad_o, o, lse), keep, segments, causal, window, uniform_empty)
+    if tables is None:
+        return attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal, scale, window, softcap,
+                                                   uniform_empty)
+    ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
+    dq, dk, dv = _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), causal, scale, window, softcap,
+                                                         tables.key_rows)
+    for b in ref:
+        e = slice(b, b + 1)
+        grads = attention_varlen_backward_reference(grad_o[e], q[e], k[e], v[e], keep[e],
+                                                    None if segments is None else segments[e], o[e], causal, scale,
+                                                    window, softcap, uniform_empty)
+        for dst, g in zip((dq, dk, dv), grads):
+            dst[e].copy_(g)
+    return dq, dk, dv
+
+
+@attention_varlen_backward.register_fake
+def _(grad_o, q, k, v, keep, segments, o, lse, causal, scale, window=0, softcap=0.0, uniform_empty=False):
+    _validate_backward(grad_o, q, k, v, o, lse, scale)
+    return grad_like(q), grad_like(k), grad_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, keep, segments, o, lse)
+    ctx.args = (causal, scale, window, softcap, uniform_empty)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_o, _grad_lse):
+    q, k, v, keep, segments, o, lse = ctx.saved_tensors
+    if grad_o is None:
+        return (None,) * 10
+    dq, dk, dv = torch.ops.tk.attention_varlen_backward(grad_o, q, k, v, keep, segments, o, lse, *ctx.args)
+    return (dq, dk, dv) + (None,) * 7
+
+
+attention_varlen.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention_varlen_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, mask, offset: int,
+                             segments, uniform_empty: bool):
+    """tk::attention_varlen's o: keep = the key columns [offset, offset + M) of a (B or 1, M') padding mask or None,
+    segments = (B or 1, N) packed-sequence ids or None (one row: every batch entry's)."""
+    B, M = q.shape[0], k.shape[2]
+    keep = None if mask is None else mask[:, offset:offset + M].expand(B, M)
+    if segments is not None:
+        segments = segments.expand(B, segments.shape[1])
+    return torch.ops.tk.attention_varlen(q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty)[0]
