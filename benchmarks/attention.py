@@ -18,6 +18,8 @@ kernel). TFLOPS count only the visible (query, key) pairs.
 `--varlen`: key-padding masks (right-padded full attention as in BERT, left-padded causal as in batched
 generation) and packed sequences (causal, as fine-tuning on packed batches), against SDPA with the dense boolean
 mask (memory-efficient and cuDNN backends) and FlexAttention.
+
+`--decode`: one decode step (q length 1) against a KV cache of 1k-32k keys at batch 1-64, against SDPA's backends.
 """
 from __future__ import annotations
 
@@ -340,6 +342,19 @@ def run_varlen(backward: bool = True) -> list[Row]:
     return rows
 
 
+def decode_summary(rows: list[Row]) -> str:
+    """Markdown table: ms per implementation and ours / the fastest SDPA backend."""
+    impls = ("ours", "sdpa flash", "sdpa efficient", "sdpa cudnn")
+    out = ["| case | " + " | ".join(f"{i} ms" for i in impls) + " | best SDPA / ours |", "|---" * (len(impls) + 2) + "|"]
+    for case, got in _by_case(rows).items():
+        cells = [f"{got[i].ms:.4f}" if i in got and got[i].ms else (got[i].note[:30] if i in got else "-") for i in impls]
+        best = min((got[i].ms for i in impls[1:] if i in got and got[i].ms), default=None)
+        o = got.get("ours")
+        cells.append(f"{best / o.ms:.2f}" if best and o is not None and o.ms else "-")
+        out.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def varlen_summary(rows: list[Row]) -> str:
     """Markdown table: ms per implementation and theirs / ours."""
     impls = ("ours", "sdpa efficient", "sdpa cudnn", "flex")
@@ -355,18 +370,64 @@ def varlen_summary(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+# Decode: one query per sequence against a KV cache, (B, Hq, Hkv, M, D).
+DECODE_CASES = [(B, 32, 8, M, 128) for B in (1, 8, 64) for M in (1024, 8192, 32768)]
+
+
+def run_decode() -> list[Row]:
+    """One decode step's attention (q length 1, every cached key visible): ours (the forward kernel, which runs a
+    query tile per head) against SDPA's backends with enable_gqa. GB/s counts the K/V cache read once."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tk_inductor import build
+
+    build.load("attention")
+    rows: list[Row] = []
+    for B, Hq, Hkv, M, D in DECODE_CASES:
+        name = f"decode B{B} H{Hq}:{Hkv} M{M} D{D}"
+        progress(name)
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, M, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+        def sdpa(backend):
+            def fn():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            return fn
+
+        fns = {"ours": lambda: torch.ops.tk_cuda.attention(q, k, v, False, D ** -0.5)[0],
+               "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+               "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+        ref = fns["sdpa efficient"]()
+        for impl in list(fns):
+            try:
+                check_close(impl, fns[impl](), ref)
+            except (AssertionError, RuntimeError) as exc:
+                rows.append(Row("attention", name, impl, None, note=f"failed: {str(exc)[:80]}"))
+                del fns[impl]
+        gbytes = 2 * B * Hkv * M * D * 2 / 1e9
+        for impl, ms in median_ms_rounds(fns).items():
+            rows.append(Row("attention", name, impl, ms, gbytes / ms * 1e3, "GB/s", M))
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="N in {2048, 4096} only")
     p.add_argument("--forward-only", action="store_true", help="skip forward+backward timings")
     p.add_argument("--scores", action="store_true", help="sliding windows and softcapping instead")
     p.add_argument("--varlen", action="store_true", help="key-padding masks and packed sequences instead")
+    p.add_argument("--decode", action="store_true", help="one decode step against a KV cache instead")
     p.add_argument("--dims", default="128,64", help="comma-separated head dims (default: 128,64; H = 2048 // D)")
     args = p.parse_args(argv)
     if args.scores:
         print(scores_summary(run_scores(backward=not args.forward_only)))
     elif args.varlen:
         print(varlen_summary(run_varlen(backward=not args.forward_only)))
+    elif args.decode:
+        print(decode_summary(run_decode()))
     else:
         dims = tuple(int(d) for d in args.dims.split(","))
         print(summary(run(quick=args.quick, backward=not args.forward_only, dims=dims)))
