@@ -473,8 +473,8 @@ def eager_causal(q, k, v):
 
 @pytest.mark.parametrize("fn", [sdpa_causal, eager_causal])
 def test_kernel_mode_supported(fn):
-    gm = _fake_cuda_graph(fn, [(2, 8, 16, 128), (2, 2, 16, 128), (2, 2, 16, 128)] if fn is sdpa_causal
-                          else [(2, 8, 16, 64)] * 3, torch.bfloat16)
+    gm = _fake_cuda_graph(fn, [(2, 8, 32, 128), (2, 2, 32, 128), (2, 2, 32, 128)] if fn is sdpa_causal
+                          else [(2, 8, 32, 64)] * 3, torch.bfloat16)
     (m,) = P.find(gm.graph)
     assert m.reason is None and m.device.type == "cuda" and not m.needs_grad
     assert m.target is torch.ops.tk.attention.default and m.args[3] is True
@@ -484,21 +484,36 @@ def test_kernel_mode_supported(fn):
 @pytest.mark.parametrize("dtype, D, why", [(torch.float32, 64, "dtype torch.float32"),
                                            (torch.bfloat16, 112, "head dim 112")])
 def test_kernel_mode_unsupported_dtype_or_head_dim(fn, dtype, D, why):
-    gm = _fake_cuda_graph(fn, [(2, 4, 16, D)] * 3, dtype)
+    gm = _fake_cuda_graph(fn, [(2, 4, 32, D)] * 3, dtype)
     (reason,) = _reasons(gm)
     assert reason is not None and why in reason
     with tk_inductor.config.patch(reference=True):  # reference mode: the op's reference takes any of these
         assert _reasons(gm) == [None]
 
 
+def sdpa_full(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+@pytest.mark.parametrize("N, kept", [(1, True), (16, True), (17, False)])
+def test_kernel_mode_decode_step_left_to_sdpa(N, kept):
+    """A decode step (a few queries against a long cache) stays with SDPA in kernel mode: its split-KV kernels beat
+    the kernels' query tiles there. Reference mode still swaps it."""
+    gm = _fake_cuda_graph(sdpa_full, [(2, 8, N, 128), (2, 2, 4096, 128), (2, 2, 4096, 128)], torch.bfloat16)
+    (reason,) = _reasons(gm)
+    assert (reason is not None and "decode step" in reason) if kept else reason is None
+    with tk_inductor.config.patch(reference=True):
+        assert _reasons(gm) == [None]
+
+
 def test_heads_not_a_multiple_kept():
     """Eager code cannot produce Hq % Hkv != 0 (SDPA raises), so feed the matcher such example values."""
-    gm = _fake_cuda_graph(sdpa_causal, [(2, 4, 16, 64), (2, 2, 16, 64), (2, 2, 16, 64)], torch.bfloat16)
+    gm = _fake_cuda_graph(sdpa_causal, [(2, 4, 32, 64), (2, 2, 32, 64), (2, 2, 32, 64)], torch.bfloat16)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     mode = placeholders[0].meta["val"].fake_mode
     with mode:
         for n in placeholders[1:]:
-            n.meta["val"] = torch.empty(2, 3, 16, 64, dtype=torch.bfloat16, device="cuda")
+            n.meta["val"] = torch.empty(2, 3, 32, 64, dtype=torch.bfloat16, device="cuda")
     (reason,) = _reasons(gm)
     assert "not a multiple" in reason
 
