@@ -20,7 +20,7 @@ import torch.fx as fx
 from tk_inductor.rewrite import example
 
 from ._affine import Pred, run_axis
-from ._fx import Keep, eq, number
+from ._fx import Keep, eq, known, number
 from ._fx import arg as _arg
 from ._fx import name as _name
 
@@ -109,8 +109,8 @@ def literals(allowed: Pred, score_shape: tuple) -> tuple:
             raise Keep("a run-time mask is not read at the scores' batch index")
         if lit[0] == "keep":
             coefs, offset = lit[3]
-            if not (coefs == ((-1, 1),) or (coefs == () and eq(M, 1))) or offset < 0 or number(M) is None \
-                    or number(ex.shape[1]) is None or offset + number(M) > number(ex.shape[1]):
+            if not (coefs == ((-1, 1),) or (coefs == () and eq(M, 1))) or offset < 0 \
+                    or not known(offset + example(M) <= example(ex.shape[1])):
                 raise Keep("the padding mask is not read at [batch, key + a constant offset] inside its columns")
             pad = (node, offset)
         else:

@@ -573,3 +573,14 @@ def test_hf_llama_per_layer_compile(impl):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     report = tk_inductor.report()
     assert report.replaced.get("attention", 0) >= 1 and not [r for f, r in report.kept if f == "attention"], str(report)
+
+
+def test_hf_llama_padding_mask_dynamic_shapes():
+    """dynamic=True: symbolic lengths still prove the padding mask's reads; two lengths, one compile each way."""
+    model = PaddedLogits(_llama("sdpa")).eval()
+    compiled = torch.compile(model, backend="thunderkittens", options=OPTS, dynamic=True)
+    for N in (9, 13):
+        ids, am = _padded(2, N, [("left", 3), ("right", 2)])
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids, am), model(ids, am), rtol=1e-5, atol=1e-5)
+        assert tk_inductor.report().replaced.get("attention", 0) == 2, str(tk_inductor.report())

@@ -250,3 +250,37 @@ def test_norm_under_autocast_takes_the_residual_and_the_cast(replaced_matches):
     for a, b in zip(ga, gb):
         assert a.dtype == b.dtype
         assert _rel(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("inputs", ["padded", "packed"])
+def test_run_time_masks_under_autocast(inputs):
+    """A Llama on a left-padded batch or packed sequences under CPU autocast bf16: attention is replaced as in fp32
+    (tk::attention_varlen), and loss, logits and gradients match eager autocast."""
+    torch.manual_seed(0)
+    model = _llama("sdpa").train()
+    ids = torch.randint(0, VOCAB, (2, 24))
+    if inputs == "padded":
+        am = torch.ones(2, 24, dtype=torch.long)
+        am[0, :7] = 0
+        extra = {"attention_mask": am}
+    else:
+        extra = {"position_ids": torch.tensor([list(range(10)) + list(range(14)), list(range(24))])}
+
+    def step(run):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = run(input_ids=ids, **extra).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
+        loss.backward()
+        return logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    tk_inductor.reset()
+    compiled = torch.compile(model, backend="thunderkittens", options=OPTS)
+    ref_logits, ref_loss, ref_grads = step(model)
+    logits, loss, grads = step(compiled)
+    rep = tk_inductor.report()
+    assert rep.replaced.get("attention") == 2, str(rep)
+    assert _rel(loss, ref_loss) < 1e-2 and _rel(logits, ref_logits) < 1e-2
+    total = sum(g.float().pow(2).sum() for g in ref_grads.values()).sqrt()
+    diff = sum((grads[n].float() - g.float()).pow(2).sum() for n, g in ref_grads.items()).sqrt()
+    assert (diff / total).item() < 1e-2
