@@ -156,7 +156,9 @@ def test_bad_interval_tables(ops):
 def test_hf_models_with_the_kernels(batch):
     """HF models in bf16 on the GPU with run-time masks: a Llama on a left- or right-padded batch or on packed
     sequences (restarting position ids) trains with every layer's attention replaced, and BERT on a padded batch
-    infers; loss, logits and gradients match eager's."""
+    infers; loss, logits and gradients match eager's. Padding positions carry no label (-100, as HF's collators
+    set them): eager SDPA on the H200 may take cuDNN, whose rows without a visible key (left padding) hold values
+    that are neither SDPA's 0 nor NaN, and those rows then feed only the padding positions' own outputs."""
     transformers = pytest.importorskip("transformers")
     import tk_inductor
 
@@ -194,13 +196,16 @@ def test_hf_models_with_the_kernels(batch):
             got = compiled(**inputs).last_hidden_state.float()
             want = net(**inputs).last_hidden_state.float()
         assert tk_inductor.report().replaced.get("attention") == 2, str(tk_inductor.report())
-        assert rel_err(got, want) < 2e-2
+        tokens = inputs["attention_mask"].bool()
+        assert rel_err(got[tokens], want[tokens]) < 2e-2
         return
     net.train()
 
+    labels = ids.masked_fill(inputs["attention_mask"] == 0, -100) if "attention_mask" in inputs else ids
+
     def step(run):
         net.zero_grad(set_to_none=True)
-        loss = run(**inputs, labels=ids).loss
+        loss = run(**inputs, labels=labels).loss
         loss.backward()
         return loss.detach().float(), [p.grad.float() for p in net.parameters() if p.grad is not None]
 
