@@ -84,6 +84,21 @@ def _timed(case: str, fns: dict, flops: float, n: int, notes: dict | None = None
     return rows
 
 
+def _timed_fwd_bwd(name: str, fns: dict, tensors, flops: float, n: int, backward: bool) -> list[Row]:
+    """Rows of one case's forward (fns called as f(q, k, v)) and, with `backward`, forward+backward (3.5x the FLOPs)."""
+    q, k, v, do = tensors
+    rows = _timed(f"{name} fwd", {i: (lambda f=f: f(q, k, v)) for i, f in fns.items()}, flops, n)
+    if backward:
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def step(f):
+            qg.grad = kg.grad = vg.grad = None
+            f(qg, kg, vg).backward(do)
+
+        rows += _timed(f"{name} fwd+bwd", {i: (lambda f=f: step(f)) for i, f in fns.items()}, flops * 3.5, n)
+    return rows
+
+
 def run(quick: bool = False, backward: bool = True, dims=(128, 64)) -> list[Row]:
     from torch.nn.attention import SDPBackend
 
@@ -217,16 +232,7 @@ def run_scores(backward: bool = True) -> list[Row]:
             rows.append(Row("attention", f"{name} fwd", "ours", None, note=f"wrong output: {exc}"))
             del fns["ours"]
         flops = 4.0 * B * Hq * _visible(N, window) * D
-        rows += _timed(f"{name} fwd", {n: (lambda f=f: f(q, k, v)) for n, f in fns.items()}, flops, N)
-        if backward:
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-
-            def step(f):
-                qg.grad = kg.grad = vg.grad = None
-                f(qg, kg, vg).backward(do)
-
-            rows += _timed(f"{name} fwd+bwd", {n: (lambda f=f: step(f)) for n, f in fns.items()}, flops * 3.5, N)
-            del qg, kg, vg
+        rows += _timed_fwd_bwd(name, fns, (q, k, v, do), flops, N, backward)
         del q, k, v, do, block_mask
         torch.cuda.empty_cache()
     return rows
@@ -327,16 +333,7 @@ def run_varlen(backward: bool = True) -> list[Row]:
                 del fns[impl]
         visible_pairs = float(dense.expand(B, 1, N, N).sum())
         flops = 4.0 * H * visible_pairs * D
-        rows += _timed(f"{name} fwd", {n: (lambda f=f: f(q, k, v)) for n, f in fns.items()}, flops, N)
-        if backward:
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-
-            def step(f):
-                qg.grad = kg.grad = vg.grad = None
-                f(qg, kg, vg).backward(do)
-
-            rows += _timed(f"{name} fwd+bwd", {n: (lambda f=f: step(f)) for n, f in fns.items()}, flops * 3.5, N)
-            del qg, kg, vg
+        rows += _timed_fwd_bwd(name, fns, (q, k, v, do), flops, N, backward)
         del q, k, v, do, block_mask, dense
         torch.cuda.empty_cache()
     return rows

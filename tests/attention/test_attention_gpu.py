@@ -72,6 +72,26 @@ def rel_err(out, ref):
     return float((out - ref).norm() / ref.norm().clamp_min(floor))
 
 
+def trains_like_eager(net, compiled, **inputs) -> int:
+    """One training step of an HF model (its `.loss`) through `compiled`, then through `net` itself: the losses and
+    parameter gradients must match (bf16 tolerances). Returns how many attention calls the compiled step replaced."""
+    import tk_inductor
+
+    def step(run):
+        net.zero_grad(set_to_none=True)
+        loss = run(**inputs).loss
+        loss.backward()
+        return loss.detach().float(), [p.grad.float() for p in net.parameters() if p.grad is not None]
+
+    loss, grads = step(compiled)
+    replaced = tk_inductor.report().replaced.get("attention", 0)
+    loss_ref, grads_ref = step(net)
+    torch.testing.assert_close(loss, loss_ref, atol=2e-2, rtol=2e-2)
+    errs = [rel_err(g, r) for g, r in zip(grads, grads_ref)]
+    assert max(errs) < 5e-2, errs
+    return replaced
+
+
 def poison(*shapes_dtypes):
     junk = [torch.full(s, float("nan"), dtype=d, device="cuda") for s, d in shapes_dtypes]
     del junk

@@ -329,14 +329,15 @@ def _padded(B, N, pads):
 
 
 class PaddedLogits(nn.Module):
-    """Logits with the padding mask as a graph input (ids and mask both forward arguments)."""
+    """Logits with a run-time mask input as a graph input: the ids and the model's `key` argument (the padding mask
+    by default, or position ids) both forward arguments."""
 
-    def __init__(self, model):
+    def __init__(self, model, key="attention_mask"):
         super().__init__()
-        self.model = model
+        self.model, self.key = model, key
 
-    def forward(self, ids, am):
-        out = self.model(input_ids=ids, attention_mask=am)
+    def forward(self, ids, x):
+        out = self.model(input_ids=ids, **{self.key: x})
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
@@ -358,19 +359,7 @@ def test_hf_bert_padding_mask(impl, pads):
 def test_hf_llama_padding_mask(impl, side):
     """Llama (causal) under left or right padding: swapped, equal to eager at every position (left padding's rows
     without keys: 0 under SDPA, eager's average of v under its finite fill), gradients included."""
-    ids, am = _padded(2, 9, [(side, 3), (side, 0)])
-    model = PaddedLogits(_llama(impl)).train()
-    out = _compile(model)(ids, am)
-    report = tk_inductor.report()
-    assert report.replaced.get("attention", 0) == 2, str(report)
-    ref = model(ids, am)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    w = torch.randn_like(ref)
-    params = list(model.parameters())
-    got = torch.autograd.grad((out * w).sum(), params)
-    want = torch.autograd.grad((ref * w).sum(), params)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    _check(PaddedLogits(_llama(impl)).train(), *_padded(2, 9, [(side, 3), (side, 0)]), replaced=2)
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
@@ -378,19 +367,8 @@ def test_hf_llama_packed_sequences(impl):
     """Packed sequences (position ids that restart at each sequence, as DataCollatorWithFlattening gives): HF builds
     the mask from the ids at run time; swapped (tk::attention_varlen with the sequence ids) and equal to eager,
     gradients included."""
-    ids = torch.randint(0, 64, (2, 11))
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
-    model = _llama(impl).train()
-    fn = Fn(lambda i, p: model(i, position_ids=p).logits)
-    out = _compile(fn)(ids, pos)
-    report = tk_inductor.report()
-    assert report.replaced.get("attention", 0) == 2, str(report)
-    ref = fn(ids, pos)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    w = torch.randn_like(ref)
-    params = list(model.parameters())
-    for a, b in zip(torch.autograd.grad((out * w).sum(), params), torch.autograd.grad((ref * w).sum(), params)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    _check(PaddedLogits(_llama(impl), "position_ids").train(), torch.randint(0, 64, (2, 11)), pos, replaced=2)
 
 
 def test_hf_output_attentions_kept():
