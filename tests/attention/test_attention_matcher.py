@@ -562,3 +562,22 @@ def test_hf_llama_padding_mask_dynamic_shapes():
         with torch.no_grad():
             torch.testing.assert_close(compiled(ids, am), model(ids, am), rtol=1e-5, atol=1e-5)
         assert tk_inductor.report().replaced.get("attention", 0) == 2, str(tk_inductor.report())
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("inputs", ["attention_mask", "position_ids"])
+def test_hf_mistral_window_with_run_time_masks(impl, inputs):
+    """A sliding window (3) together with a left-padding mask or packed sequences (HF evaluates the window on the
+    position ids there): swapped with both, equal to eager, gradients included."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=3, attn_implementation=impl)
+    torch.manual_seed(0)
+    model = PaddedLogits(MistralForCausalLM(cfg), inputs).train()
+    if inputs == "position_ids":
+        x = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4], list(range(11))])
+    else:
+        x = torch.ones(2, 11, dtype=torch.long)
+        x[0, :4] = 0
+    _check(model, torch.randint(0, 64, (2, 11)), x, replaced=2)
