@@ -581,3 +581,22 @@ def test_hf_mistral_window_with_run_time_masks(impl, inputs):
         x = torch.ones(2, 11, dtype=torch.long)
         x[0, :4] = 0
     _check(model, torch.randint(0, 64, (2, 11)), x, replaced=2)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_hf_llama_generate_left_padded(cache):
+    """generate() on a left-padded batch with a compiled forward gives eager's tokens; the prefill's attention is
+    replaced (tk::attention_varlen) with a dynamic cache. The static cache's in-place writes keep attention."""
+    model = _llama("sdpa", cache=True).eval()
+    ids = torch.randint(1, 64, (2, 7))
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[0, :3] = 0
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    want = model.generate(ids, attention_mask=am, **kw)
+    model.forward = torch.compile(model.forward, backend="thunderkittens", options=OPTS)
+    got = model.generate(ids, attention_mask=am, **kw)
+    assert torch.equal(got, want)
+    replaced = tk_inductor.report().replaced.get("attention", 0)
+    assert replaced >= 2 if cache == "dynamic" else replaced == 0, str(tk_inductor.report())
