@@ -7,7 +7,7 @@ is matched as in one precision. Each family lives in `tk_inductor.patterns.<fami
 
 returning every occurrence of its computation. A matcher fills `Match.reason`
 itself when the computation is recognised but cannot be proven equal to the
-op (padding mask, dropout p>0, unsupported dtype/head dim ...). This module
+op (an arbitrary mask, dropout p>0, unsupported dtype/head dim ...). This module
 adds the checks shared by all families (allowlist, device, kernel built,
 training without a backward kernel), replaces what passes, and records
 everything in the report.
