@@ -303,6 +303,8 @@ def shapes_eq(s, t) -> bool:
 
 # ---------------------------------------------------------------------------- dtype casts
 
+# Calls that change at most a tensor's dtype or device.
+_CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "bool", "long", "int"}
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -13,9 +13,8 @@ import torch.fx as fx
 from tk_inductor.rewrite import Cast, example
 
 from ._fx import arg as _arg
-from ._fx import eq, known, number, rank, shape
+from ._fx import _CASTS, eq, known, number, rank, shape
 from ._fx import name as _name
-from ._varlen import _CASTS
 
 
 @dataclasses.dataclass

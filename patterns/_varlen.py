@@ -20,11 +20,9 @@ import torch.fx as fx
 from tk_inductor.rewrite import example
 
 from ._affine import Pred, run_axis
-from ._fx import Keep, eq, known, number
+from ._fx import _CASTS, Keep, eq, known, number
 from ._fx import arg as _arg
 from ._fx import name as _name
-
-_CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "bool", "long", "int"}
 
 
 def _from_graph_input(node) -> bool:

@@ -55,10 +55,10 @@ from tk_inductor.rewrite import Match, example
 
 from ._fx import arg as _arg
 from ._affine import Aff, Pred, _and, _as_pred, _not
-from ._fx import Keep, eq, known, number, rank, shape
+from ._fx import _CASTS, Keep, eq, known, number, rank, shape
 from ._fx import name as _name
 from ._mask import _additive_allowed, _fill_finite, _fill_ok, _mask_kind, _MaskEval, MaskKind
-from ._varlen import _CASTS, _from_graph_input
+from ._varlen import _from_graph_input
 from ._qkv import _Operand, _peel, _positive_const
 
 FAMILY = "attention"

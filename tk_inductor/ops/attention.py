@@ -116,6 +116,13 @@ def _validate_backward(grad_o, q, k, v, o, lse, scale) -> None:
 
 # ---------------------------------------------------------------------------- reference
 
+def causal_allowed(N: int, M: int, window: int, device) -> torch.Tensor:
+    """(N, M) bool: key j visible from query i under the causal mask, j <= i (top-left), and with a window also
+    j > i - window."""
+    allowed = torch.ones(N, M, dtype=torch.bool, device=device).tril()
+    return allowed.triu(1 - window) if window else allowed
+
+
 def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None, window: int = 0,
             softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 (fp64 for fp64 inputs) masked, scaled (and capped) scores (B, Hq, N, M), GQA by indexing as the kernel
@@ -130,11 +137,7 @@ def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None, 
         t = torch.tanh(s / softcap)
         s, dcap = softcap * t, 1 - t * t
     if causal:
-        N, M = q.shape[2], k.shape[2]
-        allowed = torch.ones(N, M, dtype=torch.bool, device=q.device).tril()  # top-left: key j <= query i
-        if window:
-            allowed = allowed.triu(1 - window)  # and j > i - window
-        s = s.masked_fill(~allowed, float("-inf"))
+        s = s.masked_fill(~causal_allowed(q.shape[2], k.shape[2], window, q.device), float("-inf"))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
     return s, dcap

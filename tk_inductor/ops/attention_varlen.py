@@ -32,7 +32,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _dispatch
 from .attention import (_as_grads, _empty_out, _kernel_ok, _last_dim_unit, _validate, _validate_backward,
-                        _validate_scores, attention_backward_reference, attention_reference, grad_like)
+                        _validate_scores, attention_backward_reference, attention_reference, causal_allowed,
+                        grad_like)
 
 OP = "tk::attention_varlen"
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # keep or segments (or its base) -> {key: Intervals}
@@ -123,8 +124,7 @@ def _dense_mask(q, k, keep, segments, causal: bool, window: int, uniform_empty: 
         first, _ = _runs(segments)
         allowed = allowed & (first[:, :, None] == first[:, None, :])[:, None]
     if causal:
-        tri = torch.ones(N, M, dtype=torch.bool, device=q.device).tril()
-        allowed = allowed & (tri.triu(1 - window) if window else tri)
+        allowed = allowed & causal_allowed(N, M, window, q.device)
     if not uniform_empty:
         return allowed
     return torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill(
