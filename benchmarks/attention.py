@@ -368,12 +368,14 @@ def varlen_summary(rows: list[Row]) -> str:
 
 
 # Decode: one query per sequence against a KV cache, (B, Hq, Hkv, M, D).
-DECODE_CASES = [(B, 32, 8, M, 128) for B in (1, 8, 64) for M in (1024, 8192, 32768)]
+DECODE_CASES = [(B, 32, 8, M, 128) for B in (1, 8, 64) for M in (1024, 8192, 32768)] + [
+    (8, 32, 32, 8192, 128), (8, 16, 16, 8192, 64)]
 
 
 def run_decode() -> list[Row]:
-    """One decode step's attention (q length 1, every cached key visible): ours (the forward kernel, which runs a
-    query tile per head) against SDPA's backends with enable_gqa. GB/s counts the K/V cache read once."""
+    """One decode step's attention (q length 1, every cached key visible): ours (tk_cuda::attention, which runs the
+    split-KV decode kernels for short queries) against SDPA's backends with enable_gqa. GB/s counts the K/V cache
+    read once."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tk_inductor import build

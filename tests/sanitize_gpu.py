@@ -88,6 +88,17 @@ def cases(families):
             run(f"attention_varlen D{D} causal={causal}",
                 lambda q, k, v: torch.ops.tk.attention_varlen(q, k, v, keep, segments, causal, 0.1), q, k, v,
                 expect=("attention", "attention_backward"))
+        # decode steps (the split-KV kernels): one row tile and one split, four row tiles and several splits, a
+        # padding mask with an entry without keys
+        for N, Hq, M in ((1, 4, 97), (16, 8, 3000)):
+            q, k, v = rand(2, Hq, N, D), rand(2, 2, M, D), rand(2, 2, M, D)
+            run(f"attention decode D{D} N{N} Hq{Hq} M{M}",
+                lambda q, k, v: torch.ops.tk.attention(q, k, v, False, 0.1), q, k, v,
+                expect=("attention", "attention_backward"))
+        q, k, v = rand(4, 4, 1, D), rand(4, 2, 300, D), rand(4, 2, 300, D)
+        run(f"attention_varlen decode D{D}",
+            lambda q, k, v: torch.ops.tk.attention_varlen(q, k, v, keep, None, False, 0.1), q, k, v,
+            expect=("attention", "attention_backward"))
 
     for interleaved in (False, True) if "rotary" in families else ():
         for x_dtype, table in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),

@@ -50,6 +50,21 @@ inline const char* scores_error(const Scores& sc) {
 const char* attention_forward(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                               const Scores& sc, int num_sms, int* next_task, cudaStream_t stream);
 
+// Queries of at most kDecodeRows rows (decode steps against a KV cache) run the split-KV kernels of decode.cu: the
+// rows of a GQA group form one tile and the keys are split across CTAs until the grid fills the GPU; with more than
+// one split, fp32 partials (normalised o and lse per row and split) are merged by a second kernel.
+constexpr int64_t kDecodeRows = 16;
+struct DecodePlan {
+  int row_tiles, groups, splits, blocks_per_split;
+  int64_t partial_floats, partial_rows;  // scratch for the partials' o and lse (0 with one split)
+};
+DecodePlan attention_decode_plan(DType dt, const View4& q, const View4& k, int num_sms);
+// Same contract as attention_forward for q.S <= kDecodeRows; part_o / part_lse hold plan.partial_floats /
+// plan.partial_rows floats (may be null when plan.splits == 1).
+const char* attention_decode(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
+                             const Scores& sc, const DecodePlan& plan, float* part_o, float* part_lse,
+                             cudaStream_t stream);
+
 // Scratch sizes (bytes) the backward needs: fp32 dq accumulator, padded log2-domain lse and rowsum(do * o) (the
 // backward's q tile for this head dim sets the padding).
 struct BwdScratch {

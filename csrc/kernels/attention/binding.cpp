@@ -2,7 +2,9 @@
 // tk_inductor/ops/attention.py, with window 0 and softcap 0 for none, and the interval tables of padding masks and
 // packed sequences that tk::attention_varlen builds: row_keys for the forward, key_rows for the backward). Checks
 // inputs, allocates outputs and scratch, and calls the torch-free launchers on the current stream.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -109,6 +111,20 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   const at::Tensor q = binding::rows16(q_in), k = binding::rows16(k_in), v = binding::rows16(v_in);
   at::Tensor o = empty_bnhd(q);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (q.size(2) <= tk_attn::kDecodeRows && k.size(0) * k.size(1) < 65536) {  // the split-KV kernels (grid z)
+    const tk_attn::DecodePlan plan = tk_attn::attention_decode_plan(dt, view(q), view(k), num_sms(q));
+    at::Tensor part_o, part_lse;
+    if (plan.splits > 1) {
+      part_o = at::empty({plan.partial_floats}, q.options().dtype(at::kFloat));
+      part_lse = at::empty({plan.partial_rows}, q.options().dtype(at::kFloat));
+    }
+    const char* err = tk_attn::attention_decode(dt, view(q), view(k), view(v), o.data_ptr(), lse.data_ptr<float>(), sc,
+                                                plan, part_o.defined() ? part_o.data_ptr<float>() : nullptr,
+                                                part_lse.defined() ? part_lse.data_ptr<float>() : nullptr,
+                                                c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == nullptr, "tk_cuda::attention: ", err ? err : "");
+    return {o, lse};
+  }
   // The dynamic schedule under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static one there,
   // 0.89-1.0x without a mask). Its task counter comes from the stream-ordered allocator, so launches on several
   // streams never share one; zeroed by a memset node rather than at::zeros' fill kernel: less host time per call.

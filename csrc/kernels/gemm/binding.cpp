@@ -1,6 +1,8 @@
 // Registers tk_cuda::gemm (same schema as tk::gemm in tk_inductor/ops/gemm.py) and
 // tk_cuda::gemm_config (pipeline depth and epilogue choices for the ablation, benchmarks only).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>

@@ -1,0 +1,116 @@
+"""GPU tests of the split-KV decode kernels (csrc/kernels/attention/decode.cu): tk_cuda::attention with at most 16
+query rows, against the fp32 reference. Skipped without CUDA.
+
+The cases cover one and several splits (short and long caches), every row-tile count (a GQA group's rows G·N of
+at most 16, 32 and 64, and more than 64: several row groups), head dims below the compiled 64/128, causal, window
+and softcapped scores, strided (B, N, H, D) views, padding masks through tk::attention_varlen (rows without keys),
+CUDA-graph capture, and the backward on the decode forward's lse.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import tk_inductor.ops.attention  # noqa: F401  (registers the tk:: ops)
+from test_attention_gpu import GRAD_TOL, OUT_TOL, make_inputs, ops, poison, reference, rel_err  # noqa: F401 (ops)
+from test_attention_varlen_gpu import keep_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def cases():
+    out = []
+    lengths = (1, 63, 1000, 4097, 33000)
+    heads = ((32, 8), (8, 8), (16, 1), (4, 2), (40, 5))  # G = 4, 1, 16 (R > 64 at N 5), 2, 8
+    for i, (N, M) in enumerate(itertools.product((1, 2, 5, 16), lengths)):
+        Hq, Hkv = heads[i % len(heads)]
+        D = (128, 64, 80, 32)[i % 4]
+        dtype = (torch.bfloat16, torch.float16)[(i // 2) % 2]
+        scores = ("full", "causal", "window", "cap")[(i // 3) % 4]
+        out.append(((1, 3)[i % 2], Hq, Hkv, N, M, D, dtype, scores, ("bhnd", "bnhd")[(i // 5) % 2]))
+    return out
+
+
+def _id(c):
+    B, Hq, Hkv, N, M, D, dtype, scores, layout = c
+    return f"B{B}-H{Hq}:{Hkv}-N{N}-M{M}-D{D}-{str(dtype)[6:]}-{scores}-{layout}"
+
+
+def _scores(kind, D):
+    causal = kind in ("causal", "window")
+    return causal, (3 if kind == "window" else 0), (20.0 if kind == "cap" else 0.0), 1.0 / math.sqrt(D)
+
+
+@pytest.mark.parametrize("case", cases(), ids=_id)
+def test_decode_forward(ops, case):
+    B, Hq, Hkv, N, M, D, dtype, kind, layout = case
+    q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, layout=layout, seed=N + M)
+    causal, window, cap, scale = _scores(kind, D)
+    poison(((B, N, Hq, D), dtype), ((B, Hq, N), torch.float32))
+    o, lse = ops.attention(q, k, v, causal, scale, window, cap)
+    torch.cuda.synchronize()
+    assert o.shape == (B, Hq, N, D) and o.stride() == (N * Hq * D, D, Hq * D, 1)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    o_ref, lse_ref = reference(q, k, v, causal, scale, window, cap)
+    assert rel_err(o, o_ref) < OUT_TOL
+    torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("N", [1, 4])
+def test_decode_padding_masks(ops, N):
+    """Left/right padding, an entry without keys (o = 0, lse = +inf) and random ranges, through tk::attention_varlen
+    (its interval tables), at one and several splits."""
+    for M in (300, 20000):
+        B, Hq, Hkv, D = 6, 32, 8, 128
+        q, k, v = make_inputs(B, Hq, Hkv, N, M, D, torch.bfloat16, layout="bnhd", seed=M)
+        keep = keep_of(B, M, seed=M)
+        o, lse = torch.ops.tk.attention_varlen(q, k, v, keep, None, False, 0.1)
+        o_ref, lse_ref = reference(q, k, v, False, 0.1, keep=keep)
+        assert rel_err(o, o_ref) < OUT_TOL
+        seen = torch.isfinite(lse_ref)
+        assert torch.equal(torch.isinf(lse) & (lse > 0), ~seen), "rows without keys: lse +inf"
+        assert torch.equal(o[~seen], torch.zeros_like(o[~seen]))
+        torch.testing.assert_close(lse[seen], lse_ref[seen], atol=2e-3, rtol=1e-4)
+
+
+def test_decode_in_cuda_graph(ops):
+    """Captured and replayed with new inputs (a static-cache decode step under CUDA graphs): the partials come from
+    the graph's pool and every replay merges them again."""
+    shape = (2, 32, 8, 1, 9000, 128, torch.bfloat16)
+    static = list(make_inputs(*shape, seed=1))
+    ops.attention(*static, False, 0.088)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = ops.attention(*static, False, 0.088)
+    for seed in (2, 3):
+        for dst, src in zip(static, make_inputs(*shape, seed=seed)):
+            dst.copy_(src)
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref, lse_ref = reference(*static, False, 0.088)
+        assert rel_err(o, o_ref) < OUT_TOL
+        torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("N,M,causal", [(1, 5000, False), (7, 700, True), (16, 2049, False)])
+def test_decode_backward(ops, N, M, causal):
+    """Short queries in training (the backward kernels on the decode forward's o and lse)."""
+    B, Hq, Hkv, D = 2, 8, 2, 64
+    q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, Hq, Hkv, N, M, D, torch.bfloat16, seed=N))
+    o, _ = torch.ops.tk.attention(q, k, v, causal, 0.125)
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, _ = reference(qr, kr, vr, causal, 0.125)
+    assert rel_err(o, o_ref) < OUT_TOL
+    want = torch.autograd.grad(o_ref, (qr, kr, vr), do.float())
+    for name, g, r in zip(("dq", "dk", "dv"), got, want):
+        assert rel_err(g, r) < GRAD_TOL, name
