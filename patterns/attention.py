@@ -244,10 +244,6 @@ class _Finder:
             why = attention_ops.kernel_supports(dtype, number(qs[-1]))
             if why is not None:
                 raise Keep(why)
-            rows = number(qs[-2])
-            if rows is not None and rows <= attention_ops.DECODE_ROWS:
-                raise Keep(f"a decode step ({rows} query rows): SDPA's split-KV kernels are faster than the "
-                           "attention kernels' query tiles (no split-KV kernel yet)")
         if mixed and not (rank(out) == 4 and all(eq(a, b) for a, b in zip(shape(out)[:2], qs[:2]))):
             raise Keep("the 3-D scores are viewed to heads that differ from q's")
         heads = "4d" if len(qs) == 4 and (mixed or not qo.merged) else ("merged" if qo.merged else "none")

@@ -114,3 +114,32 @@ def test_decode_backward(ops, N, M, causal):
     want = torch.autograd.grad(o_ref, (qr, kr, vr), do.float())
     for name, g, r in zip(("dq", "dk", "dv"), got, want):
         assert rel_err(g, r) < GRAD_TOL, name
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_hf_generate_with_the_kernels(padded):
+    """generate() of an HF Llama (bf16, head dim 64, GQA 8:2) with a compiled forward: the prefill and every decode
+    step run the attention kernels (decode steps the split-KV ones), and the tokens are eager's. A left-padded batch
+    reads its mask at run time (tk::attention_varlen)."""
+    transformers = pytest.importorskip("transformers")
+    import tk_inductor
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(1, 128, (2, 300), device="cuda")
+    am = torch.ones_like(ids)
+    if padded:
+        am[0, :100] = 0
+    kw = dict(attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              output_logits=True)
+    want = model.generate(ids, **kw)
+    tk_inductor.reset()
+    model.forward = torch.compile(model.forward, backend="thunderkittens", options={"strict": True}, dynamic=True)
+    got = model.generate(ids, **kw)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        assert rel_err(a, b) < 2e-2, f"step {step}: logits differ by {rel_err(a, b):.3e}"
+    assert torch.equal(got.sequences, want.sequences)
+    report = tk_inductor.report()
+    assert report.replaced.get("attention", 0) >= 4, str(report)  # two layers, prefill and decode graphs

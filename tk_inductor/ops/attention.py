@@ -56,10 +56,6 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # the op routes them those measured at or above cuDNN SDPA on the H200 (benchmarks/RESULTS.md): 32 (small models),
 # 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x, 64 and 128.
 KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128)
-# Query lengths up to this are decode steps against a cache, which the matcher leaves to SDPA in kernel mode: the
-# kernels give every head a 128- or 192-row query tile, and SDPA's split-KV kernels ran 1.4-7x faster at one query
-# against 8k-32k keys (benchmarks/RESULTS.md); the op itself runs any length.
-DECODE_ROWS = 16
 
 
 def kernel_supports(dtype: torch.dtype, head_dim) -> str | None:

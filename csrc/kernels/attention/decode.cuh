@@ -12,7 +12,6 @@
 #pragma once
 #include <climits>
 #include <cmath>
-#include <cstdlib>
 
 #include "decode.h"
 #include "tk/ops/thread/cp_async.cuh"
@@ -23,10 +22,10 @@
 namespace tk_attn {
 namespace decode {
 
-template <typename T, int DK, int RT, int ST>
+template <typename T, int DK, int RT>
 struct Smem {
   tk::st<T, 16 * RT, DK> q;
-  tk::st<T, BK, DK> k[ST], v[ST];
+  tk::st<T, BK, DK> k[STAGES], v[STAGES];
 };
 
 }  // namespace decode
@@ -65,13 +64,13 @@ __device__ __forceinline__ void load_rows(ST& dst, const View4& src, int64_t pla
   }
 }
 
-template <typename T, int DK, int RT, int STAGES>
+template <typename T, int DK, int RT>
 __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
   constexpr int KW = BK * RT / WARPS;  // keys of a block per warp
   constexpr int PIECES = KW / 16;
   constexpr int ROWS = 16 * RT;
   extern __shared__ char raw[];
-  Smem<T, DK, RT, STAGES>& sm = *reinterpret_cast<Smem<T, DK, RT, STAGES>*>(tk::align_shared<1024>(raw));
+  Smem<T, DK, RT>& sm = *reinterpret_cast<Smem<T, DK, RT>*>(tk::align_shared<1024>(raw));
   __shared__ int2 span;
 
   const int rg = blockIdx.x, split = blockIdx.y, bh = blockIdx.z;
@@ -312,30 +311,30 @@ __global__ void __launch_bounds__(THREADS) decode_combine_kernel(const Params p,
   if (lane == 0) p.lse[(int64_t(b) * Hq + hq) * N + n] = wsum > 0.f ? mx + __logf(wsum) : INFINITY;
 }
 
-template <typename T, int DK, int RT, int ST>
-constexpr size_t smem_bytes() { return sizeof(Smem<T, DK, RT, ST>) + 1024; }
+template <typename T, int DK, int RT>
+constexpr size_t smem_bytes() { return sizeof(Smem<T, DK, RT>) + 1024; }
 
 // Sets the kernel's shared-memory limit (once) and returns its resident CTAs per SM, 0 on failure.
-template <typename T, int DK, int RT, int ST>
+template <typename T, int DK, int RT>
 int prepare() {
   static const int per_sm = [] {
-    auto kern = decode_kernel<T, DK, RT, ST>;
+    auto kern = decode_kernel<T, DK, RT>;
     int n = 0;
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes<T, DK, RT, ST>())) !=
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes<T, DK, RT>())) !=
             cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, THREADS, smem_bytes<T, DK, RT, ST>()) != cudaSuccess)
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, THREADS, smem_bytes<T, DK, RT>()) != cudaSuccess)
       return 0;
     return n;
   }();
   return per_sm;
 }
 
-template <typename T, int DK, int RT, int ST>
+template <typename T, int DK, int RT>
 const char* launch(const Params& p, cudaStream_t stream) {
-  if (prepare<T, DK, RT, ST>() == 0) return "the attention decode kernel cannot be launched (shared memory)";
+  if (prepare<T, DK, RT>() == 0) return "the attention decode kernel cannot be launched (shared memory)";
   // Both launches overlap the previous kernel's tail (programmatic dependent launch; each waits before reading).
-  if (tk::grid::launch_dependent(decode_kernel<T, DK, RT, ST>, dim3(p.groups, p.splits, unsigned(p.q.B * p.k.H)),
-                                 THREADS, smem_bytes<T, DK, RT, ST>(), stream, p) != cudaSuccess)
+  if (tk::grid::launch_dependent(decode_kernel<T, DK, RT>, dim3(p.groups, p.splits, unsigned(p.q.B * p.k.H)),
+                                 THREADS, smem_bytes<T, DK, RT>(), stream, p) != cudaSuccess)
     return "attention decode launch failed";
   if (p.splits > 1) {
     const int64_t rows = p.q.B * p.q.H * p.rows.N;
@@ -346,20 +345,12 @@ const char* launch(const Params& p, cudaStream_t stream) {
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention decode launch failed";
 }
 
-// f<T, DK, RT>() for the kernel that serves (dtype, head dim, row tiles).
-inline int decode_stages() {  // EXPERIMENT: ring depth
-  static const int v = getenv("TK_DECODE_STAGES") ? atoi(getenv("TK_DECODE_STAGES")) : 3;
-  return v;
-}
-
 }  // namespace
 
 template <typename T>
 int decode_occupancy(int64_t D, int row_tiles) {
   auto rows = [&]<int DK>() {
-    if (decode_stages() == 6)
-      return row_tiles == 1 ? prepare<T, DK, 1, 6>() : row_tiles == 2 ? prepare<T, DK, 2, 6>() : prepare<T, DK, 4, 6>();
-    return row_tiles == 1 ? prepare<T, DK, 1, 3>() : row_tiles == 2 ? prepare<T, DK, 2, 3>() : prepare<T, DK, 4, 3>();
+    return row_tiles == 1 ? prepare<T, DK, 1>() : row_tiles == 2 ? prepare<T, DK, 2>() : prepare<T, DK, 4>();
   };
   return D > 64 ? rows.template operator()<128>() : rows.template operator()<64>();
 }
@@ -367,11 +358,8 @@ int decode_occupancy(int64_t D, int row_tiles) {
 template <typename T>
 const char* decode_launch(const decode::Params& p, int row_tiles, cudaStream_t stream) {
   auto rows = [&]<int DK>() {
-    if (decode_stages() == 6)
-      return row_tiles == 1 ? launch<T, DK, 1, 6>(p, stream)
-             : row_tiles == 2 ? launch<T, DK, 2, 6>(p, stream) : launch<T, DK, 4, 6>(p, stream);
-    return row_tiles == 1 ? launch<T, DK, 1, 3>(p, stream)
-           : row_tiles == 2 ? launch<T, DK, 2, 3>(p, stream) : launch<T, DK, 4, 3>(p, stream);
+    return row_tiles == 1 ? launch<T, DK, 1>(p, stream)
+           : row_tiles == 2 ? launch<T, DK, 2>(p, stream) : launch<T, DK, 4>(p, stream);
   };
   return p.q.D > 64 ? rows.template operator()<128>() : rows.template operator()<64>();
 }
