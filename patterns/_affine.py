@@ -14,6 +14,8 @@ import math
 import operator
 from typing import Any
 
+import sympy
+
 from ._fx import Keep, eq
 
 
@@ -66,7 +68,25 @@ TRUE, FALSE = Pred(), Pred(false=True)
 
 
 def _is_int(x) -> bool:
+    """An integer constant: a number, or an integer expression in symbolic sizes (a SymInt's sympy expression, such as
+    a KV cache's length, which offsets the query positions of a decode step)."""
+    if isinstance(x, sympy.Expr):
+        return bool(x.is_integer)
     return isinstance(x, (bool, int)) or (isinstance(x, float) and x.is_integer())
+
+
+def _const(c):
+    """An integer constant as an int where it is a number, else its sympy expression."""
+    if isinstance(c, sympy.Expr):
+        return int(c) if c.is_number else c
+    return int(c)
+
+
+def nonnegative(c) -> bool | None:
+    """Whether the integer constant c is >= 0: decided for numbers, and for symbolic expressions whose sign the
+    symbols' assumptions (sizes are positive integers) fix; None when undecided."""
+    c = _const(c)
+    return c >= 0 if isinstance(c, int) else c.is_nonnegative
 
 
 def _plane(coefs: dict, c) -> Pred:
@@ -75,10 +95,15 @@ def _plane(coefs: dict, c) -> Pred:
     if not all(_is_int(k) for k in coefs.values()) or not _is_int(c):
         raise Keep("mask compares non-integer index expressions")
     coefs = {a: int(k) for a, k in coefs.items()}
-    c = int(c)
+    c = _const(c)
     if not coefs:
-        return TRUE if c >= 0 else FALSE
+        holds = nonnegative(c)
+        if holds is None:
+            raise Keep(f"the mask depends on the sign of the symbolic value `{c}`")
+        return TRUE if holds else FALSE
     g = math.gcd(*[abs(k) for k in coefs.values()])
+    if g != 1 and not isinstance(c, int):
+        raise Keep(f"mask scales the symbolic offset `{c}`")
     return Pred(frozenset({(_coefs({a: k // g for a, k in coefs.items()}), c // g)}))
 
 

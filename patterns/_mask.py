@@ -23,7 +23,7 @@ import torch.fx as fx
 from tk_inductor.rewrite import example
 
 from ._affine import (Aff, _and, _as_pred, _as_sel, _coefs, _compare, _drop_unit_axes, FALSE, Gather, _is_int, _linear,
-                      _not, _or, _plane, Pred, _remap, run_axis, Sel, _shift, _simplify, TRUE)
+                      nonnegative, _not, _or, _plane, Pred, _remap, run_axis, Sel, _shift, _simplify, TRUE)
 from ._fx import arg as _arg
 from ._fx import Keep, eq, number, rank, shape
 from ._fx import name as _name
@@ -62,7 +62,9 @@ class _MaskEval:
         n = number(node)
         if n is not None and not isinstance(example(node), torch.Tensor):
             return Aff((), n)  # a SymInt/SymFloat with a fixed value
-        if isinstance(example(node), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        if isinstance(example(node), torch.SymInt):
+            return Aff((), example(node).node.expr)  # a symbolic size: a constant of the mask, not an index
+        if isinstance(example(node), (torch.SymFloat, torch.SymBool)):
             raise Keep(f"it depends on the symbolic value `{node.name}`")
         if node.op == "placeholder":
             raise Keep(f"it is built from graph input `{node.target}` (a padding/custom mask or "
@@ -91,7 +93,7 @@ class _MaskEval:
             start, step = kw.get("start", 0), kw.get("step", 1)
         else:
             start, step = args[0], (args[2] if len(args) > 2 else kw.get("step", 1))
-        start, step = number(start), number(step)
+        start, step = _int_constant(start), number(step)
         if start is None or step is None or isinstance(start, bool):
             raise Keep("mask uses arange with a symbolic start/step")
         return Aff(_coefs({-1: step}), start)
@@ -392,6 +394,15 @@ class _MaskEval:
 _CAUSAL = frozenset({(_coefs({-2: 1, -1: -1}), 0)})  # key j <= query i
 
 
+def _int_constant(x):
+    """x as an int, or the sympy expression of a symbolic int (a size); None for anything else."""
+    n = number(x)
+    if n is not None:
+        return n
+    ex = example(x)
+    return ex.node.expr if isinstance(ex, torch.SymInt) else None
+
+
 def _on_box(planes, sizes: dict) -> set | None:
     """The half-planes that still cut the (query, key) box [0, N) x [0, M); None if one is empty there.
 
@@ -401,13 +412,13 @@ def _on_box(planes, sizes: dict) -> set | None:
     out = set()
     for coefs, c in planes:
         d = {a: k for a, k in coefs if not eq(sizes[a], 1)}
-        sz = {a: number(sizes[a]) for a in d}
+        sz = {a: _int_constant(sizes[a]) for a in d}  # symbolic sizes as sympy expressions
         if all(k > 0 or sz[a] is not None for a, k in d.items()):
             low = c + sum(k * (sz[a] - 1) for a, k in d.items() if k < 0)
             high = c + sum(k * (sz[a] - 1) for a, k in d.items() if k > 0) if all(v is not None for v in sz.values()) else None
-            if low >= 0:
+            if nonnegative(low):
                 continue  # holds everywhere
-            if high is not None and high < 0:
+            if high is not None and nonnegative(high) is False:
                 return None  # holds nowhere
         plane = _plane(d, c)
         if plane.false:
@@ -454,6 +465,9 @@ def _planes_kind(allowed: Pred, score_shape: tuple) -> MaskKind:
         raise Keep("the mask hides every key")
     if not planes:
         return MaskKind(False)
+    if any(not isinstance(c, int) for _, c in planes):
+        raise Keep("the mask's diagonal depends on a symbolic size (a causal mask aligned to the end of a longer key "
+                   "sequence, as with several new queries against a cache)")
     if planes == causal:
         return MaskKind(True)
     diagonal, anti = _coefs({-2: 1, -1: -1}), _coefs({-2: -1, -1: 1})

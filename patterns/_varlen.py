@@ -107,8 +107,10 @@ def literals(allowed: Pred, score_shape: tuple) -> tuple:
             raise Keep("a run-time mask is not read at the scores' batch index")
         if lit[0] == "keep":
             coefs, offset = lit[3]
+            # Columns the graph cannot prove the mask has (its length and the cache's are separate symbols) are
+            # checked when the adapter slices them, as eager's indexing checks them.
             if not (coefs == ((-1, 1),) or (coefs == () and eq(M, 1))) or offset < 0 \
-                    or not known(offset + example(M) <= example(ex.shape[1])):
+                    or known(offset + example(M) > example(ex.shape[1])):
                 raise Keep("the padding mask is not read at [batch, key + a constant offset] inside its columns")
             pad = (node, offset)
         else:

@@ -226,7 +226,9 @@ class _Finder:
             raise Keep(f"q and k head dims differ ({qs[-1]} vs {ks[-1]})")
         if not eq(vs[-1], qs[-1]):
             raise Keep(f"value head dim {vs[-1]} differs from the query/key head dim {qs[-1]}")
-        if not eq(ks[-2], vs[-2]):
+        # k and v lengths the graph cannot prove equal (two KV-cache inputs, each with its own size symbol) are equal
+        # wherever the graph runs: the original attention raises otherwise, and so does the op.
+        if known(ks[-2] != vs[-2]):
             raise Keep("k and v lengths differ")
         if not (eq(qs[0], ks[0]) and eq(ks[0], vs[0])):
             raise Keep("the batch is broadcast between q and k/v")

@@ -597,3 +597,23 @@ def test_hf_llama_generate_left_padded(cache):
     assert torch.equal(got, want)
     replaced = tk_inductor.report().replaced.get("attention", 0)
     assert replaced >= 2 if cache == "dynamic" else replaced == 0, str(tk_inductor.report())
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_hf_llama_generate_decode_steps_replaced(padded):
+    """generate() with dynamic shapes: the decode steps' attention is replaced too. Their mask reads the query
+    positions at the cache's symbolic length (kv <= past + q, every cached key for one query) and, padded, the
+    padding mask, whose columns are another symbol; the two caches' lengths are separate symbols as well."""
+    model = _llama("sdpa", cache=True).eval()
+    ids = torch.randint(1, 64, (2, 7))
+    am = torch.ones(2, 7, dtype=torch.long)
+    if padded:
+        am[0, :3] = 0
+    kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    tk_inductor.reset()
+    model.forward = torch.compile(model.forward, backend="thunderkittens", options=OPTS, dynamic=True)
+    got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+    graphs = tk_inductor.report().graphs
+    assert len(graphs) >= 2 and all(g.replaced.get("attention", 0) == 2 and not g.kept for g in graphs), graphs

@@ -281,6 +281,8 @@ def attention_varlen_adapter(q, k, v, causal: bool, scale: float, window: int, s
     """tk::attention_varlen's o: keep = the key columns [offset, offset + M) of a (B or 1, M') padding mask or None,
     segments = (B or 1, N) packed-sequence ids or None (one row: every batch entry's)."""
     B, M = q.shape[0], k.shape[2]
+    _dispatch.check(mask is None or mask.shape[1] >= offset + M,
+                    lambda: f"attention: the padding mask has {mask.shape[1]} columns, the keys need {offset + M}")
     keep = None if mask is None else mask[:, offset:offset + M].expand(B, M)
     if segments is not None:
         segments = segments.expand(B, segments.shape[1])
