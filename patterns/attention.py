@@ -184,19 +184,20 @@ class _Finder:
     # ------------------------------------------------------------------ shared checks and the match
     def _match(self, out: fx.Node, qo: _Operand, ko: _Operand, vo: _Operand, kind: MaskKind, scale: float,
                keep: str | None = None, mixed: bool = False, mask: fx.Node | None = None,
-               softcap: float = 0.0) -> Match:
+               softcap: float = 0.0, sdpa_split_kv: bool = False) -> Match:
         exs = [example(o.node) for o in (qo, ko, vo)]
         device = exs[0].device if isinstance(exs[0], torch.Tensor) else None
         needs_grad = any(isinstance(e, torch.Tensor) and e.requires_grad for e in exs)
         m = Match(FAMILY, [out], needs_grad=needs_grad, device=device, reason=keep)
         if keep is None:
             try:
-                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, kind, scale, mixed, mask, softcap)
+                m.target, m.args, m.outputs = self._call(out, qo, ko, vo, kind, scale, mixed, mask, softcap,
+                                                         sdpa_split_kv)
             except Keep as e:
                 m.reason = str(e)
         return m
 
-    def _call(self, out, qo, ko, vo, kind: MaskKind, scale, mixed=False, mask=None, softcap=0.0):
+    def _call(self, out, qo, ko, vo, kind: MaskKind, scale, mixed=False, mask=None, softcap=0.0, sdpa_split_kv=False):
         exs = [example(o.node) for o in (qo, ko, vo)]
         if not all(isinstance(e, torch.Tensor) for e in exs):
             raise Keep("q/k/v example values are missing")
@@ -246,6 +247,10 @@ class _Finder:
             why = attention_ops.kernel_supports(dtype, number(qs[-1]))
             if why is not None:
                 raise Keep(why)
+            rows = number(qs[-2])
+            if sdpa_split_kv and rows is not None and rows <= attention_ops.DECODE_ROWS:
+                raise Keep(f"a decode step ({rows} query rows) on SDPA's grouped-query path without a mask, whose "
+                           "split-KV kernels run it as fast as the decode kernels or faster")
         if mixed and not (rank(out) == 4 and all(eq(a, b) for a, b in zip(shape(out)[:2], qs[:2]))):
             raise Keep("the 3-D scores are viewed to heads that differ from q's")
         heads = "4d" if len(qs) == 4 and (mixed or not qo.merged) else ("merged" if qo.merged else "none")
@@ -327,7 +332,10 @@ class _Finder:
                 raise Keep(f"SDPA inputs of rank {rank(q)} (the op takes 4-D)")
         except Keep as e:
             return self._match(node, qo, ko, vo, MaskKind(False), 1.0, keep=str(e))
-        return self._match(node, qo, ko, vo, kind, scale, mask=runtime_mask)
+        # SDPA's own split-KV path: no mask and the K/V heads as they are (enable_gqa), where cuDNN/flash run a decode
+        # step at least as fast as the decode kernels
+        own_split_kv = mask is None and ko.repeated == 1 and vo.repeated == 1
+        return self._match(node, qo, ko, vo, kind, scale, mask=runtime_mask, sdpa_split_kv=own_split_kv)
 
     def _sdpa_mask(self, mask: fx.Node, score_shape: tuple) -> MaskKind:
         try:

@@ -473,12 +473,23 @@ def sdpa_full(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
+def sdpa_repeated(q, k, v):  # HF's sdpa path with a mask: K/V repeated per query head (repeat_kv)
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+
+
+@pytest.mark.parametrize("fn", [sdpa_full, sdpa_repeated])
 @pytest.mark.parametrize("N", [1, 16, 17])
-def test_kernel_mode_swaps_decode_steps(N):
-    """A decode step (a few queries against a long cache) is replaced in kernel mode: the op runs the split-KV decode
-    kernels for queries of at most 16 rows."""
-    gm = _fake_cuda_graph(sdpa_full, [(2, 8, N, 128), (2, 2, 4096, 128), (2, 2, 4096, 128)], torch.bfloat16)
-    assert _reasons(gm) == [None]
+def test_kernel_mode_decode_steps(N, fn):
+    """A decode step (at most 16 queries against a long cache) on SDPA's grouped-query path without a mask stays with
+    SDPA in kernel mode (its split-KV kernels are as fast); on repeated K/V it is replaced (the split-KV decode
+    kernels read each K/V head once). Reference mode replaces both."""
+    gm = _fake_cuda_graph(fn, [(2, 8, N, 128), (2, 2, 4096, 128), (2, 2, 4096, 128)], torch.bfloat16)
+    (reason,) = _reasons(gm)
+    kept = fn is sdpa_full and N <= 16
+    assert (reason is not None and "decode step" in reason) if kept else reason is None
+    with tk_inductor.config.patch(reference=True):
+        assert _reasons(gm) == [None]
 
 
 def test_heads_not_a_multiple_kept():

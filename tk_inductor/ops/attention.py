@@ -56,6 +56,11 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # the op routes them those measured at or above cuDNN SDPA on the H200 (benchmarks/RESULTS.md): 32 (small models),
 # 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x, 64 and 128.
 KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128)
+# Queries of at most this many rows run the split-KV decode kernels (kDecodeRows in csrc/kernels/attention). Against
+# SDPA's own split-KV path (no mask, K/V heads not repeated) they ran 0.77-0.99x cuDNN on the H200, so the matcher leaves
+# such decode steps to SDPA; a masked step (SDPA on repeated K/V, the memory-efficient kernel) or an eager one is
+# replaced (benchmarks/RESULTS.md).
+DECODE_ROWS = 16
 
 
 def kernel_supports(dtype: torch.dtype, head_dim) -> str | None:
