@@ -12,6 +12,7 @@
 #pragma once
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "decode.h"
 #include "tk/ops/thread/cp_async.cuh"
@@ -241,6 +242,20 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
     lse[h] = lv > 0.f ? (mv + log2f(lv)) * LN2 : (split_out ? -INFINITY : INFINITY);
   }
   const int D = int(p.q.D), Hq = int(p.q.H);
+  // Row half h of this lane's o, normalised, into the row at dst (fp32 partials or the output's dtype).
+  auto store_row = [&](auto* dst, int h) {
+    using U = std::remove_pointer_t<decltype(dst)>;
+#pragma unroll
+    for (int w = 0; w < DK / 16; ++w)
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const int col = 16 * w + tk::quad_pos(2 * kk);
+        const float2 v = o.tiles[0][w].data[2 * kk + h];
+        if (col < D)
+          *reinterpret_cast<tk::packed_t<U>*>(dst + col) =
+              tk::make_packed<U>(tk::convert<U>(v.x * inv[h]), tk::convert<U>(v.y * inv[h]));
+      }
+  };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int rl = 16 * rt + tk::pair8_pos(h), rr = row_base + rl;
@@ -248,28 +263,10 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
     const int g = rr / rw.N, n = rr - g * rw.N, hq = hkv * rw.G + g;
     if (split_out) {
       const int64_t prow = ((int64_t(bh) * p.groups + rg) * p.splits + split) * ROWS + rl;
-      float* dst = p.part_o + prow * D;
-#pragma unroll
-      for (int w = 0; w < DK / 16; ++w)
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const int col = 16 * w + tk::quad_pos(2 * kk);
-          const float2 v = o.tiles[0][w].data[2 * kk + h];
-          if (col < D) *reinterpret_cast<float2*>(dst + col) = make_float2(v.x * inv[h], v.y * inv[h]);
-        }
+      store_row(p.part_o + prow * D, h);
       if ((lane & 3) == 0) p.part_lse[prow] = lse[h];
     } else {
-      T* dst = static_cast<T*>(p.o) + ((int64_t(b) * rw.N + n) * Hq + hq) * D;
-#pragma unroll
-      for (int w = 0; w < DK / 16; ++w)
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const int col = 16 * w + tk::quad_pos(2 * kk);
-          const float2 v = o.tiles[0][w].data[2 * kk + h];
-          if (col < D)
-            *reinterpret_cast<tk::packed_t<T>*>(dst + col) =
-                tk::make_packed<T>(tk::convert<T>(v.x * inv[h]), tk::convert<T>(v.y * inv[h]));
-        }
+      store_row(static_cast<T*>(p.o) + ((int64_t(b) * rw.N + n) * Hq + hq) * D, h);
       if ((lane & 3) == 0) p.lse[(int64_t(b) * Hq + hq) * rw.N + n] = lse[h];
     }
   }
