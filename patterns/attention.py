@@ -104,6 +104,23 @@ def _in_place(node: fx.Node) -> bool:
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
+def _mutated_after(operand: fx.Node, reader: fx.Node) -> bool:
+    """Whether an in-place op on `operand` runs after `reader` in the graph. Writes before the read (a static KV
+    cache's `index_copy_` of the new keys, then attention over the buffer) are seen by the op that replaces the read,
+    which takes its place; a later write is not proven harmless, so it keeps the attention."""
+    writes = [u for u in operand.users if _in_place(u)]
+    if not writes:
+        return False
+    for n in reader.graph.nodes:  # graph order: the reader first means a write follows it
+        if n is reader:
+            return True
+        if n in writes:
+            writes.remove(n)
+            if not writes:
+                return False
+    return True
+
+
 def _operands(node: fx.Node):
     name = _name(node)
     if name == "baddbmm":
@@ -304,8 +321,8 @@ class _Finder:
             if qo.transposed or ko.transposed or vo.transposed:
                 qo, ko, vo = _Operand(q), _Operand(k), _Operand(v)
             for n in (qo.node, ko.node, vo.node):
-                if any(_in_place(u) for u in n.users):
-                    raise Keep(f"`{n.name}` is modified in place")
+                if _mutated_after(n, node):
+                    raise Keep(f"`{n.name}` is modified in place after the attention reads it")
             if dropout_p is None or dropout_p != 0:
                 raise Keep(f"SDPA dropout_p={_arg(node, 4, 'dropout_p')} (SDPA drops even in eval; no RNG kernel)")
             if is_causal is None:
@@ -378,9 +395,12 @@ class _Finder:
             mixed = False
         ko.want_t = want_t
         try:
-            for n in [qk] + chain + [sm] + after + [qo.node, ko.node, vo.node]:
+            for n in [qk] + chain + [sm] + after:
                 if any(_in_place(u) for u in n.users):
                     raise Keep(f"`{n.name}` is modified in place")
+            for n in (qo.node, ko.node, vo.node):
+                if _mutated_after(n, qk):
+                    raise Keep(f"`{n.name}` is modified in place after the attention reads it")
             for n in [qk] + chain + [sm] + after:
                 if len(n.users) != 1:
                     raise Keep(f"the attention weights (`{n.name}`) are also used elsewhere "

@@ -116,11 +116,13 @@ def test_decode_backward(ops, N, M, causal):
         assert rel_err(g, r) < GRAD_TOL, name
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_hf_generate_with_the_kernels(padded):
+@pytest.mark.parametrize("cache, padded", [("dynamic", False), ("dynamic", True), ("static", True)])
+def test_hf_generate_with_the_kernels(cache, padded):
     """generate() of an HF Llama (bf16, head dim 64, GQA 8:2) with a compiled forward (dynamic shapes): the tokens
     and logits are eager's; the prefill runs the attention kernels and the decode steps the split-KV ones where they
-    are replaced. A left-padded batch reads its mask at run time (tk::attention_varlen)."""
+    are replaced. A left-padded batch reads its mask at run time (tk::attention_varlen); a static cache's decode
+    steps write the buffer in place and attend over it under a run-time mask of one run of keys per row
+    (tk::attention_masked's interval tables)."""
     transformers = pytest.importorskip("transformers")
     import tk_inductor
 
@@ -133,7 +135,7 @@ def test_hf_generate_with_the_kernels(padded):
     if padded:
         am[0, :100] = 0
     kw = dict(attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-              output_logits=True)
+              output_logits=True, cache_implementation=cache)
     want = model.generate(ids, **kw)
     tk_inductor.reset()
     model.forward = torch.compile(model.forward, backend="thunderkittens", options={"strict": True}, dynamic=True)

@@ -73,8 +73,11 @@ def test_learned_bias_input_kept():
 def test_mask_kind():
     masks = _masks(5, 7)
     kinds = {name: A.mask_kind(m, 5, 7) for name, m in masks.items()}
-    assert kinds == {"causal": "causal", "full": "full", "padding": None, "random": None, "window": 3,
-                     "window_additive": 3, "causal_additive": "causal", "padding_additive": None, "bias": None}
+    runs = {name: kinds.pop(name) for name in ("padding", "padding_additive")}  # one run of keys per row
+    assert all(isinstance(t, A._varlen.Intervals) for t in runs.values())
+    assert runs["padding"].row_keys.tolist() == [[[1, 1], [1, 1], [1, 2], [1, 3], [1, 4]]]
+    assert kinds == {"causal": "causal", "full": "full", "random": None, "window": 3, "window_additive": 3,
+                     "causal_additive": "causal", "bias": None}
     assert A.mask_kind(masks["window"][:2], 2, 7) == "causal"  # two rows of a window of 3: plain causal there
     assert A.mask_kind(masks["window"][:, :2], 5, 2) is None  # rows 3 and 4 see no key of these two
     # broadcast views, leading dims, and an in-place change after the answer was cached
@@ -86,6 +89,37 @@ def test_mask_kind():
     assert A.mask_kind(owner[None, None], 5, 7) is None
     assert A.mask_kind(masks["causal_additive"] * 0.5, 5, 7) == "causal"  # still 0 / <= fp16 min
     assert A.mask_kind(masks["causal_additive"] / 1e35, 5, 7) is None  # hidden values too mild
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_mask_kind_row_intervals(B):
+    """A run-time mask whose rows each see one run of keys (a static KV cache's decode mask: keys up to the position,
+    after left padding) becomes the kernels' interval tables: each query's keys, and each key's queries exactly as
+    the mask says; a hole, an empty row, runs that move backwards or heads that differ leave it to SDPA."""
+    N, M = 4, 9
+    start = torch.tensor([0, 2, 3])[:B]
+    pos = torch.tensor([3, 4, 6, 6])  # the last visible key of each query row, nondecreasing
+    j = torch.arange(M)
+    mask = (j >= start[:, None, None]) & (j <= pos[None, :, None])  # (B, N, M)
+    tables = A.mask_kind(mask[:, None], N, M, B)
+    assert isinstance(tables, A._varlen.Intervals)
+    rows = tables.row_keys.long()
+    assert torch.equal(rows[..., 0], start[:, None].expand(B, N)) and torch.equal(rows[..., 1], pos.expand(B, N))
+    lo, hi = tables.key_rows.long().unbind(-1)
+    for b in range(B):
+        for key in range(M):
+            seen = mask[b, :, key].nonzero().flatten().tolist()
+            assert (lo[b, key].item(), hi[b, key].item()) == ((seen[0], seen[-1]) if seen else (lo[b, key].item(),
+                                                                                                  lo[b, key].item() - 1))
+    holed = mask.clone()
+    holed[..., 3, start[0] + 1] = False
+    backwards = mask.flip(1)
+    empty = mask.clone()
+    empty[:, 0] = False
+    heads = torch.stack((mask, mask.roll(1, -1)), 1)
+    for other in (holed, backwards, empty):
+        assert A.mask_kind(other[:, None], N, M, B) is None
+    assert A.mask_kind(heads, N, M, B) is None
 
 
 def _fresh_paths():
@@ -177,7 +211,10 @@ def test_proven_mask_views():
         assert paths["proven"] == proven, name
         A._kinds.clear()
         A._proofs.clear()
-        assert A.mask_kind(view, n, m) == got, name  # the proof never disagrees with the values
+        again = A.mask_kind(view, n, m)
+        if isinstance(got, A._varlen.Intervals):  # a mask of one run per row (the transposed one): compare the tables
+            got, again = got.row_keys.tolist(), again.row_keys.tolist()
+        assert again == got, name  # the proof never disagrees with the values
     A.prove_mask(base, "causal")
     base[..., 5, 2] = False  # changed in place after the proof: values decide
     paths = _fresh_paths()
@@ -363,8 +400,9 @@ def test_gpu_attention_masked_softcap(kind):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["causal", "full", "padding", "causal_additive", "bias", "window", "window_additive"])
 def test_gpu_attention_masked_paths(kind):
-    """A causal, sliding-window or all-visible run-time mask runs the kernel (lse computed), any other runs SDPA;
-    forward and gradients equal SDPA with the mask either way; one check per mask tensor (cached)."""
+    """A causal, sliding-window or all-visible run-time mask runs the kernel (lse computed), as does one whose rows
+    each see one run of keys (interval tables); any other runs SDPA; forward and gradients equal SDPA with the mask
+    either way; one check per mask tensor (cached)."""
     if not _kernel_built():
         pytest.skip("the attention kernels need an sm_90 GPU")
     N = M = 300
@@ -373,9 +411,13 @@ def test_gpu_attention_masked_paths(kind):
     if mask.is_floating_point():
         mask = mask.bfloat16()
     o, lse = torch.ops.tk.attention_masked(q, k, v, mask[None, None], 0.0883)
-    assert (lse.abs().sum() > 0) == (kind in ("causal", "full", "causal_additive", "window", "window_additive"))
-    assert A.mask_kind(mask[None, None], N, M) == {"causal": "causal", "full": "full", "causal_additive": "causal",
-                                                   "window": 3, "window_additive": 3}.get(kind)
+    assert (lse.abs().sum() > 0) == (kind != "bias")
+    got = A.mask_kind(mask[None, None], N, M, 2)
+    if kind == "padding":  # one run of keys per row: the interval tables
+        assert isinstance(got, A._varlen.Intervals)
+    else:
+        assert got == {"causal": "causal", "full": "full", "causal_additive": "causal", "window": 3,
+                       "window_additive": 3}.get(kind)
     kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
     ref = F.scaled_dot_product_attention(q.float(), kk.float(), vv.float(),
                                          attn_mask=mask if mask.dtype == torch.bool else mask.float(), scale=0.0883)
@@ -414,8 +456,8 @@ def test_attention_masked_warns_once_when_the_kernel_cannot_take_the_mask(monkey
     q, k, v = _inputs()
     masks = _masks(8, 8)
     with pytest.warns(UserWarning, match="neither causal"):
-        out, _ = torch.ops.tk.attention_masked(q, k, v, masks["padding"], 0.25)
-    torch.testing.assert_close(out, A._masked_sdpa(q, k, v, masks["padding"], 0.25))
+        out, _ = torch.ops.tk.attention_masked(q, k, v, masks["bias"], 0.25)
+    torch.testing.assert_close(out, A._masked_sdpa(q, k, v, masks["bias"], 0.25))
     import warnings
 
     with warnings.catch_warnings():

@@ -384,17 +384,19 @@ def _proven_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
     return "full" if kind == "full" or M == 1 else "causal"  # a corner of the causal set is causal
 
 
-def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | int | None:
+def mask_kind(mask: torch.Tensor, N: int, M: int, B: int = 1):
     """"causal" (key j <= query i), "full" (every key), an int w (a causal sliding window: i - w < j <= i, narrower
-    than the rows) or None (anything else) for a bool (True = attend) or additive (0 = attend, <= NEG_BIG = hidden)
-    mask that broadcasts to (..., N, M).
+    than the rows), the interval tables of a mask whose rows each see one run of keys (`Intervals`: every row a
+    non-empty interval, their starts and ends nondecreasing along the rows, the same for every head; B is the batch
+    they are built for) or None (anything else) for a bool (True = attend) or additive (0 = attend, <= NEG_BIG =
+    hidden) mask that broadcasts to (..., N, M).
 
     Taken from the proof of the graph that made the mask when there is one (prove_mask), else decided on the
     values, with one device-to-host copy; the answer is cached on the tensor (or the tensor it
     views) together with the view's geometry and version counter, so layers that share one mask pay once and an
     in-place change of the mask is seen."""
     owner = mask._base if mask._base is not None else mask
-    key = _mask_key(mask, N, M)
+    key = _mask_key(mask, N, M) + (B,)
     cached = _kinds.get(owner)
     if cached is not None and key in cached:
         return cached[key]
@@ -423,9 +425,27 @@ def mask_kind(mask: torch.Tensor, N: int, M: int) -> str | int | None:
     is_full = visible.all()
     if valid is not None:
         is_causal, is_window, is_full = is_causal & valid, is_window & valid, is_full & valid
-    c, w, f, width = torch.stack((is_causal, is_window, is_full, width)).long().tolist()
+    # Row intervals, where every head sees the same mask: its (batch, query, key) planes
+    m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if (m4.shape[1] == 1 or m4.stride(1) == 0) and (m4.shape[0] in (1, B) or m4.stride(0) == 0):
+        planes = m4[slice(1) if m4.shape[0] == 1 or m4.stride(0) == 0 else slice(None), 0]
+        rows = planes if planes.dtype == torch.bool else planes == 0
+        pos = torch.arange(rows.shape[-1], device=m.device)
+        count = rows.sum(-1)
+        first = torch.where(rows, pos, M).amin(-1)
+        last = torch.where(rows, pos, -1).amax(-1)
+        runs = ((count > 0) & (count == last - first + 1)).all()
+        runs = runs & (first[:, 1:] >= first[:, :-1]).all() & (last[:, 1:] >= last[:, :-1]).all()
+        if valid is not None:
+            runs = runs & valid
+        runs = runs & (rows.shape[-1] == M)
+    else:
+        runs = torch.zeros((), dtype=torch.bool, device=m.device)
+    c, w, f, width, r = torch.stack((is_causal, is_window, is_full, width, runs)).long().tolist()
     masked_paths["value checks"] += 1  # each one waits for the GPU
     kind = "full" if f else ("causal" if c else (width if w and width >= 1 else None))
+    if kind is None and r:
+        kind = _varlen.row_intervals(first.expand(B, N), last.expand(B, N), M)
     _kinds.setdefault(owner, {})[key] = kind
     return kind
 
@@ -470,12 +490,12 @@ def _masked_path(q, k, v, mask) -> str | int | None:
     if not _kernel_ok(q, k, v) or torch.cuda.is_current_stream_capturing():
         return None
     global _warned_sdpa
-    kind = mask_kind(mask, q.shape[2], k.shape[2])
+    kind = mask_kind(mask, q.shape[2], k.shape[2], q.shape[0])
     if kind is None and not _warned_sdpa:  # once per process: the kernel could have run, but not this mask
         _warned_sdpa = True
-        warnings.warn("tk::attention_masked: the attention mask is neither causal, a causal sliding window nor "
-                      "all-visible, so SDPA runs instead of the kernel, and the backward recomputes the scores per "
-                      "batch entry (slower)", stacklevel=2)
+        warnings.warn("tk::attention_masked: the attention mask is neither causal, a causal sliding window, "
+                      "all-visible nor one run of keys per row, so SDPA runs instead of the kernel, and the backward "
+                      "recomputes the scores per batch entry (slower)", stacklevel=2)
     return kind
 
 
@@ -496,7 +516,10 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
     mask = _as_scores_mask(mask)
     kind = _masked_path(q, k, v, mask)
-    masked_paths[kind or "sdpa"] += 1
+    masked_paths["intervals" if isinstance(kind, _varlen.Intervals) else (kind or "sdpa")] += 1
+    if isinstance(kind, _varlen.Intervals):
+        q, k, v = map(_last_dim_unit, (q, k, v))
+        return _dispatch.kernel("attention")(q, k, v, False, scale, 0, softcap, kind.row_keys)
     if kind is not None:
         causal, window = _kind_args(kind)
         return attention(q, k, v, causal, scale, window, softcap)
@@ -532,6 +555,9 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     mask = _as_scores_mask(mask)
     # The same values give the same answer as in the forward (cached), so the paths agree.
     kind = _masked_path(q, k, v, mask)
+    if isinstance(kind, _varlen.Intervals):
+        ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
+        return _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), False, scale, 0, softcap, kind.key_rows)
     if kind is not None:
         causal, window = _kind_args(kind)
         return attention_backward(grad_o, q, k, v, o, lse, causal, scale, window, softcap)

@@ -94,6 +94,20 @@ class Intervals:
         self.key_rows = torch.stack((lo_k, hi_k), -1).to(torch.int32).contiguous()
 
 
+def row_intervals(first: torch.Tensor, last: torch.Tensor, M: int) -> Intervals:
+    """The tables of a mask whose every row i of entry b sees exactly the keys [first, last] (B, N) (nondecreasing
+    along the rows, first <= last): key j's queries are the rows whose interval holds it (tk::attention_masked's
+    run-time masks, such as a static KV cache's)."""
+    t = Intervals.__new__(Intervals)
+    keys = torch.arange(M, device=first.device).expand(first.shape[0], M).contiguous()
+    lo_k = torch.searchsorted(last.contiguous(), keys)  # the first row whose interval ends at or after j
+    hi_k = torch.searchsorted(first.contiguous(), keys, right=True) - 1  # the last row whose interval starts by j
+    t.exact = t.empty = None
+    t.row_keys = torch.stack((first, last), -1).to(torch.int32).contiguous()
+    t.key_rows = torch.stack((lo_k, hi_k), -1).to(torch.int32).contiguous()
+    return t
+
+
 def _geometry(t: torch.Tensor | None) -> tuple:
     return () if t is None else (id(t._base if t._base is not None else t), t.storage_offset(), tuple(t.shape),
                                  t.stride(), t.dtype, t._version)

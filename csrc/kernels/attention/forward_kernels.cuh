@@ -1,5 +1,5 @@
 // The attention forward kernels (the serial schedule, run where scale <= 0, and the ping-pong one) on the pieces of
-// forward.cuh, and the launcher of one (dtype, head dim), instantiated in forward_<dtype>_d<head dim>.cu.
+// forward.cuh, and the launcher of one (dtype, head dim, mask), instantiated in forward_<dtype>_d<head dim>_<causal|full>.cu.
 #pragma once
 #include "forward.cuh"
 
@@ -559,26 +559,26 @@ struct FwdConfigs<64> {
 
 }  // namespace
 
-// The launcher of one (dtype, head dim), instantiated in forward_<dtype>_d<head dim>.cu: each mask's configuration,
-// on the dynamic schedule under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static one there) and
-// the static one without (equal tasks: 0.89-1.0x as dynamic); the serial configuration for scale <= 0 without a cap.
-template <typename T, int D>
+// The launcher of one (dtype, head dim, mask), instantiated in forward_<dtype>_d<head dim>_<causal|full>.cu: the mask's
+// configuration, on the dynamic schedule under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static
+// one there) and the static one without (equal tasks: 0.89-1.0x as dynamic); the serial configuration for scale <= 0
+// without a cap.
+template <typename T, int D, bool CAUSAL>
 const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                            const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
   using Cs = FwdConfigs<D>;
-  if (sc.causal && next_task == nullptr) return "the causal forward needs its task counter";
+  if (sc.causal != CAUSAL) return "the forward was dispatched to the other mask's kernels";
+  if (CAUSAL && next_task == nullptr) return "the causal forward needs its task counter";
   const bool cap = sc.softcap > 0.f;
-  const auto run = [&](auto cfg, auto dyn) {
+  const auto run = [&](auto cfg) {
     using Cfg = decltype(cfg);
-    constexpr bool DYN = decltype(dyn)::value;
     if constexpr (Cfg::PP) {
-      if (cap) return launch_fwd<T, Cfg, DYN, true>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
+      if (cap) return launch_fwd<T, Cfg, CAUSAL, true>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
     }
-    return launch_fwd<T, Cfg, DYN, false>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
+    return launch_fwd<T, Cfg, CAUSAL, false>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
   };
-  if (!(sc.scale > 0.f) && !cap)
-    return sc.causal ? run(typename Cs::Serial{}, std::true_type{}) : run(typename Cs::Serial{}, std::false_type{});
-  return sc.causal ? run(typename Cs::Causal{}, std::true_type{}) : run(typename Cs::Full{}, std::false_type{});
+  if (!(sc.scale > 0.f) && !cap) return run(typename Cs::Serial{});
+  return run(std::conditional_t<CAUSAL, typename Cs::Causal, typename Cs::Full>{});
 }
 
 }  // namespace tk_attn

@@ -1,8 +1,0 @@
-// The forward kernels for __nv_bfloat16, head dim 64 (forward_kernels.cuh): one translation unit per
-// (dtype, head dim), so that the four compile in parallel.
-#include "forward_kernels.cuh"
-
-namespace tk_attn {
-template const char* forward_config<__nv_bfloat16, 64>(DType, const View4&, const View4&, const View4&, void*, float*,
-                                               const Scores&, int, int*, cudaStream_t);
-}  // namespace tk_attn
