@@ -28,7 +28,8 @@ def _coefs(d: dict) -> Coefs:
 
 @dataclasses.dataclass(frozen=True)
 class Aff:
-    """c + Σ k·index[axis] (a constant when there are no coefficients)."""
+    """c + Σ k·index[axis] (a constant when there are no coefficients); c is a number or an integer sympy expression
+    in symbolic sizes."""
 
     coefs: Coefs = ()
     c: Any = 0

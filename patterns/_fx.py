@@ -628,3 +628,26 @@ def unify(c: Contraction, template: list[tuple[str, str]], out: str, bound: dict
         if ok:
             return bindings
     return None
+
+
+def in_place(node: fx.Node) -> bool:
+    """Whether the call is an in-place op (`x.add_(...)`, `index_copy_`): a name ending in one underscore."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def mutated_after(operand: fx.Node, reader: fx.Node) -> bool:
+    """Whether an in-place op on `operand` runs after `reader` in the graph. Writes before the read (a static KV
+    cache's `index_copy_` of the new keys, then attention over the buffer) are seen by the op that replaces the read,
+    which takes its place; a later write is not proven harmless, so a matcher keeps such a read."""
+    writes = [u for u in operand.users if in_place(u)]
+    if not writes:
+        return False
+    for n in reader.graph.nodes:  # graph order: the reader first means a write follows it
+        if n is reader:
+            return True
+        if n in writes:
+            writes.remove(n)
+            if not writes:
+                return False
+    return True

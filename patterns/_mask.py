@@ -7,7 +7,9 @@ half-planes in (query i, key j), and two-valued selections. It covers tril/triu 
 `where`, `masked_fill`, and transformers 5.x's `sdpa_mask`/`eager_mask` including the packed-sequence detection on
 in-graph position ids. A run-time 2-D bool mask read at [batch, key] (HF's padding `attention_mask`) becomes a
 padding literal, and run-time packed-sequence ids (a cumsum of a bool) compared at the query and the key a
-same-sequence literal. `_mask_kind` decides whether an allowed set is exactly {j <= i} (causal, top-left),
+same-sequence literal. A symbolic size (a KV cache's length under dynamic shapes, which offsets a decode step's
+query positions) is a constant of the mask, kept as its sympy expression and decided on the box of scores, whose
+sizes are symbolic too. `_mask_kind` decides whether an allowed set is exactly {j <= i} (causal, top-left),
 {i - w < j <= i} (a causal sliding window) or everything, each with or without a padding literal, and names what
 else it is (a diagonal offset, a mask varying over batch or heads). A mask built otherwise from a graph input or
 with an op outside this vocabulary raises `Keep` with the reason.

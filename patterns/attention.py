@@ -55,7 +55,7 @@ from tk_inductor.rewrite import Match, example
 
 from ._fx import arg as _arg
 from ._affine import Aff, Pred, _and, _as_pred, _not
-from ._fx import _CASTS, Keep, eq, known, number, rank, shape
+from ._fx import _CASTS, in_place, Keep, eq, known, mutated_after, number, rank, shape
 from ._fx import name as _name
 from ._mask import _additive_allowed, _fill_finite, _fill_ok, _mask_kind, _MaskEval, MaskKind
 from ._varlen import _from_graph_input
@@ -97,28 +97,6 @@ def _einsum_kind(node: fx.Node) -> str | None:
     if b[-2] == x and len({n, x, b[-1]}) == 3 and out[-2:] == n + b[-1]:
         return "pv"  # ...nm,...md->...nd
     return None
-
-
-def _in_place(node: fx.Node) -> bool:
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
-
-
-def _mutated_after(operand: fx.Node, reader: fx.Node) -> bool:
-    """Whether an in-place op on `operand` runs after `reader` in the graph. Writes before the read (a static KV
-    cache's `index_copy_` of the new keys, then attention over the buffer) are seen by the op that replaces the read,
-    which takes its place; a later write is not proven harmless, so it keeps the attention."""
-    writes = [u for u in operand.users if _in_place(u)]
-    if not writes:
-        return False
-    for n in reader.graph.nodes:  # graph order: the reader first means a write follows it
-        if n is reader:
-            return True
-        if n in writes:
-            writes.remove(n)
-            if not writes:
-                return False
-    return True
 
 
 def _operands(node: fx.Node):
@@ -321,7 +299,7 @@ class _Finder:
             if qo.transposed or ko.transposed or vo.transposed:
                 qo, ko, vo = _Operand(q), _Operand(k), _Operand(v)
             for n in (qo.node, ko.node, vo.node):
-                if _mutated_after(n, node):
+                if mutated_after(n, node):
                     raise Keep(f"`{n.name}` is modified in place after the attention reads it")
             if dropout_p is None or dropout_p != 0:
                 raise Keep(f"SDPA dropout_p={_arg(node, 4, 'dropout_p')} (SDPA drops even in eval; no RNG kernel)")
@@ -396,10 +374,10 @@ class _Finder:
         ko.want_t = want_t
         try:
             for n in [qk] + chain + [sm] + after:
-                if any(_in_place(u) for u in n.users):
+                if any(in_place(u) for u in n.users):
                     raise Keep(f"`{n.name}` is modified in place")
             for n in (qo.node, ko.node, vo.node):
-                if _mutated_after(n, qk):
+                if mutated_after(n, qk):
                     raise Keep(f"`{n.name}` is modified in place after the attention reads it")
             for n in [qk] + chain + [sm] + after:
                 if len(n.users) != 1:
