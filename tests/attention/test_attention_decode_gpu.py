@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import tk_inductor.ops.attention  # noqa: F401  (registers the tk:: ops)
-from test_attention_gpu import GRAD_TOL, OUT_TOL, make_inputs, ops, poison, reference, rel_err  # noqa: F401 (ops)
+from test_attention_gpu import (GRAD_TOL, OUT_TOL, make_inputs, ops, poison, reference, rel_err,  # noqa: F401 (ops)
+                                replays_in_cuda_graph)
 from test_attention_varlen_gpu import keep_of
 
 pytestmark = [
@@ -82,22 +83,7 @@ def test_decode_padding_masks(ops, N):
 def test_decode_in_cuda_graph(ops):
     """Captured and replayed with new inputs (a static-cache decode step under CUDA graphs): the partials come from
     the graph's pool and every replay merges them again."""
-    shape = (2, 32, 8, 1, 9000, 128, torch.bfloat16)
-    static = list(make_inputs(*shape, seed=1))
-    ops.attention(*static, False, 0.088)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, lse = ops.attention(*static, False, 0.088)
-    for seed in (2, 3):
-        for dst, src in zip(static, make_inputs(*shape, seed=seed)):
-            dst.copy_(src)
-        o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        o_ref, lse_ref = reference(*static, False, 0.088)
-        assert rel_err(o, o_ref) < OUT_TOL
-        torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+    replays_in_cuda_graph(ops, (2, 32, 8, 1, 9000, 128, torch.bfloat16), False, (1, 2, 3))
 
 
 @pytest.mark.parametrize("N,M,causal", [(1, 5000, False), (7, 700, True), (16, 2049, False)])

@@ -153,18 +153,17 @@ def test_forward_many_tasks(ops, case):
     test_forward(ops, case)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_forward_in_cuda_graph(ops, causal):
-    """Captured once, replayed on new inputs: the dynamic schedule's counter (causal) is zeroed by a memset node in
-    the graph, so every replay runs every task (a counter left at its end would leave the poisoned output)."""
-    static = list(make_inputs(2, 8, 2, 1000, 1000, 128, torch.bfloat16, seed=3))
+def replays_in_cuda_graph(ops, shape, causal, seeds):
+    """tk_cuda::attention on inputs of `shape` (make_inputs' arguments) captured once in a CUDA graph, then replayed
+    on new inputs copied into the captured ones (seeds[1:]): each replay equals the reference."""
+    static = list(make_inputs(*shape, seed=seeds[0]))
     ops.attention(*static, causal, 0.088)  # load and warm up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o, lse = ops.attention(*static, causal, 0.088)
-    for seed in (4, 5):
-        for dst, src in zip(static, make_inputs(2, 8, 2, 1000, 1000, 128, torch.bfloat16, seed=seed)):
+    for seed in seeds[1:]:
+        for dst, src in zip(static, make_inputs(*shape, seed=seed)):
             dst.copy_(src)
         o.fill_(float("nan"))
         graph.replay()
@@ -172,6 +171,13 @@ def test_forward_in_cuda_graph(ops, causal):
         o_ref, lse_ref = reference(*static, causal, 0.088)
         assert rel_err(o, o_ref) < OUT_TOL
         torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_in_cuda_graph(ops, causal):
+    """Captured once, replayed on new inputs: the dynamic schedule's counter (causal) is zeroed by a memset node in
+    the graph, so every replay runs every task (a counter left at its end would leave the poisoned output)."""
+    replays_in_cuda_graph(ops, (2, 8, 2, 1000, 1000, 128, torch.bfloat16), causal, (3, 4, 5))
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])  # -0.3: the serial kernel
