@@ -473,9 +473,8 @@ def sdpa_full(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-def sdpa_repeated(q, k, v):  # HF's sdpa path with a mask: K/V repeated per query head (repeat_kv)
-    g = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+def sdpa_repeated(q, k, v):  # HF's sdpa path with a mask: K/V repeated per query head (repeat_kv), 8 : 2 heads
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1))
 
 
 @pytest.mark.parametrize("fn", [sdpa_full, sdpa_repeated])
