@@ -425,20 +425,17 @@ def mask_kind(mask: torch.Tensor, N: int, M: int, B: int = 1):
     is_full = visible.all()
     if valid is not None:
         is_causal, is_window, is_full = is_causal & valid, is_window & valid, is_full & valid
-    # Row intervals, where every head sees the same mask: its (batch, query, key) planes
+    # Row intervals, where every head sees the same mask: `visible` is then its (batch or none, query, key) planes
     m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    if (m4.shape[1] == 1 or m4.stride(1) == 0) and (m4.shape[0] in (1, B) or m4.stride(0) == 0):
-        planes = m4[slice(1) if m4.shape[0] == 1 or m4.stride(0) == 0 else slice(None), 0]
-        rows = planes if planes.dtype == torch.bool else planes == 0
-        pos = torch.arange(rows.shape[-1], device=m.device)
-        count = rows.sum(-1)
-        first = torch.where(rows, pos, M).amin(-1)
-        last = torch.where(rows, pos, -1).amax(-1)
-        runs = ((count > 0) & (count == last - first + 1)).all()
+    if (m4.shape[1] == 1 or m4.stride(1) == 0) and (m4.shape[0] in (1, B) or m4.stride(0) == 0) \
+            and visible.shape[-1] == M:
+        rows = visible if visible.dim() == 3 else visible[None]
+        count, first, stop = _varlen.visible_span(rows)
+        last = stop - 1
+        runs = ((count > 0) & (count == stop - first)).all()
         runs = runs & (first[:, 1:] >= first[:, :-1]).all() & (last[:, 1:] >= last[:, :-1]).all()
         if valid is not None:
             runs = runs & valid
-        runs = runs & (rows.shape[-1] == M)
     else:
         runs = torch.zeros((), dtype=torch.bool, device=m.device)
     c, w, f, width, r = torch.stack((is_causal, is_window, is_full, width, runs)).long().tolist()

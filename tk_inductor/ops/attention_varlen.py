@@ -53,6 +53,16 @@ def _runs(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, end
 
 
+def visible_span(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(count, first, stop) over the last dim of a bool tensor: how many entries are True, the first True one and one
+    past the last (first = stop = 0 where none is)."""
+    pos = torch.arange(visible.shape[-1], device=visible.device)
+    count = visible.sum(-1)
+    first = torch.where(count > 0, torch.where(visible, pos, visible.shape[-1]).amin(-1), 0)
+    stop = torch.where(count > 0, torch.where(visible, pos + 1, 0).amax(-1), 0)
+    return count, first, stop
+
+
 class Intervals:
     """The kernels' interval tables for (keep, segments) over N queries and M keys: `row_keys` (B, N, 2), the keys
     [x, y] each query may see, and `key_rows` (B, M, 2), the queries each key may be seen by (before the causal and
@@ -71,11 +81,8 @@ class Intervals:
             lo_q, hi_q, lo_k, hi_k = first, end - 1, first, end - 1
         self.exact = self.empty = None
         if keep is not None:
-            visible = keep != 0
+            count, start, stop = visible_span(keep != 0)
             pos = torch.arange(M, device=device)
-            count = visible.sum(-1)
-            start = torch.where(count > 0, torch.where(visible, pos, M).amin(-1), 0)
-            stop = torch.where(count > 0, torch.where(visible, pos + 1, 0).amax(-1), 0)
             lo_q = torch.maximum(lo_q, start[:, None])
             hi_q = torch.minimum(hi_q, stop[:, None] - 1)
             before, after = pos[None] < start[:, None], pos[None] >= stop[:, None]

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "common.cuh"
 #include "decode.h"
 #include "tk/ops/thread/cp_async.cuh"
 #include "tk/ops/warp/mma.cuh"
@@ -41,17 +42,14 @@ __device__ __forceinline__ int2 row_interval(const Params& p, int b, int n) {
     y = min(y, n);
     if (p.sc.window > 0) x = max(x, n - p.sc.window + 1);
   }
-  if (p.sc.row_keys) {
-    const int2 t = __ldg(reinterpret_cast<const int2*>(p.sc.row_keys) + (int64_t(b) * p.q.S + n));
-    x = max(x, t.x), y = min(y, t.y);
-  }
-  return make_int2(x, y);
+  const int2 t = interval(p.sc.row_keys, b, int(p.q.S), n, make_int2(x, y));
+  return make_int2(max(x, t.x), min(y, t.y));
 }
 
-// Issue the cp.async copies of rows [row0, row0 + ROWS) of `src` (its (b, h) plane) into `dst`: 16-byte chunks,
-// zero-filled past the rows (`rows` = valid count) and past the head dim.
-template <int ROWS, typename ST>
-__device__ __forceinline__ void load_rows(ST& dst, const View4& src, int64_t plane, int row0, int rows) {
+// Issue the cp.async copies of the ROWS rows of `dst`: 16-byte chunks of row r from the element offset row(r) of
+// `src` (< 0: zero-filled), zero-filled past the head dim.
+template <int ROWS, typename ST, class Row>
+__device__ __forceinline__ void load_rows(ST& dst, const View4& src, Row&& row) {
   constexpr int CHUNKS = ST::cols / 8, TOTAL = ROWS * CHUNKS;
   const char* base = static_cast<const char*>(src.ptr);
   const int c = int(threadIdx.x) % CHUNKS;
@@ -59,9 +57,9 @@ __device__ __forceinline__ void load_rows(ST& dst, const View4& src, int64_t pla
 #pragma unroll
   for (int i = int(threadIdx.x); i < TOTAL; i += THREADS) {
     const int r = i / CHUNKS;
-    const bool ok = col_ok && r < rows;
-    const void* g = ok ? base + 2 * (plane + (row0 + r) * src.ss + 8 * c) : src.ptr;
-    tk::cp_async16(tk::smem_addr(&dst(r, 8 * c)), g, ok);
+    const int64_t at = row(r);
+    const bool ok = col_ok && at >= 0;
+    tk::cp_async16(tk::smem_addr(&dst(r, 8 * c)), ok ? base + 2 * (at + 8 * c) : src.ptr, ok);
   }
 }
 
@@ -82,18 +80,10 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
 
   tk::grid::wait_prior_grid();
   // Q rows: row r of the tile is query (head hkv·G + g, position n), r_global = g·N + n; zero past R.
-  {
-    constexpr int CHUNKS = DK / 8;
-    const char* base = static_cast<const char*>(p.q.ptr);
-    const int c = int(threadIdx.x) % CHUNKS;
-    for (int i = int(threadIdx.x); i < ROWS * CHUNKS; i += THREADS) {
-      const int r = i / CHUNKS, rr = row_base + r, g = rr / rw.N, n = rr - g * rw.N;
-      const bool ok = 8 * c < p.q.D && rr < rw.R;
-      const void* src = ok ? base + 2 * (b * p.q.sb + (int64_t(hkv) * rw.G + g) * p.q.sh + n * p.q.ss + 8 * c)
-                           : p.q.ptr;
-      tk::cp_async16(tk::smem_addr(&sm.q(r, 8 * c)), src, ok);
-    }
-  }
+  load_rows<ROWS>(sm.q, p.q, [&](int r) -> int64_t {
+    const int rr = row_base + r, g = rr / rw.N, n = rr - g * rw.N;
+    return rr < rw.R ? b * p.q.sb + (int64_t(hkv) * rw.G + g) * p.q.sh + n * p.q.ss : -1;
+  });
   // The union of the tile's rows' key intervals bounds the blocks this CTA reads.
   if (warp == 0) {
     int lo = INT_MAX, hi = -1;
@@ -124,9 +114,9 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
   const int64_t kplane = b * p.k.sb + hkv * p.k.sh, vplane = b * p.v.sb + hkv * p.v.sh;
   const int M = int(p.k.S);
   auto load_stage = [&](int stage, int blk) {
-    const int row0 = blk * BK, rows = min(BK, M - row0);
-    load_rows<BK>(sm.k[stage], p.k, kplane, row0, rows);
-    load_rows<BK>(sm.v[stage], p.v, vplane, row0, rows);
+    const int row0 = blk * BK;  // rows past M read as zero
+    load_rows<BK>(sm.k[stage], p.k, [&](int r) -> int64_t { return row0 + r < M ? kplane + (row0 + r) * p.k.ss : -1; });
+    load_rows<BK>(sm.v[stage], p.v, [&](int r) -> int64_t { return row0 + r < M ? vplane + (row0 + r) * p.v.ss : -1; });
   };
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
@@ -135,9 +125,13 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
   }
 
   const float cap = p.sc.softcap, scale = p.sc.scale;
+  // The base of a row's exponentials: its running max, 0 while the row has seen no key (max -inf: P = 0, alpha = 0).
+  using Vec = tk::row_vec<tk::rt_fl<16, 16>>;
+  auto base_of = [](Vec& base, const Vec& mx) {
+    tk::vec_for_each(base, [&](int t, int k) { return mx.data[t][k] == -INFINITY ? 0.f : mx.data[t][k]; });
+  };
   tk::rt<T, 16, DK> q;
   tk::rt_fl<16, DK> o;
-  using Vec = tk::row_vec<tk::rt_fl<16, 16>>;
   Vec m, l;
   tk::zero(o);
   tk::neg_infty(m);
@@ -170,8 +164,7 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
     mn = m;
 #pragma unroll
     for (int j = 0; j < PIECES; ++j) tk::row_max(mn, s[j], mn);
-    // A row that has seen no key keeps max -inf; its exponentials use 0 as the base (P = 0, alpha = 0).
-    tk::vec_for_each(base, [&](int t, int k) { return mn.data[t][k] == -INFINITY ? 0.f : mn.data[t][k]; });
+    base_of(base, mn);
     tk::sub(alpha, m, base);
     tk::exp2(alpha, alpha);
     tk::mul(l, l, alpha);
@@ -217,7 +210,7 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
       mo.data[0][0] = slot(other, OREG), mo.data[0][1] = slot(other, OREG + 1);
       lo.data[0][0] = slot(other, OREG + 2), lo.data[0][1] = slot(other, OREG + 3);
       tk::max(mn, m, mo);
-      tk::vec_for_each(base, [&](int t, int k) { return mn.data[t][k] == -INFINITY ? 0.f : mn.data[t][k]; });
+      base_of(base, mn);
       tk::sub(a, m, base), tk::exp2(a, a);
       tk::sub(c, mo, base), tk::exp2(c, c);
 #pragma unroll
@@ -302,8 +295,9 @@ __global__ void __launch_bounds__(THREADS) decode_combine_kernel(const Params p,
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   if (col < D) {
     T* dst = static_cast<T*>(p.o) + ((int64_t(b) * N + n) * Hq + hq) * D + col;
-    reinterpret_cast<tk::packed_t<T>*>(dst)[0] = tk::make_packed<T>(tk::convert<T>(acc.x * inv), tk::convert<T>(acc.y * inv));
-    reinterpret_cast<tk::packed_t<T>*>(dst)[1] = tk::make_packed<T>(tk::convert<T>(acc.z * inv), tk::convert<T>(acc.w * inv));
+    auto* out = reinterpret_cast<tk::packed_t<T>*>(dst);
+    out[0] = tk::make_packed<T>(tk::convert<T>(acc.x * inv), tk::convert<T>(acc.y * inv));
+    out[1] = tk::make_packed<T>(tk::convert<T>(acc.z * inv), tk::convert<T>(acc.w * inv));
   }
   if (lane == 0) p.lse[(int64_t(b) * Hq + hq) * N + n] = wsum > 0.f ? mx + __logf(wsum) : INFINITY;
 }

@@ -1,4 +1,5 @@
-// The decode kernels for __half (decode.cuh): one translation unit per dtype, so that the two compile in parallel.
+// The decode kernels for __half (decode.cuh): one translation unit per dtype, so that the two
+// compile in parallel.
 #include "decode.cuh"
 
 namespace tk_attn {

@@ -1,5 +1,5 @@
-// Attention forward: the dispatch on dtype, head dim and mask to the kernels of forward_kernels.cuh (head dims up to 64 run
-// the D = 64 kernels, up to 128 the D = 128 ones).
+// Attention forward: the dispatch on dtype, head dim and mask to the kernels of forward_kernels.cuh (head dims up to
+// 64 run the D = 64 kernels, up to 128 the D = 128 ones).
 #include "attention.h"
 #include "common.cuh"
 
@@ -23,7 +23,8 @@ const char* attention_forward(DType dt, const View4& q, const View4& k, const Vi
   if (q.D > 64)  // the D = 128 kernels, zero-filled past the head dim
     return dt == DType::bf16 ? by_mask.template operator()<__nv_bfloat16, 128>()
                              : by_mask.template operator()<__half, 128>();
-  return dt == DType::bf16 ? by_mask.template operator()<__nv_bfloat16, 64>() : by_mask.template operator()<__half, 64>();
+  return dt == DType::bf16 ? by_mask.template operator()<__nv_bfloat16, 64>()
+                           : by_mask.template operator()<__half, 64>();
 }
 
 }  // namespace tk_attn

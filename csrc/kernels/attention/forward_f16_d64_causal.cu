@@ -3,6 +3,6 @@
 #include "forward_kernels.cuh"
 
 namespace tk_attn {
-template const char* forward_config<__half, 64, true>(DType, const View4&, const View4&, const View4&, void*, float*,
-                                                      const Scores&, int, int*, cudaStream_t);
+template const char* forward_config<__half, 64, true>(DType, const View4&, const View4&, const View4&,
+                                                   void*, float*, const Scores&, int, int*, cudaStream_t);
 }  // namespace tk_attn
