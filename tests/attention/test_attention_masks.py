@@ -377,17 +377,18 @@ def test_mask_prover_is_sound_on_random_masks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["window_additive", "padding_additive"])
+@pytest.mark.parametrize("kind", ["window_additive", "padding_additive", "bias"])
 def test_gpu_attention_masked_softcap(kind):
-    """Softcapped scores with a run-time mask: a window runs the capped kernel (lse computed), a padding mask the
-    reference formulas; forward and gradients equal the written-out attention either way."""
+    """Softcapped scores with a run-time mask: a window or a padding mask (one run of keys per row) runs the capped
+    kernel (lse computed), a bias the reference formulas; forward and gradients equal the written-out attention
+    either way."""
     if not _kernel_built():
         pytest.skip("the attention kernels need an sm_90 GPU")
     N = 300
     q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(2, 8, 2, N, N, 128, dtype=torch.float32))
     mask = _masks(N, N)[kind].cuda()
     o, lse = torch.ops.tk.attention_masked(q, k, v, mask[None, None].bfloat16(), 0.3, 2.0)
-    assert (lse.abs().sum() > 0) == (kind == "window_additive")
+    assert (lse.abs().sum() > 0) == (kind != "bias")
     qf, kf, vf = q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1)
     ref = torch.softmax(2.0 * torch.tanh(qf @ kf.transpose(-1, -2) * 0.3 / 2.0) + mask, -1) @ vf
     assert (o.float() - ref).norm() / ref.norm() < 1e-2

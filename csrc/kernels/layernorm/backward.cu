@@ -1,6 +1,6 @@
-// Backward: the dispatcher (the persistent kernel of backward_pipe*.cu, or the register-only kernel of backward.cuh
-// instantiated per x dtype and row length in backward_<x>_<rows>.cu and for gated rows in backward_gated_<rows>.cu)
-// and the column sum of the dw/db partials.
+// Backward: the dispatcher (the persistent kernel of backward_pipe.cuh instantiated per x dtype in
+// backward_pipe_<x>[_lean].cu, or the register-only kernel of backward.cuh instantiated per x dtype and row length in
+// backward_<x>_<rows>.cu and for gated rows in backward_gated_<rows>.cu) and the column sum of the dw/db partials.
 #include "config.cuh"
 
 namespace tk_layernorm {
@@ -54,9 +54,29 @@ cudaError_t registers_backward(const BackwardArgs& args, int blocks, cudaStream_
   });
 }
 
-// The persistent kernels stage h in its one dtype: gated calls (h recomputed from x and the gate) run the
-// register-only kernel, which is also the fp32-rows kernel they would be.
-int pipe_blocks(const BackwardArgs& args) { return args.gate ? 0 : pipe::backward_blocks(args); }
+// The persistent kernels (backward_pipe.cuh) stage h in its one 16-bit dtype. The register-only kernel runs the
+// rest: fp32 rows, faster there, gated calls (h recomputed from x and the gate, in fp32), and staging that does not
+// fit in shared memory (blocks 0).
+int pipe_blocks(const BackwardArgs& args) {
+  int blocks = 0;
+  if (args.gate) return blocks;
+  with_x(args.dtypes.x, [&](auto x) {
+    using X = decltype(x);
+    if constexpr (!std::is_same_v<X, float>)
+      blocks = pipe_lean(args.hidden) ? pipe_blocks_x<X, true>(args) : pipe_blocks_x<X, false>(args);
+    return cudaSuccess;
+  });
+  return blocks;
+}
+
+cudaError_t pipe_backward(const BackwardArgs& args, int blocks, cudaStream_t stream) {
+  return with_x(args.dtypes.x, [&](auto x) {
+    using X = decltype(x);
+    if constexpr (std::is_same_v<X, float>) return cudaErrorNotSupported;
+    else if (pipe_lean(args.hidden)) return pipe_backward_x<X, true>(args, blocks, stream);
+    else return pipe_backward_x<X, false>(args, blocks, stream);
+  });
+}
 
 }  // namespace
 
@@ -73,7 +93,7 @@ cudaError_t backward(const BackwardArgs& args, cudaStream_t stream) {
   // The same choice as backward_blocks, which sized `partial`.
   const int piped = pipe_blocks(args);
   const int blocks = piped > 0 ? piped : registers_blocks(args);
-  const cudaError_t err = piped > 0 ? pipe::backward(args, blocks, stream) : registers_backward(args, blocks, stream);
+  const cudaError_t err = piped > 0 ? pipe_backward(args, blocks, stream) : registers_backward(args, blocks, stream);
   if (err != cudaSuccess || (!args.dw && !args.db)) return err;
   return with_types(kernel_types(args.dtypes, args.gate), [&](auto ty) {
     using W = typename decltype(ty)::W;

@@ -1,6 +1,7 @@
-// Backward, persistent "pipe" kernel (instantiated by backward_pipe.cu and backward_pipe_lean.cu): same math
-// and dw/db partials as the register-only kernel (backward.cuh), but dy, h, dh and the row's mean/rstd of the next
-// STAGES-1 row groups are already on their way into shared memory (cp.async) while this group is reduced
+// Backward, persistent "pipe" kernel (instantiated per 16-bit x dtype, LEAN or not, in backward_pipe_<x>[_lean].cu;
+// backward.cu picks the instantiation):
+// same math and dw/db partials as the register-only kernel (backward.cuh), but dy, h, dh and the row's mean/rstd of
+// the next STAGES-1 row groups are already on their way into shared memory (cp.async) while this group is reduced
 // and written. A register-only kernel has one row's loads in flight per thread and waits on two block
 // barriers per row with nothing outstanding.
 #pragma once
@@ -250,13 +251,12 @@ cudaError_t pick(const BackwardArgs& args, F&& f, int per_sm = 0) {
 // per SM than with 3 or 4, and its column sum has half the rows (86 -> 91% of copy at 1024, 91 -> 95-97% at 2048
 // and 4096). It ran 1-2% slower than plain KEEP at hidden 8192, and was never timed at 512 and below.
 // f(Split, std::bool_constant<LEAN>).
-inline bool lean(const BackwardArgs& args) { return args.hidden > 512 && args.hidden <= 4096; }
 
 template <bool LEAN, typename F>
 cudaError_t with_pipe_split(int hidden, F&& f) {
   using std::bool_constant;
   if constexpr (LEAN) {
-    if (hidden <= 512 || hidden > 4096) return cudaErrorInvalidValue;
+    if (!pipe_lean(hidden)) return cudaErrorInvalidValue;
     if (hidden <= 1024) return f(Split<64, 2, 128>{}, bool_constant<true>{});
     if (hidden <= 2048) return f(Split<128, 2, 128>{}, bool_constant<true>{});
     return f(Split<256, 2, 128>{}, bool_constant<true>{});
@@ -270,12 +270,12 @@ cudaError_t with_pipe_split(int hidden, F&& f) {
   }
 }
 
-// f(kernel, smem bytes, block, rows per block) for the call's instantiation (LEAN: backward_pipe_lean.cu).
+// f(kernel, smem bytes, block, rows per block) for the call's instantiation with x of type X.
 // fp32 rows (h) are not staged: the register-only kernel (backward.cuh) runs them 1.1-1.7x faster on the H200
 // (bf16 branch and fp32 residual stream of autocast at hidden 1024-4096, fp32 throughout at 2048).
-template <bool LEAN, typename F>
+template <class X, bool LEAN, typename F>
 cudaError_t with_kernel(const BackwardArgs& args, F&& f) {
-  return with_types(args.dtypes, [&](auto ty) {
+  return with_x_types<X>(args.dtypes, [&](auto ty) {
     if constexpr (std::is_same_v<typename decltype(ty)::H, float>) return cudaErrorNotSupported;
     else return with_pipe_split<LEAN>(args.hidden, [&](auto s, auto lean) {
       using S = decltype(s);
@@ -284,28 +284,23 @@ cudaError_t with_kernel(const BackwardArgs& args, F&& f) {
   });
 }
 
-template <bool LEAN>
-int pipe_blocks(const BackwardArgs& args) {
+}  // namespace
+
+template <class X, bool LEAN>
+int pipe_blocks_x(const BackwardArgs& args) {
   int blocks = 0;
-  with_kernel<LEAN>(args, [&](auto kernel, size_t smem, int block, int rows_per_block) {
+  with_kernel<X, LEAN>(args, [&](auto kernel, size_t smem, int block, int rows_per_block) {
     blocks = persistent_grid<kStages>(kernel, block, smem, args.rows, rows_per_block);
     return cudaSuccess;
   });
   return blocks;
 }
 
-template <bool LEAN>
-cudaError_t pipe_launch(const BackwardArgs& args, int blocks, cudaStream_t stream) {
-  return with_kernel<LEAN>(args, [&](auto kernel, size_t smem, int block, int) {
+template <class X, bool LEAN>
+cudaError_t pipe_backward_x(const BackwardArgs& args, int blocks, cudaStream_t stream) {
+  return with_kernel<X, LEAN>(args, [&](auto kernel, size_t smem, int block, int) {
     return tk::grid::launch_dependent(kernel, blocks, block, smem, stream, args);
   });
 }
-
-}  // namespace
-
-namespace pipe_lean {  // backward_pipe_lean.cu: a second file, so the build compiles it in parallel
-int backward_blocks(const BackwardArgs& args);
-cudaError_t backward(const BackwardArgs& args, int blocks, cudaStream_t stream);
-}  // namespace pipe_lean
 
 }  // namespace tk_layernorm

@@ -132,8 +132,8 @@ cudaError_t with_types(DTypes t, F&& f) {
 }
 
 // The launchers are split by x's dtype and row length (Rows), each instantiated in its own translation unit
-// (forward_<x>_<rows>.cu, backward_<x>_<rows>.cu, backward_gated_<rows>.cu), so that the family's ~450 kernels
-// compile in parallel. with_x calls f(X{}) for x's dtype;
+// (forward_<x>_<rows>.cu, backward_<x>_<rows>.cu, backward_gated_<rows>.cu, backward_pipe_<x>[_lean].cu), so that
+// the family's ~450 kernels compile in parallel. with_x calls f(X{}) for x's dtype;
 // with_x_types is with_types for the combinations with that X (the others are not instantiated).
 template <typename F>
 cudaError_t with_x(DType x, F&& f) {
@@ -156,6 +156,11 @@ template <class X, Rows R> cudaError_t forward_x(const ForwardArgs& args, cudaSt
 // and its launch on that grid.
 template <class X, bool GATED, Rows R> int registers_blocks_x(const BackwardArgs& args);
 template <class X, bool GATED, Rows R> cudaError_t registers_backward_x(const BackwardArgs& args, int blocks, cudaStream_t stream);
+// The persistent backward (backward_pipe.cuh) for 16-bit x, at LEAN's hidden sizes or the others
+// (backward_pipe_<x>[_lean].cu): its grid size for these args (0: it does not run them), and its launch.
+inline bool pipe_lean(int hidden) { return hidden > 512 && hidden <= 4096; }
+template <class X, bool LEAN> int pipe_blocks_x(const BackwardArgs& args);
+template <class X, bool LEAN> cudaError_t pipe_backward_x(const BackwardArgs& args, int blocks, cudaStream_t stream);
 
 // Sum of v over the TPR threads of each row; every thread of the block must call it (it syncs).
 // The cross-warp order is fixed, so results are deterministic.

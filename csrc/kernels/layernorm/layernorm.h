@@ -89,12 +89,4 @@ cudaError_t forward(const ForwardArgs& args, cudaStream_t stream);
 int backward_blocks(const BackwardArgs& args);
 cudaError_t backward(const BackwardArgs& args, cudaStream_t stream);
 
-// The persistent kernels (backward_pipe*.cu). blocks 0 / cudaErrorNotSupported: fp32 rows h (the register-only
-// kernel of backward.cuh runs those faster, gated norms included), or staging that does not fit in shared memory;
-// the register-only kernel runs instead.
-namespace pipe {
-int backward_blocks(const BackwardArgs& args);
-cudaError_t backward(const BackwardArgs& args, int blocks, cudaStream_t stream);
-}  // namespace pipe
-
 }  // namespace tk_layernorm

@@ -40,6 +40,30 @@ cudaError_t with_dtypes(const Args& a, F&& f) {
   }
 }
 
+// The launchers are instantiated per x dtype, each in its own file (tile_<x>.cu, rows_<x>.cu), so that the build
+// compiles them in parallel. with_x calls f(Type<X>{}) for x's dtype; with_x_dtypes is with_dtypes for the
+// combinations whose x is TI (the others are not instantiated).
+template <class F>
+cudaError_t with_x(DType x, F&& f) {
+  switch (x) {
+    case DType::f32: return f(Type<float>{});
+    case DType::f16: return f(Type<__half>{});
+    case DType::bf16: return f(Type<__nv_bfloat16>{});
+  }
+  return cudaErrorInvalidValue;
+}
+template <class TI, class F>
+cudaError_t with_x_dtypes(const Args& a, F&& f) {
+  return with_dtypes(a, [&](auto i, auto c, auto o) {
+    if constexpr (std::is_same_v<typename decltype(i)::type, TI>) return f(i, c, o);
+    else return cudaErrorInvalidValue;
+  });
+}
+
+// The tile kernel (tile.cuh; cudaErrorNotSupported: a shape it does not cover) and the row kernel (rows.cuh).
+template <class TI> cudaError_t launch_tile_x(const Args& args, cudaStream_t stream);
+template <class TI> cudaError_t launch_rows_x(const Args& args, cudaStream_t stream);
+
 inline int dtype_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
 
 template <typename T> __device__ __forceinline__ T from_float(float v);

@@ -39,15 +39,13 @@ struct Args {
 // fp32 tables writing 16-bit (the backward of the promoted forward: fp32 gradients, 16-bit input gradients).
 bool supported(DType in, DType tables, DType out);
 
-// The tile kernel (tile.cu): a block owns (b, a few positions, a group of heads of q then k); each thread keeps its
+// The tile kernel (tile.cuh): a block owns (b, a few positions, a group of heads of q then k); each thread keeps its
 // cos/sin in registers across those heads, with several heads' loads in flight. Shapes it does not cover (per-head
-// tables, more than kMaxTileThreads units per position) run the row kernel (rotary.cu): a thread per
+// tables, more than kMaxTileThreads units per position) run the row kernel (rows.cuh): a thread per
 // (b, n, unit) walking the heads.
 cudaError_t launch(const Args& args, cudaStream_t stream);
 
 constexpr int kMaxTileThreads = 256;
-cudaError_t launch_tile(const Args& args, cudaStream_t stream);  // cudaErrorNotSupported: not covered
-cudaError_t launch_rows(const Args& args, cudaStream_t stream);
 // Whether every pointer, stride and size allows VEC-element accesses (and NeoX halves of whole VECs).
 bool vectorizable(const Args& a, int vec);
 

@@ -1,10 +1,11 @@
-// Rotary embedding, tile kernel (rotary.h).
+// Rotary embedding, tile kernel (rotary.h), instantiated per x dtype in tile_<x>.cu.
 // A block owns (b, a few consecutive positions, one group of heads). Its threads are (position, unit); a unit is
 // two VEC-wide chunks of a head's row: a NeoX pair (j, j + rotary_dim/2), or chunks k and k + half of the
 // interleaved or pass-through region (so each warp-wide access covers a contiguous span, never every other
 // chunk). So every thread does the same two loads and two stores per head, pass-through threads of partial
 // rotary included (they store their chunks unchanged), keeps its cos/sin in registers across its heads, and
 // walks the group's heads of q then of k with FLIGHT heads' loads issued before any store.
+#pragma once
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -166,7 +167,7 @@ __global__ void __launch_bounds__(kMaxTileThreads, (kOneSize<TI, TC, TO> ? 3 : 2
   if (r1 > s.rows0) walk(a.ops[1], std::max(r0, s.rows0) - s.rows0, r1 - s.rows0);
 }
 
-int div_up(int64_t a, int64_t b) { return int((a + b - 1) / b); }
+inline int div_up(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 // A block of 128 threads, 4 heads per thread (the best worst case over the head dims and layouts measured on the
 // H200; RESULTS.md, rotary).
@@ -220,7 +221,7 @@ cudaError_t dispatch(const Args& a, cudaStream_t stream) {
 }
 
 // q and k share a block only when they share B, N and the cos/sin indexing; otherwise one launch each.
-bool shared_tiles(const Args& a) {
+inline bool shared_tiles(const Args& a) {
   const Operand &q = a.ops[0], &k = a.ops[1];
   if (q.shape[0] != k.shape[0] || q.shape[2] != k.shape[2] || q.cos != k.cos || q.sin != k.sin) return false;
   for (int d = 0; d < 3; ++d)
@@ -228,15 +229,17 @@ bool shared_tiles(const Args& a) {
   return true;
 }
 
+template <class TI>
 cudaError_t by_dtype(const Args& a, cudaStream_t stream) {
-  return with_dtypes(a, [&](auto i, auto c, auto o) {
+  return with_x_dtypes<TI>(a, [&](auto i, auto c, auto o) {
     return dispatch<typename decltype(i)::type, typename decltype(c)::type, typename decltype(o)::type>(a, stream);
   });
 }
 
 }  // namespace
 
-cudaError_t launch_tile(const Args& args, cudaStream_t stream) {
+template <class TI>
+cudaError_t launch_tile_x(const Args& args, cudaStream_t stream) {
   // A dim of size 1 is only ever indexed at 0, so its stride is free: zero it, so that a single (k/v) head
   // does not look like per-head tables and an odd stride there does not narrow the vectors.
   Args a = args;
@@ -250,12 +253,12 @@ cudaError_t launch_tile(const Args& args, cudaStream_t stream) {
     one.count = 1;
     for (int i = 0; i < 2; ++i) {
       one.ops[0] = a.ops[i];
-      const cudaError_t err = by_dtype(one, stream);
+      const cudaError_t err = by_dtype<TI>(one, stream);
       if (err != cudaSuccess) return err;  // NotSupported: the caller redoes both with the row kernel
     }
     return cudaSuccess;
   }
-  return by_dtype(a, stream);
+  return by_dtype<TI>(a, stream);
 }
 
 }  // namespace tk_rotary
