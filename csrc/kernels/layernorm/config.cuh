@@ -132,7 +132,7 @@ cudaError_t with_types(DTypes t, F&& f) {
 }
 
 // The launchers are split by x's dtype and row length (Rows), each instantiated in its own translation unit
-// (forward_<x>_<rows>.cu, backward_<x>_<rows>.cu, backward_gated_<rows>.cu, backward_pipe_<x>[_lean].cu), so that
+// (forward_<x>_<rows>.cu, forward_gated_<rows>.cu, backward_<x>_<rows>.cu, backward_gated_<rows>.cu, backward_pipe_<x>[_lean].cu), so that
 // the family's ~450 kernels compile in parallel. with_x calls f(X{}) for x's dtype;
 // with_x_types is with_types for the combinations with that X (the others are not instantiated).
 template <typename F>
@@ -151,7 +151,8 @@ cudaError_t with_x_types(DTypes t, F&& f) {
     else return cudaErrorInvalidValue;
   });
 }
-template <class X, Rows R> cudaError_t forward_x(const ForwardArgs& args, cudaStream_t stream);
+// The forward (forward.cuh), plain or gated (forward_gated_<rows>.cu: x fp32).
+template <class X, bool GATED, Rows R> cudaError_t forward_x(const ForwardArgs& args, cudaStream_t stream);
 // The register-only backward (backward.cuh), plain or gated (backward_gated_<rows>.cu: x fp32): its grid size for these args,
 // and its launch on that grid.
 template <class X, bool GATED, Rows R> int registers_blocks_x(const BackwardArgs& args);

@@ -139,11 +139,11 @@ __global__ void __launch_bounds__(S::BLOCK, (fwd_min_blocks<Ty, S, EARLY>())) fo
 
 }  // namespace
 
-// The launch for the dtype combinations with this x (forward.cu checks the arguments and picks x).
-template <class X, Rows R>
+// The launch for the dtype combinations with this x (forward.cu checks the arguments and picks x); GATED: the gated
+// norm's kernels (x fp32: its rows h = x·silu(gate) are recomputed in fp32 from x and the gate in their own dtypes).
+template <class X, bool GATED, Rows R>
 cudaError_t forward_x(const ForwardArgs& args, cudaStream_t stream) {
-  const bool gated = args.gate != nullptr;
-  return with_x_types<X>(kernel_types(args.dtypes, gated), [&](auto ty) {
+  return with_x_types<X>(kernel_types(args.dtypes, GATED), [&](auto ty) {
     using Ty = decltype(ty);
     return with_row_split<R>(args.hidden, [&](auto s) {
       using S = decltype(s);
@@ -152,12 +152,13 @@ cudaError_t forward_x(const ForwardArgs& args, cudaStream_t stream) {
       constexpr bool early = S::BLOCK <= 64;
       const int64_t blocks = (args.rows + S::ROWS - 1) / S::ROWS;
       if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-      if constexpr (std::is_same_v<typename Ty::X, float> && std::is_same_v<typename Ty::H, float>) {
-        if (gated)
-          return tk::grid::launch_dependent(forward_kernel<Ty, S, early, true>, unsigned(blocks), S::BLOCK, 0, stream,
-                                            args);
+      if constexpr (GATED) {
+        static_assert(std::is_same_v<typename Ty::X, float> && std::is_same_v<typename Ty::H, float>);
+        return tk::grid::launch_dependent(forward_kernel<Ty, S, early, true>, unsigned(blocks), S::BLOCK, 0, stream,
+                                          args);
+      } else {
+        return tk::grid::launch_dependent(forward_kernel<Ty, S, early>, unsigned(blocks), S::BLOCK, 0, stream, args);
       }
-      return tk::grid::launch_dependent(forward_kernel<Ty, S, early>, unsigned(blocks), S::BLOCK, 0, stream, args);
     });
   });
 }

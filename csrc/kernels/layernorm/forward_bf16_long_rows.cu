@@ -2,5 +2,5 @@
 #include "forward.cuh"
 
 namespace tk_layernorm {
-template cudaError_t forward_x<__nv_bfloat16, Rows::long_rows>(const ForwardArgs& args, cudaStream_t stream);
+template cudaError_t forward_x<__nv_bfloat16, false, Rows::long_rows>(const ForwardArgs& args, cudaStream_t stream);
 }  // namespace tk_layernorm

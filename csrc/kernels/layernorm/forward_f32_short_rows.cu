@@ -2,5 +2,5 @@
 #include "forward.cuh"
 
 namespace tk_layernorm {
-template cudaError_t forward_x<float, Rows::short_rows>(const ForwardArgs& args, cudaStream_t stream);
+template cudaError_t forward_x<float, false, Rows::short_rows>(const ForwardArgs& args, cudaStream_t stream);
 }  // namespace tk_layernorm
