@@ -41,10 +41,16 @@ TK_DEVICE int warpid() { return threadIdx.x >> 5; }
 TK_DEVICE int warpgroupid() { return threadIdx.x >> 7; }
 TK_DEVICE int warpid_in_group() { return (threadIdx.x >> 5) & 3; }
 
-// v summed over the warp's 32 lanes, and over the quad of lanes that share an mma fragment's rows (lane / 4).
+// v summed (or its max) over the warp's 32 lanes, and summed over the quad of lanes that share an mma fragment's rows
+// (lane / 4).
 TK_DEVICE float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+TK_DEVICE float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 TK_DEVICE float quad_sum(float v) {

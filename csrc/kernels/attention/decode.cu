@@ -23,7 +23,7 @@ DecodePlan attention_decode_plan(DType dt, const View4& q, const View4& k, int n
   const int64_t slots = std::max<int64_t>(1, int64_t(per_sm) * num_sms);
   // Splits: the fewest waves times the longest CTA (its blocks plus about one block of fixed work).
   int64_t best = 1, best_cost = INT64_MAX;
-  for (int64_t s = 1; s <= std::min<int64_t>(blocks, 1024); ++s) {
+  for (int64_t s = 1; s <= std::min<int64_t>(blocks, MAX_SPLITS); ++s) {
     const int64_t per = (blocks + s - 1) / s;
     if ((blocks + per - 1) / per != s) continue;  // another s gives the same blocks per split
     const int64_t cost = ((pairs * s + slots - 1) / slots) * (per + 1);

@@ -13,6 +13,7 @@ constexpr int THREADS = WARPS * 32;
 // Three stages: two CTAs per SM at D = 128, faster on the H200 than one CTA with a deeper ring (RESULTS.md).
 constexpr int STAGES = 3;
 constexpr int GROUP_ROWS = 64;  // query rows per CTA (4 row tiles)
+constexpr int MAX_SPLITS = 1024;  // key splits per row group at most (the merge keeps a row's weights in shared memory)
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
 
 // Query row r of a (b, kv head) group is query head hkv·G + r / N, position r % N.
