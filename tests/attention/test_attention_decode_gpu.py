@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-import tk_inductor.ops.attention  # noqa: F401  (registers the tk:: ops)
+import tk_inductor.ops.attention as A  # registers the tk:: ops
 from test_attention_gpu import (GRAD_TOL, OUT_TOL, make_inputs, ops, poison, reference, rel_err,  # noqa: F401 (ops)
                                 replays_in_cuda_graph)
 from test_attention_varlen_gpu import keep_of
@@ -106,9 +106,9 @@ def test_decode_backward(ops, N, M, causal):
 def test_hf_generate_with_the_kernels(cache, padded):
     """generate() of an HF Llama (bf16, head dim 64, GQA 8:2) with a compiled forward (dynamic shapes): the tokens
     and logits are eager's; the prefill runs the attention kernels and the decode steps the split-KV ones where they
-    are replaced. A left-padded batch reads its mask at run time (tk::attention_varlen); a static cache's decode
-    steps write the buffer in place and attend over it under a run-time mask of one run of keys per row
-    (tk::attention_masked's interval tables)."""
+    are replaced. A left-padded batch reads its mask at run time (tk::attention_varlen); a static
+    cache's prefill and decode steps write the buffer in place and attend over it under a run-time mask of one run
+    of keys per row, none for the prefill's padded rows (tk::attention_masked's interval tables)."""
     transformers = pytest.importorskip("transformers")
     import tk_inductor
 
@@ -124,6 +124,7 @@ def test_hf_generate_with_the_kernels(cache, padded):
               output_logits=True, cache_implementation=cache)
     want = model.generate(ids, **kw)
     tk_inductor.reset()
+    A.masked_paths.clear()
     model.forward = torch.compile(model.forward, backend="thunderkittens", options={"strict": True}, dynamic=True)
     got = model.generate(ids, **kw)
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
@@ -139,3 +140,5 @@ def test_hf_generate_with_the_kernels(cache, padded):
         assert g.replaced.get("attention", 0) + len(kept) == 2 and all("grouped-query path" in w for w in kept), g
     if padded:
         assert all(g.replaced.get("attention", 0) == 2 for g in graphs), graphs
+    if cache == "static":  # its masks (the prefill's padded rows see no key; one run of keys per row) run the kernels
+        assert A.masked_paths.get("sdpa", 0) == 0 and A.masked_paths.get("intervals", 0) > 0, dict(A.masked_paths)

@@ -79,7 +79,9 @@ def test_mask_kind():
     assert kinds == {"causal": "causal", "full": "full", "random": None, "window": 3, "window_additive": 3,
                      "causal_additive": "causal", "bias": None}
     assert A.mask_kind(masks["window"][:2], 2, 7) == "causal"  # two rows of a window of 3: plain causal there
-    assert A.mask_kind(masks["window"][:, :2], 5, 2) is None  # rows 3 and 4 see no key of these two
+    # rows 3 and 4 see one key and no key of these two: interval tables for a bool mask, SDPA for an additive one
+    assert A.mask_kind(masks["window"][:, :2], 5, 2).row_keys[0, 3:].tolist() == [[1, 1], [0, -1]]
+    assert A.mask_kind(masks["window_additive"][:, :2], 5, 2) is None
     # broadcast views, leading dims, and an in-place change after the answer was cached
     m = masks["causal"][None, None].expand(3, 4, 5, 7)
     assert A.mask_kind(m, 5, 7) == "causal"
@@ -94,32 +96,43 @@ def test_mask_kind():
 @pytest.mark.parametrize("B", [1, 3])
 def test_mask_kind_row_intervals(B):
     """A run-time mask whose rows each see one run of keys (a static KV cache's decode mask: keys up to the position,
-    after left padding) becomes the kernels' interval tables: each query's keys, and each key's queries exactly as
-    the mask says; a hole, an empty row, runs that move backwards or heads that differ leave it to SDPA."""
-    N, M = 4, 9
+    after left padding; its prefill, whose padded rows see no key) becomes the kernels' interval tables: each query's
+    keys, and each key's queries exactly as the mask says (a key's range may span rows without keys, which the
+    kernels give P = 0); a hole, runs that move backwards, heads that differ, or a row without keys in an additive
+    mask (eager softmax averages every key there) leave it to SDPA."""
+    N, M = 5, 9
     start = torch.tensor([0, 2, 3])[:B]
-    pos = torch.tensor([3, 4, 6, 6])  # the last visible key of each query row, nondecreasing
+    pos = torch.tensor([3, 4, 6, 6, 8])  # the last visible key of each query row, nondecreasing
     j = torch.arange(M)
     mask = (j >= start[:, None, None]) & (j <= pos[None, :, None])  # (B, N, M)
-    tables = A.mask_kind(mask[:, None], N, M, B)
-    assert isinstance(tables, A._varlen.Intervals)
-    rows = tables.row_keys.long()
-    assert torch.equal(rows[..., 0], start[:, None].expand(B, N)) and torch.equal(rows[..., 1], pos.expand(B, N))
-    lo, hi = tables.key_rows.long().unbind(-1)
-    for b in range(B):
-        for key in range(M):
-            seen = mask[b, :, key].nonzero().flatten().tolist()
-            assert (lo[b, key].item(), hi[b, key].item()) == ((seen[0], seen[-1]) if seen else (lo[b, key].item(),
-                                                                                                  lo[b, key].item() - 1))
+    empty = mask.clone()
+    empty[:, 0] = False  # left padding's prefill: the first rows see no key
+    empty[:, 2] = False  # and one between rows whose runs overlap
+    for m in (mask, empty):
+        tables = A.mask_kind(m[:, None], N, M, B)
+        assert isinstance(tables, A._varlen.Intervals)
+        first, last = tables.row_keys.long().unbind(-1)
+        lo, hi = tables.key_rows.long().unbind(-1)
+        for b in range(B):
+            for i in range(N):
+                keys = m[b, i].nonzero().flatten().tolist()
+                assert ((first[b, i].item(), last[b, i].item()) == (keys[0], keys[-1]) if keys
+                        else first[b, i] > last[b, i])
+            seen_rows = m[b].any(-1)
+            for key in range(M):
+                spanned = torch.zeros(N, dtype=torch.bool)
+                spanned[max(lo[b, key].item(), 0):hi[b, key].item() + 1] = True
+                assert torch.equal(spanned & seen_rows, m[b, :, key])
     holed = mask.clone()
     holed[..., 3, start[0] + 1] = False
     backwards = mask.flip(1)
-    empty = mask.clone()
-    empty[:, 0] = False
     heads = torch.stack((mask, mask.roll(1, -1)), 1)
-    for other in (holed, backwards, empty):
+    additive_empty = torch.zeros(empty.shape).masked_fill(~empty, torch.finfo(torch.float32).min)
+    for other in (holed, backwards, additive_empty):
         assert A.mask_kind(other[:, None], N, M, B) is None
     assert A.mask_kind(heads, N, M, B) is None
+    assert isinstance(A.mask_kind(torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[:, None],
+                                  N, M, B), A._varlen.Intervals)
 
 
 def _fresh_paths():
@@ -399,29 +412,38 @@ def test_gpu_attention_masked_softcap(kind):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["causal", "full", "padding", "causal_additive", "bias", "window", "window_additive"])
+@pytest.mark.parametrize("kind", ["causal", "full", "padding", "padding_prefill", "causal_additive", "bias", "window",
+                                  "window_additive"])
 def test_gpu_attention_masked_paths(kind):
     """A causal, sliding-window or all-visible run-time mask runs the kernel (lse computed), as does one whose rows
-    each see one run of keys (interval tables); any other runs SDPA; forward and gradients equal SDPA with the mask
-    either way; one check per mask tensor (cached)."""
+    each see one run of keys (interval tables; left padding's prefill, whose first rows see no key: o = 0 and no
+    gradient there, as SDPA's safe softmax); any other runs SDPA; forward and gradients equal SDPA's math backend
+    with the mask either way; one check per mask tensor (cached)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     if not _kernel_built():
         pytest.skip("the attention kernels need an sm_90 GPU")
     N = M = 300
     q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(2, 8, 2, N, M, 128, dtype=torch.float32))
-    mask = _masks(N, M)[kind].cuda()
+    masks = _masks(N, M)
+    masks["padding_prefill"] = masks["causal"] & (torch.arange(M) >= 3)  # left padding of 3 keys
+    mask = masks[kind].cuda()
     if mask.is_floating_point():
         mask = mask.bfloat16()
     o, lse = torch.ops.tk.attention_masked(q, k, v, mask[None, None], 0.0883)
     assert (lse.abs().sum() > 0) == (kind != "bias")
     got = A.mask_kind(mask[None, None], N, M, 2)
-    if kind == "padding":  # one run of keys per row: the interval tables
+    if kind.startswith("padding"):  # one run of keys per row: the interval tables
         assert isinstance(got, A._varlen.Intervals)
     else:
         assert got == {"causal": "causal", "full": "full", "causal_additive": "causal", "window": 3,
                        "window_additive": 3}.get(kind)
+    if kind == "padding_prefill":
+        assert o[:, :, :3].abs().sum() == 0 and torch.isinf(lse[:, :, :3]).all()
     kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
-    ref = F.scaled_dot_product_attention(q.float(), kk.float(), vv.float(),
-                                         attn_mask=mask if mask.dtype == torch.bool else mask.float(), scale=0.0883)
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(q.float(), kk.float(), vv.float(),
+                                             attn_mask=mask if mask.dtype == torch.bool else mask.float(), scale=0.0883)
     assert (o.float() - ref).norm() / ref.norm() < 1e-2
     do = torch.randn_like(o)
     got = torch.autograd.grad(o, (q, k, v), do)

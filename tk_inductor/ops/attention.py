@@ -386,9 +386,9 @@ def _proven_kind(mask: torch.Tensor, N: int, M: int) -> str | None:
 
 def mask_kind(mask: torch.Tensor, N: int, M: int, B: int = 1):
     """"causal" (key j <= query i), "full" (every key), an int w (a causal sliding window: i - w < j <= i, narrower
-    than the rows), the interval tables of a mask whose rows each see one run of keys (`Intervals`: every row a
-    non-empty interval, their starts and ends nondecreasing along the rows, the same for every head; B is the batch
-    they are built for) or None (anything else) for a bool (True = attend) or additive (0 = attend, <= NEG_BIG =
+    than the rows), the interval tables of a mask whose rows each see one run of keys (`Intervals`: every row an
+    interval, empty only in a bool mask, the nonempty ones' starts and ends nondecreasing along the rows, the same
+    for every head; B is the batch they are built for) or None (anything else) for a bool (True = attend) or additive (0 = attend, <= NEG_BIG =
     hidden) mask that broadcasts to (..., N, M).
 
     Taken from the proof of the graph that made the mask when there is one (prove_mask), else decided on the
@@ -431,9 +431,13 @@ def mask_kind(mask: torch.Tensor, N: int, M: int, B: int = 1):
             and visible.shape[-1] == M:
         rows = visible if visible.dim() == 3 else visible[None]
         count, first, stop = _varlen.visible_span(rows)
-        last = stop - 1
-        runs = ((count > 0) & (count == stop - first)).all()
-        runs = runs & (first[:, 1:] >= first[:, :-1]).all() & (last[:, 1:] >= last[:, :-1]).all()
+        last = stop - 1  # a row without keys: [0, -1]
+        seen = count > 0
+        # A bool mask's row without keys gets o = 0 and no gradient from SDPA (its safe softmax), as from the
+        # kernels; an additive mask's hidden row averages every key instead, so there every row must see a key.
+        runs = (count == stop - first).all() & (seen.all() if m.dtype != torch.bool else True)
+        nondecreasing = _varlen.fill_empty_rows(first, last, M)
+        runs = runs & ((nondecreasing[0] == first) | ~seen).all() & ((nondecreasing[1] == last) | ~seen).all()
         if valid is not None:
             runs = runs & valid
     else:

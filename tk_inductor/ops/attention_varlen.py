@@ -101,14 +101,26 @@ class Intervals:
         self.key_rows = torch.stack((lo_k, hi_k), -1).to(torch.int32).contiguous()
 
 
+def fill_empty_rows(first: torch.Tensor, last: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last) over the rows (last dim) with each row that sees no key (first > last) given the next seen row's
+    first and the previous seen row's last (M and -1 where there is none): nondecreasing wherever the seen rows' are,
+    and equal to them there."""
+    seen = first <= last
+    first_f = torch.where(seen, first, M).flip(-1).cummin(-1).values.flip(-1)
+    last_f = torch.where(seen, last, -1).cummax(-1).values
+    return first_f, last_f
+
+
 def row_intervals(first: torch.Tensor, last: torch.Tensor, M: int) -> Intervals:
-    """The tables of a mask whose every row i of entry b sees exactly the keys [first, last] (B, N) (nondecreasing
-    along the rows, first <= last): key j's queries are the rows whose interval holds it (tk::attention_masked's
-    run-time masks, such as a static KV cache's)."""
+    """The tables of a mask whose every row i of entry b sees exactly the keys [first, last] (B, N) (first > last:
+    none; the others nondecreasing along the rows): key j's queries are the rows whose interval holds it
+    (tk::attention_masked's run-time masks, such as a static KV cache's). A key's query range may span rows without
+    keys: the kernels give those lse = +inf, so P = 0 there."""
     t = Intervals.__new__(Intervals)
     keys = torch.arange(M, device=first.device).expand(first.shape[0], M).contiguous()
-    lo_k = torch.searchsorted(last.contiguous(), keys)  # the first row whose interval ends at or after j
-    hi_k = torch.searchsorted(first.contiguous(), keys, right=True) - 1  # the last row whose interval starts by j
+    first_f, last_f = fill_empty_rows(first, last, M)
+    lo_k = torch.searchsorted(last_f.contiguous(), keys)  # the first row whose interval ends at or after j
+    hi_k = torch.searchsorted(first_f.contiguous(), keys, right=True) - 1  # the last row whose interval starts by j
     t.exact = t.empty = None
     t.row_keys = torch.stack((first, last), -1).to(torch.int32).contiguous()
     t.key_rows = torch.stack((lo_k, hi_k), -1).to(torch.int32).contiguous()
