@@ -127,6 +127,11 @@ def kind(node) -> str | None:
     return n if n in (_KIND_METHODS if node.op == "call_method" else _KINDS) else None
 
 
+def needs_grad(*nodes) -> bool:
+    """Whether any node's example value requires grad (the graph is traced for training)."""
+    return any(getattr(example(n), "requires_grad", False) for n in nodes)
+
+
 def shape(node) -> tuple | None:
     ex = example(node)
     return tuple(ex.shape) if isinstance(ex, torch.Tensor) else None

@@ -443,6 +443,12 @@ class MaskKind(NamedTuple):
     uniform_empty: bool = False
 
 
+class RunTimeRuns(Keep):
+    """A mask the prover cannot reduce to a kernel's compile-time kind, whose rows nonetheless each see one run of
+    keys whatever its symbolic sizes (causal or windowed bounds with a symbolic offset): `tk::attention_masked`
+    can read it at run time (interval tables)."""
+
+
 def _mask_kind(allowed: Pred, score_shape: tuple, finite: bool | None = None) -> MaskKind:
     """The kind of an allowed set, decided on the actual box of scores: for one query causal means "key 0 only",
     for one key it means "everything" (reported as non-causal, the cheaper kernel path), and a window that reaches
@@ -468,8 +474,11 @@ def _planes_kind(allowed: Pred, score_shape: tuple) -> MaskKind:
     if not planes:
         return MaskKind(False)
     if any(not isinstance(c, int) for _, c in planes):
-        raise Keep("the mask's diagonal depends on a symbolic size (a causal mask aligned to the end of a longer key "
-                   "sequence, as with several new queries against a cache)")
+        diagonal, anti = _coefs({-2: 1, -1: -1}), _coefs({-2: -1, -1: 1})
+        if all(coefs in (diagonal, anti) for coefs, _ in planes):
+            raise RunTimeRuns("the mask's diagonal depends on a symbolic size (a causal mask aligned to the end of a "
+                              "longer key sequence, as with several new queries against a cache)")
+        raise Keep("the mask's bounds depend on a symbolic size")
     if planes == causal:
         return MaskKind(True)
     diagonal, anti = _coefs({-2: 1, -1: -1}), _coefs({-2: -1, -1: 1})

@@ -55,9 +55,9 @@ from tk_inductor.rewrite import Match, example
 
 from ._fx import arg as _arg
 from ._affine import Aff, Pred, _and, _as_pred, _not
-from ._fx import _CASTS, in_place, Keep, eq, known, mutated_after, number, rank, shape
+from ._fx import _CASTS, in_place, Keep, eq, known, mutated_after, needs_grad, number, rank, shape
 from ._fx import name as _name
-from ._mask import _additive_allowed, _fill_finite, _fill_ok, _mask_kind, _MaskEval, MaskKind
+from ._mask import _additive_allowed, _fill_finite, _fill_ok, _mask_kind, _MaskEval, MaskKind, RunTimeRuns
 from ._varlen import _from_graph_input
 from ._qkv import _Operand, _peel, _positive_const
 
@@ -182,8 +182,7 @@ class _Finder:
                softcap: float = 0.0, sdpa_split_kv: bool = False) -> Match:
         exs = [example(o.node) for o in (qo, ko, vo)]
         device = exs[0].device if isinstance(exs[0], torch.Tensor) else None
-        needs_grad = any(isinstance(e, torch.Tensor) and e.requires_grad for e in exs)
-        m = Match(FAMILY, [out], needs_grad=needs_grad, device=device, reason=keep)
+        m = Match(FAMILY, [out], needs_grad=needs_grad(qo.node, ko.node, vo.node), device=device, reason=keep)
         if keep is None:
             try:
                 m.target, m.args, m.outputs = self._call(out, qo, ko, vo, kind, scale, mixed, mask, softcap,
@@ -310,8 +309,11 @@ class _Finder:
             if mask is not None:
                 try:
                     kind = self._sdpa_mask(mask, (shape(node) or ())[:-1] + ((shape(k) or ())[-2],))
-                except Keep:
-                    if is_causal or not _from_graph_input(mask):
+                except Keep as e:
+                    # A graph input, or in inference runs with symbolic bounds: read at run time (not in training:
+                    # where the values are not runs, the op's SDPA backward is slower than the original's)
+                    runs = isinstance(e, RunTimeRuns) and not needs_grad(q, k, v)
+                    if is_causal or not (_from_graph_input(mask) or runs):
                         raise
                     runtime_mask = mask
             d = number(shape(q)[-1]) if shape(q) else None

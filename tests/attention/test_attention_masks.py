@@ -135,6 +135,31 @@ def test_mask_kind_row_intervals(B):
                                   N, M, B), A._varlen.Intervals)
 
 
+def _bottom_right(q, k, v):
+    N, M = q.shape[-2], k.shape[-2]
+    mask = torch.arange(M)[None, :] <= torch.arange(N)[:, None] + (M - N)  # causal, aligned to the last key
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_mask_aligned_to_the_end_of_the_keys(grad):
+    """A causal mask whose diagonal sits at a symbolic offset (M - N: new queries against a cache, dynamic shapes) is
+    not a compile-time kind. In inference its values are read at run time (tk::attention_masked: its rows are runs,
+    so the kernels run); in training it is kept (where the values are not runs the op's SDPA backward is slower)."""
+    compiled = torch.compile(Fn(_bottom_right), backend="thunderkittens", options=OPTS, dynamic=True)
+    for M in (9, 13):
+        q, k, v = _qkv(2, 4, 4, 3, M, 16, grad=grad)
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(compiled(q, k, v), _bottom_right(q, k, v))
+        report = tk_inductor.report()
+        if grad:
+            assert report.kept and "symbolic size" in report.kept[0][1], str(report)
+        else:
+            assert report.replaced == {"attention": 1}, str(report)
+    mask = torch.arange(13)[None, :] <= torch.arange(3)[:, None] + 10
+    assert isinstance(A.mask_kind(mask, 3, 13), A._varlen.Intervals)
+
+
 def _fresh_paths():
     A.masked_paths.clear()
     return A.masked_paths

@@ -629,3 +629,20 @@ def test_hf_llama_generate_decode_steps_replaced(padded):
     assert torch.equal(got, want)
     graphs = tk_inductor.report().graphs
     assert len(graphs) >= 2 and all(g.replaced.get("attention", 0) == 2 and not g.kept for g in graphs), graphs
+
+
+def test_hf_llama_prompt_lookup_decoding():
+    """generate() with prompt-lookup decoding (several candidate tokens checked per step against the cache) and
+    dynamic shapes: the steps' causal mask is aligned to the end of the cache, at a symbolic offset; in inference its
+    values are read at run time (tk::attention_masked: one run of keys per row), so every step's attention is
+    replaced, and the tokens are eager's."""
+    model = _llama("sdpa", cache=True).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])  # repeats: the lookup finds candidates
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
+    want = model.generate(ids, **kw)
+    tk_inductor.reset()
+    model.forward = torch.compile(model.forward, backend="thunderkittens", options=OPTS, dynamic=True)
+    got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+    graphs = tk_inductor.report().graphs
+    assert len(graphs) >= 3 and all(g.replaced.get("attention", 0) == 2 and not g.kept for g in graphs), graphs
