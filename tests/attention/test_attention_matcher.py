@@ -611,24 +611,29 @@ def test_hf_llama_generate_left_padded(cache):
     assert replaced >= 2, str(tk_inductor.report())
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_hf_llama_generate_decode_steps_replaced(padded):
-    """generate() with dynamic shapes: the decode steps' attention is replaced too. Their mask reads the query
-    positions at the cache's symbolic length (kv <= past + q, every cached key for one query) and, padded, the
-    padding mask, whose columns are another symbol; the two caches' lengths are separate symbols as well."""
+def _generate_replaces_every_step(ids, min_graphs: int, **kw) -> None:
+    """generate() with a compiled forward (dynamic shapes) gives eager's tokens, and every graph it compiles
+    replaces both layers' attention."""
     model = _llama("sdpa", cache=True).eval()
-    ids = torch.randint(1, 64, (2, 7))
-    am = torch.ones(2, 7, dtype=torch.long)
-    if padded:
-        am[0, :3] = 0
-    kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **kw)
     tk_inductor.reset()
     model.forward = torch.compile(model.forward, backend="thunderkittens", options=OPTS, dynamic=True)
     got = model.generate(ids, **kw)
     assert torch.equal(got, want)
     graphs = tk_inductor.report().graphs
-    assert len(graphs) >= 2 and all(g.replaced.get("attention", 0) == 2 and not g.kept for g in graphs), graphs
+    assert len(graphs) >= min_graphs and all(g.replaced.get("attention", 0) == 2 and not g.kept for g in graphs), graphs
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_hf_llama_generate_decode_steps_replaced(padded):
+    """generate() with dynamic shapes: the decode steps' attention is replaced too. Their mask reads the query
+    positions at the cache's symbolic length (kv <= past + q, every cached key for one query) and, padded, the
+    padding mask, whose columns are another symbol; the two caches' lengths are separate symbols as well."""
+    am = torch.ones(2, 7, dtype=torch.long)
+    if padded:
+        am[0, :3] = 0
+    _generate_replaces_every_step(torch.randint(1, 64, (2, 7)), 2, attention_mask=am, max_new_tokens=5,
+                                  do_sample=False, pad_token_id=0)
 
 
 def test_hf_llama_prompt_lookup_decoding():
@@ -636,13 +641,6 @@ def test_hf_llama_prompt_lookup_decoding():
     dynamic shapes: the steps' causal mask is aligned to the end of the cache, at a symbolic offset; in inference its
     values are read at run time (tk::attention_masked: one run of keys per row), so every step's attention is
     replaced, and the tokens are eager's."""
-    model = _llama("sdpa", cache=True).eval()
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])  # repeats: the lookup finds candidates
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
-    want = model.generate(ids, **kw)
-    tk_inductor.reset()
-    model.forward = torch.compile(model.forward, backend="thunderkittens", options=OPTS, dynamic=True)
-    got = model.generate(ids, **kw)
-    assert torch.equal(got, want)
-    graphs = tk_inductor.report().graphs
-    assert len(graphs) >= 3 and all(g.replaced.get("attention", 0) == 2 and not g.kept for g in graphs), graphs
+    _generate_replaces_every_step(ids, 3, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                  prompt_lookup_num_tokens=3)
