@@ -11,7 +11,8 @@ same-sequence literal. A symbolic size (a KV cache's length under dynamic shapes
 query positions) is a constant of the mask, kept as its sympy expression and decided on the box of scores, whose
 sizes are symbolic too. `_mask_kind` decides whether an allowed set is exactly {j <= i} (causal, top-left),
 {i - w < j <= i} (a causal sliding window) or everything, each with or without a padding literal, and names what
-else it is (a diagonal offset, a mask varying over batch or heads). A mask built otherwise from a graph input or
+else it is (a diagonal offset, a mask varying over batch or heads); such bounds at a symbolic offset (a causal mask
+aligned to the end of a longer cache) raise `RunTimeRuns`, whose rows are runs that the op can read at run time. A mask built otherwise from a graph input or
 with an op outside this vocabulary raises `Keep` with the reason.
 """
 from __future__ import annotations

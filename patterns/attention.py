@@ -31,6 +31,7 @@ A mask that *is* a graph input (as after DDP's graph splitting, FSDP2's graph br
 `tk::attention_masked`: the op checks its values once per mask tensor and runs the kernel for a causal,
 sliding-window or all-visible mask, SDPA with the mask otherwise. The graph that made the mask proves it here too
 (`output_mask_kinds`), and the backend records the proof on the output tensor, so the op need not read the values.
+So does, in inference, SDPA's mask with causal bounds at a symbolic offset (new queries against a cache).
 
 Kept, each with its reason in the report: arbitrary masks, two-sided windows, diagonal-offset causal masks, additive
 biases (ALiBi, relative position), any other op between the products, dropout p > 0 in training, attention weights
