@@ -12,8 +12,8 @@ query positions) is a constant of the mask, kept as its sympy expression and dec
 sizes are symbolic too. `_mask_kind` decides whether an allowed set is exactly {j <= i} (causal, top-left),
 {i - w < j <= i} (a causal sliding window) or everything, each with or without a padding literal, and names what
 else it is (a diagonal offset, a mask varying over batch or heads); such bounds at a symbolic offset (a causal mask
-aligned to the end of a longer cache) raise `RunTimeRuns`, whose rows are runs that the op can read at run time. A mask built otherwise from a graph input or
-with an op outside this vocabulary raises `Keep` with the reason.
+aligned to the end of a longer cache) raise `RunTimeRuns`, whose rows are runs that the op can read at run time. A
+mask built otherwise from a graph input or with an op outside this vocabulary raises `Keep` with the reason.
 """
 from __future__ import annotations
 
@@ -474,15 +474,14 @@ def _planes_kind(allowed: Pred, score_shape: tuple) -> MaskKind:
         raise Keep("the mask hides every key")
     if not planes:
         return MaskKind(False)
+    diagonal, anti = _coefs({-2: 1, -1: -1}), _coefs({-2: -1, -1: 1})
     if any(not isinstance(c, int) for _, c in planes):
-        diagonal, anti = _coefs({-2: 1, -1: -1}), _coefs({-2: -1, -1: 1})
         if all(coefs in (diagonal, anti) for coefs, _ in planes):
             raise RunTimeRuns("the mask's diagonal depends on a symbolic size (a causal mask aligned to the end of a "
                               "longer key sequence, as with several new queries against a cache)")
         raise Keep("the mask's bounds depend on a symbolic size")
     if planes == causal:
         return MaskKind(True)
-    diagonal, anti = _coefs({-2: 1, -1: -1}), _coefs({-2: -1, -1: 1})
     for coefs, c in planes:
         if coefs == diagonal and c != 0 and len(planes) == 1:
             raise Keep(f"causal mask with a diagonal offset of {c} (not top-left aligned)")

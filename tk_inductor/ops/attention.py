@@ -57,8 +57,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x, 64 and 128.
 KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128)
 # Queries of at most this many rows run the split-KV decode kernels (kDecodeRows in csrc/kernels/attention). Against
-# SDPA's own split-KV path (no mask, K/V heads not repeated) they ran 0.77-0.99x cuDNN on the H200, so the matcher leaves
-# such decode steps to SDPA; a masked step (SDPA on repeated K/V, the memory-efficient kernel) or an eager one is
+# SDPA's own split-KV path (no mask, K/V heads not repeated) they ran 0.87-1.00x cuDNN on the H200, so the matcher
+# leaves such decode steps to SDPA; a masked step (SDPA on repeated K/V, the memory-efficient kernel) or an eager one is
 # replaced (benchmarks/RESULTS.md).
 DECODE_ROWS = 16
 
@@ -388,8 +388,8 @@ def mask_kind(mask: torch.Tensor, N: int, M: int, B: int = 1):
     """"causal" (key j <= query i), "full" (every key), an int w (a causal sliding window: i - w < j <= i, narrower
     than the rows), the interval tables of a mask whose rows each see one run of keys (`Intervals`: every row an
     interval, empty only in a bool mask, the nonempty ones' starts and ends nondecreasing along the rows, the same
-    for every head; B is the batch they are built for) or None (anything else) for a bool (True = attend) or additive (0 = attend, <= NEG_BIG =
-    hidden) mask that broadcasts to (..., N, M).
+    for every head; B is the batch they are built for) or None (anything else) for a bool (True = attend) or
+    additive (0 = attend, <= NEG_BIG = hidden) mask that broadcasts to (..., N, M).
 
     Taken from the proof of the graph that made the mask when there is one (prove_mask), else decided on the
     values, with one device-to-host copy; the answer is cached on the tensor (or the tensor it

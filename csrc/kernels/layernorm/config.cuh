@@ -132,9 +132,9 @@ cudaError_t with_types(DTypes t, F&& f) {
 }
 
 // The launchers are split by x's dtype and row length (Rows), each instantiated in its own translation unit
-// (forward_<x>_<rows>.cu, forward_gated_<rows>.cu, backward_<x>_<rows>.cu, backward_gated_<rows>.cu, backward_pipe_<x>[_lean].cu), so that
-// the family's ~450 kernels compile in parallel. with_x calls f(X{}) for x's dtype;
-// with_x_types is with_types for the combinations with that X (the others are not instantiated).
+// (forward_<x>_<rows>.cu, forward_gated_<rows>.cu, backward_<x>_<rows>.cu, backward_gated_<rows>.cu,
+// backward_pipe_<x>[_lean].cu), so that the family's ~450 kernels compile in parallel. with_x calls f(X{}) for x's
+// dtype; with_x_types is with_types for the combinations with that X (the others are not instantiated).
 template <typename F>
 cudaError_t with_x(DType x, F&& f) {
   switch (x) {
