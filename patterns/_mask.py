@@ -476,9 +476,11 @@ def _planes_kind(allowed: Pred, score_shape: tuple) -> MaskKind:
         return MaskKind(False)
     diagonal, anti = _coefs({-2: 1, -1: -1}), _coefs({-2: -1, -1: 1})
     if any(not isinstance(c, int) for _, c in planes):
-        if all(coefs in (diagonal, anti) for coefs, _ in planes):
-            raise RunTimeRuns("the mask's diagonal depends on a symbolic size (a causal mask aligned to the end of a "
-                              "longer key sequence, as with several new queries against a cache)")
+        # bounds on j - i and on j alone leave each row one run of keys (a causal mask aligned to the end of a
+        # longer key sequence, as with several new queries against a cache; a sliding cache's first and last keys)
+        if all(coefs in (diagonal, anti, _coefs({-1: 1}), _coefs({-1: -1})) for coefs, _ in planes):
+            raise RunTimeRuns("the mask's bounds depend on a symbolic size (each row one run of keys: a causal mask "
+                              "aligned to the end of a longer key sequence, or a sliding cache's window)")
         raise Keep("the mask's bounds depend on a symbolic size")
     if planes == causal:
         return MaskKind(True)

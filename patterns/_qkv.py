@@ -95,7 +95,11 @@ def _repeat_kv_source(node: fx.Node) -> tuple[fx.Node, int] | None:
 
 
 def _positive_const(x):
+    """x as a positive finite number, or None. A symbolic float (`dynamic=True` passes float attributes such as a
+    scaling or a softcap as graph inputs) is specialised: its value is guarded, so another value recompiles."""
     v = number(x) if not isinstance(x, fx.Node) or not isinstance(example(x), torch.Tensor) else None
+    if v is None and isinstance(example(x), torch.SymFloat):
+        v = float(example(x))
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 else None
 
 

@@ -239,7 +239,7 @@ class _Finder:
         if not (scale > 0 and math.isfinite(scale)):
             raise Keep(f"scale {scale} is not a positive finite number")
         if exs[0].device.type == "cuda" and not self.reference:
-            why = attention_ops.kernel_supports(dtype, number(qs[-1]))
+            why = attention_ops.kernel_supports(dtype, number(qs[-1]), needs_grad(qo.node, ko.node, vo.node))
             if why is not None:
                 raise Keep(why)
             rows = number(qs[-2])
@@ -418,6 +418,7 @@ class _Finder:
         allowed = None  # the intersection of the proven masks' allowed sets; its kind is decided at the end
         fills = set()  # whether each proven mask's fill is finite
         softcap, capping = 0.0, None  # capping: None, "tanh" (its multiply is next), "done"
+        masks, added = 0, None  # masks proven so far; the last one added to the scores (fx node) while none follow
         scores = shape(qk) or ()
         prev = qk
         add_mask = lambda p: p if allowed is None else _and(allowed, p)  # noqa: E731
@@ -433,6 +434,7 @@ class _Finder:
                 c = _positive_const(others[0]) if len(others) == 1 else None
                 if runtime_mask is not None:
                     raise Keep("the scores are scaled after a run-time mask was added (SDPA adds it after scaling)")
+                added = None
                 if c is None or (name == "div" and n.args[0] is not prev):
                     runtime = len(others) == 1 and isinstance(others[0], fx.Node) \
                         and not isinstance(example(others[0]), torch.Tensor)
@@ -448,6 +450,8 @@ class _Finder:
             elif name in ("add",) and len(n.args) == 2 and not n.kwargs:
                 try:
                     allowed = add_mask(self._additive(others[0], fills))  # each mask must be provable
+                    masks += 1
+                    added = others[0] if len(others) == 1 else None
                 except Keep:
                     m = others[0] if len(others) == 1 else None
                     if runtime_mask is not None or allowed is not None or not _from_graph_input(m) \
@@ -466,6 +470,7 @@ class _Finder:
                     raise Keep(f"masked_fill value {_arg(n, 2, 'value')} does not vanish in softmax")
                 allowed = add_mask(self._hidden_complement(_arg(n, 1, "mask")))  # each mask must be provable
                 fills.add(math.isfinite(fill))
+                masks += 1
             elif name == "where" and len(n.args) == 3:
                 cond, a, b = n.args
                 if a is prev:
@@ -480,6 +485,7 @@ class _Finder:
                 p = self._bool_mask(cond)
                 allowed = add_mask(p if keeps else _not(p))  # each mask must be provable
                 fills.add(math.isfinite(fv))
+                masks += 1
             elif name == "tanh":
                 if capping is not None:
                     raise Keep("tanh is applied to the scores twice")
@@ -498,7 +504,16 @@ class _Finder:
         if allowed is not None and allowed.pads and len(fills) > 1:
             raise Keep("a padding mask among masks with finite and infinite fills (rows without keys would average "
                        "only some keys)")
-        kind = _mask_kind(allowed, scores, fills == {True}) if allowed is not None else MaskKind(False)
+        try:
+            kind = _mask_kind(allowed, scores, fills == {True}) if allowed is not None else MaskKind(False)
+        except RunTimeRuns:
+            # In inference, one additive mask whose rows are runs only at run time (bounds at a symbolic offset, as
+            # HF builds a decode step's mask) is read by tk::attention_masked, as SDPA's (not in training: where the
+            # values are not runs, the op's backward is slower than the original's).
+            ex = example(added) if isinstance(added, fx.Node) else None
+            if masks != 1 or needs_grad(qk) or not isinstance(ex, torch.Tensor) or not ex.is_floating_point():
+                raise
+            kind, runtime_mask = MaskKind(False), added
         if runtime_mask is not None and kind.causal:
             raise Keep("a proven causal mask and a run-time mask are both applied")
         return scale, kind, softcap, runtime_mask

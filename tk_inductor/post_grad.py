@@ -125,7 +125,7 @@ def _direct_ops() -> dict[Any, tuple[str, Callable, Callable[[dict], bool]]]:
         torch.ops.tk.attention_backward.default: (
             "attention_backward", attention._attention_backward_fake,
             lambda a: a["causal"] is not None
-            and attention.direct_kernel_ok(a["q"], a["k"], a["v"], a["grad_o"], a["o"], a["lse"])),
+            and attention.direct_kernel_ok(a["q"], a["k"], a["v"], a["grad_o"], a["o"], a["lse"], backward=True)),
         torch.ops.tk.layernorm.default: (
             "layernorm", layernorm._forward_fake,
             # with dropout and no (seed, offset) the Python op draws them; the C++ op does not

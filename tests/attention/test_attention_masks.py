@@ -497,7 +497,7 @@ def test_gpu_attention_masked_under_cuda_graph_capture_takes_sdpa_path():
 
 def test_attention_masked_warns_once_when_the_kernel_cannot_take_the_mask(monkeypatch):
     """Where the kernel would run but the mask is general, the SDPA fallback says so, once."""
-    monkeypatch.setattr(A, "_kernel_ok", lambda *tensors: True)
+    monkeypatch.setattr(A, "_kernel_ok", lambda *tensors, backward=False: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(A, "masked_paths", __import__("collections").Counter())
     monkeypatch.setattr(A, "_warned_sdpa", False)

@@ -469,6 +469,19 @@ def test_kernel_mode_unsupported_dtype_or_head_dim(fn, dtype, D, why):
         assert _reasons(gm) == [None]
 
 
+@pytest.mark.parametrize("fn", [sdpa_causal, eager_causal])
+@pytest.mark.parametrize("D", [192, 256])
+def test_kernel_mode_wide_head_dims_in_inference_only(fn, D):
+    """Head dims 192/256 (Gemma) have forward kernels only: replaced in inference, kept in training with the reason."""
+    gm = _fake_cuda_graph(fn, [(2, 4, 32, D)] * 3, torch.bfloat16)
+    assert _reasons(gm) == [None]
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"].requires_grad_(True)
+    (reason,) = _reasons(gm)
+    assert reason is not None and f"head dim {D} in training" in reason
+
+
 def sdpa_full(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
@@ -611,10 +624,10 @@ def test_hf_llama_generate_left_padded(cache):
     assert replaced >= 2, str(tk_inductor.report())
 
 
-def _generate_replaces_every_step(ids, min_graphs: int, **kw) -> None:
+def _generate_replaces_every_step(ids, min_graphs: int, model=None, **kw) -> None:
     """generate() with a compiled forward (dynamic shapes) gives eager's tokens, and every graph it compiles
-    replaces both layers' attention."""
-    model = _llama("sdpa", cache=True).eval()
+    replaces both layers' attention (of a small Llama unless `model` is given)."""
+    model = model or _llama("sdpa", cache=True).eval()
     want = model.generate(ids, **kw)
     tk_inductor.reset()
     model.forward = torch.compile(model.forward, backend="thunderkittens", options=OPTS, dynamic=True)
@@ -644,3 +657,48 @@ def test_hf_llama_prompt_lookup_decoding():
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])  # repeats: the lookup finds candidates
     _generate_replaces_every_step(ids, 3, max_new_tokens=8, do_sample=False, pad_token_id=0,
                                   prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+def test_hf_sliding_window_decode_steps_replaced(model):
+    """generate() of sliding-window models with a dynamic cache and dynamic shapes: a decode step's window is bounded
+    at the cache's symbolic length (Mistral, SDPA), and Gemma-2's sliding cache keeps the last window of keys, so its
+    eager attention's additive mask bounds the keys at a symbolic offset. Each row is one run of keys, read at run
+    time in inference (tk::attention_masked): every step's attention is replaced, and the tokens are eager's."""
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, sliding_window=6)
+    torch.manual_seed(0)
+    if model == "mistral":
+        net = transformers.MistralForCausalLM(transformers.MistralConfig(**common, attn_implementation="sdpa"))
+    else:
+        net = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+            attn_implementation="eager"))
+    _generate_replaces_every_step(torch.randint(1, 64, (2, 9)), 2, model=net.eval(), max_new_tokens=6,
+                                  do_sample=False, pad_token_id=0)
+
+
+def test_symbolic_scale_and_softcap_are_specialised():
+    """dynamic=True passes a module's float attributes (a scaling, Gemma-2's softcap) as symbolic floats: the
+    replacement takes their values as constants, guarded, so new values recompile and stay eager's."""
+
+    class Capped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale, self.cap = 0.1, 5.0
+
+        def forward(self, q, k, v):
+            s = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * self.scale / self.cap) * self.cap
+            return torch.matmul(torch.softmax(s.float(), -1).to(q.dtype), v)
+
+    model = Capped()
+    compiled = torch.compile(model, backend="thunderkittens", options=OPTS, dynamic=True)
+    q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
+    for scale, cap in ((0.1, 5.0), (0.3, 5.0), (0.3, 2.0)):
+        model.scale, model.cap = scale, cap
+        tk_inductor.reset()
+        got = compiled(q, k, v)
+        torch.testing.assert_close(got, model(q, k, v))
+        assert tk_inductor.report().replaced.get("attention", 0) == 1, str(tk_inductor.report())

@@ -23,7 +23,7 @@ Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops 
 
 Kernel or reference: the op calls `torch.ops.tk_cuda.attention` when `_dispatch.use_kernel` allows it (CUDA
 inputs, kernels built, not reference mode) *and* the kernel covers the inputs (bf16/fp16, head dim 32, 64, 80,
-96 or 128, see `kernel_supports`); otherwise the fp32-accumulating PyTorch reference below, on any device and any
+96, 128, 192 or 256 forward and up to 128 backward, see `kernel_supports`); otherwise the fp32-accumulating PyTorch reference below, on any device and any
 float dtype. The matcher (patterns/attention.py) only routes supported shapes to the op in kernel mode, so the
 reference fallback there is for direct calls and reference mode.
 
@@ -52,10 +52,12 @@ from . import _dispatch
 
 FAMILY = "attention"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-# The kernels run any head dim that is a multiple of 8 up to 128 (below 64 and 128 zero-filled to the next one up);
-# the op routes them those measured at or above cuDNN SDPA on the H200 (benchmarks/RESULTS.md): 32 (small models),
-# 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x, 64 and 128.
-KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128)
+# The forward kernels run any head dim that is a multiple of 8 up to 256 (zero-filled to the next of 64, 128 and 256),
+# the backward kernels up to 128; the op routes them those measured at or above SDPA's best backend on the H200
+# (benchmarks/RESULTS.md): 32 (small models), 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x cuDNN, 64 and 128; forward only,
+# 192 and 256 (Gemma, Gemma-2 2B/9B). Training graphs with those keep SDPA (no backward kernel).
+KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+BACKWARD_HEAD_DIMS = (32, 64, 80, 96, 128)
 # Queries of at most this many rows run the split-KV decode kernels (kDecodeRows in csrc/kernels/attention). Against
 # SDPA's own split-KV path (no mask, K/V heads not repeated) they ran 0.87-1.00x cuDNN on the H200, so the matcher
 # leaves such decode steps to SDPA; a masked step (SDPA on repeated K/V, the memory-efficient kernel) or an eager one is
@@ -63,12 +65,16 @@ KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128)
 DECODE_ROWS = 16
 
 
-def kernel_supports(dtype: torch.dtype, head_dim) -> str | None:
-    """None if the CUDA kernels handle this dtype and head dim, else why not (also used by the matcher)."""
+def kernel_supports(dtype: torch.dtype, head_dim, backward: bool = False) -> str | None:
+    """None if the CUDA kernels handle this dtype and head dim (and with `backward`, also its gradients), else why not
+    (also used by the matcher)."""
     if dtype not in KERNEL_DTYPES:
         return f"dtype {dtype} (the attention kernels take bfloat16/float16)"
     if not isinstance(head_dim, int) or head_dim not in KERNEL_HEAD_DIMS:
         return f"head dim {head_dim} (the attention kernels take {' or '.join(map(str, KERNEL_HEAD_DIMS))})"
+    if backward and head_dim not in BACKWARD_HEAD_DIMS:
+        return (f"head dim {head_dim} in training (the backward kernels take "
+                f"{' or '.join(map(str, BACKWARD_HEAD_DIMS))})")
     return None
 
 
@@ -221,17 +227,17 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
 
 # ---------------------------------------------------------------------------- the ops
 
-def _kernel_ok(*tensors) -> bool:
+def _kernel_ok(*tensors, backward: bool = False) -> bool:
     q = tensors[0]
-    return kernel_supports(q.dtype, q.shape[-1]) is None and _dispatch.use_kernel(FAMILY, *tensors)
+    return kernel_supports(q.dtype, q.shape[-1], backward) is None and _dispatch.use_kernel(FAMILY, *tensors)
 
 
-def direct_kernel_ok(*tensors) -> bool:
+def direct_kernel_ok(*tensors, backward: bool = False) -> bool:
     """Whether the raw `tk_cuda::` op may stand in for the Python op (the post-grad pass asks with the node's fake
     values): the kernel takes the operands as they are, no empty-input shortcut and no copy of a strided row."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return _kernel_ok(*tensors) and all(
+    return _kernel_ok(*tensors, backward=backward) and all(
         t.dim() < 4 or (statically_known_true(t.stride(-1) == 1) and statically_known_true(t.numel() > 0))
         for t in tensors)
 
@@ -276,7 +282,7 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     _validate_scores(causal, window, softcap, "tk::attention_backward")
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
-    if _kernel_ok(q, k, v, grad_o, o, lse):
+    if _kernel_ok(q, k, v, grad_o, o, lse, backward=True):
         grad_o, q, k, v, o = map(_last_dim_unit, (grad_o, q, k, v, o))
         return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale, window,
                                                       softcap)
@@ -486,9 +492,9 @@ def _rows16(t: torch.Tensor) -> bool:
         st * t.element_size() % 16 == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
-def _masked_path(q, k, v, mask) -> str | int | None:
-    """The kernel's mask kind, or None for the SDPA path."""
-    if not _kernel_ok(q, k, v) or torch.cuda.is_current_stream_capturing():
+def _masked_path(q, k, v, mask, backward: bool = False) -> str | int | None:
+    """The kernel's mask kind, or None for the SDPA path (the reference formulas in the backward)."""
+    if not _kernel_ok(q, k, v, backward=backward) or torch.cuda.is_current_stream_capturing():
         return None
     global _warned_sdpa
     kind = mask_kind(mask, q.shape[2], k.shape[2], q.shape[0])
@@ -554,8 +560,9 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
     mask = _as_scores_mask(mask)
-    # The same values give the same answer as in the forward (cached), so the paths agree.
-    kind = _masked_path(q, k, v, mask)
+    # The same values give the same answer as in the forward (cached), so the paths agree, except for a head dim the
+    # backward kernels lack: its reference formulas recompute the scores.
+    kind = _masked_path(q, k, v, mask, backward=True)
     if isinstance(kind, _varlen.Intervals):
         ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
         return _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), False, scale, 0, softcap, kind.key_rows)

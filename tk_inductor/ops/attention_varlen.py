@@ -201,13 +201,13 @@ def _validate_masks(q, k, keep, segments, op: str) -> None:
     check(segments is None or N == M, lambda: f"{op}: segments need as many queries as keys, got N {N}, M {M}")
 
 
-def _reference_entries(tensors, keep, segments, causal: bool, window: int, uniform_empty: bool
-                       ) -> tuple[Intervals | None, list[int]]:
+def _reference_entries(tensors, keep, segments, causal: bool, window: int, uniform_empty: bool,
+                       backward: bool = False) -> tuple[Intervals | None, list[int]]:
     """(the kernel's tables, the batch entries the reference must compute), or (None, every entry): the kernel
-    cannot run at all (`tensors`: the operands, q, k, v first)."""
+    cannot run at all (`tensors`: the operands, q, k, v first; `backward`: for the gradients)."""
     q, k = tensors[0], tensors[1]
     everything = list(range(q.shape[0]))
-    if not _kernel_ok(*tensors) or (keep is not None and torch.cuda.is_current_stream_capturing()):
+    if not _kernel_ok(*tensors, backward=backward) or (keep is not None and torch.cuda.is_current_stream_capturing()):
         return None, everything
     tables = intervals(keep, segments, q.shape[2], k.shape[2], causal, window)
     if keep is None:
@@ -267,7 +267,8 @@ def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
     # the forward's masks: their tables are cached, so the same entries take the reference as there
-    tables, ref = _reference_entries((q, k, v, grad_o, o, lse), keep, segments, causal, window, uniform_empty)
+    tables, ref = _reference_entries((q, k, v, grad_o, o, lse), keep, segments, causal, window, uniform_empty,
+                                     backward=True)
     if tables is None:
         return attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal, scale, window, softcap,
                                                    uniform_empty)

@@ -39,7 +39,8 @@ void check(bool ok, const std::string& message) {
   TORCH_CHECK(ok, std::string("tk_cuda::attention: ") + message);
 }
 
-DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   int64_t max_head_dim = tk_attn::kMaxHeadDim) {
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
         "q, k, v must be 4-D (B, H, N, D), got " + shape_str(q) + ", " + shape_str(k) + ", " + shape_str(v));
   check(q.is_cuda() && k.is_cuda() && v.is_cuda(), "q, k, v must be CUDA tensors");
@@ -47,8 +48,9 @@ DType check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   check(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v must share a dtype");
   check(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
         std::string("dtype must be bfloat16 or float16, got ") + c10::toString(q.scalar_type()));
-  check(tk_attn::head_dim_supported(q.size(3)),
-        "head dim must be a multiple of 8 up to 128, got " + std::to_string(q.size(3)));
+  check(tk_attn::head_dim_supported(q.size(3), max_head_dim), "head dim must be a multiple of 8 up to " +
+                                                                std::to_string(max_head_dim) + ", got " +
+                                                                std::to_string(q.size(3)));
   check(k.size(3) == q.size(3) && v.size(3) == q.size(3), "q, k, v head dims differ");
   check(k.sizes() == v.sizes(), "k and v shapes differ: " + shape_str(k) + " vs " + shape_str(v));
   check(k.size(0) == q.size(0), "batch sizes differ");
@@ -149,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                                                                   bool causal, double scale, int64_t window,
                                                                   double softcap,
                                                                   const std::optional<at::Tensor>& key_rows) {
-  const DType dt = check_inputs(q_in, k_in, v_in);
+  const DType dt = check_inputs(q_in, k_in, v_in, tk_attn::kMaxBackwardHeadDim);
   tk_attn::Scores sc = scores(causal, scale, window, softcap);
   sc.key_rows = intervals(key_rows, q_in, k_in.size(2), "key_rows");
   TORCH_CHECK(grad_o.sizes() == q_in.sizes() && o_in.sizes() == q_in.sizes(),

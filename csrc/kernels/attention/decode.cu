@@ -41,7 +41,7 @@ const char* attention_decode(DType dt, const View4& q, const View4& k, const Vie
                              const Scores& sc, const DecodePlan& plan, float* part_o, float* part_lse,
                              cudaStream_t stream) {
   if (const char* e = scores_error(sc)) return e;
-  if (!head_dim_supported(q.D)) return "head dim must be a multiple of 8 up to 128";
+  if (!head_dim_supported(q.D)) return "head dim must be a multiple of 8 up to 256";
   if (q.S > kDecodeRows) return "the decode kernel takes at most kDecodeRows query rows";
   if (plan.splits > 1 && (part_o == nullptr || part_lse == nullptr)) return "the decode plan needs partials";
   const Params p{q, k, v, o, lse, part_o, part_lse, sc, Rows{int(q.H / k.H), int(q.S), int(q.H / k.H * q.S)},

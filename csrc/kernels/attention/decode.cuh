@@ -68,6 +68,10 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
   constexpr int KW = BK * RT / WARPS;  // keys of a block per warp
   constexpr int PIECES = KW / 16;
   constexpr int ROWS = 16 * RT;
+  // The head dim in register chunks of DC columns: the whole row up to D = 128 (q stays in registers across blocks);
+  // at D = 256 o alone takes 128 registers a lane, so q, K and V pass through registers 64 columns at a time (q
+  // re-read from shared memory each block).
+  constexpr int DC = DK > 128 ? 64 : DK, NCH = DK / DC;
   extern __shared__ char raw[];
   Smem<T, DK, RT>& sm = *reinterpret_cast<Smem<T, DK, RT>*>(tk::align_shared<1024>(raw));
   __shared__ int2 span;
@@ -130,10 +134,11 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
   auto base_of = [](Vec& base, const Vec& mx) {
     tk::vec_for_each(base, [&](int t, int k) { return mx.data[t][k] == -INFINITY ? 0.f : mx.data[t][k]; });
   };
-  tk::rt<T, 16, DK> q;
-  tk::rt_fl<16, DK> o;
+  tk::rt<T, 16, DC> q;
+  tk::rt_fl<16, DC> o[NCH];
   Vec m, l;
-  tk::zero(o);
+#pragma unroll
+  for (int ch = 0; ch < NCH; ++ch) tk::zero(o[ch]);
   tk::neg_infty(m);
   tk::zero(l);
 
@@ -142,16 +147,24 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
     __syncthreads();
     if (i + STAGES - 1 < nb) load_stage((i + STAGES - 1) % STAGES, blk0 + i + STAGES - 1);
     tk::cp_async_commit();
-    if (i == 0) tk::load(q, sm.q, 16 * rt, 0);
+    if (NCH == 1 && i == 0) tk::load(q, sm.q, 16 * rt, 0);
     const int stage = i % STAGES, key0 = (blk0 + i) * BK + slice * KW;
 
     tk::rt_fl<16, 16> s[PIECES];
 #pragma unroll
+    for (int j = 0; j < PIECES; ++j) tk::zero(s[j]);
+#pragma unroll
+    for (int ch = 0; ch < NCH; ++ch) {
+      if constexpr (NCH > 1) tk::load(q, sm.q, 16 * rt, DC * ch);
+#pragma unroll
+      for (int j = 0; j < PIECES; ++j) {
+        tk::rt<T, 16, DC> kj;
+        tk::load(kj, sm.k[stage], slice * KW + 16 * j, DC * ch);
+        tk::mma_ABt(s[j], q, kj, s[j]);
+      }
+    }
+#pragma unroll
     for (int j = 0; j < PIECES; ++j) {
-      tk::rt<T, 16, DK> kj;
-      tk::load(kj, sm.k[stage], slice * KW + 16 * j, 0);
-      tk::zero(s[j]);
-      tk::mma_ABt(s[j], q, kj, s[j]);
       // scores in the log2 domain; keys outside the row's interval (and past M) hidden
       tk::map_indexed(s[j], s[j], [&](int r, int c, float x) {
         const int key = key0 + 16 * j + c;
@@ -168,7 +181,8 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
     tk::sub(alpha, m, base);
     tk::exp2(alpha, alpha);
     tk::mul(l, l, alpha);
-    tk::mul_row(o, o, alpha);
+#pragma unroll
+    for (int ch = 0; ch < NCH; ++ch) tk::mul_row(o[ch], o[ch], alpha);
 #pragma unroll
     for (int j = 0; j < PIECES; ++j) {
       tk::sub_row(s[j], s[j], base);
@@ -177,9 +191,12 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
       tk::add(l, l, sum);
       tk::rt<T, 16, 16> pj;
       tk::copy(pj, s[j]);
-      tk::rt<T, 16, DK, tk::col_layout> vj;
-      tk::load(vj, sm.v[stage], slice * KW + 16 * j, 0);
-      tk::mma_AB(o, pj, vj, o);
+#pragma unroll
+      for (int ch = 0; ch < NCH; ++ch) {
+        tk::rt<T, 16, DC, tk::col_layout> vj;
+        tk::load(vj, sm.v[stage], slice * KW + 16 * j, DC * ch);
+        tk::mma_AB(o[ch], pj, vj, o[ch]);
+      }
     }
     m = mn;
   }
@@ -188,11 +205,11 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
 
   // Merge the key slices of each row tile: every warp parks (m, l, o) in its lanes' order; the first slice's warp
   // folds in the others.
-  constexpr int OREG = DK / 16 * 8;  // fp32 values of o per lane
+  constexpr int OREG = DK / 16 * 8, CREG = DC / 16 * 8;  // fp32 values of o per lane, of a chunk of o
   float* park = reinterpret_cast<float*>(&sm.k[0]);
   auto slot = [&](int w, int x) -> float& { return park[(w * (OREG + 4) + x) * 32 + lane]; };
-  auto o_at = [&](tk::rt_fl<16, DK>& t, int x) -> float& {
-    float2& pr = t.tiles[0][x / 8].data[(x / 2) % 4];
+  auto o_at = [&](tk::rt_fl<16, DC> (&t)[NCH], int x) -> float& {
+    float2& pr = t[x / CREG].tiles[0][x % CREG / 8].data[(x / 2) % 4];
     return x % 2 ? pr.y : pr.x;
   };
   if (WARPS / RT > 1) {
@@ -243,7 +260,7 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         const int col = 16 * w + tk::quad_pos(2 * kk);
-        const float2 v = o.tiles[0][w].data[2 * kk + h];
+        const float2 v = o[w / (DC / 16)].tiles[0][w % (DC / 16)].data[2 * kk + h];
         if (col < D)
           *reinterpret_cast<tk::packed_t<U>*>(dst + col) =
               tk::make_packed<U>(tk::convert<U>(v.x * inv[h]), tk::convert<U>(v.y * inv[h]));
@@ -272,8 +289,9 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
 // (32 rows, 16-32 splits).
 template <typename T>
 __global__ void __launch_bounds__(THREADS) decode_combine_kernel(const Params p, int row_tile) {
+  constexpr int PASSES = 2;  // 128 columns a pass, 4 a lane: head dims up to 256
   __shared__ float weight[MAX_SPLITS];
-  __shared__ float4 sums[WARPS][32];
+  __shared__ float4 sums[WARPS][PASSES][32];
   __shared__ float reduce[WARPS];
   tk::grid::wait_prior_grid();
   const int64_t row = blockIdx.x;
@@ -308,29 +326,37 @@ __global__ void __launch_bounds__(THREADS) decode_combine_kernel(const Params p,
   wsum = 0.f;
 #pragma unroll
   for (int w = 0; w < WARPS; ++w) wsum += reduce[w];
-  const int col = 4 * lane;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (col < D) {
+  float4 acc[PASSES];
+#pragma unroll
+  for (int ps = 0; ps < PASSES; ++ps) {
+    const int col = 4 * lane + 128 * ps;
+    acc[ps] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (col < D) {
 #pragma unroll 4
-    for (int s = warp; s < p.splits; s += WARPS) {
-      const float w = weight[s];
-      const float4 v = *reinterpret_cast<const float4*>(p.part_o + (prow0 + int64_t(s) * row_tile) * D + col);
-      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+      for (int s = warp; s < p.splits; s += WARPS) {
+        const float w = weight[s];
+        const float4 v = *reinterpret_cast<const float4*>(p.part_o + (prow0 + int64_t(s) * row_tile) * D + col);
+        acc[ps].x += w * v.x, acc[ps].y += w * v.y, acc[ps].z += w * v.z, acc[ps].w += w * v.w;
+      }
     }
+    sums[warp][ps][lane] = acc[ps];
   }
-  sums[warp][lane] = acc;
   __syncthreads();
   if (warp != 0) return;
-  for (int w = 1; w < WARPS; ++w) {
-    const float4 o = sums[w][lane];
-    acc.x += o.x, acc.y += o.y, acc.z += o.z, acc.w += o.w;
-  }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  if (col < D) {
-    T* dst = static_cast<T*>(p.o) + ((int64_t(b) * N + n) * Hq + hq) * D + col;
-    auto* out = reinterpret_cast<tk::packed_t<T>*>(dst);
-    out[0] = tk::make_packed<T>(tk::convert<T>(acc.x * inv), tk::convert<T>(acc.y * inv));
-    out[1] = tk::make_packed<T>(tk::convert<T>(acc.z * inv), tk::convert<T>(acc.w * inv));
+#pragma unroll
+  for (int ps = 0; ps < PASSES; ++ps) {
+    const int col = 4 * lane + 128 * ps;
+    for (int w = 1; w < WARPS; ++w) {
+      const float4 o = sums[w][ps][lane];
+      acc[ps].x += o.x, acc[ps].y += o.y, acc[ps].z += o.z, acc[ps].w += o.w;
+    }
+    if (col < D) {
+      T* dst = static_cast<T*>(p.o) + ((int64_t(b) * N + n) * Hq + hq) * D + col;
+      auto* out = reinterpret_cast<tk::packed_t<T>*>(dst);
+      out[0] = tk::make_packed<T>(tk::convert<T>(acc[ps].x * inv), tk::convert<T>(acc[ps].y * inv));
+      out[1] = tk::make_packed<T>(tk::convert<T>(acc[ps].z * inv), tk::convert<T>(acc[ps].w * inv));
+    }
   }
   if (lane == 0) p.lse[(int64_t(b) * Hq + hq) * N + n] = wsum > 0.f ? mx + __logf(wsum) : INFINITY;
 }
@@ -377,7 +403,7 @@ int decode_occupancy(int64_t D, int row_tiles) {
   auto rows = [&]<int DK>() {
     return row_tiles == 1 ? prepare<T, DK, 1>() : row_tiles == 2 ? prepare<T, DK, 2>() : prepare<T, DK, 4>();
   };
-  return D > 64 ? rows.template operator()<128>() : rows.template operator()<64>();
+  return D > 128 ? rows.template operator()<256>() : D > 64 ? rows.template operator()<128>() : rows.template operator()<64>();
 }
 
 template <typename T>
@@ -386,7 +412,8 @@ const char* decode_launch(const decode::Params& p, int row_tiles, cudaStream_t s
     return row_tiles == 1 ? launch<T, DK, 1>(p, stream)
            : row_tiles == 2 ? launch<T, DK, 2>(p, stream) : launch<T, DK, 4>(p, stream);
   };
-  return p.q.D > 64 ? rows.template operator()<128>() : rows.template operator()<64>();
+  return p.q.D > 128 ? rows.template operator()<256>()
+         : p.q.D > 64 ? rows.template operator()<128>() : rows.template operator()<64>();
 }
 
 }  // namespace tk_attn

@@ -1,12 +1,12 @@
 // Attention forward: the dispatch on dtype, head dim and mask to the kernels of forward_kernels.cuh (head dims up to
-// 64 run the D = 64 kernels, up to 128 the D = 128 ones).
+// 64 run the D = 64 kernels, up to 128 the D = 128 ones, up to 256 the D = 256 ones).
 #include "attention.h"
 #include "common.cuh"
 
 namespace tk_attn {
 
 // The launcher of one (dtype, head dim, mask): forward_kernels.cuh, instantiated in
-// forward_<dtype>_d<head dim>_<causal|full>.cu so that the eight compile in parallel.
+// forward_<dtype>_d<head dim>_<causal|full>.cu so that the twelve compile in parallel.
 template <typename T, int D, bool CAUSAL>
 const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                            const Scores& sc, int num_sms, int* next_task, cudaStream_t stream);
@@ -15,12 +15,15 @@ const char* attention_forward(DType dt, const View4& q, const View4& k, const Vi
                               const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
   if (const char* e = scores_error(sc)) return e;
   const int n = num_sms;
-  if (!head_dim_supported(q.D)) return "head dim must be a multiple of 8 up to 128";
+  if (!head_dim_supported(q.D)) return "head dim must be a multiple of 8 up to 256";
   const auto by_mask = [&]<typename T, int D>() {
     return sc.causal ? forward_config<T, D, true>(dt, q, k, v, o, lse, sc, n, next_task, stream)
                      : forward_config<T, D, false>(dt, q, k, v, o, lse, sc, n, next_task, stream);
   };
-  if (q.D > 64)  // the D = 128 kernels, zero-filled past the head dim
+  if (q.D > 128)  // the D = 256 kernels, zero-filled past the head dim
+    return dt == DType::bf16 ? by_mask.template operator()<__nv_bfloat16, 256>()
+                             : by_mask.template operator()<__half, 256>();
+  if (q.D > 64)
     return dt == DType::bf16 ? by_mask.template operator()<__nv_bfloat16, 128>()
                              : by_mask.template operator()<__half, 128>();
   return dt == DType::bf16 ? by_mask.template operator()<__nv_bfloat16, 64>()

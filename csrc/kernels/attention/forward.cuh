@@ -44,7 +44,7 @@ struct Fwd {
   static constexpr int BM = 64 * NC;
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
-  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
   static_assert(BN % 16 == 0 && BN <= 256, "key tile");
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile

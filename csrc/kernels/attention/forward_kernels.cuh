@@ -550,6 +550,14 @@ struct FwdConfigs<128> {
   using Causal = FwdCfg<128, 2, 128, 2, true>;
   using Full = FwdCfg<128, 2, 128, 2, true, true>;
 };
+// D = 256: 48-key tiles, so that Q, the two-stage K/V rings and the O stage fit in shared memory (64 + 96 + 64 KB);
+// the O accumulator takes 128 of a consumer's 240 registers, which leaves no room for XTASK.
+template <>
+struct FwdConfigs<256> {
+  using Serial = FwdCfg<256, 2, 48, 2, false>;
+  using Causal = FwdCfg<256, 2, 48, 2, true>;
+  using Full = Causal;
+};
 template <>
 struct FwdConfigs<64> {
   using Serial = FwdCfg<64, 3, 128, 4, false>;

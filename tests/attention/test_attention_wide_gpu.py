@@ -1,0 +1,132 @@
+"""GPU tests of the forward kernels for head dims above 128 (the D = 256 kernels, zero-filled past the head dim:
+Gemma's 256, 192): prefill and decode shapes, causal, full, sliding window, softcap, the serial kernel (scale <= 0),
+padding through tk::attention_varlen, against the fp32 reference. The backward kernels stop at 128: tk_cuda refuses
+those head dims, and the tk:: op's gradients fall back to the reference formulas. Skipped without CUDA.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import tk_inductor.ops.attention as A  # registers the tk:: ops
+from test_attention_gpu import GRAD_TOL, OUT_TOL, make_inputs, ops, poison, reference, rel_err  # noqa: F401 (ops)
+from test_attention_varlen_gpu import keep_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def cases():
+    out = []
+    # tails of the 48-key and 128-row tiles, N != M, GQA, both dtypes and layouts
+    lengths = ((1000, 1000), (17, 17), (129, 300), (300, 129), (4096, 4096), (200, 4097))
+    for i, ((N, M), scores) in enumerate(itertools.product(lengths, ("full", "causal", "window", "cap"))):
+        D = (256, 192, 136, 248)[i % 4]
+        dtype = (torch.bfloat16, torch.float16)[(i // 2) % 2]
+        heads = ((4, 4), (8, 2), (8, 4))[i % 3]
+        out.append(((1, 2)[i % 2], *heads, N, M, D, dtype, scores, ("bhnd", "bnhd")[(i // 3) % 2]))
+    # decode shapes (the split-KV kernels): one to sixteen rows, one and many splits, every row-tile count
+    for i, (N, M) in enumerate(itertools.product((1, 3, 16), (1, 1000, 33000))):
+        heads = ((8, 4), (16, 1), (32, 8))[i % 3]
+        out.append(((1, 3)[i % 2], *heads, N, M, (256, 192)[i % 2], (torch.bfloat16, torch.float16)[i % 2],
+                    ("full", "causal", "window", "cap")[i % 4], ("bhnd", "bnhd")[(i // 2) % 2]))
+    return out
+
+
+def _id(c):
+    B, Hq, Hkv, N, M, D, dtype, scores, layout = c
+    return f"B{B}-H{Hq}:{Hkv}-N{N}-M{M}-D{D}-{str(dtype)[6:]}-{scores}-{layout}"
+
+
+def _scores(kind, D, M):
+    causal = kind in ("causal", "window")
+    window = max(1, M // 3) if kind == "window" else 0
+    return causal, window, (30.0 if kind == "cap" else 0.0), 1.0 / math.sqrt(D)
+
+
+@pytest.mark.parametrize("case", cases(), ids=_id)
+def test_forward(ops, case):
+    B, Hq, Hkv, N, M, D, dtype, kind, layout = case
+    q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, layout=layout, seed=N + M + D)
+    causal, window, cap, scale = _scores(kind, D, M)
+    poison(((B, N, Hq, D), dtype), ((B, Hq, N), torch.float32))
+    o, lse = ops.attention(q, k, v, causal, scale, window, cap)
+    torch.cuda.synchronize()
+    assert o.shape == (B, Hq, N, D) and o.stride() == (N * Hq * D, D, Hq * D, 1)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    o_ref, lse_ref = reference(q, k, v, causal, scale, window, cap)
+    assert rel_err(o, o_ref) < OUT_TOL
+    rows = torch.isfinite(lse_ref)  # rows past the window's reach see no key: lse +inf (reference: -inf)
+    torch.testing.assert_close(lse[rows], lse_ref[rows], atol=2e-3, rtol=1e-4)
+    assert torch.all(lse[~rows] == float("inf"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_serial_kernel(ops, causal):
+    q, k, v = make_inputs(2, 4, 2, 777, 777, 256, torch.bfloat16, layout="bnhd", seed=5)
+    o, lse = ops.attention(q, k, v, causal, -0.05)  # scale <= 0: the serial kernel, O stored from registers
+    o_ref, lse_ref = reference(q, k, v, causal, -0.05)
+    assert rel_err(o, o_ref) < OUT_TOL
+    torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("N", [1, 700])
+def test_padding_masks(ops, N):
+    """Key-padding masks through tk::attention_varlen: interval tables on the D = 256 kernels (prefill and decode)."""
+    B, Hq, Hkv, M, D = 3, 8, 4, 700, 256
+    q, k, v = make_inputs(B, Hq, Hkv, N, M, D, torch.bfloat16, seed=11)
+    keep = keep_of(B, M, seed=N + 1)
+    o, _ = torch.ops.tk.attention_varlen(q, k, v, keep, None, N == M, 1 / 16)
+    o_ref, _ = reference(q, k, v, N == M, 1 / 16, keep=keep)
+    assert rel_err(o, o_ref) < OUT_TOL
+
+
+def test_backward_kernel_refuses_and_the_op_falls_back(ops):
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 4, 2, 300, 300, 256, torch.bfloat16, seed=3))
+    o, lse = ops.attention(q.detach(), k.detach(), v.detach(), True, 1 / 16)
+    with pytest.raises(RuntimeError, match="head dim must be a multiple of 8 up to 128"):
+        ops.attention_backward(o, q.detach(), k.detach(), v.detach(), o, lse, True, 1 / 16)
+    out, _ = torch.ops.tk.attention(q, k, v, True, 1 / 16)
+    do = torch.randn_like(out)
+    out.backward(do)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, _ = reference(qr, kr, vr, True, 1 / 16)
+    o_ref.backward(do.float())
+    assert rel_err(out, o_ref) < OUT_TOL
+    for got, ref in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+        assert rel_err(got, ref) < GRAD_TOL
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_hf_gemma2_generate_with_the_kernels(cache):
+    """generate() of an HF Gemma-2 (bf16, head dim 256, GQA 4:2, softcap 50, sliding window on alternate layers,
+    eager attention) with a compiled forward: tokens and logits are eager's, and every graph's attention is replaced
+    (the prefill by the D = 256 forward kernels, the decode steps by the split-KV ones)."""
+    transformers = pytest.importorskip("transformers")
+    import tk_inductor
+
+    cfg = transformers.Gemma2Config(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                                    max_position_embeddings=2048, sliding_window=64, attn_logit_softcapping=50.0,
+                                    final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+                                    attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(1, 256, (2, 300), device="cuda")
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+              cache_implementation=cache)
+    want = model.generate(ids, **kw)
+    tk_inductor.reset()
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="thunderkittens", options={"strict": True})
+    got = model.generate(ids, **kw)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        assert rel_err(a, b) < 2e-2, f"step {step}: logits differ by {rel_err(a, b):.3e}"
+    assert torch.equal(got.sequences, want.sequences)
+    graphs = tk_inductor.report().graphs
+    assert graphs and all(g.replaced.get("attention", 0) == 2 for g in graphs), graphs
