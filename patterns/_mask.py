@@ -327,6 +327,8 @@ class _MaskEval:
             iv = self(i)
             if not isinstance(iv, Aff) or not all(_is_int(k) for _, k in iv.coefs) or not _is_int(iv.c):
                 raise Keep("mask indexes a run-time mask with non-integer indices")
+            if number(iv.c) is None:  # a sliding cache's keys read the padding mask from a symbolic position
+                raise RunTimeRuns("a run-time mask is read at a symbolic offset")
             forms.append((iv.coefs, int(iv.c)))
         if _segment_source(src):
             return Gather(src, forms[0], forms[1])

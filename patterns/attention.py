@@ -339,7 +339,7 @@ class _Finder:
         try:
             v = self.masks(mask)
         except Keep as e:
-            raise Keep(f"attn_mask is not provably causal: {e}") from None
+            raise type(e)(f"attn_mask is not provably causal: {e}") from None
         if example(mask).dtype == torch.bool:
             return _mask_kind(_as_pred(v), score_shape)
         return _mask_kind(_additive_allowed(v), score_shape, _fill_finite(v))
@@ -419,6 +419,7 @@ class _Finder:
         fills = set()  # whether each proven mask's fill is finite
         softcap, capping = 0.0, None  # capping: None, "tanh" (its multiply is next), "done"
         masks, added = 0, None  # masks proven so far; the last one added to the scores (fx node) while none follow
+        runs = None  # a RunTimeRuns raised while proving an added mask (its values are read at run time)
         scores = shape(qk) or ()
         prev = qk
         add_mask = lambda p: p if allowed is None else _and(allowed, p)  # noqa: E731
@@ -452,6 +453,8 @@ class _Finder:
                     allowed = add_mask(self._additive(others[0], fills))  # each mask must be provable
                     masks += 1
                     added = others[0] if len(others) == 1 else None
+                except RunTimeRuns as e:
+                    runs, masks, added = e, masks + 1, others[0] if len(others) == 1 else None
                 except Keep:
                     m = others[0] if len(others) == 1 else None
                     if runtime_mask is not None or allowed is not None or not _from_graph_input(m) \
@@ -505,6 +508,8 @@ class _Finder:
             raise Keep("a padding mask among masks with finite and infinite fills (rows without keys would average "
                        "only some keys)")
         try:
+            if runs is not None:
+                raise runs
             kind = _mask_kind(allowed, scores, fills == {True}) if allowed is not None else MaskKind(False)
         except RunTimeRuns:
             # In inference, one additive mask whose rows are runs only at run time (bounds at a symbolic offset, as
@@ -545,7 +550,7 @@ class _Finder:
         try:
             v = self.masks(x)
         except Keep as e:
-            raise Keep(f"additive mask/bias is not provably causal: {e}") from None
+            raise type(e)(f"additive mask/bias is not provably causal: {e}") from None
         allowed = _additive_allowed(v)
         fills.add(_fill_finite(v))
         return allowed

@@ -52,7 +52,7 @@ from . import _dispatch
 
 FAMILY = "attention"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-# The forward kernels run any head dim that is a multiple of 8 up to 256 (zero-filled to the next of 64, 128 and 256),
+# The forward kernels run any head dim that is a multiple of 8 up to 256 (zero-filled to the next of 64, 128, 192, 256),
 # the backward kernels up to 128; the op routes them those measured at or above SDPA's best backend on the H200
 # (benchmarks/RESULTS.md): 32 (small models), 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x cuDNN, 64 and 128; forward only,
 # 192 and 256 (Gemma, Gemma-2 2B/9B). Training graphs with those keep SDPA (no backward kernel).

@@ -152,19 +152,15 @@ __global__ void __launch_bounds__(THREADS) decode_kernel(const Params p) {
 
     tk::rt_fl<16, 16> s[PIECES];
 #pragma unroll
-    for (int j = 0; j < PIECES; ++j) tk::zero(s[j]);
+    for (int j = 0; j < PIECES; ++j) {
+      tk::zero(s[j]);
 #pragma unroll
-    for (int ch = 0; ch < NCH; ++ch) {
-      if constexpr (NCH > 1) tk::load(q, sm.q, 16 * rt, DC * ch);
-#pragma unroll
-      for (int j = 0; j < PIECES; ++j) {
+      for (int ch = 0; ch < NCH; ++ch) {
+        if constexpr (NCH > 1) tk::load(q, sm.q, 16 * rt, DC * ch);
         tk::rt<T, 16, DC> kj;
         tk::load(kj, sm.k[stage], slice * KW + 16 * j, DC * ch);
         tk::mma_ABt(s[j], q, kj, s[j]);
       }
-    }
-#pragma unroll
-    for (int j = 0; j < PIECES; ++j) {
       // scores in the log2 domain; keys outside the row's interval (and past M) hidden
       tk::map_indexed(s[j], s[j], [&](int r, int c, float x) {
         const int key = key0 + 16 * j + c;

@@ -6,7 +6,7 @@
 namespace tk_attn {
 
 // The launcher of one (dtype, head dim, mask): forward_kernels.cuh, instantiated in
-// forward_<dtype>_d<head dim>_<causal|full>.cu so that the twelve compile in parallel.
+// forward_<dtype>_d<head dim>_<causal|full>.cu so that the sixteen compile in parallel.
 template <typename T, int D, bool CAUSAL>
 const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                            const Scores& sc, int num_sms, int* next_task, cudaStream_t stream);
@@ -20,9 +20,12 @@ const char* attention_forward(DType dt, const View4& q, const View4& k, const Vi
     return sc.causal ? forward_config<T, D, true>(dt, q, k, v, o, lse, sc, n, next_task, stream)
                      : forward_config<T, D, false>(dt, q, k, v, o, lse, sc, n, next_task, stream);
   };
-  if (q.D > 128)  // the D = 256 kernels, zero-filled past the head dim
+  if (q.D > 192)  // the D = 256 kernels, zero-filled past the head dim
     return dt == DType::bf16 ? by_mask.template operator()<__nv_bfloat16, 256>()
                              : by_mask.template operator()<__half, 256>();
+  if (q.D > 128)
+    return dt == DType::bf16 ? by_mask.template operator()<__nv_bfloat16, 192>()
+                             : by_mask.template operator()<__half, 192>();
   if (q.D > 64)
     return dt == DType::bf16 ? by_mask.template operator()<__nv_bfloat16, 128>()
                              : by_mask.template operator()<__half, 128>();

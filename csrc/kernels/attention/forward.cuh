@@ -21,16 +21,17 @@ namespace {
 
 // One forward configuration: head dim, consumer warpgroups (64 query rows
 // each), key tile, ring stages, and the consumer schedule: PP = ping-pong (turn barriers between the warpgroups and
-// intra-warpgroup overlap, see attention_fwd_pp_kernel), with O leaving through shared memory and a TMA store per
+// intra-warpgroup overlap, see attention_fwd_pp_kernel), with O leaving (OSTAGE) through shared memory and a TMA store per
 // 64-column panel (full 128-byte lines, clipped at N by the TMA unit; 4-byte stores from registers fill only half
 // of each 32-byte sector and hold the warpgroup in the store queue at the end of every task); false = the serial
 // schedule. Registers: the launch grants 65536 / THREADS each; setmaxnreg moves the producer's share to the consumers.
 // XTASK (ping-pong): a warpgroup issues the next task's first QK^T before it finishes the current task (normalises
-// and stores O), so the tensor cores are not idle while both warpgroups do their epilogues.
-template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool XTASK_ = false>
+// and stores O), so the tensor cores are not idle while both warpgroups do their epilogues. OSTAGE false (ping-pong):
+// O is stored from registers, for a head dim whose K/V rings leave no shared memory for the stage.
+template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool XTASK_ = false, bool OSTAGE_ = true>
 struct FwdCfg {
   static constexpr int D = D_, NC = NC_, BN = BN_, STAGES = STAGES_;
-  static constexpr bool PP = PP_, XTASK = XTASK_;
+  static constexpr bool PP = PP_, XTASK = XTASK_, OSTAGE = PP_ && OSTAGE_;
   static_assert(PP || !XTASK, "XTASK belongs to the ping-pong schedule");
   static_assert(NC == 2 || NC == 3, "2 or 3 consumer warpgroups");
   static constexpr int REG_PROD = NC == 2 ? 24 : 32;
@@ -44,11 +45,11 @@ struct Fwd {
   static constexpr int BM = 64 * NC;
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
-  static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
+  static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head dim 64, 128, 192 or 256");
   static_assert(BN % 16 == 0 && BN <= 256, "key tile");
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
-  static constexpr int O_BYTES = C::PP ? BM * D * 2 : 0;  // the O stage (ping-pong)
+  static constexpr int O_BYTES = C::OSTAGE ? BM * D * 2 : 0;  // the O stage (ping-pong)
   static constexpr int SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 1024 /*align*/ + 256 /*barriers*/;
   static_assert(SMEM <= 232448, "shared memory per block");
   static_assert(2 + 4 * STAGES <= 31, "barriers fit their 256 bytes, less the task slot");

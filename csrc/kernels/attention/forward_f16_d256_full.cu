@@ -1,5 +1,5 @@
 // The forward kernels for __half, head dim 256, no mask (forward_kernels.cuh): one translation
-// unit per (dtype, head dim, mask), so that the twelve compile in parallel.
+// unit per (dtype, head dim, mask), so that the sixteen compile in parallel.
 #include "forward_kernels.cuh"
 
 namespace tk_attn {

@@ -421,8 +421,31 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   };
   // Finish: normalise, write O in (B, N, Hq, D) through the O stage and the natural-log LSE. Without branches (with
   // XTASK the next task's S_0 is in flight, and ptxas would serialize the wgmma): predicated stores, MUFU rcp/lg2.
+  // Without the O stage (no XTASK there) each thread stores its rows' pairs from registers.
   auto finish = [&](const Task& k) {
     const int b = k.bh / p.Hq, h = k.bh % p.Hq;
+    if constexpr (!Cfg::OSTAGE) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        float l = sum[h2];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? tk::rcp_approx(l) : 0.f;
+        const int row = k.r0 + 8 * h2;
+        if (row < p.N) {
+          T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * p.d;
+#pragma unroll
+          for (int ch = 0; ch < D / 8; ++ch) {
+            const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
+            if (8 * ch < p.d) *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
+          }
+          if ((lane & 3) == 0)
+            p.lse[static_cast<int64_t>(k.bh) * p.N + row] =
+                l > 0.f ? (mx[h2] * sl2 + tk::lg2_approx(l)) * 0.69314718055994531f : INFINITY;
+        }
+      }
+      return;
+    }
     // This warpgroup's rows of the O stage: free once its previous store has read them (named barrier 4 + c).
     tk::tma::store_read_wait_if(tid == 0);
     tk::named_sync(4 + c, 128);
@@ -495,7 +518,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   if (const char* e = make_map(&qm, dt, q, K_::BM)) return e;
   if (const char* e = make_map(&km, dt, k, K_::BN)) return e;
   if (const char* e = make_map(&vm, dt, v, K_::BN)) return e;
-  if constexpr (Cfg::PP) {  // o: (B, N, Hq, D) contiguous, as a (B, Hq, N, D) view; stored 64 rows per warpgroup
+  if constexpr (Cfg::OSTAGE) {  // o: (B, N, Hq, D) contiguous, as a (B, Hq, N, D) view; stored 64 rows per warpgroup
     const View4 ov{o, q.B, q.H, q.S, q.D, q.S * q.H * q.D, q.D, q.H * q.D};
     if (const char* e = make_map(&om, dt, ov, 64)) return e;
   }
@@ -539,7 +562,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
 }
 
 // The configurations the forward runs, per head dim (measured on the H200 against cuDNN: benchmarks/RESULTS.md).
-// Ping-pong consumers (O stored by TMA), and at D = 128 without a mask also the next task's first scores
+// Ping-pong consumers (O stored by TMA but at D = 256), and at D = 128 without a mask also the next task's first scores
 // under the current one's finish (XTASK; under a mask it spilled and ran 4% slower). Serial serves scale <= 0, which
 // the ping-pong kernels' max-on-raw-scores trick cannot.
 template <int D>
@@ -550,12 +573,19 @@ struct FwdConfigs<128> {
   using Causal = FwdCfg<128, 2, 128, 2, true>;
   using Full = FwdCfg<128, 2, 128, 2, true, true>;
 };
-// D = 256: 48-key tiles, so that Q, the two-stage K/V rings and the O stage fit in shared memory (64 + 96 + 64 KB);
-// the O accumulator takes 128 of a consumer's 240 registers, which leaves no room for XTASK.
+// D = 192 and 256: 80-key tiles, the largest whose two-stage K/V rings fit beside Q; at D = 256 that leaves no room
+// for the O stage, so O is stored from registers (OSTAGE false), which measured faster than 48- or 64-key tiles with
+// the stage or 32-key tiles with three stages; XTASK spilled at D = 256 and ran no faster at D = 192.
 template <>
 struct FwdConfigs<256> {
-  using Serial = FwdCfg<256, 2, 48, 2, false>;
-  using Causal = FwdCfg<256, 2, 48, 2, true>;
+  using Serial = FwdCfg<256, 2, 80, 2, false>;
+  using Causal = FwdCfg<256, 2, 80, 2, true, false, false>;
+  using Full = Causal;
+};
+template <>
+struct FwdConfigs<192> {
+  using Serial = FwdCfg<192, 2, 80, 2, false>;
+  using Causal = FwdCfg<192, 2, 80, 2, true>;
   using Full = Causal;
 };
 template <>
