@@ -64,6 +64,18 @@ def _gemma2(quick: bool):  # Gemma-2's scores (softcap 50, a window on alternate
     return Gemma2ForCausalLM(cfg)
 
 
+def _gemma2_2b(quick: bool):  # Gemma-2-2B's attention geometry: head dim 256, 8 : 4 heads, softcap 50, window 4096
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(
+        hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        num_hidden_layers=4 if quick else 8, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+        attn_implementation="eager",
+    )
+    return Gemma2ForCausalLM(cfg)
+
+
 def _gpt2(quick: bool):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -96,6 +108,7 @@ MODELS: dict[str, tuple[Callable[[bool], torch.nn.Module], tuple[int, int]]] = {
     "llama-packed": (lambda q: _llama("sdpa", q), (1, 16384)),
     "mistral": (_mistral, (1, 8192)),
     "gemma2": (_gemma2, (2, 4096)),
+    "gemma2-d256": (_gemma2_2b, (2, 8192)),
     "gpt2-medium": (_gpt2, (4, 2048)),
     "based": (_based, (4, 4096)),
     "mamba2": (_mamba2, (1, 4096)),
