@@ -492,7 +492,7 @@ class _Finder:
             elif name == "tanh":
                 if capping is not None:
                     raise Keep("tanh is applied to the scores twice")
-                if allowed is not None or runtime_mask is not None:
+                if masks or runtime_mask is not None:
                     raise Keep("the scores are masked before the softcap's tanh")
                 capping = "tanh"
             elif name in ("add", "sub"):

@@ -11,6 +11,18 @@ namespace tk_attn {
 
 using namespace decode;
 
+namespace {
+// f.template operator()<T, DK>() for the dtype and the kernels' head dim of d (the next of 64, 128 and 256).
+template <class F>
+auto by_kernel(DType dt, int64_t d, F&& f) {
+  const auto dk = [&]<typename T>() {
+    return d > 128 ? f.template operator()<T, 256>() : d > 64 ? f.template operator()<T, 128>()
+                                                              : f.template operator()<T, 64>();
+  };
+  return dt == DType::bf16 ? dk.template operator()<__nv_bfloat16>() : dk.template operator()<__half>();
+}
+}  // namespace
+
 DecodePlan attention_decode_plan(DType dt, const View4& q, const View4& k, int num_sms) {
   DecodePlan plan{};
   const int64_t G = q.H / k.H, R = G * q.S;
@@ -18,8 +30,7 @@ DecodePlan attention_decode_plan(DType dt, const View4& q, const View4& k, int n
   plan.row_tiles = tiles == 1 ? 1 : tiles == 2 ? 2 : 4;
   plan.groups = int((R + GROUP_ROWS - 1) / GROUP_ROWS);
   const int64_t pairs = q.B * k.H * plan.groups, blocks = std::max<int64_t>(1, (k.S + BK - 1) / BK);
-  const int per_sm = dt == DType::bf16 ? decode_occupancy<__nv_bfloat16>(q.D, plan.row_tiles)
-                                       : decode_occupancy<__half>(q.D, plan.row_tiles);
+  const int per_sm = by_kernel(dt, q.D, [&]<typename T, int DK>() { return decode_occupancy<T, DK>(plan.row_tiles); });
   const int64_t slots = std::max<int64_t>(1, int64_t(per_sm) * num_sms);
   // Splits: the fewest waves times the longest CTA (its blocks plus about one block of fixed work).
   int64_t best = 1, best_cost = INT64_MAX;
@@ -46,8 +57,7 @@ const char* attention_decode(DType dt, const View4& q, const View4& k, const Vie
   if (plan.splits > 1 && (part_o == nullptr || part_lse == nullptr)) return "the decode plan needs partials";
   const Params p{q, k, v, o, lse, part_o, part_lse, sc, Rows{int(q.H / k.H), int(q.S), int(q.H / k.H * q.S)},
                  plan.groups, plan.splits, plan.blocks_per_split};
-  return dt == DType::bf16 ? decode_launch<__nv_bfloat16>(p, plan.row_tiles, stream)
-                          : decode_launch<__half>(p, plan.row_tiles, stream);
+  return by_kernel(dt, q.D, [&]<typename T, int DK>() { return decode_launch<T, DK>(p, plan.row_tiles, stream); });
 }
 
 }  // namespace tk_attn

@@ -394,22 +394,15 @@ const char* launch(const Params& p, cudaStream_t stream) {
 
 }  // namespace
 
-template <typename T>
-int decode_occupancy(int64_t D, int row_tiles) {
-  auto rows = [&]<int DK>() {
-    return row_tiles == 1 ? prepare<T, DK, 1>() : row_tiles == 2 ? prepare<T, DK, 2>() : prepare<T, DK, 4>();
-  };
-  return D > 128 ? rows.template operator()<256>() : D > 64 ? rows.template operator()<128>() : rows.template operator()<64>();
+template <typename T, int DK>
+int decode_occupancy(int row_tiles) {
+  return row_tiles == 1 ? prepare<T, DK, 1>() : row_tiles == 2 ? prepare<T, DK, 2>() : prepare<T, DK, 4>();
 }
 
-template <typename T>
+template <typename T, int DK>
 const char* decode_launch(const decode::Params& p, int row_tiles, cudaStream_t stream) {
-  auto rows = [&]<int DK>() {
-    return row_tiles == 1 ? launch<T, DK, 1>(p, stream)
-           : row_tiles == 2 ? launch<T, DK, 2>(p, stream) : launch<T, DK, 4>(p, stream);
-  };
-  return p.q.D > 128 ? rows.template operator()<256>()
-         : p.q.D > 64 ? rows.template operator()<128>() : rows.template operator()<64>();
+  return row_tiles == 1 ? launch<T, DK, 1>(p, stream)
+         : row_tiles == 2 ? launch<T, DK, 2>(p, stream) : launch<T, DK, 4>(p, stream);
 }
 
 }  // namespace tk_attn

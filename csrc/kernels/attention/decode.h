@@ -35,12 +35,12 @@ struct Params {
 
 }  // namespace decode
 
-// Resident CTAs per SM of the kernel for (T, head dim, row tiles), 0 if it cannot run; and its launch (with the
-// merge of several splits). Defined in decode.cuh, instantiated per dtype in decode_<dtype>.cu, so that the two
-// compile in parallel.
-template <typename T>
-int decode_occupancy(int64_t D, int row_tiles);
-template <typename T>
+// Resident CTAs per SM of the kernel for (T, head dim DK, row tiles), 0 if it cannot run; and its launch (with the
+// merge of several splits). Defined in decode.cuh, instantiated per dtype and DK in decode_<dtype>_d<DK>.cu, so that
+// the six compile in parallel; a head dim d runs on the next DK of 64, 128 and 256 (zero-filled past d).
+template <typename T, int DK>
+int decode_occupancy(int row_tiles);
+template <typename T, int DK>
 const char* decode_launch(const decode::Params& p, int row_tiles, cudaStream_t stream);
 
 }  // namespace tk_attn

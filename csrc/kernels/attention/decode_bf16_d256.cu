@@ -1,0 +1,8 @@
+// The decode kernels for __nv_bfloat16, head dim 256 (decode.cuh): one translation unit per (dtype, head dim), so that the six
+// compile in parallel.
+#include "decode.cuh"
+
+namespace tk_attn {
+template int decode_occupancy<__nv_bfloat16, 256>(int);
+template const char* decode_launch<__nv_bfloat16, 256>(const decode::Params&, int, cudaStream_t);
+}  // namespace tk_attn
