@@ -52,26 +52,15 @@ def _mistral(quick: bool):  # the Llama above with Mistral's sliding window, ove
     return MistralForCausalLM(cfg)
 
 
-def _gemma2(quick: bool):  # Gemma-2's scores (softcap 50, a window on alternate layers) at head dim 128, eager
+def _gemma2(quick: bool, hidden=2048, inter=5632, heads=16, kv_heads=8, head_dim=128, window=2048):
+    """Gemma-2's scores (softcap 50, a window on alternate layers), eager attention; by default at head dim 128."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     cfg = Gemma2Config(
-        hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        num_hidden_layers=4 if quick else 8, vocab_size=32000, max_position_embeddings=8192, sliding_window=2048,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=128,
-        attn_implementation="eager",
-    )
-    return Gemma2ForCausalLM(cfg)
-
-
-def _gemma2_2b(quick: bool):  # Gemma-2-2B's attention geometry: head dim 256, 8 : 4 heads, softcap 50, window 4096
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    cfg = Gemma2Config(
-        hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-        num_hidden_layers=4 if quick else 8, vocab_size=32000, max_position_embeddings=8192, sliding_window=4096,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
-        attn_implementation="eager",
+        hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, num_hidden_layers=4 if quick else 8, vocab_size=32000, max_position_embeddings=8192,
+        sliding_window=window, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        query_pre_attn_scalar=head_dim, attn_implementation="eager",
     )
     return Gemma2ForCausalLM(cfg)
 
@@ -108,7 +97,8 @@ MODELS: dict[str, tuple[Callable[[bool], torch.nn.Module], tuple[int, int]]] = {
     "llama-packed": (lambda q: _llama("sdpa", q), (1, 16384)),
     "mistral": (_mistral, (1, 8192)),
     "gemma2": (_gemma2, (2, 4096)),
-    "gemma2-d256": (_gemma2_2b, (2, 8192)),
+    # Gemma-2-2B's attention geometry: head dim 256, 8 : 4 heads, window 4096
+    "gemma2-d256": (lambda q: _gemma2(q, 2304, 9216, 8, 4, 256, 4096), (2, 8192)),
     "gpt2-medium": (_gpt2, (4, 2048)),
     "based": (_based, (4, 4096)),
     "mamba2": (_mamba2, (1, 4096)),

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import tk_inductor.ops.attention as A  # registers the tk:: ops
-from test_attention_gpu import (GRAD_TOL, OUT_TOL, make_inputs, ops, poison, reference, rel_err,  # noqa: F401 (ops)
-                                replays_in_cuda_graph)
+from test_attention_gpu import (GRAD_TOL, OUT_TOL, check_forward, make_inputs, ops, poison, reference,  # noqa: F401
+                                rel_err, replays_in_cuda_graph)
 from test_attention_varlen_gpu import keep_of
 
 pytestmark = [
@@ -53,14 +53,7 @@ def test_decode_forward(ops, case):
     B, Hq, Hkv, N, M, D, dtype, kind, layout = case
     q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, layout=layout, seed=N + M)
     causal, window, cap, scale = _scores(kind, D)
-    poison(((B, N, Hq, D), dtype), ((B, Hq, N), torch.float32))
-    o, lse = ops.attention(q, k, v, causal, scale, window, cap)
-    torch.cuda.synchronize()
-    assert o.shape == (B, Hq, N, D) and o.stride() == (N * Hq * D, D, Hq * D, 1)
-    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
-    o_ref, lse_ref = reference(q, k, v, causal, scale, window, cap)
-    assert rel_err(o, o_ref) < OUT_TOL
-    torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+    check_forward(ops, q, k, v, causal, scale, window, cap)
 
 
 @pytest.mark.parametrize("N", [1, 4])

@@ -108,6 +108,22 @@ def make_inputs(B, Hq, Hkv, N, M, D, dtype, layout="bhnd", seed=0):
     return rnd(Hq, N), rnd(Hkv, M), rnd(Hkv, M)
 
 
+def check_forward(ops, q, k, v, causal, scale, window=0, cap=0.0):
+    """tk_cuda::attention on q, k, v (outputs poisoned first) against the fp32 reference: o's (B, N, Hq, D) buffer,
+    no NaN, o within OUT_TOL, lse close on rows that see a key and +inf on the others (the reference's -inf)."""
+    B, Hq, N, D = q.shape
+    poison(((B, N, Hq, D), q.dtype), ((B, Hq, N), torch.float32))
+    o, lse = ops.attention(q, k, v, causal, scale, window, cap)
+    torch.cuda.synchronize()
+    assert o.shape == (B, Hq, N, D) and o.stride() == (N * Hq * D, D, Hq * D, 1)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    o_ref, lse_ref = reference(q, k, v, causal, scale, window, cap)
+    assert rel_err(o, o_ref) < OUT_TOL
+    rows = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse[rows], lse_ref[rows], atol=2e-3, rtol=1e-4)
+    assert torch.all(lse[~rows] == float("inf"))
+
+
 def forward_cases():
     """Every (N, M) pair, causal and not; batch, GQA, head dim and dtype rotate so each value is covered often."""
     cases = []

@@ -6,6 +6,33 @@
 namespace tk_attn {
 namespace {
 
+// Normalise this thread's rows r0 and r0 + 8 of O (and its quad's) and store them from registers into the
+// (B, N, Hq, D) buffer, with the natural-log LSE (a row that saw no key: 0 and +inf). mx2: the rows' max in the
+// log2 domain; sum: this thread's partial row sums.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(const FwdParams& p, const float (&o)[D / 2], const float (&mx2)[2],
+                                           const float (&sum)[2], int b, int h, int bh, int r0, int col_in, int lane) {
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    float l = sum[h2];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? tk::rcp_approx(l) : 0.f;
+    const int row = r0 + 8 * h2;
+    if (row < p.N) {
+      T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * p.d;
+#pragma unroll
+      for (int ch = 0; ch < D / 8; ++ch) {
+        const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
+        if (8 * ch < p.d) *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
+      }
+      if ((lane & 3) == 0)
+        p.lse[static_cast<int64_t>(bh) * p.N + row] =
+            l > 0.f ? (mx2[h2] + tk::lg2_approx(l)) * 0.69314718055994531f : INFINITY;
+    }
+  }
+}
+
 // Serial schedule: each consumer runs QK^T -> softmax -> PV in
 // turn; only the other consumers' work overlaps it.
 template <typename T, typename Cfg, bool DYN>
@@ -139,25 +166,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       if (lane == 0) tk::arrive(kv_empty[s]);
     }
 
-    // Finish: normalise, write O in (B, N, Hq, D) and the natural-log LSE (a row that saw no key: 0 and +inf).
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      float l = sum[h2];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int row = r0 + 8 * h2;
-      if (row < p.N) {
-        T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * p.d;
-#pragma unroll
-        for (int ch = 0; ch < D / 8; ++ch) {
-          const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
-          if (8 * ch < p.d) *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
-        }
-        if ((lane & 3) == 0)
-          p.lse[static_cast<int64_t>(bh) * p.N + row] = l > 0.f ? (mx[h2] + log2f(l)) * 0.69314718055994531f : INFINITY;
-      }
-    }
+    // Finish (the max is kept on scores already in the log2 domain)
+    store_rows<T, D>(p, o, mx, sum, b, h, bh, r0, col_in, lane);
   }
 }
 
@@ -425,25 +435,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   auto finish = [&](const Task& k) {
     const int b = k.bh / p.Hq, h = k.bh % p.Hq;
     if constexpr (!Cfg::OSTAGE) {
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        float l = sum[h2];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? tk::rcp_approx(l) : 0.f;
-        const int row = k.r0 + 8 * h2;
-        if (row < p.N) {
-          T* orow = static_cast<T*>(p.o) + ((static_cast<int64_t>(b) * p.N + row) * p.Hq + h) * p.d;
-#pragma unroll
-          for (int ch = 0; ch < D / 8; ++ch) {
-            const uint32_t v = pack2<T>(o[4 * ch + 2 * h2] * inv, o[4 * ch + 2 * h2 + 1] * inv);
-            if (8 * ch < p.d) *reinterpret_cast<uint32_t*>(orow + 8 * ch + col_in) = v;
-          }
-          if ((lane & 3) == 0)
-            p.lse[static_cast<int64_t>(k.bh) * p.N + row] =
-                l > 0.f ? (mx[h2] * sl2 + tk::lg2_approx(l)) * 0.69314718055994531f : INFINITY;
-        }
-      }
+      const float mx2[2] = {mx[0] * sl2, mx[1] * sl2};
+      store_rows<T, D>(p, o, mx2, sum, b, h, k.bh, k.r0, col_in, lane);
       return;
     }
     // This warpgroup's rows of the O stage: free once its previous store has read them (named barrier 4 + c).
