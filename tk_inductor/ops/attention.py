@@ -53,9 +53,10 @@ from . import _dispatch
 FAMILY = "attention"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # The forward kernels run any head dim that is a multiple of 8 up to 256 (zero-filled to the next of 64, 128, 192, 256),
-# the backward kernels up to 128; the op routes them those measured at or above SDPA's best backend on the H200
-# (benchmarks/RESULTS.md): 32 (small models), 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x cuDNN, 64 and 128; forward only,
-# 192 and 256 (Gemma, Gemma-2 2B/9B). Training graphs with those keep SDPA (no backward kernel).
+# the backward kernels up to 128. The op routes them those measured on the H200 (benchmarks/RESULTS.md): 32 (small
+# models), 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x cuDNN, 64 and 128; and in inference 192 (0.98-1.09x cuDNN) and 256
+# (Gemma, Gemma-2 2B/9B: 0.90-0.97x cuDNN at 1-2k tokens, 0.99-1.09x from 4k; 1.65-2.19x SDPA's flash backend; 3.8x
+# FlexAttention with Gemma-2's softcap, which SDPA lacks). Training graphs with those keep SDPA (no backward kernel).
 KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 BACKWARD_HEAD_DIMS = (32, 64, 80, 96, 128)
 # Queries of at most this many rows run the split-KV decode kernels (kDecodeRows in csrc/kernels/attention). Against
