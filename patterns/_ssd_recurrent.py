@@ -24,7 +24,7 @@ from tk_inductor import config
 from tk_inductor.ops import ssd as ssd_ops
 from tk_inductor.rewrite import Match, example
 
-from ._fx import arg, dtype, eq, is_tensor, kind, rank, shape, shapes_eq, strip, through_upcasts
+from ._fx import arg, dtype, eq, is_tensor, kind, needs_grad, rank, shape, shapes_eq, strip, through_upcasts
 from .ssd import FAMILY, _heads_from_groups, _is_zeros, _kept_reason, _need, _NoMatch
 
 BATCH, HEAD, HEADDIM, STATE = "b", "h", "p", "n"
@@ -274,7 +274,7 @@ def _verify(stack, sources, h0, h_last, cfg: config.Config) -> Match:
         target=torch.ops.tk.ssd.default,
         args=(x, dt, A, B, C, D, init, 64),
         reason=_kept_reason(examples, x, y, final, n, cfg),
-        needs_grad=bool(getattr(example(stack), "requires_grad", False)),
+        needs_grad=needs_grad(stack),
         has_backward_kernel=ssd_ops.BACKWARD_KERNEL_VALIDATED,
         device=examples[0].device,
         # the op keeps the state in fp32; a recurrence computed in 16 bits has it in 16 bits

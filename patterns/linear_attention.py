@@ -35,8 +35,8 @@ from tk_inductor.ops import linear_attention as _ops  # noqa: F401  (registers t
 from tk_inductor import config
 from tk_inductor.rewrite import Match, example
 
-from ._fx import (LETTERS, Contraction, arg, close, contraction, dtype, eq, evaluate_constant, is_tensor, kind, peel_to,
-                  rank, scalar, scaled, shape, shapes_eq, strip, unify)
+from ._fx import (LETTERS, Contraction, arg, close, contraction, dtype, eq, evaluate_constant, is_tensor, kind,
+                  needs_grad, peel_to, rank, scalar, scaled, shape, shapes_eq, strip, unify)
 from ._mask import triangle
 
 FAMILY = "linear_attention"
@@ -427,7 +427,7 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config) -> Match:
         args=(q, k, v, fm, qw, kw, float(scale), normalize, float(eps or 0.0)),
         reason=reason,
         # the output's example value knows whether grad mode was on (parameters' alone do not)
-        needs_grad=bool(getattr(example(out), "requires_grad", False)),
+        needs_grad=needs_grad(out),
         # the Based backward kernel, once validated on the GPU (on other devices reference mode trains anyway)
         has_backward_kernel=_ops.BACKWARD_KERNEL_VALIDATED,
         device=examples[0].device,

@@ -26,8 +26,8 @@ from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.s
 from tk_inductor import config
 from tk_inductor.rewrite import Match, Squeeze, example
 
-from ._fx import (arg, contraction, dtype, eq, evaluate_constant, full_index, indexes, is_tensor, kind, peel_to, rank,
-                  scalar, shape, shapes_eq, static_int, strip, through_upcasts, unify)
+from ._fx import (arg, contraction, dtype, eq, evaluate_constant, full_index, indexes, is_tensor, kind,
+                  needs_grad, peel_to, rank, scalar, shape, shapes_eq, static_int, strip, through_upcasts, unify)
 from ._mask import triangle
 
 FAMILY = "ssd"
@@ -286,7 +286,7 @@ def _verify(anchor, yd_node, yo_node, diag, a, cfg: config.Config) -> Match:
         args=(x_arg, through_upcasts(dt_x), through_upcasts(A_node), B_src, C_src, D, h0, int(chunk)),
         reason=_kept_reason(examples, x_arg, y_node, final, shape(B_src)[-1], cfg),
         # the output's example value knows whether grad mode was on (parameters' alone do not)
-        needs_grad=bool(getattr(example(y_node), "requires_grad", False)),
+        needs_grad=needs_grad(y_node),
         has_backward_kernel=_ops.BACKWARD_KERNEL_VALIDATED,  # the backward kernels, once validated on the GPU
         # without them: HF Mamba2's broadcast-multiply-and-sum chains: Inductor makes slow kernels of them, and the reference's
         # batched autograd trained HF Mamba2 4.0x faster (H200, benchmarks/RESULTS.md); einsum

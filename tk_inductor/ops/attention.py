@@ -23,9 +23,9 @@ Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops 
 
 Kernel or reference: the op calls `torch.ops.tk_cuda.attention` when `_dispatch.use_kernel` allows it (CUDA
 inputs, kernels built, not reference mode) *and* the kernel covers the inputs (bf16/fp16, head dim 32, 64, 80,
-96, 128, 192 or 256 forward and up to 128 backward, see `kernel_supports`); otherwise the fp32-accumulating PyTorch reference below, on any device and any
-float dtype. The matcher (patterns/attention.py) only routes supported shapes to the op in kernel mode, so the
-reference fallback there is for direct calls and reference mode.
+96, 128, 192 or 256 forward and up to 128 backward, see `kernel_supports`); otherwise the fp32-accumulating PyTorch
+reference below, on any device and any float dtype. The matcher (patterns/attention.py) only routes supported shapes
+to the op in kernel mode, so the reference fallback there is for direct calls and reference mode.
 
 `lse` is an auxiliary output for the backward and is not differentiable (autograd marks it so).
 

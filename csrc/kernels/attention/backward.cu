@@ -214,7 +214,8 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
   };
   using D128 = std::integral_constant<int, 128>;
   using D64 = std::integral_constant<int, 64>;
-  if (!head_dim_supported(q.D, kMaxBackwardHeadDim)) return "the backward takes head dims that are multiples of 8 up to 128";
+  if (!head_dim_supported(q.D, kMaxBackwardHeadDim))
+    return "the backward takes head dims that are multiples of 8 up to 128";
   if (bwd_d(q.D) == 128) return dt == DType::bf16 ? run(__nv_bfloat16{}, D128{}) : run(__half{}, D128{});
   return dt == DType::bf16 ? run(__nv_bfloat16{}, D64{}) : run(__half{}, D64{});
 }

@@ -1,5 +1,5 @@
-// The decode kernels for __nv_bfloat16, head dim 64 (decode.cuh): one translation unit per (dtype, head dim), so that the six
-// compile in parallel.
+// The decode kernels for __nv_bfloat16, head dim 64 (decode.cuh): one translation unit per (dtype, head dim),
+// so that the six compile in parallel.
 #include "decode.cuh"
 
 namespace tk_attn {

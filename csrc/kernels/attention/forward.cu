@@ -1,5 +1,5 @@
 // Attention forward: the dispatch on dtype, head dim and mask to the kernels of forward_kernels.cuh (head dims up to
-// 64 run the D = 64 kernels, up to 128 the D = 128 ones, up to 256 the D = 256 ones).
+// 64 run the D = 64 kernels, up to 128 the D = 128 ones, up to 192 and 256 the D = 192 and 256 ones).
 #include "attention.h"
 #include "common.cuh"
 

@@ -21,10 +21,11 @@ namespace {
 
 // One forward configuration: head dim, consumer warpgroups (64 query rows
 // each), key tile, ring stages, and the consumer schedule: PP = ping-pong (turn barriers between the warpgroups and
-// intra-warpgroup overlap, see attention_fwd_pp_kernel), with O leaving (OSTAGE) through shared memory and a TMA store per
-// 64-column panel (full 128-byte lines, clipped at N by the TMA unit; 4-byte stores from registers fill only half
-// of each 32-byte sector and hold the warpgroup in the store queue at the end of every task); false = the serial
-// schedule. Registers: the launch grants 65536 / THREADS each; setmaxnreg moves the producer's share to the consumers.
+// intra-warpgroup overlap, see attention_fwd_pp_kernel), with O leaving (OSTAGE) through shared memory and a TMA
+// store per 64-column panel (full 128-byte lines, clipped at N by the TMA unit; 4-byte stores from registers fill
+// only half of each 32-byte sector and hold the warpgroup in the store queue at the end of every task); false = the
+// serial schedule. Registers: the launch grants 65536 / THREADS each; setmaxnreg moves the producer's share to the
+// consumers.
 // XTASK (ping-pong): a warpgroup issues the next task's first QK^T before it finishes the current task (normalises
 // and stores O), so the tensor cores are not idle while both warpgroups do their epilogues. OSTAGE false (ping-pong):
 // O is stored from registers, for a head dim whose K/V rings leave no shared memory for the stage.
