@@ -2,39 +2,39 @@
 // the schemas of the user-facing tk:: ops. tk_inductor/ops/linear_attention.py calls them only for what
 // `kernel_supports` accepts (feature map "based", bf16, dk 16, dv a multiple of 64, no weights); the checks here
 // guard direct calls.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include "binding/stable.h"
 
 #include <optional>
 #include <string>
 
 #include "linear_attention.h"
-#include "binding/operand.h"
 
 namespace {
 
-using at::Tensor;
+using binding::data;
+using binding::OptTensor;
+using binding::present;
+using binding::ScalarType;
+using binding::Sizes;
+using binding::Tensor;
 namespace la = tk_linear_attention;
 
 // The checks both ops share; `op` names the raw op in the messages.
-void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view feature_map,
-                  const std::optional<Tensor>& q_weight, const std::optional<Tensor>& k_weight) {
-  TORCH_CHECK(feature_map == "based", op, ": the kernel implements feature map 'based', not '",
-              std::string(feature_map), "'");
-  TORCH_CHECK(!(q_weight && q_weight->defined()) && !(k_weight && k_weight->defined()), op, ": 'based' takes no weights");
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), op, ": inputs must be CUDA tensors");
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
-              op, ": q, k (B, H, N, 16) and v (B, H, N, dv) must agree");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              op, ": the kernel takes bfloat16");
-  TORCH_CHECK(q.size(3) == la::BASED_DK, op, ": q/k feature dim must be ", la::BASED_DK);
-  TORCH_CHECK(v.size(3) % la::BASED_DV_TILE == 0 && v.size(3) > 0, op, ": dv must be a positive multiple of ",
+void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const std::string& feature_map,
+                  const OptTensor& q_weight, const OptTensor& k_weight) {
+  STD_TORCH_CHECK(feature_map == "based", op, ": the kernel implements feature map 'based', not '", feature_map, "'");
+  STD_TORCH_CHECK(!present(q_weight) && !present(k_weight), op, ": 'based' takes no weights");
+  STD_TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), op, ": inputs must be CUDA tensors");
+  STD_TORCH_CHECK(q.dim() == 4 && binding::same_sizes(k, q) && v.dim() == 4 && v.size(0) == q.size(0) &&
+                      v.size(1) == q.size(1) && v.size(2) == q.size(2),
+                  op, ": q, k (B, H, N, 16) and v (B, H, N, dv) must agree");
+  const ScalarType bf16 = ScalarType::BFloat16;
+  STD_TORCH_CHECK(q.scalar_type() == bf16 && k.scalar_type() == bf16 && v.scalar_type() == bf16, op,
+                  ": the kernel takes bfloat16");
+  STD_TORCH_CHECK(q.size(3) == la::BASED_DK, op, ": q/k feature dim must be ", la::BASED_DK);
+  STD_TORCH_CHECK(v.size(3) % la::BASED_DV_TILE == 0 && v.size(3) > 0, op, ": dv must be a positive multiple of ",
               la::BASED_DV_TILE);
-  TORCH_CHECK(q.size(2) <= 0x7fffffff && q.size(0) * q.size(1) <= 0x7fffffff, op, ": too large");
+  STD_TORCH_CHECK(q.size(2) <= 0x7fffffff && q.size(0) * q.size(1) <= 0x7fffffff, op, ": too large");
 }
 
 template <class Args>
@@ -45,19 +45,19 @@ void set_inputs(Args& a, const Tensor& q, const Tensor& k, const Tensor& v, doub
   a.scale = float(scale), a.normalize = normalize, a.eps = float(eps);
 }
 
-Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view feature_map,
-                        const std::optional<Tensor>& q_weight, const std::optional<Tensor>& k_weight, double scale,
+Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::string& feature_map,
+                        const OptTensor& q_weight, const OptTensor& k_weight, double scale,
                         bool normalize, double eps) {
   check_inputs("tk_cuda::linear_attention", q, k, v, feature_map, q_weight, k_weight);
-  const c10::cuda::CUDAGuard guard(q.device());
-  Tensor o = at::empty(v.sizes(), v.options());
+  const binding::DeviceGuard guard(q.get_device_index());
+  Tensor o = torch::stable::new_empty(v, v.sizes());
   if (o.numel() == 0) return o;
   const Tensor qq = binding::rows16(q), kk = binding::rows16(k), vv = binding::rows16(v);
   la::BasedArgs a{};
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.o = o.data_ptr();
-  const char* err = la::launch_based(a, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == nullptr, "tk_cuda::linear_attention: ", err ? err : "");
+  const char* err = la::launch_based(a, binding::current_stream(q));
+  STD_TORCH_CHECK(err == nullptr, "tk_cuda::linear_attention: ", err ? err : "");
   return o;
 }
 
@@ -65,39 +65,41 @@ Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, c10::
 // the denominator's gradient needs do·o over whole rows, which a block of 64 value columns does not see.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
     const Tensor& grad_o, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-    c10::string_view feature_map, const std::optional<Tensor>& q_weight, const std::optional<Tensor>& k_weight,
+    const std::string& feature_map, const OptTensor& q_weight, const OptTensor& k_weight,
     double scale, bool normalize, double eps) {
   const char* op = "tk_cuda::linear_attention_backward";
   check_inputs(op, q, k, v, feature_map, q_weight, k_weight);
-  TORCH_CHECK(grad_o.sizes() == v.sizes() && o.sizes() == v.sizes() && grad_o.device() == q.device() &&
-                  o.device() == q.device(), op,
-              ": grad_o and o must have v's shape, on q's device");
-  const c10::cuda::CUDAGuard guard(q.device());
-  const auto f32 = q.options().dtype(at::kFloat);
-  Tensor dq = at::zeros(q.sizes(), f32), dk = at::zeros(k.sizes(), f32);  // value tiles add into them
-  Tensor dv = at::empty(v.sizes(), v.options());
+  STD_TORCH_CHECK(binding::same_sizes(grad_o, v) && binding::same_sizes(o, v) && binding::same_device(grad_o, q) &&
+                      binding::same_device(o, q),
+                  op, ": grad_o and o must have v's shape, on q's device");
+  const binding::DeviceGuard guard(q.get_device_index());
+  const ScalarType f32 = ScalarType::Float;
+  Tensor dq = torch::stable::new_zeros(q, q.sizes(), f32), dk = torch::stable::new_zeros(k, k.sizes(), f32);  // value tiles add into them
+  Tensor dv = torch::stable::new_empty(v, v.sizes());
   // the absent weight gradients: two empty tensors (a custom op's outputs must not alias one another)
-  const auto none = [&] { return at::empty({0}, q.options()); };
-  if (v.numel() == 0) return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none(), none()};
+  const auto none = [&] { return torch::stable::new_empty(q, Sizes{0}); };
+  if (v.numel() == 0) return {binding::to(dq, q.scalar_type()), binding::to(dk, k.scalar_type()), dv, none(), none()};
   const Tensor qq = binding::rows16(q), kk = binding::rows16(k), vv = binding::rows16(v);
-  const Tensor dout = grad_o.to(at::kBFloat16).contiguous();
-  const Tensor ob = normalize ? o.to(at::kBFloat16).contiguous() : Tensor();  // only the delta kernel reads it
-  Tensor delta = normalize ? at::empty({q.size(0), q.size(1), q.size(2)}, f32) : Tensor();  // the launch fills it
-  Tensor inv = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
+  const Tensor dout = torch::stable::contiguous(binding::to(grad_o, ScalarType::BFloat16));
+  // only the delta kernel reads o; the launch fills delta
+  const Tensor ob = torch::stable::contiguous(binding::to(normalize ? o : none(), ScalarType::BFloat16));
+  const Sizes rows{q.size(0), q.size(1), q.size(2)};
+  Tensor delta = torch::stable::new_empty(q, normalize ? rows : Sizes{0}, f32);
+  Tensor inv = torch::stable::new_empty(q, rows, f32);
   la::BasedBwdArgs a{};
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.dout = dout.data_ptr(), a.o = normalize ? ob.data_ptr() : nullptr;
-  a.delta = normalize ? delta.data_ptr<float>() : nullptr;
-  a.inv = inv.data_ptr<float>();
-  a.dq = dq.data_ptr<float>(), a.dk = dk.data_ptr<float>(), a.dv_out = dv.data_ptr();
-  const char* err = la::launch_based_backward(a, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
-  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv, none(), none()};
+  a.delta = normalize ? data<float>(delta) : nullptr;
+  a.inv = data<float>(inv);
+  a.dq = data<float>(dq), a.dk = data<float>(dk), a.dv_out = dv.data_ptr();
+  const char* err = la::launch_based_backward(a, binding::current_stream(q));
+  STD_TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
+  return {binding::to(dq, q.scalar_type()), binding::to(dk, k.scalar_type()), dv, none(), none()};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def("linear_attention(Tensor q, Tensor k, Tensor v, str feature_map, Tensor? q_weight=None, "
         "Tensor? k_weight=None, float scale=1.0, bool normalize=False, float eps=0.0) -> Tensor");
   m.def("linear_attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, str feature_map, "
@@ -105,7 +107,7 @@ TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {
-  m.impl("linear_attention", &linear_attention);
-  m.impl("linear_attention_backward", &linear_attention_backward);
+STABLE_TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {
+  m.impl("linear_attention", TORCH_BOX(&linear_attention));
+  m.impl("linear_attention_backward", TORCH_BOX(&linear_attention_backward));
 }
