@@ -471,15 +471,16 @@ def test_kernel_mode_unsupported_dtype_or_head_dim(fn, dtype, D, why):
 
 @pytest.mark.parametrize("fn", [sdpa_causal, eager_causal])
 @pytest.mark.parametrize("D", [192, 256])
-def test_kernel_mode_wide_head_dims_in_inference_only(fn, D):
-    """Head dims 192/256 (Gemma) have forward kernels only: replaced in inference, kept in training with the reason."""
-    gm = _fake_cuda_graph(fn, [(2, 4, 32, D)] * 3, torch.bfloat16)
-    assert _reasons(gm) == [None]
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            n.meta["val"].requires_grad_(True)
-    (reason,) = _reasons(gm)
-    assert reason is not None and f"head dim {D} in training" in reason
+def test_kernel_mode_wide_head_dims(fn, D):
+    """Head dims 192/256 (Gemma) are replaced in inference and in training; 320 is kept with the reason."""
+    for d, want in ((D, None), (320, "head dim 320")):
+        gm = _fake_cuda_graph(fn, [(2, 4, 32, d)] * 3, torch.bfloat16)
+        for training in (False, True):
+            for n in gm.graph.nodes:
+                if n.op == "placeholder":
+                    n.meta["val"].requires_grad_(training)
+            (reason,) = _reasons(gm)
+            assert reason == want if want is None else want in reason
 
 
 def sdpa_full(q, k, v):

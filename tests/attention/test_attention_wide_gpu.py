@@ -1,7 +1,7 @@
-"""GPU tests of the forward kernels for head dims above 128 (the D = 256 kernels, zero-filled past the head dim:
-Gemma's 256, 192): prefill and decode shapes, causal, full, sliding window, softcap, the serial kernel (scale <= 0),
-padding through tk::attention_varlen, against the fp32 reference. The backward kernels stop at 128: tk_cuda refuses
-those head dims, and the tk:: op's gradients fall back to the reference formulas. Skipped without CUDA.
+"""GPU tests of the kernels for head dims above 128 (the D = 192 and 256 forward kernels and the D = 256 backward,
+zero-filled past the head dim: Gemma's 256, 192): prefill and decode shapes, causal, full, sliding window, softcap,
+the serial kernel (scale <= 0), padding and packed sequences through tk::attention_varlen, forward and backward,
+against the fp32 reference. Skipped without CUDA.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tk_inductor.ops.attention as A  # registers the tk:: ops
-from test_attention_gpu import GRAD_TOL, OUT_TOL, check_forward, make_inputs, ops, reference, rel_err  # noqa: F401
-from test_attention_varlen_gpu import keep_of
+from test_attention_gpu import GRAD_TOL, OUT_TOL, check_forward, make_inputs, ops, poison, reference, rel_err  # noqa: F401
+from test_attention_varlen_gpu import keep_of, segments_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,20 +77,58 @@ def test_padding_masks(ops, N):
     assert rel_err(o, o_ref) < OUT_TOL
 
 
-def test_backward_kernel_refuses_and_the_op_falls_back(ops):
-    q, k, v = (t.requires_grad_() for t in make_inputs(2, 4, 2, 300, 300, 256, torch.bfloat16, seed=3))
-    o, lse = ops.attention(q.detach(), k.detach(), v.detach(), True, 1 / 16)
-    with pytest.raises(RuntimeError, match="head dim must be a multiple of 8 up to 128"):
-        ops.attention_backward(o, q.detach(), k.detach(), v.detach(), o, lse, True, 1 / 16)
-    out, _ = torch.ops.tk.attention(q, k, v, True, 1 / 16)
-    do = torch.randn_like(out)
-    out.backward(do)
+def backward_cases():
+    out = []
+    # one and several 64-key blocks and 64-row q tiles with their tails, N != M both ways, GQA, both dtypes
+    lengths = ((1, 1), (17, 17), (65, 65), (1000, 1000), (129, 300), (300, 129), (2048, 2048), (64, 4100))
+    for i, ((N, M), scores) in enumerate(itertools.product(lengths, ("full", "causal", "window", "cap"))):
+        D = (256, 192, 136, 248)[i % 4]
+        dtype = (torch.bfloat16, torch.float16)[(i // 2) % 2]
+        heads = ((4, 4), (8, 2), (6, 1))[i % 3]
+        out.append(((1, 2)[i % 2], *heads, N, M, D, dtype, scores, ("bhnd", "bnhd")[(i // 3) % 2]))
+    return out
+
+
+@pytest.mark.parametrize("case", backward_cases(), ids=_id)
+def test_backward(ops, case):
+    from tk_inductor.ops.attention import grad_like
+
+    B, Hq, Hkv, N, M, D, dtype, kind, layout = case
+    q, k, v = make_inputs(B, Hq, Hkv, N, M, D, dtype, layout=layout, seed=N + M + D + 1)
+    causal, window, cap, scale = _scores(kind, D, M)
+    if window and N > M:
+        window = 0  # rows past the window's reach would see no key
+    do = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
+    o, lse = ops.attention(q, k, v, causal, scale, window, cap)
+    poison(((B, Hq, N, D), dtype), ((B, Hkv, M, D), dtype), ((B, Hkv, M, D), dtype))
+    dq, dk, dv = ops.attention_backward(do, q, k, v, o, lse, causal, scale, window, cap)
+    torch.cuda.synchronize()
+    for t, like in ((dq, q), (dk, k), (dv, v)):
+        assert t.shape == like.shape and t.dtype == dtype and t.stride() == grad_like(like).stride()
+        assert not torch.isnan(t).any()
     qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
-    o_ref, _ = reference(qr, kr, vr, True, 1 / 16)
+    o_ref, _ = reference(qr, kr, vr, causal, scale, window, cap)
     o_ref.backward(do.float())
-    assert rel_err(out, o_ref) < OUT_TOL
-    for got, ref in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
-        assert rel_err(got, ref) < GRAD_TOL
+    for name, got, ref in (("dq", dq, qr.grad), ("dk", dk, kr.grad), ("dv", dv, vr.grad)):
+        assert rel_err(got, ref) < GRAD_TOL, f"{name}: relative error {rel_err(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("masks", ["keep", "segments"])
+def test_backward_padding_and_packing(ops, masks):
+    """The D = 256 backward reads each key's queries (key_rows) from tk::attention_varlen's tables."""
+    B, Hq, Hkv, N, D = 4, 8, 4, 333, 256
+    q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, Hq, Hkv, N, N, D, torch.bfloat16,
+                                                               layout="bnhd", seed=9))
+    keep = keep_of(B, N, seed=4) if masks == "keep" else None
+    segments = segments_of(B, N, seed=5) if masks == "segments" else None
+    o, _ = torch.ops.tk.attention_varlen(q, k, v, keep, segments, True, 1 / 16)
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, _ = reference(qr, kr, vr, True, 1 / 16, keep=keep, segments=segments)
+    want = torch.autograd.grad(o_ref, (qr, kr, vr), do.float())
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert not torch.isnan(g).any() and rel_err(g, w) < GRAD_TOL, f"{name}: {rel_err(g, w):.3e}"
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

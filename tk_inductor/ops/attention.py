@@ -23,7 +23,7 @@ Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops 
 
 Kernel or reference: the op calls `torch.ops.tk_cuda.attention` when `_dispatch.use_kernel` allows it (CUDA
 inputs, kernels built, not reference mode) *and* the kernel covers the inputs (bf16/fp16, head dim 32, 64, 80,
-96, 128, 192 or 256 forward and up to 128 backward, see `kernel_supports`); otherwise the fp32-accumulating PyTorch
+96, 128, 192 or 256, see `kernel_supports`); otherwise the fp32-accumulating PyTorch
 reference below, on any device and any float dtype. The matcher (patterns/attention.py) only routes supported shapes
 to the op in kernel mode, so the reference fallback there is for direct calls and reference mode.
 
@@ -52,13 +52,15 @@ from . import _dispatch
 
 FAMILY = "attention"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-# The forward kernels run any head dim that is a multiple of 8 up to 256 (zero-filled to the next of 64, 128, 192, 256),
-# the backward kernels up to 128. The op routes them those measured on the H200 (benchmarks/RESULTS.md): 32 (small
-# models), 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x cuDNN, 64 and 128; and in inference 192 (0.98-1.09x cuDNN) and 256
-# (Gemma, Gemma-2 2B/9B: 0.90-0.97x cuDNN at 1-2k tokens, 0.99-1.09x from 4k; 1.65-2.19x SDPA's flash backend; 3.8x
-# FlexAttention with Gemma-2's softcap, which SDPA lacks). Training graphs with those keep SDPA (no backward kernel).
+# The kernels run any head dim that is a multiple of 8 up to 256 (zero-filled to the next of 64, 128, 192, 256 in the
+# forward, of 64, 128, 256 in the backward). The op routes them those measured on the H200 (benchmarks/RESULTS.md): 32
+# (small models), 80 (Phi-2), 96 (Phi-3) at 0.99-1.11x cuDNN, 64 and 128; 192 (0.98-1.09x cuDNN forward) and 256
+# (Gemma, Gemma-2 2B/9B: 0.90-0.97x cuDNN forward at 1-2k tokens, 0.99-1.09x from 4k; 1.65-2.19x SDPA's flash
+# backend; 3.8x FlexAttention with Gemma-2's softcap, which SDPA lacks). Forward+backward at 256: 0.92-0.97x cuDNN and
+# 1.40-1.55x flash, at 192 (the D = 256 backward, zero-filled) 0.81-0.90x cuDNN and 1.10-1.27x flash; SDPA's default
+# order runs flash there, so training graphs are routed too.
 KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
-BACKWARD_HEAD_DIMS = (32, 64, 80, 96, 128)
+BACKWARD_HEAD_DIMS = KERNEL_HEAD_DIMS
 # Queries of at most this many rows run the split-KV decode kernels (kDecodeRows in csrc/kernels/attention). Against
 # SDPA's own split-KV path (no mask, K/V heads not repeated) they ran 0.87-1.00x cuDNN on the H200, so the matcher
 # leaves such decode steps to SDPA; a masked step (SDPA on repeated K/V, the memory-efficient kernel) or an eager one is

@@ -7,11 +7,11 @@ namespace tk_attn {
 
 enum class DType { bf16, f16 };
 
-// Head dims the kernels take: multiples of 8 (16-byte rows for TMA), up to 256 in the forward and 128 in the
-// backward. The forward is compiled for D = 64, 128 and 256, the backward for 64 and 128; a smaller head dim runs on
-// the next one up, whose tensor maps zero-fill the columns past it (zero columns of q and k add nothing to the scores,
-// those of v give output columns that are never stored).
-constexpr int64_t kMaxHeadDim = 256, kMaxBackwardHeadDim = 128;
+// Head dims the kernels take: multiples of 8 (16-byte rows for TMA), up to 256. The forward is compiled for D = 64,
+// 128, 192 and 256, the backward for 64, 128 and 256; a smaller head dim runs on the next one up, whose tensor maps
+// zero-fill the columns past it (zero columns of q and k add nothing to the scores, those of v give output columns that
+// are never stored).
+constexpr int64_t kMaxHeadDim = 256, kMaxBackwardHeadDim = 256;
 inline bool head_dim_supported(int64_t d, int64_t max_d = kMaxHeadDim) { return d >= 8 && d <= max_d && d % 8 == 0; }
 
 // A (B, H, S, D) view with element strides; the last dim is contiguous.

@@ -31,9 +31,10 @@ constexpr int BWD_BN = 128;  // keys per CTA (64 per consumer warpgroup)
 constexpr int BWD_NC = 2;
 
 // A backward configuration: Kind::Tile64 = attention_bwd_kernel (64-row q tiles), Kind::Wide =
-// attention_bwd_wide_kernel (D = 64, 128-row q tiles); the ring's stages; and a set of bwd:: flags, each
-// explained where the kernels read it (Bwd, BwdWide).
-enum class Kind { Tile64, Wide };
+// attention_bwd_wide_kernel (D = 64, 128-row q tiles), Kind::Split = attention_bwd_split_kernel (D = 256, 64 keys,
+// the consumers split the head dim); the ring's stages; and a set of bwd:: flags, each explained where the kernels
+// read it (Bwd, BwdWide).
+enum class Kind { Tile64, Wide, Split };
 namespace bwd {
 enum : unsigned {
   DBUF = 1u << 1,    // Tile64: dS^T double-buffered (DS2)
@@ -47,6 +48,7 @@ struct BwdCfg {
   static constexpr int stages = STAGES;
   static constexpr bool dbuf = FLAGS & bwd::DBUF, turns = FLAGS & bwd::TURNS, prodq = FLAGS & bwd::PRODQ;
   static constexpr int BM = KIND == Kind::Wide ? 128 : BWD_BM;  // the q tile
+  static constexpr int BN = KIND == Kind::Split ? 64 : BWD_BN;   // the keys of a block
 };
 
 // The 64-row kernel's shape and switches (Cfg: a BwdCfg; DS2 is bwd::DBUF).
@@ -69,6 +71,7 @@ struct Bwd {
   static_assert(Cfg::kind == Kind::Tile64 && D == 128, "the 64-row kernel runs D = 128");
   static_assert(!TURNS || DS2, "TURNS: dS^T double-buffered");
   static constexpr int STATS_BYTES = 2 * BM * 4;  // per stage: lse2[BM], delta[BM]
+  static constexpr int EMPTY_ARRIVALS = NC * 4;   // a ring stage is released by lane 0 of each consumer warp
   static constexpr int PANELS = D / 64;
   static constexpr int THREADS = (NC + 1) * 128;
   static_assert(BN == 64 * NC, "each consumer owns 64 keys");
@@ -121,7 +124,7 @@ struct BwdSmem {
       tk::init_semaphore(*kv_full, 1);
       for (int s = 0; s < K_::STAGES; ++s) {
         tk::init_semaphore(q_full[s], 1);
-        tk::init_semaphore(q_empty[s], K_::NC * 4);
+        tk::init_semaphore(q_empty[s], K_::EMPTY_ARRIVALS);
       }
       for (int c = 0; c < K_::NC; ++c) {
         tk::init_semaphore(dq_full[c], 4);  // lane 0 of each of the consumer's warps
@@ -291,15 +294,17 @@ __device__ __forceinline__ void load_stats(float* dst, const BwdParams& p, int b
   tk::tma::load_bytes_async(dst + BM, p.delta + row, BM * 4, *bar);
 }
 
-// This warp's part of dS^T -- the A slices of dK += dS^T Q: key rows jw + lane / 4, +8; query columns 16 kk +
-// 2 (lane % 4), +1, +8, +9 -- into the buffer at ds_u ([query panel][BN keys][64], 128-byte swizzle): one
+// This warp's part of dS^T -- the A slices of dK += dS^T Q: key rows jw + lane / 4, +8; query columns col0 +
+// 16 kk + 2 (lane % 4), +1, +8, +9 -- into the buffer at ds_u ([query panel][BN keys][64], 128-byte swizzle): one
 // stmatrix per slice (its register order is the A slice's), where 4-byte stores filled the MIO queue.
 template <int BM, int PANEL>
-__device__ __forceinline__ void store_ds(uint32_t ds_u, const uint32_t (&dsa)[BM / 16][4], int jw, int lane) {
+__device__ __forceinline__ void store_ds(uint32_t ds_u, const uint32_t (&dsa)[BM / 16][4], int jw, int lane,
+                                         int col0 = 0) {
 #pragma unroll
   for (int kk = 0; kk < BM / 16; ++kk) {
-    const int ip = (16 * kk) / 64 * PANEL;  // the slice's query panel
-    stmatrix_x4(ds_u + ip + swz128(jw + stsm_row(lane), (16 * kk) % 64 + stsm_byte(lane) / 2, 2), dsa[kk][0],
+    const int col = col0 + 16 * kk;
+    const int ip = col / 64 * PANEL;  // the slice's query panel
+    stmatrix_x4(ds_u + ip + swz128(jw + stsm_row(lane), col % 64 + stsm_byte(lane) / 2, 2), dsa[kk][0],
                 dsa[kk][1], dsa[kk][2], dsa[kk][3]);
   }
 }
@@ -421,23 +426,22 @@ struct DkvMaps {
   CUtensorMap dk, dv;
 };
 
-// dK (scaled) and dV of consumer c's 64 keys, j0 and j0 + 8 being this thread's rows: once both consumers are past
-// their last step (the other's last wgmmas may still read the ring), each writes its tiles into the drained (Q, dO)
-// ring and one thread stores them by TMA (full 128-byte lines, keys past M clipped), where 4-byte stores from
-// registers filled half of each 32-byte sector.
-template <typename T, int D, class K_>
+// dK (scaled) and dV of consumer c: 64 keys from key0 (this thread's rows row_in, row_in + 8) by COLS head-dim
+// columns from col0. Once both consumers are past their last step (the other's last wgmmas may still read the
+// ring), each writes its tiles into the drained (Q, dO) ring and one thread stores them by TMA (full 128-byte
+// lines, keys past M clipped), where 4-byte stores from registers filled half of each 32-byte sector.
+template <typename T, int COLS, class K_>
 __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParams& p, const DkvMaps& maps,
-                                           const float (&dk)[D / 2], const float (&dv)[D / 2], int b, int hk, int n0,
-                                           int c, int tid, int j0, int col_in) {
-  constexpr int TILE = 64 * D * 2;  // one consumer's dK (or dV), [D / 64 panels][64 keys][64]
+                                           const float (&dk)[COLS / 2], const float (&dv)[COLS / 2], int b, int hk,
+                                           int key0, int col0, int c, int tid, int row_in, int col_in) {
+  constexpr int TILE = 64 * COLS * 2;  // one consumer's dK (or dV), [COLS / 64 panels][64 keys][64]
   static_assert(K_::STAGES * K_::Q_BYTES >= K_::NC * TILE, "dK and dV tiles fit in the (Q, dO) ring");
   tk::named_sync(5, K_::NC * 128);  // an id of its own
   const uint32_t k_u = tk::smem_addr(sm.sQ) + c * TILE, v_u = tk::smem_addr(sm.sdO) + c * TILE;
-  const int row_in = j0 - n0 - 64 * c;
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2)
 #pragma unroll
-    for (int ch = 0; ch < D / 8; ++ch) {
+    for (int ch = 0; ch < COLS / 8; ++ch) {
       const uint32_t off = (ch / 8) * 64 * 128 + swz128(row_in + 8 * h2, 8 * (ch % 8) + col_in, 2);
       tk::st_shared(k_u + off, pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale));
       tk::st_shared(v_u + off, pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]));
@@ -446,9 +450,9 @@ __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParam
   tk::named_sync(3 + c, 128);
   if (tid == 0) {
 #pragma unroll
-    for (int pn = 0; pn < D / 64; ++pn) {
-      tk::tma::store_async(&maps.dk, sm.sQ + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
-      tk::tma::store_async(&maps.dv, sm.sdO + c * TILE + pn * 64 * 128, pn * 64, n0 + 64 * c, hk, b);
+    for (int pn = 0; pn < COLS / 64; ++pn) {
+      tk::tma::store_async(&maps.dk, sm.sQ + c * TILE + pn * 64 * 128, col0 + pn * 64, key0, hk, b);
+      tk::tma::store_async(&maps.dv, sm.sdO + c * TILE + pn * 64 * 128, col0 + pn * 64, key0, hk, b);
     }
     tk::tma::store_commit();
     tk::tma::store_wait();  // shared memory stays allocated until the stores have read it

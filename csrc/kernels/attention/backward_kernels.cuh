@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
   if (c == 0) Turn::wait(c);  // the last consumer's final hand-over
   if (tid == 0) tk::tma::store_wait();
 
-  store_dkdv<T, D, K_>(sm, p, dkv, dk, dv, b, hk, n0, c, tid, j0, col_in);
+  store_dkdv<T, D, K_>(sm, p, dkv, dk, dv, b, hk, n0 + 64 * c, 0, c, tid, row_in, col_in);
 }
 
 // D = 64 with q tiles of 128 rows. At D = 64 every GEMM of a
@@ -175,6 +175,7 @@ struct BwdWide {
   static constexpr bool PRODQ = Cfg::prodq;
   static_assert(Cfg::kind == Kind::Wide && Cfg::BM == BM && !Cfg::turns && !Cfg::dbuf, "the wide kernel: no TURNS, DBUF");
   static constexpr int STATS_BYTES = 2 * BM * 4;
+  static constexpr int EMPTY_ARRIVALS = NC * 4;
   static constexpr int PANELS = 1;  // D = 64: one 64-column panel per K, V, Q, dO row
   static constexpr int THREADS = (NC + 1) * 128;
   static_assert(BN == 64 * NC && BM == 64 * NC, "each consumer owns 64 keys and 64 dQ rows");
@@ -313,7 +314,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
   }
   if (tid == 0) tk::tma::store_wait();
 
-  store_dkdv<T, 64, K_>(sm, p, dkv, dk, dv, b, hk, n0, c, tid, j0, col_in);
+  store_dkdv<T, 64, K_>(sm, p, dkv, dk, dv, b, hk, n0 + 64 * c, 0, c, tid, row_in, col_in);
 }
 
 }  // namespace
