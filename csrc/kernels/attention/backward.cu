@@ -7,8 +7,7 @@ namespace tk_attn {
 
 BwdScratch attention_backward_scratch(const View4& q) {
   const int64_t D = bwd_d(q.D);
-  const int64_t Npad = bwd_npad(q.S, D == 64 ? BwdConfig<64>::Cfg::BM : D == 128 ? BwdConfig<128>::Cfg::BM
-                                                                             : BwdConfig<256>::Cfg::BM);
+  const int64_t Npad = bwd_npad(q.S, bwd_bm(q.D));
   const int64_t BH = q.B * q.H;
   return {static_cast<size_t>(BH * Npad * D * 4), static_cast<size_t>(BH * Npad * 4),
           static_cast<size_t>(BH * Npad * 4)};
@@ -21,18 +20,11 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
   if (const char* e = scores_error(sc)) return e;
   if (!head_dim_supported(q.D, kMaxBackwardHeadDim))
     return "the backward takes head dims that are multiples of 8 up to 256";
-  const bool bf16 = dt == DType::bf16;
   switch (bwd_d(q.D)) {
     case 64:
-      return bf16 ? run_bwd<__nv_bfloat16, 64>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc,
-                                               num_sms, stream)
-                  : run_bwd<__half, 64>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms,
-                                        stream);
+      return run_bwd<64>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms, stream);
     case 128:
-      return bf16 ? run_bwd<__nv_bfloat16, 128>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc,
-                                                num_sms, stream)
-                  : run_bwd<__half, 128>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms,
-                                         stream);
+      return run_bwd<128>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms, stream);
     default:
       return attention_backward_d256(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms,
                                      stream);

@@ -7,10 +7,7 @@ const char* attention_backward_d256(DType dt, const View4& dout, const View4& q,
                                     const View4& o, const float* lse, const View4& dq, const View4& dk,
                                     const View4& dv, float* dq_accum, float* lse2, float* delta, const Scores& sc,
                                     int num_sms, cudaStream_t stream) {
-  return dt == DType::bf16 ? run_bwd<__nv_bfloat16, 256>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2,
-                                                         delta, sc, num_sms, stream)
-                           : run_bwd<__half, 256>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc,
-                                                  num_sms, stream);
+  return run_bwd<256>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms, stream);
 }
 
 }  // namespace tk_attn

@@ -100,13 +100,31 @@ int bwd_section(bool sections, int num_sms, int nk, int64_t BH, int64_t group, i
   return section_heads(BH, nk, 4LL * num_sms, (32LL << 20) / std::max<int64_t>(1, group * N * D * 8));
 }
 
+// A configuration's main kernel and its shape (Bwd, BwdWide or BwdSplit: SMEM, THREADS).
+template <typename T, int D, class Cfg, bool CAP, Kind = Cfg::kind>
+struct BwdKernel;
+template <typename T, int D, class Cfg, bool CAP>
+struct BwdKernel<T, D, Cfg, CAP, Kind::Tile64> {
+  using K_ = Bwd<T, D, Cfg>;
+  static auto kernel() { return attention_bwd_kernel<T, D, Cfg, CAP>; }
+};
+template <typename T, int D, class Cfg, bool CAP>
+struct BwdKernel<T, D, Cfg, CAP, Kind::Wide> {
+  static_assert(D == 64, "the wide kernel is D = 64");
+  using K_ = BwdWide<T, Cfg>;
+  static auto kernel() { return attention_bwd_wide_kernel<T, Cfg, CAP>; }
+};
+template <typename T, int D, class Cfg, bool CAP>
+struct BwdKernel<T, D, Cfg, CAP, Kind::Split> {
+  static_assert(D == 256, "the split kernel is D = 256");
+  using K_ = BwdSplit<T, Cfg>;
+  static auto kernel() { return attention_bwd_split_kernel<T, Cfg, CAP>; }
+};
+
 template <typename T, int D, typename Cfg, bool CAP>
 const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v, const View4& o,
                        const float* lse, const View4& dq, const View4& dk, const View4& dv, float* dq_accum,
                        float* lse2, float* delta, const Scores& sc, int num_sms, cudaStream_t stream) {
-  constexpr bool WIDE = Cfg::kind == Kind::Wide, SPLIT = Cfg::kind == Kind::Split;
-  static_assert(!WIDE || D == 64, "the wide kernel is D = 64");
-  static_assert(!SPLIT || D == 256, "the split kernel is D = 256");
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
   const int Npad = static_cast<int>(bwd_npad(q.S, BM));
   const int64_t BH = q.B * q.H;
@@ -150,24 +168,9 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   // L2 sections of heads, key blocks outermost, under a causal mask (its key blocks differ in cost); head by head
   // without one (its equal blocks are balanced already).
   p.section = bwd_section(sc.causal, num_sms, p.nk, k.B * k.H, p.group, q.S, D);
-  int smem, threads;
-  void (*kern)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, DkvMaps, BwdParams);
-  if constexpr (SPLIT) {
-    using K_ = BwdSplit<T, Cfg>;
-    kern = attention_bwd_split_kernel<T, Cfg, CAP>;
-    smem = K_::SMEM;
-    threads = K_::THREADS;
-  } else if constexpr (WIDE) {
-    using K_ = BwdWide<T, Cfg>;
-    kern = attention_bwd_wide_kernel<T, Cfg, CAP>;
-    smem = K_::SMEM;
-    threads = K_::THREADS;
-  } else {
-    using K_ = Bwd<T, D, Cfg>;
-    kern = attention_bwd_kernel<T, D, Cfg, CAP>;
-    smem = K_::SMEM;
-    threads = K_::THREADS;
-  }
+  using Main = BwdKernel<T, D, Cfg, CAP>;
+  const auto kern = Main::kernel();
+  constexpr int smem = Main::K_::SMEM, threads = Main::K_::THREADS;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention backward kernel";
   kern<<<static_cast<unsigned>(p.nk * k.B * k.H), threads, smem, stream>>>(qm, km, vm, dom, dqm, dkvm, p);
@@ -199,19 +202,27 @@ struct BwdConfig<256> {
   using Cfg = BwdCfg<Kind::Split, 2>;
 };
 
-// The kernels' head dim for a head dim d: the next of 64, 128 and 256.
+// The kernels' head dim for a head dim d: the next of 64, 128 and 256; and that configuration's q tile.
 inline int bwd_d(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+inline int bwd_bm(int64_t d) {
+  const int kd = bwd_d(d);
+  return kd == 64 ? BwdConfig<64>::Cfg::BM : kd == 128 ? BwdConfig<128>::Cfg::BM : BwdConfig<256>::Cfg::BM;
+}
 
-// launch_bwd with this head dim's configuration, softcapped or not.
-template <typename T, int D>
+// launch_bwd with this head dim's configuration, for the call's dtype, softcapped or not.
+template <int D>
 const char* run_bwd(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v, const View4& o,
                     const float* lse, const View4& dq, const View4& dk, const View4& dv, float* dq_accum, float* lse2,
                     float* delta, const Scores& sc, int num_sms, cudaStream_t stream) {
   using Cfg = typename BwdConfig<D>::Cfg;
-  return sc.softcap > 0.f ? launch_bwd<T, D, Cfg, true>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2,
-                                                        delta, sc, num_sms, stream)
-                          : launch_bwd<T, D, Cfg, false>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2,
-                                                         delta, sc, num_sms, stream);
+  const auto run = [&](auto t, auto cap) {
+    return launch_bwd<decltype(t), D, Cfg, decltype(cap)::value>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum,
+                                                                  lse2, delta, sc, num_sms, stream);
+  };
+  const auto with_cap = [&](auto t) {
+    return sc.softcap > 0.f ? run(t, std::true_type{}) : run(t, std::false_type{});
+  };
+  return dt == DType::bf16 ? with_cap(__nv_bfloat16{}) : with_cap(__half{});
 }
 
 }  // namespace
