@@ -38,6 +38,23 @@ def test_families_lists_folders_with_cuda_sources(fake_tree):
     assert [p.name for p in build.sources("alpha")] == ["binding.cpp", "k.cu"]
 
 
+def test_build_order_starts_listed_units_in_their_order(fake_tree):
+    folder = fake_tree / "kernels" / "alpha"
+    (folder / "a.cu").write_text("// another unit\n")
+    (folder / "new.cu").write_text("// a unit the list does not name\n")
+    (folder / "build_order").write_text("# slowest first\nk.cu\n\nbinding.cpp\na.cu\ngone.cu\n")
+    assert [p.name for p in build.build_order("alpha")] == ["new.cu", "k.cu", "binding.cpp", "a.cu"]
+    assert [p.name for p in build.build_order("beta")] == [p.name for p in build.sources("beta")]  # no list: by name
+
+
+def test_real_build_orders_name_every_unit():
+    for family in build.families():
+        listed = build.KERNELS / family / "build_order"
+        if listed.exists():
+            names = [line for line in listed.read_text().splitlines() if line and not line.startswith("#")]
+            assert sorted(names) == sorted(p.name for p in build.sources(family)), family
+
+
 def test_real_tree_has_gemm_family():
     assert "gemm" in build.families()
     names = {p.name for p in build.sources("gemm")}
