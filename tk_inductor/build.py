@@ -74,16 +74,20 @@ def build_order(family: str) -> list[Path]:
     family with more units than parallel jobs ends when its last-started unit does; so a folder with many units lists
     them slowest first in `build_order` (measured), which leaves short units for the end. Units the list does not name
     (new ones, of unknown cost) start first."""
-    all_ = sources(family)
-    listed = _folder(family) / "build_order"
-    if not listed.exists():
-        return all_
-    rank = {}
-    for line in listed.read_text().splitlines():
-        name = line.strip()
-        if name and not name.startswith("#"):
-            rank.setdefault(name, len(rank))
-    return sorted(all_, key=lambda p: rank.get(p.name, -1))
+    listed = listed_units(family)
+    if listed is None:
+        return sources(family)
+    rank = {name: i for i, name in reversed(list(enumerate(listed)))}  # a repeated name keeps its first place
+    return sorted(sources(family), key=lambda p: rank.get(p.name, -1))
+
+
+def listed_units(family: str) -> list[str] | None:
+    """The unit names a family's `build_order` file lists (comments and blank lines skipped); None without one."""
+    path = _folder(family) / "build_order"
+    if not path.exists():
+        return None
+    return [name for name in (line.strip() for line in path.read_text().splitlines())
+            if name and not name.startswith("#")]
 
 
 def _headers(family: str) -> list[Path]:
