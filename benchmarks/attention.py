@@ -21,6 +21,10 @@ generation) and packed sequences (causal, as fine-tuning on packed batches), aga
 mask (memory-efficient and cuDNN backends) and FlexAttention.
 
 `--decode`: one decode step (q length 1) against a KV cache of 1k-32k keys at batch 1-64, against SDPA's backends.
+
+`--dropout P`: the main cases with attention dropout P (training), against SDPA's backends with dropout_p = P (cuDNN,
+flash, memory-efficient); ours is checked against the reference with its own mask on the first head (the baselines
+draw other random numbers).
 """
 from __future__ import annotations
 
@@ -60,13 +64,36 @@ def _sdpa(backend):
     return fwd
 
 
-def _ours_fwd(q, k, v, causal, scale):
-    return torch.ops.tk_cuda.attention(q, k, v, causal, scale)[0]
+def _sdpa_dropout(backend, p):
+    from torch.nn.attention import sdpa_kernel
+
+    def fwd(q, k, v, causal, scale):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, scale=scale)
+
+    return fwd
 
 
-def _ours_fwd_bwd(q, k, v, do, causal, scale):
-    o, lse = torch.ops.tk_cuda.attention(q, k, v, causal, scale)
-    return torch.ops.tk_cuda.attention_backward(do, q, k, v, o, lse, causal, scale)
+def _ours_fwd(q, k, v, causal, scale, p=0.0, rng=None):
+    return torch.ops.tk_cuda.attention(q, k, v, causal, scale, 0, 0.0, p, rng)[0]
+
+
+def _ours_fwd_bwd(q, k, v, do, causal, scale, p=0.0, rng=None):
+    o, lse = torch.ops.tk_cuda.attention(q, k, v, causal, scale, 0, 0.0, p, rng)
+    return torch.ops.tk_cuda.attention_backward(do, q, k, v, o, lse, causal, scale, 0, 0.0, p, rng)
+
+
+def _check_dropout_head(q, k, v, do, causal, scale, p, rng):
+    """Ours with dropout against the reference with the same mask on the first (batch, head), forward and backward
+    (the baselines' random numbers are others): the relative errors of o, dq, dk, dv."""
+    from tk_inductor.ops.attention import attention_backward_reference, attention_reference
+
+    o, lse = torch.ops.tk_cuda.attention(q, k, v, causal, scale, 0, 0.0, p, rng)
+    grads = torch.ops.tk_cuda.attention_backward(do, q, k, v, o, lse, causal, scale, 0, 0.0, p, rng)
+    one = [t[:1, :1].float() for t in (q, k, v, do, o)]
+    o_ref, _ = attention_reference(*one[:3], causal, scale, 0, 0.0, None, p, rng)
+    refs = attention_backward_reference(one[3], *one[:3], one[4], lse[:1, :1], causal, scale, None, 0, 0.0, p, rng)
+    return [rel_error(o[:1, :1], o_ref)] + [rel_error(g[:1, :1], r) for g, r in zip(grads, refs)]
 
 
 def _timed(case: str, fns: dict, flops: float, n: int, notes: dict | None = None) -> list[Row]:
@@ -100,27 +127,42 @@ def _timed_fwd_bwd(name: str, fns: dict, tensors, flops: float, n: int, backward
     return rows
 
 
-def run(quick: bool = False, backward: bool = True, dims=(128, 64)) -> list[Row]:
+def run(quick: bool = False, backward: bool = True, dims=(128, 64), dropout: float = 0.0) -> list[Row]:
     from torch.nn.attention import SDPBackend
 
     from tk_inductor import build
+    from tk_inductor.ops import philox
 
     build.load("attention")
-    baselines = {"cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "flash": _sdpa(SDPBackend.FLASH_ATTENTION)}
+    if dropout:
+        baselines = {n: _sdpa_dropout(b, dropout) for n, b in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
+    else:
+        baselines = {"cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "flash": _sdpa(SDPBackend.FLASH_ATTENTION)}
+    rng = philox.draw_seed() if dropout else None
     rows: list[Row] = []
     for B, H, N, D, causal in cases(quick, dims):
-        name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
+        name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}" + (f" dropout {dropout:g}" if dropout else "")
         progress(name)
         scale = 1.0 / math.sqrt(D)
         q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        ref = baselines["cudnn"](q, k, v, causal, scale)
         impls = [(n, (lambda f=f: f(q, k, v, causal, scale))) for n, f in baselines.items()]
-        try:  # a case is timed only after its output matched
-            check_close(f"attention {name}", _ours_fwd(q, k, v, causal, scale), ref)
-            impls.insert(0, ("ours", lambda: _ours_fwd(q, k, v, causal, scale)))
-        except AssertionError as exc:
-            rows.append(Row("attention", f"{name} fwd", "ours", None, note=f"wrong output: {exc}"))
-        del ref
+        ours = lambda: _ours_fwd(q, k, v, causal, scale, dropout, rng)  # noqa: E731
+        if dropout:
+            errs = _check_dropout_head(q, k, v, do, causal, scale, dropout, rng)
+            note = "o/dq/dk/dv rel err vs reference, first head " + "/".join(f"{e:.1e}" for e in errs)
+            if max(errs) > 2e-2:
+                rows.append(Row("attention", f"{name} fwd", "ours", None, note=f"wrong output: {note}"))
+            else:
+                impls.insert(0, ("ours", ours))
+        else:
+            ref = baselines["cudnn"](q, k, v, causal, scale)
+            try:  # a case is timed only after its output matched
+                check_close(f"attention {name}", ours(), ref)
+                impls.insert(0, ("ours", ours))
+            except AssertionError as exc:
+                rows.append(Row("attention", f"{name} fwd", "ours", None, note=f"wrong output: {exc}"))
+            del ref
         # forward
         rows += _timed(f"{name} fwd", dict(impls), _flops(B, H, N, D, causal, False), N)
         if not backward:
@@ -135,16 +177,17 @@ def run(quick: bool = False, backward: bool = True, dims=(128, 64)) -> list[Row]
             f(qg, kg, vg, causal, scale).backward(do)
 
         steps = {impl: (lambda f=f: step(f)) for impl, f in baselines.items()}
-        ours_grads = _ours_fwd_bwd(q, k, v, do, causal, scale)
-        qg.grad = kg.grad = vg.grad = None
-        baselines["cudnn"](qg, kg, vg, causal, scale).backward(do)
-        errs = [rel_error(a, b.grad) for a, b in zip(ours_grads, (qg, kg, vg))]
-        note = "grads rel err vs cudnn " + "/".join(f"{e:.1e}" for e in errs)
-        del ours_grads
+        if not dropout:
+            ours_grads = _ours_fwd_bwd(q, k, v, do, causal, scale)
+            qg.grad = kg.grad = vg.grad = None
+            baselines["cudnn"](qg, kg, vg, causal, scale).backward(do)
+            errs = [rel_error(a, b.grad) for a, b in zip(ours_grads, (qg, kg, vg))]
+            note = "grads rel err vs cudnn " + "/".join(f"{e:.1e}" for e in errs)
+            del ours_grads
         if max(errs) > 2e-2:
             rows.append(Row("attention", f"{name} fwd+bwd", "ours", None, note=f"wrong gradients: {note}"))
         else:
-            steps = {"ours": lambda: _ours_fwd_bwd(q, k, v, do, causal, scale), **steps}
+            steps = {"ours": lambda: _ours_fwd_bwd(q, k, v, do, causal, scale, dropout, rng), **steps}
         rows += _timed(f"{name} fwd+bwd", steps, _flops(B, H, N, D, causal, True), N, {"ours": note})
         del q, k, v, do, qg, kg, vg
         torch.cuda.empty_cache()
@@ -159,18 +202,22 @@ def _by_case(rows: list[Row]) -> dict[str, dict[str, Row]]:
 
 
 def summary(rows: list[Row]) -> str:
-    """Markdown table: TFLOPS per implementation and ours / cuDNN."""
+    """Markdown table: TFLOPS per implementation and ours / each baseline (cuDNN, flash, and memory-efficient where
+    the run has it: with dropout)."""
     by_case = _by_case(rows)
-    out = ["| case | ours TFLOPS | cuDNN TFLOPS | flash TFLOPS | ours/cuDNN | ours/flash |", "|---|---|---|---|---|---|"]
+    names = {"cudnn": "cuDNN", "flash": "flash", "efficient": "efficient"}
+    base = [b for b in names if any(b in impls for impls in by_case.values())]
+    out = ["| case | ours TFLOPS | " + " | ".join(f"{names[b]} TFLOPS" for b in base) + " | "
+           + " | ".join(f"ours/{names[b]}" for b in base) + " |", "|---|---|" + "---|" * (2 * len(base))]
 
     def fig(r):
         return f"{r.figure:.0f}" if r is not None and r.figure is not None else (r.note if r is not None else "-")
 
     for case, impls in by_case.items():
-        o, c, f = impls.get("ours"), impls.get("cudnn"), impls.get("flash")
-        rc = f"{c.ms / o.ms:.2f}" if o and c and o.ms and c.ms else "-"
-        rf = f"{f.ms / o.ms:.2f}" if o and f and o.ms and f.ms else "-"
-        out.append(f"| {case} | {fig(o)} | {fig(c)} | {fig(f)} | {rc} | {rf} |")
+        o = impls.get("ours")
+        ratios = [f"{impls[b].ms / o.ms:.2f}" if o and impls.get(b) and o.ms and impls[b].ms else "-" for b in base]
+        out.append(f"| {case} | {fig(o)} | " + " | ".join(fig(impls.get(b)) for b in base) + " | "
+                   + " | ".join(ratios) + " |")
     return "\n".join(out)
 
 
@@ -436,6 +483,7 @@ def main(argv=None) -> int:
     p.add_argument("--varlen", action="store_true", help="key-padding masks and packed sequences instead")
     p.add_argument("--decode", action="store_true", help="one decode step against a KV cache instead")
     p.add_argument("--dims", default="128,64", help="comma-separated head dims (default: 128,64; H = 2048 // D)")
+    p.add_argument("--dropout", type=float, default=0.0, help="attention dropout probability for the main cases")
     args = p.parse_args(argv)
     if args.scores:
         print(scores_summary(run_scores(backward=not args.forward_only)))
@@ -445,7 +493,7 @@ def main(argv=None) -> int:
         print(decode_summary(run_decode()))
     else:
         dims = tuple(int(d) for d in args.dims.split(","))
-        print(summary(run(quick=args.quick, backward=not args.forward_only, dims=dims)))
+        print(summary(run(quick=args.quick, backward=not args.forward_only, dims=dims, dropout=args.dropout)))
     return 0
 
 

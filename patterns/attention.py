@@ -2,8 +2,8 @@
 
 Two sources, one op:
 * `F.scaled_dot_product_attention`: no mask, `is_causal=True`, or an `attn_mask` the mask analysis proves causal,
-  a causal sliding window or all-visible; `dropout_p == 0` (SDPA drops even in eval); the default or a given scale;
-  GQA by `enable_gqa` or a `repeat_kv` in front of it.
+  a causal sliding window or all-visible; a constant `dropout_p` (SDPA drops even in eval); the default or a given
+  scale; GQA by `enable_gqa` or a `repeat_kv` in front of it.
 * eager `matmul -> scale -> [softcap] -> mask -> softmax -> dropout -> matmul`:
   - the products as `torch.matmul`, `@`, `torch.bmm` on (B*H, N, D) views (also 3-D scores viewed to 4-D),
     `torch.baddbmm(_, q, kᵀ, beta=0, alpha=scale)` (GPT-2) or the two einsums; kᵀ by `transpose`, `permute`, `.mT`;
@@ -14,7 +14,7 @@ Two sources, one op:
     (zero probability after the max-subtracting softmax, unless genuine scores are below about -6.5e4; `-1e4` is
     kept); several masks intersect;
   - softmax over the last dim in any spelling, in fp32 (`dtype=` or an upcast and a cast back) or the inputs' dtype;
-    `dropout` with p == 0 or training=False;
+    `dropout` with constant p and training flag (GPT-2's `attn_dropout`);
   - `repeat_kv` / `repeat_interleave(x, r, dim=1)` are dropped (the op does GQA), and HF's empty-cache
     `torch.cat([tensor([]), k], dim=-2)` is seen through.
 
@@ -34,10 +34,13 @@ sliding-window or all-visible mask, SDPA with the mask otherwise. The graph that
 So does, in inference, SDPA's mask with causal bounds at a symbolic offset (new queries against a cache).
 
 Kept, each with its reason in the report: arbitrary masks, two-sided windows, diagonal-offset causal masks, additive
-biases (ALiBi, relative position), any other op between the products, dropout p > 0 in training, attention weights
-used elsewhere (output_attentions), value head dim != q/k head dim, Hq % Hkv != 0, batch broadcasting, and (kernel
-mode on CUDA) dtypes other than bf16/fp16 or head dims other than 32/64/80/96/128: limits of the kernels, checked only
-when a kernel would run (CUDA inputs, reference mode off in the compile's resolved config, `find(graph, cfg)`).
+biases (ALiBi, relative position), any other op between the products, attention weights used elsewhere
+(output_attentions), value head dim != q/k head dim, Hq % Hkv != 0, batch broadcasting, dropout together with a
+softcap or a mask known only at run time (padding, packed sequences, a graph-input mask), and (kernel mode on CUDA)
+dtypes other than bf16/fp16, head dims the kernels lack, or dropout above head dim 128: limits of the kernels, checked
+only when a kernel would run (CUDA inputs, reference mode off in the compile's resolved config, `find(graph, cfg)`).
+Dropout p > 0 becomes the op's Philox dropout (tk::attention's dropout_p, with a tk::philox_seed node drawing its
+(seed, offset) pair each run): the same distribution as torch's, not the same random numbers.
 """
 from __future__ import annotations
 
@@ -159,7 +162,8 @@ def _path_to(start: fx.Node, is_end, depth: int) -> list[fx.Node] | None:
     return None
 
 
-def _dropout_ok(node: fx.Node) -> None:
+def _dropout_p(node: fx.Node) -> float:
+    """The probability a dropout node drops with (0 when not training)."""
     if node.target is torch.dropout:
         p, train = _arg(node, 1, "p"), _arg(node, 2, "train")
     else:
@@ -167,8 +171,9 @@ def _dropout_ok(node: fx.Node) -> None:
     p, train = number(p), number(train) if train is not None else None
     if p is None or train is None:
         raise Keep("dropout with a non-constant probability or mode")
-    if p != 0 and train:
-        raise Keep(f"dropout p={p} in training (the kernels have no RNG)")
+    if not 0 <= p < 1:
+        raise Keep(f"dropout p={p}")
+    return float(p) if train else 0.0
 
 
 class _Finder:
@@ -180,19 +185,20 @@ class _Finder:
     # ------------------------------------------------------------------ shared checks and the match
     def _match(self, out: fx.Node, qo: _Operand, ko: _Operand, vo: _Operand, kind: MaskKind, scale: float,
                keep: str | None = None, mixed: bool = False, mask: fx.Node | None = None,
-               softcap: float = 0.0, sdpa_split_kv: bool = False) -> Match:
+               softcap: float = 0.0, sdpa_split_kv: bool = False, dropout_p: float = 0.0) -> Match:
         exs = [example(o.node) for o in (qo, ko, vo)]
         device = exs[0].device if isinstance(exs[0], torch.Tensor) else None
         m = Match(FAMILY, [out], needs_grad=needs_grad(qo.node, ko.node, vo.node), device=device, reason=keep)
         if keep is None:
             try:
                 m.target, m.args, m.outputs = self._call(out, qo, ko, vo, kind, scale, mixed, mask, softcap,
-                                                         sdpa_split_kv)
+                                                         sdpa_split_kv, dropout_p)
             except Keep as e:
                 m.reason = str(e)
         return m
 
-    def _call(self, out, qo, ko, vo, kind: MaskKind, scale, mixed=False, mask=None, softcap=0.0, sdpa_split_kv=False):
+    def _call(self, out, qo, ko, vo, kind: MaskKind, scale, mixed=False, mask=None, softcap=0.0, sdpa_split_kv=False,
+              dropout_p=0.0):
         exs = [example(o.node) for o in (qo, ko, vo)]
         if not all(isinstance(e, torch.Tensor) for e in exs):
             raise Keep("q/k/v example values are missing")
@@ -239,11 +245,12 @@ class _Finder:
         if not (scale > 0 and math.isfinite(scale)):
             raise Keep(f"scale {scale} is not a positive finite number")
         if exs[0].device.type == "cuda" and not self.reference:
-            why = attention_ops.kernel_supports(dtype, number(qs[-1]), needs_grad(qo.node, ko.node, vo.node))
+            why = attention_ops.kernel_supports(dtype, number(qs[-1]), needs_grad(qo.node, ko.node, vo.node),
+                                                dropout_p > 0)
             if why is not None:
                 raise Keep(why)
             rows = number(qs[-2])
-            if sdpa_split_kv and rows is not None and rows <= attention_ops.DECODE_ROWS:
+            if sdpa_split_kv and not dropout_p and rows is not None and rows <= attention_ops.DECODE_ROWS:
                 raise Keep(f"a decode step ({rows} query rows) on SDPA's grouped-query path without a mask, whose "
                            "split-KV kernels run it as fast as the decode kernels or faster")
         if mixed and not (rank(out) == 4 and all(eq(a, b) for a, b in zip(shape(out)[:2], qs[:2]))):
@@ -258,6 +265,12 @@ class _Finder:
         # (contiguous) result may not be expressible on it, so those users get a contiguous copy.
         contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
         varlen = kind.pad is not None or kind.segments is not None
+        if dropout_p:  # the (seed, offset) pair is drawn in the adapter (tk::philox_seed)
+            if softcap:
+                raise Keep("dropout on softcapped scores (the kernels' dropout takes no softcap)")
+            if mask is not None or varlen:
+                raise Keep("dropout with a mask known only at run time (padding, packed sequences or a graph input)")
+            return attention_ops.attention_adapter, args + (transposed, heads, contiguous, dropout_p), [out]
         if (mask is not None or varlen) and (heads != "4d" or any(transposed) or contiguous):
             raise Keep("the mask's values are known only at run time and the layout needs an adapter")
         if varlen:  # padding / packed sequences: their values are read at run time (tk::attention_varlen)
@@ -301,8 +314,8 @@ class _Finder:
             for n in (qo.node, ko.node, vo.node):
                 if mutated_after(n, node):
                     raise Keep(f"`{n.name}` is modified in place after the attention reads it")
-            if dropout_p is None or dropout_p != 0:
-                raise Keep(f"SDPA dropout_p={_arg(node, 4, 'dropout_p')} (SDPA drops even in eval; no RNG kernel)")
+            if dropout_p is None or not 0 <= dropout_p < 1:
+                raise Keep(f"SDPA dropout_p={_arg(node, 4, 'dropout_p')} is not a constant in [0, 1)")
             if is_causal is None:
                 raise Keep("SDPA is_causal is not a constant")
             kind = MaskKind(bool(is_causal))
@@ -333,7 +346,8 @@ class _Finder:
         # SDPA's own split-KV path: no mask and the K/V heads as they are (enable_gqa), where cuDNN/flash run a decode
         # step at least as fast as the decode kernels
         own_split_kv = mask is None and ko.repeated == 1 and vo.repeated == 1
-        return self._match(node, qo, ko, vo, kind, scale, mask=runtime_mask, sdpa_split_kv=own_split_kv)
+        return self._match(node, qo, ko, vo, kind, scale, mask=runtime_mask, sdpa_split_kv=own_split_kv,
+                           dropout_p=float(dropout_p))
 
     def _sdpa_mask(self, mask: fx.Node, score_shape: tuple) -> MaskKind:
         try:
@@ -398,12 +412,14 @@ class _Finder:
                 if alpha is None:
                     raise Keep("baddbmm alpha is not a positive constant")
                 scale *= alpha
-            for n in after:
-                self._probs_step(n, q_dtype)
+            drops = [p for p in (self._probs_step(n, q_dtype) for n in after) if p]
+            if len(drops) > 1:
+                raise Keep("two dropouts of the attention weights")
             scale *= qo.scale * ko.scale
         except Keep as e:
             return self._match(pv, qo, ko, vo, MaskKind(False), 1.0, keep=str(e))
-        return self._match(pv, qo, ko, vo, kind, scale, mixed=mixed, mask=runtime_mask, softcap=softcap)
+        return self._match(pv, qo, ko, vo, kind, scale, mixed=mixed, mask=runtime_mask, softcap=softcap,
+                           dropout_p=drops[0] if drops else 0.0)
 
     def _cast_ok(self, n: fx.Node, q_dtype) -> None:
         dt = example(n).dtype
@@ -555,16 +571,16 @@ class _Finder:
         fills.add(_fill_finite(v))
         return allowed
 
-    def _probs_step(self, n: fx.Node, q_dtype) -> None:
+    def _probs_step(self, n: fx.Node, q_dtype) -> float:
+        """Checks a step between the softmax and the value product; a dropout's probability, else 0."""
         name = _name(n)
         if name in ("contiguous", "clone", "view", "reshape"):
-            return
+            return 0.0
         if name in _CASTS:
             self._cast_ok(n, q_dtype)
-            return
+            return 0.0
         if name == "dropout":
-            _dropout_ok(n)
-            return
+            return _dropout_p(n)
         raise Keep(f"`{n.name}` ({name or n.target}) between the softmax and the value product")
 
 

@@ -379,22 +379,6 @@ def test_hf_output_attentions_kept():
 
 # ---------------------------------------------------------------------------- must not replace
 
-def test_dropout_in_training_kept():
-    torch.manual_seed(0)
-    fn = Fn(_eager(dropout=(0.5, True)))
-    out = _compile(fn)(*_inputs())
-    report = tk_inductor.report()
-    assert out.shape == (2, 4, 8, 16)
-    assert report.replaced.get("attention", 0) == 0
-    assert any("dropout p=0.5 in training" in r for f, r in report.kept if f == "attention")
-
-
-def test_sdpa_dropout_kept():
-    fn = Fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1))
-    _compile(fn)(*_inputs())
-    assert any("dropout_p=0.1" in r for _, r in tk_inductor.report().kept)
-
-
 def test_value_head_dim_differs_kept():
     q, k, _ = _inputs()
     v = torch.randn(2, 4, 8, 32)

@@ -2,7 +2,7 @@
 
 Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops with the same schemas):
 
-    tk::attention(q, k, v, causal, scale, window=0, softcap=0.) -> (o, lse)
+    tk::attention(q, k, v, causal, scale, window=0, softcap=0., dropout_p=0., rng=None) -> (o, lse)
         q (B, Hq, N, D), k and v (B, Hkv, M, D), Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq/Hkv),
         as `repeat_interleave` / SDPA `enable_gqa=True`), any strides with stride(-1) == 1.
         s = scale · q kᵀ; with softcap > 0, s = softcap · tanh(s / softcap) (Gemma-2's score capping);
@@ -14,8 +14,13 @@ Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops 
         lse = logsumexp(s) over keys, fp32 (B, Hq, N) contiguous, natural log;
         o = softmax(s) v in q's dtype, shape (B, Hq, N, D), a view of a (B, N, Hq, D) contiguous buffer
         (what FlashAttention returns: the usual `o.transpose(1, 2).reshape(B, N, Hq * D)` is then free).
+        With dropout_p > 0 (training), o = (softmax(s) ∘ keep / (1 - dropout_p)) v, keep the Philox mask of
+        `rng`, a CPU int64 (seed, offset) pair (philox.draw_seed, or the graph's tk::philox_seed): a pure function of
+        the pair and the element (philox.attention_keep_mask, bit-identical to the kernels), so the backward
+        regenerates it. lse stays that of the undropped scores.
 
-    tk::attention_backward(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.) -> (dq, dk, dv)
+    tk::attention_backward(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0., dropout_p=0., rng=None)
+        -> (dq, dk, dv)
         shapes and dtypes of q, k, v, each laid out as `grad_like` its input: (B, N, H, D) memory order when the
         input's heads lie inside its sequence dim (HF's transposed projections: the projections' backward then reads
         the gradient without a copy), contiguous otherwise; dk/dv summed over the query heads of each GQA group.
@@ -48,7 +53,7 @@ import warnings
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _dispatch
+from . import _dispatch, philox
 
 FAMILY = "attention"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -66,11 +71,14 @@ BACKWARD_HEAD_DIMS = KERNEL_HEAD_DIMS
 # leaves such decode steps to SDPA; a masked step (SDPA on repeated K/V, the memory-efficient kernel) or an eager one is
 # replaced (benchmarks/RESULTS.md).
 DECODE_ROWS = 16
+# Dropout (training) runs on the forward's ping-pong kernels and the D = 64 and 128 backward kernels
+# (kMaxDropoutHeadDim in csrc/kernels/attention/attention.h), with a positive scale and without a softcap.
+DROPOUT_MAX_HEAD_DIM = 128
 
 
-def kernel_supports(dtype: torch.dtype, head_dim, backward: bool = False) -> str | None:
-    """None if the CUDA kernels handle this dtype and head dim (and with `backward`, also its gradients), else why not
-    (also used by the matcher)."""
+def kernel_supports(dtype: torch.dtype, head_dim, backward: bool = False, dropout: bool = False) -> str | None:
+    """None if the CUDA kernels handle this dtype and head dim (and with `backward`, also its gradients; with
+    `dropout`, dropout), else why not (also used by the matcher)."""
     if dtype not in KERNEL_DTYPES:
         return f"dtype {dtype} (the attention kernels take bfloat16/float16)"
     if not isinstance(head_dim, int) or head_dim not in KERNEL_HEAD_DIMS:
@@ -78,18 +86,26 @@ def kernel_supports(dtype: torch.dtype, head_dim, backward: bool = False) -> str
     if backward and head_dim not in BACKWARD_HEAD_DIMS:
         return (f"head dim {head_dim} in training (the backward kernels take "
                 f"{' or '.join(map(str, BACKWARD_HEAD_DIMS))})")
+    if dropout and head_dim > DROPOUT_MAX_HEAD_DIM:
+        return f"dropout at head dim {head_dim} (the dropout kernels take head dims up to {DROPOUT_MAX_HEAD_DIM})"
     return None
 
 
 # ---------------------------------------------------------------------------- validation
 
-def _validate_scores(causal, window, softcap, op: str) -> None:
+def _validate_scores(causal, window, softcap, op: str, dropout_p=0.0, rng=None) -> None:
     check = _dispatch.check
     check(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
           lambda: f"{op}: window must be an int >= 0 (0: none), got {window!r}", TypeError)
     check(window == 0 or causal, lambda: f"{op}: a sliding window (window={window}) needs causal=True")
     check(isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0,
           lambda: f"{op}: softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+    check(isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1,
+          lambda: f"{op}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    check(dropout_p == 0 or (isinstance(rng, torch.Tensor) and rng.device.type == "cpu" and rng.dtype == torch.int64
+                             and rng.numel() == 2),
+          lambda: f"{op}: dropout_p > 0 needs rng, a CPU int64 tensor (seed, offset) such as philox.draw_seed(), "
+                  f"got {rng!r}")
 
 
 def _validate(q, k, v, scale, op: str = "tk::attention") -> None:
@@ -189,23 +205,40 @@ def _probs(s: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     return torch.softmax(s, dim=-1).nan_to_num(0.0)
 
 
-def attention_reference(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0, mask=None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) in the op's layout; accumulates in fp32. `mask`: see `_scores`."""
+def _keep(s: torch.Tensor, dropout_p: float, rng) -> torch.Tensor | None:
+    """Dropout's keep mask over the (B, Hq, N, M) scores (philox.attention_keep_mask), None without dropout."""
+    if not dropout_p:
+        return None
+    seed, offset = philox.unpack(rng)
+    B, H, N, M = s.shape
+    return philox.attention_keep_mask(B * H, N, M, seed, offset, dropout_p, s.device).view(B, H, N, M)
+
+
+def _drop(x: torch.Tensor, keep: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """x's kept elements scaled by 1 / (1 - p), the others zero (x without dropout)."""
+    if keep is None:
+        return x
+    return torch.where(keep, x * philox.dropout_scale(dropout_p), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def attention_reference(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0, mask=None,
+                        dropout_p: float = 0.0, rng=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) in the op's layout; accumulates in fp32. `mask`: see `_scores`; dropout by philox's mask."""
     s, _ = _scores(q, k, causal, scale, mask, window, softcap)
     lse = _lse(s)
     group = q.shape[1] // k.shape[1]
     vf = v.to(s.dtype).repeat_interleave(group, dim=1) if group > 1 else v.to(s.dtype)
-    p = _probs(s)
+    p = _drop(_probs(s), _keep(s, dropout_p, rng), dropout_p)
     o = _empty_out(q)
     o.copy_(torch.matmul(p, vf))
     return o, lse.to(torch.float32).contiguous()
 
 
 def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float, mask=None, window: int = 0,
-                                 softcap: float = 0.0):
+                                 softcap: float = 0.0, dropout_p: float = 0.0, rng=None):
     """(dq, dk, dv) in `grad_like` layouts, from the forward's o and lse (None: P = softmax(s), see `_probs`); dk/dv
-    summed over each GQA group. `mask`: see `_scores`; rows with every key hidden get no gradient."""
+    summed over each GQA group. `mask`: see `_scores`; rows with every key hidden get no gradient. With dropout the
+    forward's mask again (philox): dV takes the dropped P, dP is dropped the same way."""
     s, dcap = _scores(q, k, causal, scale, mask, window, softcap)
     acc = s.dtype
     B, Hkv, M, D = k.shape
@@ -214,8 +247,9 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
     do = grad_o.to(acc)
     kf = k.to(acc).repeat_interleave(group, dim=1) if group > 1 else k.to(acc)
     vf = v.to(acc).repeat_interleave(group, dim=1) if group > 1 else v.to(acc)
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    dp = torch.matmul(do, vf.transpose(-1, -2))
+    keep = _keep(s, dropout_p, rng)
+    dv = torch.matmul(_drop(p, keep, dropout_p).transpose(-1, -2), do)
+    dp = _drop(torch.matmul(do, vf.transpose(-1, -2)), keep, dropout_p)
     delta = (do * o.to(acc)).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
     if dcap is not None:
@@ -230,19 +264,24 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
 
 # ---------------------------------------------------------------------------- the ops
 
-def _kernel_ok(*tensors, backward: bool = False) -> bool:
+def _kernel_ok(*tensors, backward: bool = False, dropout: bool = False) -> bool:
     q = tensors[0]
-    return kernel_supports(q.dtype, q.shape[-1], backward) is None and _dispatch.use_kernel(FAMILY, *tensors)
+    return kernel_supports(q.dtype, q.shape[-1], backward, dropout) is None and _dispatch.use_kernel(FAMILY, *tensors)
 
 
-def direct_kernel_ok(*tensors, backward: bool = False) -> bool:
+def direct_kernel_ok(*tensors, backward: bool = False, dropout: bool = False) -> bool:
     """Whether the raw `tk_cuda::` op may stand in for the Python op (the post-grad pass asks with the node's fake
     values): the kernel takes the operands as they are, no empty-input shortcut and no copy of a strided row."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return _kernel_ok(*tensors, backward=backward) and all(
+    return _kernel_ok(*tensors, backward=backward, dropout=dropout) and all(
         t.dim() < 4 or (statically_known_true(t.stride(-1) == 1) and statically_known_true(t.numel() > 0))
         for t in tensors)
+
+
+def kernel_takes_scores(scale, softcap, dropout_p) -> bool:
+    """Whether the kernels take this score function with its dropout: dropout needs scale > 0 and no softcap."""
+    return dropout_p == 0 or (scale > 0 and softcap == 0)
 
 
 def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
@@ -252,86 +291,93 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("tk::attention", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, bool? causal, float scale, int window=0, "
-                                "float softcap=0.) -> (Tensor o, Tensor lse)")
+                                "float softcap=0., float dropout_p=0., Tensor? rng=None) -> (Tensor o, Tensor lse)")
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, window: int = 0,
-              softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+              softcap: float = 0.0, dropout_p: float = 0.0, rng: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     _dispatch.check_flags("tk::attention", causal=causal)
     _validate(q, k, v, scale)
-    _validate_scores(causal, window, softcap, "tk::attention")
+    _validate_scores(causal, window, softcap, "tk::attention", dropout_p, rng)
     if q.numel() == 0:
         return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
-    if _kernel_ok(q, k, v):
+    if _kernel_ok(q, k, v, dropout=dropout_p > 0) and kernel_takes_scores(scale, softcap, dropout_p):
         q, k, v = map(_last_dim_unit, (q, k, v))
-        return _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap)
-    return attention_reference(q, k, v, causal, scale, window, softcap)
+        return _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, dropout_p, rng)
+    return attention_reference(q, k, v, causal, scale, window, softcap, None, dropout_p, rng)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, causal, scale, window=0, softcap=0.0):
+def _attention_fake(q, k, v, causal, scale, window=0, softcap=0.0, dropout_p=0.0, rng=None):
     _dispatch.check_flags("tk::attention", causal=causal)
     _validate(q, k, v, scale)
-    _validate_scores(causal, window, softcap, "tk::attention")
+    _validate_scores(causal, window, softcap, "tk::attention", dropout_p, rng)
     return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tk::attention_backward", mutates_args=(),
                          schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool? causal, "
-                                "float scale, int window=0, float softcap=0.) -> (Tensor dq, Tensor dk, Tensor dv)")
+                                "float scale, int window=0, float softcap=0., float dropout_p=0., Tensor? rng=None) "
+                                "-> (Tensor dq, Tensor dk, Tensor dv)")
 def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                       lse: torch.Tensor, causal: bool, scale: float, window: int = 0, softcap: float = 0.0
+                       lse: torch.Tensor, causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
+                       dropout_p: float = 0.0, rng: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale)
-    _validate_scores(causal, window, softcap, "tk::attention_backward")
+    _validate_scores(causal, window, softcap, "tk::attention_backward", dropout_p, rng)
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
-    if _kernel_ok(q, k, v, grad_o, o, lse, backward=True):
+    if (_kernel_ok(q, k, v, grad_o, o, lse, backward=True, dropout=dropout_p > 0)
+            and kernel_takes_scores(scale, softcap, dropout_p)):
         grad_o, q, k, v, o = map(_last_dim_unit, (grad_o, q, k, v, o))
         return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale, window,
-                                                      softcap)
-    return attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, None, window, softcap)
+                                                      softcap, dropout_p, rng)
+    return attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, None, window, softcap, dropout_p,
+                                        rng)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.0):
+def _attention_backward_fake(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.0, dropout_p=0.0, rng=None):
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale)
-    _validate_scores(causal, window, softcap, "tk::attention_backward")
+    _validate_scores(causal, window, softcap, "tk::attention_backward", dropout_p, rng)
     return grad_like(q), grad_like(k), grad_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, window, softcap = inputs
+    q, k, v, causal, scale, window, softcap, dropout_p, rng = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
+    ctx.save_for_backward(q, k, v, o, lse, rng)
+    ctx.causal, ctx.scale, ctx.window, ctx.softcap, ctx.dropout_p = causal, scale, window, softcap, dropout_p
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_o, _grad_lse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, rng = ctx.saved_tensors
     if grad_o is None:
-        return None, None, None, None, None, None, None
+        return (None,) * 9
     dq, dk, dv = torch.ops.tk.attention_backward(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window,
-                                                 ctx.softcap)
-    return dq, dk, dv, None, None, None, None
+                                                 ctx.softcap, ctx.dropout_p, rng)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, transposed: tuple, heads: str,
-                      contiguous: bool = False):
-    """tk::attention for operands that need a layout change first (3-D batches, pre-transposed k...).
+                      contiguous: bool = False, dropout_p: float = 0.0):
+    """tk::attention for operands that need a layout change first (3-D batches, pre-transposed k...) or with dropout.
 
     `transposed` says which of q, k, v must be transposed back (last two dims); `heads` is "4d"
     (as is), "merged" (inputs were (B, H, ...) tensors, the output must be (B*H, N, D)) or
     "none" (3-D inputs without heads: a head axis of 1 is added and removed); `contiguous` returns
-    a contiguous result, as the eager product was."""
+    a contiguous result, as the eager product was. dropout_p > 0: the (seed, offset) pair is drawn by a
+    tk::philox_seed node, once per run of the graph."""
     q, k, v = (t.transpose(-1, -2) if tr else t for t, tr in zip((q, k, v), transposed))
     if heads == "none":
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    o = torch.ops.tk.attention(q, k, v, causal, scale, window, softcap)[0]
+    rng = torch.ops.tk.philox_seed() if dropout_p > 0 else None
+    o = torch.ops.tk.attention(q, k, v, causal, scale, window, softcap, dropout_p, rng)[0]
     if heads == "none":
         o = o.squeeze(1)
     elif heads == "merged":
@@ -529,7 +575,7 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     masked_paths["intervals" if isinstance(kind, _varlen.Intervals) else (kind or "sdpa")] += 1
     if isinstance(kind, _varlen.Intervals):
         q, k, v = map(_last_dim_unit, (q, k, v))
-        return _dispatch.kernel("attention")(q, k, v, False, scale, 0, softcap, kind.row_keys)
+        return _dispatch.kernel("attention")(q, k, v, False, scale, 0, softcap, row_keys=kind.row_keys)
     if kind is not None:
         causal, window = _kind_args(kind)
         return attention(q, k, v, causal, scale, window, softcap)
@@ -568,7 +614,8 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     kind = _masked_path(q, k, v, mask, backward=True)
     if isinstance(kind, _varlen.Intervals):
         ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
-        return _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), False, scale, 0, softcap, kind.key_rows)
+        return _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), False, scale, 0, softcap,
+                                                      key_rows=kind.key_rows)
     if kind is not None:
         causal, window = _kind_args(kind)
         return attention_backward(grad_o, q, k, v, o, lse, causal, scale, window, softcap)

@@ -233,7 +233,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
         return attention_varlen_reference(q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty)
     q, k, v = map(_last_dim_unit, (q, k, v))
     varlen_paths["kernel"] += 1
-    o, lse = _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, tables.row_keys)
+    o, lse = _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, row_keys=tables.row_keys)
     for b in ref:
         e = slice(b, b + 1)
         varlen_paths["reference entries"] += 1
@@ -274,7 +274,7 @@ def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
                                                    uniform_empty)
     ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
     dq, dk, dv = _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), causal, scale, window, softcap,
-                                                         tables.key_rows)
+                                                         key_rows=tables.key_rows)
     for b in ref:
         e = slice(b, b + 1)
         grads = attention_varlen_backward_reference(grad_o[e], q[e], k[e], v[e], keep[e],

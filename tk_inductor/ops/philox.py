@@ -4,10 +4,16 @@ The layernorm family's dropout mask is a pure function of (seed, offset, element
 index), so the backward regenerates it instead of storing it, and the reference
 (this file) reproduces the kernels' mask exactly on any device.
 
-Stream layout, shared with csrc/kernels/layernorm/philox.cuh:
-  element e of the flattened (rows, hidden) tensor uses word (e % 4) of
-  philox(key=(seed_lo, seed_hi), counter=(g_lo, g_hi, offset_lo, offset_hi)), g = e // 4;
-  the element is kept iff word >= threshold(p), threshold(p) = min(floor(p * 2^32), 2^32 - 1).
+Stream layouts (the generator itself is csrc/include/tk/ops/thread/philox.cuh):
+* layernorm (csrc/kernels/layernorm/philox.cuh): element e of the flattened (rows, hidden) tensor uses word (e % 4)
+  of philox(key=(seed_lo, seed_hi), counter=(g_lo, g_hi, offset_lo, offset_hi)), g = e // 4, and is kept iff the word
+  >= threshold(p), threshold(p) = min(floor(p * 2^32), 2^32 - 1);
+* attention (csrc/kernels/attention/dropout.cuh): probability (bh, i, j) (query head bh = b * Hq + h, query i, key j)
+  uses 16-bit half h = (i // 8) % 2 + 2 * (j % 2) + 4 * ((j // 8) % 2) of the words of
+  philox(key=(seed_lo, seed_hi), counter=(jg, ig, bh, offset_lo)), ig = (i // 16) * 8 + i % 8,
+  jg = (j // 16) * 4 + (j % 8) // 2 (word h // 2, its low half for even h; eight elements share a call), and is kept iff
+  that half >= threshold(p) >> 16 = floor(p * 2^16): p at 16-bit resolution (one call per 8 elements: the
+  attention kernels' generator costs about as much as their softmax).
 Integer comparison (rather than a float uniform) keeps the reference and the kernel
 bit-identical for every p.
 
@@ -78,6 +84,24 @@ def keep_mask(shape, seed: int, offset: int, p: float, device: torch.device | st
     return (words >= threshold(p)).reshape(tuple(shape))
 
 
+def attention_keep_mask(heads: int, N: int, M: int, seed: int, offset: int, p: float,
+                        device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean keep-mask (heads, N, M) of attention's dropout over query heads b * Hq + h, queries and keys,
+    bit-identical to the attention kernels' (csrc/kernels/attention/dropout.cuh)."""
+    seed &= _U64
+    i = torch.arange(N, dtype=torch.int64, device=device).view(1, N, 1)
+    j = torch.arange(M, dtype=torch.int64, device=device).view(1, 1, M)
+    bh = torch.arange(heads, dtype=torch.int64, device=device).view(heads, 1, 1)
+    shape = (heads, N, M)
+    counter = (((j >> 4) * 4 + ((j & 7) >> 1)).expand(shape), ((i >> 4) * 8 + (i & 7)).expand(shape),
+               bh.expand(shape), torch.full(shape, offset & MASK32, dtype=torch.int64, device=device))
+    words = torch.stack(philox4x32(counter, (seed & MASK32, seed >> 32)), dim=-1)
+    h = ((i >> 3) & 1) + 2 * (j & 1) + 4 * ((j >> 3) & 1)
+    word = torch.gather(words, -1, (h >> 1).expand(shape).unsqueeze(-1)).squeeze(-1)
+    half = (word >> (16 * (h & 1))) & 0xFFFF
+    return half >= (threshold(p) >> 16)
+
+
 def dropout_scale(p: float) -> float:
     """1 / (1 - p) rounded to fp32 once, as the kernels receive it."""
     return float(torch.tensor(1.0 / (1.0 - p), dtype=torch.float32))
@@ -94,3 +118,15 @@ def unpack(rng: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"rng must be a CPU int64 tensor of 2 elements (seed, offset), got {rng.dtype} {tuple(rng.shape)} on {rng.device}")
     seed, offset = (int(v) & _U64 for v in rng.tolist())
     return seed, offset
+
+
+@torch.library.custom_op("tk::philox_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def philox_seed() -> torch.Tensor:
+    """draw_seed as a graph node: the (seed, offset) pair the backend's rewrite draws for an op it gives dropout
+    (tk::attention), once per run of the graph; the tag keeps compilers from merging or recomputing it."""
+    return draw_seed()
+
+
+@philox_seed.register_fake
+def _philox_seed_fake() -> torch.Tensor:
+    return torch.empty(2, dtype=torch.int64, device="cpu")

@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -131,6 +132,32 @@ inline int num_sms(const Tensor& t) {
 template <typename T>
 T* data(const Tensor& t) {
   return static_cast<T*>(t.data_ptr());
+}
+
+// A dropout's Philox arguments from its probability and the (seed, offset) pair the op was given (a CPU int64 tensor
+// of two elements, tk_inductor/ops/philox.py's draw_seed), with the reference's threshold(p) and dropout_scale(p).
+// p <= 0: none (enabled false, rng not read).
+struct Philox {
+  bool enabled = false;
+  uint64_t seed = 0, offset = 0;
+  uint32_t threshold = 0;  // min(floor(p * 2^32), 2^32 - 1): an element is kept iff its word >= threshold
+  float scale = 1.f;       // 1 / (1 - p) in fp32
+};
+inline Philox philox(const char* op, double p, const OptTensor& rng) {
+  Philox d;
+  if (p <= 0.0) return d;
+  STD_TORCH_CHECK(p < 1.0, op, ": dropout p must be < 1");
+  STD_TORCH_CHECK(present(rng) && rng->is_cpu() && rng->scalar_type() == ScalarType::Long && rng->numel() == 2, op,
+                  ": dropout needs rng = CPU int64 tensor (seed, offset)");
+  const Tensor r = torch::stable::contiguous(*rng);
+  const int64_t* v = static_cast<const int64_t*>(r.data_ptr());
+  d.enabled = true;
+  d.seed = static_cast<uint64_t>(v[0]);
+  d.offset = static_cast<uint64_t>(v[1]);
+  const double t = std::floor(p * 4294967296.0);
+  d.threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+  d.scale = static_cast<float>(1.0 / (1.0 - p));
+  return d;
 }
 
 inline std::string shape_str(const Tensor& t) {

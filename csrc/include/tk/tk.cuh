@@ -10,6 +10,7 @@
 #include "ops/thread/prefetch.cuh"
 #include "ops/thread/memory.cuh"
 #include "ops/thread/math.cuh"
+#include "ops/thread/philox.cuh"
 #include "ops/warp/matrix.cuh"
 #include "ops/warp/register.cuh"
 #include "ops/warp/shared.cuh"

@@ -29,6 +29,17 @@ struct View4 {
 // P = 0). The backward reads the same mask by keys: key_rows[b, j] = [x, y] are the queries whose interval holds j.
 // Both tables are (B, rows, 2) int32, nondecreasing in x and in y along the rows (the kernels read a tile's range from
 // its first and last rows); the forward takes row_keys, the backward key_rows.
+// Dropout of the probabilities (training): P's element (b * Hq + h, i, j) is kept with probability 1 - p and scaled by
+// 1 / (1 - p), by the Philox stream of dropout.cuh, a pure function of (seed, offset) and the element, so the backward
+// regenerates the forward's mask. The forward's lse stays that of the undropped scores. Taken by the ping-pong forward
+// (scale > 0, no softcap, head dims up to 128; never the decode kernels) and the D = 64 and 128 backward.
+struct DropoutArgs {
+  bool enabled = false;
+  uint64_t seed = 0, offset = 0;
+  uint32_t threshold = 0;  // min(floor(p * 2^32), 2^32 - 1); the kernels compare 16-bit halves with threshold >> 16
+  float scale = 1.f;       // 1 / (1 - p) in fp32
+};
+
 struct Scores {
   bool causal;
   float scale;
@@ -36,14 +47,20 @@ struct Scores {
   float softcap;  // 0: none
   const int* row_keys = nullptr;  // device, (B, N, 2); null: every key
   const int* key_rows = nullptr;  // device, (B, M, 2); null: every query
+  DropoutArgs dropout = {};
 };
 
 // Why `sc` is not a score function the kernels take, or nullptr.
 inline const char* scores_error(const Scores& sc) {
   if (sc.window < 0 || (sc.window > 0 && !sc.causal)) return "a sliding window needs a causal mask";
   if (!(sc.softcap >= 0.f)) return "softcap must be >= 0";
+  if (sc.dropout.enabled && (sc.softcap > 0.f || !(sc.scale > 0.f)))
+    return "dropout runs with scale > 0 and without a softcap";
   return nullptr;
 }
+
+// The kernels' dropout: head dims up to this.
+constexpr int64_t kMaxDropoutHeadDim = 128;
 
 // o: (B, N, Hq, D) contiguous; lse: (B, Hq, N) fp32 contiguous. next_task: a zeroed device int, the counter of the
 // dynamic schedule a causal mask runs (its tasks differ in length); unused without a mask (the static schedule: equal

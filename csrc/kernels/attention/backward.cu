@@ -1,6 +1,6 @@
 // Attention backward: the scratch sizes and the entry point, with the D = 64 and 128 kernels; the launch and the
-// configurations are in backward_launch.cuh, the design in backward.cuh. D = 256 is compiled in its own unit
-// (backward_d256.cu).
+// configurations are in backward_launch.cuh, the design in backward.cuh. D = 256 and the dropout kernels are compiled
+// in their own units (backward_d256.cu, backward_dropout_d64.cu and _d128.cu).
 #include "backward_launch.cuh"
 
 namespace tk_attn {
@@ -20,6 +20,11 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
   if (const char* e = scores_error(sc)) return e;
   if (!head_dim_supported(q.D, kMaxBackwardHeadDim))
     return "the backward takes head dims that are multiples of 8 up to 256";
+  if (sc.dropout.enabled) {
+    if (q.D > kMaxDropoutHeadDim) return "dropout takes head dims up to 128";
+    const auto run = bwd_d(q.D) == 64 ? attention_backward_dropout_d64 : attention_backward_dropout_d128;
+    return run(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms, stream);
+  }
   switch (bwd_d(q.D)) {
     case 64:
       return run_bwd<64>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms, stream);

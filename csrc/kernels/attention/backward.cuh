@@ -21,6 +21,7 @@
 
 #include "attention.h"
 #include "common.cuh"
+#include "dropout.cuh"
 #include "tma.cuh"
 
 namespace tk_attn {
@@ -144,6 +145,7 @@ struct BwdParams {
   bool causal;
   int window;  // causal sliding window: key j hidden from query i when i - j >= window (INT_MAX: none)
   const int* key_rows;  // (B, M, 2): the queries [x, y] that may see each key (Scores::key_rows); null: all
+  Dropout drop;         // the DROP kernels' stream (dropout.cuh)
   const float* lse2;   // (B*Hq, Npad)
   const float* delta;  // (B*Hq, Npad)
   float* dq_accum;     // (B*Hq, Npad, D)
@@ -260,10 +262,11 @@ __device__ __forceinline__ void bwd_probs(float (&st)[BM / 2], const float* lse_
 // dS^T = P^T (dP^T - delta) in place over dpt, from P^T in st (bwd_probs). CAP: times dz/ds (over scale) of the
 // softcapped score z = cap t, t = tanh(cap_in s), that is 1 - t^2; t comes back from P = 2^(z log2 e - lse2) as
 // (log2 P + lse2) / (cap log2 e), so no tanh stays in registers between the exponential and dS. P = 0 (masked or
-// underflowed; lse2 = +inf on padded rows) clamps t to -1 or 1, and the factor to 0.
-template <int BM, bool CAP>
+// underflowed; lse2 = +inf on padded rows) clamps t to -1 or 1, and the factor to 0. DROP: dpt is the gradient of
+// the dropped probabilities, so dP^T = keep dpt / (1 - p) (keep: Dropout::keep_tile's flags).
+template <int BM, bool CAP, bool DROP = false>
 __device__ __forceinline__ void bwd_ds(float (&dpt)[BM / 2], const float (&st)[BM / 2], const float* lse_row,
-                                       const float* del_row, const BwdParams& p, int col_in) {
+                                       const float* del_row, const BwdParams& p, int col_in, uint64_t keep = 0) {
   StatsPairs del{del_row, col_in}, lse{lse_row, col_in};
 #pragma unroll
   for (int ch = 0; ch < BM / 8; ++ch) {
@@ -272,7 +275,9 @@ __device__ __forceinline__ void bwd_ds(float (&dpt)[BM / 2], const float (&st)[B
     if constexpr (CAP) l2 = lse(ch);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float ds = st[4 * ch + e] * (dpt[4 * ch + e] - ((e & 1) ? dl.y : dl.x));
+      float dp = dpt[4 * ch + e];
+      if constexpr (DROP) dp = (keep >> (4 * ch + e)) & 1u ? dp * p.drop.scale : 0.f;
+      float ds = st[4 * ch + e] * (dp - ((e & 1) ? dl.y : dl.x));
       if constexpr (CAP) {
         const float t = (tk::lg2_approx(st[4 * ch + e]) + ((e & 1) ? l2.y : l2.x)) * p.cap_inv_log2;
         const float tc = fmaxf(-1.f, fminf(1.f, t));
@@ -426,14 +431,15 @@ struct DkvMaps {
   CUtensorMap dk, dv;
 };
 
-// dK (scaled) and dV of consumer c: 64 keys from key0 (this thread's rows row_in, row_in + 8) by COLS head-dim
-// columns from col0. Once both consumers are past their last step (the other's last wgmmas may still read the
+// dK (scaled) and dV (times dv_scale: dropout's 1 / (1 - p)) of consumer c: 64 keys from key0 (this thread's rows
+// row_in, row_in + 8) by COLS head-dim columns from col0. Once both consumers are past their last step (the other's last wgmmas may still read the
 // ring), each writes its tiles into the drained (Q, dO) ring and one thread stores them by TMA (full 128-byte
 // lines, keys past M clipped), where 4-byte stores from registers filled half of each 32-byte sector.
 template <typename T, int COLS, class K_>
 __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParams& p, const DkvMaps& maps,
                                            const float (&dk)[COLS / 2], const float (&dv)[COLS / 2], int b, int hk,
-                                           int key0, int col0, int c, int tid, int row_in, int col_in) {
+                                           int key0, int col0, int c, int tid, int row_in, int col_in,
+                                           float dv_scale = 1.f) {
   constexpr int TILE = 64 * COLS * 2;  // one consumer's dK (or dV), [COLS / 64 panels][64 keys][64]
   static_assert(K_::STAGES * K_::Q_BYTES >= K_::NC * TILE, "dK and dV tiles fit in the (Q, dO) ring");
   tk::named_sync(5, K_::NC * 128);  // an id of its own
@@ -444,7 +450,7 @@ __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParam
     for (int ch = 0; ch < COLS / 8; ++ch) {
       const uint32_t off = (ch / 8) * 64 * 128 + swz128(row_in + 8 * h2, 8 * (ch % 8) + col_in, 2);
       tk::st_shared(k_u + off, pack2<T>(dk[4 * ch + 2 * h2] * p.scale, dk[4 * ch + 2 * h2 + 1] * p.scale));
-      tk::st_shared(v_u + off, pack2<T>(dv[4 * ch + 2 * h2], dv[4 * ch + 2 * h2 + 1]));
+      tk::st_shared(v_u + off, pack2<T>(dv[4 * ch + 2 * h2] * dv_scale, dv[4 * ch + 2 * h2 + 1] * dv_scale));
     }
   tk::fence_async_shared();
   tk::named_sync(3 + c, 128);

@@ -6,7 +6,9 @@
 namespace tk_attn {
 namespace {
 
-template <typename T, int D, class Cfg, bool CAP>
+// DROP: dropout (dropout.cuh); dV takes the kept probabilities, dS the kept part of dP^T (bwd_ds), and dV is scaled
+// by 1 / (1 - p) once, at its store.
+template <typename T, int D, class Cfg, bool CAP, bool DROP>
 __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     attention_bwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                          const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
@@ -98,9 +100,16 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
     tk::warpgroup::mma_async_wait<1>();
     tk::warpgroup::hold(st);
     bwd_probs<BM, CAP>(st, lse_row, p, km, i0, j0, col_in, bwd_need_mask<BM>(p, km, i0, n0 + 64 * c));
+    uint64_t keep = 0;
+    if constexpr (DROP) keep = p.drop.keep_tile<true, BM>(bh, j0, i0 + col_in);
     uint32_t pa[BM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(pa[kk], st, kk);
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      if constexpr (DROP)
+        acc_to_a_kept<T>(pa[kk], st, kk, uint32_t(keep >> (8 * kk)));
+      else
+        acc_to_a<T>(pa[kk], st, kk);
+    }
     tk::warpgroup::mma_async_wait<0>();
     tk::warpgroup::hold(dpt);
     Turn::wait(c);
@@ -110,7 +119,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(dv, pa[kk], mnmajor_step(dob, kk), 1);
     tk::warpgroup::mma_commit();
-    bwd_ds<BM, CAP>(dpt, st, lse_row, del_row, p, col_in);
+    bwd_ds<BM, CAP, DROP>(dpt, st, lse_row, del_row, p, col_in, keep);
     uint32_t dsa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) acc_to_a<T>(dsa[kk], dpt, kk);
@@ -154,7 +163,7 @@ __global__ void __launch_bounds__(Bwd<T, D, Cfg>::THREADS, 1)
   if (c == 0) Turn::wait(c);  // the last consumer's final hand-over
   if (tid == 0) tk::tma::store_wait();
 
-  store_dkdv<T, D, K_>(sm, p, dkv, dk, dv, b, hk, n0 + 64 * c, 0, c, tid, row_in, col_in);
+  store_dkdv<T, D, K_>(sm, p, dkv, dk, dv, b, hk, n0 + 64 * c, 0, c, tid, row_in, col_in, DROP ? p.drop.scale : 1.f);
 }
 
 // D = 64 with q tiles of 128 rows. At D = 64 every GEMM of a
@@ -193,7 +202,7 @@ struct BwdWide {
   static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
-template <typename T, class Cfg, bool CAP>
+template <typename T, class Cfg, bool CAP, bool DROP>
 __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     attention_bwd_wide_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                               const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap domap,
@@ -270,10 +279,15 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
     // math, as the 64-row kernel does) keeps the fp32 P^T live as well, and
     // ptxas then runs out of registers and serializes every wgmma (C7512).
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
-    bwd_ds<BM, CAP>(dpt, st, lse_row, del_row, p, col_in);
+    uint64_t keep = 0;
+    if constexpr (DROP) keep = p.drop.keep_tile<true, BM>(bh, j0, i0 + col_in);
+    bwd_ds<BM, CAP, DROP>(dpt, st, lse_row, del_row, p, col_in, keep);
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
-      acc_to_a<T>(pa[kk], st, kk);
+      if constexpr (DROP)
+        acc_to_a_kept<T>(pa[kk], st, kk, uint32_t(keep >> (8 * kk)));
+      else
+        acc_to_a<T>(pa[kk], st, kk);
       acc_to_a<T>(dsa[kk], dpt, kk);
     }
     const uint64_t dob = desc_mnmajor(dos, BM * 128), qsb = desc_mnmajor(qs, BM * 128);
@@ -314,7 +328,7 @@ __global__ void __launch_bounds__(BwdWide<T, Cfg>::THREADS, 1)
   }
   if (tid == 0) tk::tma::store_wait();
 
-  store_dkdv<T, 64, K_>(sm, p, dkv, dk, dv, b, hk, n0 + 64 * c, 0, c, tid, row_in, col_in);
+  store_dkdv<T, 64, K_>(sm, p, dkv, dk, dv, b, hk, n0 + 64 * c, 0, c, tid, row_in, col_in, DROP ? p.drop.scale : 1.f);
 }
 
 }  // namespace

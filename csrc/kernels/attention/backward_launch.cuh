@@ -101,27 +101,27 @@ int bwd_section(bool sections, int num_sms, int nk, int64_t BH, int64_t group, i
 }
 
 // A configuration's main kernel and its shape (Bwd, BwdWide or BwdSplit: SMEM, THREADS).
-template <typename T, int D, class Cfg, bool CAP, Kind = Cfg::kind>
+template <typename T, int D, class Cfg, bool CAP, bool DROP, Kind = Cfg::kind>
 struct BwdKernel;
-template <typename T, int D, class Cfg, bool CAP>
-struct BwdKernel<T, D, Cfg, CAP, Kind::Tile64> {
+template <typename T, int D, class Cfg, bool CAP, bool DROP>
+struct BwdKernel<T, D, Cfg, CAP, DROP, Kind::Tile64> {
   using K_ = Bwd<T, D, Cfg>;
-  static auto kernel() { return attention_bwd_kernel<T, D, Cfg, CAP>; }
+  static auto kernel() { return attention_bwd_kernel<T, D, Cfg, CAP, DROP>; }
 };
-template <typename T, int D, class Cfg, bool CAP>
-struct BwdKernel<T, D, Cfg, CAP, Kind::Wide> {
+template <typename T, int D, class Cfg, bool CAP, bool DROP>
+struct BwdKernel<T, D, Cfg, CAP, DROP, Kind::Wide> {
   static_assert(D == 64, "the wide kernel is D = 64");
   using K_ = BwdWide<T, Cfg>;
-  static auto kernel() { return attention_bwd_wide_kernel<T, Cfg, CAP>; }
+  static auto kernel() { return attention_bwd_wide_kernel<T, Cfg, CAP, DROP>; }
 };
-template <typename T, int D, class Cfg, bool CAP>
-struct BwdKernel<T, D, Cfg, CAP, Kind::Split> {
-  static_assert(D == 256, "the split kernel is D = 256");
+template <typename T, int D, class Cfg, bool CAP, bool DROP>
+struct BwdKernel<T, D, Cfg, CAP, DROP, Kind::Split> {
+  static_assert(D == 256 && !DROP, "the split kernel is D = 256, without dropout");
   using K_ = BwdSplit<T, Cfg>;
   static auto kernel() { return attention_bwd_split_kernel<T, Cfg, CAP>; }
 };
 
-template <typename T, int D, typename Cfg, bool CAP>
+template <typename T, int D, typename Cfg, bool CAP, bool DROP = false>
 const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v, const View4& o,
                        const float* lse, const View4& dq, const View4& dk, const View4& dv, float* dq_accum,
                        float* lse2, float* delta, const Scores& sc, int num_sms, cudaStream_t stream) {
@@ -161,6 +161,8 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.causal = sc.causal;
   p.window = sc.window > 0 ? sc.window : INT_MAX;
   p.key_rows = sc.key_rows;
+  p.drop = {static_cast<uint32_t>(sc.dropout.seed), static_cast<uint32_t>(sc.dropout.seed >> 32),
+            static_cast<uint32_t>(sc.dropout.offset), sc.dropout.threshold >> 16, sc.dropout.scale};
   p.lse2 = lse2;
   p.delta = delta;
   p.dq_accum = dq_accum;
@@ -168,7 +170,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   // L2 sections of heads, key blocks outermost, under a causal mask (its key blocks differ in cost); head by head
   // without one (its equal blocks are balanced already).
   p.section = bwd_section(sc.causal, num_sms, p.nk, k.B * k.H, p.group, q.S, D);
-  using Main = BwdKernel<T, D, Cfg, CAP>;
+  using Main = BwdKernel<T, D, Cfg, CAP, DROP>;
   const auto kern = Main::kernel();
   constexpr int smem = Main::K_::SMEM, threads = Main::K_::THREADS;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
@@ -225,7 +227,32 @@ const char* run_bwd(DType dt, const View4& dout, const View4& q, const View4& k,
   return dt == DType::bf16 ? with_cap(__nv_bfloat16{}) : with_cap(__half{});
 }
 
+// launch_bwd's dropout kernels (no softcap) for this head dim's configuration (backward_dropout.cu).
+template <int D>
+const char* run_bwd_dropout(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
+                            const View4& o, const float* lse, const View4& dq, const View4& dk, const View4& dv,
+                            float* dq_accum, float* lse2, float* delta, const Scores& sc, int num_sms,
+                            cudaStream_t stream) {
+  using Cfg = typename BwdConfig<D>::Cfg;
+  const auto run = [&](auto t) {
+    return launch_bwd<decltype(t), D, Cfg, false, true>(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta,
+                                                        sc, num_sms, stream);
+  };
+  return dt == DType::bf16 ? run(__nv_bfloat16{}) : run(__half{});
+}
+
 }  // namespace
+
+// The dropout backward at D = 64 and 128 (backward_dropout_d64.cu, backward_dropout_d128.cu), behind
+// attention_backward's checks.
+const char* attention_backward_dropout_d64(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
+                                           const View4& o, const float* lse, const View4& dq, const View4& dk,
+                                           const View4& dv, float* dq_accum, float* lse2, float* delta,
+                                           const Scores& sc, int num_sms, cudaStream_t stream);
+const char* attention_backward_dropout_d128(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
+                                            const View4& o, const float* lse, const View4& dq, const View4& dk,
+                                            const View4& dv, float* dq_accum, float* lse2, float* delta,
+                                            const Scores& sc, int num_sms, cudaStream_t stream);
 
 // The D = 256 backward (backward_d256.cu), behind attention_backward's checks.
 const char* attention_backward_d256(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,

@@ -1,7 +1,8 @@
 // Registers tk_cuda::attention and tk_cuda::attention_backward (the schemas of the tk:: ops in
-// tk_inductor/ops/attention.py, with window 0 and softcap 0 for none, and the interval tables of padding masks and
-// packed sequences that tk::attention_varlen builds: row_keys for the forward, key_rows for the backward). Checks
-// inputs, allocates outputs and scratch, and calls the torch-free launchers on the current stream.
+// tk_inductor/ops/attention.py, with window 0 and softcap 0 for none, the interval tables of padding masks and
+// packed sequences that tk::attention_varlen builds: row_keys for the forward, key_rows for the backward, and the
+// dropout probability with its (seed, offset) pair). Checks inputs, allocates outputs and scratch, and calls the
+// torch-free launchers on the current stream.
 #include "binding/stable.h"
 
 #include <cmath>
@@ -66,12 +67,20 @@ Tensor grad_like(const Tensor& t) {
   return torch::stable::new_empty(t, t.sizes());
 }
 
-// The score function's arguments (tk_attn::Scores), checked.
-tk_attn::Scores scores(bool causal, double scale, int64_t window, double softcap) {
+// The score function's arguments (tk_attn::Scores), checked; dropout_p > 0 reads the (seed, offset) pair from rng.
+tk_attn::Scores scores(bool causal, double scale, int64_t window, double softcap, double dropout_p,
+                       const OptTensor& rng, int64_t head_dim) {
   check(window >= 0 && window < (1LL << 31), "window must be >= 0 (0: none), got " + std::to_string(window));
   check(window == 0 || causal, "a sliding window needs causal=True");
   check(softcap >= 0.0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: none)");
-  return {causal, static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap)};
+  check(dropout_p >= 0.0, "dropout_p must be >= 0");
+  tk_attn::Scores sc{causal, static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap)};
+  const binding::Philox d = binding::philox("tk_cuda::attention", dropout_p, rng);
+  sc.dropout = {d.enabled, d.seed, d.offset, d.threshold, d.scale};
+  check(!d.enabled || (softcap == 0.0 && scale > 0.0), "dropout runs with scale > 0 and without a softcap");
+  check(!d.enabled || head_dim <= tk_attn::kMaxDropoutHeadDim, "dropout takes head dims up to 128, got " +
+                                                                   std::to_string(head_dim));
+  return sc;
 }
 
 // An interval table's data (Scores::row_keys, key_rows): a contiguous int32 (B, rows, 2) tensor on q's device, or
@@ -88,16 +97,17 @@ const int* intervals(const OptTensor& table, const Tensor& q, int64_t rows, cons
 
 std::tuple<Tensor, Tensor> attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                              bool causal, double scale, int64_t window, double softcap,
-                                             const OptTensor& row_keys) {
+                                             double dropout_p, const OptTensor& rng, const OptTensor& row_keys) {
   const DType dt = check_inputs(q_in, k_in, v_in);
-  tk_attn::Scores sc = scores(causal, scale, window, softcap);
+  tk_attn::Scores sc = scores(causal, scale, window, softcap, dropout_p, rng, q_in.size(3));
   sc.row_keys = intervals(row_keys, q_in, q_in.size(2), "row_keys");
   const binding::DeviceGuard guard(q_in.get_device_index());
   const Tensor q = binding::rows16(q_in), k = binding::rows16(k_in), v = binding::rows16(v_in);
   Tensor o = empty_bnhd(q);
   Tensor lse = torch::stable::new_empty(q, binding::Sizes{q.size(0), q.size(1), q.size(2)}, ScalarType::Float);
   const cudaStream_t stream = binding::current_stream(q);
-  if (q.size(2) <= tk_attn::kDecodeRows && k.size(0) * k.size(1) < 65536) {  // the split-KV kernels (grid z)
+  // the split-KV kernels (grid z; inference: no dropout)
+  if (q.size(2) <= tk_attn::kDecodeRows && k.size(0) * k.size(1) < 65536 && !sc.dropout.enabled) {
     const tk_attn::DecodePlan plan = tk_attn::attention_decode_plan(dt, view(q), view(k), binding::num_sms(q));
     const bool split = plan.splits > 1;  // the partials' scratch
     const Tensor part_o = torch::stable::new_empty(q, binding::Sizes{split ? plan.partial_floats : 0}, ScalarType::Float);
@@ -126,9 +136,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(const Tensor& grad_o, cons
                                                                   const Tensor& o_in, const Tensor& lse_in,
                                                                   bool causal, double scale, int64_t window,
                                                                   double softcap,
+                                                                  double dropout_p, const OptTensor& rng,
                                                                   const OptTensor& key_rows) {
   const DType dt = check_inputs(q_in, k_in, v_in, tk_attn::kMaxBackwardHeadDim);
-  tk_attn::Scores sc = scores(causal, scale, window, softcap);
+  tk_attn::Scores sc = scores(causal, scale, window, softcap, dropout_p, rng, q_in.size(3));
   sc.key_rows = intervals(key_rows, q_in, k_in.size(2), "key_rows");
   STD_TORCH_CHECK(binding::same_sizes(grad_o, q_in) && binding::same_sizes(o_in, q_in),
                   "tk_cuda::attention_backward: grad_o and o must have q's shape ", shape_str(q_in));
@@ -166,10 +177,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(const Tensor& grad_o, cons
 STABLE_TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, float softcap=0., "
-      "Tensor? row_keys=None) -> (Tensor o, Tensor lse)");
+      "float dropout_p=0., Tensor? rng=None, Tensor? row_keys=None) -> (Tensor o, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
-      "int window=0, float softcap=0., Tensor? key_rows=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window=0, float softcap=0., float dropout_p=0., Tensor? rng=None, Tensor? key_rows=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {

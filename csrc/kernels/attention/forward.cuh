@@ -14,6 +14,7 @@
 #include "attention.h"
 #include "tk/grid.cuh"
 #include "common.cuh"
+#include "dropout.cuh"
 #include "tma.cuh"
 
 namespace tk_attn {
@@ -105,6 +106,7 @@ struct FwdParams {
   bool causal;
   int window;  // causal sliding window: key j hidden from query i when i - j >= window (INT_MAX: none)
   const int* row_keys;  // (B, N, 2): the keys [x, y] each query may see (Scores::row_keys); null: all
+  Dropout drop;         // the DROP kernels' stream (dropout.cuh)
   void* o;
   float* lse;
   int* next_task;  // dynamic schedule: the task counter, zero at launch (static schedule: unused)

@@ -181,8 +181,9 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 // The max is kept on raw scores and folded into one FFMA per element, which
 // needs scale > 0 (the launcher sends other scales to the serial kernel).
 // CAP: the scores are softcapped first (cap_out * tanh(cap_in * s)), and the max is kept on the capped scores
-// (then the exponent's factor is log2 e > 0 whatever the scale).
-template <typename T, typename Cfg, bool CAP>
+// (then the exponent's factor is log2 e > 0 whatever the scale). DROP: dropout (dropout.cuh) zeroes the dropped
+// probabilities after the row sums have taken them, and finish scales O by 1 / (1 - p).
+template <typename T, typename Cfg, bool CAP, bool DROP>
 struct PP {
   using K_ = Fwd<T, Cfg>;
   static constexpr int D = K_::D, BN = K_::BN, BM = K_::BM;
@@ -211,11 +212,11 @@ struct PP {
   // S (raw scores) -> P = exp2(S*scale_log2 - max*scale_log2) in place, with
   // the running max (raw units) and thread-partial row sums updated and the
   // factor alpha by which O must be rescaled. MASK: the keys outside each row's (row_keys of batch entry b); a row
-  // that sees no key of this block or an earlier one keeps max -inf and P = 0.
+  // that sees no key of this block or an earlier one keeps max -inf and P = 0. bh: the query head (DROP's stream).
   template <bool MASK>
   static __device__ __forceinline__ void softmax(float (&sc)[K_::S_REGS], float (&mx)[2], float (&sum)[2],
-                                                 float (&alpha)[2], float sl2, int n0, int r0, int b, int col_in,
-                                                 const FwdParams& p) {
+                                                 float (&alpha)[2], float sl2, int n0, int r0, int b, int bh,
+                                                 int col_in, const FwdParams& p) {
     if constexpr (CAP) {
 #pragma unroll
       for (int i = 0; i < K_::S_REGS; ++i) sc[i] = p.cap_out * tk::tanh_approx(sc[i] * p.cap_in);
@@ -255,6 +256,15 @@ struct PP {
       }
     sum[0] = sum[0] * alpha[0] + rs[0];
     sum[1] = sum[1] * alpha[1] + rs[1];
+    if constexpr (DROP) {
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint32_t keep = p.drop.keep8_queries(bh, r0, n0 + 16 * kk + col_in);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (!((keep >> e) & 1u)) sc[8 * kk + e] = 0.f;
+      }
+    }
   }
 
   static __device__ __forceinline__ void rescale(float (&o)[K_::O_REGS], const float (&alpha)[2]) {
@@ -274,13 +284,14 @@ struct PP {
   static __device__ __forceinline__ void hold(uint32_t (&pa)[BN / 16][4]) { tk::warpgroup::hold(pa); }
 };
 
-template <typename T, typename Cfg, bool DYN, bool CAP>
+template <typename T, typename Cfg, bool DYN, bool CAP, bool DROP>
 __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     attention_fwd_pp_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap, const __grid_constant__ CUtensorMap omap,
                             const FwdParams p) {
   using K_ = Fwd<T, Cfg>;
-  using S = PP<T, Cfg, CAP>;
+  using S = PP<T, Cfg, CAP, DROP>;
+  static_assert(!DROP || Cfg::OSTAGE, "dropout's 1 / (1 - p) is applied where O is staged");
   constexpr int D = K_::D, NC = K_::NC, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM;
   extern __shared__ uint8_t smem_raw[];
   // K and V stages are released separately: K as soon as its QK^T is done,
@@ -364,9 +375,9 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     mx[0] = mx[1] = -INFINITY;
     sum[0] = sum[1] = 0.f;
     if (k.lead == 0 && k.free > 0)
-      S::template softmax<false>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.b, col_in, p);
+      S::template softmax<false>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.b, k.bh, col_in, p);
     else
-      S::template softmax<true>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.b, col_in, p);
+      S::template softmax<true>(sc, mx, sum, alpha, sl2, k.lo * BN, k.r0, k.b, k.bh, col_in, p);
     S::to_a(pa, sc);
   };
   // Rounds 1 .. nb-1 (S_{j+1} and PV_j; the softmax of S_{j+1} overlaps PV_j), the last PV, and the turns of
@@ -386,7 +397,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       tk::warpgroup::mma_async_wait<1>();
       tk::warpgroup::hold(sc);
       tk::warp::arrive(k_empty[s1]);
-      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (k.lo + j + 1) * BN, k.r0, k.b, col_in, p);
+      S::template softmax<MASK>(sc, mx, sum, alpha, sl2, (k.lo + j + 1) * BN, k.r0, k.b, k.bh, col_in, p);
       tk::warpgroup::mma_async_wait<0>();
       tk::warpgroup::hold(o);
       S::hold(pa);
@@ -448,7 +459,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int row = k.r0 + 8 * h2;
-      const float inv = l > 0.f ? tk::rcp_approx(l) : 0.f;  // a row that saw no key: o = 0, lse = +inf
+      // a row that saw no key: o = 0, lse = +inf
+      const float inv = l > 0.f ? (DROP ? p.drop.scale * tk::rcp_approx(l) : tk::rcp_approx(l)) : 0.f;
       const uint32_t sO_u = tk::smem_addr(sm.sO);
 #pragma unroll
       for (int ch = 0; ch < D / 8; ++ch)
@@ -502,11 +514,11 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   if (tid == 0) tk::tma::store_wait();  // the stores read shared memory until they are done
 }
 
-template <typename T, typename Cfg, bool DYN, bool CAP>
+template <typename T, typename Cfg, bool DYN, bool CAP, bool DROP = false>
 const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, const Scores& sc,
                        int num_sms, int* next_task, cudaStream_t stream) {
   using K_ = Fwd<T, Cfg>;
-  static_assert(Cfg::PP || !CAP, "softcapped scores run on the ping-pong kernels");
+  static_assert(Cfg::PP || !(CAP || DROP), "softcapped scores and dropout run on the ping-pong kernels");
   CUtensorMap qm, km, vm, om{};  // om: ping-pong only
   if (const char* e = make_map(&qm, dt, q, K_::BM)) return e;
   if (const char* e = make_map(&km, dt, k, K_::BN)) return e;
@@ -534,12 +546,14 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.causal = sc.causal;
   p.window = sc.window > 0 ? sc.window : INT_MAX;
   p.row_keys = sc.row_keys;
+  p.drop = {static_cast<uint32_t>(sc.dropout.seed), static_cast<uint32_t>(sc.dropout.seed >> 32),
+            static_cast<uint32_t>(sc.dropout.offset), sc.dropout.threshold >> 16, sc.dropout.scale};
   p.o = o;
   p.lse = lse;
   p.next_task = next_task;
   auto kern = [] {
     if constexpr (Cfg::PP)
-      return attention_fwd_pp_kernel<T, Cfg, DYN, CAP>;
+      return attention_fwd_pp_kernel<T, Cfg, DYN, CAP, DROP>;
     else
       return attention_fwd_kernel<T, Cfg, DYN>;
   }();
@@ -610,6 +624,19 @@ const char* forward_config(DType dt, const View4& q, const View4& k, const View4
   };
   if (!(sc.scale > 0.f) && !cap) return run(typename Cs::Serial{});
   return run(std::conditional_t<CAUSAL, typename Cs::Causal, typename Cs::Full>{});
+}
+
+// The dropout kernels of one (dtype, head dim <= 128), instantiated in forward_dropout_<dtype>_d<head dim>.cu: the
+// ping-pong configuration of the causal mask for both masks (XTASK's next-task scores beside the generator's
+// registers are left unmeasured), on the dynamic schedule under a causal mask.
+template <typename T, int D>
+const char* forward_dropout_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
+                                   const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
+  using Cfg = typename FwdConfigs<D>::Causal;
+  if (!sc.dropout.enabled) return "the forward was dispatched to the dropout kernels without dropout";
+  if (sc.causal && next_task == nullptr) return "the causal forward needs its task counter";
+  return sc.causal ? launch_fwd<T, Cfg, true, false, true>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream)
+                   : launch_fwd<T, Cfg, false, false, true>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
 }
 
 }  // namespace tk_attn

@@ -67,20 +67,13 @@ std::optional<ScalarType> weight_dtype(const OptTensor& weight, const OptTensor&
 }
 
 tk_layernorm::DropoutArgs dropout_args(double p, const OptTensor& rng) {
+  const binding::Philox r = binding::philox("tk_cuda::layernorm", p, rng);
   tk_layernorm::DropoutArgs d;
-  if (p <= 0.0) return d;
-  STD_TORCH_CHECK(p < 1.0, "tk_cuda::layernorm: dropout p must be < 1");
-  STD_TORCH_CHECK(present(rng) && rng->is_cpu() && rng->scalar_type() == ScalarType::Long && rng->numel() == 2,
-                  "tk_cuda::layernorm: dropout needs rng = CPU int64 tensor (seed, offset)");
-  const Tensor r = torch::stable::contiguous(*rng);
-  const int64_t* v = static_cast<const int64_t*>(r.data_ptr());
-  d.enabled = true;
-  d.seed = static_cast<uint64_t>(v[0]);
-  d.offset = static_cast<uint64_t>(v[1]);
-  // Same expression as tk_inductor/ops/philox.py: threshold(p) and dropout_scale(p).
-  const double t = std::floor(p * 4294967296.0);
-  d.threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
-  d.scale = static_cast<float>(1.0 / (1.0 - p));
+  d.enabled = r.enabled;
+  d.seed = r.seed;
+  d.offset = r.offset;
+  d.threshold = r.threshold;
+  d.scale = r.scale;
   return d;
 }
 

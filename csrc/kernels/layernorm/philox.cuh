@@ -1,24 +1,12 @@
-// Philox4x32-10 counter-based RNG, bit-identical to tk_inductor/ops/philox.py (the reference).
+// The layernorm family's dropout stream on tk::philox4x32_10, bit-identical to tk_inductor/ops/philox.py.
 // Element e of the flattened (rows, hidden) tensor uses word e % 4 of
 // philox(key = seed, counter = (e / 4, offset)); it is kept iff word >= threshold.
 #pragma once
 #include <cstdint>
 
-namespace tk_layernorm {
+#include "tk/ops/thread/philox.cuh"
 
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) {
-#pragma unroll
-  for (int r = 0; r < 10; ++r) {
-    if (r) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    const uint32_t hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
-    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
-    c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
-  }
-  return c;
-}
+namespace tk_layernorm {
 
 struct Dropout {
   uint64_t seed, offset;
@@ -31,7 +19,7 @@ struct Dropout {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const uint64_t g = (first >> 2) + half;
-      const uint4 w = philox4x32_10(make_uint4(uint32_t(g), uint32_t(g >> 32), uint32_t(offset), uint32_t(offset >> 32)),
+      const uint4 w = tk::philox4x32_10(make_uint4(uint32_t(g), uint32_t(g >> 32), uint32_t(offset), uint32_t(offset >> 32)),
                                     uint32_t(seed), uint32_t(seed >> 32));
       bits |= (uint32_t(w.x >= threshold) | uint32_t(w.y >= threshold) << 1 | uint32_t(w.z >= threshold) << 2 |
                uint32_t(w.w >= threshold) << 3) << (4 * half);
