@@ -19,10 +19,10 @@ P = 0.3
 
 
 def _kept(bh: int, i: int, j: int, seed: int, offset: int, p: float) -> bool:
-    """The stream, one element at a time (csrc/kernels/attention/dropout.cuh's definition)."""
+    """The stream, one element at a time (csrc/kernels/attention/dropout.cuh's definition: Philox4x32-7)."""
     ig, jg = (i // 16) * 8 + i % 8, (j // 16) * 4 + (j % 8) // 2
     counter = tuple(torch.tensor([x], dtype=torch.int64) for x in (jg, ig, bh, offset & philox.MASK32))
-    words = philox.philox4x32(counter, (seed & philox.MASK32, seed >> 32))
+    words = philox.philox4x32(counter, (seed & philox.MASK32, seed >> 32), rounds=7)
     h = (i // 8) % 2 + 2 * (j % 2) + 4 * ((j // 8) % 2)
     half = (int(words[h // 2]) >> (16 * (h % 2))) & 0xFFFF
     return half >= math.floor(p * 65536)

@@ -1,14 +1,14 @@
-"""Counter-based RNG (Philox4x32-10) in plain PyTorch, bit-identical to the kernels' device code.
+"""Counter-based RNG (Philox4x32-R) in plain PyTorch, bit-identical to the kernels' device code.
 
 The layernorm family's dropout mask is a pure function of (seed, offset, element
 index), so the backward regenerates it instead of storing it, and the reference
 (this file) reproduces the kernels' mask exactly on any device.
 
 Stream layouts (the generator itself is csrc/include/tk/ops/thread/philox.cuh):
-* layernorm (csrc/kernels/layernorm/philox.cuh): element e of the flattened (rows, hidden) tensor uses word (e % 4)
+* layernorm (csrc/kernels/layernorm/philox.cuh), Philox4x32-10: element e of the flattened (rows, hidden) tensor uses word (e % 4)
   of philox(key=(seed_lo, seed_hi), counter=(g_lo, g_hi, offset_lo, offset_hi)), g = e // 4, and is kept iff the word
   >= threshold(p), threshold(p) = min(floor(p * 2^32), 2^32 - 1);
-* attention (csrc/kernels/attention/dropout.cuh): probability (bh, i, j) (query head bh = b * Hq + h, query i, key j)
+* attention (csrc/kernels/attention/dropout.cuh), Philox4x32-7: probability (bh, i, j) (query head bh = b * Hq + h, query i, key j)
   uses 16-bit half h = (i // 8) % 2 + 2 * (j % 2) + 4 * ((j // 8) % 2) of the words of
   philox(key=(seed_lo, seed_hi), counter=(jg, ig, bh, offset_lo)), ig = (i // 16) * 8 + i % 8,
   jg = (j // 16) * 4 + (j % 8) // 2 (word h // 2, its low half for even h; eight elements share a call), and is kept iff
@@ -27,7 +27,8 @@ import torch
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 round multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
-ROUNDS = 10
+ROUNDS = 10  # the default round count (the layernorm stream)
+ATTENTION_ROUNDS = 7  # attention's stream: 7 rounds pass BigCrush (Salmon et al.), and its generator is its hot spot
 MASK32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
 
@@ -43,11 +44,11 @@ def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-    """Philox4x32-10 of int64 tensors holding 32-bit counter words; returns the 4 output words."""
+def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[int, int], rounds: int = ROUNDS) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-`rounds` of int64 tensors holding 32-bit counter words; returns the 4 output words."""
     c0, c1, c2, c3 = counter
     k0, k1 = key[0] & MASK32, key[1] & MASK32
-    for r in range(ROUNDS):
+    for r in range(rounds):
         if r:
             k0, k1 = (k0 + W0) & MASK32, (k1 + W1) & MASK32
         hi0, lo0 = _mulhilo(c0, M0)
@@ -95,7 +96,7 @@ def attention_keep_mask(heads: int, N: int, M: int, seed: int, offset: int, p: f
     shape = (heads, N, M)
     counter = (((j >> 4) * 4 + ((j & 7) >> 1)).expand(shape), ((i >> 4) * 8 + (i & 7)).expand(shape),
                bh.expand(shape), torch.full(shape, offset & MASK32, dtype=torch.int64, device=device))
-    words = torch.stack(philox4x32(counter, (seed & MASK32, seed >> 32)), dim=-1)
+    words = torch.stack(philox4x32(counter, (seed & MASK32, seed >> 32), ATTENTION_ROUNDS), dim=-1)
     h = ((i >> 3) & 1) + 2 * (j & 1) + 4 * ((j >> 3) & 1)
     word = torch.gather(words, -1, (h >> 1).expand(shape).unsqueeze(-1)).squeeze(-1)
     half = (word >> (16 * (h & 1))) & 0xFFFF

@@ -1,4 +1,4 @@
-// Attention dropout on tk::philox4x32_10: the probabilities P = softmax(s) are multiplied by keep / (1 - p), with
+// Attention dropout on tk::philox4x32<7> (seven rounds: see tk/ops/thread/philox.cuh): the probabilities P = softmax(s) are multiplied by keep / (1 - p), with
 // keep a pure function of (seed, offset, query head bh = b * Hq + h, query i, key j), so the backward regenerates
 // the mask instead of storing it. tk_inductor/ops/philox.py (`attention_keep_mask`) is the bit-identical reference.
 //
@@ -23,7 +23,7 @@ struct Dropout {
 
   __device__ __forceinline__ uint4 call(uint32_t bh, int i, int j) const {
     const uint32_t ig = uint32_t(i >> 4) * 8 + (i & 7), jg = uint32_t(j >> 4) * 4 + ((j & 7) >> 1);
-    return tk::philox4x32_10(make_uint4(jg, ig, bh, offset), seed_lo, seed_hi);
+    return tk::philox4x32<7>(make_uint4(jg, ig, bh, offset), seed_lo, seed_hi);
   }
   __device__ __forceinline__ uint32_t kept(uint32_t word, int half) const {
     return uint32_t(((half ? word >> 16 : word) & 0xFFFFu) >= threshold);

@@ -1,4 +1,4 @@
-// The layernorm family's dropout stream on tk::philox4x32_10, bit-identical to tk_inductor/ops/philox.py.
+// The layernorm family's dropout stream on tk::philox4x32<10>, bit-identical to tk_inductor/ops/philox.py.
 // Element e of the flattened (rows, hidden) tensor uses word e % 4 of
 // philox(key = seed, counter = (e / 4, offset)); it is kept iff word >= threshold.
 #pragma once
@@ -19,7 +19,7 @@ struct Dropout {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const uint64_t g = (first >> 2) + half;
-      const uint4 w = tk::philox4x32_10(make_uint4(uint32_t(g), uint32_t(g >> 32), uint32_t(offset), uint32_t(offset >> 32)),
+      const uint4 w = tk::philox4x32<10>(make_uint4(uint32_t(g), uint32_t(g >> 32), uint32_t(offset), uint32_t(offset >> 32)),
                                     uint32_t(seed), uint32_t(seed >> 32));
       bits |= (uint32_t(w.x >= threshold) | uint32_t(w.y >= threshold) << 1 | uint32_t(w.z >= threshold) << 2 |
                uint32_t(w.w >= threshold) << 3) << (4 * half);
