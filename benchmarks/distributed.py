@@ -73,7 +73,7 @@ def train(engine: str, backend: str | None, args) -> dict:
     from torch._dynamo.utils import counters
 
     counters.clear()  # frames_compiled is per run, not summed with an earlier run in this process
-    from tk_inductor.ops import attention as attention_op
+    from tk_inductor.ops import attention_masked as attention_op
 
     attention_op.masked_paths.clear()
     # on the CPU the ops run their PyTorch references (reference mode), which is what the rewrite is checked with

@@ -500,7 +500,7 @@ def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
     """The graph's outputs that are masks proven causal or all-visible over their own last two dims, by output
     position: {i: "causal" | "full"}. A graph that makes the mask hands it to the layers' graphs as an input when
     DDP splits the graph or a graph break falls between them; the backend records these proofs on the output
-    tensors at run time (ops.attention.prove_mask), so the consumers' `tk::attention_masked` need not read the
+    tensors at run time (ops.attention_masked.prove_mask), so the consumers' `tk::attention_masked` need not read the
     values of each step's new mask (a wait for the GPU)."""
     out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
     if out is None:

@@ -102,14 +102,14 @@ def _prove_outputs(compiled, mask_kinds: dict[int, str]):
     """`compiled`, recording on each call the proven kinds of its mask outputs (see output_mask_kinds)."""
     if not mask_kinds:
         return compiled
-    from .ops import attention as attention_ops
+    from .ops import attention_masked as masked_ops
 
     def run(*args):
         out = compiled(*args)
         flat = out if isinstance(out, (tuple, list)) else (out,)
         for i, kind in mask_kinds.items():
             if i < len(flat) and isinstance(flat[i], torch.Tensor):  # never fail the call over a proof
-                attention_ops.prove_mask(flat[i], kind)
+                masked_ops.prove_mask(flat[i], kind)
         return out
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # the calling convention Dynamo checks

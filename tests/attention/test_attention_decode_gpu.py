@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-import tk_inductor.ops.attention as A  # registers the tk:: ops
+import tk_inductor.ops.attention_masked as A  # registers the tk:: ops
 from test_attention_gpu import (GRAD_TOL, OUT_TOL, check_forward, make_inputs, ops, poison, reference,  # noqa: F401
                                 rel_err, replays_in_cuda_graph)
 from test_attention_varlen_gpu import keep_of

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tk_inductor
-from tk_inductor.ops import attention as A
+from tk_inductor.ops import attention_masked as A
 from tk_inductor.patterns import attention as P
 
 from attention_helpers import OPTS, _qkv, _compile, _kept, _inputs, Fn, _kernel_built
