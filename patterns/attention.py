@@ -36,11 +36,12 @@ So does, in inference, SDPA's mask with causal bounds at a symbolic offset (new 
 Kept, each with its reason in the report: arbitrary masks, two-sided windows, diagonal-offset causal masks, additive
 biases (ALiBi, relative position), any other op between the products, attention weights used elsewhere
 (output_attentions), value head dim != q/k head dim, Hq % Hkv != 0, batch broadcasting, dropout together with a
-softcap or a mask known only at run time (padding, packed sequences, a graph-input mask), and (kernel mode on CUDA)
-dtypes other than bf16/fp16, head dims the kernels lack, or dropout above head dim 128: limits of the kernels, checked
-only when a kernel would run (CUDA inputs, reference mode off in the compile's resolved config, `find(graph, cfg)`).
-Dropout p > 0 becomes the op's Philox dropout (tk::attention's dropout_p, with a tk::philox_seed node drawing its
-(seed, offset) pair each run): the same distribution as torch's, not the same random numbers.
+softcap or a mask handed into the graph, and (kernel mode on CUDA) dtypes other than bf16/fp16, head dims the kernels
+lack, or dropout above head dim 128: limits of the kernels, checked only when a kernel would run (CUDA inputs,
+reference mode off in the compile's resolved config, `find(graph, cfg)`).
+Dropout p > 0 becomes the op's Philox dropout (the dropout_p of tk::attention, or of tk::attention_varlen under padding
+or packed sequences, with a tk::philox_seed node drawing its (seed, offset) pair each run): the same distribution as
+torch's, not the same random numbers.
 """
 from __future__ import annotations
 
@@ -159,17 +160,19 @@ class _Finder:
         # (contiguous) result may not be expressible on it, so those users get a contiguous copy.
         contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
         varlen = kind.pad is not None or kind.segments is not None
-        if dropout_p:  # the (seed, offset) pair is drawn in the adapter (tk::philox_seed)
-            if softcap:
-                raise Keep("dropout on softcapped scores (the kernels' dropout takes no softcap)")
-            if mask is not None or varlen:
-                raise Keep("dropout with a mask known only at run time (padding, packed sequences or a graph input)")
-            return attention_ops.attention_adapter, args + (transposed, heads, contiguous, dropout_p), [out]
+        if dropout_p and softcap:
+            raise Keep("dropout on softcapped scores (the kernels' dropout takes no softcap)")
+        if dropout_p and mask is not None:
+            raise Keep("dropout with a mask handed into the graph (tk::attention_masked takes no dropout)")
         if (mask is not None or varlen) and (heads != "4d" or any(transposed) or contiguous):
             raise Keep("the mask's values are known only at run time and the layout needs an adapter")
+        # dropout's (seed, offset) pair is drawn in the adapters (tk::philox_seed)
         if varlen:  # padding / packed sequences: their values are read at run time (tk::attention_varlen)
             pad = kind.pad or (None, 0)
-            return varlen_ops.attention_varlen_adapter, args + pad + (kind.segments, kind.uniform_empty), [out]
+            return (varlen_ops.attention_varlen_adapter,
+                    args + pad + (kind.segments, kind.uniform_empty, dropout_p), [out])
+        if dropout_p:
+            return attention_ops.attention_adapter, args + (transposed, heads, contiguous, dropout_p), [out]
         if mask is not None:  # values known only at run time: the op checks them (tk::attention_masked)
             if getattr(example(mask), "requires_grad", False):
                 raise Keep("the mask/bias requires grad (a learned bias)")

@@ -1,6 +1,7 @@
 """Attention dropout on the CPU: the Philox stream of the kernels (philox.attention_keep_mask), the op's reference
 forward and backward against a plain formula with the same mask, its argument checks, and the matcher replacing
-SDPA's dropout_p and the eager dropout of the attention weights in training (reference mode), including GPT-2."""
+SDPA's dropout_p and the eager dropout of the attention weights in training (reference mode), including GPT-2 and
+BERT under a padding mask (tk::attention_varlen's dropout)."""
 from __future__ import annotations
 
 import math
@@ -48,15 +49,18 @@ def test_keep_mask_rate_and_seeds():
     assert abs(same - (P * P + (1 - P) ** 2)) < 0.01
 
 
-def _formula(q, k, v, causal, scale, p, rng):
-    """softmax(s) ∘ keep / (1 - p) @ v, plainly (fp64 autograd)."""
+def _formula(q, k, v, causal, scale, p, rng, keys=None):
+    """softmax(s) ∘ keep / (1 - p) @ v, plainly (fp64 autograd); keys: a (B, M) bool key-padding mask (a row
+    without keys gets 0)."""
     s = q @ k.transpose(-1, -2) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    if keys is not None:
+        s = s.masked_fill(~keys[:, None, None, :], float("-inf"))
     seed, offset = philox.unpack(rng)
     B, H, N, M = s.shape
     keep = philox.attention_keep_mask(B * H, N, M, seed, offset, p).view(B, H, N, M)
-    return (torch.softmax(s, -1) * keep / (1 - p)) @ v, torch.logsumexp(s, -1)
+    return (torch.softmax(s, -1).nan_to_num(0.0) * keep / (1 - p)) @ v, torch.logsumexp(s, -1)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -80,6 +84,26 @@ def test_op_forward_backward(causal, N, M):
     assert torch.equal(o, again)
     other, _ = torch.ops.tk.attention(q, k, v, causal, scale, 0, 0.0, P, philox.draw_seed())
     assert not torch.equal(o, other)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_op_forward_backward(causal):
+    """tk::attention_varlen with dropout: entry b's heads draw the stream's query heads b * Hq + h, as in
+    tk::attention over the whole batch (right padding, left padding, a hole)."""
+    B, H, N, D = 3, 2, 13, 8
+    q, k, v = _qkv(B, H, H, N, N, D, grad=True, seed=2)
+    keys = torch.ones(B, N, dtype=torch.bool)
+    keys[0, 9:] = False
+    keys[1, :4] = False
+    keys[2, 5:7] = False
+    rng = philox.draw_seed()
+    o, _ = torch.ops.tk.attention_varlen(q, k, v, keys, None, causal, 0.35, 0, 0.0, False, P, rng)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o_ref, _ = _formula(qr, kr, vr, causal, 0.35, P, rng, keys)
+    torch.testing.assert_close(o, o_ref)
+    do = torch.randn_like(o)
+    for a, b in zip(torch.autograd.grad(o, (q, k, v), do), torch.autograd.grad(o_ref, (qr, kr, vr), do)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_op_dropout_arguments_checked():
@@ -145,6 +169,20 @@ def test_dropout_with_softcap_kept():
     assert any("dropout on softcapped scores" in r for f, r in report.kept if f == "attention"), str(report)
 
 
+def test_dropout_with_a_graph_input_mask_kept():
+    class WithMask(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=P)
+
+    q, k, v = _inputs()
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    torch.manual_seed(0)
+    _compile(WithMask())(q, k, v, mask)
+    report = tk_inductor.report()
+    assert report.replaced.get("attention", 0) == 0
+    assert any("mask handed into the graph" in r for f, r in report.kept if f == "attention"), str(report)
+
+
 def test_gpt2_training_with_attention_dropout_replaced():
     transformers = pytest.importorskip("transformers")
     for impl in ("sdpa", "eager"):
@@ -162,3 +200,24 @@ def test_gpt2_training_with_attention_dropout_replaced():
         model.eval()  # dropout off: the compiled model equals eager
         with torch.no_grad():
             torch.testing.assert_close(_compile(model)(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_bert_training_with_padding_and_attention_dropout_replaced():
+    """BERT fine-tuning's batch: a padding mask and attention dropout 0.1 (tk::attention_varlen with dropout)."""
+    transformers = pytest.importorskip("transformers")
+    for impl in ("sdpa", "eager"):
+        cfg = transformers.BertConfig(vocab_size=64, hidden_size=64, num_attention_heads=2, num_hidden_layers=2,
+                                      intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.1, attn_implementation=impl)
+        torch.manual_seed(0)
+        model = transformers.BertForMaskedLM(cfg).train()
+        ids = torch.randint(0, 64, (3, 20))
+        mask = torch.ones(3, 20, dtype=torch.long)
+        mask[0, 15:] = 0
+        mask[1, 7:] = 0
+        loss = _compile(model)(input_ids=ids, attention_mask=mask, labels=ids).loss
+        report = tk_inductor.report()
+        assert report.replaced.get("attention", 0) == 2, (impl, str(report))
+        loss.backward()
+        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters()
+                                            if p.grad is not None)

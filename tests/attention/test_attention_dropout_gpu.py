@@ -1,6 +1,7 @@
 """GPU tests of the attention kernels' dropout: the mask the forward and backward kernels draw is bit for bit the
 reference's (philox.attention_keep_mask), and outputs and gradients with dropout match the fp32 reference with that
-mask, for head dims up to 128, both dtypes, causal or not, windows, GQA and odd lengths. Skipped without CUDA."""
+mask, for head dims up to 128, both dtypes, causal or not, windows, GQA and odd lengths, and under padding masks
+(tk::attention_varlen). Skipped without CUDA."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import math
 import pytest
 import torch
 
-from test_attention_gpu import GRAD_TOL, OUT_TOL, make_inputs, poison, rel_err
+from test_attention_gpu import GRAD_TOL, OUT_TOL, make_inputs, ops, poison, rel_err  # noqa: F401 (ops: the fixture)
 
 from tk_inductor.ops import philox
 from tk_inductor.ops.attention import attention_backward_reference, attention_reference, grad_like
@@ -17,14 +18,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    from tk_inductor import build
-
-    build.load("attention")
-    return torch.ops.tk_cuda
 
 
 def _keep(B, H, N, M, rng, p):
@@ -112,6 +105,37 @@ def test_op_routes_dropout(ops):
         assert rel_err(o, o_ref) < OUT_TOL, (D, cap)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_varlen_with_dropout(causal, D):
+    """tk::attention_varlen with dropout: the kernels on interval tables (right padding; left padding, whose rows
+    have no key under a causal mask) and the reference for an entry with a hole, each drawing the stream's query
+    heads b * Hq + h: equal to the fp32 reference, forward and backward."""
+    from tk_inductor.ops import attention_varlen as AV
+
+    B, H, N, p, scale = 3, 4, 300, 0.15, D ** -0.5
+    q, k, v = make_inputs(B, H, H, N, N, D, torch.bfloat16, seed=5)
+    keys = torch.ones(B, N, dtype=torch.bool, device="cuda")
+    keys[0, 201:] = False
+    keys[1, :77] = False
+    keys[2, 100:140] = False
+    rng = philox.draw_seed()
+    before = dict(AV.varlen_paths)
+    o, lse = torch.ops.tk.attention_varlen(q, k, v, keys, None, causal, scale, 0, 0.0, False, p, rng)
+    assert AV.varlen_paths["kernel"] == before["kernel"] + 1
+    assert AV.varlen_paths["reference entries"] == before["reference entries"] + 1  # the entry with a hole
+    qf, kf, vf = q.float(), k.float(), v.float()
+    o_ref, _ = AV.attention_varlen_reference(qf, kf, vf, keys, None, causal, scale, 0, 0.0, False, p, rng)
+    assert rel_err(o, o_ref) < OUT_TOL
+    do = torch.randn_like(o)
+    grads = torch.ops.tk.attention_varlen_backward(do, q, k, v, keys, None, o, lse, causal, scale, 0, 0.0, False, p,
+                                                   rng)
+    refs = AV.attention_varlen_backward_reference(do.float(), qf, kf, vf, keys, None, o.float(), causal, scale, 0, 0.0,
+                                                  False, p, rng)
+    for name, g, r in zip("qkv", grads, refs):
+        assert rel_err(g, r) < GRAD_TOL, name
+
+
 def test_compiled_gpt2_trains_with_attention_dropout():
     """GPT-2 with attention dropout 0.1 compiled with the kernels: attention replaced in training, finite loss and
     gradients, and without dropout (eval) the same logits as eager."""
@@ -127,6 +151,31 @@ def test_compiled_gpt2_trains_with_attention_dropout():
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="thunderkittens")
     loss = compiled(ids, labels=ids).loss
+    report = tk_inductor.report()
+    assert report.replaced.get("attention", 0) == 2, str(report)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_compiled_bert_trains_with_padding_and_attention_dropout():
+    """BERT fine-tuning's batch (right padding, attention dropout 0.1) compiled with the kernels: attention replaced
+    by tk::attention_varlen with dropout, finite loss and gradients."""
+    transformers = pytest.importorskip("transformers")
+    import tk_inductor
+
+    cfg = transformers.BertConfig(vocab_size=512, hidden_size=256, num_attention_heads=4, num_hidden_layers=2,
+                                  intermediate_size=512, max_position_embeddings=512, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.1, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg).cuda().to(torch.bfloat16).train()
+    ids = torch.randint(0, 512, (3, 300), device="cuda")
+    mask = torch.ones(3, 300, dtype=torch.long, device="cuda")
+    mask[0, 250:] = 0
+    mask[2, 111:] = 0
+    tk_inductor.reset()
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend="thunderkittens")(input_ids=ids, attention_mask=mask, labels=ids).loss
     report = tk_inductor.report()
     assert report.replaced.get("attention", 0) == 2, str(report)
     loss.backward()

@@ -195,13 +195,14 @@ def _probs(s: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     return torch.softmax(s, dim=-1).nan_to_num(0.0)
 
 
-def _keep(s: torch.Tensor, dropout_p: float, rng) -> torch.Tensor | None:
-    """Dropout's keep mask over the (B, Hq, N, M) scores (philox.attention_keep_mask), None without dropout."""
+def _keep(s: torch.Tensor, dropout_p: float, rng, head0: int = 0) -> torch.Tensor | None:
+    """Dropout's keep mask over the (B, Hq, N, M) scores (philox.attention_keep_mask), None without dropout.
+    head0: the stream's query head b * Hq + h of s's first head (a slice of a batch's entries)."""
     if not dropout_p:
         return None
     seed, offset = philox.unpack(rng)
     B, H, N, M = s.shape
-    return philox.attention_keep_mask(B * H, N, M, seed, offset, dropout_p, s.device).view(B, H, N, M)
+    return philox.attention_keep_mask(B * H, N, M, seed, offset, dropout_p, s.device, head0).view(B, H, N, M)
 
 
 def _drop(x: torch.Tensor, keep: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
@@ -212,20 +213,21 @@ def _drop(x: torch.Tensor, keep: torch.Tensor | None, dropout_p: float) -> torch
 
 
 def attention_reference(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0, mask=None,
-                        dropout_p: float = 0.0, rng=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) in the op's layout; accumulates in fp32. `mask`: see `_scores`; dropout by philox's mask."""
+                        dropout_p: float = 0.0, rng=None, head0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) in the op's layout; accumulates in fp32. `mask`: see `_scores`; dropout by philox's mask (head0:
+    see `_keep`)."""
     s, _ = _scores(q, k, causal, scale, mask, window, softcap)
     lse = _lse(s)
     group = q.shape[1] // k.shape[1]
     vf = v.to(s.dtype).repeat_interleave(group, dim=1) if group > 1 else v.to(s.dtype)
-    p = _drop(_probs(s), _keep(s, dropout_p, rng), dropout_p)
+    p = _drop(_probs(s), _keep(s, dropout_p, rng, head0), dropout_p)
     o = _empty_out(q)
     o.copy_(torch.matmul(p, vf))
     return o, lse.to(torch.float32).contiguous()
 
 
 def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float, mask=None, window: int = 0,
-                                 softcap: float = 0.0, dropout_p: float = 0.0, rng=None):
+                                 softcap: float = 0.0, dropout_p: float = 0.0, rng=None, head0: int = 0):
     """(dq, dk, dv) in `grad_like` layouts, from the forward's o and lse (None: P = softmax(s), see `_probs`); dk/dv
     summed over each GQA group. `mask`: see `_scores`; rows with every key hidden get no gradient. With dropout the
     forward's mask again (philox): dV takes the dropped P, dP is dropped the same way."""
@@ -237,7 +239,7 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
     do = grad_o.to(acc)
     kf = k.to(acc).repeat_interleave(group, dim=1) if group > 1 else k.to(acc)
     vf = v.to(acc).repeat_interleave(group, dim=1) if group > 1 else v.to(acc)
-    keep = _keep(s, dropout_p, rng)
+    keep = _keep(s, dropout_p, rng, head0)
     dv = torch.matmul(_drop(p, keep, dropout_p).transpose(-1, -2), do)
     dp = _drop(torch.matmul(do, vf.transpose(-1, -2)), keep, dropout_p)
     delta = (do * o.to(acc)).sum(-1, keepdim=True)

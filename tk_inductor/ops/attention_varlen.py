@@ -3,9 +3,10 @@ kind HF builds per batch: key padding (`attention_mask`) and packed sequences (p
 
 Semantics (the kernels of csrc/kernels/attention read the mask as intervals: each query's keys, each key's queries):
 
-    tk::attention_varlen(q, k, v, keep, segments, causal, scale, window=0, softcap=0., uniform_empty=False)
-        -> (o, lse)
-        q, k, v, causal, scale, window, softcap as tk::attention, and two optional run-time masks:
+    tk::attention_varlen(q, k, v, keep, segments, causal, scale, window=0, softcap=0., uniform_empty=False,
+                         dropout_p=0., rng=None) -> (o, lse)
+        q, k, v, causal, scale, window, softcap, dropout_p, rng as tk::attention (the same dropout mask), and two
+        optional run-time masks:
         keep (B, M) of any dtype: key j of entry b is visible only where keep[b, j] is nonzero (1 = token,
             0 = padding, left, right or anywhere);
         segments (B, N) integer ids, N == M (self-attention over packed sequences): query i sees key j only when
@@ -33,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _dispatch
 from .attention import (_as_grads, _empty_out, _kernel_ok, _last_dim_unit, _validate, _validate_backward,
                         _validate_scores, attention_backward_reference, attention_reference, causal_allowed,
-                        grad_like)
+                        grad_like, kernel_takes_scores)
 
 OP = "tk::attention_varlen"
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # keep or segments (or its base) -> {key: Intervals}
@@ -165,10 +166,14 @@ def _dense_mask(q, k, keep, segments, causal: bool, window: int, uniform_empty: 
 
 
 def attention_varlen_reference(q, k, v, keep, segments, causal: bool, scale: float, window: int = 0,
-                               softcap: float = 0.0, uniform_empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) of the op in fp32 (through attention_reference, one batch entry at a time to bound the memory)."""
+                               softcap: float = 0.0, uniform_empty: bool = False, dropout_p: float = 0.0, rng=None,
+                               entry0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of the op in fp32 (through attention_reference, one batch entry at a time to bound the memory);
+    entry0: the batch entry q[0] is in the op's call (dropout's stream)."""
     mask = _dense_mask(q, k, keep, segments, causal, window, uniform_empty)
-    outs = [attention_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], False, scale, 0, softcap, mask[b:b + 1])
+    H = q.shape[1]
+    outs = [attention_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], False, scale, 0, softcap, mask[b:b + 1],
+                                dropout_p, rng, (entry0 + b) * H)
             for b in range(q.shape[0])]
     o = _empty_out(q)
     o.copy_(torch.cat([x[0] for x in outs]))
@@ -176,11 +181,13 @@ def attention_varlen_reference(q, k, v, keep, segments, causal: bool, scale: flo
 
 
 def attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal: bool, scale: float,
-                                        window: int = 0, softcap: float = 0.0, uniform_empty: bool = False):
+                                        window: int = 0, softcap: float = 0.0, uniform_empty: bool = False,
+                                        dropout_p: float = 0.0, rng=None, entry0: int = 0):
     """(dq, dk, dv) of the op in fp32 (P recomputed), one batch entry at a time, in `grad_like` layouts."""
     mask = _dense_mask(q, k, keep, segments, causal, window, uniform_empty)
+    H = q.shape[1]
     grads = [attention_backward_reference(grad_o[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], o[b:b + 1], None,
-                                          False, scale, mask[b:b + 1], 0, softcap)
+                                          False, scale, mask[b:b + 1], 0, softcap, dropout_p, rng, (entry0 + b) * H)
              for b in range(q.shape[0])]
     return _as_grads(q, k, v, *(torch.cat(g) for g in zip(*grads)))
 
@@ -201,13 +208,15 @@ def _validate_masks(q, k, keep, segments, op: str) -> None:
     check(segments is None or N == M, lambda: f"{op}: segments need as many queries as keys, got N {N}, M {M}")
 
 
-def _reference_entries(tensors, keep, segments, causal: bool, window: int, uniform_empty: bool,
-                       backward: bool = False) -> tuple[Intervals | None, list[int]]:
+def _reference_entries(tensors, keep, segments, causal: bool, scale: float, window: int, softcap: float,
+                       uniform_empty: bool, dropout_p: float, backward: bool = False) -> tuple[Intervals | None, list[int]]:
     """(the kernel's tables, the batch entries the reference must compute), or (None, every entry): the kernel
     cannot run at all (`tensors`: the operands, q, k, v first; `backward`: for the gradients)."""
     q, k = tensors[0], tensors[1]
     everything = list(range(q.shape[0]))
-    if not _kernel_ok(*tensors, backward=backward) or (keep is not None and torch.cuda.is_current_stream_capturing()):
+    if (not _kernel_ok(*tensors, backward=backward, dropout=dropout_p > 0)
+            or not kernel_takes_scores(scale, softcap, dropout_p)
+            or (keep is not None and torch.cuda.is_current_stream_capturing())):
         return None, everything
     tables = intervals(keep, segments, q.shape[2], k.shape[2], causal, window)
     if keep is None:
@@ -217,107 +226,117 @@ def _reference_entries(tensors, keep, segments, causal: bool, window: int, unifo
 
 @torch.library.custom_op(OP, mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor? segments, bool causal, "
-                                "float scale, int window=0, float softcap=0., bool uniform_empty=False) "
-                                "-> (Tensor o, Tensor lse)")
+                                "float scale, int window=0, float softcap=0., bool uniform_empty=False, "
+                                "float dropout_p=0., Tensor? rng=None) -> (Tensor o, Tensor lse)")
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
                      segments: torch.Tensor | None, causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
-                     uniform_empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     uniform_empty: bool = False, dropout_p: float = 0.0,
+                     rng: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     _validate(q, k, v, scale, OP)
     _validate_masks(q, k, keep, segments, OP)
-    _validate_scores(causal, window, softcap, OP)
+    _validate_scores(causal, window, softcap, OP, dropout_p, rng)
     if q.numel() == 0:
         return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
-    tables, ref = _reference_entries((q, k, v), keep, segments, causal, window, uniform_empty)
+    tables, ref = _reference_entries((q, k, v), keep, segments, causal, scale, window, softcap, uniform_empty,
+                                     dropout_p)
     if tables is None:
         varlen_paths["reference entries"] += q.shape[0]
-        return attention_varlen_reference(q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty)
+        return attention_varlen_reference(q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty,
+                                          dropout_p, rng)
     q, k, v = map(_last_dim_unit, (q, k, v))
     varlen_paths["kernel"] += 1
-    o, lse = _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, row_keys=tables.row_keys)
+    o, lse = _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, dropout_p, rng,
+                                           row_keys=tables.row_keys)
     for b in ref:
         e = slice(b, b + 1)
         varlen_paths["reference entries"] += 1
         ob, lb = attention_varlen_reference(q[e], k[e], v[e], keep[e], None if segments is None else segments[e],
-                                            causal, scale, window, softcap, uniform_empty)
+                                            causal, scale, window, softcap, uniform_empty, dropout_p, rng, b)
         o[e].copy_(ob)
         lse[e].copy_(lb)
     return o, lse
 
 
 @attention_varlen.register_fake
-def _(q, k, v, keep, segments, causal, scale, window=0, softcap=0.0, uniform_empty=False):
+def _(q, k, v, keep, segments, causal, scale, window=0, softcap=0.0, uniform_empty=False, dropout_p=0.0, rng=None):
     _validate(q, k, v, scale, OP)
     _validate_masks(q, k, keep, segments, OP)
-    _validate_scores(causal, window, softcap, OP)
+    _validate_scores(causal, window, softcap, OP, dropout_p, rng)
     return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op(OP + "_backward", mutates_args=(),
                          schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor? segments, "
                                 "Tensor o, Tensor lse, bool causal, float scale, int window=0, float softcap=0., "
-                                "bool uniform_empty=False) -> (Tensor dq, Tensor dk, Tensor dv)")
+                                "bool uniform_empty=False, float dropout_p=0., Tensor? rng=None) "
+                                "-> (Tensor dq, Tensor dk, Tensor dv)")
 def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               keep: torch.Tensor | None, segments: torch.Tensor | None, o: torch.Tensor,
                               lse: torch.Tensor, causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
-                              uniform_empty: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              uniform_empty: bool = False, dropout_p: float = 0.0,
+                              rng: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     op = OP + "_backward"
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     _validate_masks(q, k, keep, segments, op)
-    _validate_scores(causal, window, softcap, op)
+    _validate_scores(causal, window, softcap, op, dropout_p, rng)
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
     # the forward's masks: their tables are cached, so the same entries take the reference as there
-    tables, ref = _reference_entries((q, k, v, grad_o, o, lse), keep, segments, causal, window, uniform_empty,
-                                     backward=True)
+    tables, ref = _reference_entries((q, k, v, grad_o, o, lse), keep, segments, causal, scale, window, softcap,
+                                     uniform_empty, dropout_p, backward=True)
     if tables is None:
         return attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal, scale, window, softcap,
-                                                   uniform_empty)
+                                                   uniform_empty, dropout_p, rng)
     ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
     dq, dk, dv = _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), causal, scale, window, softcap,
-                                                         key_rows=tables.key_rows)
+                                                         dropout_p, rng, key_rows=tables.key_rows)
     for b in ref:
         e = slice(b, b + 1)
         grads = attention_varlen_backward_reference(grad_o[e], q[e], k[e], v[e], keep[e],
                                                     None if segments is None else segments[e], o[e], causal, scale,
-                                                    window, softcap, uniform_empty)
+                                                    window, softcap, uniform_empty, dropout_p, rng, b)
         for dst, g in zip((dq, dk, dv), grads):
             dst[e].copy_(g)
     return dq, dk, dv
 
 
 @attention_varlen_backward.register_fake
-def _(grad_o, q, k, v, keep, segments, o, lse, causal, scale, window=0, softcap=0.0, uniform_empty=False):
+def _(grad_o, q, k, v, keep, segments, o, lse, causal, scale, window=0, softcap=0.0, uniform_empty=False, dropout_p=0.0,
+      rng=None):
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     return grad_like(q), grad_like(k), grad_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty = inputs
+    q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty, dropout_p, rng = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, keep, segments, o, lse)
-    ctx.args = (causal, scale, window, softcap, uniform_empty)
+    ctx.save_for_backward(q, k, v, keep, segments, o, lse, rng)
+    ctx.args = (causal, scale, window, softcap, uniform_empty, dropout_p)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_o, _grad_lse):
-    q, k, v, keep, segments, o, lse = ctx.saved_tensors
+    q, k, v, keep, segments, o, lse, rng = ctx.saved_tensors
     if grad_o is None:
-        return (None,) * 10
-    dq, dk, dv = torch.ops.tk.attention_varlen_backward(grad_o, q, k, v, keep, segments, o, lse, *ctx.args)
-    return (dq, dk, dv) + (None,) * 7
+        return (None,) * 12
+    dq, dk, dv = torch.ops.tk.attention_varlen_backward(grad_o, q, k, v, keep, segments, o, lse, *ctx.args, rng)
+    return (dq, dk, dv) + (None,) * 9
 
 
 attention_varlen.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention_varlen_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, mask, offset: int,
-                             segments, uniform_empty: bool):
+                             segments, uniform_empty: bool, dropout_p: float = 0.0):
     """tk::attention_varlen's o: keep = the key columns [offset, offset + M) of a (B or 1, M') padding mask or None,
-    segments = (B or 1, N) packed-sequence ids or None (one row: every batch entry's)."""
+    segments = (B or 1, N) packed-sequence ids or None (one row: every batch entry's); dropout_p > 0: the (seed,
+    offset) pair is drawn by a tk::philox_seed node, as in attention_adapter."""
     B, M = q.shape[0], k.shape[2]
     _dispatch.check(mask is None or mask.shape[1] >= offset + M,
                     lambda: f"attention: the padding mask has {mask.shape[1]} columns, the keys need {offset + M}")
     keep = None if mask is None else mask[:, offset:offset + M].expand(B, M)
     if segments is not None:
         segments = segments.expand(B, segments.shape[1])
-    return torch.ops.tk.attention_varlen(q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty)[0]
+    rng = torch.ops.tk.philox_seed() if dropout_p > 0 else None
+    return torch.ops.tk.attention_varlen(q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty,
+                                         dropout_p, rng)[0]

@@ -86,13 +86,13 @@ def keep_mask(shape, seed: int, offset: int, p: float, device: torch.device | st
 
 
 def attention_keep_mask(heads: int, N: int, M: int, seed: int, offset: int, p: float,
-                        device: torch.device | str = "cpu") -> torch.Tensor:
-    """Boolean keep-mask (heads, N, M) of attention's dropout over query heads b * Hq + h, queries and keys,
-    bit-identical to the attention kernels' (csrc/kernels/attention/dropout.cuh)."""
+                        device: torch.device | str = "cpu", head0: int = 0) -> torch.Tensor:
+    """Boolean keep-mask (heads, N, M) of attention's dropout over query heads b * Hq + h = head0 .. head0 + heads - 1,
+    queries and keys, bit-identical to the attention kernels' (csrc/kernels/attention/dropout.cuh)."""
     seed &= _U64
     i = torch.arange(N, dtype=torch.int64, device=device).view(1, N, 1)
     j = torch.arange(M, dtype=torch.int64, device=device).view(1, 1, M)
-    bh = torch.arange(heads, dtype=torch.int64, device=device).view(heads, 1, 1)
+    bh = torch.arange(head0, head0 + heads, dtype=torch.int64, device=device).view(heads, 1, 1)
     shape = (heads, N, M)
     counter = (((j >> 4) * 4 + ((j & 7) >> 1)).expand(shape), ((i >> 4) * 8 + (i & 7)).expand(shape),
                bh.expand(shape), torch.full(shape, offset & MASK32, dtype=torch.int64, device=device))

@@ -1,6 +1,6 @@
 // Attention backward: the scratch sizes and the entry point, with the D = 64 and 128 kernels; the launch and the
 // configurations are in backward_launch.cuh, the design in backward.cuh. D = 256 and the dropout kernels are compiled
-// in their own units (backward_d256.cu, backward_dropout_d64.cu and _d128.cu).
+// in their own units (backward_d256.cu, backward_dropout.cu).
 #include "backward_launch.cuh"
 
 namespace tk_attn {
@@ -22,8 +22,7 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
     return "the backward takes head dims that are multiples of 8 up to 256";
   if (sc.dropout.enabled) {
     if (q.D > kMaxDropoutHeadDim) return "dropout takes head dims up to 128";
-    const auto run = bwd_d(q.D) == 64 ? attention_backward_dropout_d64 : attention_backward_dropout_d128;
-    return run(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms, stream);
+    return attention_backward_dropout(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms, stream);
   }
   switch (bwd_d(q.D)) {
     case 64:

@@ -243,16 +243,11 @@ const char* run_bwd_dropout(DType dt, const View4& dout, const View4& q, const V
 
 }  // namespace
 
-// The dropout backward at D = 64 and 128 (backward_dropout_d64.cu, backward_dropout_d128.cu), behind
-// attention_backward's checks.
-const char* attention_backward_dropout_d64(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
-                                           const View4& o, const float* lse, const View4& dq, const View4& dk,
-                                           const View4& dv, float* dq_accum, float* lse2, float* delta,
-                                           const Scores& sc, int num_sms, cudaStream_t stream);
-const char* attention_backward_dropout_d128(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
-                                            const View4& o, const float* lse, const View4& dq, const View4& dk,
-                                            const View4& dv, float* dq_accum, float* lse2, float* delta,
-                                            const Scores& sc, int num_sms, cudaStream_t stream);
+// The dropout backward at D = 64 and 128 (backward_dropout.cu), behind attention_backward's checks.
+const char* attention_backward_dropout(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
+                                       const View4& o, const float* lse, const View4& dq, const View4& dk,
+                                       const View4& dv, float* dq_accum, float* lse2, float* delta, const Scores& sc,
+                                       int num_sms, cudaStream_t stream);
 
 // The D = 256 backward (backward_d256.cu), behind attention_backward's checks.
 const char* attention_backward_d256(DType dt, const View4& dout, const View4& q, const View4& k, const View4& v,
