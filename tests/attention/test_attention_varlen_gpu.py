@@ -139,9 +139,9 @@ def test_kernel_matches_tk_attention_without_padding(ops):
 def test_bad_interval_tables(ops):
     q, k, v = make_inputs(2, 4, 4, 64, 64, 64, torch.bfloat16)
     with pytest.raises(RuntimeError, match="row_keys must be a contiguous int32"):
-        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, torch.zeros(2, 64, 2, dtype=torch.long, device="cuda"))
+        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, row_keys=torch.zeros(2, 64, 2, dtype=torch.long, device="cuda"))
     with pytest.raises(RuntimeError, match="row_keys must be a contiguous int32"):
-        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, torch.zeros(2, 2, dtype=torch.int32, device="cuda"))
+        torch.ops.tk_cuda.attention(q, k, v, False, 0.1, 0, 0.0, row_keys=torch.zeros(2, 2, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.parametrize("batch", ["left-padded", "right-padded", "packed", "bert-padded"])
