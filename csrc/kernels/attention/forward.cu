@@ -1,11 +1,11 @@
-// Attention forward: the dispatch on dtype, head dim and mask to the kernels of forward_kernels.cuh (head dims up to
+// Attention forward: the dispatch on dtype, head dim and mask to the launchers of forward_launch.cuh (head dims up to
 // 64 run the D = 64 kernels, up to 128 the D = 128 ones, up to 192 and 256 the D = 192 and 256 ones).
 #include "attention.h"
 #include "common.cuh"
 
 namespace tk_attn {
 
-// The launcher of one (dtype, head dim, mask): forward_kernels.cuh, instantiated in
+// The launcher of one (dtype, head dim, mask): forward_launch.cuh, instantiated in
 // forward_<dtype>_d<head dim>_<causal|full>.cu so that the sixteen compile in parallel.
 template <typename T, int D, bool CAUSAL>
 const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,

@@ -5,7 +5,7 @@
 // (batch*head, query block) in an L2-friendly, heavy-first order.
 //
 // This header: the configurations, shared memory, task order and the producer both forward kernels share
-// (forward_kernels.cuh: the kernels and their launcher).
+// (forward_kernels.cuh: the kernels; forward_launch.cuh: their launch).
 #pragma once
 #include <climits>
 #include <cmath>

@@ -1,6 +1,6 @@
 // The forward kernels for __nv_bfloat16, head dim 128, a causal mask (forward_kernels.cuh): one translation
 // unit per (dtype, head dim, mask), so that the sixteen compile in parallel.
-#include "forward_kernels.cuh"
+#include "forward_launch.cuh"
 
 namespace tk_attn {
 template const char* forward_config<__nv_bfloat16, 128, true>(DType, const View4&, const View4&, const View4&,

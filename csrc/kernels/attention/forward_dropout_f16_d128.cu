@@ -1,6 +1,6 @@
 // The dropout forward kernels for __half, head dim 128, both masks (forward_kernels.cuh): one translation unit per
 // (dtype, head dim), so that they compile in parallel with the others.
-#include "forward_kernels.cuh"
+#include "forward_launch.cuh"
 
 namespace tk_attn {
 template const char* forward_dropout_config<__half, 128>(DType, const View4&, const View4&, const View4&, void*,
