@@ -35,8 +35,9 @@ from tk_inductor.ops import linear_attention as _ops  # noqa: F401  (registers t
 from tk_inductor import config
 from tk_inductor.rewrite import Match, example
 
-from ._fx import (LETTERS, Contraction, arg, close, contraction, dtype, eq, evaluate_constant, is_tensor, kind,
-                  needs_grad, peel_to, rank, scalar, scaled, shape, shapes_eq, strip, unify)
+from ._fx import (arg, close, dtype, eq, evaluate_constant, is_tensor, kind, needs_grad, rank, scalar, scaled, shape,
+                  shapes_eq, strip)
+from ._index import LETTERS, Contraction, contraction, peel_to, unify
 from ._mask import triangle
 
 FAMILY = "linear_attention"

@@ -26,8 +26,9 @@ from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.s
 from tk_inductor import config
 from tk_inductor.rewrite import Match, Squeeze, example
 
-from ._fx import (arg, contraction, dtype, eq, evaluate_constant, full_index, indexes, is_tensor, kind,
-                  needs_grad, peel_to, rank, scalar, shape, shapes_eq, static_int, strip, through_upcasts, unify)
+from ._fx import (arg, dtype, eq, evaluate_constant, is_tensor, kind, needs_grad, rank, scalar, shape, shapes_eq,
+                  static_int, strip, through_upcasts)
+from ._index import contraction, full_index, indexes, peel_to, unify
 from ._mask import triangle
 
 FAMILY = "ssd"
