@@ -21,7 +21,7 @@ Kept with a reason: masked scores whose mask is not provably causal (an input, a
 Not matched at all: scores without a mask, different q/k lengths, in-place masking
 (`masked_fill_`), a python-float scale that Dynamo made symbolic.
 
-The graph-reading vocabulary (kind, contraction, unify, eq, ...) is patterns/_fx.py's.
+The graph-reading vocabulary (kind, eq, ...) is patterns/_fx.py's, contraction and unify patterns/_index.py's.
 """
 from __future__ import annotations
 
