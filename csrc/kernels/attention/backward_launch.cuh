@@ -161,8 +161,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.causal = sc.causal;
   p.window = sc.window > 0 ? sc.window : INT_MAX;
   p.key_rows = sc.key_rows;
-  p.drop = {static_cast<uint32_t>(sc.dropout.seed), static_cast<uint32_t>(sc.dropout.seed >> 32),
-            static_cast<uint32_t>(sc.dropout.offset), sc.dropout.threshold >> 16, sc.dropout.scale};
+  p.drop = Dropout::of(sc.dropout);
   p.lse2 = lse2;
   p.delta = delta;
   p.dq_accum = dq_accum;

@@ -21,6 +21,12 @@ struct Dropout {
   uint32_t seed_lo, seed_hi, offset, threshold;  // threshold: 16-bit
   float scale;  // 1 / (1 - p), rounded to fp32 on the host
 
+  // The stream of a launch's arguments (attention.h): the low 32 bits of the offset, the threshold's high 16.
+  static Dropout of(const DropoutArgs& a) {
+    return {static_cast<uint32_t>(a.seed), static_cast<uint32_t>(a.seed >> 32), static_cast<uint32_t>(a.offset),
+            a.threshold >> 16, a.scale};
+  }
+
   __device__ __forceinline__ uint4 call(uint32_t bh, int i, int j) const {
     const uint32_t ig = uint32_t(i >> 4) * 8 + (i & 7), jg = uint32_t(j >> 4) * 4 + ((j & 7) >> 1);
     return tk::philox4x32<7>(make_uint4(jg, ig, bh, offset), seed_lo, seed_hi);

@@ -39,8 +39,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.causal = sc.causal;
   p.window = sc.window > 0 ? sc.window : INT_MAX;
   p.row_keys = sc.row_keys;
-  p.drop = {static_cast<uint32_t>(sc.dropout.seed), static_cast<uint32_t>(sc.dropout.seed >> 32),
-            static_cast<uint32_t>(sc.dropout.offset), sc.dropout.threshold >> 16, sc.dropout.scale};
+  p.drop = Dropout::of(sc.dropout);
   p.o = o;
   p.lse = lse;
   p.next_task = next_task;
