@@ -139,3 +139,24 @@ def _kernel_built() -> bool:
         return False
     build.load("attention")
     return True
+
+
+def _check(model, *inputs, replaced=1, grad=True, tol=1e-5, kept=0):
+    """Compiled (reference mode) == eager, forward and gradients; the report says what was replaced."""
+    inputs = [x.detach().clone().requires_grad_(grad and x.is_floating_point()) for x in inputs]
+    ref_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    out = _compile(model)(*inputs)
+    report = tk_inductor.report()
+    ref = model(*ref_inputs)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert report.replaced.get("attention", 0) == replaced, str(report)
+    assert len([r for f, r in report.kept if f == "attention"]) == kept, str(report)
+    if grad:
+        w = torch.randn_like(ref)
+        params = [p for p in model.parameters() if p.requires_grad]
+        got = torch.autograd.grad((out * w).sum(), [x for x in inputs if x.requires_grad] + params)
+        model.zero_grad(set_to_none=True)
+        want = torch.autograd.grad((ref * w).sum(), [x for x in ref_inputs if x.requires_grad] + params)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    return report
