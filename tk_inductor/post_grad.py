@@ -121,13 +121,14 @@ def _direct_ops() -> dict[Any, tuple[str, Callable, Callable[[dict], bool]]]:
     table = {
         torch.ops.tk.attention.default: (
             "attention", attention._attention_fake,
-            lambda a: a["causal"] is not None and attention.kernel_takes_scores(a["scale"], a["softcap"], a["dropout_p"])
-            and attention.direct_kernel_ok(a["q"], a["k"], a["v"], dropout=a["dropout_p"] > 0)),
+            lambda a: a["causal"] is not None
+            and attention.direct_kernel_ok(a["q"], a["k"], a["v"], scale=a["scale"], softcap=a["softcap"],
+                                           dropout_p=a["dropout_p"])),
         torch.ops.tk.attention_backward.default: (
             "attention_backward", attention._attention_backward_fake,
-            lambda a: a["causal"] is not None and attention.kernel_takes_scores(a["scale"], a["softcap"], a["dropout_p"])
+            lambda a: a["causal"] is not None
             and attention.direct_kernel_ok(a["q"], a["k"], a["v"], a["grad_o"], a["o"], a["lse"], backward=True,
-                                           dropout=a["dropout_p"] > 0)),
+                                           scale=a["scale"], softcap=a["softcap"], dropout_p=a["dropout_p"])),
         torch.ops.tk.layernorm.default: (
             "layernorm", layernorm._forward_fake,
             # with dropout and no (seed, offset) the Python op draws them; the C++ op does not

@@ -92,8 +92,7 @@ def _validate_scores(causal, window, softcap, op: str, dropout_p=0.0, rng=None) 
           lambda: f"{op}: softcap must be a finite number >= 0 (0: none), got {softcap!r}")
     check(isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1,
           lambda: f"{op}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    check(dropout_p == 0 or (isinstance(rng, torch.Tensor) and rng.device.type == "cpu" and rng.dtype == torch.int64
-                             and rng.numel() == 2),
+    check(dropout_p == 0 or philox.is_rng(rng),
           lambda: f"{op}: dropout_p > 0 needs rng, a CPU int64 tensor (seed, offset) such as philox.draw_seed(), "
                   f"got {rng!r}")
 
@@ -256,24 +255,24 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
 
 # ---------------------------------------------------------------------------- the ops
 
-def _kernel_ok(*tensors, backward: bool = False, dropout: bool = False) -> bool:
+def _kernel_ok(*tensors, backward: bool = False, scale: float = 1.0, softcap: float = 0.0,
+               dropout_p: float = 0.0) -> bool:
+    """Whether the kernels run these operands (q first) and score function: dtype, head dim, and with dropout also
+    scale > 0 and no softcap."""
     q = tensors[0]
-    return kernel_supports(q.dtype, q.shape[-1], backward, dropout) is None and _dispatch.use_kernel(FAMILY, *tensors)
+    return (kernel_supports(q.dtype, q.shape[-1], backward, dropout_p > 0) is None
+            and (dropout_p == 0 or (scale > 0 and softcap == 0)) and _dispatch.use_kernel(FAMILY, *tensors))
 
 
-def direct_kernel_ok(*tensors, backward: bool = False, dropout: bool = False) -> bool:
+def direct_kernel_ok(*tensors, backward: bool = False, scale: float = 1.0, softcap: float = 0.0,
+                     dropout_p: float = 0.0) -> bool:
     """Whether the raw `tk_cuda::` op may stand in for the Python op (the post-grad pass asks with the node's fake
     values): the kernel takes the operands as they are, no empty-input shortcut and no copy of a strided row."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return _kernel_ok(*tensors, backward=backward, dropout=dropout) and all(
+    return _kernel_ok(*tensors, backward=backward, scale=scale, softcap=softcap, dropout_p=dropout_p) and all(
         t.dim() < 4 or (statically_known_true(t.stride(-1) == 1) and statically_known_true(t.numel() > 0))
         for t in tensors)
-
-
-def kernel_takes_scores(scale, softcap, dropout_p) -> bool:
-    """Whether the kernels take this score function with its dropout: dropout needs scale > 0 and no softcap."""
-    return dropout_p == 0 or (scale > 0 and softcap == 0)
 
 
 def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
@@ -292,7 +291,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     _validate_scores(causal, window, softcap, "tk::attention", dropout_p, rng)
     if q.numel() == 0:
         return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
-    if _kernel_ok(q, k, v, dropout=dropout_p > 0) and kernel_takes_scores(scale, softcap, dropout_p):
+    if _kernel_ok(q, k, v, scale=scale, softcap=softcap, dropout_p=dropout_p):
         q, k, v = map(_last_dim_unit, (q, k, v))
         return _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, dropout_p, rng)
     return attention_reference(q, k, v, causal, scale, window, softcap, None, dropout_p, rng)
@@ -319,8 +318,7 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     _validate_scores(causal, window, softcap, "tk::attention_backward", dropout_p, rng)
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
-    if (_kernel_ok(q, k, v, grad_o, o, lse, backward=True, dropout=dropout_p > 0)
-            and kernel_takes_scores(scale, softcap, dropout_p)):
+    if _kernel_ok(q, k, v, grad_o, o, lse, backward=True, scale=scale, softcap=softcap, dropout_p=dropout_p):
         grad_o, q, k, v, o = map(_last_dim_unit, (grad_o, q, k, v, o))
         return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale, window,
                                                       softcap, dropout_p, rng)

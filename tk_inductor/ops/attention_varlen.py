@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _dispatch
 from .attention import (_as_grads, _empty_out, _kernel_ok, _last_dim_unit, _validate, _validate_backward,
                         _validate_scores, attention_backward_reference, attention_reference, causal_allowed,
-                        grad_like, kernel_takes_scores)
+                        grad_like)
 
 OP = "tk::attention_varlen"
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # keep or segments (or its base) -> {key: Intervals}
@@ -214,8 +214,7 @@ def _reference_entries(tensors, keep, segments, causal: bool, scale: float, wind
     cannot run at all (`tensors`: the operands, q, k, v first; `backward`: for the gradients)."""
     q, k = tensors[0], tensors[1]
     everything = list(range(q.shape[0]))
-    if (not _kernel_ok(*tensors, backward=backward, dropout=dropout_p > 0)
-            or not kernel_takes_scores(scale, softcap, dropout_p)
+    if (not _kernel_ok(*tensors, backward=backward, scale=scale, softcap=softcap, dropout_p=dropout_p)
             or (keep is not None and torch.cuda.is_current_stream_capturing())):
         return None, everything
     tables = intervals(keep, segments, q.shape[2], k.shape[2], causal, window)

@@ -87,8 +87,7 @@ def _check(x, residual, weight, bias, rng, eps, p, rms, out_dtype=None, gate=Non
     check(eps >= 0.0, lambda: f"tk::layernorm: eps must be >= 0, got {eps}")
     check(0.0 <= p < 1.0, lambda: f"tk::layernorm: dropout p must be in [0, 1), got {p}")
     if rng is not None:
-        check(rng.device.type == "cpu" and rng.dtype == torch.int64 and rng.numel() == 2,
-              "tk::layernorm: rng must be a CPU int64 tensor (seed, offset)")
+        check(philox.is_rng(rng), "tk::layernorm: rng must be a CPU int64 tensor (seed, offset)")
 
 
 # ---------------------------------------------------------------------------- references

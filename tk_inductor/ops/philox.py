@@ -1,19 +1,19 @@
 """Counter-based RNG (Philox4x32-R) in plain PyTorch, bit-identical to the kernels' device code.
 
-The layernorm family's dropout mask is a pure function of (seed, offset, element
-index), so the backward regenerates it instead of storing it, and the reference
-(this file) reproduces the kernels' mask exactly on any device.
+The dropout masks of the layernorm and attention families are pure functions of (seed, offset, element), so the
+backward regenerates them instead of storing them, and the reference (this file) reproduces the kernels' masks
+exactly on any device.
 
 Stream layouts (the generator itself is csrc/include/tk/ops/thread/philox.cuh):
-* layernorm (csrc/kernels/layernorm/philox.cuh), Philox4x32-10: element e of the flattened (rows, hidden) tensor uses word (e % 4)
-  of philox(key=(seed_lo, seed_hi), counter=(g_lo, g_hi, offset_lo, offset_hi)), g = e // 4, and is kept iff the word
-  >= threshold(p), threshold(p) = min(floor(p * 2^32), 2^32 - 1);
-* attention (csrc/kernels/attention/dropout.cuh), Philox4x32-7: probability (bh, i, j) (query head bh = b * Hq + h, query i, key j)
-  uses 16-bit half h = (i // 8) % 2 + 2 * (j % 2) + 4 * ((j // 8) % 2) of the words of
+* layernorm (csrc/kernels/layernorm/philox.cuh), Philox4x32-10: element e of the flattened (rows, hidden) tensor uses
+  word (e % 4) of philox(key=(seed_lo, seed_hi), counter=(g_lo, g_hi, offset_lo, offset_hi)), g = e // 4, and is kept
+  iff the word >= threshold(p), threshold(p) = min(floor(p * 2^32), 2^32 - 1);
+* attention (csrc/kernels/attention/dropout.cuh), Philox4x32-7: probability (bh, i, j) (query head bh = b * Hq + h,
+  query i, key j) uses 16-bit half h = (i // 8) % 2 + 2 * (j % 2) + 4 * ((j // 8) % 2) of the words of
   philox(key=(seed_lo, seed_hi), counter=(jg, ig, bh, offset_lo)), ig = (i // 16) * 8 + i % 8,
   jg = (j // 16) * 4 + (j % 8) // 2 (word h // 2, its low half for even h; eight elements share a call), and is kept iff
-  that half >= threshold(p) >> 16 = floor(p * 2^16): p at 16-bit resolution (one call per 8 elements: the
-  attention kernels' generator costs about as much as their softmax).
+  that half >= threshold(p) >> 16 = floor(p * 2^16): p at 16-bit resolution (one call per 8 elements, as the
+  generator is the attention kernels' hot spot).
 Integer comparison (rather than a float uniform) keeps the reference and the kernel
 bit-identical for every p.
 
@@ -44,7 +44,8 @@ def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[int, int], rounds: int = ROUNDS) -> tuple[torch.Tensor, ...]:
+def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[int, int],
+               rounds: int = ROUNDS) -> tuple[torch.Tensor, ...]:
     """Philox4x32-`rounds` of int64 tensors holding 32-bit counter words; returns the 4 output words."""
     c0, c1, c2, c3 = counter
     k0, k1 = key[0] & MASK32, key[1] & MASK32
@@ -113,10 +114,17 @@ def draw_seed() -> torch.Tensor:
     return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device="cpu")
 
 
+def is_rng(rng) -> bool:
+    """Whether `rng` is a (seed, offset) pair as the ops take it: a CPU int64 tensor of two elements."""
+    return isinstance(rng, torch.Tensor) and rng.device.type == "cpu" and rng.dtype == torch.int64 and rng.numel() == 2
+
+
 def unpack(rng: torch.Tensor) -> tuple[int, int]:
     """(seed, offset) as unsigned 64-bit Python ints from a CPU int64 tensor of two elements."""
-    if rng.device.type != "cpu" or rng.dtype != torch.int64 or rng.numel() != 2:
-        raise ValueError(f"rng must be a CPU int64 tensor of 2 elements (seed, offset), got {rng.dtype} {tuple(rng.shape)} on {rng.device}")
+    if not is_rng(rng):
+        got = (f"{rng.dtype} {tuple(rng.shape)} on {rng.device}" if isinstance(rng, torch.Tensor)
+               else type(rng).__name__)
+        raise ValueError(f"rng must be a CPU int64 tensor of 2 elements (seed, offset), got {got}")
     seed, offset = (int(v) & _U64 for v in rng.tolist())
     return seed, offset
 

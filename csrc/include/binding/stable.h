@@ -134,17 +134,13 @@ T* data(const Tensor& t) {
   return static_cast<T*>(t.data_ptr());
 }
 
-// A dropout's Philox arguments from its probability and the (seed, offset) pair the op was given (a CPU int64 tensor
-// of two elements, tk_inductor/ops/philox.py's draw_seed), with the reference's threshold(p) and dropout_scale(p).
-// p <= 0: none (enabled false, rng not read).
-struct Philox {
-  bool enabled = false;
-  uint64_t seed = 0, offset = 0;
-  uint32_t threshold = 0;  // min(floor(p * 2^32), 2^32 - 1): an element is kept iff its word >= threshold
-  float scale = 1.f;       // 1 / (1 - p) in fp32
-};
-inline Philox philox(const char* op, double p, const OptTensor& rng) {
-  Philox d;
+// A family's dropout arguments (its torch-free DropoutArgs: enabled, seed, offset, threshold, scale) from the
+// probability and the (seed, offset) pair the op was given (a CPU int64 tensor of two elements,
+// tk_inductor/ops/philox.py's draw_seed), with the reference's threshold(p) = min(floor(p * 2^32), 2^32 - 1) and
+// dropout_scale(p) = 1 / (1 - p) in fp32. p <= 0: none (enabled false, rng not read).
+template <class Args>
+Args philox(const char* op, double p, const OptTensor& rng) {
+  Args d;
   if (p <= 0.0) return d;
   STD_TORCH_CHECK(p < 1.0, op, ": dropout p must be < 1");
   STD_TORCH_CHECK(present(rng) && rng->is_cpu() && rng->scalar_type() == ScalarType::Long && rng->numel() == 2, op,

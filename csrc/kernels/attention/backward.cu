@@ -22,7 +22,8 @@ const char* attention_backward(DType dt, const View4& dout, const View4& q, cons
     return "the backward takes head dims that are multiples of 8 up to 256";
   if (sc.dropout.enabled) {
     if (q.D > kMaxDropoutHeadDim) return "dropout takes head dims up to 128";
-    return attention_backward_dropout(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms, stream);
+    return attention_backward_dropout(dt, dout, q, k, v, o, lse, dq, dk, dv, dq_accum, lse2, delta, sc, num_sms,
+                                      stream);
   }
   switch (bwd_d(q.D)) {
     case 64:

@@ -432,8 +432,8 @@ struct DkvMaps {
 };
 
 // dK (scaled) and dV (times dv_scale: dropout's 1 / (1 - p)) of consumer c: 64 keys from key0 (this thread's rows
-// row_in, row_in + 8) by COLS head-dim columns from col0. Once both consumers are past their last step (the other's last wgmmas may still read the
-// ring), each writes its tiles into the drained (Q, dO) ring and one thread stores them by TMA (full 128-byte
+// row_in, row_in + 8) by COLS head-dim columns from col0. Once both consumers are past their last step (the other's
+// last wgmmas may still read the ring), each writes its tiles into the drained (Q, dO) ring and one thread stores them by TMA (full 128-byte
 // lines, keys past M clipped), where 4-byte stores from registers filled half of each 32-byte sector.
 template <typename T, int COLS, class K_>
 __device__ __forceinline__ void store_dkdv(const BwdSmem<K_>& sm, const BwdParams& p, const DkvMaps& maps,

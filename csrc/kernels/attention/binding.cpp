@@ -75,11 +75,10 @@ tk_attn::Scores scores(bool causal, double scale, int64_t window, double softcap
   check(softcap >= 0.0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: none)");
   check(dropout_p >= 0.0, "dropout_p must be >= 0");
   tk_attn::Scores sc{causal, static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap)};
-  const binding::Philox d = binding::philox("tk_cuda::attention", dropout_p, rng);
-  sc.dropout = {d.enabled, d.seed, d.offset, d.threshold, d.scale};
-  check(!d.enabled || (softcap == 0.0 && scale > 0.0), "dropout runs with scale > 0 and without a softcap");
-  check(!d.enabled || head_dim <= tk_attn::kMaxDropoutHeadDim, "dropout takes head dims up to 128, got " +
-                                                                   std::to_string(head_dim));
+  sc.dropout = binding::philox<tk_attn::DropoutArgs>("tk_cuda::attention", dropout_p, rng);
+  check(!sc.dropout.enabled || (softcap == 0.0 && scale > 0.0), "dropout runs with scale > 0 and without a softcap");
+  check(!sc.dropout.enabled || head_dim <= tk_attn::kMaxDropoutHeadDim,
+        "dropout takes head dims up to 128, got " + std::to_string(head_dim));
   return sc;
 }
 

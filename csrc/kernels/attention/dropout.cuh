@@ -1,5 +1,5 @@
-// Attention dropout on tk::philox4x32<7> (seven rounds: see tk/ops/thread/philox.cuh): the probabilities P = softmax(s) are multiplied by keep / (1 - p), with
-// keep a pure function of (seed, offset, query head bh = b * Hq + h, query i, key j), so the backward regenerates
+// Attention dropout on tk::philox4x32<7> (seven rounds: see tk/ops/thread/philox.cuh): the probabilities
+// P = softmax(s) are multiplied by keep / (1 - p), with keep a pure function of (seed, offset, query head bh = b * Hq + h, query i, key j), so the backward regenerates
 // the mask instead of storing it. tk_inductor/ops/philox.py (`attention_keep_mask`) is the bit-identical reference.
 //
 // The stream: one generator call, philox(key = seed, counter = (jg, ig, bh, offset mod 2^32)), serves the eight

@@ -1,5 +1,5 @@
-// The dropout forward kernels for __nv_bfloat16, head dim 64, both masks (forward_kernels.cuh): one translation unit per
-// (dtype, head dim), so that they compile in parallel with the others.
+// The dropout forward kernels for __nv_bfloat16, head dim 64, both masks (forward_launch.cuh): one
+// translation unit per (dtype, head dim), so that they compile in parallel with the others.
 #include "forward_launch.cuh"
 
 namespace tk_attn {

@@ -132,9 +132,11 @@ const char* forward_dropout_config(DType dt, const View4& q, const View4& k, con
   using Cs = FwdConfigs<D>;
   if (!sc.dropout.enabled) return "the forward was dispatched to the dropout kernels without dropout";
   if (sc.causal && next_task == nullptr) return "the causal forward needs its task counter";
-  return sc.causal
-             ? launch_fwd<T, typename Cs::DropoutCausal, true, false, true>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream)
-             : launch_fwd<T, typename Cs::DropoutFull, false, false, true>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
+  if (sc.causal)
+    return launch_fwd<T, typename Cs::DropoutCausal, true, false, true>(dt, q, k, v, o, lse, sc, num_sms, next_task,
+                                                                         stream);
+  return launch_fwd<T, typename Cs::DropoutFull, false, false, true>(dt, q, k, v, o, lse, sc, num_sms, next_task,
+                                                                      stream);
 }
 
 }  // namespace tk_attn

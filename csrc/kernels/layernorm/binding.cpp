@@ -67,14 +67,7 @@ std::optional<ScalarType> weight_dtype(const OptTensor& weight, const OptTensor&
 }
 
 tk_layernorm::DropoutArgs dropout_args(double p, const OptTensor& rng) {
-  const binding::Philox r = binding::philox("tk_cuda::layernorm", p, rng);
-  tk_layernorm::DropoutArgs d;
-  d.enabled = r.enabled;
-  d.seed = r.seed;
-  d.offset = r.offset;
-  d.threshold = r.threshold;
-  d.scale = r.scale;
-  return d;
+  return binding::philox<tk_layernorm::DropoutArgs>("tk_cuda::layernorm", p, rng);
 }
 
 // y's dtype is out_dtype, or h's: the residual's, or x's without one (fp32 with a gate).

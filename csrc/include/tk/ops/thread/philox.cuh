@@ -1,8 +1,9 @@
 // Philox4x32-R, the counter-based generator of Salmon et al. (2011): four 32-bit random words from a 128-bit
 // counter and a 64-bit key, a pure function, so a kernel's backward regenerates a dropout mask instead of storing
 // it. R = 10 is the authors' default; they report 7 rounds already pass TestU01's BigCrush, the choice of a stream
-// whose generator competes with the tensor cores for issue slots (attention). tk_inductor/ops/philox.py is the bit-identical PyTorch reference; each family defines its own stream (which
-// counter an element uses) beside its kernels.
+// whose generator competes with the tensor cores for issue slots (attention). tk_inductor/ops/philox.py is the
+// bit-identical PyTorch reference; each family defines its own stream (which counter an element uses) beside its
+// kernels.
 #pragma once
 #include <cstdint>
 
