@@ -54,22 +54,12 @@ def _flops(B, H, N, D, causal, backward):
     return f * 3.5 if backward else f
 
 
-def _sdpa(backend):
+def _sdpa(backend, dropout_p: float = 0.0):
     from torch.nn.attention import sdpa_kernel
 
     def fwd(q, k, v, causal, scale):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-
-    return fwd
-
-
-def _sdpa_dropout(backend, p):
-    from torch.nn.attention import sdpa_kernel
-
-    def fwd(q, k, v, causal, scale):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
 
     return fwd
 
@@ -135,7 +125,7 @@ def run(quick: bool = False, backward: bool = True, dims=(128, 64), dropout: flo
 
     build.load("attention")
     if dropout:
-        baselines = {n: _sdpa_dropout(b, dropout) for n, b in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+        baselines = {n: _sdpa(b, dropout) for n, b in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                      ("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
     else:
         baselines = {"cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "flash": _sdpa(SDPBackend.FLASH_ATTENTION)}
