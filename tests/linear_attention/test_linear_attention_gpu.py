@@ -46,8 +46,9 @@ def inputs(B, H, N, dv, layout="bhnd", seed=0):
 
 
 def heads(kernel: str, B: int = 2, dv: int = 64) -> int:
-    """H whose grid of 64-column blocks (B·H·dv/64) reaches `kernel` (based.cu narrow_tiles, and the backward's
-    choice): "tile32" where the doubled grid fits in one wave, "tile64" where it does not."""
+    """H whose grid of 64-column blocks (B·H·dv/64) reaches `kernel`, the backward's value tile chosen by grid size:
+    "tile32" where the doubled grid fits in one wave, "tile64" where it does not (the forward has one tile: a small
+    grid, and one with more blocks than SMs)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return 3 if kernel == "tile32" else (sms // 2) // (B * (dv // 64)) + 1
 
@@ -68,7 +69,7 @@ def check(ops, q, k, v, scale, normalize, eps=1e-6):
     assert err < TOL, f"relative error {err:.3g} (B{B} H{H} N{N} dv{dv} normalize={normalize})"
 
 
-@pytest.mark.parametrize("kernel", ["tile64", "tile32"])  # value columns per block, by grid size
+@pytest.mark.parametrize("kernel", ["tile64", "tile32"])  # grid sizes
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
 @pytest.mark.parametrize("dv", [64, 128])
 @pytest.mark.parametrize("N", LENGTHS)
@@ -91,10 +92,10 @@ def test_based_forward_strided_inputs(ops):
     check(ops, q, k, v, 0.25, True)
 
 
-@pytest.mark.parametrize("B,H,dv", [(4, 16, 64), (4, 32, 128)], ids=["tile32", "tile64"])  # on 132 SMs
+@pytest.mark.parametrize("B,H,dv", [(4, 16, 64), (4, 32, 128), (8, 40, 128)], ids=["64", "256", "640"])
 def test_based_forward_many_heads(ops, B, H, dv):
-    """A model's head shape (the benchmark's Based layer is B4 H16 N4096 dv64: 64 blocks of 64 columns) and more
-    blocks than SMs."""
+    """A model's head shape (the benchmark's Based layer is B4 H16 N4096 dv64: 64 blocks of 64 columns), and
+    grids of one and several waves of two blocks per SM."""
     q, k, v = inputs(B, H, 1024, dv, seed=11)
     check(ops, q, k, v, 0.25, True)
 

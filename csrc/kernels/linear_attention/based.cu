@@ -1,162 +1,263 @@
-// Based linear attention, forward (linear_attention.h): a chunked causal scan with an fp32 state in registers.
+// Based linear attention, forward (linear_attention.h), on wgmma: a chunked causal scan whose state lives in one
+// warpgroup's registers.
 //
-// One block per (batch·head, tile of 64 value columns; 32 for small grids) walks the sequence in chunks of 64 tokens:
-//   o_chunk = [(1 + s + s²/2) ⊙ causal] v_chunk + φq(q_chunk) · S     (s = scale·q kᵀ inside the chunk)
-//   S      += φk(k_chunk)ᵀ v_chunk                                      (then the next chunk)
-// φ, of 288 features in 18 tiles of 16, is built in registers from the 16-wide q and k rows (based.cuh).
-//
-// Warps: 8. For the outputs, warp w owns chunk rows 16·(w/2).. and half the block's value columns; for the state,
-// warp w owns tiles w, w + 8 and w + 16 (if < 18) as fp32 register tiles (16 x the block's columns), adds each
-// chunk's keys to them, and publishes a bf16 copy in shared memory that every warp reads for the next chunk's
-// inter-chunk product. The normaliser is the same scan with a value of ones; its state z (288 floats) is in shared memory.
-// Loads are cp.async, double-buffered: chunk c + 1 lands while chunk c is computed.
+// One block (one warpgroup; two blocks per SM) per (batch·head, 64 value columns) walks the sequence in chunks of 64
+// tokens. φ(q)·φ(k) = 1 + s + s²/2 (s = scale·q·k) has a constant, 16 linear and 256 quadratic features, so per chunk
+//   o = [(1 + s + s²/2) ⊙ causal] v  +  Σ_prev v  +  (scale·q) A1  +  Σ_a (scale²/2 · q_a q) A2_a
+//   A1 += kᵀ v,   A2_a += (k_a k)ᵀ v   (a = 0..15; 16 x 64 each),   Σ_prev v += Σ v
+// with Q Kᵀ and every product on wgmma. A2's 256 features are four 64 x 64 fp32 accumulators (tile t: warp w's rows
+// 16w + b are the features (a = 4t + w, b)); A1 is kept transposed (64 value columns x 16), the product Vᵀ K. Before
+// each chunk the warps publish bf16 copies of A2 and A1ᵀ in shared memory, the B operands of the chunk's
+// inter-chunk products. The φ tiles, the A operands, are built in registers from the 16-wide q and k rows: a column of
+// q (a row of kᵀ) broadcast by shuffles, times the row, in bf16 pairs. Nothing of size 273 touches memory.
+// The normaliser (normalize) is the same scan with v = 1: the intra-chunk weights' row sums, 64 per previous chunk,
+// scale·q·K1 and (scale²/2) qᵀ Z q, with K1 = Σ_prev k and Z = Σ_prev k kᵀ, which every warp keeps itself (fp32,
+// mma.sync; Z·q from Z's two bf16 halves).
+// Loads are TMA, double-buffered (chunk c + 1 lands while chunk c is computed); rows past N read as zeros, and o
+// leaves by TMA store from a staging tile, which drops them.
 #include "based.cuh"
+
+#include <utility>
 
 namespace tk_linear_attention {
 namespace {
 
-// DVT: value columns per block (64, or 32 for twice the blocks when batch·heads leave SMs idle).
-template <int DVT>
-struct Smem {
-  QKTile q[2], k[2];
-  VTile<DVT> v[2];
-  StateTile<DVT> state;  // bf16 copy of the state after the previous chunk
-  float z[FEATURES];     // normaliser state: Σ φk over the previous chunks
+constexpr int FWD_DV = BASED_DV_TILE;          // value columns per block
+constexpr int QUAD_TILES = DK * DK / CHUNK;    // A2 in wgmma tiles of 64 features
+using RowsTile = st<bf16, CHUNK, DK>;          // a chunk of q or k
+using ValueTile = st<bf16, CHUNK, FWD_DV>;     // a chunk of v or o; also one A2 tile (64 features x 64 columns)
+using LinTile = st<bf16, FWD_DV, DK>;          // A1ᵀ
+using Frag = rt_base<bf16, row_layout>;
+
+struct FwdGlobals {
+  tma_map<RowsTile> q, k;
+  tma_map<ValueTile> v, o;
+  int H, N, tiles_v;
+  float scale, eps;
 };
 
-// Chunk c into buffer `buf`: q and k rows are two 16-byte segments (threads 0-127: q, 128-255: k), v rows
-// DVT / 8; rows past N are zero-filled.
-template <int DVT>
-__device__ __forceinline__ void load_chunk(Smem<DVT>& s, int buf, const Rows& g, int c) {
-  const int tid = threadIdx.x, n0 = c * CHUNK;
-  {
-    const bool is_q = tid < 128;
-    const int t = tid & 127, r = t >> 1, seg = t & 1, n = n0 + r;
-    const bool ok = n < g.N;
-    const bf16* src = (is_q ? g.q : g.k) + (ok ? int64_t(n) * (is_q ? g.qn : g.kn) + seg * 8 : 0);
-    const QKTile& dst = is_q ? s.q[buf] : s.k[buf];
-    cp_async16(smem_addr(dst.data) + QKTile::offset(r, seg * 8), src, ok);
-  }
-#pragma unroll
-  for (int i = 0; i < CHUNK * DVT / 8 / THREADS; ++i) {
-    const int t = tid + i * THREADS, r = t / (DVT / 8), seg = t % (DVT / 8), n = n0 + r;
-    const bool ok = n < g.N;
-    cp_async16(smem_addr(s.v[buf].data) + VTile<DVT>::offset(r, seg * 8), g.v + (ok ? int64_t(n) * g.vn + seg * 8 : 0), ok);
-  }
-  cp_async_commit();
+struct FwdSmem {
+  RowsTile q[2], k[2];
+  ValueTile v[2];
+  ValueTile quad[QUAD_TILES];  // bf16 copy of A2 before the current chunk
+  LinTile lin;                 // bf16 copy of A1ᵀ before the current chunk
+  ValueTile o;                 // the chunk's output on its way out
+  float vsum[FWD_DV];          // Σ v over the previous chunks: the constant feature's state
+  semaphore arrived[2];
+};
+
+__device__ __forceinline__ void load_chunk(FwdSmem& s, int buf, const FwdGlobals& g, int b, int h, int vt, int c) {
+  semaphore& bar = s.arrived[buf];
+  expect_bytes(bar, 2 * RowsTile::bytes + ValueTile::bytes);
+  tma::load_async(s.q[buf], g.q, bar, {b, h, c, 0});
+  tma::load_async(s.k[buf], g.k, bar, {b, h, c, 0});
+  tma::load_async(s.v[buf], g.v, bar, {b, h, c, vt});
 }
 
-// Phase 1: this warp's 16 rows x DVT/2 columns of the chunk's output, from the chunk itself and the state.
-template <int DVT>
-__device__ __forceinline__ void chunk_output(const Smem<DVT>& s, int buf, int c, const BasedArgs& a, bf16* o) {
-  constexpr int HALF = DVT / 2;
-  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = HALF * (warp & 1);
-  const float scale = a.scale, half_sq = 0.5f * scale * scale;
-  rt_bf<BASE, DK> qr;
-  load(qr, s.q[buf], BASE * grp, 0);
-  rt_bf<CHUNK, DK> kr;
-  load(kr, s.k[buf]);
-  rt_fl<BASE, CHUNK> sc;
-  zero(sc);
-  mma_ABt(sc, qr, kr, sc);
-
-  // intra-chunk weights 1 + x + x²/2 (x = scale·q·k) on and below the diagonal
-  rt_bf<BASE, CHUNK> w;
-  float zrow[2] = {0.f, 0.f};  // the normaliser's partial row sums (this lane's rows r0 and r0 + 8)
-  map_indexed(w, sc, [&](int r, int col, float qk) {
-    const float x = scale * qk, val = col <= BASE * grp + r ? 1.f + x + 0.5f * x * x : 0.f;
-    zrow[r >> 3] += val;
-    return val;
-  });
-  rt_bf<CHUNK, HALF, col_layout> vr;
-  load(vr, s.v[buf], 0, cols);
-  rt_fl<BASE, HALF> out;
-  zero(out);
-  mma_AB(out, w, vr, out);
-
-  // inter-chunk: φq(q) · state, one feature tile at a time
-  const int r0 = BASE * grp + (lane >> 2);  // this lane's chunk rows: r0 and r0 + 8
-  float zq[2] = {0.f, 0.f};
-#pragma unroll 2
-  for (int f = 0; f < TILES; ++f) {
-    float qa[2] = {0.f, 0.f};
-    if (f < DK) {
-      qa[0] = half_sq * __bfloat162float(s.q[buf](r0, f));
-      qa[1] = half_sq * __bfloat162float(s.q[buf](r0 + 8, f));
-    }
-    rt_bf<BASE, BASE> p;  // φq(q) for feature tile f: rows are this warp's tokens, columns b
-    map_indexed(p, qr, [&](int r, int b, float qb) {
-      const float val = f < DK ? qa[r >> 3] * qb : f == DK ? scale * qb : (b == 0 ? 1.f : 0.f);
-      if (a.normalize) zq[r >> 3] += val * s.z[BASE * f + b];
-      return val;
-    });
-    rt_bf<BASE, HALF, col_layout> sv;
-    load(sv, s.state, BASE * f, cols);
-    mma_AB(out, p, sv, out);
-  }
-
-  float inv[2] = {1.f, 1.f};
-  if (a.normalize)
+// φq's feature tile T (64 quadratic features), this warp's 16 rows: column 16w + b holds qs_a·qs_b, a = 4T + w,
+// from qs = (scale/√2)·q. Column block w scales qs's pairs by qs_a of their row.
+template <int A>
+__device__ __forceinline__ void quad_block_q(Frag& dst, const Frag& qs) {
+  const bf16_2 r[2] = {column_at<A, 0>(qs), column_at<A, 1>(qs)};
 #pragma unroll
-    for (int i = 0; i < 2; ++i) inv[i] = 1.f / (quad_sum(zrow[i] + zq[i]) + a.eps);
-  store_rows(o, a.dv, out, c * CHUNK + BASE * grp, a.N, cols, inv);
+  for (int k = 0; k < 4; ++k) dst.data[k] = __hmul2(qs.data[k], r[k & 1]);
+}
+template <int T, int... W>
+__device__ __forceinline__ void quad_features_q(rt_bf<BASE, FWD_DV>& f, const Frag& qs, std::integer_sequence<int, W...>) {
+  (quad_block_q<4 * T + W>(f.tiles[0][W], qs), ...);
+}
+// φk's feature tile T, transposed, this warp's 16 features (a = 4T + warp, b) by the chunk's 64 tokens: k_a·k_b, from
+// kt = kᵀ (16 x 64, the col-layout k tile's registers).
+template <int T>
+__device__ __forceinline__ void quad_features_k(rt_bf<BASE, CHUNK>& f, const rt_bf<BASE, CHUNK>& kt) {
+  constexpr int H = (4 * T) / 8;  // row a = a8 + 8H of kᵀ
+  const int a8 = (4 * T) % 8 + warpid();
+#pragma unroll
+  for (int m = 0; m < CHUNK / BASE; ++m) {
+    const bf16_2 c[2] = {row_pair_at<H, 0>(kt.tiles[0][m], a8), row_pair_at<H, 1>(kt.tiles[0][m], a8)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) f.tiles[0][m].data[k] = __hmul2(kt.tiles[0][m].data[k], c[k >> 1]);
+  }
 }
 
-template <int DVT>
-__global__ void __launch_bounds__(THREADS, 1) based_fwd_kernel(const BasedArgs a) {
+// One of the four A2 tiles: o += φq_T · A2_T (the copy before the chunk), A2_T += φk_Tᵀ v. At most two wgmma groups
+// stay in flight: an A operand is rebuilt only after the group reading it has finished.
+template <int T>
+__device__ __forceinline__ void quad_step(rt_fl<BASE, FWD_DV>& o, rt_fl<BASE, FWD_DV>& acc, rt_bf<BASE, FWD_DV>& fq,
+                                          rt_bf<BASE, CHUNK>& fk, const Frag& qs, const rt_bf<BASE, CHUNK>& kt,
+                                          const FwdSmem& s, int buf, rt_bf<BASE, CHUNK>& p, rt_bf<BASE, DK>& ql) {
+  quad_features_q<T>(fq, qs, std::make_integer_sequence<int, FWD_DV / BASE>{});
+  warpgroup::mma_AB(o, fq, s.quad[T]);
+  if constexpr (T == 0) warpgroup::mma_async_wait<1>(fk, p, ql);  // (the intra-chunk and linear products too)
+  else warpgroup::mma_async_wait<1>(fk);
+  quad_features_k<T>(fk, kt);
+  warpgroup::mma_AB(acc, fk, s.v[buf]);
+  warpgroup::mma_async_wait<1>(fq);
+}
+
+template <bool NORM>
+__global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const __grid_constant__ FwdGlobals g) {
   extern __shared__ uint8_t raw[];
-  Smem<DVT>& s = *reinterpret_cast<Smem<DVT>*>(align_shared<1024>(raw));
-  const int tiles_v = a.dv / DVT;
-  const int bh = blockIdx.x / tiles_v, vt = blockIdx.x % tiles_v;
-  const int b = bh / a.H, h = bh % a.H;
-  Rows g;
-  g.q = static_cast<const bf16*>(a.q) + b * a.q_stride[0] + h * a.q_stride[1];
-  g.k = static_cast<const bf16*>(a.k) + b * a.k_stride[0] + h * a.k_stride[1];
-  g.v = static_cast<const bf16*>(a.v) + b * a.v_stride[0] + h * a.v_stride[1] + vt * DVT;
-  g.qn = a.q_stride[2], g.kn = a.k_stride[2], g.vn = a.v_stride[2];
-  g.N = a.N;
-  bf16* o = static_cast<bf16*>(a.o) + int64_t(bh) * a.N * a.dv + vt * DVT;
-
-  const int chunks = (a.N + CHUNK - 1) / CHUNK;
-  load_chunk(s, 0, g, 0);
-  for (int i = threadIdx.x; i < StateTile<DVT>::bytes / 16; i += THREADS)
-    reinterpret_cast<uint4*>(s.state.data)[i] = make_uint4(0, 0, 0, 0);
-  for (int i = threadIdx.x; i < FEATURES; i += THREADS) s.z[i] = 0.f;
-  rt_fl<BASE, DVT> acc[OWNED];
+  FwdSmem& s = *reinterpret_cast<FwdSmem*>(align_shared<1024>(raw));
+  const int bh = blockIdx.x / g.tiles_v, vt = blockIdx.x % g.tiles_v, b = bh / g.H, h = bh % g.H;
+  const int lane = laneid(), row0 = BASE * warpid();
+  const int chunks = (g.N + CHUNK - 1) / CHUNK;
+  const bool leader = threadIdx.x == 0;
+  const float scale = g.scale, half_sq = 0.5f * scale * scale;
+  if (leader) {
+    init_semaphore(s.arrived[0], 1);
+    init_semaphore(s.arrived[1], 1);
+    fence_semaphore_init();
+    load_chunk(s, 0, g, b, h, vt, 0);
+  }
+  for (int i = threadIdx.x; i < FWD_DV; i += WARPGROUP_THREADS) s.vsum[i] = 0.f;
+  rt_fl<BASE, FWD_DV> quad[QUAD_TILES];  // A2
+  rt_fl<BASE, DK> lin;                   // A1ᵀ: warp w's rows are value columns 16w..16w + 15
+  rt_fl<BASE, DK> zk;                    // normalize: Z = Σ k kᵀ over the previous chunks (symmetric)
+  float k1[2] = {0.f, 0.f};              // normalize: K1_b over the previous chunks, b = lane/4 + 8i
 #pragma unroll
-  for (int i = 0; i < OWNED; ++i) zero(acc[i]);
+  for (int t = 0; t < QUAD_TILES; ++t) zero(quad[t]);
+  zero(lin);
+  zero(zk);
+  __syncthreads();
 
   for (int c = 0; c < chunks; ++c) {
     const int buf = c & 1;
-    cp_async_wait<0>();
-    __syncthreads();  // chunk c and the state after chunk c - 1 are visible; chunk c - 1's buffer is free
-    if (c + 1 < chunks) load_chunk(s, buf ^ 1, g, c + 1);
-    chunk_output(s, buf, c, a, o);
-    if (c + 1 == chunks) break;  // the last chunk's state is never read
-    __syncthreads();  // every warp has read the state before its owners change it
-    chunk_state<DVT>(s, buf, acc);
+    // The state before this chunk, in bf16 for the inter-chunk products (every warp waited for the previous chunk's
+    // products before that chunk's closing barrier), and o's start: the constant feature's share, Σ_prev v.
+    {
+      rt_bf<BASE, FWD_DV> copy_bf;
+#pragma unroll
+      for (int t = 0; t < QUAD_TILES; ++t) {
+        copy(copy_bf, quad[t]);
+        warpgroup::store(s.quad[t], copy_bf);
+      }
+      rt_bf<BASE, DK> lin_bf;
+      copy(lin_bf, lin);
+      warpgroup::store(s.lin, lin_bf);
+    }
+    rt_fl<BASE, FWD_DV> o;
+    zero(o);
+    map_indexed(o, o, [&](int, int col, float) { return s.vsum[col]; });
+    if (leader) tma::store_read_wait<0>();  // the previous chunk's o has left the staging tile
+    fence_async_shared();
+    __syncthreads();  // the copies are visible to wgmma; every warp is done with chunk c - 1 and its buffers
+    if (leader && c + 1 < chunks) load_chunk(s, buf ^ 1, g, b, h, vt, c + 1);
+    wait(s.arrived[buf], (c >> 1) & 1);
+
+    rt_fl<BASE, CHUNK> sc;  // q kᵀ, this warp's 16 rows
+    warpgroup::mm_ABt(sc, s.q[buf], s.k[buf]);
+    rt_bf<BASE, DK> qr, ql, qs;  // this warp's q rows: as read, times scale (linear features), times scale/√2
+    load(qr, s.q[buf], row0, 0);
+    warpgroup::mma_async_wait<0>(sc);
+    float den[2] = {0.f, 0.f};  // normalize: this lane's share of its rows' sums (rows lane/4 and lane/4 + 8)
+    rt_bf<BASE, CHUNK> p;       // intra-chunk weights 1 + x + x²/2 (x = scale·q·k) on and below the diagonal
+    map_indexed(p, sc, [&](int r, int col, float qk) {
+      const float x = scale * qk, w = col <= row0 + r ? 1.f + x + 0.5f * x * x : 0.f;
+      if constexpr (NORM) den[r >> 3] += w;
+      return w;
+    });
+    warpgroup::mma_AB(o, p, s.v[buf]);
+    map_indexed(ql, qr, [&](int, int, float x) { return scale * x; });
+    warpgroup::mma_ABt(o, ql, s.lin);
+    map_indexed(qs, qr, [&](int, int, float x) { return 0.70710678f * scale * x; });
+    rt_bf<CHUNK, DK, col_layout> kc;  // the chunk's k; its registers are kᵀ's (16 x 64) in row layout
+    load(kc, s.k[buf]);
+    const rt_bf<BASE, CHUNK>& kt = transposed(kc);
+
+    rt_bf<BASE, FWD_DV> fq;
+    rt_bf<BASE, CHUNK> fk;
+    quad_step<0>(o, quad[0], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
+    quad_step<1>(o, quad[1], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
+    quad_step<2>(o, quad[2], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
+    quad_step<3>(o, quad[3], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
+    warpgroup::mma_AtB(lin, s.v[buf], s.k[buf]);  // A1ᵀ += vᵀ k
+
+    if constexpr (NORM) {
+      // the inter-chunk sums: 64 per previous chunk + Σ_b q_b (scale·K1_b + (scale²/2)(Z q)_b); Z is symmetric, so
+      // its row-layout registers are also its col-layout ones (a B operand)
+      rt_bf<BASE, DK> zhi, zlo;
+      copy(zhi, zk);
+      map_indexed(zlo, zk, zhi, [](int, int, float z, float hi) { return z - hi; });
+      rt_fl<BASE, DK> zq;
+      zero(zq);
+      mma_AB(zq, qr, reinterpret_cast<const rt_bf<BASE, DK, col_layout>&>(zhi), zq);
+      mma_AB(zq, qr, reinterpret_cast<const rt_bf<BASE, DK, col_layout>&>(zlo), zq);
+      float k1c[2][2];  // K1 at this lane's columns 2(lane%4) + j + 8m, from the lanes holding it
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) k1c[m][j] = __shfl_sync(0xffffffffu, k1[m], 8 * (lane & 3) + 4 * j);
+      map_indexed(zq, zq, qr, [&](int r, int col, float y, float q) {
+        den[r >> 3] += q * (scale * k1c[(col >> 3) & 1][col & 1] + half_sq * y);
+        return y;
+      });
+      // then this chunk's keys join the sums: Z += kᵀ k, K1 += Σ k (kc holds k(j, b) with b = lane/4 + 8(reg % 2))
+      mma_AB(zk, kt, kc, zk);
+      float ks[2] = {0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < CHUNK / BASE; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 pair = __bfloat1622float2(kc.tiles[i][0].data[k]);
+          ks[k & 1] += pair.x + pair.y;
+        }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        ks[i] += __shfl_xor_sync(0xffffffffu, ks[i], 1);
+        ks[i] += __shfl_xor_sync(0xffffffffu, ks[i], 2);
+        k1[i] += ks[i];
+      }
+    }
+    {  // Σ_prev v += this chunk's column sums (every warp read Σ_prev v before the barrier above)
+      float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+      for (int r = 0; r < BASE; ++r) {
+        const float2 pair = __bfloat1622float2(*reinterpret_cast<const bf16_2*>(&s.v[buf](row0 + r, 2 * lane)));
+        acc.x += pair.x, acc.y += pair.y;
+      }
+      atomicAdd(&s.vsum[2 * lane], acc.x);
+      atomicAdd(&s.vsum[2 * lane + 1], acc.y);
+    }
+    warpgroup::mma_async_wait<0>(o, quad[3], lin, fk);
+
+    float inv[2] = {1.f, 1.f};
+    if constexpr (NORM)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) inv[i] = 1.f / (quad_sum(den[i]) + float(CHUNK) * c + g.eps);
+    rt_bf<BASE, FWD_DV> ob;
+    map_indexed(ob, o, [&](int r, int, float x) { return x * inv[r >> 3]; });
+    warpgroup::store(s.o, ob);
+    fence_async_shared();
+    __syncthreads();  // the staging tile is complete; Σ_prev v has this chunk's columns
+    if (leader) {
+      tma::store_async(g.o, s.o, {b, h, c, vt});
+      tma::store_commit();
+    }
   }
+  if (leader) tma::store_wait<0>();
 }
 
-template <int DVT>
-const char* launch_tile(const BasedArgs& a, cudaStream_t stream) {
-  const int64_t blocks = int64_t(a.B) * a.H * (a.dv / DVT);
+template <bool NORM>
+const char* launch_fwd(const BasedArgs& a, cudaStream_t stream) {
+  FwdGlobals g{};
+  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
+    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
+  };
+  if (const char* e = make_tma_map(g.q, view(a.q, DK, a.q_stride))) return e;
+  if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
+  if (const char* e = make_tma_map(g.v, view(a.v, a.dv, a.v_stride))) return e;
+  if (const char* e = make_tma_map(g.o, gl<bf16>(static_cast<bf16*>(a.o), a.B, a.H, a.N, a.dv))) return e;
+  g.H = a.H, g.N = a.N, g.tiles_v = a.dv / FWD_DV, g.scale = a.scale, g.eps = a.eps;
+  const int64_t blocks = int64_t(a.B) * a.H * g.tiles_v;
   if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
-  const size_t smem = sizeof(Smem<DVT>) + 1024;  // + the alignment of the dynamic shared memory base
+  const size_t smem = sizeof(FwdSmem) + 1024;  // + the alignment of the dynamic shared memory base
   // per call: the attribute belongs to the current device's context
-  const cudaError_t attr = cudaFuncSetAttribute(based_fwd_kernel<DVT>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  const cudaError_t attr = cudaFuncSetAttribute(based_fwd_kernel<NORM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  based_fwd_kernel<DVT><<<unsigned(blocks), THREADS, smem, stream>>>(a);
+  based_fwd_kernel<NORM><<<unsigned(blocks), WARPGROUP_THREADS, smem, stream>>>(g);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
-
-// Measured on the H200 (benchmarks/RESULTS.md): a block of 32 columns takes ~0.77 of the time of one of 64
-// (the feature maps are built in both), so the split pays only when the doubled grid still fits in one wave
-// (B4 H16 dv64, 64 blocks: 0.33 ms vs 0.42); at 256 blocks it is 1.5x slower.
-bool narrow_tiles(const BasedArgs& a) {
-  const long long blocks = (long long)a.B * a.H * (a.dv / BASED_DV_TILE);
-  return tk::grid::waves_of(2 * blocks, 1) == 1;
 }
 
 }  // namespace
@@ -164,7 +265,7 @@ bool narrow_tiles(const BasedArgs& a) {
 const char* launch_based(const BasedArgs& a, cudaStream_t stream) {
   if (a.dv <= 0 || a.dv % BASED_DV_TILE != 0) return "dv must be a positive multiple of 64";
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
-  return narrow_tiles(a) ? launch_tile<32>(a, stream) : launch_tile<64>(a, stream);
+  return a.normalize ? launch_fwd<true>(a, stream) : launch_fwd<false>(a, stream);
 }
 
 }  // namespace tk_linear_attention

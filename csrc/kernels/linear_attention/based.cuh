@@ -1,6 +1,6 @@
-// The Based kernels' shared pieces (forward: based.cu, backward: based_backward.cu): chunk and feature-map constants,
-// tile types, the block's input rows, and the state update that the forward and the backward's dq scan both run.
-// φ has 288 features in 18 tiles of 16: tile a < 16 holds k_a·k_b (b = 0..15), tile 16 holds k_b, tile 17 the
+// The Based kernels' shared pieces: the chunk and feature constants (forward: based.cu, backward: based_backward.cu),
+// and the backward's tile types, input rows and the state update both of its scans run (mma.sync, 8 warps).
+// There φ has 288 features in 18 tiles of 16: tile a < 16 holds k_a·k_b (b = 0..15), tile 16 holds k_b, tile 17 the
 // constant 1 (row 0; rows 1-15 are zero); φq is the same with scale²/2, scale and 1 folded in, so
 // φq(q)·φk(k) = 1 + s + s²/2. Nothing of size 288 is ever in global memory: both maps are built in registers
 // from the 16-wide q and k rows.
@@ -35,8 +35,8 @@ struct Rows {  // this block's (batch, head) rows; v and o already offset to the
 
 // A state update: for this warp's feature tiles f (w, w + 8, w + 16), state_f += φ(x)ᵀ values and, with
 // `with_vec`, vec_f += Σ_t weight(t) φ(x_t); then the bf16 copy of the state is published. φ is the feature map of
-// the tokens' 16-wide rows x with its quadratic and linear factors (φk: 1, 1; φq: scale²/2, scale). The forward and
-// the backward's dq scan add φk(k)ᵀ v and z = Σ φk; the backward's reverse scan adds φq(q)ᵀ dn and r = Σ dd φq.
+// the tokens' 16-wide rows x with its quadratic and linear factors (φk: 1, 1; φq: scale²/2, scale). The
+// backward's dq scan adds φk(k)ᵀ v and z = Σ φk (the forward's state); its reverse scan adds φq(q)ᵀ dn and r = Σ dd φq.
 template <int DVT, class S, class Weight>
 __device__ __forceinline__ void state_update(S& s, const QKTile& x, const st<bf16, CHUNK, DVT>& values, float quad,
                                              float lin, bool with_vec, Weight&& weight,
@@ -71,7 +71,7 @@ __device__ __forceinline__ void state_update(S& s, const QKTile& x, const st<bf1
   }
 }
 
-// The forward's state update: state += φk(k)ᵀ v and z += Σ φk(k).
+// The dq scan's state update (the forward's state): state += φk(k)ᵀ v and z += Σ φk(k).
 template <int DVT, class S>
 __device__ __forceinline__ void chunk_state(S& s, int buf, rt_fl<BASE, DVT> (&acc)[OWNED]) {
   state_update<DVT>(s, s.k[buf], s.v[buf], 1.f, 1.f, true, [](int) { return 1.f; }, acc);

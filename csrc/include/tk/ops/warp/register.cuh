@@ -190,6 +190,29 @@ template <register_tile D, register_tile S> TK_DEVICE void transpose(D& dst, con
     swap_layout(dst, t);
 }
 
+// ---- base tiles: one element of a row or column, broadcast by shuffles (16-bit, row layout) ----
+namespace detail {
+template <class P> TK_DEVICE P shfl_pair(const P& p, int src_lane) {
+    const uint32_t w = __shfl_sync(0xffffffffu, as_u32(p), src_lane);
+    P out;
+    __builtin_memcpy(&out, &w, 4);
+    return out;
+}
+}  // namespace detail
+// Element (lane/4 + 8H, C) of base tile t, the value in column C of this lane's row H, in both halves of a pair: a
+// per-row factor for the lane's pairs in that row (feature maps built from a column of the inputs).
+template <int C, int H, class T> TK_DEVICE packed_t<T> column_at(const rt_base<T, row_layout>& t) {
+    static_assert(sizeof(T) == 2 && C >= 0 && C < BASE && (H == 0 || H == 1), "16-bit base tile, C < 16, H 0 or 1");
+    const packed_t<T> p = detail::shfl_pair(t.data[H + 2 * (C / 8)], (laneid() & ~3) | ((C % 8) / 2));
+    return C % 2 ? make_packed<T>(p.y, p.y) : make_packed<T>(p.x, p.x);
+}
+// Row r8 + 8H of base tile t at this lane's column pair Q (columns 2(lane%4) + 8Q, + 1): per-column factors for the
+// lane's pairs in register H + 2Q of any tile with t's columns.
+template <int H, int Q, class T> TK_DEVICE packed_t<T> row_pair_at(const rt_base<T, row_layout>& t, int r8) {
+    static_assert(sizeof(T) == 2 && (H == 0 || H == 1) && (Q == 0 || Q == 1), "16-bit base tile, H and Q 0 or 1");
+    return detail::shfl_pair(t.data[H + 2 * Q], r8 * 4 + (laneid() & 3));
+}
+
 // ---- vectors ----
 template <register_vector V, class G> TK_DEVICE void vec_for_each(V& dst, G&& g) {
 #pragma unroll
