@@ -17,17 +17,8 @@
 // leaves by TMA store from a staging tile, which drops them.
 #include "based.cuh"
 
-#include <utility>
-
 namespace tk_linear_attention {
 namespace {
-
-constexpr int FWD_DV = BASED_DV_TILE;          // value columns per block
-constexpr int QUAD_TILES = DK * DK / CHUNK;    // A2 in wgmma tiles of 64 features
-using RowsTile = st<bf16, CHUNK, DK>;          // a chunk of q or k
-using ValueTile = st<bf16, CHUNK, FWD_DV>;     // a chunk of v or o; also one A2 tile (64 features x 64 columns)
-using LinTile = st<bf16, FWD_DV, DK>;          // A1ᵀ
-using Frag = rt_base<bf16, row_layout>;
 
 struct FwdGlobals {
   tma_map<RowsTile> q, k;
@@ -39,10 +30,9 @@ struct FwdGlobals {
 struct FwdSmem {
   RowsTile q[2], k[2];
   ValueTile v[2];
-  ValueTile quad[QUAD_TILES];  // bf16 copy of A2 before the current chunk
-  LinTile lin;                 // bf16 copy of A1ᵀ before the current chunk
+  StateCopy state;             // bf16 copies of A2 and A1ᵀ before the current chunk
   ValueTile o;                 // the chunk's output on its way out
-  float vsum[FWD_DV];          // Σ v over the previous chunks: the constant feature's state
+  float vsum[DV_TILE];         // Σ v over the previous chunks: the constant feature's state
   semaphore arrived[2];
 };
 
@@ -54,40 +44,14 @@ __device__ __forceinline__ void load_chunk(FwdSmem& s, int buf, const FwdGlobals
   tma::load_async(s.v[buf], g.v, bar, {b, h, c, vt});
 }
 
-// φq's feature tile T (64 quadratic features), this warp's 16 rows: column 16w + b holds qs_a·qs_b, a = 4T + w,
-// from qs = (scale/√2)·q. Column block w scales qs's pairs by qs_a of their row.
-template <int A>
-__device__ __forceinline__ void quad_block_q(Frag& dst, const Frag& qs) {
-  const bf16_2 r[2] = {column_at<A, 0>(qs), column_at<A, 1>(qs)};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) dst.data[k] = __hmul2(qs.data[k], r[k & 1]);
-}
-template <int T, int... W>
-__device__ __forceinline__ void quad_features_q(rt_bf<BASE, FWD_DV>& f, const Frag& qs, std::integer_sequence<int, W...>) {
-  (quad_block_q<4 * T + W>(f.tiles[0][W], qs), ...);
-}
-// φk's feature tile T, transposed, this warp's 16 features (a = 4T + warp, b) by the chunk's 64 tokens: k_a·k_b, from
-// kt = kᵀ (16 x 64, the col-layout k tile's registers).
-template <int T>
-__device__ __forceinline__ void quad_features_k(rt_bf<BASE, CHUNK>& f, const rt_bf<BASE, CHUNK>& kt) {
-  constexpr int H = (4 * T) / 8;  // row a = a8 + 8H of kᵀ
-  const int a8 = (4 * T) % 8 + warpid();
-#pragma unroll
-  for (int m = 0; m < CHUNK / BASE; ++m) {
-    const bf16_2 c[2] = {row_pair_at<H, 0>(kt.tiles[0][m], a8), row_pair_at<H, 1>(kt.tiles[0][m], a8)};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) f.tiles[0][m].data[k] = __hmul2(kt.tiles[0][m].data[k], c[k >> 1]);
-  }
-}
-
 // One of the four A2 tiles: o += φq_T · A2_T (the copy before the chunk), A2_T += φk_Tᵀ v. At most two wgmma groups
 // stay in flight: an A operand is rebuilt only after the group reading it has finished.
 template <int T>
-__device__ __forceinline__ void quad_step(rt_fl<BASE, FWD_DV>& o, rt_fl<BASE, FWD_DV>& acc, rt_bf<BASE, FWD_DV>& fq,
+__device__ __forceinline__ void quad_step(rt_fl<BASE, DV_TILE>& o, rt_fl<BASE, DV_TILE>& acc, rt_bf<BASE, DV_TILE>& fq,
                                           rt_bf<BASE, CHUNK>& fk, const Frag& qs, const rt_bf<BASE, CHUNK>& kt,
                                           const FwdSmem& s, int buf, rt_bf<BASE, CHUNK>& p, rt_bf<BASE, DK>& ql) {
-  quad_features_q<T>(fq, qs, std::make_integer_sequence<int, FWD_DV / BASE>{});
-  warpgroup::mma_AB(o, fq, s.quad[T]);
+  quad_features_q<T>(fq, qs, std::make_integer_sequence<int, DV_TILE / BASE>{});
+  warpgroup::mma_AB(o, fq, s.state.quad[T]);
   if constexpr (T == 0) warpgroup::mma_async_wait<1>(fk, p, ql);  // (the intra-chunk and linear products too)
   else warpgroup::mma_async_wait<1>(fk);
   quad_features_k<T>(fk, kt);
@@ -103,40 +67,29 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
   const int lane = laneid(), row0 = BASE * warpid();
   const int chunks = (g.N + CHUNK - 1) / CHUNK;
   const bool leader = threadIdx.x == 0;
-  const float scale = g.scale, half_sq = 0.5f * scale * scale;
+  const float scale = g.scale;
   if (leader) {
     init_semaphore(s.arrived[0], 1);
     init_semaphore(s.arrived[1], 1);
     fence_semaphore_init();
     load_chunk(s, 0, g, b, h, vt, 0);
   }
-  for (int i = threadIdx.x; i < FWD_DV; i += WARPGROUP_THREADS) s.vsum[i] = 0.f;
-  rt_fl<BASE, FWD_DV> quad[QUAD_TILES];  // A2
+  for (int i = threadIdx.x; i < DV_TILE; i += WARPGROUP_THREADS) s.vsum[i] = 0.f;
+  rt_fl<BASE, DV_TILE> quad[QUAD_TILES];  // A2
   rt_fl<BASE, DK> lin;                   // A1ᵀ: warp w's rows are value columns 16w..16w + 15
-  rt_fl<BASE, DK> zk;                    // normalize: Z = Σ k kᵀ over the previous chunks (symmetric)
-  float k1[2] = {0.f, 0.f};              // normalize: K1_b over the previous chunks, b = lane/4 + 8i
+  NormSums sums;                         // normalize
 #pragma unroll
   for (int t = 0; t < QUAD_TILES; ++t) zero(quad[t]);
   zero(lin);
-  zero(zk);
+  sums.clear();
   __syncthreads();
 
   for (int c = 0; c < chunks; ++c) {
     const int buf = c & 1;
     // The state before this chunk, in bf16 for the inter-chunk products (every warp waited for the previous chunk's
     // products before that chunk's closing barrier), and o's start: the constant feature's share, Σ_prev v.
-    {
-      rt_bf<BASE, FWD_DV> copy_bf;
-#pragma unroll
-      for (int t = 0; t < QUAD_TILES; ++t) {
-        copy(copy_bf, quad[t]);
-        warpgroup::store(s.quad[t], copy_bf);
-      }
-      rt_bf<BASE, DK> lin_bf;
-      copy(lin_bf, lin);
-      warpgroup::store(s.lin, lin_bf);
-    }
-    rt_fl<BASE, FWD_DV> o;
+    publish_state(s.state, quad, lin);
+    rt_fl<BASE, DV_TILE> o;
     zero(o);
     map_indexed(o, o, [&](int, int col, float) { return s.vsum[col]; });
     if (leader) tma::store_read_wait<0>();  // the previous chunk's o has left the staging tile
@@ -159,13 +112,13 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
     });
     warpgroup::mma_AB(o, p, s.v[buf]);
     map_indexed(ql, qr, [&](int, int, float x) { return scale * x; });
-    warpgroup::mma_ABt(o, ql, s.lin);
+    warpgroup::mma_ABt(o, ql, s.state.lin);
     map_indexed(qs, qr, [&](int, int, float x) { return 0.70710678f * scale * x; });
     rt_bf<CHUNK, DK, col_layout> kc;  // the chunk's k; its registers are kᵀ's (16 x 64) in row layout
     load(kc, s.k[buf]);
     const rt_bf<BASE, CHUNK>& kt = transposed(kc);
 
-    rt_bf<BASE, FWD_DV> fq;
+    rt_bf<BASE, DV_TILE> fq;
     rt_bf<BASE, CHUNK> fk;
     quad_step<0>(o, quad[0], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
     quad_step<1>(o, quad[1], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
@@ -173,41 +126,11 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
     quad_step<3>(o, quad[3], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
     warpgroup::mma_AtB(lin, s.v[buf], s.k[buf]);  // A1ᵀ += vᵀ k
 
-    if constexpr (NORM) {
-      // the inter-chunk sums: 64 per previous chunk + Σ_b q_b (scale·K1_b + (scale²/2)(Z q)_b); Z is symmetric, so
-      // its row-layout registers are also its col-layout ones (a B operand)
-      rt_bf<BASE, DK> zhi, zlo;
-      copy(zhi, zk);
-      map_indexed(zlo, zk, zhi, [](int, int, float z, float hi) { return z - hi; });
+    if constexpr (NORM) {  // the previous chunks' share of the sums, then this chunk's keys join them
       rt_fl<BASE, DK> zq;
-      zero(zq);
-      mma_AB(zq, qr, reinterpret_cast<const rt_bf<BASE, DK, col_layout>&>(zhi), zq);
-      mma_AB(zq, qr, reinterpret_cast<const rt_bf<BASE, DK, col_layout>&>(zlo), zq);
-      float k1c[2][2];  // K1 at this lane's columns 2(lane%4) + j + 8m, from the lanes holding it
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) k1c[m][j] = __shfl_sync(0xffffffffu, k1[m], 8 * (lane & 3) + 4 * j);
-      map_indexed(zq, zq, qr, [&](int r, int col, float y, float q) {
-        den[r >> 3] += q * (scale * k1c[(col >> 3) & 1][col & 1] + half_sq * y);
-        return y;
-      });
-      // then this chunk's keys join the sums: Z += kᵀ k, K1 += Σ k (kc holds k(j, b) with b = lane/4 + 8(reg % 2))
-      mma_AB(zk, kt, kc, zk);
-      float ks[2] = {0.f, 0.f};
-#pragma unroll
-      for (int i = 0; i < CHUNK / BASE; ++i)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float2 pair = __bfloat1622float2(kc.tiles[i][0].data[k]);
-          ks[k & 1] += pair.x + pair.y;
-        }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        ks[i] += __shfl_xor_sync(0xffffffffu, ks[i], 1);
-        ks[i] += __shfl_xor_sync(0xffffffffu, ks[i], 2);
-        k1[i] += ks[i];
-      }
+      float k1c[2][2];
+      sums.inter(den, zq, k1c, qr, scale);
+      sums.add(kc);
     }
     {  // Σ_prev v += this chunk's column sums (every warp read Σ_prev v before the barrier above)
       float2 acc = make_float2(0.f, 0.f);
@@ -225,7 +148,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
     if constexpr (NORM)
 #pragma unroll
       for (int i = 0; i < 2; ++i) inv[i] = 1.f / (quad_sum(den[i]) + float(CHUNK) * c + g.eps);
-    rt_bf<BASE, FWD_DV> ob;
+    rt_bf<BASE, DV_TILE> ob;
     map_indexed(ob, o, [&](int r, int, float x) { return x * inv[r >> 3]; });
     warpgroup::store(s.o, ob);
     fence_async_shared();
@@ -248,7 +171,7 @@ const char* launch_fwd(const BasedArgs& a, cudaStream_t stream) {
   if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
   if (const char* e = make_tma_map(g.v, view(a.v, a.dv, a.v_stride))) return e;
   if (const char* e = make_tma_map(g.o, gl<bf16>(static_cast<bf16*>(a.o), a.B, a.H, a.N, a.dv))) return e;
-  g.H = a.H, g.N = a.N, g.tiles_v = a.dv / FWD_DV, g.scale = a.scale, g.eps = a.eps;
+  g.H = a.H, g.N = a.N, g.tiles_v = a.dv / DV_TILE, g.scale = a.scale, g.eps = a.eps;
   const int64_t blocks = int64_t(a.B) * a.H * g.tiles_v;
   if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
   const size_t smem = sizeof(FwdSmem) + 1024;  // + the alignment of the dynamic shared memory base

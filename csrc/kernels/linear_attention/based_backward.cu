@@ -1,8 +1,83 @@
 // Based linear attention, backward (linear_attention.h): the gradients as two chunked scans like the forward's.
 #include "based.cuh"
 
+#include <tk/ops/thread/cp_async.cuh>
+
 namespace tk_linear_attention {
 namespace {
+
+constexpr int WARPS = 8, THREADS = WARPS * 32;
+constexpr int TILES = 18, FEATURES = TILES * BASE;   // 256 quadratic + 16 linear + 1 constant (+ 15 zero rows)
+constexpr int OWNED = (TILES + WARPS - 1) / WARPS;  // state tiles per warp: 3 for warps 0-1, 2 for the others
+using QKTile = st<bf16, CHUNK, DK>;
+template <int DVT> using VTile = st<bf16, CHUNK, DVT>;
+template <int DVT> using StateTile = st<bf16, FEATURES, DVT>;
+
+struct Rows {  // this block's (batch, head) rows; v and o already offset to the block's column tile
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  int64_t qn, kn, vn;  // row strides
+  int N;
+};
+
+// A state update: for this warp's feature tiles f (w, w + 8, w + 16), state_f += φ(x)ᵀ values and, with
+// `with_vec`, vec_f += Σ_t weight(t) φ(x_t); then the bf16 copy of the state is published. φ is the feature map of
+// the tokens' 16-wide rows x with its quadratic and linear factors (φk: 1, 1; φq: scale²/2, scale). The
+// reverse scan adds φq(q)ᵀ dn and r = Σ dd φq.
+template <int DVT, class S, class Weight>
+__device__ __forceinline__ void state_update(S& s, const QKTile& x, const st<bf16, CHUNK, DVT>& values, float quad,
+                                             float lin, bool with_vec, Weight&& weight,
+                                             rt_fl<BASE, DVT> (&acc)[OWNED]) {
+  const int warp = warpid(), lane = laneid();
+  rt_bf<CHUNK, DVT, col_layout> vall;
+  load(vall, values);
+  // x (64 x 16) loaded in col layout: the registers of xᵀ (features x tokens) in row layout
+  rt_bf<CHUNK, DK, col_layout> xc;
+  load(xc, x);
+#pragma unroll
+  for (int i = 0; i < OWNED; ++i) {
+    const int f = warp + WARPS * i;
+    if (f >= TILES) break;
+    rt_bf<BASE, CHUNK> phi;  // φ(x)ᵀ rows of tile f: (feature b, token t)
+    float vs[2] = {0.f, 0.f};
+    map_indexed(phi, transposed(xc), [&](int b, int t, float xb) {
+      const float val = f < DK ? quad * __bfloat162float(x(t, f)) * xb : f == DK ? lin * xb : (b == 0 ? 1.f : 0.f);
+      vs[b >> 3] += weight(t) * val;
+      return val;
+    });
+    mma_AB(acc[i], phi, vall, acc[i]);
+    if (with_vec)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float sum = quad_sum(vs[r]);
+        if ((lane & 3) == 0) s.z[BASE * f + (lane >> 2) + 8 * r] += sum;
+      }
+    rt_bf<BASE, DVT> copy_bf;
+    copy(copy_bf, acc[i]);
+    store(s.state, copy_bf, BASE * f, 0);
+  }
+}
+
+// Rows row0 + r of a (·, ld) bf16 matrix from a 16-row register tile (this lane's rows r0 and r0 + 8 of the tile,
+// scaled by row_scale[0] and [1]), columns col0..; rows at or past N are skipped.
+template <int W>
+__device__ __forceinline__ void store_rows(bf16* dst, int64_t ld, const rt_fl<BASE, W>& t, int row0, int N, int col0,
+                                           const float (&row_scale)[2]) {
+#pragma unroll
+  for (int j = 0; j < W / BASE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int n = row0 + base_row<row_layout>(k, 0);
+      if (n >= N) continue;
+      const float2 v = t.tiles[0][j].data[k];
+      bf16_2 pair;
+      pair.x = __float2bfloat16_rn(v.x * row_scale[k & 1]);
+      pair.y = __float2bfloat16_rn(v.y * row_scale[k & 1]);
+      *reinterpret_cast<bf16_2*>(dst + int64_t(n) * ld + col0 + BASE * j + base_col<row_layout>(k, 0)) = pair;
+    }
+}
+
 
 // Two scans per (batch·head, tile of 64 value columns); README "How the two backward kernels map onto the forward's
 // tiles" has the equations. With dn = do/(d + eps), dd = -(do·o)/(d + eps) (dn = do, dd = 0 without normalising)
@@ -167,70 +242,6 @@ __device__ __forceinline__ void side_gradient(rt_fl<BASE, DK>& d, const BwdSmem<
   }
 }
 
-// Kernel A, one chunk: each row's denominator (4 warps, one per 16 rows), then dn, dd, and dq.
-template <int DVT>
-__device__ __forceinline__ void dq_chunk(BwdSmem<DVT>& s, int buf, int c, const BasedBwdArgs& a, int vt, float* dq,
-                                         float* inv_out) {
-  const int warp = warpid(), lane = laneid(), grp = warp >> 1, cols = (DVT / 2) * (warp & 1);
-  const float scale = a.scale, half_sq = 0.5f * scale * scale;
-  const int r0 = BASE * grp + (lane >> 2);  // this lane's chunk rows: r0 and r0 + 8
-  rt_bf<BASE, DK> qr;
-  load(qr, s.q[buf], BASE * grp, 0);
-  rt_bf<CHUNK, DK> kr;
-  load(kr, s.k[buf]);
-  rt_fl<BASE, CHUNK> sc;
-  zero(sc);
-  mma_ABt(sc, qr, kr, sc);
-
-  if (a.normalize) {  // d_i = Σ_{j ≤ i} κ_ij (this chunk) + φq(q_i)·z, as the forward computes it
-    if ((warp & 1) == 0) {
-      float den[2] = {0.f, 0.f};
-      map_indexed(sc, sc, [&](int r, int col, float qk) {
-        const float x = scale * qk;
-        if (col <= BASE * grp + r) den[r >> 3] += 1.f + x + 0.5f * x * x;
-        return qk;
-      });
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = r0 + 8 * h;
-        float zq = 0.f;  // this lane's quarter of φq(q)·z: features (a, ·) for a = 4·(lane & 3) .. + 3
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int fa = 4 * (lane & 3) + i;
-          const float qa = __bfloat162float(s.q[buf](row, fa));
-          float inner = 0.f;
-#pragma unroll
-          for (int b = 0; b < DK; ++b) inner += __bfloat162float(s.q[buf](row, b)) * s.z[BASE * fa + b];
-          zq += half_sq * qa * inner + scale * qa * s.z[BASE * DK + fa];
-        }
-        const float d = quad_sum(den[h] + zq) + s.z[BASE * (DK + 1)];
-        if ((lane & 3) == 0) {
-          const float inv = 1.f / (d + a.eps);
-          s.inv[buf][row] = inv;
-          const int n = c * CHUNK + row;
-          if (vt == 0 && n < a.N) inv_out[n] = inv;
-        }
-      }
-    }
-    __syncthreads();
-  }
-  scale_dout(s, buf, a.normalize);
-  __syncthreads();
-
-  const bool with_dd = a.normalize && vt == 0 && (warp & 1) == 0;  // the dd terms once per row
-  rt_bf<BASE, DVT / 2> dnr;
-  load(dnr, s.dn, BASE * grp, cols);
-  rt_bf<CHUNK, DVT / 2> vr;
-  load(vr, s.v[buf], 0, cols);
-  rt_fl<BASE, DK> dqp;
-  const float* dd = s.dd + BASE * grp;  // dd of this warp's rows
-  side_gradient<false>(
-      dqp, s, s.q[buf], s.k[buf], dnr, vr, sc, grp, cols, scale, half_sq, scale,
-      [&](int r, int) { return with_dd ? dd[r] : 0.f; },
-      [&](int r, int f, int b) { return with_dd ? dd[r] * s.z[BASE * f + b] : 0.f; });
-  atomic_add_rows(dq, dqp, c * CHUNK + BASE * grp, a.N);
-}
-
 // Kernel B, one chunk: dv and dk for this warp's 16 key rows and half of the block's columns.
 template <int DVT>
 __device__ __forceinline__ void dkdv_chunk(BwdSmem<DVT>& s, int buf, int c, const BasedBwdArgs& a, int vt, bf16* dv,
@@ -310,32 +321,6 @@ __device__ __forceinline__ void clear_state(BwdSmem<DVT>& s) {
 }
 
 template <int DVT>
-__global__ void __launch_bounds__(THREADS, 1) based_bwd_dq_kernel(const BasedBwdArgs a) {
-  extern __shared__ uint8_t raw[];
-  BwdSmem<DVT>& s = *reinterpret_cast<BwdSmem<DVT>*>(align_shared<1024>(raw));
-  const int tiles_v = a.dv / DVT, bh = blockIdx.x / tiles_v, vt = blockIdx.x % tiles_v;
-  const BwdRows g = bwd_rows<DVT>(a, bh, vt);
-  float* dq = a.dq + int64_t(bh) * a.N * DK;
-  float* inv_out = a.inv + int64_t(bh) * a.N;
-  const int chunks = (a.N + CHUNK - 1) / CHUNK;
-  load_bwd_chunk(s, 0, g, 0, false);
-  clear_state(s);
-  rt_fl<BASE, DVT> acc[OWNED];
-#pragma unroll
-  for (int i = 0; i < OWNED; ++i) zero(acc[i]);
-  for (int c = 0; c < chunks; ++c) {
-    const int buf = c & 1;
-    cp_async_wait<0>();
-    __syncthreads();  // chunk c and the state after chunk c - 1 are visible; chunk c - 1's buffer is free
-    if (c + 1 < chunks) load_bwd_chunk(s, buf ^ 1, g, c + 1, false);
-    dq_chunk(s, buf, c, a, vt, dq, inv_out);
-    if (c + 1 == chunks) break;
-    __syncthreads();  // every warp has read the state before its owners change it
-    chunk_state<DVT>(s, buf, acc);
-  }
-}
-
-template <int DVT>
 __global__ void __launch_bounds__(THREADS, 1) based_bwd_dkdv_kernel(const BasedBwdArgs a) {
   extern __shared__ uint8_t raw[];
   BwdSmem<DVT>& s = *reinterpret_cast<BwdSmem<DVT>*>(align_shared<1024>(raw));
@@ -378,12 +363,6 @@ const char* launch_bwd(Kernel kernel, const BasedBwdArgs& a, cudaStream_t stream
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-// dq first: it also writes 1/(d + eps), which the reverse scan reads
-template <int DVT>
-const char* launch_tiles(const BasedBwdArgs& a, cudaStream_t stream) {
-  if (const char* err = launch_bwd<DVT>(based_bwd_dq_kernel<DVT>, a, stream)) return err;
-  return launch_bwd<DVT>(based_bwd_dkdv_kernel<DVT>, a, stream);
-}
 
 // delta = do·o per row of (B·H·N, dv) contiguous bf16 rows: one warp a row (one kernel instead of ATen's four passes
 // through fp32 copies).
@@ -417,7 +396,9 @@ const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream) {
     based_bwd_delta_kernel<<<unsigned(delta_blocks), 256, 0, stream>>>(a, rows);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   }
-  return narrow ? launch_tiles<32>(a, stream) : launch_tiles<64>(a, stream);
+  // dq first: it also writes 1/(d + eps), which the reverse scan reads
+  if (const char* err = launch_based_dq(a, stream)) return err;
+  return narrow ? launch_bwd<32>(based_bwd_dkdv_kernel<32>, a, stream) : launch_bwd<64>(based_bwd_dkdv_kernel<64>, a, stream);
 }
 
 }  // namespace tk_linear_attention

@@ -1,0 +1,226 @@
+// Based linear attention, backward kernel A (based.cuh launch_based_dq): dq and each row's 1/(d + eps), a forward
+// scan on wgmma with the forward's state (based.cu), one warpgroup per (batch·head, 64 value columns), two blocks
+// per SM.
+//
+// With dn = do/(d + eps), dd = -(do·o)/(d + eps) (dn = do, dd = 0 without normalising) and the forward's state before
+// the chunk (A2 = Σ (k_a k)ᵀ v, A1 = Σ kᵀ v, Z = Σ k kᵀ, K1 = Σ k; README "Backward: the equations"):
+//   dq_i = scale Σ_{j ≤ i, this chunk} (dn_i·v_j + dd_i)(1 + s_ij) k_j
+//        + scale² Σ_a q_i[a] (U_i[a, ·] + dd_i Z[a, ·])  +  scale (dn_i A1 + dd_i K1),     U_i = dn_i A2ᵀ (16 x 16)
+// (A2 and Z are symmetric in (a, b), so φq's two Jacobian terms are one). Per chunk: the scores and the denominator as
+// the forward computes them, G = dn vᵀ, W = (G + dd) ∘ scale(1 + s) ∘ causal and W k on wgmma; U = dn A2ᵀ one A2 tile
+// at a time (wgmma), contracted with q's columns on the CUDA cores; then the state takes the chunk's k and v, as in
+// the forward. Everything but the denominator is linear in the value columns: each value tile adds its partial dq
+// by fp32 atomics (dq is zeroed by the caller); the first adds the dd terms and writes 1/(d + eps) for kernel B.
+#include "based.cuh"
+
+namespace tk_linear_attention {
+namespace {
+
+struct DqGlobals {
+  tma_map<RowsTile> q, k;
+  tma_map<ValueTile> v, dout;
+  const float* delta;  // (B·H, N) do·o per row, normalising only
+  float* inv;          // (B·H, N)
+  float* dq;           // (B·H, N, 16), fp32
+  int H, N, tiles_v;
+  float scale, eps;
+};
+
+struct DqSmem {
+  RowsTile q[2], k[2];
+  ValueTile v[2], dout[2];
+  StateCopy state;  // bf16 copies of A2 and A1ᵀ before the current chunk
+  semaphore arrived[2];
+};
+
+__device__ __forceinline__ void load_dq_chunk(DqSmem& s, int buf, const DqGlobals& g, int b, int h, int vt, int c) {
+  semaphore& bar = s.arrived[buf];
+  expect_bytes(bar, 2 * RowsTile::bytes + 2 * ValueTile::bytes);
+  tma::load_async(s.q[buf], g.q, bar, {b, h, c, 0});
+  tma::load_async(s.k[buf], g.k, bar, {b, h, c, 0});
+  tma::load_async(s.v[buf], g.v, bar, {b, h, c, vt});
+  tma::load_async(s.dout[buf], g.dout, bar, {b, h, c, vt});
+}
+
+// d[·, c] += scale²·q[·, a] U[·, (a, c)] for one 16-column block of an A2 tile (a = 4T + w).
+template <int A>
+__device__ __forceinline__ void contract_block(rt_fl<BASE, DK>& d, const rt_base<float, row_layout>& u, const Frag& q,
+                                               float scale_sq) {
+  const float f[2] = {scale_sq * __bfloat162float(column_at<A, 0>(q).x), scale_sq * __bfloat162float(column_at<A, 1>(q).x)};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    d.tiles[0][0].data[k].x += f[k & 1] * u.data[k].x;
+    d.tiles[0][0].data[k].y += f[k & 1] * u.data[k].y;
+  }
+}
+template <int T, int... W>
+__device__ __forceinline__ void contract(rt_fl<BASE, DK>& d, const rt_fl<BASE, DV_TILE>& u, const Frag& q, float scale_sq,
+                                         std::integer_sequence<int, W...>) {
+  (contract_block<4 * T + W>(d, u.tiles[0][W], q, scale_sq), ...);
+}
+
+// One A2 tile: U = dn A2_Tᵀ, contracted into dqc; A2_T += φk_Tᵀ v. At most two wgmma groups in flight.
+// k is read again for each tile: its registers are not held across the contraction.
+template <int T>
+__device__ __forceinline__ void dq_step(rt_fl<BASE, DK>& dqc, rt_fl<BASE, DV_TILE>& acc, rt_fl<BASE, DV_TILE>& u,
+                                       rt_bf<BASE, CHUNK>& fk, const rt_bf<BASE, DV_TILE>& dn, const Frag& q,
+                                       const DqSmem& s, int buf, float scale_sq) {
+  warpgroup::mm_ABt(u, dn, s.state.quad[T]);
+  warpgroup::mma_async_wait<1>(fk);
+  {
+    rt_bf<CHUNK, DK, col_layout> kc;  // its registers are kᵀ's (16 x 64) in row layout
+    load(kc, s.k[buf]);
+    quad_features_k<T>(fk, transposed(kc));
+  }
+  warpgroup::mma_AB(acc, fk, s.v[buf]);
+  warpgroup::mma_async_wait<1>(u);
+  contract<T>(dqc, u, q, scale_sq, std::make_integer_sequence<int, DV_TILE / BASE>{});
+}
+
+template <bool NORM>
+__global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __grid_constant__ DqGlobals g) {
+  extern __shared__ uint8_t raw[];
+  DqSmem& s = *reinterpret_cast<DqSmem*>(align_shared<1024>(raw));
+  const int bh = blockIdx.x / g.tiles_v, vt = blockIdx.x % g.tiles_v, b = bh / g.H, h = bh % g.H;
+  const int lane = laneid(), row0 = BASE * warpid();
+  const int chunks = (g.N + CHUNK - 1) / CHUNK;
+  const bool leader = threadIdx.x == 0;
+  const float scale = g.scale, scale_sq = scale * scale;
+  const float* delta = NORM ? g.delta + int64_t(bh) * g.N : nullptr;
+  float* inv_out = g.inv + int64_t(bh) * g.N;
+  float* dq = g.dq + int64_t(bh) * g.N * DK;
+  if (leader) {
+    init_semaphore(s.arrived[0], 1);
+    init_semaphore(s.arrived[1], 1);
+    fence_semaphore_init();
+    load_dq_chunk(s, 0, g, b, h, vt, 0);
+  }
+  rt_fl<BASE, DV_TILE> quad[QUAD_TILES];  // A2
+  rt_fl<BASE, DK> lin;                    // A1ᵀ
+  NormSums sums;                          // normalize
+#pragma unroll
+  for (int t = 0; t < QUAD_TILES; ++t) zero(quad[t]);
+  zero(lin);
+  sums.clear();
+  __syncthreads();
+
+  for (int c = 0; c < chunks; ++c) {
+    const int buf = c & 1;
+    publish_state(s.state, quad, lin);
+    const int n0 = c * CHUNK + row0 + (lane >> 2);  // this lane's rows: n0 and n0 + 8
+    float dl[2] = {0.f, 0.f};                        // their do·o
+    if constexpr (NORM)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) dl[i] = n0 + 8 * i < g.N ? delta[n0 + 8 * i] : 0.f;
+    fence_async_shared();
+    __syncthreads();  // the copies are visible to wgmma; every warp is done with chunk c - 1 and its buffers
+    if (leader && c + 1 < chunks) load_dq_chunk(s, buf ^ 1, g, b, h, vt, c + 1);
+    wait(s.arrived[buf], (c >> 1) & 1);
+
+    rt_fl<BASE, CHUNK> sc;  // q kᵀ, this warp's 16 rows
+    warpgroup::mm_ABt(sc, s.q[buf], s.k[buf]);
+    rt_bf<BASE, DK> qr;
+    load(qr, s.q[buf], row0, 0);
+    rt_bf<BASE, DV_TILE> dn;  // do, then dn = do/(d + eps)
+    load(dn, s.dout[buf], row0, 0);
+    warpgroup::mma_async_wait<0>(sc);
+    float den[2] = {0.f, 0.f};  // normalize: this lane's share of its rows' sums (rows n0 and n0 + 8)
+    rt_bf<BASE, CHUNK> fac;     // ∂κ/∂(q·k) = scale(1 + s) on and below the diagonal
+    map_indexed(fac, sc, [&](int r, int col, float qk) {
+      const float x = scale * qk;
+      const bool on = col <= row0 + r;
+      if constexpr (NORM) den[r >> 3] += on ? 1.f + x + 0.5f * x * x : 0.f;
+      return on ? scale * (1.f + x) : 0.f;
+    });
+    float dd[2] = {0.f, 0.f};
+    rt_fl<BASE, DK> dqc;  // the inter-chunk terms, on the CUDA cores
+    zero(dqc);
+    if constexpr (NORM) {  // d_i as the forward computes it; the dd terms of the inter-chunk gradient
+      rt_fl<BASE, DK> zq;
+      float k1c[2][2];
+      sums.inter(den, zq, k1c, qr, scale);
+      float inv[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        inv[i] = 1.f / (quad_sum(den[i]) + float(CHUNK) * c + g.eps);
+        dd[i] = vt == 0 ? -dl[i] * inv[i] : 0.f;  // the dd terms once per row: with the first value tile
+        if (vt == 0 && (lane & 3) == 0 && n0 + 8 * i < g.N) inv_out[n0 + 8 * i] = inv[i];
+      }
+      map_indexed(dn, dn, [&](int r, int, float x) { return x * inv[r >> 3]; });
+      map_indexed(dqc, zq, [&](int r, int col, float y) {
+        return dd[r >> 3] * (scale_sq * y + scale * k1c[(col >> 3) & 1][col & 1]);
+      });
+    }
+    rt_fl<BASE, CHUNK> gw;  // dn vᵀ: this warp's queries by the chunk's keys
+    warpgroup::mm_ABt(gw, dn, s.v[buf]);
+    rt_fl<BASE, DK> ul;  // dn A1
+    warpgroup::mm_AB(ul, dn, s.state.lin);
+    warpgroup::mma_async_wait<1>(gw);
+    rt_bf<BASE, CHUNK> w;  // (G + dd) ∘ scale(1 + s), causal
+    map_indexed(w, gw, fac, [&](int r, int, float gv, float f) { return (gv + dd[r >> 3]) * f; });
+    rt_fl<BASE, DK> dqa;  // the intra-chunk term
+    warpgroup::mm_AB(dqa, w, s.k[buf]);
+    rt_fl<BASE, DV_TILE> u;
+    rt_bf<BASE, CHUNK> fk;
+    warpgroup::mm_ABt(u, dn, s.state.quad[0]);
+    warpgroup::mma_async_wait<1>(ul, dqa, w);  // (U_0 may still run)
+    map_indexed(dqc, dqc, ul, [&](int, int, float d, float x) { return d + scale * x; });
+    add(dqc, dqc, dqa);
+    {
+      rt_bf<CHUNK, DK, col_layout> kc;
+      load(kc, s.k[buf]);
+      quad_features_k<0>(fk, transposed(kc));
+    }
+    warpgroup::mma_AB(quad[0], fk, s.v[buf]);
+    warpgroup::mma_async_wait<1>(u);
+    contract<0>(dqc, u, qr.tiles[0][0], scale_sq, std::make_integer_sequence<int, DV_TILE / BASE>{});
+    dq_step<1>(dqc, quad[1], u, fk, dn, qr.tiles[0][0], s, buf, scale_sq);
+    dq_step<2>(dqc, quad[2], u, fk, dn, qr.tiles[0][0], s, buf, scale_sq);
+    dq_step<3>(dqc, quad[3], u, fk, dn, qr.tiles[0][0], s, buf, scale_sq);
+    warpgroup::mma_AtB(lin, s.v[buf], s.k[buf]);  // A1ᵀ += vᵀ k
+    if constexpr (NORM) {
+      rt_bf<CHUNK, DK, col_layout> kc;
+      load(kc, s.k[buf]);
+      sums.add(kc);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = n0 + 8 * (k & 1), col = base_col<row_layout>(k, 0);
+      if (r >= g.N) continue;
+      atomicAdd(dq + int64_t(r) * DK + col, dqc.tiles[0][0].data[k].x);
+      atomicAdd(dq + int64_t(r) * DK + col + 1, dqc.tiles[0][0].data[k].y);
+    }
+    warpgroup::mma_async_wait<0>(quad[3], lin, fk, dn);
+  }
+}
+
+template <bool NORM>
+const char* launch_dq(const BasedBwdArgs& a, cudaStream_t stream) {
+  DqGlobals g{};
+  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
+    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
+  };
+  if (const char* e = make_tma_map(g.q, view(a.q, DK, a.q_stride))) return e;
+  if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
+  if (const char* e = make_tma_map(g.v, view(a.v, a.dv, a.v_stride))) return e;
+  if (const char* e = make_tma_map(g.dout, gl<bf16>(static_cast<bf16*>(const_cast<void*>(a.dout)), a.B, a.H, a.N, a.dv)))
+    return e;
+  g.delta = a.delta, g.inv = a.inv, g.dq = a.dq;
+  g.H = a.H, g.N = a.N, g.tiles_v = a.dv / DV_TILE, g.scale = a.scale, g.eps = a.eps;
+  const int64_t blocks = int64_t(a.B) * a.H * g.tiles_v;
+  if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
+  const size_t smem = sizeof(DqSmem) + 1024;  // + the alignment of the dynamic shared memory base
+  const cudaError_t attr = cudaFuncSetAttribute(based_dq_kernel<NORM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (attr != cudaSuccess) return cudaGetErrorString(attr);
+  based_dq_kernel<NORM><<<unsigned(blocks), WARPGROUP_THREADS, smem, stream>>>(g);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace
+
+const char* launch_based_dq(const BasedBwdArgs& a, cudaStream_t stream) {
+  return a.normalize ? launch_dq<true>(a, stream) : launch_dq<false>(a, stream);
+}
+
+}  // namespace tk_linear_attention
