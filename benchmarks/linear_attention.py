@@ -4,11 +4,10 @@ masked spelling a Based model writes (what Inductor gets without our kernel), in
 
 Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128
 at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
-reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's). "ours" takes the tile width the
-launch picks by block count (based.cu `narrow_tiles`).
+reads their head-first views in place); normalised, scale d^-½, eps 1e-6 (FLA's).
 
 Forward+backward at 65536 tokens and at the model's layer:
-- "ours": the op's autograd, the forward and backward kernels (each picking its tile by block count);
+- "ours": the op's autograd, the forward and backward kernels (kernel B picking its tile by block count);
 - "ours (kernel fwd, reference bwd)": the same with the backward kernel off: the reference's autograd as the
   backward.
 The torch.compile baseline gets the work-arounds our backend applies to Inductor (torch 2.11's CantSplit fix).
