@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
   for (int i = threadIdx.x; i < DV_TILE; i += WARPGROUP_THREADS) s.vsum[i] = 0.f;
   rt_fl<BASE, DV_TILE> quad[QUAD_TILES];  // A2
   rt_fl<BASE, DK> lin;                   // A1ᵀ: warp w's rows are value columns 16w..16w + 15
-  NormSums sums;                         // normalize
+  RowSums sums;                          // normalize: Z = Σ k kᵀ, K1 = Σ k over the previous chunks
 #pragma unroll
   for (int t = 0; t < QUAD_TILES; ++t) zero(quad[t]);
   zero(lin);
@@ -129,7 +129,8 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
     if constexpr (NORM) {  // the previous chunks' share of the sums, then this chunk's keys join them
       rt_fl<BASE, DK> zq;
       float k1c[2][2];
-      sums.inter(den, zq, k1c, qr, scale);
+      sums.product(zq, k1c, qr);
+      normaliser_share(den, zq, k1c, qr, scale);
       sums.add(kc);
     }
     {  // Σ_prev v += this chunk's column sums (every warp read Σ_prev v before the barrier above)

@@ -1,6 +1,6 @@
-// The Based kernels' shared pieces: chunk and feature constants, and what the wgmma scans (the forward, based.cu;
-// the backward's dq scan, based_dq.cu) share: tile types, the φ tiles of the quadratic features, the state's bf16
-// copies and the normaliser's sums. See based.cu for the scan.
+// What the Based kernels' chunked scans (the forward, based.cu; the backward's based_dq.cu and based_dkdv.cu) share:
+// constants, tile types, the φ tiles of the quadratic features, the state's bf16 copies, sums of x xᵀ, the
+// normaliser's share of the previous chunks and the backward's Jacobian contraction. See based.cu for the scan.
 #pragma once
 #include <tk/tk.cuh>
 #include <tk/ops/warp/mma.cuh>
@@ -11,8 +11,10 @@
 
 namespace tk_linear_attention {
 
-// Backward kernel A (based_dq.cu): dq and 1/(d + eps), a forward scan; based_backward.cu launches it.
+// The backward's scans, launched by based_backward.cu: kernel A (based_dq.cu), dq and each row's 1/(d + eps), chunks
+// first to last; then kernel B (based_dkdv.cu), dk and dv, last to first.
 const char* launch_based_dq(const BasedBwdArgs& a, cudaStream_t stream);
+const char* launch_based_dkdv(const BasedBwdArgs& a, cudaStream_t stream);
 
 namespace {
 
@@ -74,48 +76,57 @@ __device__ __forceinline__ void publish_state(StateCopy& dst, const rt_fl<BASE, 
   warpgroup::store(dst.lin, lin_bf);
 }
 
-// The normaliser's sums over the previous chunks, in every warp: Z = Σ k kᵀ (fp32, symmetric) and K1 = Σ k, so that
-// Σ_prev κ(q, k_j) = 64·chunks + scale·q·K1 + (scale²/2) qᵀ Z q.
-struct NormSums {
-  rt_fl<BASE, DK> z;
-  float k1[2];  // K1_b for b = lane/4 + 8i
+// Sums of x xᵀ and x over chunks of 16-wide rows, in every warp: the normaliser's Z = Σ k kᵀ and K1 = Σ k (so that
+// Σ_prev κ(q, k_j) = 64·chunks + scale·q·K1 + (scale²/2) qᵀ Z q), or kernel B's dd-weighted Σ dd q qᵀ and Σ dd q.
+struct RowSums {
+  rt_fl<BASE, DK> z;  // symmetric
+  float k1[2];        // the vector sum at b = lane/4 + 8i
 
   __device__ __forceinline__ void clear() {
     zero(z);
     k1[0] = k1[1] = 0.f;
   }
-  // This lane's share of Σ_b q_b (scale·K1_b + (scale²/2)(q Z)_b) for its rows (lane/4 and lane/4 + 8) into den; zq
-  // gets q Z and k1c K1 at the lane's columns 2(lane%4) + j + 8m, [m][j]. q Z from Z's two bf16 halves: Z is
-  // symmetric, so its row-layout registers are also its col-layout ones (a B operand).
-  __device__ __forceinline__ void inter(float (&den)[2], rt_fl<BASE, DK>& zq, float (&k1c)[2][2],
-                                        const rt_bf<BASE, DK>& qr, float scale) const {
+  // zq = x Z (from Z's two bf16 halves: Z is symmetric, so its row-layout registers are also its col-layout ones, a B
+  // operand) and k1c[m][j] = the vector sum at this lane's columns 2(lane%4) + j + 8m.
+  __device__ __forceinline__ void product(rt_fl<BASE, DK>& zq, float (&k1c)[2][2], const rt_bf<BASE, DK>& x) const {
     rt_bf<BASE, DK> zhi, zlo;
     copy(zhi, z);
-    map_indexed(zlo, z, zhi, [](int, int, float x, float hi) { return x - hi; });
+    map_indexed(zlo, z, zhi, [](int, int, float v, float hi) { return v - hi; });
     zero(zq);
-    mma_AB(zq, qr, reinterpret_cast<const rt_bf<BASE, DK, col_layout>&>(zhi), zq);
-    mma_AB(zq, qr, reinterpret_cast<const rt_bf<BASE, DK, col_layout>&>(zlo), zq);
+    mma_AB(zq, x, reinterpret_cast<const rt_bf<BASE, DK, col_layout>&>(zhi), zq);
+    mma_AB(zq, x, reinterpret_cast<const rt_bf<BASE, DK, col_layout>&>(zlo), zq);
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int j = 0; j < 2; ++j) k1c[m][j] = __shfl_sync(0xffffffffu, k1[m], 8 * (laneid() & 3) + 4 * j);
-    const float half_sq = 0.5f * scale * scale;
-    map_indexed(zq, zq, qr, [&](int r, int col, float y, float q) {
-      den[r >> 3] += q * (scale * k1c[(col >> 3) & 1][col & 1] + half_sq * y);
-      return y;
-    });
   }
-  // The chunk's keys join the sums: Z += kᵀ k, K1 += Σ k (kc holds k(j, b) with b = lane/4 + 8(register % 2)).
-  __device__ __forceinline__ void add(const rt_bf<CHUNK, DK, col_layout>& kc) {
-    mma_AB(z, transposed(kc), kc, z);
+  // The chunk's rows join the sums, each weighted by w[token] (nullptr: 1). xc holds x(j, b), x(j + 1, b) with
+  // j = 2(lane%4) + 8(register / 2) + 16i and b = lane/4 + 8(register % 2); its registers are xᵀ's in row layout.
+  __device__ __forceinline__ void add(const rt_bf<CHUNK, DK, col_layout>& xc, const float* w = nullptr) {
+    const rt_bf<BASE, CHUNK>& xt = transposed(xc);
     float ks[2] = {0.f, 0.f};
+    if (w == nullptr) {
+      mma_AB(z, xt, xc, z);
 #pragma unroll
-    for (int i = 0; i < CHUNK / BASE; ++i)
+      for (int i = 0; i < CHUNK / BASE; ++i)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 pair = __bfloat1622float2(kc.tiles[i][0].data[k]);
-        ks[k & 1] += pair.x + pair.y;
-      }
+        for (int k = 0; k < 4; ++k) {
+          const float2 pair = __bfloat1622float2(xc.tiles[i][0].data[k]);
+          ks[k & 1] += pair.x + pair.y;
+        }
+    } else {
+      rt_bf<BASE, CHUNK> xw;  // xᵀ with each token's column weighted
+#pragma unroll
+      for (int i = 0; i < CHUNK / BASE; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int j = BASE * i + 2 * (laneid() & 3) + 8 * (k >> 1);
+          const float2 pair = __bfloat1622float2(xt.tiles[0][i].data[k]), wj = *reinterpret_cast<const float2*>(w + j);
+          xw.tiles[0][i].data[k] = __floats2bfloat162_rn(pair.x * wj.x, pair.y * wj.y);
+          ks[k & 1] += pair.x * wj.x + pair.y * wj.y;
+        }
+      mma_AB(z, xw, xc, z);
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       ks[i] += __shfl_xor_sync(0xffffffffu, ks[i], 1);
@@ -125,5 +136,55 @@ struct NormSums {
   }
 };
 
+// The normaliser's share of the previous chunks for this lane's rows (lane/4, lane/4 + 8): 64·chunks comes apart;
+// den += Σ_b q_b (scale·K1_b + (scale²/2)(q Z)_b) over the lane's columns (zq = q Z, k1c as RowSums::product gives).
+__device__ __forceinline__ void normaliser_share(float (&den)[2], const rt_fl<BASE, DK>& zq, const float (&k1c)[2][2],
+                                                 const rt_bf<BASE, DK>& qr, float scale) {
+  const float half_sq = 0.5f * scale * scale;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // register k: row half k % 2, columns 2(lane%4) + 8(k / 2) + {0, 1}
+    const float2 y = zq.tiles[0][0].data[k], q = __bfloat1622float2(qr.tiles[0][0].data[k]);
+    den[k & 1] += q.x * (scale * k1c[k >> 1][0] + half_sq * y.x) + q.y * (scale * k1c[k >> 1][1] + half_sq * y.y);
+  }
+}
+
+// The backward's inter-chunk Jacobian contraction, one A2 (or R2) tile's U = rows·state_Tᵀ: d[·, c] += scale²·x[·, a]
+// U[·, (a, c)] over the tile's features a = 4T + w (the state is symmetric in (a, b), so φ's two Jacobian terms are
+// one), x the rows' 16 inputs (q for dq, k for dk).
+template <int A>
+__device__ __forceinline__ void contract_block(rt_fl<BASE, DK>& d, const rt_base<float, row_layout>& u, const Frag& x,
+                                               float scale_sq) {
+  const float f[2] = {scale_sq * __bfloat162float(column_at<A, 0>(x).x), scale_sq * __bfloat162float(column_at<A, 1>(x).x)};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    d.tiles[0][0].data[k].x += f[k & 1] * u.data[k].x;
+    d.tiles[0][0].data[k].y += f[k & 1] * u.data[k].y;
+  }
+}
+template <int T, int... W>
+__device__ __forceinline__ void contract(rt_fl<BASE, DK>& d, const rt_fl<BASE, DV_TILE>& u, const Frag& x, float scale_sq,
+                                         std::integer_sequence<int, W...>) {
+  (contract_block<4 * T + W>(d, u.tiles[0][W], x, scale_sq), ...);
+}
+
+// One state tile of a backward scan (T > 0; each kernel runs T = 0 itself, folding its earlier products into the
+// first wait): U = rows·state_Tᵀ, contracted into d; state_T += φ_Tᵀ values with φ from the 16-wide rows of `feat`
+// (read again here: its registers are not held across the contraction). At most two wgmma groups in flight.
+template <int T>
+__device__ __forceinline__ void grad_step(rt_fl<BASE, DK>& d, rt_fl<BASE, DV_TILE>& acc, rt_fl<BASE, DV_TILE>& u,
+                                          rt_bf<BASE, CHUNK>& f, const rt_bf<BASE, DV_TILE>& rows, const Frag& x,
+                                          const RowsTile& feat, const ValueTile& values, const StateCopy& state,
+                                          float scale_sq) {
+  warpgroup::mm_ABt(u, rows, state.quad[T]);
+  warpgroup::mma_async_wait<1>(f);
+  {
+    rt_bf<CHUNK, DK, col_layout> fc;
+    load(fc, feat);
+    quad_features_k<T>(f, transposed(fc));
+  }
+  warpgroup::mma_AB(acc, f, values);
+  warpgroup::mma_async_wait<1>(u);
+  contract<T>(d, u, x, scale_sq, std::make_integer_sequence<int, DV_TILE / BASE>{});
+}
 }  // namespace
 }  // namespace tk_linear_attention

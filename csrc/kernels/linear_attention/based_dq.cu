@@ -42,41 +42,6 @@ __device__ __forceinline__ void load_dq_chunk(DqSmem& s, int buf, const DqGlobal
   tma::load_async(s.dout[buf], g.dout, bar, {b, h, c, vt});
 }
 
-// d[·, c] += scale²·q[·, a] U[·, (a, c)] for one 16-column block of an A2 tile (a = 4T + w).
-template <int A>
-__device__ __forceinline__ void contract_block(rt_fl<BASE, DK>& d, const rt_base<float, row_layout>& u, const Frag& q,
-                                               float scale_sq) {
-  const float f[2] = {scale_sq * __bfloat162float(column_at<A, 0>(q).x), scale_sq * __bfloat162float(column_at<A, 1>(q).x)};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    d.tiles[0][0].data[k].x += f[k & 1] * u.data[k].x;
-    d.tiles[0][0].data[k].y += f[k & 1] * u.data[k].y;
-  }
-}
-template <int T, int... W>
-__device__ __forceinline__ void contract(rt_fl<BASE, DK>& d, const rt_fl<BASE, DV_TILE>& u, const Frag& q, float scale_sq,
-                                         std::integer_sequence<int, W...>) {
-  (contract_block<4 * T + W>(d, u.tiles[0][W], q, scale_sq), ...);
-}
-
-// One A2 tile: U = dn A2_Tᵀ, contracted into dqc; A2_T += φk_Tᵀ v. At most two wgmma groups in flight.
-// k is read again for each tile: its registers are not held across the contraction.
-template <int T>
-__device__ __forceinline__ void dq_step(rt_fl<BASE, DK>& dqc, rt_fl<BASE, DV_TILE>& acc, rt_fl<BASE, DV_TILE>& u,
-                                       rt_bf<BASE, CHUNK>& fk, const rt_bf<BASE, DV_TILE>& dn, const Frag& q,
-                                       const DqSmem& s, int buf, float scale_sq) {
-  warpgroup::mm_ABt(u, dn, s.state.quad[T]);
-  warpgroup::mma_async_wait<1>(fk);
-  {
-    rt_bf<CHUNK, DK, col_layout> kc;  // its registers are kᵀ's (16 x 64) in row layout
-    load(kc, s.k[buf]);
-    quad_features_k<T>(fk, transposed(kc));
-  }
-  warpgroup::mma_AB(acc, fk, s.v[buf]);
-  warpgroup::mma_async_wait<1>(u);
-  contract<T>(dqc, u, q, scale_sq, std::make_integer_sequence<int, DV_TILE / BASE>{});
-}
-
 template <bool NORM>
 __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __grid_constant__ DqGlobals g) {
   extern __shared__ uint8_t raw[];
@@ -97,7 +62,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __
   }
   rt_fl<BASE, DV_TILE> quad[QUAD_TILES];  // A2
   rt_fl<BASE, DK> lin;                    // A1ᵀ
-  NormSums sums;                          // normalize
+  RowSums sums;                           // normalize: Z = Σ k kᵀ, K1 = Σ k over the previous chunks
 #pragma unroll
   for (int t = 0; t < QUAD_TILES; ++t) zero(quad[t]);
   zero(lin);
@@ -138,7 +103,8 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __
     if constexpr (NORM) {  // d_i as the forward computes it; the dd terms of the inter-chunk gradient
       rt_fl<BASE, DK> zq;
       float k1c[2][2];
-      sums.inter(den, zq, k1c, qr, scale);
+      sums.product(zq, k1c, qr);
+      normaliser_share(den, zq, k1c, qr, scale);
       float inv[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -174,9 +140,9 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __
     warpgroup::mma_AB(quad[0], fk, s.v[buf]);
     warpgroup::mma_async_wait<1>(u);
     contract<0>(dqc, u, qr.tiles[0][0], scale_sq, std::make_integer_sequence<int, DV_TILE / BASE>{});
-    dq_step<1>(dqc, quad[1], u, fk, dn, qr.tiles[0][0], s, buf, scale_sq);
-    dq_step<2>(dqc, quad[2], u, fk, dn, qr.tiles[0][0], s, buf, scale_sq);
-    dq_step<3>(dqc, quad[3], u, fk, dn, qr.tiles[0][0], s, buf, scale_sq);
+    grad_step<1>(dqc, quad[1], u, fk, dn, qr.tiles[0][0], s.k[buf], s.v[buf], s.state, scale_sq);
+    grad_step<2>(dqc, quad[2], u, fk, dn, qr.tiles[0][0], s.k[buf], s.v[buf], s.state, scale_sq);
+    grad_step<3>(dqc, quad[3], u, fk, dn, qr.tiles[0][0], s.k[buf], s.v[buf], s.state, scale_sq);
     warpgroup::mma_AtB(lin, s.v[buf], s.k[buf]);  // A1ᵀ += vᵀ k
     if constexpr (NORM) {
       rt_bf<CHUNK, DK, col_layout> kc;
@@ -191,6 +157,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __
       atomicAdd(dq + int64_t(r) * DK + col + 1, dqc.tiles[0][0].data[k].y);
     }
     warpgroup::mma_async_wait<0>(quad[3], lin, fk, dn);
+    __syncthreads();  // every warp's wgmmas have read this chunk's state copies before the next chunk replaces them
   }
 }
 

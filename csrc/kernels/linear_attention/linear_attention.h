@@ -22,12 +22,12 @@ struct BasedArgs {
   bool normalize;
   float eps;
 };
-// 64 value columns per block, or 32 (twice the blocks) where the doubled grid still fits in one wave (based.cu).
+// One warpgroup per (batch·head, 64 value columns), two blocks per SM (based.cu).
 
 // nullptr on success, else why not (a bad argument or a launch error).
 const char* launch_based(const BasedArgs& a, cudaStream_t stream);
 
-// Based backward (based_backward.cu): dq, dk (fp32, zeroed by the caller: value tiles add into them) and dv from do.
+// Based backward: dq, dk (fp32, zeroed by the caller: value tiles add into them) and dv from do.
 // dout, o: (B, H, N, dv) bf16 contiguous (o: normalising only); delta: (B, H, N) fp32 scratch the launch fills with
 // do·o per row (null without normalising);
 // inv: (B, H, N) fp32 scratch for 1/(d + eps); dq, dk: (B, H, N, 16) fp32; dv_out: (B, H, N, dv) bf16 contiguous.
@@ -48,7 +48,7 @@ struct BasedBwdArgs {
   bool normalize;
   float eps;
 };
-// Value tiles as the forward's (based_backward.cu).
+// Blocks of 64 value columns, as the forward's (based_backward.cu launches the two scans).
 const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream);
 
 }  // namespace tk_linear_attention
