@@ -6,7 +6,7 @@
 // r2 = Σ dd q qᵀ, r1 = Σ dd q (README "Backward: the equations"):
 //   dv_j = Σ_{i ≥ j, this chunk} κ_ij dn_i + R0 + scale·k_j R1 + Σ_a (scale²/2 · k_a k_j) R2_a
 //   dk_j = scale Σ_{i ≥ j, this chunk} (v_j·dn_i + dd_i)(1 + s_ij) q_i
-//        + scale² Σ_a k_j[a] (U_j[a, ·] + r2[a, ·]) + scale (v_j R1ᵀ... + r1),    U_j = v_j R2ᵀ
+//        + scale² Σ_a k_j[a] (U_j[a, ·] + r2[a, ·]) + scale (v_j·R1 + r1),    U_j = v_j R2ᵀ (16 x 16)
 // dv is the forward's product with the roles of q and k swapped (the causal side above the diagonal); dk is kernel
 // A's with q and k, dn and v swapped. Per chunk, last to first: dn (and dd) into shared memory, then dv (stored),
 // then dk with the state's update one R2 tile at a time. dk is linear in the value columns: each value tile adds its
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dkdv_kernel(const 
     rt_fl<BASE, CHUNK> gt;  // v_j · dn_i
     warpgroup::mm_ABt(gt, vr, s.dn);
     warpgroup::mm_ABt(sk, s.k[buf], s.q[buf]);  // again: cheaper than holding it (or its factor) through dv
-    rt_fl<BASE, DK> ul;  // v R1ᵀ...: v_j · R1[·, c]
+    rt_fl<BASE, DK> ul;  // v_j · R1[c, ·] (R1ᵀ's rows are value columns)
     warpgroup::mm_AB(ul, vr, s.state.lin);
     rt_fl<BASE, DK> dkc;  // the inter-chunk terms, on the CUDA cores
     zero(dkc);
