@@ -1,4 +1,4 @@
-// What the Based kernels' chunked scans (the forward, based.cu; the backward's based_dq.cu and based_dkdv.cu) share:
+// What the Based kernels' chunked scans (the forward, based.cu; the backward's based_dq.cuh and based_dkdv.cuh) share:
 // constants, tile types, the φ tiles of the quadratic features, the state's bf16 copies, sums of x xᵀ, the
 // normaliser's share of the previous chunks and the backward's Jacobian contraction. See based.cu for the scan.
 #pragma once
@@ -10,11 +10,6 @@
 #include "linear_attention.h"
 
 namespace tk_linear_attention {
-
-// The backward's scans, launched by based_backward.cu: kernel A (based_dq.cu), dq and each row's 1/(d + eps), chunks
-// first to last; then kernel B (based_dkdv.cu), dk and dv, last to first.
-const char* launch_based_dq(const BasedBwdArgs& a, cudaStream_t stream);
-const char* launch_based_dkdv(const BasedBwdArgs& a, cudaStream_t stream);
 
 namespace {
 
@@ -107,13 +102,7 @@ struct RowSums {
     float ks[2] = {0.f, 0.f};
     if (w == nullptr) {
       mma_AB(z, xt, xc, z);
-#pragma unroll
-      for (int i = 0; i < CHUNK / BASE; ++i)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float2 pair = __bfloat1622float2(xc.tiles[i][0].data[k]);
-          ks[k & 1] += pair.x + pair.y;
-        }
+      column_sums(ks, xc);
     } else {
       rt_bf<BASE, CHUNK> xw;  // xᵀ with each token's column weighted
 #pragma unroll
@@ -127,11 +116,35 @@ struct RowSums {
         }
       mma_AB(z, xw, xc, z);
     }
+    reduce_into(k1, ks, 1.f);
+  }
+  // The chunk's rows leave the sums (kernel B's sums before a chunk: the whole sequence's, less the chunks scanned).
+  __device__ __forceinline__ void sub(const rt_bf<CHUNK, DK, col_layout>& xc) {
+    rt_fl<BASE, DK> t;
+    zero(t);
+    mma_AB(t, transposed(xc), xc, t);
+    tk::sub(z, z, t);
+    float ks[2] = {0.f, 0.f};
+    column_sums(ks, xc);
+    reduce_into(k1, ks, -1.f);
+  }
+
+ private:
+  __device__ __forceinline__ static void column_sums(float (&ks)[2], const rt_bf<CHUNK, DK, col_layout>& xc) {
+#pragma unroll
+    for (int i = 0; i < CHUNK / BASE; ++i)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 pair = __bfloat1622float2(xc.tiles[i][0].data[k]);
+        ks[k & 1] += pair.x + pair.y;
+      }
+  }
+  __device__ __forceinline__ static void reduce_into(float (&dst)[2], float (&ks)[2], float sign) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       ks[i] += __shfl_xor_sync(0xffffffffu, ks[i], 1);
       ks[i] += __shfl_xor_sync(0xffffffffu, ks[i], 2);
-      k1[i] += ks[i];
+      dst[i] += sign * ks[i];
     }
   }
 };
@@ -186,5 +199,30 @@ __device__ __forceinline__ void grad_step(rt_fl<BASE, DK>& d, rt_fl<BASE, DV_TIL
   warpgroup::mma_async_wait<1>(u);
   contract<T>(d, u, x, scale_sq, std::make_integer_sequence<int, DV_TILE / BASE>{});
 }
+// The backward's arguments, for both of its scans (based_backward.cu launches them as one grid).
+struct BwdGlobals {
+  tma_map<RowsTile> q, k;
+  tma_map<ValueTile> v, dout;
+  const bf16* k_rows;   // k itself, for kernel B's sums over the whole sequence
+  int64_t k_stride[3];  // (b, h, n) in elements
+  const float* delta;   // (B·H, N) do·o per row, normalising only
+  float* dq;            // (B·H, N, 16), fp32
+  float* dk;            // (B·H, N, 16), fp32
+  bf16* dv;             // (B·H, N, dv)
+  int H, N, dv_cols, tiles_v, blocks;  // blocks: each scan's (batch·head, value tile) blocks
+  float scale, eps;
+};
+
+// A backward chunk (q, k and the block's columns of v and do) into buffer `buf` of a scan's shared memory.
+template <class S>
+__device__ __forceinline__ void load_bwd_chunk(S& s, int buf, const BwdGlobals& g, int b, int h, int vt, int c) {
+  semaphore& bar = s.arrived[buf];
+  expect_bytes(bar, 2 * RowsTile::bytes + 2 * ValueTile::bytes);
+  tma::load_async(s.q[buf], g.q, bar, {b, h, c, 0});
+  tma::load_async(s.k[buf], g.k, bar, {b, h, c, 0});
+  tma::load_async(s.v[buf], g.v, bar, {b, h, c, vt});
+  tma::load_async(s.dout[buf], g.dout, bar, {b, h, c, vt});
+}
+
 }  // namespace
 }  // namespace tk_linear_attention

@@ -1,7 +1,10 @@
 // Based linear attention, backward (linear_attention.h): delta = do·o per row (normalising only), then the two
-// chunked scans on wgmma: kernel A (based_dq.cu) gives dq and each row's 1/(d + eps), kernel B (based_dkdv.cu) dk and
-// dv. README "Backward: the equations" has the math.
-#include "based.cuh"
+// chunked scans on wgmma as one grid of two roles: kernel B (based_dkdv.cuh: dk and dv, chunks last to first) and
+// kernel A (based_dq.cuh: dq, first to last), each one warpgroup per (batch·head, 64 value columns), two blocks per
+// SM. Neither needs the other's results, so a grid that leaves SMs idle for one scan runs both side by side.
+// README "Backward: the equations" has the math.
+#include "based_dkdv.cuh"
+#include "based_dq.cuh"
 
 namespace tk_linear_attention {
 namespace {
@@ -22,6 +25,41 @@ __global__ void __launch_bounds__(256) based_bwd_delta_kernel(const BasedBwdArgs
   if (laneid() == 0) a.delta[row] = sum;
 }
 
+// Blocks [0, blocks) run kernel B, the longer one (dispatched first), the rest kernel A.
+template <bool NORM>
+__global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_bwd_kernel(const __grid_constant__ BwdGlobals g) {
+  extern __shared__ uint8_t raw[];
+  uint8_t* smem = align_shared<1024>(raw);
+  if (int(blockIdx.x) < g.blocks) dkdv_scan<NORM>(g, smem, int(blockIdx.x));
+  else dq_scan<NORM>(g, smem, int(blockIdx.x) - g.blocks);
+}
+
+template <bool NORM>
+const char* launch_scans(const BasedBwdArgs& a, cudaStream_t stream) {
+  BwdGlobals g{};
+  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
+    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
+  };
+  if (const char* e = make_tma_map(g.q, view(a.q, DK, a.q_stride))) return e;
+  if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
+  if (const char* e = make_tma_map(g.v, view(a.v, a.dv, a.v_stride))) return e;
+  if (const char* e = make_tma_map(g.dout, gl<bf16>(static_cast<bf16*>(const_cast<void*>(a.dout)), a.B, a.H, a.N, a.dv)))
+    return e;
+  g.k_rows = static_cast<const bf16*>(a.k);
+  for (int d = 0; d < 3; ++d) g.k_stride[d] = a.k_stride[d];
+  g.delta = a.delta, g.dq = a.dq, g.dk = a.dk, g.dv = static_cast<bf16*>(a.dv_out);
+  g.H = a.H, g.N = a.N, g.dv_cols = a.dv, g.tiles_v = a.dv / DV_TILE, g.scale = a.scale, g.eps = a.eps;
+  const int64_t blocks = int64_t(a.B) * a.H * g.tiles_v;
+  if (2 * blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
+  g.blocks = int(blocks);
+  const size_t smem = (sizeof(DkdvSmem) > sizeof(DqSmem) ? sizeof(DkdvSmem) : sizeof(DqSmem)) + 1024;  // + alignment
+  const cudaError_t attr = cudaFuncSetAttribute(based_bwd_kernel<NORM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (attr != cudaSuccess) return cudaGetErrorString(attr);
+  based_bwd_kernel<NORM><<<unsigned(2 * blocks), WARPGROUP_THREADS, smem, stream>>>(g);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
 }  // namespace
 
 const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream) {
@@ -33,9 +71,7 @@ const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream) {
     based_bwd_delta_kernel<<<unsigned(delta_blocks), 256, 0, stream>>>(a, rows);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   }
-  // dq first: it also writes 1/(d + eps), which the reverse scan reads
-  if (const char* err = launch_based_dq(a, stream)) return err;
-  return launch_based_dkdv(a, stream);
+  return a.normalize ? launch_scans<true>(a, stream) : launch_scans<false>(a, stream);
 }
 
 }  // namespace tk_linear_attention

@@ -85,12 +85,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   const Tensor ob = torch::stable::contiguous(binding::to(normalize ? o : none(), ScalarType::BFloat16));
   const Sizes rows{q.size(0), q.size(1), q.size(2)};
   Tensor delta = torch::stable::new_empty(q, normalize ? rows : Sizes{0}, f32);
-  Tensor inv = torch::stable::new_empty(q, rows, f32);
   la::BasedBwdArgs a{};
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.dout = dout.data_ptr(), a.o = normalize ? ob.data_ptr() : nullptr;
   a.delta = normalize ? data<float>(delta) : nullptr;
-  a.inv = data<float>(inv);
   a.dq = data<float>(dq), a.dk = data<float>(dk), a.dv_out = dv.data_ptr();
   const char* err = la::launch_based_backward(a, binding::current_stream(q));
   STD_TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");

@@ -30,7 +30,7 @@ const char* launch_based(const BasedArgs& a, cudaStream_t stream);
 // Based backward: dq, dk (fp32, zeroed by the caller: value tiles add into them) and dv from do.
 // dout, o: (B, H, N, dv) bf16 contiguous (o: normalising only); delta: (B, H, N) fp32 scratch the launch fills with
 // do·o per row (null without normalising);
-// inv: (B, H, N) fp32 scratch for 1/(d + eps); dq, dk: (B, H, N, 16) fp32; dv_out: (B, H, N, dv) bf16 contiguous.
+// dq, dk: (B, H, N, 16) fp32; dv_out: (B, H, N, dv) bf16 contiguous.
 struct BasedBwdArgs {
   const void* q;
   const void* k;
@@ -38,7 +38,6 @@ struct BasedBwdArgs {
   const void* dout;
   const void* o;  // the forward's output (B, H, N, dv) bf16 contiguous, for delta
   float* delta;   // (B, H, N) scratch: do·o per row (normalised only)
-  float* inv;
   float* dq;
   float* dk;
   void* dv_out;

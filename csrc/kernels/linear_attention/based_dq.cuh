@@ -1,6 +1,5 @@
-// Based linear attention, backward kernel A (based.cuh launch_based_dq): dq and each row's 1/(d + eps), a forward
-// scan on wgmma with the forward's state (based.cu), one warpgroup per (batch·head, 64 value columns), two blocks
-// per SM.
+// Based linear attention, backward kernel A (based_backward.cu runs it beside kernel B): dq, a forward scan on wgmma
+// with the forward's state (based.cu), one warpgroup per (batch·head, 64 value columns).
 //
 // With dn = do/(d + eps), dd = -(do·o)/(d + eps) (dn = do, dd = 0 without normalising) and the forward's state before
 // the chunk (A2 = Σ (k_a k)ᵀ v, A1 = Σ kᵀ v, Z = Σ k kᵀ, K1 = Σ k; README "Backward: the equations"):
@@ -10,21 +9,12 @@
 // the forward computes them, G = dn vᵀ, W = (G + dd) ∘ scale(1 + s) ∘ causal and W k on wgmma; U = dn A2ᵀ one A2 tile
 // at a time (wgmma), contracted with q's columns on the CUDA cores; then the state takes the chunk's k and v, as in
 // the forward. Everything but the denominator is linear in the value columns: each value tile adds its partial dq
-// by fp32 atomics (dq is zeroed by the caller); the first adds the dd terms and writes 1/(d + eps) for kernel B.
+// by fp32 atomics (dq is zeroed by the caller); the first adds the dd terms.
+#pragma once
 #include "based.cuh"
 
 namespace tk_linear_attention {
 namespace {
-
-struct DqGlobals {
-  tma_map<RowsTile> q, k;
-  tma_map<ValueTile> v, dout;
-  const float* delta;  // (B·H, N) do·o per row, normalising only
-  float* inv;          // (B·H, N)
-  float* dq;           // (B·H, N, 16), fp32
-  int H, N, tiles_v;
-  float scale, eps;
-};
 
 struct DqSmem {
   RowsTile q[2], k[2];
@@ -33,32 +23,22 @@ struct DqSmem {
   semaphore arrived[2];
 };
 
-__device__ __forceinline__ void load_dq_chunk(DqSmem& s, int buf, const DqGlobals& g, int b, int h, int vt, int c) {
-  semaphore& bar = s.arrived[buf];
-  expect_bytes(bar, 2 * RowsTile::bytes + 2 * ValueTile::bytes);
-  tma::load_async(s.q[buf], g.q, bar, {b, h, c, 0});
-  tma::load_async(s.k[buf], g.k, bar, {b, h, c, 0});
-  tma::load_async(s.v[buf], g.v, bar, {b, h, c, vt});
-  tma::load_async(s.dout[buf], g.dout, bar, {b, h, c, vt});
-}
-
+// Block `block` of the scan; raw: the block's (1024-aligned) shared memory.
 template <bool NORM>
-__global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __grid_constant__ DqGlobals g) {
-  extern __shared__ uint8_t raw[];
-  DqSmem& s = *reinterpret_cast<DqSmem*>(align_shared<1024>(raw));
-  const int bh = blockIdx.x / g.tiles_v, vt = blockIdx.x % g.tiles_v, b = bh / g.H, h = bh % g.H;
+__device__ __forceinline__ void dq_scan(const BwdGlobals& g, uint8_t* raw, int block) {
+  DqSmem& s = *reinterpret_cast<DqSmem*>(raw);
+  const int bh = block / g.tiles_v, vt = block % g.tiles_v, b = bh / g.H, h = bh % g.H;
   const int lane = laneid(), row0 = BASE * warpid();
   const int chunks = (g.N + CHUNK - 1) / CHUNK;
   const bool leader = threadIdx.x == 0;
   const float scale = g.scale, scale_sq = scale * scale;
   const float* delta = NORM ? g.delta + int64_t(bh) * g.N : nullptr;
-  float* inv_out = g.inv + int64_t(bh) * g.N;
   float* dq = g.dq + int64_t(bh) * g.N * DK;
   if (leader) {
     init_semaphore(s.arrived[0], 1);
     init_semaphore(s.arrived[1], 1);
     fence_semaphore_init();
-    load_dq_chunk(s, 0, g, b, h, vt, 0);
+    load_bwd_chunk(s, 0, g, b, h, vt, 0);
   }
   rt_fl<BASE, DV_TILE> quad[QUAD_TILES];  // A2
   rt_fl<BASE, DK> lin;                    // A1ᵀ
@@ -79,7 +59,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __
       for (int i = 0; i < 2; ++i) dl[i] = n0 + 8 * i < g.N ? delta[n0 + 8 * i] : 0.f;
     fence_async_shared();
     __syncthreads();  // the copies are visible to wgmma; every warp is done with chunk c - 1 and its buffers
-    if (leader && c + 1 < chunks) load_dq_chunk(s, buf ^ 1, g, b, h, vt, c + 1);
+    if (leader && c + 1 < chunks) load_bwd_chunk(s, buf ^ 1, g, b, h, vt, c + 1);
     wait(s.arrived[buf], (c >> 1) & 1);
 
     rt_fl<BASE, CHUNK> sc;  // q kᵀ, this warp's 16 rows
@@ -110,7 +90,6 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __
       for (int i = 0; i < 2; ++i) {
         inv[i] = 1.f / (quad_sum(den[i]) + float(CHUNK) * c + g.eps);
         dd[i] = vt == 0 ? -dl[i] * inv[i] : 0.f;  // the dd terms once per row: with the first value tile
-        if (vt == 0 && (lane & 3) == 0 && n0 + 8 * i < g.N) inv_out[n0 + 8 * i] = inv[i];
       }
       map_indexed(dn, dn, [&](int r, int, float x) { return x * inv[r >> 3]; });
       map_indexed(dqc, zq, [&](int r, int col, float y) {
@@ -161,33 +140,5 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_dq_kernel(const __
   }
 }
 
-template <bool NORM>
-const char* launch_dq(const BasedBwdArgs& a, cudaStream_t stream) {
-  DqGlobals g{};
-  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
-    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
-  };
-  if (const char* e = make_tma_map(g.q, view(a.q, DK, a.q_stride))) return e;
-  if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
-  if (const char* e = make_tma_map(g.v, view(a.v, a.dv, a.v_stride))) return e;
-  if (const char* e = make_tma_map(g.dout, gl<bf16>(static_cast<bf16*>(const_cast<void*>(a.dout)), a.B, a.H, a.N, a.dv)))
-    return e;
-  g.delta = a.delta, g.inv = a.inv, g.dq = a.dq;
-  g.H = a.H, g.N = a.N, g.tiles_v = a.dv / DV_TILE, g.scale = a.scale, g.eps = a.eps;
-  const int64_t blocks = int64_t(a.B) * a.H * g.tiles_v;
-  if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
-  const size_t smem = sizeof(DqSmem) + 1024;  // + the alignment of the dynamic shared memory base
-  const cudaError_t attr = cudaFuncSetAttribute(based_dq_kernel<NORM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  based_dq_kernel<NORM><<<unsigned(blocks), WARPGROUP_THREADS, smem, stream>>>(g);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
-
 }  // namespace
-
-const char* launch_based_dq(const BasedBwdArgs& a, cudaStream_t stream) {
-  return a.normalize ? launch_dq<true>(a, stream) : launch_dq<false>(a, stream);
-}
-
 }  // namespace tk_linear_attention
