@@ -54,7 +54,14 @@ TILE_OPS = {  # op code -> reference on the zero-padded 32 x 48 inputs (the kern
     16: lambda x, y: x * torch.exp(x.amax(1, keepdim=True) - y.sum(1, keepdim=True)),
     17: lambda x, y: x.amax(1, keepdim=True).expand_as(x),
     18: lambda x, y: _lower_or_row_mark(x),  # map_indexed
+    19: lambda x, y: _broadcast_products(x),  # column_at, row_pair_at (16-bit row layout only)
 }
+
+
+def _broadcast_products(x):
+    """Per 16 x 16 base tile: d(r, c) = x(r, 5) * x(11, c), in the tile's coordinates."""
+    t = x.reshape(R // 16, 16, C // 16, 16)
+    return (t[:, :, :, 5:6] * t[:, 11:12, :, :]).reshape(R, C)
 
 
 def _lower_or_row_mark(x):
@@ -91,6 +98,8 @@ def _padded(t):
 @pytest.mark.parametrize("reg", [0, 1, 2], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("op", sorted(TILE_OPS))
 def test_tile_op(lib, op, reg, col, shape):
+    if op == 19 and (reg == 0 or col):
+        pytest.skip("the shuffle broadcasts take 16-bit row-layout tiles")
     rows, cols = shape
     x, y = _inputs(rows, cols, op, reg)
     out, _ = lib.tile_op(x, y, op, reg, col)

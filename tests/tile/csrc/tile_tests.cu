@@ -98,6 +98,26 @@ template <class T, class L> __global__ void tile_op_kernel(const float* x, const
         case 18:  // map_indexed: keep a on and below the diagonal, mark the rest by row
             map_indexed(d, a, [](int r, int c, float v) { return c <= r ? v : -0.5f * float(r % 3); });
             break;
+        case 19:  // shuffle broadcasts (16-bit row layout): per base tile, d(r, c) = a(r, 5) * a(11, c)
+            if constexpr (sizeof(T) == 2 && tile::is_row) {
+#pragma unroll
+                for (int i = 0; i < tile::height; ++i)
+#pragma unroll
+                    for (int w = 0; w < tile::width; ++w) {
+                        const auto& t = a.tiles[i][w];
+                        const packed_t<T> c0 = column_at<5, 0>(t), c1 = column_at<5, 1>(t);
+                        const packed_t<T> r0 = row_pair_at<1, 0>(t, 3), r1 = row_pair_at<1, 1>(t, 3);
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            const packed_t<T> cf = k & 1 ? c1 : c0, rf = k >> 1 ? r1 : r0;
+                            d.tiles[i][w].data[k].x = convert<T>(convert<float>(cf.x) * convert<float>(rf.x));
+                            d.tiles[i][w].data[k].y = convert<T>(convert<float>(cf.y) * convert<float>(rf.y));
+                        }
+                    }
+            } else {
+                copy(d, a);  // (not tested: the broadcasts take 16-bit row-layout tiles)
+            }
+            break;
         case 20: row_max(rv1, a); store(gl<float>(vout, 1, 1, 1, rows), rv1, {0, 0, 0, 0}); return;
         case 21: row_sum(rv1, a); store(gl<float>(vout, 1, 1, 1, rows), rv1, {0, 0, 0, 0}); return;
         case 22: col_max(cv1, a); store(gl<float>(vout, 1, 1, 1, cols), cv1, {0, 0, 0, 0}); return;
