@@ -68,11 +68,19 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
   const int chunks = (g.N + CHUNK - 1) / CHUNK;
   const bool leader = threadIdx.x == 0;
   const float scale = g.scale;
-  start_scan(s, [&] { load_chunk(s, 0, g, b, h, vt, 0); });
+  if (leader) {
+    init_semaphore(s.arrived[0], 1);
+    init_semaphore(s.arrived[1], 1);
+    fence_semaphore_init();
+    load_chunk(s, 0, g, b, h, vt, 0);
+  }
   for (int i = threadIdx.x; i < DV_TILE; i += WARPGROUP_THREADS) s.vsum[i] = 0.f;
-  ScanState st;  // A2 and A1ᵀ
-  RowSums sums;  // normalize: Z = Σ k kᵀ, K1 = Σ k over the previous chunks
-  st.clear();
+  rt_fl<BASE, DV_TILE> quad[QUAD_TILES];  // A2
+  rt_fl<BASE, DK> lin;                   // A1ᵀ: warp w's rows are value columns 16w..16w + 15
+  RowSums sums;                          // normalize: Z = Σ k kᵀ, K1 = Σ k over the previous chunks
+#pragma unroll
+  for (int t = 0; t < QUAD_TILES; ++t) zero(quad[t]);
+  zero(lin);
   sums.clear();
   __syncthreads();
 
@@ -80,12 +88,15 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
     const int buf = c & 1;
     // The state before this chunk, in bf16 for the inter-chunk products (every warp waited for the previous chunk's
     // products before that chunk's closing barrier), and o's start: the constant feature's share, Σ_prev v.
-    st.publish(s.state);
+    publish_state(s.state, quad, lin);
     rt_fl<BASE, DV_TILE> o;
     zero(o);
     map_indexed(o, o, [&](int, int col, float) { return s.vsum[col]; });
     if (leader) tma::store_read_wait<0>();  // the previous chunk's o has left the staging tile
-    open_chunk(s, c, c + 1 < chunks, [&] { load_chunk(s, buf ^ 1, g, b, h, vt, c + 1); });
+    fence_async_shared();
+    __syncthreads();  // the copies are visible to wgmma; every warp is done with chunk c - 1 and its buffers
+    if (leader && c + 1 < chunks) load_chunk(s, buf ^ 1, g, b, h, vt, c + 1);
+    wait(s.arrived[buf], (c >> 1) & 1);
 
     rt_fl<BASE, CHUNK> sc;  // q kᵀ, this warp's 16 rows
     warpgroup::mm_ABt(sc, s.q[buf], s.k[buf]);
@@ -109,11 +120,11 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
 
     rt_bf<BASE, DV_TILE> fq;
     rt_bf<BASE, CHUNK> fk;
-    quad_step<0>(o, st.quad[0], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
-    quad_step<1>(o, st.quad[1], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
-    quad_step<2>(o, st.quad[2], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
-    quad_step<3>(o, st.quad[3], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
-    warpgroup::mma_AtB(st.lin, s.v[buf], s.k[buf]);  // A1ᵀ += vᵀ k
+    quad_step<0>(o, quad[0], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
+    quad_step<1>(o, quad[1], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
+    quad_step<2>(o, quad[2], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
+    quad_step<3>(o, quad[3], fq, fk, qs.tiles[0][0], kt, s, buf, p, ql);
+    warpgroup::mma_AtB(lin, s.v[buf], s.k[buf]);  // A1ᵀ += vᵀ k
 
     if constexpr (NORM) {  // the previous chunks' share of the sums, then this chunk's keys join them
       rt_fl<BASE, DK> zq;
@@ -132,7 +143,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
       atomicAdd(&s.vsum[2 * lane], acc.x);
       atomicAdd(&s.vsum[2 * lane + 1], acc.y);
     }
-    warpgroup::mma_async_wait<0>(o, st.quad[3], st.lin, fk);
+    warpgroup::mma_async_wait<0>(o, quad[3], lin, fk);
 
     float inv[2] = {1.f, 1.f};
     if constexpr (NORM)

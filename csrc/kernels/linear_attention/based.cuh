@@ -57,50 +57,18 @@ struct StateCopy {
   ValueTile quad[QUAD_TILES];
   LinTile lin;
 };
-// A scan's state in registers: the quadratic features' four wgmma tiles (tile t, warp w's rows 16w + b: features
-// (a = 4t + w, b)) and the linear features' tile (value columns x 16). `publish` stores each warp's rows of their
-// bf16 copies (the caller fences and syncs before wgmma reads them).
-struct ScanState {
-  rt_fl<BASE, DV_TILE> quad[QUAD_TILES];
-  rt_fl<BASE, DK> lin;
-
-  __device__ __forceinline__ void clear() {
+// Each warp stores its rows of the state before the chunk (the caller fences and syncs before wgmma reads them).
+__device__ __forceinline__ void publish_state(StateCopy& dst, const rt_fl<BASE, DV_TILE> (&quad)[QUAD_TILES],
+                                              const rt_fl<BASE, DK>& lin) {
+  rt_bf<BASE, DV_TILE> copy_bf;
 #pragma unroll
-    for (int t = 0; t < QUAD_TILES; ++t) zero(quad[t]);
-    zero(lin);
+  for (int t = 0; t < QUAD_TILES; ++t) {
+    copy(copy_bf, quad[t]);
+    warpgroup::store(dst.quad[t], copy_bf);
   }
-  __device__ __forceinline__ void publish(StateCopy& dst) const {
-    rt_bf<BASE, DV_TILE> copy_bf;
-#pragma unroll
-    for (int t = 0; t < QUAD_TILES; ++t) {
-      copy(copy_bf, quad[t]);
-      warpgroup::store(dst.quad[t], copy_bf);
-    }
-    rt_bf<BASE, DK> lin_bf;
-    copy(lin_bf, lin);
-    warpgroup::store(dst.lin, lin_bf);
-  }
-};
-
-// A scan's two chunk buffers have a semaphore each: the leader sets them up, then loads the first chunk.
-template <class S, class Load>
-__device__ __forceinline__ void start_scan(S& s, Load&& load_first) {
-  if (threadIdx.x == 0) {
-    init_semaphore(s.arrived[0], 1);
-    init_semaphore(s.arrived[1], 1);
-    fence_semaphore_init();
-    load_first();
-  }
-}
-// Opens chunk `it` of a forward scan, once the state copies for it are written: every warp is then done with chunk
-// it - 1 and its buffer, which the leader refills with chunk it + 1 (`load_next`, if `more`); then all wait for
-// chunk it.
-template <class S, class Load>
-__device__ __forceinline__ void open_chunk(S& s, int it, bool more, Load&& load_next) {
-  fence_async_shared();
-  __syncthreads();
-  if (threadIdx.x == 0 && more) load_next();
-  wait(s.arrived[it & 1], (it >> 1) & 1);
+  rt_bf<BASE, DK> lin_bf;
+  copy(lin_bf, lin);
+  warpgroup::store(dst.lin, lin_bf);
 }
 
 // Sums of x xᵀ and x over chunks of 16-wide rows, in every warp: the normaliser's Z = Σ k kᵀ and K1 = Σ k (so that
@@ -243,12 +211,6 @@ struct BwdGlobals {
   bf16* dv;             // (B·H, N, dv)
   int H, N, dv_cols, tiles_v, blocks;  // blocks: each scan's (batch·head, value tile) blocks
   float scale, eps;
-};
-
-// The backward scans' chunk buffers (their shared memory starts with them).
-struct BwdChunks {
-  RowsTile q[2], k[2];
-  ValueTile v[2], dout[2];
 };
 
 // A backward chunk (q, k and the block's columns of v and do) into buffer `buf` of a scan's shared memory.

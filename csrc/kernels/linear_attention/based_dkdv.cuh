@@ -20,7 +20,9 @@
 namespace tk_linear_attention {
 namespace {
 
-struct DkdvSmem : BwdChunks {
+struct DkdvSmem {
+  RowsTile q[2], k[2];
+  ValueTile v[2], dout[2];
   ValueTile dn;               // this chunk's dn (normalising; else dout is dn)
   StateCopy state;            // bf16 copies of R2 and R1ᵀ (the later chunks)
   float dd[CHUNK];            // this chunk's dd (zero past N, in value tiles after the first, without normalising)
@@ -76,19 +78,27 @@ __device__ __forceinline__ void dkdv_scan(const BwdGlobals& g, uint8_t* raw, int
   const float* delta = NORM ? g.delta + int64_t(bh) * g.N : nullptr;
   float* dk = g.dk + int64_t(bh) * g.N * DK;
   bf16* dv = g.dv + int64_t(bh) * g.N * g.dv_cols + vt * DV_TILE;
-  start_scan(s, [&] { load_bwd_chunk(s, 0, g, b, h, vt, chunks - 1); });
+  if (leader) {
+    init_semaphore(s.arrived[0], 1);
+    init_semaphore(s.arrived[1], 1);
+    fence_semaphore_init();
+    load_bwd_chunk(s, 0, g, b, h, vt, chunks - 1);
+  }
   for (int i = threadIdx.x; i < DV_TILE; i += WARPGROUP_THREADS) s.rsum[0][i] = 0.f;
-  ScanState st;   // R2 and R1ᵀ, unscaled (Σ q_a q_b dn, dnᵀ q)
-  RowSums dsums;  // normalize, first value tile: r2 = Σ dd q qᵀ, r1 = Σ dd q
-  RowSums sums;   // normalize: Z = Σ k kᵀ, K1 = Σ k over the chunks before the current one
-  st.clear();
+  rt_fl<BASE, DV_TILE> quad[QUAD_TILES];  // R2 (unscaled: Σ q_a q_b dn)
+  rt_fl<BASE, DK> lin;                    // R1ᵀ (unscaled)
+  RowSums dsums;                          // normalize, first value tile: r2 = Σ dd q qᵀ, r1 = Σ dd q
+  RowSums sums;                           // normalize: Z = Σ k kᵀ, K1 = Σ k over the chunks before the current one
+#pragma unroll
+  for (int t = 0; t < QUAD_TILES; ++t) zero(quad[t]);
+  zero(lin);
   dsums.clear();
   __syncthreads();
   if constexpr (NORM) sequence_sums(sums, s, g, b, h, chunks);
 
   for (int it = 0; it < chunks; ++it) {
     const int c = chunks - 1 - it, buf = it & 1, cur = it & 1;
-    st.publish(s.state);
+    publish_state(s.state, quad, lin);
     const int n0 = c * CHUNK + row0 + (lane >> 2);  // this lane's query rows now, its key rows below: n0 and n0 + 8
     float dl[2] = {0.f, 0.f};                        // the query rows' do·o
     if constexpr (NORM)
@@ -213,13 +223,13 @@ __device__ __forceinline__ void dkdv_scan(const BwdGlobals& g, uint8_t* raw, int
       load(qc, s.q[buf]);
       quad_features_k<0>(fq, transposed(qc));
     }
-    warpgroup::mma_AB(st.quad[0], fq, dn);
+    warpgroup::mma_AB(quad[0], fq, dn);
     warpgroup::mma_async_wait<1>(u);
     contract<0>(dkc, u, kr.tiles[0][0], scale_sq, std::make_integer_sequence<int, DV_TILE / BASE>{});
-    grad_step<1>(dkc, st.quad[1], u, fq, vr, kr.tiles[0][0], s.q[buf], dn, s.state, scale_sq);
-    grad_step<2>(dkc, st.quad[2], u, fq, vr, kr.tiles[0][0], s.q[buf], dn, s.state, scale_sq);
-    grad_step<3>(dkc, st.quad[3], u, fq, vr, kr.tiles[0][0], s.q[buf], dn, s.state, scale_sq);
-    warpgroup::mma_AtB(st.lin, dn, s.q[buf]);  // R1ᵀ += dnᵀ q
+    grad_step<1>(dkc, quad[1], u, fq, vr, kr.tiles[0][0], s.q[buf], dn, s.state, scale_sq);
+    grad_step<2>(dkc, quad[2], u, fq, vr, kr.tiles[0][0], s.q[buf], dn, s.state, scale_sq);
+    grad_step<3>(dkc, quad[3], u, fq, vr, kr.tiles[0][0], s.q[buf], dn, s.state, scale_sq);
+    warpgroup::mma_AtB(lin, dn, s.q[buf]);  // R1ᵀ += dnᵀ q
     if constexpr (NORM) {
       if (vt == 0) {
         rt_bf<CHUNK, DK, col_layout> qc;
@@ -242,7 +252,7 @@ __device__ __forceinline__ void dkdv_scan(const BwdGlobals& g, uint8_t* raw, int
       atomicAdd(dk + int64_t(r) * DK + col, dkc.tiles[0][0].data[k].x);
       atomicAdd(dk + int64_t(r) * DK + col + 1, dkc.tiles[0][0].data[k].y);
     }
-    warpgroup::mma_async_wait<0>(st.quad[3], st.lin, fq, vr);
+    warpgroup::mma_async_wait<0>(quad[3], lin, fq, vr);
     __syncthreads();  // every warp is done with dn, dd and the state copies before the next chunk replaces them
   }
 }

@@ -16,7 +16,9 @@
 namespace tk_linear_attention {
 namespace {
 
-struct DqSmem : BwdChunks {
+struct DqSmem {
+  RowsTile q[2], k[2];
+  ValueTile v[2], dout[2];
   StateCopy state;  // bf16 copies of A2 and A1ᵀ before the current chunk
   semaphore arrived[2];
 };
@@ -28,25 +30,37 @@ __device__ __forceinline__ void dq_scan(const BwdGlobals& g, uint8_t* raw, int b
   const int bh = block / g.tiles_v, vt = block % g.tiles_v, b = bh / g.H, h = bh % g.H;
   const int lane = laneid(), row0 = BASE * warpid();
   const int chunks = (g.N + CHUNK - 1) / CHUNK;
+  const bool leader = threadIdx.x == 0;
   const float scale = g.scale, scale_sq = scale * scale;
   const float* delta = NORM ? g.delta + int64_t(bh) * g.N : nullptr;
   float* dq = g.dq + int64_t(bh) * g.N * DK;
-  start_scan(s, [&] { load_bwd_chunk(s, 0, g, b, h, vt, 0); });
-  ScanState st;  // A2 and A1ᵀ
-  RowSums sums;  // normalize: Z = Σ k kᵀ, K1 = Σ k over the previous chunks
-  st.clear();
+  if (leader) {
+    init_semaphore(s.arrived[0], 1);
+    init_semaphore(s.arrived[1], 1);
+    fence_semaphore_init();
+    load_bwd_chunk(s, 0, g, b, h, vt, 0);
+  }
+  rt_fl<BASE, DV_TILE> quad[QUAD_TILES];  // A2
+  rt_fl<BASE, DK> lin;                    // A1ᵀ
+  RowSums sums;                           // normalize: Z = Σ k kᵀ, K1 = Σ k over the previous chunks
+#pragma unroll
+  for (int t = 0; t < QUAD_TILES; ++t) zero(quad[t]);
+  zero(lin);
   sums.clear();
   __syncthreads();
 
   for (int c = 0; c < chunks; ++c) {
     const int buf = c & 1;
-    st.publish(s.state);
+    publish_state(s.state, quad, lin);
     const int n0 = c * CHUNK + row0 + (lane >> 2);  // this lane's rows: n0 and n0 + 8
     float dl[2] = {0.f, 0.f};                        // their do·o
     if constexpr (NORM)
 #pragma unroll
       for (int i = 0; i < 2; ++i) dl[i] = n0 + 8 * i < g.N ? delta[n0 + 8 * i] : 0.f;
-    open_chunk(s, c, c + 1 < chunks, [&] { load_bwd_chunk(s, buf ^ 1, g, b, h, vt, c + 1); });
+    fence_async_shared();
+    __syncthreads();  // the copies are visible to wgmma; every warp is done with chunk c - 1 and its buffers
+    if (leader && c + 1 < chunks) load_bwd_chunk(s, buf ^ 1, g, b, h, vt, c + 1);
+    wait(s.arrived[buf], (c >> 1) & 1);
 
     rt_fl<BASE, CHUNK> sc;  // q kᵀ, this warp's 16 rows
     warpgroup::mm_ABt(sc, s.q[buf], s.k[buf]);
@@ -102,13 +116,13 @@ __device__ __forceinline__ void dq_scan(const BwdGlobals& g, uint8_t* raw, int b
       load(kc, s.k[buf]);
       quad_features_k<0>(fk, transposed(kc));
     }
-    warpgroup::mma_AB(st.quad[0], fk, s.v[buf]);
+    warpgroup::mma_AB(quad[0], fk, s.v[buf]);
     warpgroup::mma_async_wait<1>(u);
     contract<0>(dqc, u, qr.tiles[0][0], scale_sq, std::make_integer_sequence<int, DV_TILE / BASE>{});
-    grad_step<1>(dqc, st.quad[1], u, fk, dn, qr.tiles[0][0], s.k[buf], s.v[buf], s.state, scale_sq);
-    grad_step<2>(dqc, st.quad[2], u, fk, dn, qr.tiles[0][0], s.k[buf], s.v[buf], s.state, scale_sq);
-    grad_step<3>(dqc, st.quad[3], u, fk, dn, qr.tiles[0][0], s.k[buf], s.v[buf], s.state, scale_sq);
-    warpgroup::mma_AtB(st.lin, s.v[buf], s.k[buf]);  // A1ᵀ += vᵀ k
+    grad_step<1>(dqc, quad[1], u, fk, dn, qr.tiles[0][0], s.k[buf], s.v[buf], s.state, scale_sq);
+    grad_step<2>(dqc, quad[2], u, fk, dn, qr.tiles[0][0], s.k[buf], s.v[buf], s.state, scale_sq);
+    grad_step<3>(dqc, quad[3], u, fk, dn, qr.tiles[0][0], s.k[buf], s.v[buf], s.state, scale_sq);
+    warpgroup::mma_AtB(lin, s.v[buf], s.k[buf]);  // A1ᵀ += vᵀ k
     if constexpr (NORM) {
       rt_bf<CHUNK, DK, col_layout> kc;
       load(kc, s.k[buf]);
@@ -121,7 +135,7 @@ __device__ __forceinline__ void dq_scan(const BwdGlobals& g, uint8_t* raw, int b
       atomicAdd(dq + int64_t(r) * DK + col, dqc.tiles[0][0].data[k].x);
       atomicAdd(dq + int64_t(r) * DK + col + 1, dqc.tiles[0][0].data[k].y);
     }
-    warpgroup::mma_async_wait<0>(st.quad[3], st.lin, fk, dn);
+    warpgroup::mma_async_wait<0>(quad[3], lin, fk, dn);
     __syncthreads();  // every warp's wgmmas have read this chunk's state copies before the next chunk replaces them
   }
 }
