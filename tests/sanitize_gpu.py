@@ -9,8 +9,8 @@
 
 The shapes are small (a sanitizer slows a kernel 10-1000x) but reach each kernel's launch variants: attention head
 dims 64 and 128, causal or not, GQA, and sliding windows and softcaps at head dims 32 and 96 (zero-filled); rotary NeoX and interleaved, mixed dtypes; layernorm at each hidden-size tier,
-with residual, dropout, bias and gate, and the row-kernel and persistent backward; Based with the backward's narrow and wide
-value tiles; the SSD with two heads per task, a short last task of a group, more tasks than SMs, and sequences
+with residual, dropout, bias and gate, and the row-kernel and persistent backward; Based on small and wide
+grids; the SSD with two heads per task, a short last task of a group, more tasks than SMs, and sequences
 split into segments.
 memcheck runs with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1), so that every tensor is its
 own allocation and an access past a tensor's end is outside any allocation, not in a neighbouring tensor.
@@ -127,7 +127,7 @@ def cases(families):
                                                        g)[:1],
                 x, g, w, expect=("layernorm", "layernorm_backward"))
 
-    for bh in (2, 4 * sms) if "linear_attention" in families else ():  # kernel B's narrow (32-) and wide (64-column) tiles
+    for bh in (2, 4 * sms) if "linear_attention" in families else ():  # a small grid and one past the SMs
         for normalize in (False, True):
             q, k, v = rand(1, bh, 130, 16), rand(1, bh, 130, 16), rand(1, bh, 130, 64)
             run(f"based B1 H{bh} normalize={normalize}",

@@ -45,12 +45,11 @@ def inputs(B, H, N, dv, layout="bhnd", seed=0):
     return [torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16) for s in shapes]
 
 
-def heads(kernel: str, B: int = 2, dv: int = 64) -> int:
-    """H whose grid of 64-column blocks (B·H·dv/64) reaches `kernel`, the backward's value tile chosen by grid size:
-    "tile32" where the doubled grid fits in one wave, "tile64" where it does not (the forward has one tile: a small
-    grid, and one with more blocks than SMs)."""
+def heads(grid: str, B: int = 2, dv: int = 64) -> int:
+    """H whose grid of 64-column blocks (B·H·dv/64) is "small" (a few blocks: most SMs idle) or "wide" (more than
+    half the SMs' blocks, so the backward's two scans, one grid, exceed the SMs)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return 3 if kernel == "tile32" else (sms // 2) // (B * (dv // 64)) + 1
+    return 3 if grid == "small" else (sms // 2) // (B * (dv // 64)) + 1
 
 
 def rel_err(got, want):
@@ -69,12 +68,12 @@ def check(ops, q, k, v, scale, normalize, eps=1e-6):
     assert err < TOL, f"relative error {err:.3g} (B{B} H{H} N{N} dv{dv} normalize={normalize})"
 
 
-@pytest.mark.parametrize("kernel", ["tile64", "tile32"])  # grid sizes
+@pytest.mark.parametrize("grid", ["wide", "small"])
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
 @pytest.mark.parametrize("dv", [64, 128])
 @pytest.mark.parametrize("N", LENGTHS)
-def test_based_forward(ops, N, dv, normalize, kernel):
-    q, k, v = inputs(2, heads(kernel, 2, dv), N, dv, seed=N + dv)
+def test_based_forward(ops, N, dv, normalize, grid):
+    q, k, v = inputs(2, heads(grid, 2, dv), N, dv, seed=N + dv)
     check(ops, q, k, v, 1 / math.sqrt(16), normalize)
 
 
@@ -143,12 +142,12 @@ def check_backward(ops, q, k, v, scale, normalize, eps=1e-6, seed=0):
         assert err < BWD_TOL, f"{name}: relative error {err:.3g} (N{q.shape[2]} dv{v.shape[3]} normalize={normalize})"
 
 
-@pytest.mark.parametrize("kernel", ["tile64", "tile32"])
+@pytest.mark.parametrize("grid", ["wide", "small"])
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
 @pytest.mark.parametrize("dv", [64, 128])
 @pytest.mark.parametrize("N", (1, 17, 64, 65, 200, 1000))
-def test_based_backward(ops, N, dv, normalize, kernel):
-    q, k, v = inputs(2, heads(kernel, 2, dv), N, dv, seed=N + dv + 1)
+def test_based_backward(ops, N, dv, normalize, grid):
+    q, k, v = inputs(2, heads(grid, 2, dv), N, dv, seed=N + dv + 1)
     check_backward(ops, q, k, v, 1 / math.sqrt(16), normalize, seed=N)
 
 

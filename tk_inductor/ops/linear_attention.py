@@ -48,10 +48,10 @@ FAMILY = "linear_attention"
 FEATURE_MAPS = ("identity", "elu1", "based", "hedgehog")
 REFERENCE_CHUNK = 64
 
-# The CUDA kernels (csrc/kernels/linear_attention/based.cu, based_backward.cu): Based, bf16, dk 16, dv a multiple of
-# 64.
+# The CUDA kernels (csrc/kernels/linear_attention: based.cu, the forward; based_backward.cu with based_dq.cuh and
+# based_dkdv.cuh, the backward): Based, bf16, dk 16, dv a multiple of 64.
 KERNEL_DK, KERNEL_DV_TILE = 16, 64
-# The backward kernel is validated on the GPU by tests/test_linear_attention_gpu.py. False: the backward op and the
+# The backward kernel is validated on the GPU by tests/linear_attention/test_linear_attention_gpu.py. False: the backward op and the
 # matcher fall back to the reference (what to set while a changed kernel awaits its GPU run).
 BACKWARD_KERNEL_VALIDATED = True
 
