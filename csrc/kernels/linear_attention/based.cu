@@ -165,23 +165,11 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
 template <bool NORM>
 const char* launch_fwd(const BasedArgs& a, cudaStream_t stream) {
   FwdGlobals g{};
-  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
-    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
-  };
-  if (const char* e = make_tma_map(g.q, view(a.q, DK, a.q_stride))) return e;
-  if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
-  if (const char* e = make_tma_map(g.v, view(a.v, a.dv, a.v_stride))) return e;
+  if (const char* e = make_input_maps(g, a)) return e;
   if (const char* e = make_tma_map(g.o, gl<bf16>(static_cast<bf16*>(a.o), a.B, a.H, a.N, a.dv))) return e;
   g.H = a.H, g.N = a.N, g.tiles_v = a.dv / DV_TILE, g.scale = a.scale, g.eps = a.eps;
-  const int64_t blocks = int64_t(a.B) * a.H * g.tiles_v;
-  if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
   const size_t smem = sizeof(FwdSmem) + 1024;  // + the alignment of the dynamic shared memory base
-  // per call: the attribute belongs to the current device's context
-  const cudaError_t attr = cudaFuncSetAttribute(based_fwd_kernel<NORM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  based_fwd_kernel<NORM><<<unsigned(blocks), WARPGROUP_THREADS, smem, stream>>>(g);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  return launch_warpgroups(based_fwd_kernel<NORM>, int64_t(a.B) * a.H * g.tiles_v, smem, g, stream);
 }
 
 }  // namespace

@@ -213,6 +213,12 @@ struct BwdGlobals {
   float scale, eps;
 };
 
+// The backward scans' double-buffered chunks: their shared memory starts with them.
+struct BwdChunks {
+  RowsTile q[2], k[2];
+  ValueTile v[2], dout[2];
+};
+
 // A backward chunk (q, k and the block's columns of v and do) into buffer `buf` of a scan's shared memory.
 template <class S>
 __device__ __forceinline__ void load_bwd_chunk(S& s, int buf, const BwdGlobals& g, int b, int h, int vt, int c) {
@@ -222,6 +228,30 @@ __device__ __forceinline__ void load_bwd_chunk(S& s, int buf, const BwdGlobals& 
   tma::load_async(s.k[buf], g.k, bar, {b, h, c, 0});
   tma::load_async(s.v[buf], g.v, bar, {b, h, c, vt});
   tma::load_async(s.dout[buf], g.dout, bar, {b, h, c, vt});
+}
+
+// ---- launches (host)
+// The q, k and v tensor maps of a launch (BasedArgs or BasedBwdArgs: the views with their element strides; v at the
+// blocks' 64-column tiles).
+template <class G, class A>
+const char* make_input_maps(G& g, const A& a) {
+  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
+    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
+  };
+  if (const char* e = make_tma_map(g.q, view(a.q, DK, a.q_stride))) return e;
+  if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
+  return make_tma_map(g.v, view(a.v, a.dv, a.v_stride));
+}
+// Launches `kernel` on `blocks` one-warpgroup blocks with `smem` bytes of dynamic shared memory (set on every call:
+// the attribute belongs to the current device's context).
+template <class G>
+const char* launch_warpgroups(void (*kernel)(G), int64_t blocks, size_t smem, const G& g, cudaStream_t stream) {
+  if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (attr != cudaSuccess) return cudaGetErrorString(attr);
+  kernel<<<unsigned(blocks), WARPGROUP_THREADS, smem, stream>>>(g);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
 }  // namespace

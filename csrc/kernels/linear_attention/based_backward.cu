@@ -37,12 +37,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_bwd_kernel(const _
 template <bool NORM>
 const char* launch_scans(const BasedBwdArgs& a, cudaStream_t stream) {
   BwdGlobals g{};
-  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
-    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
-  };
-  if (const char* e = make_tma_map(g.q, view(a.q, DK, a.q_stride))) return e;
-  if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
-  if (const char* e = make_tma_map(g.v, view(a.v, a.dv, a.v_stride))) return e;
+  if (const char* e = make_input_maps(g, a)) return e;
   if (const char* e = make_tma_map(g.dout, gl<bf16>(static_cast<bf16*>(const_cast<void*>(a.dout)), a.B, a.H, a.N, a.dv)))
     return e;
   g.k_rows = static_cast<const bf16*>(a.k);
@@ -50,14 +45,9 @@ const char* launch_scans(const BasedBwdArgs& a, cudaStream_t stream) {
   g.delta = a.delta, g.dq = a.dq, g.dk = a.dk, g.dv = static_cast<bf16*>(a.dv_out);
   g.H = a.H, g.N = a.N, g.dv_cols = a.dv, g.tiles_v = a.dv / DV_TILE, g.scale = a.scale, g.eps = a.eps;
   const int64_t blocks = int64_t(a.B) * a.H * g.tiles_v;
-  if (2 * blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
-  g.blocks = int(blocks);
+  g.blocks = int(blocks);  // (launch_warpgroups refuses a grid past 2^31 - 1 before it runs)
   const size_t smem = (sizeof(DkdvSmem) > sizeof(DqSmem) ? sizeof(DkdvSmem) : sizeof(DqSmem)) + 1024;  // + alignment
-  const cudaError_t attr = cudaFuncSetAttribute(based_bwd_kernel<NORM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  based_bwd_kernel<NORM><<<unsigned(2 * blocks), WARPGROUP_THREADS, smem, stream>>>(g);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  return launch_warpgroups(based_bwd_kernel<NORM>, 2 * blocks, smem, g, stream);
 }
 
 }  // namespace

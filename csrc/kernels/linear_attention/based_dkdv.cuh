@@ -20,9 +20,7 @@
 namespace tk_linear_attention {
 namespace {
 
-struct DkdvSmem {
-  RowsTile q[2], k[2];
-  ValueTile v[2], dout[2];
+struct DkdvSmem : BwdChunks {
   ValueTile dn;               // this chunk's dn (normalising; else dout is dn)
   StateCopy state;            // bf16 copies of R2 and R1ᵀ (the later chunks)
   float dd[CHUNK];            // this chunk's dd (zero past N, in value tiles after the first, without normalising)

@@ -16,9 +16,7 @@
 namespace tk_linear_attention {
 namespace {
 
-struct DqSmem {
-  RowsTile q[2], k[2];
-  ValueTile v[2], dout[2];
+struct DqSmem : BwdChunks {
   StateCopy state;  // bf16 copies of A2 and A1ᵀ before the current chunk
   semaphore arrived[2];
 };
