@@ -5,6 +5,7 @@
 #pragma once
 #include "backward_kernels.cuh"
 #include "backward_split.cuh"
+#include "params.cuh"
 
 namespace tk_attn {
 namespace {
@@ -145,12 +146,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   if (const char* e = make_map(&dkvm.dk, dt, dk, 64)) return e;
   if (const char* e = make_map(&dkvm.dv, dt, dv, 64)) return e;
   BwdParams p;
-  p.B = q.B;
-  p.Hq = q.H;
-  p.Hkv = k.H;
-  p.N = q.S;
-  p.M = k.S;
-  p.group = q.H / k.H;
+  fill_shared_params(p, q, k, sc);
   p.Npad = Npad;
   const float scale = sc.scale;
   p.scale = scale;
@@ -158,10 +154,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
   p.cap_in = CAP ? scale / sc.softcap : 0.f;
   p.cap_log2 = CAP ? sc.softcap * 1.4426950408889634f : 0.f;
   p.cap_inv_log2 = CAP ? 1.f / p.cap_log2 : 0.f;
-  p.causal = sc.causal;
-  p.window = sc.window > 0 ? sc.window : INT_MAX;
   p.key_rows = sc.key_rows;
-  p.drop = Dropout::of(sc.dropout);
   p.lse2 = lse2;
   p.delta = delta;
   p.dq_accum = dq_accum;

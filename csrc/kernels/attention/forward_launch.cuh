@@ -3,6 +3,7 @@
 // forward_<dtype>_d<head dim>_<causal|full>.cu and per (dtype, head dim) in forward_dropout_<dtype>_d<head dim>.cu.
 #pragma once
 #include "forward_kernels.cuh"
+#include "params.cuh"
 
 namespace tk_attn {
 namespace {
@@ -21,12 +22,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
     if (const char* e = make_map(&om, dt, ov, 64)) return e;
   }
   FwdParams p;
-  p.B = q.B;
-  p.Hq = q.H;
-  p.Hkv = k.H;
-  p.N = q.S;
-  p.M = k.S;
-  p.group = q.H / k.H;
+  fill_shared_params(p, q, k, sc);
   p.d = static_cast<int>(q.D);
   p.nq = (q.S + K_::BM - 1) / K_::BM;
   const int BH = q.B * q.H;
@@ -36,10 +32,7 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.scale_log2 = CAP ? LOG2E : sc.scale * LOG2E;
   p.cap_in = CAP ? sc.scale / sc.softcap : 0.f;
   p.cap_out = CAP ? sc.softcap : 0.f;
-  p.causal = sc.causal;
-  p.window = sc.window > 0 ? sc.window : INT_MAX;
   p.row_keys = sc.row_keys;
-  p.drop = Dropout::of(sc.dropout);
   p.o = o;
   p.lse = lse;
   p.next_task = next_task;
