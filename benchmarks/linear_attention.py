@@ -1,6 +1,8 @@
 """Linear-attention benchmark: ours (tk_cuda::linear_attention, Based) vs flash-linear-attention's Triton
 `parallel_based` and `fused_chunk_based` (carry the fla-core wheel) and vs torch.compile default of the quadratic
-masked spelling a Based model writes (what Inductor gets without our kernel), in one run.
+masked spelling a Based model writes (what Inductor gets without our kernel), in one run. Then the plain feature map
+elu + 1 (normalised, dk 64 and 128) vs FLA's `chunk_linear_attn` and `fused_chunk_linear_attn` on the mapped q and
+k (the map in PyTorch, as FLA's LinearAttention layer applies it) and vs torch.compile of the quadratic form.
 
 Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128
 at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
@@ -51,6 +53,69 @@ def quadratic(q, k, v, eps: float = 1e-6):
     fq, fk = taylor(q), taylor(k)
     scores = (fq @ fk.transpose(-1, -2)).tril()
     return (scores @ v) / (scores.sum(-1, keepdim=True) + eps)
+
+
+PLAIN_CASES = ((16, 16, 4096, 64, 64), (4, 16, 4096, 64, 64), (4, 16, 16384, 64, 64), (16, 16, 4096, 128, 128))
+
+
+def elu1_quadratic(q, k, v, eps: float = 1e-6):
+    """The masked quadratic form of normalised elu + 1 linear attention (head-first inputs), scale d^-½."""
+    fq, fk = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    scores = (fq @ fk.transpose(-1, -2) * q.shape[-1] ** -0.5).tril()
+    return (scores @ v) / (scores.sum(-1, keepdim=True) + eps)
+
+
+def run_plain(quick: bool = False) -> list[Row]:
+    """elu + 1, normalised: forward, then forward+backward, per PLAIN_CASES (B, H, N, dk, dv)."""
+    from tk_inductor.ops import linear_attention as la
+
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn, fused_chunk_linear_attn
+    except ImportError as exc:
+        fla, fla_missing = None, f"fla not installed ({exc.name})"
+    else:
+        fla = {"fla chunk_linear_attn": chunk_linear_attn, "fla fused_chunk_linear_attn": fused_chunk_linear_attn}
+    elu1 = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
+    compiled = torch.compile(elu1_quadratic, dynamic=False)
+    rows: list[Row] = []
+    for B, H, N, dk, dv in PLAIN_CASES[:1] if quick else PLAIN_CASES:
+        scale = dk**-0.5
+        for train in (False, True):
+            name = f"B{B} H{H} N{N} d{dk} dv{dv} elu1 {'fwd+bwd' if train else 'fwd'}"
+            progress(name)
+            g = torch.Generator(device="cuda").manual_seed(0)
+            leaves = [torch.randn(B, N, H, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(train)
+                      for d in (dk, dk, dv)]
+            q, k, v = leaves
+
+            def heads(t):
+                return t.transpose(1, 2)
+
+            want = [t.detach().float().requires_grad_(train) for t in leaves]
+            ref = la.linear_attention_reference(*(heads(t) for t in want), "elu1", None, None, scale, True, 1e-6)
+            impls = {"ours": lambda: torch.ops.tk.linear_attention(heads(q), heads(k), heads(v), "elu1", None, None,
+                                                                   scale, True, 1e-6)}
+            if fla is not None:
+                for label, fn in fla.items():
+                    impls[label] = (lambda f=fn: heads(f(elu1(q), elu1(k), v, scale, normalize=True)[0]))
+            if B * H * N * N * 4 <= 16 * 2**30:
+                impls["torch.compile"] = lambda: compiled(heads(q), heads(k), heads(v))
+            else:
+                rows.append(Row("linear_attention", name, "torch.compile", None, note="skipped: N² scores > 16 GiB"))
+            if train:
+                do = torch.randn(B, H, N, dv, device="cuda", dtype=torch.bfloat16)
+                ref.backward(do.float())
+                steps = {label: backward_step(fn, leaves, do, of=q) for label, fn in impls.items()}
+                rows += check_and_time("linear_attention", name, steps, want[0].grad, N, "Mtok/s",
+                                       lambda ms: B * N / ms / 1e3, tol=2e-2)
+            else:
+                rows += check_and_time("linear_attention", name, impls, ref.detach().float(), N, "Mtok/s",
+                                       lambda ms: B * N / ms / 1e3)
+            if fla is None:
+                rows.append(Row("linear_attention", name, "fla", None, note=fla_missing))
+            del leaves, q, k, v, want, ref
+            torch.cuda.empty_cache()
+    return rows
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -125,7 +190,7 @@ def run(quick: bool = False) -> list[Row]:
                                lambda ms: B * N / ms / 1e3, tol=2e-2)
         del leaves, q, k, v, want
         torch.cuda.empty_cache()
-    return rows
+    return rows + run_plain(quick)
 
 
 def main(argv=None) -> int:

@@ -133,6 +133,12 @@ def cases(families):
             run(f"based B1 H{bh} normalize={normalize}",
                 lambda q, k, v: torch.ops.tk.linear_attention(q, k, v, "based", None, None, 0.25, normalize, 1e-6),
                 q, k, v, expect=("linear_attention", "linear_attention_backward"))
+            for fm, dk in (("elu1", 64), ("identity", 128)):
+                q, k, v = rand(1, bh, 130, dk), rand(1, bh, 130, dk), rand(1, bh, 130, 128)
+                run(f"{fm} dk{dk} B1 H{bh} normalize={normalize}",
+                    lambda q, k, v, fm=fm: torch.ops.tk.linear_attention(q, k, v, fm, None, None, 0.25, normalize,
+                                                                         1e-6),
+                    q, k, v, expect=("linear_attention", "linear_attention_backward"))
 
     # tasks of two heads, a group's short last task (3 heads per group), more tasks than SMs, sequences split into
     # segments (few tasks: 21 chunks in segments of 5, the last of one chunk)

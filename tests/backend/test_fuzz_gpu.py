@@ -439,15 +439,19 @@ def linear_attention_case(rng):
 
     B, H, N = pick(rng, 1, 2, 3), pick(rng, 1, 2, 4, 16), size(rng, 2100)
     dv = pick(rng, 64, 64, 128, 192, 256)
+    fm = pick(rng, "based", "based", "elu1", "identity")
+    dk = pick(rng, *ops.KERNEL_DK[fm])
     normalize = rng.random() < 0.5
     scale, eps = pick(rng, 0.25, rng.uniform(0.1, 0.5)), pick(rng, 1e-6, 1e-3)
     lay = [pick(rng, *LAYOUTS) for _ in range(3)]
-    q = randn((B, H, N, ops.KERNEL_DK), torch.bfloat16, 1.0, lay[0])
-    k = randn((B, H, N, ops.KERNEL_DK), torch.bfloat16, 1.0, lay[1])
+    q = randn((B, H, N, dk), torch.bfloat16, 1.0, lay[0])
+    k = randn((B, H, N, dk), torch.bfloat16, 1.0, lay[1])
     v = randn((B, H, N, dv), torch.bfloat16, 1.0, lay[2])
-    desc = f"B{B} H{H} N{N} dv{dv} normalize={normalize} scale={scale:.3g} eps={eps:g} layouts {lay}"
+    if fm == "identity" and normalize:  # already-mapped (positive) features: a denominator near zero tests nothing
+        q, k = q.abs(), k.abs()
+    desc = f"{fm} B{B} H{H} N{N} dk{dk} dv{dv} normalize={normalize} scale={scale:.3g} eps={eps:g} layouts {lay}"
     op = lambda *a: torch.ops.tk.linear_attention(*a)  # noqa: E731
-    return dict(desc=desc, op=op, args=[q, k, v, "based", None, None, scale, normalize, eps], outputs=[0],
+    return dict(desc=desc, op=op, args=[q, k, v, fm, None, None, scale, normalize, eps], outputs=[0],
                 grad_inputs=[0, 1, 2], tol=TOL["linear_attention"], grad_names=["dq", "dk", "dv"])
 
 

@@ -310,9 +310,13 @@ def test_dynamic_sequence_length(form):
     assert tk_inductor.report().replaced.get("linear_attention") == 2  # the static graph and the dynamic one
 
 
-def test_kernel_supports_names_what_the_based_kernel_does_not_compute():
-    assert "feature map 'identity'" in la.kernel_supports("identity", torch.bfloat16, 16, 64)
+def test_kernel_supports_names_what_the_kernels_do_not_compute():
+    assert "feature dim 16 (the 'identity' kernel takes 64 or 128)" in la.kernel_supports("identity", torch.bfloat16, 16, 64)
+    assert "feature map 'hedgehog'" in la.kernel_supports("hedgehog", torch.bfloat16, 64, 64, has_weights=True)
     assert "feature map 'based'" in la.kernel_supports("based", torch.bfloat16, 16, 64, has_weights=True)
+    assert la.kernel_supports("elu1", torch.bfloat16, 128, 64) is None
+    assert la.kernel_supports("identity", torch.bfloat16, 64, 128) is None
+    assert "dtype torch.float16" in la.kernel_supports("elu1", torch.float16, 64, 64)
     assert "dtype torch.float16" in la.kernel_supports("based", torch.float16, 16, 64)
     assert "feature dim 32" in la.kernel_supports("based", torch.bfloat16, 32, 64)
     assert "value dim 96" in la.kernel_supports("based", torch.bfloat16, 16, 96)

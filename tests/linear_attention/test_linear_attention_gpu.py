@@ -1,8 +1,8 @@
-"""The Based linear-attention kernels (csrc/kernels/linear_attention/based.cu, based_backward.cu) against the fp32
-chunked reference and its autograd, through the raw ops tk_cuda::linear_attention and
-tk_cuda::linear_attention_backward, on random bf16 inputs: odd lengths (chunk tails), one and several chunks, dv 64
-and 128 (one and two value tiles per head), normalised or not, strided inputs, and outputs poisoned before each
-call."""
+"""The linear-attention kernels (csrc/kernels/linear_attention: Based in based.cu / based_backward.cu, the plain maps
+identity and elu1 in plain.cu / plain_backward.cu) against the fp32 chunked reference and its autograd, through the
+raw ops tk_cuda::linear_attention and tk_cuda::linear_attention_backward, on random bf16 inputs: odd lengths (chunk
+tails), one and several chunks, dk 64 and 128 (plain), dv 64 and 128 (one and two value tiles per head), normalised or
+not, strided inputs, and outputs poisoned before each call."""
 from __future__ import annotations
 
 import math
@@ -36,13 +36,23 @@ def poison(shape):
     del junk
 
 
-def inputs(B, H, N, dv, layout="bhnd", seed=0):
+def inputs(B, H, N, dv, layout="bhnd", seed=0, dk=16, positive=False):
+    """q, k (B, H, N, dk) and v (B, H, N, dv); positive: |q|, |k| (features already mapped, as identity's normalised
+    form is used: a denominator that crosses zero is no test of the kernel)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    shapes = [(B, H, N, 16), (B, H, N, 16), (B, H, N, dv)]
+    shapes = [(B, H, N, dk), (B, H, N, dk), (B, H, N, dv)]
     if layout == "bnhd":  # (B, N, H, d) buffers seen head-first, as a model's projections give them
-        return [torch.randn(b, n, h, d, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
-                for b, h, n, d in shapes]
-    return [torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16) for s in shapes]
+        ts = [torch.randn(b, n, h, d, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+              for b, h, n, d in shapes]
+    else:
+        ts = [torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16) for s in shapes]
+    if positive:
+        ts[0], ts[1] = ts[0].abs(), ts[1].abs()
+    return ts
+
+
+def plain_inputs(fm, B, H, N, dv, dk, normalize, seed=0, layout="bhnd"):
+    return inputs(B, H, N, dv, layout, seed, dk, positive=fm == "identity" and normalize)
 
 
 def heads(grid: str, B: int = 2, dv: int = 64) -> int:
@@ -56,16 +66,16 @@ def rel_err(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)).item()
 
 
-def check(ops, q, k, v, scale, normalize, eps=1e-6):
+def check(ops, q, k, v, scale, normalize, eps=1e-6, fm="based"):
     B, H, N, dv = v.shape
     poison((B, H, N, dv))
-    o = ops.linear_attention(q, k, v, "based", None, None, scale, normalize, eps)
+    o = ops.linear_attention(q, k, v, fm, None, None, scale, normalize, eps)
     torch.cuda.synchronize()
     assert o.shape == v.shape and o.dtype == torch.bfloat16 and o.is_contiguous()
     assert not o.isnan().any(), "unwritten or non-finite outputs"
-    want = la.linear_attention_reference(q, k, v, "based", None, None, scale, normalize, eps).float()
+    want = la.linear_attention_reference(q, k, v, fm, None, None, scale, normalize, eps).float()
     err = rel_err(o, want)
-    assert err < TOL, f"relative error {err:.3g} (B{B} H{H} N{N} dv{dv} normalize={normalize})"
+    assert err < TOL, f"relative error {err:.3g} ({fm} B{B} H{H} N{N} dk{q.shape[-1]} dv{dv} normalize={normalize})"
 
 
 @pytest.mark.parametrize("grid", ["wide", "small"])
@@ -99,10 +109,30 @@ def test_based_forward_many_heads(ops, B, H, dv):
     check(ops, q, k, v, 0.25, True)
 
 
-def test_based_forward_rejects_what_it_does_not_compute(ops):
+@pytest.mark.parametrize("grid", ["wide", "small"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 64), (64, 128), (128, 128)])
+@pytest.mark.parametrize("N", LENGTHS)
+@pytest.mark.parametrize("fm", ["elu1", "identity"])
+def test_plain_forward(ops, fm, N, dk, dv, normalize, grid):
+    q, k, v = plain_inputs(fm, 2, heads(grid, 2, dv), N, dv, dk, normalize, seed=N + dk + dv)
+    check(ops, q, k, v, dk ** -0.5, normalize, fm=fm)
+
+
+def test_plain_forward_strided_and_scales(ops):
+    q, k, v = inputs(2, 4, 300, 64, layout="bnhd", seed=19, dk=128)
+    assert not q.is_contiguous()
+    check(ops, q, k, v, 0.3, True, fm="elu1")
+    check(ops, q, k, v, 0.05, False, fm="identity")
+    check(ops, q, k, v, 1.0, True, eps=1.0, fm="elu1")
+
+
+def test_kernels_reject_what_they_do_not_compute(ops):
     q, k, v = inputs(1, 1, 8, 64)
-    with pytest.raises(RuntimeError, match="feature map 'based'"):
+    with pytest.raises(RuntimeError, match="feature dim must be 64 or 128"):
         ops.linear_attention(q, k, v, "identity", None, None, 1.0, False, 0.0)
+    with pytest.raises(RuntimeError, match="not 'hedgehog'"):
+        ops.linear_attention(q, k, v, "hedgehog", None, None, 1.0, False, 0.0)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.linear_attention(q.half(), k.half(), v.half(), "based", None, None, 1.0, False, 0.0)
     with pytest.raises(RuntimeError, match="multiple of 64"):
@@ -121,16 +151,16 @@ def test_empty_sequence(ops):
 BWD_TOL = 2e-2  # relative (norm-wise) error of each gradient vs the fp32 reference's autograd
 
 
-def check_backward(ops, q, k, v, scale, normalize, eps=1e-6, seed=0):
-    o = ops.linear_attention(q, k, v, "based", None, None, scale, normalize, eps)
+def check_backward(ops, q, k, v, scale, normalize, eps=1e-6, seed=0, fm="based"):
+    o = ops.linear_attention(q, k, v, fm, None, None, scale, normalize, eps)
     do = torch.randn(v.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(v.dtype)
     poison(v.shape)
-    dq, dk, dv, dqw, dkw = ops.linear_attention_backward(do, q, k, v, o, "based", None, None, scale, normalize, eps)
+    dq, dk, dv, dqw, dkw = ops.linear_attention_backward(do, q, k, v, o, fm, None, None, scale, normalize, eps)
     torch.cuda.synchronize()
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16 and dqw.numel() == 0 and dkw.numel() == 0
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    la.linear_attention_reference(*leaves, "based", None, None, scale, normalize, eps).backward(do.float())
+    la.linear_attention_reference(*leaves, fm, None, None, scale, normalize, eps).backward(do.float())
     for name, got, want in (("dq", dq, leaves[0].grad), ("dk", dk, leaves[1].grad), ("dv", dv, leaves[2].grad)):
         assert not got.isnan().any(), f"{name}: unwritten or non-finite"
         if normalize and q.shape[2] == 1 and name != "dv":
@@ -139,7 +169,8 @@ def check_backward(ops, q, k, v, scale, normalize, eps=1e-6, seed=0):
             assert got.float().abs().max().item() < 0.1, f"{name}: {got.float().abs().max().item():.3g}, want 0"
             continue
         err = rel_err(got, want)
-        assert err < BWD_TOL, f"{name}: relative error {err:.3g} (N{q.shape[2]} dv{v.shape[3]} normalize={normalize})"
+        assert err < BWD_TOL, \
+            f"{name}: relative error {err:.3g} ({fm} N{q.shape[2]} dk{q.shape[3]} dv{v.shape[3]} normalize={normalize})"
 
 
 @pytest.mark.parametrize("grid", ["wide", "small"])
@@ -149,6 +180,35 @@ def check_backward(ops, q, k, v, scale, normalize, eps=1e-6, seed=0):
 def test_based_backward(ops, N, dv, normalize, grid):
     q, k, v = inputs(2, heads(grid, 2, dv), N, dv, seed=N + dv + 1)
     check_backward(ops, q, k, v, 1 / math.sqrt(16), normalize, seed=N)
+
+
+@pytest.mark.parametrize("grid", ["wide", "small"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 64), (64, 128), (128, 128)])
+@pytest.mark.parametrize("N", (1, 17, 64, 65, 200, 1000))
+@pytest.mark.parametrize("fm", ["elu1", "identity"])
+def test_plain_backward(ops, fm, N, dk, dv, normalize, grid):
+    q, k, v = plain_inputs(fm, 2, heads(grid, 2, dv), N, dv, dk, normalize, seed=N + dk + dv + 1)
+    check_backward(ops, q, k, v, dk ** -0.5, normalize, seed=N, fm=fm)
+
+
+def test_plain_backward_strided_and_long(ops):
+    q, k, v = inputs(2, 4, 300, 64, layout="bnhd", seed=21, dk=128)
+    check_backward(ops, q, k, v, 0.3, True, fm="elu1")
+    check_backward(ops, q, k, v, 0.05, False, fm="identity")
+    q, k, v = inputs(1, 4, 4096, 64, seed=22, dk=64)
+    check_backward(ops, q, k, v, 0.125, True, fm="elu1")
+
+
+@pytest.mark.parametrize("fm,dk", [("elu1", 64), ("identity", 128)])
+def test_plain_backward_through_the_op(ops, fm, dk):
+    q, k, v = (t.requires_grad_() for t in inputs(1, 2, 150, 64, seed=24, dk=dk))
+    out = torch.ops.tk.linear_attention(q, k, v, fm, None, None, 0.25, fm == "elu1", 1e-6)
+    out.float().square().sum().backward()
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    la.linear_attention_reference(*leaves, fm, None, None, 0.25, fm == "elu1", 1e-6).float().square().sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in leaves)):
+        assert rel_err(got, want) < 3e-2
 
 
 def test_based_backward_strided_and_many_heads(ops):
@@ -168,3 +228,37 @@ def test_based_backward_through_the_op(ops, monkeypatch):
     la.linear_attention_reference(*leaves, "based", None, None, 0.25, True, 1e-6).float().square().sum().backward()
     for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in leaves)):
         assert rel_err(got, want) < 3e-2
+
+
+@pytest.mark.parametrize("mixer", [dict(feature_map="elu1", form="cumsum", feature_dim=64, scale=0.125),
+                                   dict(feature_map="elu1", form="quadratic", feature_dim=128, head_dim=128, scale=1.0),
+                                   dict(feature_map="identity", form="quadratic", feature_dim=64, normalize=False,
+                                        scale=0.125)],
+                         ids=["elu1-cumsum-64", "elu1-quadratic-128", "identity-raw-64"])
+def test_plain_model_trains_on_the_kernels(ops, mixer):
+    """A small bf16 model of plain linear-attention layers compiled with the backend on CUDA: every layer's mixer is
+    replaced by the kernels (forward and backward), and the output and gradients follow an fp32 copy's in eager."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    import tk_inductor
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from models_linear import TinyLM
+
+    torch.manual_seed(0)
+    mixer = {"head_dim": 64, "heads": 2, **mixer}
+    model = TinyLM(layers=2, d_model=128, **mixer).cuda().bfloat16()
+    exact = copy.deepcopy(model).float()
+    ids = torch.randint(0, 64, (2, 300), device="cuda")
+    torch._dynamo.reset()
+    tk_inductor.reset()
+    out = torch.compile(model, backend="thunderkittens")(ids)
+    assert tk_inductor.report().replaced.get("linear_attention") == 2, tk_inductor.report()
+    out.float().square().mean().backward()
+    want = exact(ids)
+    assert rel_err(out, want) < 3e-2
+    want.square().mean().backward()
+    for p, e in zip(model.parameters(), exact.parameters()):
+        assert rel_err(p.grad, e.grad) < 5e-2

@@ -48,24 +48,27 @@ FAMILY = "linear_attention"
 FEATURE_MAPS = ("identity", "elu1", "based", "hedgehog")
 REFERENCE_CHUNK = 64
 
-# The CUDA kernels (csrc/kernels/linear_attention: based.cu, the forward; based_backward.cu with based_dq.cuh and
-# based_dkdv.cuh, the backward): Based, bf16, dk 16, dv a multiple of 64.
-KERNEL_DK, KERNEL_DV_TILE = 16, 64
-# The backward kernel is validated on the GPU by tests/linear_attention/test_linear_attention_gpu.py. False: the backward op and the
-# matcher fall back to the reference (what to set while a changed kernel awaits its GPU run).
+# The CUDA kernels (csrc/kernels/linear_attention): Based (based.cu, the forward; based_backward.cu with based_dq.cuh
+# and based_dkdv.cuh, the backward) with dk 16, and the plain maps identity and elu1 (plain.cu; plain_backward.cu with
+# plain_dq.cuh and plain_dkdv.cuh) with dk 64 or 128; bf16, dv a multiple of 64, no weights.
+KERNEL_DK = {"based": (16,), "identity": (64, 128), "elu1": (64, 128)}
+KERNEL_DV_TILE = 64
+# The backward kernels are validated on the GPU by tests/linear_attention/test_linear_attention_gpu.py. False: the
+# backward op and the matcher fall back to the reference (what to set while a changed kernel awaits its GPU run).
 BACKWARD_KERNEL_VALIDATED = True
 
 
 def kernel_supports(feature_map: str, dtype: torch.dtype, dk, dv, has_weights: bool = False) -> str | None:
-    """None if the CUDA kernel computes this case, else why not (also used by the matcher)."""
-    if feature_map != "based" or has_weights:
-        return f"feature map {feature_map!r} (the kernel implements 'based')"
+    """None if a CUDA kernel computes this case, else why not (also used by the matcher)."""
+    if feature_map not in KERNEL_DK or has_weights:
+        return f"feature map {feature_map!r} (the kernels implement {', '.join(map(repr, KERNEL_DK))})"
     if dtype != torch.bfloat16:
-        return f"dtype {dtype} (the linear-attention kernel takes bfloat16)"
-    if dk != KERNEL_DK:
-        return f"feature dim {dk} (the Based kernel takes {KERNEL_DK})"
+        return f"dtype {dtype} (the linear-attention kernels take bfloat16)"
+    if dk not in KERNEL_DK[feature_map]:
+        dims = " or ".join(map(str, KERNEL_DK[feature_map]))
+        return f"feature dim {dk} (the {feature_map!r} kernel takes {dims})"
     if not isinstance(dv, int) or dv <= 0 or dv % KERNEL_DV_TILE:
-        return f"value dim {dv} (the Based kernel takes multiples of {KERNEL_DV_TILE})"
+        return f"value dim {dv} (the kernels take multiples of {KERNEL_DV_TILE})"
     return None
 
 

@@ -7,7 +7,7 @@
 
 #include <utility>
 
-#include "linear_attention.h"
+#include "common.cuh"
 
 namespace tk_linear_attention {
 
@@ -242,17 +242,5 @@ const char* make_input_maps(G& g, const A& a) {
   if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
   return make_tma_map(g.v, view(a.v, a.dv, a.v_stride));
 }
-// Launches `kernel` on `blocks` one-warpgroup blocks with `smem` bytes of dynamic shared memory (set on every call:
-// the attribute belongs to the current device's context).
-template <class G>
-const char* launch_warpgroups(void (*kernel)(G), int64_t blocks, size_t smem, const G& g, cudaStream_t stream) {
-  if (blocks > 0x7fffffff) return "too many (batch, head, value tile) blocks for one launch";
-  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  kernel<<<unsigned(blocks), WARPGROUP_THREADS, smem, stream>>>(g);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
-
 }  // namespace
 }  // namespace tk_linear_attention

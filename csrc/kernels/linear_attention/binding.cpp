@@ -1,7 +1,7 @@
-// Registers the Based kernels as the raw ops tk_cuda::linear_attention and tk_cuda::linear_attention_backward, with
-// the schemas of the user-facing tk:: ops. tk_inductor/ops/linear_attention.py calls them only for what
-// `kernel_supports` accepts (feature map "based", bf16, dk 16, dv a multiple of 64, no weights); the checks here
-// guard direct calls.
+// Registers the Based and plain kernels as the raw ops tk_cuda::linear_attention and
+// tk_cuda::linear_attention_backward, with the schemas of the user-facing tk:: ops. tk_inductor/ops/linear_attention.py
+// calls them only for what `kernel_supports` accepts (feature map "based" with dk 16, "identity" or "elu1" with dk 64
+// or 128; bf16, dv a multiple of 64, no weights); the checks here guard direct calls.
 #include "binding/stable.h"
 
 #include <optional>
@@ -19,19 +19,33 @@ using binding::Sizes;
 using binding::Tensor;
 namespace la = tk_linear_attention;
 
+// The plain kernels' feature map for `feature_map`, or none for "based".
+std::optional<la::FeatureMap> plain_map(const std::string& feature_map) {
+  if (feature_map == "identity") return la::FeatureMap::identity;
+  if (feature_map == "elu1") return la::FeatureMap::elu1;
+  return std::nullopt;
+}
+
 // The checks both ops share; `op` names the raw op in the messages.
 void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const std::string& feature_map,
                   const OptTensor& q_weight, const OptTensor& k_weight) {
-  STD_TORCH_CHECK(feature_map == "based", op, ": the kernel implements feature map 'based', not '", feature_map, "'");
-  STD_TORCH_CHECK(!present(q_weight) && !present(k_weight), op, ": 'based' takes no weights");
+  const bool plain = plain_map(feature_map).has_value();
+  STD_TORCH_CHECK(plain || feature_map == "based", op, ": the kernels implement feature maps 'based', 'identity' and "
+                  "'elu1', not '", feature_map, "'");
+  STD_TORCH_CHECK(!present(q_weight) && !present(k_weight), op, ": '", feature_map, "' takes no weights");
   STD_TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), op, ": inputs must be CUDA tensors");
   STD_TORCH_CHECK(q.dim() == 4 && binding::same_sizes(k, q) && v.dim() == 4 && v.size(0) == q.size(0) &&
                       v.size(1) == q.size(1) && v.size(2) == q.size(2),
-                  op, ": q, k (B, H, N, 16) and v (B, H, N, dv) must agree");
+                  op, ": q, k (B, H, N, dk) and v (B, H, N, dv) must agree");
   const ScalarType bf16 = ScalarType::BFloat16;
   STD_TORCH_CHECK(q.scalar_type() == bf16 && k.scalar_type() == bf16 && v.scalar_type() == bf16, op,
                   ": the kernel takes bfloat16");
-  STD_TORCH_CHECK(q.size(3) == la::BASED_DK, op, ": q/k feature dim must be ", la::BASED_DK);
+  if (plain) {
+    STD_TORCH_CHECK(q.size(3) == la::PLAIN_DK[0] || q.size(3) == la::PLAIN_DK[1], op, ": q/k feature dim must be ",
+                    la::PLAIN_DK[0], " or ", la::PLAIN_DK[1], " for '", feature_map, "'");
+  } else {
+    STD_TORCH_CHECK(q.size(3) == la::BASED_DK, op, ": q/k feature dim must be ", la::BASED_DK, " for 'based'");
+  }
   STD_TORCH_CHECK(v.size(3) % la::BASED_DV_TILE == 0 && v.size(3) > 0, op, ": dv must be a positive multiple of ",
               la::BASED_DV_TILE);
   STD_TORCH_CHECK(q.size(2) <= 0x7fffffff && q.size(0) * q.size(1) <= 0x7fffffff, op, ": too large");
@@ -53,15 +67,17 @@ Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, const
   Tensor o = torch::stable::new_empty(v, v.sizes());
   if (o.numel() == 0) return o;
   const Tensor qq = binding::rows16(q), kk = binding::rows16(k), vv = binding::rows16(v);
-  la::BasedArgs a{};
+  la::PlainArgs a{};
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.o = o.data_ptr();
-  const char* err = la::launch_based(a, binding::current_stream(q));
+  const std::optional<la::FeatureMap> map = plain_map(feature_map);
+  a.features = int(q.size(3)), a.map = map.value_or(la::FeatureMap::identity);
+  const char* err = map ? la::launch_plain(a, binding::current_stream(q)) : la::launch_based(a, binding::current_stream(q));
   STD_TORCH_CHECK(err == nullptr, "tk_cuda::linear_attention: ", err ? err : "");
   return o;
 }
 
-// (dq, dk, dv, dq_weight, dk_weight), the weight gradients empty ('based' has none). o is the forward's output:
+// (dq, dk, dv, dq_weight, dk_weight), the weight gradients empty (these feature maps have none). o is the forward's output:
 // the denominator's gradient needs do·o over whole rows, which a block of 64 value columns does not see.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
     const Tensor& grad_o, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
@@ -85,12 +101,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   const Tensor ob = torch::stable::contiguous(binding::to(normalize ? o : none(), ScalarType::BFloat16));
   const Sizes rows{q.size(0), q.size(1), q.size(2)};
   Tensor delta = torch::stable::new_empty(q, normalize ? rows : Sizes{0}, f32);
-  la::BasedBwdArgs a{};
+  const std::optional<la::FeatureMap> map = plain_map(feature_map);
+  // the plain scans' 1/(d + eps) per row, from the dq scan to the dk/dv scan
+  Tensor inv = torch::stable::new_empty(q, normalize && map ? rows : Sizes{0}, f32);
+  la::PlainBwdArgs a{};
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.dout = dout.data_ptr(), a.o = normalize ? ob.data_ptr() : nullptr;
   a.delta = normalize ? data<float>(delta) : nullptr;
   a.dq = data<float>(dq), a.dk = data<float>(dk), a.dv_out = dv.data_ptr();
-  const char* err = la::launch_based_backward(a, binding::current_stream(q));
+  a.features = int(q.size(3)), a.map = map.value_or(la::FeatureMap::identity);
+  a.inv = normalize && map ? data<float>(inv) : nullptr;
+  const char* err = map ? la::launch_plain_backward(a, binding::current_stream(q))
+                        : la::launch_based_backward(a, binding::current_stream(q));
   STD_TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
   return {binding::to(dq, q.scalar_type()), binding::to(dk, k.scalar_type()), dv, none(), none()};
 }

@@ -1,5 +1,6 @@
 // Launch interface of the linear_attention family (torch-free; the binding includes it).
-// Based (2nd-order Taylor) causal linear attention, forward:
+// Based (2nd-order Taylor) and plain (identity, elu + 1) causal linear attention.
+// Based, forward:
 //   o_i = Σ_{j≤i} κ(q_i, k_j) v_j  [/ (Σ_{j≤i} κ(q_i, k_j) + eps) when normalize],  κ = 1 + s + s²/2, s = scale·q_i·k_j
 // q, k: (B, H, N, 16); v: (B, H, N, dv), dv a multiple of 64; o: (B, H, N, dv) contiguous; bf16.
 #pragma once
@@ -49,5 +50,25 @@ struct BasedBwdArgs {
 };
 // Blocks of 64 value columns, as the forward's (based_backward.cu launches the two scans).
 const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream);
+
+// Plain feature maps, φ applied to q and k element by element: o_i = scale Σ_{j≤i} (φq_i·φk_j) v_j
+// [/ (scale Σ_{j≤i} φq_i·φk_j + eps) when normalize]. q, k: (B, H, N, dk), dk 64 or 128; v as Based's; bf16.
+enum class FeatureMap : int { identity = 0, elu1 = 1 };  // φ(x) = x; φ(x) = elu(x) + 1
+constexpr int PLAIN_DK[2] = {64, 128};
+struct PlainArgs : BasedArgs {
+  int features;  // dk
+  FeatureMap map;
+};
+// One warpgroup per (batch·head, 64 value columns) (plain.cu).
+const char* launch_plain(const PlainArgs& a, cudaStream_t stream);
+
+// Plain backward: as Based's (dq, dk fp32 and zeroed by the caller; delta filled by the launch), and inv: (B, H, N)
+// fp32 scratch for 1/(d + eps) per row, which the dq scan writes and the dk/dv scan reads (normalising only).
+struct PlainBwdArgs : BasedBwdArgs {
+  int features;  // dk
+  FeatureMap map;
+  float* inv;
+};
+const char* launch_plain_backward(const PlainBwdArgs& a, cudaStream_t stream);
 
 }  // namespace tk_linear_attention

@@ -22,4 +22,20 @@ template <class GL, register_tile RT> TK_DEVICE void store(const GL& g, const RT
     ::tk::store_at(g, src, at.b, at.h, (at.r * WARPGROUP_WARPS + warpid_in_group()) * RT::rows, at.c * RT::cols);
 }
 
+// t = f(t) element by element, in place: the warpgroup's threads take the tile's 16-byte pieces in turn (an elementwise
+// map needs no layout). The caller fences (fence_async_shared) and syncs before wgmma or other threads read the result.
+template <shared_tile ST, class F> TK_DEVICE void map(ST& t, F&& f) {
+    using T = typename ST::T;
+    constexpr int per = 16 / int(sizeof(T)), pieces = ST::rows * ST::cols / per;
+    uint4* p = reinterpret_cast<uint4*>(t.data);
+#pragma unroll 4
+    for (int i = threadIdx.x % WARPGROUP_THREADS; i < pieces; i += WARPGROUP_THREADS) {
+        uint4 piece = p[i];
+        T* e = reinterpret_cast<T*>(&piece);
+#pragma unroll
+        for (int j = 0; j < per; ++j) e[j] = convert<T>(f(convert<float>(e[j])));
+        p[i] = piece;
+    }
+}
+
 }  // namespace tk::warpgroup
