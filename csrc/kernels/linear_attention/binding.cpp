@@ -90,27 +90,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
                   op, ": grad_o and o must have v's shape, on q's device");
   const binding::DeviceGuard guard(q.get_device_index());
   const ScalarType f32 = ScalarType::Float;
-  Tensor dq = torch::stable::new_zeros(q, q.sizes(), f32), dk = torch::stable::new_zeros(k, k.sizes(), f32);  // value tiles add into them
+  const std::optional<la::FeatureMap> map = plain_map(feature_map);
+  // dq and dk: fp32 sums that the value tiles add into, or (plain, one value tile) the bf16 results themselves
+  const bool direct = map && v.size(3) == la::BASED_DV_TILE;
+  Tensor dq = direct ? torch::stable::new_empty(q, q.sizes()) : torch::stable::new_zeros(q, q.sizes(), f32);
+  Tensor dk = direct ? torch::stable::new_empty(k, k.sizes()) : torch::stable::new_zeros(k, k.sizes(), f32);
   Tensor dv = torch::stable::new_empty(v, v.sizes());
   // the absent weight gradients: two empty tensors (a custom op's outputs must not alias one another)
   const auto none = [&] { return torch::stable::new_empty(q, Sizes{0}); };
-  if (v.numel() == 0) return {binding::to(dq, q.scalar_type()), binding::to(dk, k.scalar_type()), dv, none(), none()};
+  if (v.numel() == 0) {
+    if (direct) dq = torch::stable::zero_(dq), dk = torch::stable::zero_(dk);
+    return {binding::to(dq, q.scalar_type()), binding::to(dk, k.scalar_type()), dv, none(), none()};
+  }
   const Tensor qq = binding::rows16(q), kk = binding::rows16(k), vv = binding::rows16(v);
   const Tensor dout = torch::stable::contiguous(binding::to(grad_o, ScalarType::BFloat16));
   // only the delta kernel reads o; the launch fills delta
   const Tensor ob = torch::stable::contiguous(binding::to(normalize ? o : none(), ScalarType::BFloat16));
   const Sizes rows{q.size(0), q.size(1), q.size(2)};
   Tensor delta = torch::stable::new_empty(q, normalize ? rows : Sizes{0}, f32);
-  const std::optional<la::FeatureMap> map = plain_map(feature_map);
-  // the plain scans' 1/(d + eps) per row, from the dq scan to the dk/dv scan
-  Tensor inv = torch::stable::new_empty(q, normalize && map ? rows : Sizes{0}, f32);
+  // the plain scans' Σ φk per chunk of 64 rows
+  const Sizes chunk_sums{q.size(0), q.size(1), (q.size(2) + 63) / 64, q.size(3)};
+  Tensor ksum = torch::stable::new_empty(q, normalize && map ? chunk_sums : Sizes{0}, f32);
   la::PlainBwdArgs a{};
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.dout = dout.data_ptr(), a.o = normalize ? ob.data_ptr() : nullptr;
   a.delta = normalize ? data<float>(delta) : nullptr;
-  a.dq = data<float>(dq), a.dk = data<float>(dk), a.dv_out = dv.data_ptr();
+  a.dv_out = dv.data_ptr();
+  if (direct) a.dq_out = dq.data_ptr(), a.dk_out = dk.data_ptr();
+  else a.dq = data<float>(dq), a.dk = data<float>(dk);
   a.features = int(q.size(3)), a.map = map.value_or(la::FeatureMap::identity);
-  a.inv = normalize && map ? data<float>(inv) : nullptr;
+  a.ksum = normalize && map ? data<float>(ksum) : nullptr;
   const char* err = map ? la::launch_plain_backward(a, binding::current_stream(q))
                         : la::launch_based_backward(a, binding::current_stream(q));
   STD_TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");

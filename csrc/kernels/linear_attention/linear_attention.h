@@ -62,12 +62,15 @@ struct PlainArgs : BasedArgs {
 // One warpgroup per (batch·head, 64 value columns) (plain.cu).
 const char* launch_plain(const PlainArgs& a, cudaStream_t stream);
 
-// Plain backward: as Based's (dq, dk fp32 and zeroed by the caller; delta filled by the launch), and inv: (B, H, N)
-// fp32 scratch for 1/(d + eps) per row, which the dq scan writes and the dk/dv scan reads (normalising only).
+// Plain backward: as Based's (delta filled by the launch), dq and dk (B, H, N, dk) either fp32 and zeroed by the
+// caller (dv > 64: value tiles add into them) or, at dv 64, null with dq_out and dk_out bf16 outputs; and ksum:
+// (B, H, ceil(N / 64), dk) fp32 scratch for each chunk's Σ φk (normalising only).
 struct PlainBwdArgs : BasedBwdArgs {
   int features;  // dk
   FeatureMap map;
-  float* inv;
+  float* ksum;
+  void* dq_out;
+  void* dk_out;
 };
 const char* launch_plain_backward(const PlainBwdArgs& a, cudaStream_t stream);
 

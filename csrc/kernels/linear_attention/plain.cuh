@@ -101,12 +101,13 @@ template <int F> __device__ __forceinline__ void dot_rows(float (&dst)[2], const
     }
 }
 
-// d[r, f] = scale φ'(x[r, f]) (acc[r, f] + zr[r] z[f]) (zr[r]·z: the rank-one dd term, or none with z = nullptr) added
-// into the fp32 rows of dst (this warp's 16 rows at n0: rows past n are dropped). Value tiles add their shares.
+// d[r, f] = scale φ'(x[r, f]) (acc[r, f] + zr[r] z[f]) (zr[r]·z: the rank-one dd term, or none with z = nullptr) for
+// this warp's 16 rows at n0 (rows past n are dropped): stored in bf16 to `out` where the head has one value tile,
+// else added by fp32 atomics to `sum` (each value tile adds its share).
 template <FeatureMap M, int F>
-__device__ __forceinline__ void add_grad_rows(float* dst, int n0, int n, const rt_fl<BASE, F>& acc,
-                                              const rt_bf<BASE, F>& x, float scale, const float (&zr)[2],
-                                              const float* z) {
+__device__ __forceinline__ void write_grad_rows(bf16* out, float* sum, int n0, int n, const rt_fl<BASE, F>& acc,
+                                                const rt_bf<BASE, F>& x, float scale, const float (&zr)[2],
+                                                const float* z) {
   const int lane = laneid();
 #pragma unroll
   for (int m = 0; m < F / BASE; ++m)
@@ -120,8 +121,9 @@ __device__ __forceinline__ void add_grad_rows(float* dst, int n0, int n, const r
         a.x += zr[k & 1] * w.x, a.y += zr[k & 1] * w.y;
       }
       const float2 y = __bfloat1622float2(x.tiles[0][m].data[k]);
-      atomicAdd(reinterpret_cast<float2*>(dst + int64_t(r) * F + col),
-                make_float2(scale * dphi<M>(y.x) * a.x, scale * dphi<M>(y.y) * a.y));
+      const float2 d = make_float2(scale * dphi<M>(y.x) * a.x, scale * dphi<M>(y.y) * a.y);
+      if (out != nullptr) *reinterpret_cast<bf16_2*>(out + int64_t(r) * F + col) = __float22bfloat162_rn(d);
+      else atomicAdd(reinterpret_cast<float2*>(sum + int64_t(r) * F + col), d);
     }
 }
 

@@ -4,9 +4,9 @@
 // With d = scale (rowsum(φQ φKᵀ ∘ causal) + φq·z), dn = do/(d + eps), dd = -(do·o)/(d + eps) (dn = do, dd = 0 without
 // normalising) and the state before the chunk, H = Σ φk vᵀ and z = Σ φk:
 //   dq = scale φ'(q) ∘ [ ((dn vᵀ + dd) ∘ causal) φK + dn Hᵀ + dd z ]
-// then the state takes the chunk, as in the forward. Normalising, the first value tile writes each row's
-// 1/(d + eps) for kernel B. Everything but the denominator is linear in the value columns: each value tile adds its
-// partial dq by fp32 atomics (dq is zeroed by the caller); the first adds the dd terms.
+// then the state takes the chunk, as in the forward. Everything but the denominator is linear in the value columns: with several value tiles
+// each adds its partial dq by fp32 atomics (dq is zeroed by the caller), the first with the dd terms; with one, dq is
+// stored in bf16.
 #pragma once
 #include "plain.cuh"
 
@@ -17,11 +17,13 @@ template <int F> struct BwdGlobals {
   tma_map<FeatTile<F>> q, k;
   tma_map<Block> v, dout;
   const float* delta;  // (B·H, N) do·o per row, normalising only
-  float* inv;          // (B·H, N) 1/(d + eps) per row: kernel A writes it, kernel B reads it (normalising only)
-  float* dq;           // (B·H, N, F), fp32
-  float* dk;           // (B·H, N, F), fp32
+  const float* ksum;   // (B·H, chunks, F) Σ φk of each chunk's rows below N, for kernel B (normalising only)
+  float* dq;           // (B·H, N, F), fp32, value tiles adding into it; or, with one value tile, null and
+  float* dk;           // dq_out / dk_out the (B·H, N, F) bf16 results
+  bf16* dq_out;
+  bf16* dk_out;
   bf16* dv;            // (B·H, N, dv)
-  int H, N, dv_cols, tiles_v, blocks_b;  // blocks_b: the grid's first blocks_b blocks run kernel B, the rest kernel A
+  int H, N, dv_cols, tiles_v, blocks;  // blocks: each scan's (batch·head, value tile) blocks
   float scale, eps;
 };
 
@@ -102,7 +104,6 @@ __device__ __forceinline__ void dq_scan(const BwdGlobals<F>& g, uint8_t* raw, in
       for (int i = 0; i < 2; ++i) {
         inv[i] = 1.f / (g.scale * quad_sum(den[i]) + g.eps);
         dd[i] = vt == 0 ? -dl[i] * inv[i] : 0.f;  // the dd terms once per row: with the first value tile
-        if (vt == 0 && (lane & 3) == 0 && n + 8 * i < g.N) g.inv[rows + n + 8 * i] = inv[i];
       }
       map_indexed(dn, dn, [&](int r, int, float x) { return x * inv[r >> 3]; });
     }
@@ -117,7 +118,8 @@ __device__ __forceinline__ void dq_scan(const BwdGlobals<F>& g, uint8_t* raw, in
     update_state<F>(state, s.k[buf], s.v[buf]);
     warpgroup::mma_async_wait<0>(dqa, w, dn);
     hold_state<F>(state);
-    add_grad_rows<M, F>(g.dq + rows * F, n0, g.N, dqa, qr, g.scale, dd, NORM ? s.z : nullptr);
+    write_grad_rows<M, F>(g.dq_out ? g.dq_out + rows * F : nullptr, g.dq ? g.dq + rows * F : nullptr, n0, g.N, dqa,
+                          qr, g.scale, dd, NORM ? s.z : nullptr);
     __syncthreads();  // every warp has read z and H's copy, and its wgmmas are done
     if constexpr (NORM) add_column_sums<F>(s.z, s.k[buf]);  // read next after the next chunk's first barrier
   }
