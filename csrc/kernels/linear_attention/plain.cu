@@ -41,20 +41,12 @@ template <int F, FeatureMap M, bool NORM>
 __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) plain_fwd_kernel(const __grid_constant__ FwdGlobals<F> g) {
   extern __shared__ uint8_t raw[];
   FwdSmem<F>& s = *reinterpret_cast<FwdSmem<F>*>(align_shared<1024>(raw));
-  const int bh = blockIdx.x / g.tiles_v, vt = blockIdx.x % g.tiles_v, b = bh / g.H, h = bh % g.H;
+  const ScanBlock at(g, blockIdx.x);
+  const int b = at.b, h = at.h, vt = at.vt, chunks = at.chunks;
   const int row0 = BASE * warpid();
-  const int chunks = (g.N + CHUNK - 1) / CHUNK;
   const bool leader = threadIdx.x == 0;
-  if (leader) {
-    init_semaphore(s.arrived[0], 1);
-    init_semaphore(s.arrived[1], 1);
-    fence_semaphore_init();
-    load_chunk(s, 0, g, b, h, vt, 0);
-  }
-  for (int i = threadIdx.x; i < F; i += WARPGROUP_THREADS) s.z[i] = 0.f;
   State<F> state;  // H
-  zero_state<F>(state);
-  __syncthreads();
+  start_scan<F>(s, state, [&] { load_chunk(s, 0, g, b, h, vt, 0); }, [&](int i) { s.z[i] = 0.f; });
 
   for (int c = 0; c < chunks; ++c) {
     const int buf = c & 1;

@@ -40,6 +40,16 @@ template <int F> __device__ __forceinline__ const Block& column_block(const Feat
   return reinterpret_cast<const Block*>(&x)[t];
 }
 
+// Where a scan's block works: (batch·head, value tile) from its block index (blockIdx.x, or a role's int index in a
+// grid of two), and the chunks of its sequence.
+struct ScanBlock {
+  int bh, vt, b, h, chunks;
+  int64_t rows;  // bh·N: the first of the head's rows in (B·H, N, ·) outputs
+  template <class G, class I> __device__ __forceinline__ ScanBlock(const G& g, I block)
+      : bh(block / g.tiles_v), vt(block % g.tiles_v), b(bh / g.H), h(bh % g.H), chunks((g.N + CHUNK - 1) / CHUNK),
+        rows(int64_t(bh) * g.N) {}
+};
+
 // φ over a chunk's q and k tiles in place (the caller fences and syncs before they are read).
 template <FeatureMap M, int F> __device__ __forceinline__ void map_features(FeatTile<F>& q, FeatTile<F>& k) {
   if constexpr (M != FeatureMap::identity) {
@@ -51,6 +61,20 @@ template <FeatureMap M, int F> __device__ __forceinline__ void map_features(Feat
 template <int F> __device__ __forceinline__ void zero_state(State<F>& s) {
 #pragma unroll
   for (int t = 0; t < F / 64; ++t) zero(s[t]);
+}
+// A scan's start: the chunk semaphores and the first chunk's load (the leader), column(i) for the F columns of the
+// shared-memory vectors (the threads take them in turn) and the state zeroed, then the block's first barrier.
+template <int F, class S, class Load, class Column>
+__device__ __forceinline__ void start_scan(S& s, State<F>& state, Load&& load_first, Column&& column) {
+  if (threadIdx.x == 0) {
+    init_semaphore(s.arrived[0], 1);
+    init_semaphore(s.arrived[1], 1);
+    fence_semaphore_init();
+    load_first();
+  }
+  for (int i = threadIdx.x; i < F; i += WARPGROUP_THREADS) column(i);
+  zero_state<F>(state);
+  __syncthreads();
 }
 // Each warp stores its rows of the state's bf16 copy (the caller fences and syncs before wgmma reads it).
 template <int F> __device__ __forceinline__ void publish_state(StateTile<F>& dst, const State<F>& s) {

@@ -26,11 +26,11 @@ template <int F> struct DkdvSmem : BwdChunks<F> {
 template <int F, FeatureMap M, bool NORM>
 __device__ __forceinline__ void dkdv_scan(const BwdGlobals<F>& g, uint8_t* raw, int block) {
   DkdvSmem<F>& s = *reinterpret_cast<DkdvSmem<F>*>(raw);
-  const int bh = block / g.tiles_v, vt = block % g.tiles_v, b = bh / g.H, h = bh % g.H;
+  const ScanBlock at(g, block);
+  const int bh = at.bh, b = at.b, h = at.h, vt = at.vt, chunks = at.chunks;
+  const int64_t rows = at.rows;
   const int lane = laneid(), row0 = BASE * warpid();
-  const int chunks = (g.N + CHUNK - 1) / CHUNK;
   const bool leader = threadIdx.x == 0;
-  const int64_t rows = int64_t(bh) * g.N;
   bf16* dv = g.dv + rows * g.dv_cols + vt * DV_TILE;
   if (leader) {
     init_semaphore(s.arrived[0], 1);

@@ -54,21 +54,13 @@ template <int F> struct DqSmem : BwdChunks<F> {
 template <int F, FeatureMap M, bool NORM>
 __device__ __forceinline__ void dq_scan(const BwdGlobals<F>& g, uint8_t* raw, int block) {
   DqSmem<F>& s = *reinterpret_cast<DqSmem<F>*>(raw);
-  const int bh = block / g.tiles_v, vt = block % g.tiles_v, b = bh / g.H, h = bh % g.H;
+  const ScanBlock at(g, block);
+  const int b = at.b, h = at.h, vt = at.vt, chunks = at.chunks;
+  const int64_t rows = at.rows;
   const int lane = laneid(), row0 = BASE * warpid();
-  const int chunks = (g.N + CHUNK - 1) / CHUNK;
   const bool leader = threadIdx.x == 0;
-  const int64_t rows = int64_t(bh) * g.N;
-  if (leader) {
-    init_semaphore(s.arrived[0], 1);
-    init_semaphore(s.arrived[1], 1);
-    fence_semaphore_init();
-    load_bwd_chunk<F>(s, 0, g, b, h, vt, 0);
-  }
-  for (int i = threadIdx.x; i < F; i += WARPGROUP_THREADS) s.z[i] = 0.f;
   State<F> state;  // H
-  zero_state<F>(state);
-  __syncthreads();
+  start_scan<F>(s, state, [&] { load_bwd_chunk<F>(s, 0, g, b, h, vt, 0); }, [&](int i) { s.z[i] = 0.f; });
 
   for (int c = 0; c < chunks; ++c) {
     const int buf = c & 1;
