@@ -1,6 +1,8 @@
 """Match causal linear attention in a Dynamo (torch-IR) graph -> `tk::linear_attention`.
 
-Spellings recognised (B, H, N, d layout, the op's):
+Spellings recognised, on q/k/v held heads-first (B, H, N, d), the op's layout, or tokens-first (B, N, H, d), as FLA
+and many research repos hold them (the op then reads transposed views and its output goes back transposed; the
+scores are (B, H, N, M) either way):
 - quadratic: `(φq @ φkᵀ)` (matmul/einsum, optionally scaled) made causal by `torch.tril`,
   `masked_fill(~tril, 0)`, `* tril_mask` or `where(tril, A, 0)` — the mask must be built in the
   graph from constants (ones/tril/triu/arange...) so that it can be evaluated and proven lower-
@@ -12,7 +14,7 @@ Spellings recognised (B, H, N, d layout, the op's):
 - optional normaliser: `o / (den + eps)` or `o * (1 / (den + eps))`, with `den` the row sum of the
   same masked scores or `φq · cumsum(φk)` of the same feature-mapped tensors (Based's spelling).
 Feature maps: Based `TaylorExp` (`cat([1, x/d^¼, flatten(x⊗x)/(√2·√d)])`, ones as `x[..., :1]**0`
-or `ones_like`), Hedgehog (`cat(softmax(xW), softmax(-xW))`, W per head via einsum or shared via
+or `ones_like`), Hedgehog (`cat(softmax(xW), softmax(-xW))`, W per head via einsum on heads-first x, or shared via
 matmul), `elu(x) + 1`. Anything else is passed as already-mapped features with "identity", which
 is exactly equal (only slower when the features are wide).
 FLA's HedgehogFeatureMap (one softmax over both halves, with bias) and FLA's current
@@ -33,7 +35,7 @@ import torch.fx as fx
 
 from tk_inductor.ops import linear_attention as _ops  # noqa: F401  (registers torch.ops.tk.linear_attention)
 from tk_inductor import config
-from tk_inductor.rewrite import Match, example
+from tk_inductor.rewrite import Match, Transpose, example
 
 from ._fx import (arg, close, dtype, eq, evaluate_constant, is_tensor, kind, needs_grad, rank, scalar, scaled, shape,
                   shapes_eq, strip)
@@ -155,6 +157,16 @@ def feature_map(node):
 
 # ============================================================================ the matcher
 
+# q, k and v are read heads-first, (B, H, N, d) as the op takes them, or tokens-first, (B, N, H, d) as FLA and many
+# research repos hold them (the op then reads transposed views, and its output goes back transposed). Templates are
+# written heads-first over b, h, n (queries) or m (keys), d / e (features / values); the scores stay (B, H, N, M).
+LAYOUTS = ("bhnd", "bnhd")
+
+
+def _lay(letters: str, layout: str) -> str:
+    """The heads-first template `letters` in `layout` (swaps the head and token letters)."""
+    return letters if layout == "bhnd" else letters[0] + letters[2] + letters[1] + letters[3:]
+
 def _causal(node):
     """The scores A if node is A with the strictly-upper triangle zeroed (provably: patterns/_mask.py), else None."""
     node = strip(node)
@@ -177,18 +189,19 @@ def _causal(node):
 
 
 def _scores(A):
-    """A == scale * (fq · fk) over the last dims: (fq, fk, scale) with q-side/k-side scalars folded."""
+    """A == scale * (fq · fk) over the last dims: (fq, fk, scale, layout) with q-side/k-side scalars folded."""
     base, c = scaled(A)
     con = contraction(base, inline=False)
-    b = unify(con, [("q", "bhnd"), ("k", "bhmd")], "bhnm") if con is not None else None
-    if b is None:
-        return None
-    q, k = b["q"], b["k"]
-    q, cq = scaled(q)
-    k, ck = scaled(k)
-    if shape(q) is None or len(shape(q)) != 4 or not shapes_eq(shape(q), shape(k)):
-        return None
-    return q, k, c * cq * ck * con.scale
+    for lay in LAYOUTS:
+        b = unify(con, [("q", _lay("bhnd", lay)), ("k", _lay("bhmd", lay))], "bhnm") if con is not None else None
+        if b is None:
+            continue
+        q, cq = scaled(b["q"])
+        k, ck = scaled(b["k"])
+        if shape(q) is None or len(shape(q)) != 4 or not shapes_eq(shape(q), shape(k)):
+            return None
+        return q, k, c * cq * ck * con.scale, lay
+    return None
 
 
 def _taylor_scores(A):
@@ -227,10 +240,15 @@ def _taylor_scores(A):
 
 
 def _numerator_quadratic(node):
-    """o = M v with M causal-masked scores: (M, A, v)."""
+    """o = M v with M causal-masked scores: (M, A, v, the layout of v and o)."""
     c = contraction(node, inline=False)
-    b = unify(c, [("m", "bhnm"), ("v", "bhme")], "bhne") if c is not None else None
-    if b is None or c.scale != 1.0:  # (M·s) v with M's row sum as denominator: not the op
+    if c is None or c.scale != 1.0:  # (M·s) v with M's row sum as denominator: not the op
+        return None
+    for lay in LAYOUTS:
+        b = unify(c, [("m", "bhnm"), ("v", _lay("bhme", lay))], _lay("bhne", lay))
+        if b is not None:
+            break
+    else:
         return None
     M, v = b["m"], b["v"]
     A = _causal(M)
@@ -241,7 +259,7 @@ def _numerator_quadratic(node):
         if masked is not None and _scores(masked) is not None:
             raise _Kept("score mask not provably causal (a graph input, a band, an upper triangle, ...)")
         return None
-    return M, A, v
+    return M, A, v, lay
 
 
 class _Kept(Exception):
@@ -264,36 +282,48 @@ def _masked_scores(node):
 
 
 def _numerator_state(node):
-    """o = scale · φq · cumsum(φk ⊗ v) (einsum or broadcast): (fq, fk, v, scale)."""
+    """o = scale · φq · cumsum(φk ⊗ v) (einsum or broadcast), over the tokens: (fq, fk, v, scale, layout)."""
     c = contraction(node, inline=False)
-    b = unify(c, [("q", "bhnd"), ("kv", "bhnde")], "bhne") if c is not None else None
-    if b is None:
-        return None
-    kv = strip(b["kv"])
-    if kind(kv) != "cumsum" or arg(kv, 1, "dim") % 5 != 2 or kv.kwargs.get("dtype") is not None:
-        return None
-    outer = contraction(kv.args[0], inline=False)
-    b2 = unify(outer, [("k", "bhnd"), ("v", "bhne")], "bhnde") if outer is not None else None
-    if b2 is None:
-        return None
-    return b["q"], b2["k"], b2["v"], c.scale * outer.scale
+    for lay in LAYOUTS if c is not None else ():
+        b = unify(c, [("q", _lay("bhnd", lay)), ("kv", _lay("bhnde", lay))], _lay("bhne", lay))
+        if b is None:
+            continue
+        kv = strip(b["kv"])  # (an elementwise-batched contraction unifies in both layouts: the cumsum's dim decides)
+        if kind(kv) != "cumsum" or arg(kv, 1, "dim") % 5 != lay.index("n") or kv.kwargs.get("dtype") is not None:
+            continue
+        outer = contraction(kv.args[0], inline=False)
+        b2 = unify(outer, [("k", _lay("bhnd", lay)), ("v", _lay("bhne", lay))], _lay("bhnde", lay)) \
+            if outer is not None else None
+        if b2 is None:
+            continue
+        return b["q"], b2["k"], b2["v"], c.scale * outer.scale, lay
+    return None
 
 
-def _den_of(node):
-    """Peel `[..., None]` / unsqueeze(-1) off a (B, H, N, 1) denominator: the (B, H, N) node."""
+def _den_of(node, letters: str):
+    """Peel the broadcast views (`[..., None]`, unsqueeze(-1), a transpose) off a denominator whose dims are named
+    `letters` (the output's b, h, n in its order, then a unit x; or three letters once peeled): (the (B, H, N) or
+    (B, N, H) node behind them, or the node itself, with its letters)."""
     node = strip(node)
-    peeled = peel_to(node, "bhnx", "bhn") if rank(node) == 4 and eq(shape(node)[-1], 1) else None
-    return peeled if peeled is not None else node
+    if len(letters) == 4 and rank(node) == 4 and eq(shape(node)[-1], 1):
+        for want in ("bhn", "bnh"):
+            peeled = peel_to(node, letters, want)
+            if peeled is not None:
+                return strip(peeled), want
+    return node, letters
 
 
-def _matches_den(den, M, fq, fk, scale):
-    """den == Σ_{j≤i} κ(i, j): the row sum of M, or φq·cumsum(φk) (same φ, same scale)."""
+def _matches_den(den, letters, M, fq, fk, scale, lay: str = "bhnd"):
+    """den (dims named `letters`) == Σ_{j≤i} κ(i, j): the row sum of M, or φq·cumsum(φk) (same φ, same scale; fq and
+    fk in `lay`)."""
     den = strip(den)
     if kind(den) == "sum" and strip(den.args[0]) is strip(M) and M is not None:
+        if letters[:3] != "bhn":
+            return False
         dim = arg(den, 1, "dim")
         dims = [dim] if isinstance(dim, int) else list(dim or [])
         return len(dims) == 1 and dims[0] % 4 == 3 and den.kwargs.get("dtype") is None
-    if fq is None:
+    if fq is None or letters[:3] != _lay("bhn", lay):
         return False
     base, c = scaled(den)
     con = contraction(base, inline=False)
@@ -310,12 +340,12 @@ def _matches_den(den, M, fq, fk, scale):
         return False
     for order in ((0, 1), (1, 0)):
         swapped = Contraction([con.factors[i] for i in order], con.out, [con.chains[i] for i in order], con.scale)
-        b = unify(swapped, [("q", "bhnd"), ("kc", "bhnd")], "bhn")
+        b = unify(swapped, [("q", _lay("bhnd", lay)), ("kc", _lay("bhnd", lay))], _lay("bhn", lay))
         if b is None:
             continue
         q, cq = scaled(b["q"])
         kc = strip(b["kc"])
-        if kind(kc) != "cumsum" or arg(kc, 1, "dim") % 4 != 2:
+        if kind(kc) != "cumsum" or arg(kc, 1, "dim") % 4 != lay.index("n"):
             continue
         k, ck = scaled(kc.args[0])
         if strip(q) is strip(fq) and strip(k) is strip(fk) and close(c * cq * ck * con.scale, scale):
@@ -323,16 +353,15 @@ def _matches_den(den, M, fq, fk, scale):
     return False
 
 
-def _normaliser(o, M, fq, fk, scale):
-    """The user of o that divides by (den + eps): (output node, eps) or (o, None)."""
+def _normaliser(o, M, fq, fk, scale, lay_o: str = "bhnd", lay_q: str = "bhnd"):
+    """The user of o (in lay_o) that divides by (den + eps): (output node, eps) or (o, None)."""
     for user in o.users:
         k = kind(user)
         if k == "div" and user.args[0] is o and is_tensor(user.args[1]):
-            den_eps = user.args[1]
+            den_eps, letters = user.args[1], lay_o[:3] + "x"
         elif k == "mul" and is_tensor(user.args[0]) and is_tensor(user.args[1]):
             other = user.args[1] if user.args[0] is o else user.args[0]
-            other = _den_of(other)
-            other = strip(other)
+            other, letters = _den_of(other, lay_o[:3] + "x")
             if kind(other) == "div" and scalar(other.args[0]) == 1.0:
                 den_eps = other.args[1]
             elif kind(other) == "reciprocal":
@@ -343,28 +372,32 @@ def _normaliser(o, M, fq, fk, scale):
                 continue
         else:
             continue
-        den_eps = _den_of(den_eps)
+        den_eps, letters = _den_of(den_eps, letters)
         den, eps = den_eps, 0.0
         if kind(den_eps) == "add" and scalar(den_eps.args[1]) is not None:
             den, eps = den_eps.args[0], scalar(den_eps.args[1])
         elif kind(den_eps) == "add" and scalar(den_eps.args[0]) is not None:
             den, eps = den_eps.args[1], scalar(den_eps.args[0])
-        den = _den_of(den)
-        if eps >= 0 and shapes_eq(shape(user), shape(o)) and _matches_den(den, M, fq, fk, scale):
+        den, letters = _den_of(den, letters)
+        if eps >= 0 and shapes_eq(shape(user), shape(o)) and _matches_den(den, letters, M, fq, fk, scale, lay_q):
             return user, eps
     return o, None
+
+
+def _heads_first(sizes, lay: str):
+    return None if sizes is None else tuple(sizes) if lay == "bhnd" else (sizes[0], sizes[2], sizes[1], *sizes[3:])
 
 
 def _match(node, cfg: config.Config) -> Match | None:
     quad = _numerator_quadratic(node)
     if quad is not None:
-        M, A, v = quad
+        M, A, v, lay_v = quad
         s = _taylor_scores(strip(A))
         if s is not None:  # the Taylor kernel written on raw scores
             sc = _scores(s)
             if sc is None:
                 return None
-            q, k, scale = sc
+            q, k, scale, lay_q = sc
             fm, fq_x, fk_x, qw, kw = "based", q, k, None, None
             fq = fk = None  # only the row sum of M is this kernel's denominator
             total = scale
@@ -372,23 +405,24 @@ def _match(node, cfg: config.Config) -> Match | None:
             sc = _scores(A)
             if sc is None:
                 return None
-            fq, fk, total = sc
+            fq, fk, total, lay_q = sc
             fm, fq_x, fk_x, qw, kw, scale = _pair(fq, fk, total)
     else:
         st = _numerator_state(node)
         if st is None:
             return None
-        fq0, fk0, v, cs = st
+        fq0, fk0, v, cs, lay_q = st
+        lay_v = lay_q
         fq, cq = scaled(fq0)
         fk, ck = scaled(fk0)
         M, total = None, cq * ck * cs
         if not shapes_eq(shape(fq), shape(fk)) or rank(fq) != 4:
             return None
         fm, fq_x, fk_x, qw, kw, scale = _pair(fq, fk, total)
-    if not shapes_eq(shape(v)[:3], shape(fq_x)[:3]):
+    if not shapes_eq(_heads_first(shape(v), lay_v)[:3], _heads_first(shape(fq_x), lay_q)[:3]):
         return None
-    out, eps = _normaliser(node, M, fq, fk, total)
-    return _make(out, fm, fq_x, fk_x, v, qw, kw, scale, eps, cfg)
+    out, eps = _normaliser(node, M, fq, fk, total, lay_v, lay_q)
+    return _make(out, fm, fq_x, fk_x, v, qw, kw, scale, eps, cfg, lay_q, lay_v)
 
 
 def _pair(fq, fk, scale):
@@ -403,7 +437,9 @@ def _pair(fq, fk, scale):
     return "identity", fq, fk, None, None, scale
 
 
-def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config) -> Match:
+def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config, lay_q: str = "bhnd", lay_v: str = "bhnd") -> Match:
+    """The op for o = linear attention of (q, k, v): q and k in lay_q, v and o in lay_v (tokens-first ones are handed
+    to the op transposed, and its output transposed back)."""
     normalize = eps is not None
     tensors = [t for t in (q, k, v, qw, kw) if t is not None]
     examples = [example(t) for t in tensors]
@@ -415,7 +451,8 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config) -> Match:
         reason = f"output dtype {dtype(out)} differs from the inputs' {examples[2].dtype}"
     elif examples[2].dtype not in (torch.float32, torch.bfloat16, torch.float16):
         reason = f"dtype {examples[2].dtype}"
-    elif not shapes_eq(shape(q)[:3], shape(v)[:3]) or not shapes_eq(shape(out), shape(v)):
+    elif not shapes_eq(_heads_first(shape(q), lay_q)[:3], _heads_first(shape(v), lay_v)[:3]) \
+            or not shapes_eq(shape(out), shape(v)):
         reason = "q/k/v shapes disagree"
     elif fm == "hedgehog" and (len(shape(qw)) not in (2, 3) or not eq(shape(qw)[-1], shape(kw)[-1])):
         reason = "hedgehog weights of different shapes"
@@ -425,7 +462,9 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config) -> Match:
         family=FAMILY,
         outputs=[out],
         target=torch.ops.tk.linear_attention.default,
-        args=(q, k, v, fm, qw, kw, float(scale), normalize, float(eps or 0.0)),
+        args=(*(Transpose(t) if lay == "bnhd" else t for t, lay in ((q, lay_q), (k, lay_q), (v, lay_v))),
+              fm, qw, kw, float(scale), normalize, float(eps or 0.0)),
+        output_transposed=lay_v == "bnhd",
         reason=reason,
         # the output's example value knows whether grad mode was on (parameters' alone do not)
         needs_grad=needs_grad(out),

@@ -66,6 +66,17 @@ class Cast(Derived):
 
 
 @dataclasses.dataclass(frozen=True)
+class Transpose(Derived):
+    """`node.transpose(1, 2)`: a tensor the replaced code used tokens-first, (B, N, H, d), that the op takes
+    heads-first (a strided view the kernels read in place)."""
+
+    node: fx.Node
+
+    def method(self):
+        return "transpose", (1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
 class Squeeze(Derived):
     """`node.squeeze(dim)`: a tensor the replaced code used with an extra unit axis (an SSD's initial state handed
     in as (b, 1, h, p, n) from another graph)."""
@@ -94,6 +105,9 @@ class Match:
     # output index -> the op's dtype there, where the replaced code's output has another (an SSD computed in bf16
     # throughout returns a bf16 final state, the op an fp32 one): the op's output is cast to the replaced dtype
     output_dtypes: dict[int, torch.dtype] = dataclasses.field(default_factory=dict)
+    # True: the op's (single) output is the replaced output with dims 1 and 2 swapped (heads-first where the replaced
+    # code was tokens-first); its uses get the transposed view back
+    output_transposed: bool = False
 
 
 # ---------------------------------------------------------------------------- helpers for matchers
@@ -273,9 +287,17 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
     call.args = _materialize_casts(graph, tuple(m.args), call)
     call.kwargs = _materialize_casts(graph, dict(m.kwargs), call)
     if len(m.outputs) == 1 and not _returns_tuple(m.target):
-        call.meta.update(_carried_meta(m.outputs[0]))
-        m.outputs[0].replace_all_uses_with(call)
-        remap[m.outputs[0]] = call
+        out = m.outputs[0]
+        call.meta.update(_carried_meta(out))
+        result = call
+        if m.output_transposed:
+            if isinstance(example(out), torch.Tensor):
+                call.meta["example_value"] = example(out).transpose(1, 2).contiguous()
+            with graph.inserting_after(call):
+                result = graph.call_method("transpose", (call, 1, 2))
+            result.meta.update(_carried_meta(out))
+        out.replace_all_uses_with(result)
+        remap[out] = result
         return present
     examples = [example(o) if o is not None else None for o in m.outputs]
     ops = [e.to(m.output_dtypes[i]) if i in m.output_dtypes and isinstance(e, torch.Tensor) else e

@@ -217,6 +217,55 @@ def test_spelling_is_replaced_and_equal(form, fmap, op_map, normalize):
         torch.testing.assert_close(g, r, **tol)
 
 
+class TokensFirst(torch.nn.Module):
+    """Linear attention on (B, N, H, d) tensors, as FLA and many research repos hold them (elu + 1 features)."""
+
+    def __init__(self, form, scale=0.5, eps=1e-6):
+        super().__init__()
+        self.form, self.scale, self.eps = form, scale, eps
+
+    def forward(self, q, k, v):
+        fq, fk, s, eps = F.elu(q) + 1, F.elu(k) + 1, self.scale, self.eps
+        if self.form == "einsum":  # scores (B, H, N, M), the row sum transposed back to the tokens-first output
+            a = torch.einsum("bqhd,bkhd->bhqk", fq * s, fk).tril()
+            return torch.einsum("bhqk,bkhd->bqhd", a, v) / (a.sum(-1).transpose(1, 2)[..., None] + eps)
+        if self.form == "einsum_raw":
+            a = (torch.einsum("bqhd,bkhd->bhqk", fq, fk) * s).tril()
+            return torch.einsum("bhqk,bkhd->bqhd", a, v)
+        if self.form == "cumsum":  # FLA's naive normaliser: q·cumsum(k) over the tokens, keepdim
+            kv = torch.einsum("bthk,bthv->bthkv", fk, v).cumsum(1)
+            o = torch.einsum("bthk,bthkv->bthv", fq * s, kv)
+            return o / ((fq * s * fk.cumsum(1)).sum(-1, keepdim=True) + eps)
+        if self.form == "wrong_den":  # the row sum left heads-first: with H == N it broadcasts, transposed
+            a = torch.einsum("bqhd,bkhd->bhqk", fq, fk).tril()
+            return torch.einsum("bhqk,bkhd->bqhd", a, v) / (a.sum(-1)[..., None] + eps)
+        raise ValueError(self.form)
+
+
+@pytest.mark.parametrize("form, normalize, scale", [("einsum", True, 0.5), ("einsum_raw", False, 0.5),
+                                                    ("cumsum", True, 0.5), ("wrong_den", False, 1.0)])
+def test_tokens_first_spellings_are_replaced_and_equal(form, normalize, scale):
+    """(B, N, H, d) inputs go to the op as transposed views and its output comes back transposed; a denominator
+    whose head and token axes are swapped (equal sizes, so it broadcasts) is not taken for the op's normaliser."""
+    torch.manual_seed(0)
+    m = TokensFirst(form, scale)
+    H = 7 if form == "wrong_den" else 3
+    q, k, v = (torch.randn(2, 7, H, d, requires_grad=True) for d in (8, 8, 5))
+    outputs = []
+    seen = _rewritten_ops(m, q, k, v, outputs=outputs)
+    assert seen[0].replaced.get("linear_attention") == 1, seen[0].kept
+    feature_map, _, _, op_scale, op_normalize, eps = seen[1]
+    assert feature_map == "elu1" and op_normalize == normalize and op_scale == pytest.approx(scale)
+    out, want = outputs[0], m(q, k, v)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [q, k, v], grad)
+    ref = torch.autograd.grad(want, [q, k, v], grad)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
 def test_scaled_taylor_features_fall_back_to_identity():
     """0.7·(φq·φk) with Based's map is not a Taylor kernel of any scale: the mapped features go in as is."""
     torch.manual_seed(0)
