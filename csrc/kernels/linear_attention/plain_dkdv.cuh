@@ -6,9 +6,9 @@
 //   dk = scale φ'(k) ∘ [ ((v dnᵀ + ddᵀ) ∘ causalᵀ) φQ + v Rᵀ + r ]
 // then R += φQᵀ dn, r += Σ dd φq. Normalising, the chunk's denominators come as the forward computes them, from
 // z = Σ φk over the earlier chunks: the sum of the key-sums launch's chunk sums, less each chunk as the scan passes
-// it, so kernel B needs nothing from kernel A. dv is stored from registers; dk is linear in the value columns, so with several
-// value tiles each adds its partial by fp32 atomics (dk is zeroed by the caller), the first with the dd terms; with
-// one, dk is stored in bf16.
+// it, so kernel B needs nothing from kernel A. dv is stored from registers; dk is linear in the value columns, so
+// with several value tiles each adds its partial by fp32 atomics (dk is zeroed by the caller), the first with the dd
+// terms; with one, dk is stored in bf16.
 #pragma once
 #include "plain_dq.cuh"
 
