@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_fwd_kernel(const _
 template <bool NORM>
 const char* launch_fwd(const BasedArgs& a, cudaStream_t stream) {
   FwdGlobals g{};
-  if (const char* e = make_input_maps(g, a)) return e;
+  if (const char* e = make_input_maps<DK>(g, a)) return e;
   if (const char* e = make_tma_map(g.o, gl<bf16>(static_cast<bf16*>(a.o), a.B, a.H, a.N, a.dv))) return e;
   g.H = a.H, g.N = a.N, g.tiles_v = a.dv / DV_TILE, g.scale = a.scale, g.eps = a.eps;
   const size_t smem = sizeof(FwdSmem) + 1024;  // + the alignment of the dynamic shared memory base
@@ -175,7 +175,7 @@ const char* launch_fwd(const BasedArgs& a, cudaStream_t stream) {
 }  // namespace
 
 const char* launch_based(const BasedArgs& a, cudaStream_t stream) {
-  if (a.dv <= 0 || a.dv % BASED_DV_TILE != 0) return "dv must be a positive multiple of 64";
+  if (a.dv <= 0 || a.dv % VALUE_TILE != 0) return "dv must be a positive multiple of 64";
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
   return a.normalize ? launch_fwd<true>(a, stream) : launch_fwd<false>(a, stream);
 }

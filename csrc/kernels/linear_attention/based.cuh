@@ -18,7 +18,7 @@ using namespace tk;
 constexpr int CHUNK = 64, DK = BASED_DK;
 static_assert(DK == BASE, "the feature maps are built per 16x16 base tile");
 
-constexpr int DV_TILE = BASED_DV_TILE;         // value columns per block
+constexpr int DV_TILE = VALUE_TILE;         // value columns per block
 constexpr int QUAD_TILES = DK * DK / CHUNK;    // A2 in wgmma tiles of 64 features
 using RowsTile = st<bf16, CHUNK, DK>;          // a chunk of q or k
 using ValueTile = st<bf16, CHUNK, DV_TILE>;    // a chunk of v, o or do; also one A2 tile (64 features x 64 columns)
@@ -230,17 +230,5 @@ __device__ __forceinline__ void load_bwd_chunk(S& s, int buf, const BwdGlobals& 
   tma::load_async(s.dout[buf], g.dout, bar, {b, h, c, vt});
 }
 
-// ---- launches (host)
-// The q, k and v tensor maps of a launch (BasedArgs or BasedBwdArgs: the views with their element strides; v at the
-// blocks' 64-column tiles).
-template <class G, class A>
-const char* make_input_maps(G& g, const A& a) {
-  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
-    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
-  };
-  if (const char* e = make_tma_map(g.q, view(a.q, DK, a.q_stride))) return e;
-  if (const char* e = make_tma_map(g.k, view(a.k, DK, a.k_stride))) return e;
-  return make_tma_map(g.v, view(a.v, a.dv, a.v_stride));
-}
 }  // namespace
 }  // namespace tk_linear_attention

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) based_bwd_kernel(const _
 template <bool NORM>
 const char* launch_scans(const BasedBwdArgs& a, cudaStream_t stream) {
   BwdGlobals g{};
-  if (const char* e = make_input_maps(g, a)) return e;
+  if (const char* e = make_input_maps<DK>(g, a)) return e;
   if (const char* e = make_tma_map(g.dout, gl<bf16>(static_cast<bf16*>(const_cast<void*>(a.dout)), a.B, a.H, a.N, a.dv)))
     return e;
   g.k_rows = static_cast<const bf16*>(a.k);
@@ -37,7 +37,7 @@ const char* launch_scans(const BasedBwdArgs& a, cudaStream_t stream) {
 }  // namespace
 
 const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream) {
-  if (a.dv <= 0 || a.dv % BASED_DV_TILE != 0) return "dv must be a positive multiple of 64";
+  if (a.dv <= 0 || a.dv % VALUE_TILE != 0) return "dv must be a positive multiple of 64";
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
   if (a.normalize)
     if (const char* e = launch_delta(a, stream)) return e;

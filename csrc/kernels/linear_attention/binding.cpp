@@ -46,8 +46,8 @@ void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
   } else {
     STD_TORCH_CHECK(q.size(3) == la::BASED_DK, op, ": q/k feature dim must be ", la::BASED_DK, " for 'based'");
   }
-  STD_TORCH_CHECK(v.size(3) % la::BASED_DV_TILE == 0 && v.size(3) > 0, op, ": dv must be a positive multiple of ",
-              la::BASED_DV_TILE);
+  STD_TORCH_CHECK(v.size(3) % la::VALUE_TILE == 0 && v.size(3) > 0, op, ": dv must be a positive multiple of ",
+              la::VALUE_TILE);
   STD_TORCH_CHECK(q.size(2) <= 0x7fffffff && q.size(0) * q.size(1) <= 0x7fffffff, op, ": too large");
 }
 
@@ -92,7 +92,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   const ScalarType f32 = ScalarType::Float;
   const std::optional<la::FeatureMap> map = plain_map(feature_map);
   // dq and dk: fp32 sums that the value tiles add into, or (plain, one value tile) the bf16 results themselves
-  const bool direct = map && v.size(3) == la::BASED_DV_TILE;
+  const bool direct = map && v.size(3) == la::VALUE_TILE;
   Tensor dq = direct ? torch::stable::new_empty(q, q.sizes()) : torch::stable::new_zeros(q, q.sizes(), f32);
   Tensor dk = direct ? torch::stable::new_empty(k, k.sizes()) : torch::stable::new_zeros(k, k.sizes(), f32);
   Tensor dv = torch::stable::new_empty(v, v.sizes());

@@ -1,5 +1,5 @@
-// What the Based and plain kernels share: the one-warpgroup launch, and the normalised backward's first launch,
-// delta = do·o per row.
+// What the Based and plain kernels share: the launches' q/k/v tensor maps, the one-warpgroup launch, and the
+// normalised backward's first launch, delta = do·o per row.
 #pragma once
 #include <tk/tk.cuh>
 
@@ -9,6 +9,17 @@ namespace tk_linear_attention {
 namespace {
 
 using namespace tk;
+
+// The q, k and v tensor maps of a launch (G's q, k and v; A: the Based or plain arguments, the views with their
+// element strides): q and k of `Cols` feature columns, v at the blocks' 64-column tiles.
+template <int Cols, class G, class A> const char* make_input_maps(G& g, const A& a) {
+  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
+    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
+  };
+  if (const char* e = make_tma_map(g.q, view(a.q, Cols, a.q_stride))) return e;
+  if (const char* e = make_tma_map(g.k, view(a.k, Cols, a.k_stride))) return e;
+  return make_tma_map(g.v, view(a.v, a.dv, a.v_stride));
+}
 
 // Launches `kernel` on `blocks` one-warpgroup blocks with `smem` bytes of dynamic shared memory (set on every call:
 // the attribute belongs to the current device's context).

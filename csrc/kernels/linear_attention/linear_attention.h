@@ -10,7 +10,7 @@
 namespace tk_linear_attention {
 
 constexpr int BASED_DK = 16;     // feature dim of q and k (the Based paper's; the φ of size 1 + 16 + 256 is built on the fly)
-constexpr int BASED_DV_TILE = 64;  // value columns per block: dv must be a multiple
+constexpr int VALUE_TILE = 64;  // value columns per block, Based and plain kernels: dv must be a multiple
 
 struct BasedArgs {
   const void* q;

@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) plain_fwd_kernel(const _
 template <int F, FeatureMap M>
 const char* launch_fwd(const PlainArgs& a, cudaStream_t stream) {
   FwdGlobals<F> g{};
-  if (const char* e = make_plain_maps<F>(g, a)) return e;
+  if (const char* e = make_input_maps<F>(g, a)) return e;
   if (const char* e = make_tma_map(g.o, gl<bf16>(static_cast<bf16*>(a.o), a.B, a.H, a.N, a.dv))) return e;
   g.H = a.H, g.N = a.N, g.tiles_v = a.dv / DV_TILE, g.scale = a.scale, g.eps = a.eps;
   const size_t smem = sizeof(FwdSmem<F>) + 1024;  // + the alignment of the dynamic shared memory base

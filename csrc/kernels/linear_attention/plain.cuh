@@ -19,7 +19,7 @@ namespace {
 
 using namespace tk;
 
-constexpr int CHUNK = 64, DV_TILE = 64;
+constexpr int CHUNK = 64, DV_TILE = VALUE_TILE;
 template <int F> using FeatTile = st<bf16, CHUNK, F>;    // a chunk of φq or φk: F/64 column blocks of 64 features
 using Block = st<bf16, CHUNK, 64>;                       // a chunk of v, o, do or dn; one column block of a FeatTile
 template <int F> using StateTile = st<bf16, F, DV_TILE>;  // a state's bf16 copy: F features x 64 value columns
@@ -149,16 +149,6 @@ __device__ __forceinline__ void write_grad_rows(bf16* out, float* sum, int n0, i
       if (out != nullptr) *reinterpret_cast<bf16_2*>(out + int64_t(r) * F + col) = __float22bfloat162_rn(d);
       else atomicAdd(reinterpret_cast<float2*>(sum + int64_t(r) * F + col), d);
     }
-}
-
-// The launches' tensor maps of q and k (F columns) and of v at the blocks' 64-column tiles.
-template <int F, class G, class A> const char* make_plain_maps(G& g, const A& a) {
-  const auto view = [&](const void* p, int cols, const int64_t (&st)[3]) {
-    return gl<bf16>(static_cast<bf16*>(const_cast<void*>(p)), a.B, a.H, a.N, cols, st[0], st[1], st[2]);
-  };
-  if (const char* e = make_tma_map(g.q, view(a.q, F, a.q_stride))) return e;
-  if (const char* e = make_tma_map(g.k, view(a.k, F, a.k_stride))) return e;
-  return make_tma_map(g.v, view(a.v, a.dv, a.v_stride));
 }
 
 // Calls f.template operator()<F, M>() for the launch's feature dim and map.

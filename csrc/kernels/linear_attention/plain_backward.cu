@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) plain_bwd_kernel(const _
 template <int F, FeatureMap M, bool NORM>
 const char* launch_scans(const PlainBwdArgs& a, cudaStream_t stream) {
   BwdGlobals<F> g{};
-  if (const char* e = make_plain_maps<F>(g, a)) return e;
+  if (const char* e = make_input_maps<F>(g, a)) return e;
   if (const char* e = make_tma_map(g.dout, gl<bf16>(static_cast<bf16*>(const_cast<void*>(a.dout)), a.B, a.H, a.N, a.dv)))
     return e;
   g.delta = a.delta, g.ksum = a.ksum, g.dq = a.dq, g.dk = a.dk, g.dv = static_cast<bf16*>(a.dv_out);
