@@ -2,7 +2,8 @@
 `parallel_based` and `fused_chunk_based` (carry the fla-core wheel) and vs torch.compile default of the quadratic
 masked spelling a Based model writes (what Inductor gets without our kernel), in one run. Then the plain feature map
 elu + 1 (normalised, dk 64 and 128) vs FLA's `chunk_linear_attn` and `fused_chunk_linear_attn` on the mapped q and
-k (the map in PyTorch, as FLA's LinearAttention layer applies it) and vs torch.compile of the quadratic form.
+k (the map in PyTorch, as FLA's LinearAttention layer applies it) and vs torch.compile of the quadratic form; and
+the Hedgehog paper's map (per-head W, 64 projections: 128 features; normalised, scale 1) likewise.
 
 Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128
 at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
@@ -56,18 +57,38 @@ def quadratic(q, k, v, eps: float = 1e-6):
 
 
 PLAIN_CASES = ((16, 16, 4096, 64, 64), (4, 16, 4096, 64, 64), (16, 16, 4096, 128, 128))
+# Hedgehog: (B, H, N, dk, dv, f), the paper's map with f = 64 projections per head (128 features)
+HEDGEHOG_CASES = ((16, 16, 4096, 64, 64, 64), (4, 16, 4096, 64, 64, 64), (16, 16, 4096, 128, 128, 64))
 
 
-def elu1_quadratic(q, k, v, eps: float = 1e-6):
-    """The masked quadratic form of normalised elu + 1 linear attention (head-first inputs), scale d^-½."""
-    fq, fk = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
-    scores = (fq @ fk.transpose(-1, -2) * q.shape[-1] ** -0.5).tril()
+def elu1(x):
+    return torch.nn.functional.elu(x) + 1
+
+
+def hedgehog(x, w):
+    """The Hedgehog paper's map on (B, N, H, d) x and per-head W (H, d, f): cat(softmax(x W), softmax(-x W))."""
+    z = torch.einsum("bnhd,hdf->bnhf", x, w)
+    return torch.cat([z.softmax(-1), (-z).softmax(-1)], -1)
+
+
+def mapped(x, w):
+    """elu + 1 (no weights) or Hedgehog's map."""
+    return elu1(x) if w is None else hedgehog(x, w)
+
+
+def mapped_quadratic(fq, fk, v, scale, eps: float = 1e-6):
+    """The masked quadratic form of normalised linear attention on mapped (B, N, H, F) features, head-first out."""
+    fq, fk, v = (t.transpose(1, 2) for t in (fq, fk, v))
+    scores = (fq @ fk.transpose(-1, -2) * scale).tril()
     return (scores @ v) / (scores.sum(-1, keepdim=True) + eps)
 
 
-def run_plain(quick: bool = False, cases=PLAIN_CASES, fla_kernels=("chunk", "fused_chunk")) -> list[Row]:
-    """elu + 1, normalised: forward, then forward+backward, per case (B, H, N, dk, dv), against the FLA kernels named
-    (`chunk_linear_attn`, `fused_chunk_linear_attn`)."""
+def run_plain(quick: bool = False, cases=None, fla_kernels=("chunk", "fused_chunk"), feature_map: str = "elu1"
+              ) -> list[Row]:
+    """Normalised elu + 1 (cases (B, H, N, dk, dv), scale dk^-½) or Hedgehog (cases (B, H, N, dk, dv, f), scale 1,
+    per-head bf16 weights): forward, then forward+backward, per case, against the FLA kernels named
+    (`chunk_linear_attn`, `fused_chunk_linear_attn`) on the features mapped in PyTorch (their time counted) and
+    torch.compile of the quadratic form."""
     from tk_inductor.ops import linear_attention as la
 
     try:
@@ -77,32 +98,41 @@ def run_plain(quick: bool = False, cases=PLAIN_CASES, fla_kernels=("chunk", "fus
     else:
         fla = {f"fla {name}_linear_attn": fn for name, fn in
                (("chunk", chunk_linear_attn), ("fused_chunk", fused_chunk_linear_attn)) if name in fla_kernels}
-    elu1 = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
     inductor_as_our_backend_runs_it()
-    compiled = torch.compile(elu1_quadratic, dynamic=False)
+    compiled = torch.compile(lambda q, k, v, wq, wk, scale: mapped_quadratic(mapped(q, wq), mapped(k, wk), v, scale),
+                             dynamic=False)
+    cases = cases or (HEDGEHOG_CASES if feature_map == "hedgehog" else PLAIN_CASES)
     rows: list[Row] = []
-    for B, H, N, dk, dv in cases[:1] if quick else cases:
-        scale = dk**-0.5
+    for case in cases[:1] if quick else cases:
+        B, H, N, dk, dv = case[:5]
+        f = case[5] if feature_map == "hedgehog" else None
+        scale = 1.0 if f else dk**-0.5
         for train in (False, True):
-            name = f"B{B} H{H} N{N} d{dk} dv{dv} elu1 {'fwd+bwd' if train else 'fwd'}"
+            name = f"B{B} H{H} N{N} d{dk} dv{dv} {feature_map}{f or ''} {'fwd+bwd' if train else 'fwd'}"
             progress(name)
             g = torch.Generator(device="cuda").manual_seed(0)
             leaves = [torch.randn(B, N, H, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(train)
                       for d in (dk, dk, dv)]
+            weights = [] if f is None else [
+                (torch.randn(H, dk, f, generator=g, device="cuda") / dk**0.5).bfloat16().requires_grad_(train)
+                for _ in range(2)]
             q, k, v = leaves
+            wq, wk = weights or (None, None)
+            leaves += weights
 
             def heads(t):
                 return t.transpose(1, 2)
 
             want = [t.detach().float().requires_grad_(train) for t in leaves]
-            ref = la.linear_attention_reference(*(heads(t) for t in want), "elu1", None, None, scale, True, 1e-6)
-            impls = {"ours": lambda: torch.ops.tk.linear_attention(heads(q), heads(k), heads(v), "elu1", None, None,
+            ref = la.linear_attention_reference(*(heads(t) for t in want[:3]), feature_map, *(want[3:] or (None, None)),
+                                                scale, True, 1e-6)
+            impls = {"ours": lambda: torch.ops.tk.linear_attention(heads(q), heads(k), heads(v), feature_map, wq, wk,
                                                                    scale, True, 1e-6)}
             if fla is not None:
                 for label, fn in fla.items():
-                    impls[label] = (lambda f=fn: heads(f(elu1(q), elu1(k), v, scale, normalize=True)[0]))
+                    impls[label] = (lambda fn=fn: heads(fn(mapped(q, wq), mapped(k, wk), v, scale, normalize=True)[0]))
             if not train and B * H * N * N * 4 <= 8 * 2**30:  # its N² scores, and their gradients in training
-                impls["torch.compile"] = lambda: compiled(heads(q), heads(k), heads(v))
+                impls["torch.compile"] = lambda: compiled(q, k, v, wq, wk, scale)
             else:
                 rows.append(Row("linear_attention", name, "torch.compile", None,
                                 note="skipped: N² scores (and in training their gradients) too large"))
@@ -117,7 +147,7 @@ def run_plain(quick: bool = False, cases=PLAIN_CASES, fla_kernels=("chunk", "fus
                                        lambda ms: B * N / ms / 1e3)
             if fla is None:
                 rows.append(Row("linear_attention", name, "fla", None, note=fla_missing))
-            del leaves, q, k, v, want, ref
+            del leaves, q, k, v, want, ref, weights
             torch.cuda.empty_cache()
     return rows
 
@@ -194,7 +224,7 @@ def run(quick: bool = False) -> list[Row]:
                                lambda ms: B * N / ms / 1e3, tol=2e-2)
         del leaves, q, k, v, want
         torch.cuda.empty_cache()
-    return rows + run_plain(quick)
+    return rows + run_plain(quick) + run_plain(quick, feature_map="hedgehog")
 
 
 def main(argv=None) -> int:

@@ -457,7 +457,8 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config, lay_q: str =
     elif fm == "hedgehog" and (len(shape(qw)) not in (2, 3) or not eq(shape(qw)[-1], shape(kw)[-1])):
         reason = "hedgehog weights of different shapes"
     elif examples[0].device.type == "cuda" and not cfg.reference:
-        reason = _ops.kernel_supports(fm, examples[2].dtype, shape(q)[-1], shape(v)[-1], qw is not None)
+        reason = _ops.kernel_supports(fm, examples[2].dtype, shape(q)[-1], shape(v)[-1],
+                                      None if qw is None else shape(qw)[-1])
     return Match(
         family=FAMILY,
         outputs=[out],

@@ -139,6 +139,13 @@ def cases(families):
                     lambda q, k, v, fm=fm: torch.ops.tk.linear_attention(q, k, v, fm, None, None, 0.25, normalize,
                                                                          1e-6),
                     q, k, v, expect=("linear_attention", "linear_attention_backward"))
+            for dk, f, shape in ((64, 64, (bh, 64, 64)), (128, 32, (128, 32))):  # per-head and shared weights
+                q, k, v = rand(1, bh, 130, dk), rand(1, bh, 130, dk), rand(1, bh, 130, 64)
+                wq, wk = rand(*shape, dtype=torch.float32) / 8, rand(*shape, dtype=torch.float32) / 8
+                run(f"hedgehog dk{dk} f{f} B1 H{bh} normalize={normalize}",
+                    lambda q, k, v, wq, wk: torch.ops.tk.linear_attention(q, k, v, "hedgehog", wq, wk, 1.0, normalize,
+                                                                          1e-6),
+                    q, k, v, wq, wk, expect=("linear_attention", "linear_attention_backward"))
 
     # tasks of two heads, a group's short last task (3 heads per group), more tasks than SMs, sequences split into
     # segments (few tasks: 21 chunks in segments of 5, the last of one chunk)

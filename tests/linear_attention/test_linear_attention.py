@@ -361,8 +361,12 @@ def test_dynamic_sequence_length(form):
 
 def test_kernel_supports_names_what_the_kernels_do_not_compute():
     assert "feature dim 16 (the 'identity' kernel takes 64 or 128)" in la.kernel_supports("identity", torch.bfloat16, 16, 64)
-    assert "feature map 'hedgehog'" in la.kernel_supports("hedgehog", torch.bfloat16, 64, 64, has_weights=True)
-    assert "feature map 'based'" in la.kernel_supports("based", torch.bfloat16, 16, 64, has_weights=True)
+    assert "feature map 'hedgehog'" in la.kernel_supports("hedgehog", torch.bfloat16, 64, 64)  # no weights
+    assert "feature map 'based'" in la.kernel_supports("based", torch.bfloat16, 16, 64, projections=16)
+    assert la.kernel_supports("hedgehog", torch.bfloat16, 64, 64, projections=64) is None
+    assert la.kernel_supports("hedgehog", torch.bfloat16, 128, 128, projections=32) is None
+    assert "48 Hedgehog projections" in la.kernel_supports("hedgehog", torch.bfloat16, 64, 64, projections=48)
+    assert "feature dim 96" in la.kernel_supports("hedgehog", torch.bfloat16, 96, 64, projections=64)
     assert la.kernel_supports("elu1", torch.bfloat16, 128, 64) is None
     assert la.kernel_supports("identity", torch.bfloat16, 64, 128) is None
     assert "dtype torch.float16" in la.kernel_supports("elu1", torch.float16, 64, 64)

@@ -1,5 +1,5 @@
 """The linear-attention kernels (csrc/kernels/linear_attention: Based in based.cu / based_backward.cu, the plain maps
-identity and elu1 in plain.cu / plain_backward.cu) against the fp32 chunked reference and its autograd, through the
+identity and elu1 in plain.cu / plain_backward.cu, Hedgehog's forward in hedgehog.cu) against the fp32 chunked reference and its autograd, through the
 raw ops tk_cuda::linear_attention and tk_cuda::linear_attention_backward, on random bf16 inputs: odd lengths (chunk
 tails), one and several chunks, dk 64 and 128 (plain), dv 64 and 128 (one and two value tiles per head), normalised or
 not, strided inputs, and outputs poisoned before each call."""
@@ -131,14 +131,89 @@ def test_kernels_reject_what_they_do_not_compute(ops):
     q, k, v = inputs(1, 1, 8, 64)
     with pytest.raises(RuntimeError, match="feature dim must be 64 or 128"):
         ops.linear_attention(q, k, v, "identity", None, None, 1.0, False, 0.0)
-    with pytest.raises(RuntimeError, match="not 'hedgehog'"):
-        ops.linear_attention(q, k, v, "hedgehog", None, None, 1.0, False, 0.0)
+    with pytest.raises(RuntimeError, match="not 'relu'"):
+        ops.linear_attention(q, k, v, "relu", None, None, 1.0, False, 0.0)
+    q64, k64 = torch.randn_like(v), torch.randn_like(v)
+    with pytest.raises(RuntimeError, match="needs q_weight and k_weight"):
+        ops.linear_attention(q64, k64, v, "hedgehog", None, None, 1.0, False, 0.0)
+    with pytest.raises(RuntimeError, match="f 32 or 64"):
+        w = torch.randn(64, 48, device="cuda")
+        ops.linear_attention(q64, k64, v, "hedgehog", w, w, 1.0, False, 0.0)
+    with pytest.raises(RuntimeError, match="no Hedgehog kernel"):
+        w = torch.randn(64, 32, device="cuda")
+        ops.linear_attention_backward(v, q64, k64, v, v, "hedgehog", w, w, 1.0, False, 0.0)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.linear_attention(q.half(), k.half(), v.half(), "based", None, None, 1.0, False, 0.0)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         ops.linear_attention(q, k, v[..., :48], "based", None, None, 1.0, False, 0.0)
     with pytest.raises(RuntimeError, match="feature dim"):
         ops.linear_attention(q[..., :8], k[..., :8], v, "based", None, None, 1.0, False, 0.0)
+
+
+def hedgehog_weights(H, dk, f, per_head, seed, dtype=torch.float32):
+    """Wq, Wk of (H, dk, f) or (dk, f), entries ~ 1/√dk (the scores z = x W ~ 1, as a trained map's), bf16-exact."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (H, dk, f) if per_head else (dk, f)
+    return [(torch.randn(shape, device="cuda", generator=g) / math.sqrt(dk)).to(torch.bfloat16).to(dtype)
+            for _ in range(2)]
+
+
+def check_hedgehog(ops, q, k, v, wq, wk, scale, normalize, eps=1e-6):
+    B, H, N, dv = v.shape
+    poison((B, H, N, dv))
+    o = ops.linear_attention(q, k, v, "hedgehog", wq, wk, scale, normalize, eps)
+    torch.cuda.synchronize()
+    assert o.shape == v.shape and o.dtype == torch.bfloat16 and o.is_contiguous()
+    assert not o.isnan().any(), "unwritten or non-finite outputs"
+    want = la.linear_attention_reference(q, k, v, "hedgehog", wq.float(), wk.float(), scale, normalize, eps).float()
+    err = rel_err(o, want)
+    assert err < TOL, f"relative error {err:.3g} (hedgehog B{B} H{H} N{N} dk{q.shape[-1]} f{wq.shape[-1]} dv{dv} " \
+                      f"normalize={normalize})"
+
+
+@pytest.mark.parametrize("weights", ["per_head", "shared"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("dk,f", [(64, 32), (64, 64), (128, 32), (128, 64)])
+@pytest.mark.parametrize("N", LENGTHS)
+def test_hedgehog_forward(ops, N, dk, f, normalize, weights):
+    grid = "small" if N % 2 else "wide"
+    q, k, v = inputs(2, heads(grid), N, 64, seed=N + dk + f, dk=dk)
+    wq, wk = hedgehog_weights(q.shape[1], dk, f, weights == "per_head", seed=N)
+    check_hedgehog(ops, q, k, v, wq, wk, (2 * f) ** -0.5, normalize)
+
+
+def test_hedgehog_forward_strided_wide_values_and_bf16_weights(ops):
+    q, k, v = inputs(2, 4, 300, 128, layout="bnhd", seed=31, dk=128)
+    assert not q.is_contiguous()
+    wq, wk = hedgehog_weights(4, 128, 64, True, seed=32)
+    check_hedgehog(ops, q, k, v, wq, wk, 0.125, True)
+    check_hedgehog(ops, q, k, v, wq.bfloat16(), wk.bfloat16(), 1.0, False)  # the op takes any float weights
+    wq, wk = hedgehog_weights(4, 128, 32, False, seed=33)
+    check_hedgehog(ops, q, k, v, wq, wk, 0.5, True, eps=1.0)
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("dk,f,per_head", [(64, 64, True), (128, 32, False)])
+@pytest.mark.parametrize("N", (1, 65, 1000))
+def test_hedgehog_backward_through_the_op(ops, N, dk, f, per_head, normalize):
+    """tk::linear_attention's Hedgehog gradients (the identity backward kernel on the recomputed features, the maps'
+    own gradient in PyTorch) for q, k, v and both weights."""
+    q, k, v = (t.requires_grad_() for t in inputs(2, 3, N, 64, seed=N + dk, dk=dk))
+    wq, wk = (w.requires_grad_() for w in hedgehog_weights(3, dk, f, per_head, seed=N + 1))
+    scale = (2 * f) ** -0.5
+    out = torch.ops.tk.linear_attention(q, k, v, "hedgehog", wq, wk, scale, normalize, 1e-6)
+    do = torch.randn(v.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
+    out.backward(do)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v, wq, wk)]
+    la.linear_attention_reference(*leaves[:3], "hedgehog", *leaves[3:], scale, normalize, 1e-6).backward(do.float())
+    for name, got, want in zip(("dq", "dk", "dv", "dWq", "dWk"), (q.grad, k.grad, v.grad, wq.grad, wk.grad),
+                               (t.grad for t in leaves)):
+        assert got.dtype == want.dtype if name.startswith("dW") else got.dtype == torch.bfloat16
+        if normalize and N == 1 and name != "dv":
+            assert got.float().abs().max().item() < 0.1, f"{name}: one token, want 0"  # o = v, as in check_backward
+            continue
+        err = rel_err(got, want)
+        assert err < 3e-2, f"{name}: relative error {err:.3g} (N{N} dk{dk} f{f} normalize={normalize})"
 
 
 def test_empty_sequence(ops):
@@ -233,8 +308,11 @@ def test_based_backward_through_the_op(ops, monkeypatch):
 @pytest.mark.parametrize("mixer", [dict(feature_map="elu1", form="cumsum", feature_dim=64, scale=0.125),
                                    dict(feature_map="elu1", form="quadratic", feature_dim=128, head_dim=128, scale=1.0),
                                    dict(feature_map="identity", form="quadratic", feature_dim=64, normalize=False,
-                                        scale=0.125)],
-                         ids=["elu1-cumsum-64", "elu1-quadratic-128", "identity-raw-64"])
+                                        scale=0.125),
+                                   dict(feature_map="hedgehog", form="quadratic", feature_dim=64, scale=0.125),
+                                   dict(feature_map="hedgehog_shared", form="cumsum", feature_dim=64, scale=0.125)],
+                         ids=["elu1-cumsum-64", "elu1-quadratic-128", "identity-raw-64", "hedgehog-quadratic-64",
+                              "hedgehog-shared-cumsum-64"])
 def test_plain_model_trains_on_the_kernels(ops, mixer):
     """A small bf16 model of plain linear-attention layers compiled with the backend on CUDA: every layer's mixer is
     replaced by the kernels (forward and backward), and the output and gradients follow an fp32 copy's in eager."""

@@ -50,26 +50,37 @@ REFERENCE_CHUNK = 64
 
 # The CUDA kernels (csrc/kernels/linear_attention): Based (based.cu, the forward; based_backward.cu with based_dq.cuh
 # and based_dkdv.cuh, the backward) with dk 16, and the plain maps identity and elu1 (plain.cu; plain_backward.cu with
-# plain_dq.cuh and plain_dkdv.cuh) with dk 64 or 128; bf16, dv a multiple of 64, no weights.
-KERNEL_DK = {"based": (16,), "identity": (64, 128), "elu1": (64, 128)}
+# plain_dq.cuh and plain_dkdv.cuh) with dk 64 or 128; Hedgehog's forward (hedgehog.cu) with dk 64 or 128 and 32 or 64
+# projections (64 or 128 features), its backward the identity kernel's on the features with the map's own gradient in
+# PyTorch (`_hedgehog_grads`); bf16, dv a multiple of 64.
+KERNEL_DK = {"based": (16,), "identity": (64, 128), "elu1": (64, 128), "hedgehog": (64, 128)}
+HEDGEHOG_PROJECTIONS = (32, 64)
 KERNEL_DV_TILE = 64
 # The backward kernels are validated on the GPU by tests/linear_attention/test_linear_attention_gpu.py. False: the
 # backward op and the matcher fall back to the reference (what to set while a changed kernel awaits its GPU run).
 BACKWARD_KERNEL_VALIDATED = True
 
 
-def kernel_supports(feature_map: str, dtype: torch.dtype, dk, dv, has_weights: bool = False) -> str | None:
-    """None if a CUDA kernel computes this case, else why not (also used by the matcher)."""
-    if feature_map not in KERNEL_DK or has_weights:
-        return f"feature map {feature_map!r} (the kernels implement {', '.join(map(repr, KERNEL_DK))})"
+def kernel_supports(feature_map: str, dtype: torch.dtype, dk, dv, projections=None) -> str | None:
+    """None if a CUDA kernel computes this case, else why not (also used by the matcher). `projections`: the weights'
+    last size (Hedgehog's f), None without weights."""
+    if feature_map not in KERNEL_DK or (projections is not None) != (feature_map == "hedgehog"):
+        return f"feature map {feature_map!r} (the kernels implement {', '.join(map(repr, KERNEL_DK))}; weights only " \
+               f"with 'hedgehog')"
     if dtype != torch.bfloat16:
         return f"dtype {dtype} (the linear-attention kernels take bfloat16)"
     if dk not in KERNEL_DK[feature_map]:
         dims = " or ".join(map(str, KERNEL_DK[feature_map]))
         return f"feature dim {dk} (the {feature_map!r} kernel takes {dims})"
+    if feature_map == "hedgehog" and projections not in HEDGEHOG_PROJECTIONS:
+        return f"{projections} Hedgehog projections (the kernel takes {' or '.join(map(str, HEDGEHOG_PROJECTIONS))})"
     if not isinstance(dv, int) or dv <= 0 or dv % KERNEL_DV_TILE:
         return f"value dim {dv} (the kernels take multiples of {KERNEL_DV_TILE})"
     return None
+
+
+def _projections(q_weight):
+    return None if q_weight is None else q_weight.shape[-1]
 
 
 # ---------------------------------------------------------------------------- validation
@@ -178,8 +189,8 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
     if q.numel() == 0 or v.numel() == 0:  # no positions, heads or batch entries (or empty features): nothing to sum
         return v.new_zeros(v.shape)
-    if kernel_supports(feature_map, q.dtype, q.shape[-1], v.shape[-1], q_weight is not None) is None \
-            and _dispatch.use_kernel(FAMILY, q, k, v):
+    if kernel_supports(feature_map, q.dtype, q.shape[-1], v.shape[-1], _projections(q_weight)) is None \
+            and _dispatch.use_kernel(FAMILY, q, k, v, *(w for w in (q_weight, k_weight) if w is not None)):
         return _dispatch.kernel("linear_attention")(q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
     return linear_attention_reference(q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
 
@@ -207,11 +218,26 @@ def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
         dw = [q.new_zeros(0) if w is None else torch.zeros_like(w) for w in (q_weight, k_weight)]
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dw[0], dw[1]
     if BACKWARD_KERNEL_VALIDATED \
-            and kernel_supports(feature_map, q.dtype, q.shape[-1], v.shape[-1], q_weight is not None) is None \
+            and kernel_supports(feature_map, q.dtype, q.shape[-1], v.shape[-1], _projections(q_weight)) is None \
             and _dispatch.use_kernel(FAMILY, grad_o, q, k, v, o) and _dispatch.has_kernel("linear_attention_backward"):
+        if feature_map == "hedgehog":
+            return _hedgehog_grads(grad_o, q, k, v, o, q_weight, k_weight, scale, normalize, eps)
         return _dispatch.kernel("linear_attention_backward")(grad_o, q, k, v, o, feature_map, q_weight, k_weight,
                                                             scale, normalize, eps)
     return _reference_grads(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps)
+
+
+def _hedgehog_grads(grad_o, q, k, v, o, q_weight, k_weight, scale, normalize, eps):
+    """Hedgehog's gradients on the kernels: linear attention is the identity map's on the features (φq, φk), so the
+    'identity' backward kernel gives (dφq, dφk, dv) and the feature maps' own vjp (fp32, in PyTorch) takes them back to
+    q, k and the weights. The features are recomputed here in bf16, as the forward kernel computed them on the fly."""
+    (fq, fk), maps_vjp = torch.func.vjp(lambda q_, k_, wq, wk: (_hedgehog(q_, wq), _hedgehog(k_, wk)),
+                                        q.float(), k.float(), q_weight.float(), k_weight.float())
+    dfq, dfk, dv, _, _ = _dispatch.kernel("linear_attention_backward")(
+        grad_o, fq.to(q.dtype), fk.to(k.dtype), v, o, "identity", None, None, scale, normalize, eps)
+    dq, dk, dqw, dkw = maps_vjp((dfq.float(), dfk.float()))
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv,
+            dqw.to(q_weight.dtype).contiguous(), dkw.to(k_weight.dtype).contiguous())
 
 
 def _reference_grads(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps):

@@ -1,7 +1,8 @@
 // Registers the Based and plain kernels as the raw ops tk_cuda::linear_attention and
 // tk_cuda::linear_attention_backward, with the schemas of the user-facing tk:: ops. tk_inductor/ops/linear_attention.py
 // calls them only for what `kernel_supports` accepts (feature map "based" with dk 16, "identity" or "elu1" with dk 64
-// or 128; bf16, dv a multiple of 64, no weights); the checks here guard direct calls.
+// or 128, "hedgehog" (forward only) with dk 64 or 128 and 32 or 64 projections; bf16, dv a multiple of 64); the
+// checks here guard direct calls.
 #include "binding/stable.h"
 
 #include <optional>
@@ -23,16 +24,28 @@ namespace la = tk_linear_attention;
 std::optional<la::FeatureMap> plain_map(const std::string& feature_map) {
   if (feature_map == "identity") return la::FeatureMap::identity;
   if (feature_map == "elu1") return la::FeatureMap::elu1;
+  if (feature_map == "hedgehog") return la::FeatureMap::hedgehog;
   return std::nullopt;
 }
 
 // The checks both ops share; `op` names the raw op in the messages.
 void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const std::string& feature_map,
                   const OptTensor& q_weight, const OptTensor& k_weight) {
-  const bool plain = plain_map(feature_map).has_value();
-  STD_TORCH_CHECK(plain || feature_map == "based", op, ": the kernels implement feature maps 'based', 'identity' and "
-                  "'elu1', not '", feature_map, "'");
-  STD_TORCH_CHECK(!present(q_weight) && !present(k_weight), op, ": '", feature_map, "' takes no weights");
+  const bool plain = plain_map(feature_map).has_value(), hedgehog = feature_map == "hedgehog";
+  STD_TORCH_CHECK(plain || feature_map == "based", op, ": the kernels implement feature maps 'based', 'identity', "
+                  "'elu1' and 'hedgehog', not '", feature_map, "'");
+  if (hedgehog) {
+    STD_TORCH_CHECK(present(q_weight) && present(k_weight), op, ": 'hedgehog' needs q_weight and k_weight");
+    const Tensor& w = *q_weight;
+    STD_TORCH_CHECK((w.dim() == 2 || (w.dim() == 3 && w.size(0) == q.size(1))) && binding::same_sizes(*k_weight, w) &&
+                        w.size(w.dim() - 2) == q.size(3) && (2 * w.size(w.dim() - 1) == la::PLAIN_DK[0] ||
+                                                             2 * w.size(w.dim() - 1) == la::PLAIN_DK[1]),
+                    op, ": q_weight and k_weight must both be (H, dk, f) or (dk, f) with f 32 or 64");
+    STD_TORCH_CHECK(binding::same_device(w, q) && binding::same_device(*k_weight, q), op,
+                    ": the weights must be on q's device");
+  } else {
+    STD_TORCH_CHECK(!present(q_weight) && !present(k_weight), op, ": '", feature_map, "' takes no weights");
+  }
   STD_TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), op, ": inputs must be CUDA tensors");
   STD_TORCH_CHECK(q.dim() == 4 && binding::same_sizes(k, q) && v.dim() == 4 && v.size(0) == q.size(0) &&
                       v.size(1) == q.size(1) && v.size(2) == q.size(2),
@@ -71,8 +84,21 @@ Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, const
   set_inputs(a, qq, kk, vv, scale, normalize, eps);
   a.o = o.data_ptr();
   const std::optional<la::FeatureMap> map = plain_map(feature_map);
-  a.features = int(q.size(3)), a.map = map.value_or(la::FeatureMap::identity);
-  const char* err = map ? la::launch_plain(a, binding::current_stream(q)) : la::launch_based(a, binding::current_stream(q));
+  a.features = a.dk = int(q.size(3)), a.map = map.value_or(la::FeatureMap::identity);
+  const char* err = nullptr;
+  if (a.map == la::FeatureMap::hedgehog) {
+    // Wᵀ in bf16, (heads, f, dk) contiguous: the B operand of x Wᵀ read K-major
+    const auto transposed = [](const Tensor& w) {
+      const int64_t d = w.dim();
+      return torch::stable::contiguous(binding::to(torch::stable::transpose(w, d - 2, d - 1), ScalarType::BFloat16));
+    };
+    const Tensor wq = transposed(*q_weight), wk = transposed(*k_weight);
+    a.features = int(2 * wq.size(wq.dim() - 2)), a.weight_heads = wq.dim() == 3 ? int(wq.size(0)) : 1;
+    a.q_weight_t = wq.data_ptr(), a.k_weight_t = wk.data_ptr();
+    err = la::launch_hedgehog(a, binding::current_stream(q));
+  } else {
+    err = map ? la::launch_plain(a, binding::current_stream(q)) : la::launch_based(a, binding::current_stream(q));
+  }
   STD_TORCH_CHECK(err == nullptr, "tk_cuda::linear_attention: ", err ? err : "");
   return o;
 }
@@ -85,6 +111,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
     double scale, bool normalize, double eps) {
   const char* op = "tk_cuda::linear_attention_backward";
   check_inputs(op, q, k, v, feature_map, q_weight, k_weight);
+  STD_TORCH_CHECK(feature_map != "hedgehog", op, ": no Hedgehog kernel (tk::linear_attention_backward differentiates "
+                  "its feature map around the 'identity' kernel)");
   STD_TORCH_CHECK(binding::same_sizes(grad_o, v) && binding::same_sizes(o, v) && binding::same_device(grad_o, q) &&
                       binding::same_device(o, q),
                   op, ": grad_o and o must have v's shape, on q's device");

@@ -51,16 +51,24 @@ struct BasedBwdArgs {
 // Blocks of 64 value columns, as the forward's (based_backward.cu launches the two scans).
 const char* launch_based_backward(const BasedBwdArgs& a, cudaStream_t stream);
 
-// Plain feature maps, φ applied to q and k element by element: o_i = scale Σ_{j≤i} (φq_i·φk_j) v_j
-// [/ (scale Σ_{j≤i} φq_i·φk_j + eps) when normalize]. q, k: (B, H, N, dk), dk 64 or 128; v as Based's; bf16.
-enum class FeatureMap : int { identity = 0, elu1 = 1 };  // φ(x) = x; φ(x) = elu(x) + 1
-constexpr int PLAIN_DK[2] = {64, 128};
+// Plain feature maps: o_i = scale Σ_{j≤i} (φq_i·φk_j) v_j [/ (scale Σ_{j≤i} φq_i·φk_j + eps) when normalize], with
+// φ applied to q and k element by element (identity, elu + 1: q, k (B, H, N, dk), dk 64 or 128, the features q's and
+// k's own columns) or Hedgehog's φ_W(x) = cat(softmax(x W), softmax(-x W)) over F/2 projections (q, k (B, H, N, dk),
+// dk 64 or 128; F 64 or 128 features; W per head or shared); v as Based's; bf16.
+enum class FeatureMap : int { identity = 0, elu1 = 1, hedgehog = 2 };  // φ(x) = x; elu(x) + 1; Hedgehog's
+constexpr int PLAIN_DK[2] = {64, 128};  // q/k columns, every map; and the feature count F
 struct PlainArgs : BasedArgs {
-  int features;  // dk
+  int features;  // F: dk for the elementwise maps, 2 × the projections for Hedgehog
+  int dk;        // q's and k's columns
   FeatureMap map;
+  // Hedgehog: Wᵀ of q and k, (weight_heads, F/2, dk) bf16 contiguous; weight_heads 1 (shared) or H
+  const void* q_weight_t = nullptr;
+  const void* k_weight_t = nullptr;
+  int weight_heads = 0;
 };
-// One warpgroup per (batch·head, 64 value columns) (plain.cu).
+// One warpgroup per (batch·head, 64 value columns) (plain.cu; Hedgehog's instances in hedgehog.cu).
 const char* launch_plain(const PlainArgs& a, cudaStream_t stream);
+const char* launch_hedgehog(const PlainArgs& a, cudaStream_t stream);
 
 // Plain backward: as Based's (delta filled by the launch), dq and dk (B, H, N, dk) either fp32 and zeroed by the
 // caller (dv > 64: value tiles add into them) or, at dv 64, null with dq_out and dk_out bf16 outputs; and ksum:

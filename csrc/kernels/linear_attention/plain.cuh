@@ -1,12 +1,13 @@
-// What the plain feature-map scans (identity, elu + 1) share: the forward (plain.cu) and the backward's two scans
-// (plain_dq.cuh, plain_dkdv.cuh, launched by plain_backward.cu).
+// What the plain feature-map scans share: the forward (plain_forward.cuh; identity and elu + 1 built in plain.cu,
+// Hedgehog in hedgehog.cu) and the backward's two scans (plain_dq.cuh, plain_dkdv.cuh, launched by plain_backward.cu).
 //
-// κ(q, k) = scale·φ(q)·φ(k) with φ applied element by element, so the features are q's and k's own dk columns
-// (64 or 128). Each block is one warpgroup on one (batch·head, 64 value columns) that walks the sequence in chunks of
-// 64 tokens. A chunk's q and k land by TMA and are mapped by φ in place in shared memory (elu + 1; identity reads
-// them as they are), so every product reads its operands from shared memory: the chunk's masked scores φQ φKᵀ, the
+// κ(q, k) = scale·φ(q)·φ(k). The elementwise maps' features are q's and k's own dk columns (64 or 128); Hedgehog's
+// are the two softmaxes of F/2 projections of them (F 64 or 128). Each block is one warpgroup on one (batch·head, 64
+// value columns) that walks the sequence in chunks of 64 tokens. A chunk's q and k land by TMA; elu + 1 maps them in
+// place in shared memory (identity reads them as they are) and Hedgehog computes its features from them into tiles
+// of their own, so every product reads its operands from shared memory: the chunk's masked scores φQ φKᵀ, the
 // intra-chunk product with v, the inter-chunk product with the state's bf16 copy, and the state's update φKᵀ v. The
-// state (dk features x 64 value columns, fp32) is dk/64 wgmma accumulators of 64 x 64. The scale is applied in fp32
+// state (F features x 64 value columns, fp32) is F/64 wgmma accumulators of 64 x 64. The scale is applied in fp32
 // at the end (φq and φk stay unscaled, so φ'(x) = min(φ(x), 1) for elu + 1 comes from the mapped tile).
 #pragma once
 #include <tk/tk.cuh>
@@ -56,6 +57,37 @@ template <FeatureMap M, int F> __device__ __forceinline__ void map_features(Feat
     warpgroup::map(q, phi<M>);
     warpgroup::map(k, phi<M>);
   }
+}
+
+// Hedgehog: φ(x) = cat(softmax(x W), softmax(-x W)) over F/2 projections of the dk columns x, W's transpose in shared
+// memory (F/2 x dk, the B operand of x Wᵀ read K-major).
+template <int F, int D> using ProjectionTile = st<bf16, F / 2, D>;
+// The chunk's φ rows from x: the warpgroup's product z = x W (each warp its 16 rows, fp32), both softmaxes of each row
+// in registers, stored as the feature tile's two halves (the caller fences and syncs before they are read).
+template <int F, int D>
+__device__ __forceinline__ void hedgehog_features(FeatTile<F>& dst, const st<bf16, CHUNK, D>& x,
+                                                  const ProjectionTile<F, D>& wt) {
+  using Z = rt_fl<BASE, F / 2>;
+  Z z, e;
+  warpgroup::mm_ABt(z, x, wt);
+  warpgroup::mma_async_wait<0>(z);
+  row_vec<Z, float> bound, sum;
+  rt_bf<BASE, F / 2> half;
+  row_max(bound, z);  // softmax(z) = exp(z - max z) / Σ
+  sub_row(e, z, bound);
+  exp(e, e);
+  row_sum(sum, e);
+  div_row(e, e, sum);
+  copy(half, e);
+  warpgroup::store(dst, half, 0);
+  row_min(bound, z);  // softmax(-z) = exp(min z - z) / Σ
+  sub_row(e, z, bound);
+  neg(e, e);
+  exp(e, e);
+  row_sum(sum, e);
+  div_row(e, e, sum);
+  copy(half, e);
+  warpgroup::store(dst, half, F / 2);
 }
 
 template <int F> __device__ __forceinline__ void zero_state(State<F>& s) {
