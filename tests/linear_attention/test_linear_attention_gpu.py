@@ -192,6 +192,30 @@ def test_hedgehog_forward_strided_wide_values_and_bf16_weights(ops):
     check_hedgehog(ops, q, k, v, wq, wk, 0.5, True, eps=1.0)
 
 
+@pytest.mark.parametrize("per_head", [True, False], ids=["per_head", "shared"])
+@pytest.mark.parametrize("dk,f", [(64, 32), (64, 64), (128, 32), (128, 64)])
+@pytest.mark.parametrize("N", (1, 100, 1000))
+def test_hedgehog_map_kernels(ops, N, dk, f, per_head):
+    """The backward's map kernels: φ (tk_cuda::hedgehog_features) and, from dφ, dx and dz = the gradient of x W
+    (tk_cuda::hedgehog_features_backward), against the reference map's fp32 autograd; x strided."""
+    x = inputs(2, 3, N, 64, layout="bnhd", seed=N + dk + f, dk=dk)[0]
+    w = hedgehog_weights(3, dk, f, per_head, seed=N)[0]
+    poison((2, 3, N, 2 * f))
+    phi = ops.hedgehog_features(x, w)
+    xr, wr = x.detach().float().requires_grad_(), w.detach().float()
+    z = (torch.einsum("bhnd,hdf->bhnf", xr, wr) if per_head else xr @ wr).detach().requires_grad_()
+    want = torch.cat([z.softmax(-1), (-z).softmax(-1)], -1)
+    assert phi.shape == want.shape and phi.dtype == torch.bfloat16 and rel_err(phi, want) < TOL
+    dphi = torch.randn(want.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
+    poison(x.shape)
+    dx, dz = ops.hedgehog_features_backward(dphi, x, w)
+    want.backward(dphi.float())
+    want_dx = z.grad @ (wr.transpose(-1, -2))
+    assert dz.shape == z.shape and dx.shape == x.shape and dx.dtype == dz.dtype == torch.bfloat16
+    assert not dx.isnan().any() and not dz.isnan().any()
+    assert rel_err(dz, z.grad) < BWD_TOL and rel_err(dx, want_dx) < BWD_TOL
+
+
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
 @pytest.mark.parametrize("dk,f,per_head", [(64, 64, True), (128, 32, False)])
 @pytest.mark.parametrize("N", (1, 65, 1000))

@@ -51,8 +51,8 @@ REFERENCE_CHUNK = 64
 # The CUDA kernels (csrc/kernels/linear_attention): Based (based.cu, the forward; based_backward.cu with based_dq.cuh
 # and based_dkdv.cuh, the backward) with dk 16, and the plain maps identity and elu1 (plain.cu; plain_backward.cu with
 # plain_dq.cuh and plain_dkdv.cuh) with dk 64 or 128; Hedgehog's forward (hedgehog.cu) with dk 64 or 128 and 32 or 64
-# projections (64 or 128 features), its backward the identity kernel's on the features with the map's own gradient in
-# PyTorch (`_hedgehog_grads`); bf16, dv a multiple of 64.
+# projections (64 or 128 features), its backward the identity kernel's on the features between the map's own kernels
+# (hedgehog_map.cu, `_hedgehog_grads`); bf16, dv a multiple of 64.
 KERNEL_DK = {"based": (16,), "identity": (64, 128), "elu1": (64, 128), "hedgehog": (64, 128)}
 HEDGEHOG_PROJECTIONS = (32, 64)
 KERNEL_DV_TILE = 64
@@ -229,15 +229,18 @@ def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
 
 def _hedgehog_grads(grad_o, q, k, v, o, q_weight, k_weight, scale, normalize, eps):
     """Hedgehog's gradients on the kernels: linear attention is the identity map's on the features (φq, φk), so the
-    'identity' backward kernel gives (dφq, dφk, dv) and the feature maps' own vjp (fp32, in PyTorch) takes them back to
-    q, k and the weights. The features are recomputed here in bf16, as the forward kernel computed them on the fly."""
-    (fq, fk), maps_vjp = torch.func.vjp(lambda q_, k_, wq, wk: (_hedgehog(q_, wq), _hedgehog(k_, wk)),
-                                        q.float(), k.float(), q_weight.float(), k_weight.float())
+    features are recomputed (tk_cuda::hedgehog_features), the 'identity' backward kernel gives (dφq, dφk, dv), and
+    the map's backward kernel takes dφ back to q and k and to dz, the gradient of x W, whose weight gradient is
+    Σ xᵀ dz over the rows (a matmul)."""
+    features, back = _dispatch.kernel("hedgehog_features"), _dispatch.kernel("hedgehog_features_backward")
     dfq, dfk, dv, _, _ = _dispatch.kernel("linear_attention_backward")(
-        grad_o, fq.to(q.dtype), fk.to(k.dtype), v, o, "identity", None, None, scale, normalize, eps)
-    dq, dk, dqw, dkw = maps_vjp((dfq.float(), dfk.float()))
-    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv,
-            dqw.to(q_weight.dtype).contiguous(), dkw.to(k_weight.dtype).contiguous())
+        grad_o, features(q, q_weight), features(k, k_weight), v, o, "identity", None, None, scale, normalize, eps)
+    (dq, dzq), (dk, dzk) = back(dfq, q, q_weight), back(dfk, k, k_weight)
+    return dq, dk, dv, _weight_grad(q, dzq, q_weight), _weight_grad(k, dzk, k_weight)
+
+
+def _weight_grad(x, dz, w):
+    return torch.einsum("bhnd,bhnf->hdf" if w.dim() == 3 else "bhnd,bhnf->df", x, dz).to(w.dtype)
 
 
 def _reference_grads(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps):

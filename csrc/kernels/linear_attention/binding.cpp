@@ -64,6 +64,12 @@ void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
   STD_TORCH_CHECK(q.size(2) <= 0x7fffffff && q.size(0) * q.size(1) <= 0x7fffffff, op, ": too large");
 }
 
+// Hedgehog's W (heads, dk, f) or (dk, f) as the kernels read it: Wᵀ in bf16, (heads, f, dk) contiguous.
+Tensor weight_t(const Tensor& w) {
+  const int64_t d = w.dim();
+  return torch::stable::contiguous(binding::to(torch::stable::transpose(w, d - 2, d - 1), ScalarType::BFloat16));
+}
+
 template <class Args>
 void set_inputs(Args& a, const Tensor& q, const Tensor& k, const Tensor& v, double scale, bool normalize, double eps) {
   a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
@@ -87,12 +93,7 @@ Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, const
   a.features = a.dk = int(q.size(3)), a.map = map.value_or(la::FeatureMap::identity);
   const char* err = nullptr;
   if (a.map == la::FeatureMap::hedgehog) {
-    // Wᵀ in bf16, (heads, f, dk) contiguous: the B operand of x Wᵀ read K-major
-    const auto transposed = [](const Tensor& w) {
-      const int64_t d = w.dim();
-      return torch::stable::contiguous(binding::to(torch::stable::transpose(w, d - 2, d - 1), ScalarType::BFloat16));
-    };
-    const Tensor wq = transposed(*q_weight), wk = transposed(*k_weight);
+    const Tensor wq = weight_t(*q_weight), wk = weight_t(*k_weight);
     a.features = int(2 * wq.size(wq.dim() - 2)), a.weight_heads = wq.dim() == 3 ? int(wq.size(0)) : 1;
     a.q_weight_t = wq.data_ptr(), a.k_weight_t = wk.data_ptr();
     err = la::launch_hedgehog(a, binding::current_stream(q));
@@ -154,6 +155,61 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_attention_backward(
   return {binding::to(dq, q.scalar_type()), binding::to(dk, k.scalar_type()), dv, none(), none()};
 }
 
+// Hedgehog's map on its own (the backward's): φ of x (B, H, N, dk) bf16 with weight (H, dk, f) or (dk, f); with
+// grad_features, (dx, dz), dz the gradient of x W.
+la::HedgehogMapArgs map_args(const char* op, const Tensor& x, const Tensor& weight) {
+  STD_TORCH_CHECK(x.is_cuda() && binding::same_device(weight, x), op, ": x and weight must be on one CUDA device");
+  STD_TORCH_CHECK(x.dim() == 4 && x.scalar_type() == ScalarType::BFloat16 &&
+                      (x.size(3) == la::PLAIN_DK[0] || x.size(3) == la::PLAIN_DK[1]),
+                  op, ": x must be (B, H, N, dk) bfloat16 with dk 64 or 128");
+  STD_TORCH_CHECK((weight.dim() == 2 || (weight.dim() == 3 && weight.size(0) == x.size(1))) &&
+                      weight.size(weight.dim() - 2) == x.size(3) &&
+                      (2 * weight.size(weight.dim() - 1) == la::PLAIN_DK[0] ||
+                       2 * weight.size(weight.dim() - 1) == la::PLAIN_DK[1]),
+                  op, ": weight must be (H, dk, f) or (dk, f) with f 32 or 64");
+  STD_TORCH_CHECK(x.size(2) <= 0x7fffffff && x.size(0) * x.size(1) <= 0x7fffffff, op, ": too large");
+  la::HedgehogMapArgs a{};
+  a.B = int(x.size(0)), a.H = int(x.size(1)), a.N = int(x.size(2)), a.dk = int(x.size(3));
+  a.F = int(2 * weight.size(weight.dim() - 1)), a.weight_heads = weight.dim() == 3 ? a.H : 1;
+  return a;
+}
+
+Tensor hedgehog_features(const Tensor& x, const Tensor& weight) {
+  const char* op = "tk_cuda::hedgehog_features";
+  la::HedgehogMapArgs a = map_args(op, x, weight);
+  const binding::DeviceGuard guard(x.get_device_index());
+  Tensor phi = torch::stable::new_empty(x, Sizes{x.size(0), x.size(1), x.size(2), a.F});
+  if (phi.numel() == 0) return phi;
+  const Tensor xx = binding::rows16(x), wt = weight_t(weight);
+  a.x = xx.data_ptr(), a.weight_t = wt.data_ptr(), a.features = phi.data_ptr();
+  for (int d = 0; d < 3; ++d) a.x_stride[d] = xx.stride(d);
+  const char* err = la::launch_hedgehog_features(a, binding::current_stream(x));
+  STD_TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
+  return phi;
+}
+
+std::tuple<Tensor, Tensor> hedgehog_features_backward(const Tensor& grad_features, const Tensor& x,
+                                                      const Tensor& weight) {
+  const char* op = "tk_cuda::hedgehog_features_backward";
+  la::HedgehogMapArgs a = map_args(op, x, weight);
+  STD_TORCH_CHECK(grad_features.dim() == 4 && grad_features.size(0) == x.size(0) &&
+                      grad_features.size(1) == x.size(1) && grad_features.size(2) == x.size(2) &&
+                      grad_features.size(3) == a.F && binding::same_device(grad_features, x),
+                  op, ": grad_features must be (B, H, N, 2f) on x's device");
+  const binding::DeviceGuard guard(x.get_device_index());
+  Tensor dx = torch::stable::new_empty(x, x.sizes());
+  Tensor dz = torch::stable::new_empty(x, Sizes{x.size(0), x.size(1), x.size(2), a.F / 2});
+  if (dx.numel() == 0) return {dx, dz};
+  const Tensor xx = binding::rows16(x), wt = weight_t(weight);
+  const Tensor df = torch::stable::contiguous(binding::to(grad_features, ScalarType::BFloat16));
+  a.x = xx.data_ptr(), a.weight_t = wt.data_ptr(), a.features = const_cast<void*>(df.data_ptr());
+  a.dx = dx.data_ptr(), a.dz = dz.data_ptr();
+  for (int d = 0; d < 3; ++d) a.x_stride[d] = xx.stride(d);
+  const char* err = la::launch_hedgehog_features_backward(a, binding::current_stream(x));
+  STD_TORCH_CHECK(err == nullptr, op, ": ", err ? err : "");
+  return {dx, dz};
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
@@ -162,9 +218,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
   m.def("linear_attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, str feature_map, "
         "Tensor? q_weight, Tensor? k_weight, float scale, bool normalize, float eps) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("hedgehog_features(Tensor x, Tensor weight) -> Tensor");
+  m.def("hedgehog_features_backward(Tensor grad_features, Tensor x, Tensor weight) -> (Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {
   m.impl("linear_attention", TORCH_BOX(&linear_attention));
   m.impl("linear_attention_backward", TORCH_BOX(&linear_attention_backward));
+  m.impl("hedgehog_features", TORCH_BOX(&hedgehog_features));
+  m.impl("hedgehog_features_backward", TORCH_BOX(&hedgehog_features_backward));
 }

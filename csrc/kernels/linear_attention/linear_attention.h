@@ -70,6 +70,23 @@ struct PlainArgs : BasedArgs {
 const char* launch_plain(const PlainArgs& a, cudaStream_t stream);
 const char* launch_hedgehog(const PlainArgs& a, cudaStream_t stream);
 
+// Hedgehog's feature map on its own, for the backward (the forward computes it inside the scan), one warpgroup per
+// (batch·head, 64 rows) (hedgehog_map.cu). x: (B, H, N, dk) with strides; Wᵀ as PlainArgs'. Features: φ (B, H, N, F)
+// into `features`. Backward: from dφ (B, H, N, F) in `features`, dx (B, H, N, dk) and dz = dφ's gradient of x W
+// (B, H, N, F/2, for the weight's gradient Σ xᵀ dz). All bf16, the outputs and dφ contiguous.
+struct HedgehogMapArgs {
+  const void* x;
+  int64_t x_stride[3];
+  const void* weight_t;
+  int weight_heads;
+  void* features;
+  void* dx;
+  void* dz;
+  int B, H, N, dk, F;
+};
+const char* launch_hedgehog_features(const HedgehogMapArgs& a, cudaStream_t stream);
+const char* launch_hedgehog_features_backward(const HedgehogMapArgs& a, cudaStream_t stream);
+
 // Plain backward: as Based's (delta filled by the launch), dq and dk (B, H, N, dk) either fp32 and zeroed by the
 // caller (dv > 64: value tiles add into them) or, at dv 64, null with dq_out and dk_out bf16 outputs; and ksum:
 // (B, H, ceil(N / 64), dk) fp32 scratch for each chunk's Σ φk (normalising only).

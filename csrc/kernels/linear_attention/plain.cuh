@@ -60,33 +60,40 @@ template <FeatureMap M, int F> __device__ __forceinline__ void map_features(Feat
 }
 
 // Hedgehog: φ(x) = cat(softmax(x W), softmax(-x W)) over F/2 projections of the dk columns x, W's transpose in shared
-// memory (F/2 x dk, the B operand of x Wᵀ read K-major).
+// memory (F/2 x dk: the B operand of x W read K-major, and of dz Wᵀ read MN-major).
 template <int F, int D> using ProjectionTile = st<bf16, F / 2, D>;
-// The chunk's φ rows from x: the warpgroup's product z = x W (each warp its 16 rows, fp32), both softmaxes of each row
-// in registers, stored as the feature tile's two halves (the caller fences and syncs before they are read).
+template <int F> using Projected = rt_fl<BASE, F / 2>;  // a warp's 16 rows of x W, or of either softmax
+// p = softmax(z), n = softmax(-z) of each of this warp's rows, z = x W of the chunk (the warpgroup's product).
+template <int F, int D>
+__device__ __forceinline__ void hedgehog_softmaxes(Projected<F>& p, Projected<F>& n, const st<bf16, CHUNK, D>& x,
+                                                   const ProjectionTile<F, D>& wt) {
+  Projected<F> z;
+  warpgroup::mm_ABt(z, x, wt);
+  warpgroup::mma_async_wait<0>(z);
+  row_vec<Projected<F>, float> bound, sum;
+  row_max(bound, z);  // softmax(z) = exp(z - max z) / Σ
+  sub_row(p, z, bound);
+  exp(p, p);
+  row_sum(sum, p);
+  div_row(p, p, sum);
+  row_min(bound, z);  // softmax(-z) = exp(min z - z) / Σ
+  sub_row(n, z, bound);
+  neg(n, n);
+  exp(n, n);
+  row_sum(sum, n);
+  div_row(n, n, sum);
+}
+// The chunk's φ rows from x, stored as the feature tile's two halves (the caller fences and syncs before they are
+// read).
 template <int F, int D>
 __device__ __forceinline__ void hedgehog_features(FeatTile<F>& dst, const st<bf16, CHUNK, D>& x,
                                                   const ProjectionTile<F, D>& wt) {
-  using Z = rt_fl<BASE, F / 2>;
-  Z z, e;
-  warpgroup::mm_ABt(z, x, wt);
-  warpgroup::mma_async_wait<0>(z);
-  row_vec<Z, float> bound, sum;
+  Projected<F> p, n;
+  hedgehog_softmaxes<F>(p, n, x, wt);
   rt_bf<BASE, F / 2> half;
-  row_max(bound, z);  // softmax(z) = exp(z - max z) / Σ
-  sub_row(e, z, bound);
-  exp(e, e);
-  row_sum(sum, e);
-  div_row(e, e, sum);
-  copy(half, e);
+  copy(half, p);
   warpgroup::store(dst, half, 0);
-  row_min(bound, z);  // softmax(-z) = exp(min z - z) / Σ
-  sub_row(e, z, bound);
-  neg(e, e);
-  exp(e, e);
-  row_sum(sum, e);
-  div_row(e, e, sum);
-  copy(half, e);
+  copy(half, n);
   warpgroup::store(dst, half, F / 2);
 }
 
