@@ -152,6 +152,42 @@ def run_plain(quick: bool = False, cases=None, fla_kernels=("chunk", "fused_chun
     return rows
 
 
+def hedgehog_layer(q, k, v, wq, wk, bq=None, bk=None):
+    """A Hedgehog layer's attention as a research model writes it (heads-first, the masked quadratic form,
+    normalised): the paper's map cat(softmax(x W), softmax(-x W)) with per-head W, or, given biases, FLA's and the
+    paper code's softmax(cat(2 (x Wᵀ + b), -2 (x Wᵀ + b))) with nn.Linear's shared (f, d) weight."""
+    def phi(x, w, b):
+        if b is None:
+            z = torch.einsum("bhnd,hdf->bhnf", x, w)
+            return torch.cat([z.softmax(-1), (-z).softmax(-1)], -1)
+        y = 2 * torch.nn.functional.linear(x, w, b)
+        return torch.cat([y, -y], -1).softmax(-1)
+
+    scores = (phi(q, wq, bq) @ phi(k, wk, bk).transpose(-1, -2)).tril()
+    return (scores @ v) / (scores.sum(-1, keepdim=True) + 1e-6)
+
+
+def run_public(quick: bool = False, B: int = 4, H: int = 16, N: int = 4096, d: int = 64) -> list[Row]:
+    """Hedgehog layers (hedgehog_layer, both spellings; bf16, weights trained) compiled through the public API,
+    backend="thunderkittens" beside torch.compile default: forward and a forward+backward step."""
+    from .common import public_api_rows
+
+    rows: list[Row] = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = [torch.randn(B, H, N, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    grads = (torch.randn(B, H, N, d, generator=g, device="cuda", dtype=torch.bfloat16),)
+    for spelling in ("hedgehog", "fla_hedgehog")[:1 if quick else 2]:
+        progress(f"B{B} H{H} N{N} d{d} {spelling} public")
+        shape = (H, d, d) if spelling == "hedgehog" else (d, d)
+        ws = [(torch.randn(*shape, generator=g, device="cuda") / d**0.5).bfloat16().requires_grad_() for _ in range(2)]
+        bs = [torch.zeros(d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2)] \
+            if spelling == "fla_hedgehog" else []
+        io = 4 * B * H * N * d * 2  # q, k, v and o in bf16
+        rows += public_api_rows("linear_attention", f"B{B} H{H} N{N} d{d} {spelling}", hedgehog_layer,
+                                (*qkv, *ws, *bs), grads, io, 2 * io, N)
+    return rows
+
+
 def run(quick: bool = False) -> list[Row]:
     from tk_inductor import build
     from tk_inductor.ops import linear_attention as la
@@ -224,7 +260,7 @@ def run(quick: bool = False) -> list[Row]:
                                lambda ms: B * N / ms / 1e3, tol=2e-2)
         del leaves, q, k, v, want
         torch.cuda.empty_cache()
-    return rows + run_plain(quick) + run_plain(quick, feature_map="hedgehog")
+    return rows + run_plain(quick) + run_plain(quick, feature_map="hedgehog") + run_public(quick)
 
 
 def main(argv=None) -> int:
