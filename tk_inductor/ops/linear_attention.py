@@ -28,7 +28,8 @@ How this lines up with flash-linear-attention (where they overlap the semantics 
 
 Autograd: the forward saves its inputs and output; `tk::linear_attention_backward` returns (dq, dk, dv, dq_weight,
 dk_weight) (weight grads are empty tensors when there is no weight) and recomputes the forward's running state
-inside, chunk by chunk, as the Based backward kernel does.
+inside, chunk by chunk, as the Based backward kernel does. Hedgehog's backward on the GPU is the identity map's on
+features recomputed by a kernel of the map's own, whose backward kernel then gives dq, dk and the weights' dz.
 The reference is a chunked scan in fp32 (chunk 64): intra-chunk masked products plus an fp32 running
 state — the same algorithm a kernel with the state in registers runs, never an N×N matrix.
 Non-finite inputs: in the reference a NaN/inf at position t reaches only outputs from t on. The CUDA kernel keeps

@@ -32,8 +32,13 @@ template <int F, int D> struct Projections<F, D, FeatureMap::hedgehog> {
   FeatTile<F> q, k;
 };
 
+// The loaded q and k: double-buffered where they are the features (read through the chunk); Hedgehog reads them
+// only for its map, before the barrier after which the next chunk's load is issued, so one buffer serves (and
+// leaves room for two blocks per SM at dk 64 with 128 features).
+template <FeatureMap M> constexpr int INPUT_BUFFERS = M == FeatureMap::hedgehog ? 1 : 2;
+
 template <int F, int D, FeatureMap M> struct FwdSmem {
-  st<bf16, CHUNK, D> q[2], k[2];
+  st<bf16, CHUNK, D> q[INPUT_BUFFERS<M>], k[INPUT_BUFFERS<M>];
   Block v[2];
   StateTile<F> state;  // H's bf16 copy before the current chunk
   Block o;             // the chunk's output on its way out
@@ -55,8 +60,9 @@ __device__ __forceinline__ void load_chunk(FwdSmem<F, D, M>& s, int buf, const F
       tma::load_async(s.phi.wq, g.wq, bar, {0, hw, 0, 0});
       tma::load_async(s.phi.wk, g.wk, bar, {0, hw, 0, 0});
     }
-  tma::load_async(s.q[buf], g.q, bar, {b, h, c, 0});
-  tma::load_async(s.k[buf], g.k, bar, {b, h, c, 0});
+  const int in = buf % INPUT_BUFFERS<M>;
+  tma::load_async(s.q[in], g.q, bar, {b, h, c, 0});
+  tma::load_async(s.k[in], g.k, bar, {b, h, c, 0});
   tma::load_async(s.v[buf], g.v, bar, {b, h, c, vt});
 }
 
@@ -78,8 +84,8 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS, 2) plain_fwd_kernel(const _
     FeatTile<F>* fk;
     if constexpr (M == FeatureMap::hedgehog) {
       if constexpr (NORM) __syncthreads();  // every warp's column sums have read the previous chunk's φk
-      hedgehog_features(s.phi.q, s.q[buf], s.phi.wq);
-      hedgehog_features(s.phi.k, s.k[buf], s.phi.wk);
+      hedgehog_features(s.phi.q, s.q[0], s.phi.wq);
+      hedgehog_features(s.phi.k, s.k[0], s.phi.wk);
       fq = &s.phi.q, fk = &s.phi.k;
     } else {
       map_features<M>(s.q[buf], s.k[buf]);
