@@ -129,14 +129,7 @@ template <int F, int D, bool BACKWARD> const char* launch_map(const HedgehogMapA
 template <bool BACKWARD> const char* dispatch_map(const HedgehogMapArgs& a, cudaStream_t stream) {
   if (a.B <= 0 || a.H <= 0 || a.N <= 0) return nullptr;  // nothing to compute
   if (a.weight_heads != 1 && a.weight_heads != a.H) return "the Hedgehog weights must be per head or shared";
-  if (a.dk == 64) {
-    if (a.F == 64) return launch_map<64, 64, BACKWARD>(a, stream);
-    if (a.F == 128) return launch_map<128, 64, BACKWARD>(a, stream);
-  } else if (a.dk == 128) {
-    if (a.F == 64) return launch_map<64, 128, BACKWARD>(a, stream);
-    if (a.F == 128) return launch_map<128, 128, BACKWARD>(a, stream);
-  }
-  return "Hedgehog takes dk 64 or 128 and 64 or 128 features";
+  return dispatch_hedgehog(a.dk, a.F, [&]<int F, int D>() { return launch_map<F, D, BACKWARD>(a, stream); });
 }
 
 }  // namespace

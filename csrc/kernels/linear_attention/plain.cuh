@@ -199,5 +199,17 @@ template <class Fn> const char* dispatch_plain(int dk, FeatureMap map, Fn&& f) {
   return "dk must be 64 or 128";
 }
 
+// Calls f.template operator()<F, D>() for Hedgehog's features F and q/k columns D.
+template <class Fn> const char* dispatch_hedgehog(int dk, int features, Fn&& f) {
+  if (dk == 64) {
+    if (features == 64) return f.template operator()<64, 64>();
+    if (features == 128) return f.template operator()<128, 64>();
+  } else if (dk == 128) {
+    if (features == 64) return f.template operator()<64, 128>();
+    if (features == 128) return f.template operator()<128, 128>();
+  }
+  return "Hedgehog takes dk 64 or 128 and 64 or 128 features";
+}
+
 }  // namespace
 }  // namespace tk_linear_attention
