@@ -274,6 +274,15 @@ def evaluate_constant(node, _depth: int = 0):
         return None
 
 
+def is_zeros(node) -> bool:
+    """node is zeros (torch.zeros, zeros_like, new_zeros, or a constant that evaluates to zeros)."""
+    node = strip(node)
+    if kind(node) in ("zeros", "zeros_like", "new_zeros"):
+        return True
+    value = evaluate_constant(node)
+    return isinstance(value, torch.Tensor) and not value.any()
+
+
 def static_int(x):
     """x as a python int when it is one, even behind a SymInt with a constant value; else None (`number`, ints only)."""
     n = number(x)

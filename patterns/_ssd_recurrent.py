@@ -24,8 +24,8 @@ from tk_inductor import config
 from tk_inductor.ops import ssd as ssd_ops
 from tk_inductor.rewrite import Match, example
 
-from ._fx import arg, dtype, eq, is_tensor, kind, needs_grad, rank, shape, shapes_eq, strip, through_upcasts
-from .ssd import FAMILY, _heads_from_groups, _is_zeros, _kept_reason, _need, _NoMatch
+from ._fx import arg, dtype, eq, is_tensor, is_zeros, kind, needs_grad, rank, shape, shapes_eq, strip, through_upcasts
+from .ssd import FAMILY, _heads_from_groups, _kept_reason, _need, _NoMatch
 
 BATCH, HEAD, HEADDIM, STATE = "b", "h", "p", "n"
 
@@ -258,7 +258,7 @@ def _verify(stack, sources, h0, h_last, cfg: config.Config) -> Match:
     B, C = _heads_from_groups(sources["B"], nh), _heads_from_groups(sources["C"], nh)
     _need(rank(B) == 4 and shapes_eq(shape(B), shape(C)) and eq(shape(B)[1], l), "B and C (b, l, g, n)")
     n = shape(B)[-1]
-    init = None if _is_zeros(h0) else through_upcasts(h0)
+    init = None if is_zeros(h0) else through_upcasts(h0)
     _need(init is None or shapes_eq(shape(init), (b, nh, p, n)), "initial state shape")
     # y: the stack, or its cast back to x's dtype (a recurrence computed in fp32 from 16-bit inputs)
     y = stack

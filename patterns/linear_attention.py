@@ -9,6 +9,8 @@ scores are (B, H, N, M) either way):
   triangular, or, for a symbolic length, be literally `[~]tril(ones(N, N))` — then `@ v`.
 - state/cumsum: `kv = cumsum(φk ⊗ v, dim=N)` (einsum or broadcast product), `o = φq · kv`
   (einsum or broadcast product + sum).
+- chunked (unnormalised): the tokens in chunks, `o = φq S + ((φq φkᵀ) ∘ causal) v` with S the exclusive prefix of
+  the chunks' φkᵀ v, merged back (FLA's naive_chunk_linear_attn; patterns/_chunked.py).
 - the Taylor kernel written on the scores, `1 + s + s²/2` with `s = (q·scale) kᵀ` (FLA's
   naive_parallel_based).
 - optional normaliser: `o / (den + eps)` or `o * (1 / (den + eps))`, with `den` the row sum of the
@@ -20,8 +22,8 @@ is exactly equal (only slower when the features are wide).
 FLA's HedgehogFeatureMap (one softmax over both halves, with bias) and FLA's current
 TaylorFeatureMap (upper-triangle gather) are not the op's maps: they go in as "identity".
 Kept with a reason: masked scores whose mask is not provably causal (an input, a band, triu...).
-Not matched at all: scores without a mask, different q/k lengths, in-place masking
-(`masked_fill_`), a python-float scale that Dynamo made symbolic.
+Not matched at all: scores without a mask, different q/k lengths, in-place masking (`masked_fill_`) of scores
+that something else reads, a python-float scale that Dynamo made symbolic.
 
 The graph-reading vocabulary (kind, eq, ...) is patterns/_fx.py's, contraction and unify patterns/_index.py's.
 """
@@ -39,6 +41,7 @@ from tk_inductor.rewrite import Match, Transpose, example
 
 from ._fx import (arg, close, dtype, eq, evaluate_constant, is_tensor, kind, needs_grad, rank, scalar, scaled, shape,
                   shapes_eq, strip)
+from ._chunked import chunked_form
 from ._index import LETTERS, Contraction, contraction, peel_to, unify
 from ._mask import triangle
 
@@ -179,6 +182,9 @@ def _causal(node):
         return node.args[0]
     if k == "masked_fill" and scalar(arg(node, 2, "value")) == 0.0 and triangle(node.args[1], box, 0, negated=True):
         return node.args[0]
+    if _fresh_masked_fill_(node) and scalar(arg(node, 2, "value")) == 0.0 \
+            and triangle(node.args[1], box, 0, negated=True):
+        return node.args[0]
     if k == "mul" and is_tensor(node.args[0]) and is_tensor(node.args[1]):
         for a, m in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
             if shapes_eq(shape(a), shape(node)) and triangle(m, box):
@@ -186,6 +192,13 @@ def _causal(node):
     if k == "where" and len(node.args) == 3 and scalar(node.args[2]) == 0.0 and triangle(node.args[0], box):
         return node.args[1]
     return None
+
+
+def _fresh_masked_fill_(node) -> bool:
+    """`A.masked_fill_(mask, value)` on scores A that nothing else reads (FLA's naive spellings): the same value as
+    the out-of-place fill."""
+    return node.op == "call_method" and node.target == "masked_fill_" and is_tensor(node.args[0]) \
+        and len(node.args[0].users) == 1 and kind(node.args[0]) in ("matmul", "einsum")
 
 
 def _scores(A):
@@ -389,6 +402,13 @@ def _heads_first(sizes, lay: str):
 
 
 def _match(node, cfg: config.Config) -> Match | None:
+    if kind(node) == "add":
+        parts = chunked_form(node, _causal)
+        if parts is None:
+            return None
+        out, fq, fk, v, total, lay_q, lay_v = parts
+        fm, fq_x, fk_x, qw, kw, scale = _pair(fq, fk, total)
+        return _make(out, fm, fq_x, fk_x, v, qw, kw, scale, None, cfg, lay_q, lay_v)
     quad = _numerator_quadratic(node)
     if quad is not None:
         M, A, v, lay_v = quad
@@ -479,7 +499,7 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
     cfg = cfg or config.current()
     matches = []
     for node in list(graph.nodes):
-        if kind(node) not in ("matmul", "einsum", "sum", "mul"):
+        if kind(node) not in ("matmul", "einsum", "sum", "mul", "add"):
             continue
         try:
             m = _match(node, cfg)

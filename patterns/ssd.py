@@ -26,8 +26,8 @@ from tk_inductor.ops import ssd as _ops  # noqa: F401  (registers torch.ops.tk.s
 from tk_inductor import config
 from tk_inductor.rewrite import Match, Squeeze, example
 
-from ._fx import (arg, dtype, eq, evaluate_constant, is_tensor, kind, needs_grad, rank, scalar, shape, shapes_eq,
-                  static_int, strip, through_upcasts)
+from ._fx import (arg, dtype, eq, is_tensor, is_zeros, kind, needs_grad, rank, scalar, shape,
+                  shapes_eq, static_int, strip, through_upcasts)
 from ._index import contraction, full_index, indexes, peel_to, unify
 from ._mask import triangle
 
@@ -312,20 +312,11 @@ def _kept_reason(examples, x, y, final, n, cfg: config.Config) -> str | None:
     return None
 
 
-def _is_zeros(node) -> bool:
-    """node is zeros (torch.zeros, zeros_like, new_zeros, or a constant that evaluates to zeros): no initial state."""
-    node = strip(node)
-    if kind(node) in ("zeros", "zeros_like", "new_zeros"):
-        return True
-    value = evaluate_constant(node)
-    return isinstance(value, torch.Tensor) and not value.any()
-
-
 def _initial_state(node, expected_shape):
     """zeros / zeros_like (no initial state) -> None; h0[:, None] (upcast) -> h0; any other T0 -> T0.squeeze(1)."""
     node = strip(node)
     _need(shapes_eq(shape(node), expected_shape), "initial state shape")
-    if _is_zeros(node):
+    if is_zeros(node):
         return None
     node = through_upcasts(node)
     h0 = peel_to(node, "bxhpn", "bhpn")
@@ -379,7 +370,7 @@ def _output(anchor, b, padded, length, h, p, x_f):
     return node, D
 
 
-# The recurrence's matcher reads with this module's pieces (_need, _heads_from_groups, _is_zeros, _kept_reason): it is
+# The recurrence's matcher reads with this module's pieces (_need, _heads_from_groups, _kept_reason): it is
 # imported once they exist.
 from . import _ssd_recurrent  # noqa: E402
 
