@@ -83,7 +83,8 @@ _NAMES: dict[Any, str] = {
     torch.repeat_interleave: "repeat_interleave", torch.Tensor.repeat_interleave: "repeat_interleave",
     F.pad: "pad", torch._C._nn.pad: "pad", torch.ops.aten.mT: "mT", torch.narrow: "narrow", torch.Tensor.narrow: "narrow",
     torch.stack: "stack", torch.unbind: "unbind", torch.Tensor.unbind: "unbind", torch.select: "select",
-    torch.Tensor.select: "select",
+    torch.Tensor.select: "select", torch.clamp: "clamp", torch.Tensor.clamp: "clamp", torch.clip: "clamp",
+    torch.Tensor.clip: "clamp", torch.clamp_min: "clamp_min", torch.Tensor.clamp_min: "clamp_min",
 }
 _METHOD_NAMES = {"__and__": "and", "logical_and": "and", "__or__": "or", "logical_or": "or", "logical_not": "not",
                  "__invert__": "not", "bitwise_not": "not", "truediv": "div", "true_divide": "div", "divide": "div",
@@ -98,7 +99,8 @@ _COARSE = {"view": "reshape", "bmm": "matmul", "not": "invert"}
 _KINDS = frozenset({"matmul", "mul", "div", "add", "sub", "neg", "pow", "invert", "getitem", "einsum", "exp", "cumsum",
                     "sum", "tril", "triu", "masked_fill", "where", "cat", "softmax", "elu", "flatten", "unsqueeze",
                     "transpose", "permute", "ones_like", "reciprocal", "reshape", "pad", "repeat_interleave",
-                    "zeros_like", "expand", "mT", "narrow", "zeros", "stack", "unbind", "select"})
+                    "zeros_like", "expand", "mT", "narrow", "zeros", "stack", "unbind", "select", "clamp",
+                    "clamp_min"})
 _KIND_METHODS = _KINDS | {"float", "to", "type", "contiguous", "size", "new_zeros", "new_ones"}
 
 

@@ -17,7 +17,8 @@ scores are (B, H, N, M) either way):
   same masked scores or `φq · cumsum(φk)` of the same feature-mapped tensors (Based's spelling).
 Feature maps: Based `TaylorExp` (`cat([1, x/d^¼, flatten(x⊗x)/(√2·√d)])`, ones as `x[..., :1]**0`
 or `ones_like`), Hedgehog (`cat(softmax(xW), softmax(-xW))`, W per head via einsum on heads-first x, or shared via
-matmul), `elu(x) + 1`. Anything else is passed as already-mapped features with "identity", which
+matmul; a bias constant along the softmax dim and a clamp of the features at 1e-9 or less, LoLCATs-style, are read
+as none: such a bias then gets no gradient, where eager's is zero up to rounding), `elu(x) + 1`. Anything else is passed as already-mapped features with "identity", which
 is exactly equal (only slower when the features are wide).
 FLA's HedgehogFeatureMap (one softmax over both halves, with bias) and FLA's current
 TaylorFeatureMap (upper-triangle gather) are not the op's maps: they go in as "identity".
@@ -110,8 +111,40 @@ def _softmax_last(node):
     return node.args[0]
 
 
+# A clamp from below of the features at most this small is read as no clamp: LoLCATs-style Hedgehog maps guard their
+# features with `.clamp(min=1e-12)`, which moves a feature only where it is below the bound, by less than the bound
+# (each softmax half sums to 1, so the features that matter are near 1/f).
+NEGLIGIBLE_CLAMP = 1e-9
+
+
+def _unclamped(node):
+    """node without a `clamp(min=m)` / `clamp_min(m)` of 0 <= m <= NEGLIGIBLE_CLAMP (and no max)."""
+    node = strip(node)
+    k = kind(node)
+    if k == "clamp" and arg(node, 2, "max") is None:
+        low = scalar(arg(node, 1, "min"))
+    elif k == "clamp_min":
+        low = scalar(arg(node, 1, "min"))
+    else:
+        return node
+    return strip(node.args[0]) if low is not None and 0.0 <= low <= NEGLIGIBLE_CLAMP else node
+
+
+def _shift_free(z):
+    """z less an added term constant along its last dim (a python scalar, or a tensor whose last size is 1: a
+    per-head bias), which no softmax over the last dim sees."""
+    z = strip(z)
+    if kind(z) == "add" and not z.kwargs and len(z.args) == 2:
+        for a, b in ((z.args[0], z.args[1]), (z.args[1], z.args[0])):
+            if is_tensor(a) and (scalar(b) is not None or (is_tensor(b) and shape(b) is not None and len(shape(b)) >= 1
+                                                           and eq(shape(b)[-1], 1))):
+                return strip(a)
+    return z
+
+
 def _hedgehog(node):
-    """cat([softmax(z), softmax(-z)], -1), z = x W (per head einsum or shared matmul) -> (x, W)."""
+    """cat([softmax(z), softmax(-z)], -1), z = x W (per head einsum or shared matmul) plus any term constant along
+    the softmax's dim -> (x, W)."""
     parts = arg(node, 0, "tensors")
     dim = arg(node, 1, "dim", 0)
     rank = len(shape(node) or ())
@@ -124,7 +157,7 @@ def _hedgehog(node):
     base, factor = scaled(neg)
     if strip(base) is not strip(z) or factor != -1.0:
         return None
-    z = strip(z)
+    z = _shift_free(z)
     if kind(z) == "matmul" and shape(z.args[1]) is not None and len(shape(z.args[1])) == 2:
         return z.args[0], z.args[1]
     c = contraction(z, inline=False)
@@ -152,9 +185,9 @@ def feature_map(node):
         x = _taylor(node)
         if x is not None:
             return "based", x, None
-        hh = _hedgehog(node)
-        if hh is not None:
-            return "hedgehog", hh[0], hh[1]
+    hh = _hedgehog(_unclamped(node)) if kind(_unclamped(node)) == "cat" else None
+    if hh is not None:
+        return "hedgehog", hh[0], hh[1]
     return "identity", node, None
 
 

@@ -42,6 +42,23 @@ class Hedgehog(nn.Module):
         return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
 
 
+class LolcatsHedgehog(nn.Module):
+    """LoLCATs-style Hedgehog map: per-head einsum (weight first) plus a bias, both softmaxes, clamped from below.
+    A per-head bias (H, 1, 1) is constant along the softmax dim (read as no bias); one over the features is not
+    (`bias="features"`: the map goes in as identity features). The clamp at 1e-12 is read as none; a large one
+    (`clamp=1e-2`) is not."""
+
+    def __init__(self, heads: int, dim: int, feature: int, bias: str = "heads", clamp: float = 1e-12):
+        super().__init__()
+        self.layer = nn.Parameter(torch.randn(heads, dim, feature) / math.sqrt(dim))
+        self.bias = nn.Parameter(torch.randn(1, heads, 1, 1 if bias == "heads" else feature))
+        self.clamp = clamp
+
+    def forward(self, x):
+        z = torch.einsum("hdf,bhld->bhlf", self.layer, x) + self.bias
+        return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1).clamp(min=self.clamp)
+
+
 class FLAHedgehog(nn.Module):
     """flash-linear-attention's HedgehogFeatureMap: ONE softmax over cat([2(xW+b), -2(xW+b)]).
 
@@ -93,6 +110,12 @@ def make_feature_map(name: str, heads: int, dim: int):
         return Hedgehog(heads, dim, dim)
     if name == "hedgehog_shared":
         return Hedgehog(heads, dim, dim, per_head=False)
+    if name == "hedgehog_lolcats":
+        return LolcatsHedgehog(heads, dim, dim)
+    if name == "hedgehog_feature_bias":
+        return LolcatsHedgehog(heads, dim, dim, bias="features")
+    if name == "hedgehog_large_clamp":
+        return LolcatsHedgehog(heads, dim, dim, clamp=1e-2)
     if name == "fla_hedgehog":
         return FLAHedgehog(dim)
     if name == "fla_taylor":
@@ -132,7 +155,8 @@ class LinearAttention(nn.Module):
         self.v = nn.Linear(d_model, heads * head_dim, bias=False)
         self.o = nn.Linear(heads * head_dim, d_model, bias=False)
         self.fm_q = make_feature_map(feature_map, heads, feature_dim)
-        self.fm_k = self.fm_q if feature_map not in ("hedgehog",) else make_feature_map(feature_map, heads, feature_dim)
+        separate = feature_map.startswith("hedgehog") and feature_map != "hedgehog_shared"
+        self.fm_k = make_feature_map(feature_map, heads, feature_dim) if separate else self.fm_q
         self.form, self.normalize, self.eps, self.scale = form, normalize, eps, scale
 
     def forward(self, x, mask=None):

@@ -177,6 +177,9 @@ SPELLINGS = [  # (form, feature map module, op feature map it must become)
     ("based", "hedgehog", "hedgehog"), ("cumsum", "elu1", "elu1"), ("cumsum", "based", "based"),
     ("cumsum", "hedgehog", "hedgehog"), ("cumsum_bcast", "elu1", "elu1"), ("cumsum_bcast", "based", "based"),
     ("taylor_scores", "identity", "based"),
+    ("quadratic", "hedgehog_lolcats", "hedgehog"), ("cumsum", "hedgehog_lolcats", "hedgehog"),
+    # a bias that varies over the features, or a clamp that bites: already-mapped features
+    ("quadratic", "hedgehog_feature_bias", "identity"), ("quadratic", "hedgehog_large_clamp", "identity"),
     # FLA's HedgehogFeatureMap is not the op's hedgehog: passed through as already-mapped features
     ("quadratic", "fla_hedgehog", "identity"), ("cumsum", "fla_hedgehog", "identity"),
     ("quadratic", "fla_taylor", "identity"),
@@ -213,6 +216,9 @@ def test_spelling_is_replaced_and_equal(form, fmap, op_map, normalize):
     for g, r in zip(got, ref):
         if r is None:
             assert g is None or not g.any()
+            continue
+        if g is None:  # a parameter the op does not read: a bias no softmax sees has a zero gradient in eager too
+            assert r.abs().max() < 1e-5
             continue
         torch.testing.assert_close(g, r, **tol)
 
