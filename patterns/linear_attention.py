@@ -496,10 +496,14 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config, lay_q: str =
     normalize = eps is not None
     tensors = [t for t in (q, k, v, qw, kw) if t is not None]
     examples = [example(t) for t in tensors]
-    reason = None
+    reason, output_dtypes = None, {}
     dtypes = {e.dtype for e in examples[:3]}
     if len(dtypes) != 1:
         reason = f"q/k/v dtypes differ ({sorted(map(str, dtypes))})"
+    elif dtype(out) == torch.float32 and examples[2].dtype in (torch.bfloat16, torch.float16):
+        # eager promoted the result (an fp32 parameter in the features under autocast, e.g. a Hedgehog map's bias):
+        # the op computes in the inputs' dtype and its output is cast up
+        output_dtypes = {0: examples[2].dtype}
     elif dtype(out) != examples[2].dtype:
         reason = f"output dtype {dtype(out)} differs from the inputs' {examples[2].dtype}"
     elif examples[2].dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -519,6 +523,7 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config, lay_q: str =
         args=(*(Transpose(t) if lay == "bnhd" else t for t, lay in ((q, lay_q), (k, lay_q), (v, lay_v))),
               fm, qw, kw, float(scale), normalize, float(eps or 0.0)),
         output_transposed=lay_v == "bnhd",
+        output_dtypes=output_dtypes,
         reason=reason,
         # the output's example value knows whether grad mode was on (parameters' alone do not)
         needs_grad=needs_grad(out),

@@ -103,7 +103,8 @@ class Match:
     reference_backward_faster: bool = False
     device: torch.device | None = None  # device of the inputs (from example values)
     # output index -> the op's dtype there, where the replaced code's output has another (an SSD computed in bf16
-    # throughout returns a bf16 final state, the op an fp32 one): the op's output is cast to the replaced dtype
+    # throughout returns a bf16 final state, the op an fp32 one; linear attention whose eager result is promoted to
+    # fp32 by an fp32 parameter under autocast): the op's output is cast to the replaced dtype
     output_dtypes: dict[int, torch.dtype] = dataclasses.field(default_factory=dict)
     # True: the op's (single) output is the replaced output with dims 1 and 2 swapped (heads-first where the replaced
     # code was tokens-first); its uses get the transposed view back
@@ -295,6 +296,12 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
                 call.meta["example_value"] = example(out).transpose(1, 2).contiguous()
             with graph.inserting_after(call):
                 result = graph.call_method("transpose", (call, 1, 2))
+            result.meta.update(_carried_meta(out))
+        if 0 in m.output_dtypes and isinstance(example(out), torch.Tensor):
+            for node in {call, result}:  # the op's output (and its transposed view) in the op's dtype
+                node.meta["example_value"] = node.meta["example_value"].to(m.output_dtypes[0])
+            with graph.inserting_after(result):
+                result = graph.call_method("to", (result, example(out).dtype))
             result.meta.update(_carried_meta(out))
         out.replace_all_uses_with(result)
         remap[out] = result
