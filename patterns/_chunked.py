@@ -39,11 +39,12 @@ def _permutation(node):
 
 
 def _splits(x5, x4, at: int) -> bool:
-    """x5 is x4 reshaped with dim `at` split in two (n, c), the other dims kept."""
+    """x5 and x4, one a reshape of the other, are the same values with x4's dim `at` split in two (n, c): the other
+    dims are kept, and a reshape that runs keeps the element count, so n·c is x4's size there (also where the sizes
+    are symbolic, n = N // c)."""
     s5, s4 = shape(x5), shape(x4)
     return s5 is not None and s4 is not None and len(s5) == 5 and len(s4) == 4 and \
-        all(eq(s5[i], s4[i]) for i in range(at)) and eq(s5[at] * s5[at + 1], s4[at]) and \
-        all(eq(s5[i + 1], s4[i]) for i in range(at + 1, 4))
+        all(eq(s5[i], s4[i]) for i in range(at)) and all(eq(s5[i + 1], s4[i]) for i in range(at + 1, 4))
 
 
 def _unchunk(xc, chunk):

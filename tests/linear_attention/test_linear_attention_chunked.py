@@ -146,6 +146,22 @@ def test_near_misses_are_not_replaced(near_miss):
     torch.testing.assert_close(out, fn(*inputs))
 
 
+def test_dynamic_lengths_with_a_literal_chunk():
+    """dynamic=True: the chunk count is N // c, symbolic; one graph, replaced, serves every length."""
+    import tk_inductor
+
+    def fn(q, k, v):
+        return heads_first(q, k, v, 0.25, 16)
+
+    tk_inductor.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="thunderkittens", options=OPTIONS, dynamic=True)
+    for n in (64, 96, 160):
+        q, k, v = _qkv(2, 3, n, 8)
+        torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=1e-4, atol=1e-5)
+    assert tk_inductor.report().replaced.get("linear_attention") == 1, tk_inductor.report()
+
+
 def test_chunks_merged_out_of_order_are_not_replaced():
     q, k, v = _qkv(2, 3, 64, 8)
     report, ops, out = run(lambda q, k, v: heads_first(q, k, v, in_order=False), q, k, v)
