@@ -125,6 +125,11 @@ def test_heads_first_chunked_is_replaced_and_equal(prefix, feature_map):
 
 @pytest.mark.skipif(einops is None, reason="needs einops")
 def test_fla_naive_chunk_linear_attn_is_replaced_and_equal():
+    from dynamo_tracing import einops_stays_one_op
+
+    if einops_stays_one_op():
+        pytest.skip("this torch's Dynamo keeps einops calls as single graph ops (torch 2.11 does); the matcher reads "
+                    "the torch ops they trace to")
     check_replaced_and_equal(fla_naive, _qkv(2, 64, 3, 8))
 
 

@@ -3,14 +3,13 @@ and the rewrite of Mamba-2 SSD spellings (HF Mamba2 torch path in its einsum and
 broadcast-multiply-sum form, mamba_ssm's ssd_minimal_discrete form) in reference mode on CPU."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import tk_inductor
+from dynamo_tracing import einops_stays_one_op
 from tolerance import summed
 from tk_inductor import config, rewrite
 from tk_inductor.ops import ssd as ops
@@ -320,7 +319,7 @@ def test_ssd_minimal_spellings_are_replaced_and_equal(spelling):
     if any(s.startswith("einops") for s in spelling):
         if einops is None:
             pytest.skip("einops is not installed")
-        if _einops_stays_one_op():
+        if einops_stays_one_op():
             pytest.skip("this torch's Dynamo keeps einops calls as single graph ops (torch 2.11 does); the matcher "
                         "reads the torch ops they trace to")
     _compile_and_compare(MinimalSSD(chunk=8, h0=True, spelling=spelling), _spelling_inputs(l=24, requires_grad=True))
@@ -338,21 +337,6 @@ def test_ssd_minimal_dynamic_lengths():
             torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-5)
     report = tk_inductor.report()
     assert report.replaced == {"ssd": 1} and len(report.graphs) == 1, report
-
-
-@functools.lru_cache(maxsize=None)
-def _einops_stays_one_op() -> bool:
-    """Whether Dynamo puts an einops call in the graph as one node instead of tracing it into reshape/permute."""
-    targets = []
-
-    def capture(gm, example_inputs):
-        targets.extend(getattr(n.target, "__module__", "") or "" for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(lambda x: einops.rearrange(x, "b (c l) ... -> b c l ...", l=2), backend=capture)(torch.zeros(2, 4, 3))
-    torch._dynamo.reset()
-    return any(t.startswith("einops") for t in targets)
 
 
 class MinimalSSDStateInput(nn.Module):
