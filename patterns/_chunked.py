@@ -10,7 +10,8 @@ unnormalised form. Read here: the sum of the two terms (`inter + intra`, either 
 both (python-scalar factors anywhere, their products equal), the causal mask on the chunk's (c, c) scores (proven as
 the quadratic form's), the exclusive prefix as `cat([zeros, cumsum(kv, n)[:, :, :-1]], n)` or `cumsum(kv, n) - kv`,
 each chunking a reshape of the token axis into (n, c) (heads-first, or tokens-first then permuted to heads-first,
-einops' `b (n c) h d -> b h n c d`), and the output merged back the same way. Anything else is not this form.
+einops' `b (n c) h d -> b h n c d` where Dynamo traces einops into these ops), and the output merged back the same
+way. Anything else is not this form.
 """
 from __future__ import annotations
 
