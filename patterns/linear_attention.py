@@ -185,7 +185,8 @@ def feature_map(node):
         x = _taylor(node)
         if x is not None:
             return "based", x, None
-    hh = _hedgehog(_unclamped(node)) if kind(_unclamped(node)) == "cat" else None
+    unclamped = _unclamped(node)
+    hh = _hedgehog(unclamped) if kind(unclamped) == "cat" else None
     if hh is not None:
         return "hedgehog", hh[0], hh[1]
     return "identity", node, None

@@ -28,6 +28,14 @@ std::optional<la::FeatureMap> plain_map(const std::string& feature_map) {
   return std::nullopt;
 }
 
+// Whether w is a Hedgehog weight for (B, H, N, dk) x: (H, dk, f) or (dk, f), with 2f features the kernels take.
+bool hedgehog_weight(const Tensor& w, const Tensor& x) {
+  const int64_t d = w.dim();
+  if (x.dim() != 4 || (d != 2 && !(d == 3 && w.size(0) == x.size(1))) || w.size(d - 2) != x.size(3)) return false;
+  const int64_t features = 2 * w.size(d - 1);
+  return features == la::PLAIN_DK[0] || features == la::PLAIN_DK[1];
+}
+
 // The checks both ops share; `op` names the raw op in the messages.
 void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const std::string& feature_map,
                   const OptTensor& q_weight, const OptTensor& k_weight) {
@@ -36,12 +44,9 @@ void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
                   "'elu1' and 'hedgehog', not '", feature_map, "'");
   if (hedgehog) {
     STD_TORCH_CHECK(present(q_weight) && present(k_weight), op, ": 'hedgehog' needs q_weight and k_weight");
-    const Tensor& w = *q_weight;
-    STD_TORCH_CHECK((w.dim() == 2 || (w.dim() == 3 && w.size(0) == q.size(1))) && binding::same_sizes(*k_weight, w) &&
-                        w.size(w.dim() - 2) == q.size(3) && (2 * w.size(w.dim() - 1) == la::PLAIN_DK[0] ||
-                                                             2 * w.size(w.dim() - 1) == la::PLAIN_DK[1]),
+    STD_TORCH_CHECK(hedgehog_weight(*q_weight, q) && binding::same_sizes(*k_weight, *q_weight),
                     op, ": q_weight and k_weight must both be (H, dk, f) or (dk, f) with f 32 or 64");
-    STD_TORCH_CHECK(binding::same_device(w, q) && binding::same_device(*k_weight, q), op,
+    STD_TORCH_CHECK(binding::same_device(*q_weight, q) && binding::same_device(*k_weight, q), op,
                     ": the weights must be on q's device");
   } else {
     STD_TORCH_CHECK(!present(q_weight) && !present(k_weight), op, ": '", feature_map, "' takes no weights");
@@ -162,11 +167,7 @@ la::HedgehogMapArgs map_args(const char* op, const Tensor& x, const Tensor& weig
   STD_TORCH_CHECK(x.dim() == 4 && x.scalar_type() == ScalarType::BFloat16 &&
                       (x.size(3) == la::PLAIN_DK[0] || x.size(3) == la::PLAIN_DK[1]),
                   op, ": x must be (B, H, N, dk) bfloat16 with dk 64 or 128");
-  STD_TORCH_CHECK((weight.dim() == 2 || (weight.dim() == 3 && weight.size(0) == x.size(1))) &&
-                      weight.size(weight.dim() - 2) == x.size(3) &&
-                      (2 * weight.size(weight.dim() - 1) == la::PLAIN_DK[0] ||
-                       2 * weight.size(weight.dim() - 1) == la::PLAIN_DK[1]),
-                  op, ": weight must be (H, dk, f) or (dk, f) with f 32 or 64");
+  STD_TORCH_CHECK(hedgehog_weight(weight, x), op, ": weight must be (H, dk, f) or (dk, f) with f 32 or 64");
   STD_TORCH_CHECK(x.size(2) <= 0x7fffffff && x.size(0) * x.size(1) <= 0x7fffffff, op, ": too large");
   la::HedgehogMapArgs a{};
   a.B = int(x.size(0)), a.H = int(x.size(1)), a.N = int(x.size(2)), a.dk = int(x.size(3));
