@@ -3,7 +3,8 @@
 masked spelling a Based model writes (what Inductor gets without our kernel), in one run. Then the plain feature map
 elu + 1 (normalised, dk 64 and 128) vs FLA's `chunk_linear_attn` and `fused_chunk_linear_attn` on the mapped q and
 k (the map in PyTorch, as FLA's LinearAttention layer applies it) and vs torch.compile of the quadratic form; and
-the Hedgehog paper's map (per-head W, 64 projections: 128 features; normalised, scale 1) likewise.
+the Hedgehog paper's map (per-head W, 64 projections: 128 features; normalised, scale 1) likewise. Then simple GLA
+(tk::simple_gla, the SSD kernels without A) vs FLA's `chunk_simple_gla` and torch.compile of its chunked reference.
 
 Shapes: 65536 tokens (B·N), H16, feature dim 16, dv 64 (the Based model's) at N 1024, 4096, 16384, plus dv 128
 at N 4096, and the Based model's own layer (B4 H16 N4096 dv64); bf16 (B, N, H, d) buffers (FLA's layout; ours
@@ -152,6 +153,59 @@ def run_plain(quick: bool = False, cases=None, fla_kernels=("chunk", "fused_chun
     return rows
 
 
+SIMPLE_GLA_CASES = ((8, 16, 4096, 128, 128), (2, 16, 16384, 128, 128), (16, 16, 4096, 64, 64))
+
+
+def run_simple_gla(quick: bool = False, cases=None, fla_kernels=("chunk", "parallel", "fused_chunk")) -> list[Row]:
+    """Simple GLA (cases (B, H, N, dk, dv); scale dk^-½, log decays logsigmoid(randn + 2) in fp32): forward, then
+    forward+backward, per case, against the FLA kernels named (`chunk_simple_gla`, `parallel_simple_gla`,
+    `fused_chunk_simple_gla`) and torch.compile of the chunked fp32 reference."""
+    from tk_inductor.ops import simple_gla as sg
+
+    try:
+        import fla.ops.simple_gla as fla_sg
+    except ImportError as exc:
+        fla, fla_missing = None, f"fla not installed ({exc.name})"
+    else:
+        fla = {f"fla {name}_simple_gla": getattr(fla_sg, f"{name}_simple_gla") for name in fla_kernels}
+    inductor_as_our_backend_runs_it()
+    compiled = torch.compile(sg.simple_gla_reference, dynamic=False)
+    rows: list[Row] = []
+    cases = cases or SIMPLE_GLA_CASES
+    for B, H, N, dk, dv in cases[:1] if quick else cases:
+        scale = dk**-0.5
+        for train in (False, True):
+            name = f"B{B} H{H} N{N} d{dk} dv{dv} simple_gla {'fwd+bwd' if train else 'fwd'}"
+            progress(name)
+            g = torch.Generator(device="cuda").manual_seed(0)
+            leaves = [torch.randn(B, N, H, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(train)
+                      for d in (dk, dk, dv)]
+            leaves.append(torch.nn.functional.logsigmoid(torch.randn(B, N, H, generator=g, device="cuda") + 2)
+                          .requires_grad_(train))
+            q, k, v, gate = leaves
+            want = [t.detach().float().requires_grad_(train) for t in leaves]
+            ref = sg.simple_gla_reference(*want, scale)[0]
+            impls = {"ours": lambda: torch.ops.tk.simple_gla(q, k, v, gate, scale)[0]}
+            for label, fn in (fla or {}).items():
+                impls[label] = lambda fn=fn: fn(q, k, v, g=gate, scale=scale)[0]
+            if not train:
+                impls["torch.compile"] = lambda: compiled(q, k, v, gate, scale)[0]
+            if train:
+                do = torch.randn(B, N, H, dv, device="cuda", dtype=torch.bfloat16)
+                ref.backward(do.float())
+                steps = {label: backward_step(fn, leaves, do, of=q) for label, fn in impls.items()}
+                rows += check_and_time("linear_attention", name, steps, want[0].grad, N, "Mtok/s",
+                                       lambda ms: B * N / ms / 1e3, tol=2e-2)
+            else:
+                rows += check_and_time("linear_attention", name, impls, ref.detach().float(), N, "Mtok/s",
+                                       lambda ms: B * N / ms / 1e3, tol=2e-2)
+            if fla is None:
+                rows.append(Row("linear_attention", name, "fla", None, note=fla_missing))
+            del leaves, q, k, v, gate, want, ref
+            torch.cuda.empty_cache()
+    return rows
+
+
 def hedgehog_layer(q, k, v, wq, wk, bq=None, bk=None):
     """A Hedgehog layer's attention as a research model writes it (heads-first, the masked quadratic form,
     normalised): the paper's map cat(softmax(x W), softmax(-x W)) with per-head W, or, given biases, FLA's and the
@@ -260,7 +314,8 @@ def run(quick: bool = False) -> list[Row]:
                                lambda ms: B * N / ms / 1e3, tol=2e-2)
         del leaves, q, k, v, want
         torch.cuda.empty_cache()
-    return rows + run_plain(quick) + run_plain(quick, feature_map="hedgehog") + run_public(quick)
+    return (rows + run_plain(quick) + run_plain(quick, feature_map="hedgehog") + run_simple_gla(quick)
+            + run_public(quick))
 
 
 def main(argv=None) -> int:

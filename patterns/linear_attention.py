@@ -13,6 +13,8 @@ scores are (B, H, N, M) either way):
   the chunks' φkᵀ v, merged back (FLA's naive_chunk_linear_attn; patterns/_chunked.py).
 - the Taylor kernel written on the scores, `1 + s + s²/2` with `s = (q·scale) kᵀ` (FLA's
   naive_parallel_based).
+- gated (simple GLA, -> `tk::simple_gla`): `((q kᵀ) ∘ D) v` with D the causal decay matrix exp(G_i − G_j) of a
+  per-token log decay (patterns/_gated.py).
 - optional normaliser: `o / (den + eps)` or `o * (1 / (den + eps))`, with `den` the row sum of the
   same masked scores or `φq · cumsum(φk)` of the same feature-mapped tensors (Based's spelling).
 Feature maps: Based `TaylorExp` (`cat([1, x/d^¼, flatten(x⊗x)/(√2·√d)])`, ones as `x[..., :1]**0`
@@ -43,6 +45,7 @@ from tk_inductor.rewrite import Match, Transpose, example
 from ._fx import (arg, close, dtype, eq, evaluate_constant, is_tensor, kind, needs_grad, rank, scalar, scaled, shape,
                   shapes_eq, strip)
 from ._chunked import chunked_form
+from ._gated import match as gated
 from ._index import LETTERS, Contraction, contraction, peel_to, unify
 from ._mask import triangle
 
@@ -436,6 +439,10 @@ def _heads_first(sizes, lay: str):
 
 
 def _match(node, cfg: config.Config) -> Match | None:
+    if kind(node) in ("matmul", "einsum"):
+        gla = gated(node, cfg, _causal, _scores, LAYOUTS, _lay)
+        if gla is not None:
+            return gla
     if kind(node) == "add":
         parts = chunked_form(node, _causal)
         if parts is None:

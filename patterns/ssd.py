@@ -29,18 +29,9 @@ from tk_inductor.rewrite import Match, Squeeze, example
 from ._fx import (arg, dtype, eq, is_tensor, is_zeros, kind, needs_grad, rank, scalar, shape,
                   shapes_eq, static_int, strip, through_upcasts)
 from ._index import contraction, full_index, indexes, peel_to, unify
-from ._mask import triangle
+from ._decay import NoMatch as _NoMatch, need as _need, segsum_input as _segsum_input
 
 FAMILY = "ssd"
-
-
-class _NoMatch(Exception):
-    pass
-
-
-def _need(cond, why: str):
-    if not cond:
-        raise _NoMatch(why)
 
 
 def _last_keepdim(node, src) -> bool:
@@ -70,42 +61,6 @@ def _single_user(node):
 
 
 # ---------------------------------------------------------------------------- pieces
-
-def _segsum_input(node):
-    """exp(segsum(a)) -> a (the (..., T) tensor), in either spelling of segsum: the masked cumsum of a[..., None]
-    expanded over T columns (HF, mamba_ssm), or the difference of a's cumsum with itself, cs[..., :, None] -
-    cs[..., None, :] (the Mamba-2 blog's first listing); both masked to -inf above the diagonal."""
-    node = strip(node)
-    _need(kind(node) == "exp", "decay is not exp(segsum)")
-    fill2 = strip(node.args[0])
-    _need(kind(fill2) == "masked_fill" and scalar(arg(fill2, 2, "value")) == float("-inf"), "segsum: no -inf mask")
-    inner = strip(fill2.args[0])
-    rank = len(shape(inner) or ())
-    _need(rank >= 2, "segsum: rank")
-    T = shape(inner)[-1]
-    _need(triangle(fill2.args[1], (T, T), 0, negated=True), "segsum: masks not triangular")
-    letters = "abcdefgh"[:rank - 1]
-    if kind(inner) == "sub":  # cs[..., :, None] - cs[..., None, :], cs = cumsum(a, -1)
-        rows = peel_to(inner.args[0], letters + "z", letters)
-        cols = peel_to(inner.args[1], letters[:-1] + "z" + letters[-1], letters)
-        _need(rows is not None and strip(rows) is strip(cols), "segsum: not cs[..., :, None] - cs[..., None, :]")
-        cs = strip(rows)
-        _need(kind(cs) == "cumsum" and arg(cs, 1, "dim") % (rank - 1) == rank - 2 and eq(shape(cs)[-1], T),
-              "segsum: no cumsum")
-        return strip(cs.args[0])
-    cs = inner
-    _need(kind(cs) == "cumsum" and arg(cs, 1, "dim") is not None, "segsum: no cumsum")
-    fill1 = strip(cs.args[0])
-    _need(kind(fill1) == "masked_fill" and scalar(arg(fill1, 2, "value")) == 0.0, "segsum: no zero mask")
-    expanded = strip(fill1.args[0])
-    _need(kind(expanded) == "expand", "segsum: input not expanded")
-    _need(arg(cs, 1, "dim") % rank == rank - 2, "segsum: cumsum over the wrong dim")
-    src = peel_to(expanded.args[0], letters + "z", letters)
-    _need(src is not None and eq(shape(src)[-1], T) and shapes_eq(shape(expanded)[:-1], shape(src)),
-          "segsum: not a[..., None].expand(..., T)")
-    _need(triangle(fill1.args[1], (T, T), -1, negated=True), "segsum: masks not triangular")
-    return strip(src)
-
 
 def _padded_seq(node, pad_right: int, dim: int = 1):
     """F.pad(t, ...) padding only dim `dim` at its end with zeros, by `pad_right` -> t (or node if no pad)."""

@@ -68,7 +68,7 @@ class Cast(Derived):
 @dataclasses.dataclass(frozen=True)
 class Transpose(Derived):
     """`node.transpose(1, 2)`: a tensor the replaced code used tokens-first, (B, N, H, d), that the op takes
-    heads-first (a strided view the kernels read in place)."""
+    heads-first, or the reverse (a strided view the kernels read in place, or the binding copies)."""
 
     node: fx.Node
 
@@ -106,8 +106,8 @@ class Match:
     # throughout returns a bf16 final state, the op an fp32 one; linear attention whose eager result is promoted to
     # fp32 by an fp32 parameter under autocast): the op's output is cast to the replaced dtype
     output_dtypes: dict[int, torch.dtype] = dataclasses.field(default_factory=dict)
-    # True: the op's (single) output is the replaced output with dims 1 and 2 swapped (heads-first where the replaced
-    # code was tokens-first); its uses get the transposed view back
+    # True: the op's (first) output is the replaced output with dims 1 and 2 swapped (heads-first where the replaced
+    # code was tokens-first, or the reverse); its uses get the transposed view back
     output_transposed: bool = False
 
 
@@ -307,8 +307,11 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
         remap[out] = result
         return present
     examples = [example(o) if o is not None else None for o in m.outputs]
-    ops = [e.to(m.output_dtypes[i]) if i in m.output_dtypes and isinstance(e, torch.Tensor) else e
-           for i, e in enumerate(examples)]
+    ops = []  # the op's outputs: the first in the op's layout where it is transposed back, each in the op's dtype
+    for i, e in enumerate(examples):
+        if isinstance(e, torch.Tensor) and i == 0 and m.output_transposed:
+            e = e.transpose(1, 2).contiguous()
+        ops.append(e.to(m.output_dtypes[i]) if i in m.output_dtypes and isinstance(e, torch.Tensor) else e)
     if all(e is not None for e in examples):
         call.meta["example_value"] = tuple(ops)
     anchor = call
@@ -319,10 +322,17 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
             item = graph.call_function(operator.getitem, (call, i))
         item.meta.update(_carried_meta(out))
         anchor = item
-        if i in m.output_dtypes:
+        if isinstance(ops[i], torch.Tensor):
             item.meta["example_value"] = ops[i]
-            with graph.inserting_after(item):
-                anchor = graph.call_method("to", (item, example(out).dtype))
+        if i == 0 and m.output_transposed:
+            with graph.inserting_after(anchor):
+                anchor = graph.call_method("transpose", (item, 1, 2))
+            anchor.meta.update(_carried_meta(out))
+            if isinstance(ops[i], torch.Tensor):
+                anchor.meta["example_value"] = ops[i].transpose(1, 2)
+        if i in m.output_dtypes:
+            with graph.inserting_after(anchor):
+                anchor = graph.call_method("to", (anchor, example(out).dtype))
             anchor.meta.update(_carried_meta(out))
         out.replace_all_uses_with(anchor)
         remap[out] = anchor

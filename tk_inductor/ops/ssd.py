@@ -90,6 +90,48 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return seg.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=a.device).tril(), float("-inf"))
 
 
+def chunked_scan(X, a, B, C, h0=None, chunk_size: int = 64):
+    """The chunked scan behind the SSD and simple GLA, in X's dtype: per batch and head,
+    h_t = exp(a_t) h_{t-1} + X_t B_tᵀ and y_t = h_t C_t, from h_0 (zero when None). X (b, l, nh, p), a (b, l, nh),
+    B and C (b, l, nh, n), h0 (b, nh, p, n); returns y (b, l, nh, p) and h_l (b, nh, p, n). Differentiable (the
+    references' backward is its autograd)."""
+    b, l, nh, p = X.shape
+    n = B.shape[-1]
+    # The result does not depend on the chunk length: a chunk longer than the sequence only pads it, and the decay
+    # matrices grow with its square.
+    chunk_size = max(1, min(chunk_size, l))
+    pad = (-l) % chunk_size  # zero padding at the end: no decay, no input, so h_l is unchanged
+    nc = (l + pad) // chunk_size
+
+    def chunks(t):
+        t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(b, nc, chunk_size, *t.shape[2:])
+
+    Xc = chunks(X)  # (b, c, l, h, p)
+    a = chunks(a).permute(0, 3, 1, 2)  # (b, h, c, l)
+    Bc, Cc = chunks(B), chunks(C)  # (b, c, l, h, n)
+    a_cum = a.cumsum(dim=-1)
+
+    # 1. within each chunk: y = (C Bᵀ ∘ decay) X
+    decay = torch.exp(_segsum(a))  # (b, h, c, l, s)
+    y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, decay, Xc)
+    # 2. each chunk's own contribution to the state at its end
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # (b, h, c, l)
+    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, to_end, Xc)
+    # 3. inter-chunk recurrence, batched over chunks (no loop: the backward runs this as its autograd): the state
+    #    at the start of chunk z is Σ_{c<z} (the decay from chunk c's end to z's start) · chunk c's contribution,
+    #    with the initial state as a contribution "before chunk 0"
+    h0 = X.new_zeros(b, nh, p, n) if h0 is None else h0
+    contributions = torch.cat([h0.unsqueeze(1), chunk_states], dim=1)  # (b, c + 1, h, p, n)
+    chunk_log_decay = torch.nn.functional.pad(a_cum[..., -1], (1, 0))  # (b, h, c + 1): nothing before chunk 0
+    between = torch.exp(_segsum(chunk_log_decay))  # (b, h, z, c): contribution c's decay up to chunk z's start
+    states = torch.einsum("bhzc,bchpn->bzhpn", between, contributions)  # state at the start of each chunk, + final
+    starts, state = states[:, :-1], states[:, -1]
+    # 4. the state at each chunk start, decayed to each position and read out through C
+    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, starts, torch.exp(a_cum))
+    return y.reshape(b, nc * chunk_size, nh, p)[:, :l], state
+
+
 def ssd_reference(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     """Chunked SSD in fp32 (differentiable; the backward reference is its autograd)."""
     b, l, nh, p = x.shape
@@ -104,39 +146,8 @@ def ssd_reference(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 
     reads = ~Ch.isfinite().all(-1)  # (b, l, nh)
     x32, dt32 = x32.masked_fill(feeds[..., None], 0.0), dt32.masked_fill(feeds, 0.0)
     Bh, Ch = Bh.masked_fill(feeds[..., None], 0.0), Ch.masked_fill(reads[..., None], 0.0)
-    # The result does not depend on the chunk length: a chunk longer than the sequence only pads it, and the decay
-    # matrices grow with its square.
-    chunk_size = max(1, min(chunk_size, l))
-    pad = (-l) % chunk_size  # zero padding at the end: no decay, no input, so h_l is unchanged
-    nc = (l + pad) // chunk_size
-
-    def chunks(t):
-        t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return t.reshape(b, nc, chunk_size, *t.shape[2:])
-
-    X = chunks(x32 * dt32.unsqueeze(-1))  # (b, c, l, h, p)
-    a = chunks(dt32 * A.to(acc)).permute(0, 3, 1, 2)  # (b, h, c, l)
-    Bc, Cc = chunks(Bh), chunks(Ch)  # (b, c, l, h, n)
-    a_cum = a.cumsum(dim=-1)
-
-    # 1. within each chunk: y = (C Bᵀ ∘ decay) X
-    decay = torch.exp(_segsum(a))  # (b, h, c, l, s)
-    y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, decay, X)
-    # 2. each chunk's own contribution to the state at its end
-    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # (b, h, c, l)
-    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, to_end, X)
-    # 3. inter-chunk recurrence, batched over chunks (no loop: the backward runs this as its autograd): the state
-    #    at the start of chunk z is Σ_{c<z} (the decay from chunk c's end to z's start) · chunk c's contribution,
-    #    with the initial state as a contribution "before chunk 0"
-    h0 = x32.new_zeros(b, nh, p, n) if initial_state is None else initial_state.to(acc)
-    contributions = torch.cat([h0.unsqueeze(1), chunk_states], dim=1)  # (b, c + 1, h, p, n)
-    chunk_log_decay = torch.nn.functional.pad(a_cum[..., -1], (1, 0))  # (b, h, c + 1): nothing before chunk 0
-    between = torch.exp(_segsum(chunk_log_decay))  # (b, h, z, c): contribution c's decay up to chunk z's start
-    states = torch.einsum("bhzc,bchpn->bzhpn", between, contributions)  # state at the start of each chunk, + final
-    starts, state = states[:, :-1], states[:, -1]
-    # 4. the state at each chunk start, decayed to each position and read out through C
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, starts, torch.exp(a_cum))
-    y = y.reshape(b, nc * chunk_size, nh, p)[:, :l]
+    h0 = None if initial_state is None else initial_state.to(acc)
+    y, state = chunked_scan(x32 * dt32.unsqueeze(-1), dt32 * A.to(acc), Bh, Ch, h0, chunk_size)
     if D is not None:
         y = y + D.to(acc)[:, None] * x32
     y = y + _dispatch.nan_from(feeds, reads, 1, acc)[..., None]

@@ -17,9 +17,10 @@ template <int NS, class OutT>
 struct FwdGlobals {
   Stream<NS> in;
   tma_map<st<OutT, CHUNK, PT>> y;
-  const float* A;
+  const float* A;   // or nullptr: simple GLA
   const float* D;   // or nullptr
   const float* h0;  // or nullptr
+  float y_scale;
   float* h_final;
   Segments seg;  // a split sequence's segment states (Shape::segments > 1)
 };
@@ -40,10 +41,12 @@ struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
 
   __device__ static void compute(state& s, input_block& in, scratch_block& sc, const globals& g, const lcsf::task& t,
                                  int it) {
-    const int wg = lcsf::consumer_id(), h = head_of(g.in.shape, t, wg), bar = 1 + wg;
+    const int wg = lcsf::consumer_id(), bar = 1 + wg;
+    const Slot sl = slot_of(g.in.shape, t, wg);
+    const int h = sl.h;
     if (h < 0) return;
     if (it == 0) {
-      enter_state<NS, false>(s.h, g.h0, g.seg, g.in.shape, t, h);
+      enter_state<NS, false>(s.h, g.h0, g.seg, g.in.shape, t, sl);
       publish_state(sc.h[wg], s.h, bar);
     }
     const x_tile& x = in.x[wg];
@@ -54,7 +57,7 @@ struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
     warpgroup::mm_ABt(y, in.c, sc.h[wg]);
 
     // while those run: the decays, and the state update's A operand
-    const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    const Decays d = chunk_decays(in.dt[wg], g.A, h);
     Table& tb = sc.table[wg][warpid_in_group()];
     fill_update(tb, d);
     const int row0 = BASE * warpid_in_group(), t0 = row0 + (laneid() >> 2);  // rows t0 and t0 + 8
@@ -71,6 +74,7 @@ struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
     warpgroup::mma_AB(y, w, x);
     warpgroup::mma_AB(s.h, xw, in.b);
     warpgroup::mma_async_wait<0>(y, s.h, w, xw);
+    if (g.y_scale != 1.f) mul(y, y, g.y_scale);
 
     if (g.D) {
       const float Dh = g.D[h];
@@ -89,15 +93,15 @@ struct ssd_fwd : Scan<NS, false, false, 3, FwdGlobals<NS, OutT>> {
     }
     publish_state(sc.h[wg], s.h, bar);  // (its fence and barrier also order the staging tile before the store)
     if (leader) {
-      tma::store_async(g.y, sc.y[wg], {t.coord[0], 0, ssd_fwd::chunk_of(g, t, it), h * g.in.shape.ptiles + t.coord[3]});
+      tma::store_async(g.y, sc.y[wg], {t.coord[0], 0, ssd_fwd::chunk_of(g, t, it), sl.tile});
       tma::store_commit();
     }
   }
 
   __device__ static void store(state& s, scratch_block&, const globals& g, const lcsf::task& t) {
-    const int h = head_of(g.in.shape, t, lcsf::consumer_id());
-    if (h >= 0 && t.coord[4] == g.in.shape.segments - 1)  // the sequence's last segment: the final state
-      write_state<NS>(g.h_final, s.h, state_base<NS>(g.in.shape, t, h));
+    const Slot sl = slot_of(g.in.shape, t, lcsf::consumer_id());
+    if (sl.h >= 0 && t.coord[3] == g.in.shape.segments - 1)  // the sequence's last segment: the final state
+      write_state<NS>(g.h_final, s.h, state_base<NS>(g.in.shape, t, sl));
   }
 
   __device__ static void finish(scratch_block&, const globals&) {
@@ -113,7 +117,7 @@ const char* run(const Args& a, cudaStream_t stream) {
   if (sh.segments != (sh.chunks + sh.seg_chunks - 1) / sh.seg_chunks) return "segments must split the chunks evenly";
   if (const char* e = make_stream(g.in, a.x, nullptr, a.B, a.C, a.dt, sh)) return e;
   if (const char* e = make_tma_map(g.y, gl<OutT>(static_cast<OutT*>(a.y), a.b, 1, a.l, a.nh * a.p))) return e;
-  g.A = a.A, g.D = a.D, g.h0 = a.h0, g.h_final = a.h_final, g.seg = {a.seg_states, a.seg_decay};
+  g.A = a.A, g.D = a.D, g.h0 = a.h0, g.y_scale = a.y_scale, g.h_final = a.h_final, g.seg = {a.seg_states, a.seg_decay};
   if (tasks_of(sh) > 0x7fffffff) return "too many (batch, head, head-dim tile, segment) tasks";
   cudaError_t e = cudaSuccess;
   if (sh.segments > 1) e = launch_segment_states<NS, false>(g.in, a.A, g.seg, stream);

@@ -1,7 +1,8 @@
 // What the SSD forward (ssd.cu) and backward (ssd_backward.cu) share. All three kernels are chunked scans on the
 // LCSF template (tk/lcsf.cuh) with the same tasks and inputs:
-//  - a task is (batch, group, HEADS of the group's heads, 64 head dims); consumer warpgroup w scans head
-//    HEADS·set + w of the group (none in a group's short last set), one 64-token chunk per iteration;
+//  - a group's slots are its (head, 64-head-dim tile) pairs, head-major; a task is (batch, group, HEADS of the group's
+//    slots), consumer warpgroup w scanning slot HEADS·set + w (none in a group's short last set), one 64-token chunk
+//    per iteration. With one head per group (simple GLA) the slots are that head's head-dim tiles;
 //  - the producer streams each chunk's B and C once for the task's heads (they share the group) and each head's
 //    x, dt (and for the backward dy) by TMA; tokens past l read as zeros and dt is zero-padded to whole chunks (no
 //    decay, no input);
@@ -31,16 +32,16 @@ template <int NS> using state_tile = st<bf16, PT, NS>;  // a state's bf16 copy (
 template <int NS> using state_acc = rt_fl<BASE, NS>;    // a warp's 16 head dims of a state
 
 struct Shape {
-  int batch, nh, ng, p, l, l_pad, chunks, head_sets, ptiles;
+  int batch, nh, ng, p, l, l_pad, chunks, slot_sets, ptiles;  // slot_sets: tasks per group and segment
   int segments, seg_chunks;  // segments per sequence (1: no split), chunks per segment (the last may have fewer)
 };
 inline Shape shape_of(int b, int l, int l_pad, int nh, int ng, int p, int heads, int segments = 1) {
   const int chunks = (l + CHUNK - 1) / CHUNK, seg_chunks = (chunks + segments - 1) / segments;
-  return {b, nh, ng, p, l, l_pad, chunks, (nh / ng + heads - 1) / heads, p / PT, segments, seg_chunks};
+  return {b, nh, ng, p, l, l_pad, chunks, (nh / ng * (p / PT) + heads - 1) / heads, p / PT, segments, seg_chunks};
 }
 // Tasks of a scan over `segments` segments of each sequence.
 inline long long tasks_of(const Shape& s, int segments) {
-  return (long long)s.batch * s.ng * s.head_sets * s.ptiles * segments;
+  return (long long)s.batch * s.ng * s.slot_sets * segments;
 }
 inline long long tasks_of(const Shape& s) { return tasks_of(s, s.segments); }
 
@@ -100,21 +101,27 @@ struct Chunk : DyTiles<DY> {
   float dt[HEADS][CHUNK];
 };
 
-// task id -> (batch, group, set of HEADS heads in the group, head-dim tile, segment) for a scan over `segments`
-// segments from segment `first` on; the segment's chunks are its iterations.
+// task id -> (batch, group, set of HEADS slots in the group, segment) for a scan over `segments` segments from
+// segment `first` on; the segment's chunks are its iterations.
 __device__ __forceinline__ bool setup_task(lcsf::task& t, const Shape& s, int segments, int first) {
-  const int per_group = s.head_sets * s.ptiles, per_batch = s.ng * per_group, per_segment = s.batch * per_batch;
+  const int per_batch = s.ng * s.slot_sets, per_segment = s.batch * per_batch;
   if (t.id >= per_segment * segments) return false;
   const int r = t.id % per_segment % per_batch;
-  t.coord[0] = t.id % per_segment / per_batch, t.coord[1] = r / per_group, t.coord[2] = r % per_group / s.ptiles;
-  t.coord[3] = r % s.ptiles, t.coord[4] = first + t.id / per_segment;
-  t.iters = min(s.seg_chunks, s.chunks - t.coord[4] * s.seg_chunks);
+  t.coord[0] = t.id % per_segment / per_batch, t.coord[1] = r / s.slot_sets, t.coord[2] = r % s.slot_sets;
+  t.coord[3] = first + t.id / per_segment;
+  t.iters = min(s.seg_chunks, s.chunks - t.coord[3] * s.seg_chunks);
   return true;
 }
-// Consumer w's head in task t, or -1 (the group's last set may be short).
-__device__ __forceinline__ int head_of(const Shape& s, const lcsf::task& t, int w) {
+// Consumer w's slot in task t: its head (-1: none, the group's last set may be short), the head's 64-head-dim tile,
+// and that tile's column tile in the (b, l, nh·p) views of x, dy and y.
+struct Slot {
+  int h, pt, tile;
+};
+__device__ __forceinline__ Slot slot_of(const Shape& s, const lcsf::task& t, int w) {
   const int per_group = s.nh / s.ng, j = HEADS * t.coord[2] + w;
-  return j < per_group ? t.coord[1] * per_group + j : -1;
+  if (j >= per_group * s.ptiles) return {-1, 0, 0};
+  const int tile = t.coord[1] * per_group * s.ptiles + j;
+  return {tile / s.ptiles, tile % s.ptiles, tile};
 }
 
 // Which of a chunk's tiles a kernel reads (dt always).
@@ -127,7 +134,7 @@ __device__ __forceinline__ void load_chunk(Chunk<NS, DY>& in, semaphore& arrived
   static_assert(DY || !(LOADS & LOAD_DY), "dy needs a stage with a dy tile");
   int heads = 0;
 #pragma unroll
-  for (int w = 0; w < HEADS; ++w) heads += head_of(g.shape, t, w) >= 0;
+  for (int w = 0; w < HEADS; ++w) heads += slot_of(g.shape, t, w).h >= 0;
   constexpr int shared = (LOADS & LOAD_B ? 1 : 0) + (LOADS & LOAD_C ? 1 : 0);
   constexpr int per_head = (LOADS & LOAD_X ? 1 : 0) + (LOADS & LOAD_DY ? 1 : 0);
   expect_bytes(arrived, shared * bc_tile<NS>::bytes + heads * (per_head * x_tile::bytes + CHUNK * int(sizeof(float))));
@@ -136,12 +143,12 @@ __device__ __forceinline__ void load_chunk(Chunk<NS, DY>& in, semaphore& arrived
   if constexpr (LOADS & LOAD_C) tma::load_async(in.c, g.c, arrived, {b, 0, chunk, t.coord[1]});
 #pragma unroll
   for (int w = 0; w < HEADS; ++w) {
-    const int h = head_of(g.shape, t, w);
-    if (h < 0) continue;
-    const coord at{b, 0, chunk, h * g.shape.ptiles + t.coord[3]};
+    const Slot sl = slot_of(g.shape, t, w);
+    if (sl.h < 0) continue;
+    const coord at{b, 0, chunk, sl.tile};
     if constexpr (LOADS & LOAD_X) tma::load_async(in.x[w], g.x, arrived, at);
     if constexpr (LOADS & LOAD_DY) tma::load_async(in.dy[w], g.dy, arrived, at);
-    tma::load_bytes_async(in.dt[w], g.dt + (int64_t(b) * g.shape.nh + h) * g.shape.l_pad + chunk * CHUNK,
+    tma::load_bytes_async(in.dt[w], g.dt + (int64_t(b) * g.shape.nh + sl.h) * g.shape.l_pad + chunk * CHUNK,
                           CHUNK * sizeof(float), arrived);
   }
 }
@@ -160,7 +167,7 @@ struct Scan {
   using input_block = Chunk<NS, DY>;
   // the chunk that iteration it of task t works on
   __device__ static int chunk_of(const G& g, const lcsf::task& t, int it) {
-    const int first = t.coord[4] * g.in.shape.seg_chunks;
+    const int first = t.coord[3] * g.in.shape.seg_chunks;
     return REVERSE ? first + t.iters - 1 - it : first + it;
   }
   __device__ static bool setup(lcsf::task& t, const G& g) {
@@ -173,17 +180,21 @@ struct Scan {
 };
 
 // Λ inside a chunk (the inclusive cumulative sum of a = dt·A), two tokens per lane: lane holds tokens 2·lane and
-// 2·lane + 1 (Λ in l0, l1; dt in dt0, dt1); every lane holds Λ_end. Every warp computes it (a shuffle scan).
+// 2·lane + 1 (Λ in l0, l1; the inputs' scale dt in dt0, dt1); every lane holds Λ_end. Every warp computes it (a
+// shuffle scan).
 struct Decays {
   float dt0, dt1, l0, l1, l_end;
 };
 
-// From the chunk's 64 dt values in shared memory and the head's A.
-__device__ __forceinline__ Decays chunk_decays(const float* dt, float Ah) {
+// From the chunk's 64 dt values in shared memory and head h's A. Without A (simple GLA, ssd.h) dt is the log decay
+// a itself and the inputs' scale is 1.
+__device__ __forceinline__ Decays chunk_decays(const float* dt, const float* A, int h) {
   const int lane = laneid();
+  const float Ah = A ? A[h] : 1.f;
   Decays d;
   d.dt0 = dt[2 * lane], d.dt1 = dt[2 * lane + 1];
   const float a0 = d.dt0 * Ah, a1 = d.dt1 * Ah;
+  if (!A) d.dt0 = d.dt1 = 1.f;
   float run = a0 + a1;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
@@ -263,10 +274,10 @@ __device__ __forceinline__ row_factors rows(float r, float r8) {
   return v;
 }
 
-// (b, h, p0 + 16·warp, 0) of a (b, nh, p, n) state tensor: where this warp's rows of task t's state start.
+// (b, h, p0 + 16·warp, 0) of a (b, nh, p, n) state tensor: where this warp's rows of slot sl's state start.
 template <int NS>
-__device__ __forceinline__ int64_t state_base(const Shape& s, const lcsf::task& t, int h) {
-  return ((int64_t(t.coord[0]) * s.nh + h) * s.p + t.coord[3] * PT + BASE * warpid_in_group()) * NS;
+__device__ __forceinline__ int64_t state_base(const Shape& s, const lcsf::task& t, const Slot& sl) {
+  return ((int64_t(t.coord[0]) * s.nh + sl.h) * s.p + sl.pt * PT + BASE * warpid_in_group()) * NS;
 }
 // Calls f(register pair, its element offset from the rows' start) for each of a warp's state registers, as the rows
 // lie in a (…, p, n) fp32 tensor.
@@ -302,23 +313,23 @@ struct Segments {
   float* states;
   float* decay;
 };
-// (b, h, segment j, p0 + 16·warp, 0) of the segment states: where this warp's rows of task t's head h start.
+// (b, h, segment j, p0 + 16·warp, 0) of the segment states: where this warp's rows of slot sl start.
 template <int NS>
-__device__ __forceinline__ int64_t segment_base(const Shape& s, const lcsf::task& t, int h, int j) {
-  return (((int64_t(t.coord[0]) * s.nh + h) * s.segments + j) * s.p + t.coord[3] * PT + BASE * warpid_in_group()) * NS;
+__device__ __forceinline__ int64_t segment_base(const Shape& s, const lcsf::task& t, const Slot& sl, int j) {
+  return (((int64_t(t.coord[0]) * s.nh + sl.h) * s.segments + j) * s.p + sl.pt * PT + BASE * warpid_in_group()) * NS;
 }
 // The state entering task t's segment (REVERSE: the scan runs last segment first): the scan's initial state `init`
 // ((b, nh, p, n) fp32 or null: zero) carried across the segments the scan passes before it, S ← exp(decay_j) S +
 // state_j, from the first on.
 template <int NS, bool REVERSE>
 __device__ __forceinline__ void enter_state(state_acc<NS>& S, const float* init, const Segments& seg, const Shape& s,
-                                            const lcsf::task& t, int h) {
-  read_state<NS>(S, init, state_base<NS>(s, t, h));
-  const int k = t.coord[4], before = REVERSE ? s.segments - 1 - k : k;
+                                            const lcsf::task& t, const Slot& sl) {
+  read_state<NS>(S, init, state_base<NS>(s, t, sl));
+  const int k = t.coord[3], before = REVERSE ? s.segments - 1 - k : k;
   for (int i = 0; i < before; ++i) {
     const int j = REVERSE ? s.segments - 1 - i : i;
-    mul(S, S, __expf(seg.decay[(int64_t(t.coord[0]) * s.nh + h) * s.segments + j]));
-    add_state<NS>(S, seg.states, segment_base<NS>(s, t, h, j));
+    mul(S, S, __expf(seg.decay[(int64_t(t.coord[0]) * s.nh + sl.h) * s.segments + j]));
+    add_state<NS>(S, seg.states, segment_base<NS>(s, t, sl, j));
   }
 }
 
@@ -359,10 +370,10 @@ struct ssd_segment_states : Scan<NS, REVERSE, REVERSE, 3, SegmentGlobals<NS>, tr
 
   __device__ static void compute(state& s, input_block& in, scratch_block& sc, const globals& g, const lcsf::task& t,
                                  int it) {
-    const int wg = lcsf::consumer_id(), h = head_of(g.in.shape, t, wg);
+    const int wg = lcsf::consumer_id(), h = slot_of(g.in.shape, t, wg).h;
     if (h < 0) return;
     if (it == 0) zero(s.h), s.decay = 0.f;
-    const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    const Decays d = chunk_decays(in.dt[wg], g.A, h);
     Table& tb = sc.table[wg][warpid_in_group()];
     if constexpr (REVERSE) fill_reverse(tb, d);
     else fill_update(tb, d);
@@ -377,11 +388,11 @@ struct ssd_segment_states : Scan<NS, REVERSE, REVERSE, 3, SegmentGlobals<NS>, tr
 
   __device__ static void store(state& s, scratch_block&, const globals& g, const lcsf::task& t) {
     const Shape& sh = g.in.shape;
-    const int h = head_of(sh, t, lcsf::consumer_id());
-    if (h < 0) return;
-    write_state<NS>(g.seg.states, s.h, segment_base<NS>(sh, t, h, t.coord[4]));
-    if (t.coord[3] == 0 && threadIdx.x % WARPGROUP_THREADS == 0)
-      g.seg.decay[(int64_t(t.coord[0]) * sh.nh + h) * sh.segments + t.coord[4]] = s.decay;
+    const Slot sl = slot_of(sh, t, lcsf::consumer_id());
+    if (sl.h < 0) return;
+    write_state<NS>(g.seg.states, s.h, segment_base<NS>(sh, t, sl, t.coord[3]));
+    if (sl.pt == 0 && threadIdx.x % WARPGROUP_THREADS == 0)
+      g.seg.decay[(int64_t(t.coord[0]) * sh.nh + sl.h) * sh.segments + t.coord[3]] = s.decay;
   }
 };
 

@@ -1,5 +1,7 @@
 // Launch interface of the ssd family (torch-free; the binding includes it). Mamba-2 SSD forward, per batch and
-// head (tk_inductor/ops/ssd.py has the semantics):  h_t = exp(dt_t·A) h_{t-1} + dt_t · x_t B_tᵀ,  y_t = h_t C_t + D x_t.
+// head (tk_inductor/ops/ssd.py has the semantics):  h_t = exp(dt_t·A) h_{t-1} + dt_t · x_t B_tᵀ,  y_t = s·h_t C_t + D x_t
+// (s = y_scale, 1 for the SSD). Without A the same kernels compute simple GLA (tk_inductor/ops/simple_gla.py): dt is
+// then the log decay itself and x enters unscaled, h_t = exp(dt_t) h_{t-1} + x_t B_tᵀ (q = C, k = B, v = x, g = dt).
 // The binding hands the forward one layout: x (b, l, nh, p) bf16, dt as (b, nh, l_pad) fp32 (the sequence innermost,
 // zero past l, l_pad a multiple of 64), A (nh) fp32, B and C (b, l, ng, n) bf16, D (nh) fp32 or null, initial state
 // (b, nh, p, n) fp32 or null, all contiguous; it writes y (b, l, nh, p) in bf16 (y_bf16) or fp32 and the final
@@ -15,13 +17,14 @@ constexpr int P_TILE = 64;  // p must be a multiple (the forward's tasks take 64
 struct Args {
   const void* x;
   const float* dt;  // (b, nh, l_pad)
-  const float* A;
+  const float* A;   // or nullptr: simple GLA
   const void* B;
   const void* C;
   const float* D;   // or nullptr
   const float* h0;  // or nullptr
   void* y;
   bool y_bf16;
+  float y_scale;  // s above
   float* h_final;
   int b, l, l_pad, nh, ng, p, n;
   // Sequences split into `segments` segments of chunks (scan_segments; 1: none) need fp32 scratch for each
@@ -43,14 +46,14 @@ int scan_segments(int b, int l, int nh, int ng, int p);
 
 // Backward (ssd_backward.cu): from dy (b, l, nh, p) bf16 and dh (b, nh, p, n) fp32 (the final state's gradient, or
 // null): dx = dt·dX + D·dy (X = dt·x; (b, l, nh, p) bf16), the gradients of B and C ((b, l, ng, n) fp32), the per-token
-// sums dlam = C·dC_h − B·dB_h and xdX = Σ_p x·dX ((b, l, nh) fp32), dD = Σ x·dy ((nh) fp32, or null) and the initial
-// state's gradient (dh0: (b, nh, p, n) fp32). Every output but dx and dh0 is zeroed by the caller: heads and head-dim
+// sums dlam = C·dC_h − B·dB_h and xdX = Σ_p x·dX ((b, l, nh) fp32, or null), dD = Σ x·dy ((nh) fp32, or null) and the
+// initial state's gradient (dh0: (b, nh, p, n) fp32). The forward's y_scale is not applied: scale dy by it first. Every output but dx and dh0 is zeroed by the caller: heads and head-dim
 // tiles add into them. Inputs as the forward's.
 struct BwdArgs {
   const void* x;
   const void* dy;
   const float* dt;  // (b, nh, l_pad)
-  const float* A;
+  const float* A;   // or nullptr: simple GLA
   const void* B;
   const void* C;
   const float* h0;  // or nullptr
@@ -60,7 +63,7 @@ struct BwdArgs {
   float* dB;
   float* dC;
   float* dlam;
-  float* xdX;
+  float* xdX;  // or nullptr
   float* dD;  // or nullptr
   float* dh0;
   void* chunk_states;  // bf16 scratch of b·nh·p·chunks·n (16-byte aligned): each chunk's end state, from kernel A

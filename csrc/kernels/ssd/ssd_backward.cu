@@ -36,9 +36,9 @@ struct BwdGlobals {
 // The bf16 chunk-end state of task t's head h at chunk c, in the order of a warpgroup's accumulator registers: slot j
 // of thread i at (j·128 + i) 16-byte words from the start of the (head, head-dim tile, chunk) block.
 template <int NS>
-__device__ __forceinline__ uint4* chunk_state(const BwdGlobals<NS>& g, const lcsf::task& t, int h, int c) {
+__device__ __forceinline__ uint4* chunk_state(const BwdGlobals<NS>& g, const lcsf::task& t, const Slot& sl, int c) {
   const Shape& s = g.in.shape;
-  const int64_t block = ((int64_t(t.coord[0]) * s.nh + h) * s.ptiles + t.coord[3]) * s.chunks + c;
+  const int64_t block = ((int64_t(t.coord[0]) * s.nh) * s.ptiles + sl.tile) * s.chunks + c;
   return g.chunk_states + block * (PT * NS / 8) + threadIdx.x % WARPGROUP_THREADS;
 }
 
@@ -140,10 +140,12 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
   __device__ static void compute(state& s, input_block& in, scratch_block& sc, const globals& g, const lcsf::task& t,
                                  int it) {
     const Shape& sh = g.in.shape;
-    const int wg = lcsf::consumer_id(), h = head_of(sh, t, wg), bar = 1 + wg;
+    const int wg = lcsf::consumer_id(), bar = 1 + wg;
+    const Slot sl = slot_of(sh, t, wg);
+    const int h = sl.h;
     if (h < 0) return;
     if (it == 0) {
-      enter_state<NS, false>(s.h, g.h0, g.fwd, sh, t, h);
+      enter_state<NS, false>(s.h, g.h0, g.fwd, sh, t, sl);
       publish_state(sc.h[wg], s.h, bar);
     }
     const x_tile &x = in.x[wg], &dy = in.dy[wg];
@@ -152,7 +154,7 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
     warpgroup::mm_ABt(m, dy, x);
     warpgroup::mm_AB(dc, dy, sc.h[wg]);
 
-    const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    const Decays d = chunk_decays(in.dt[wg], g.A, h);
     Table& tb = sc.table[wg][warpid_in_group()];
     fill_update(tb, d);  // weights: the forward's update
     const int row0 = BASE * warpid_in_group(), t0 = row0 + (laneid() >> 2);
@@ -173,11 +175,11 @@ struct ssd_bwd_dc : Scan<NS, true, false, 2, BwdGlobals<NS>> {
     const int c = ssd_bwd_dc::chunk_of(g, t, it), tok0 = c * CHUNK, b = t.coord[0];
     add_token_sums(g.dlam, int64_t(b) * sh.l * sh.nh + h, sh.nh, row_dots(dc, in.c, t0), tok0 + t0, sh.l);
     add_rows_paired(g.dC, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, dc, sc.dc,
-                    head_of(sh, t, 1 - wg) >= 0, tok0, sh.l);
+                    slot_of(sh, t, 1 - wg).h >= 0, tok0, sh.l);
     // the chunk-end state: its bf16 copy for kernel B (registers' order) and for the next chunk here
     rt_bf<BASE, NS> hb;
     copy(hb, s.h);
-    uint4* out = chunk_state(g, t, h, c);
+    uint4* out = chunk_state(g, t, sl, c);
 #pragma unroll
     for (int j = 0; j < NS / 16; ++j) {
       const auto& r = hb.tiles[0][j].data;
@@ -209,11 +211,13 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
   __device__ static void compute(state& s, input_block& in, scratch_block& sc, const globals& g, const lcsf::task& t,
                                  int it) {
     const Shape& sh = g.in.shape;
-    const int wg = lcsf::consumer_id(), h = head_of(sh, t, wg), bar = 1 + wg;
+    const int wg = lcsf::consumer_id(), bar = 1 + wg;
+    const Slot sl = slot_of(sh, t, wg);
+    const int h = sl.h;
     if (h < 0) return;
     const int c = ssd_bwd_dxdb::chunk_of(g, t, it), b = t.coord[0];
     if (it == 0) {
-      enter_state<NS, true>(s.g, g.dh, g.rev, sh, t, h);
+      enter_state<NS, true>(s.g, g.dh, g.rev, sh, t, sl);
       publish_state(sc.g[wg], s.g, bar);
       s.x_dy = 0.f;
     }
@@ -221,13 +225,13 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
     // now, used once the wgmmas below have been waited for: g may not be read while they run)
     uint4 hs[NS / 16];
 #pragma unroll
-    for (int j = 0; j < NS / 16; ++j) hs[j] = chunk_state(g, t, h, c)[j * WARPGROUP_THREADS];
+    for (int j = 0; j < NS / 16; ++j) hs[j] = chunk_state(g, t, sl, c)[j * WARPGROUP_THREADS];
     const x_tile &x = in.x[wg], &dy = in.dy[wg];
     rt_fl<BASE, PT> dX;     // B_s · gᵀ, then dX_s
     rt_fl<BASE, CHUNK> bc;  // B_s · C_t
     warpgroup::mm_ABt(bc, in.b, in.c);
     warpgroup::mm_ABt(dX, in.b, sc.g[wg]);
-    const Decays d = chunk_decays(in.dt[wg], g.A[h]);
+    const Decays d = chunk_decays(in.dt[wg], g.A, h);
     Table& tb = sc.table[wg][warpid_in_group()];
     fill_reverse(tb, d);  // weights: g's update
     const int row0 = BASE * warpid_in_group(), s0 = row0 + (laneid() >> 2);  // rows s0 and s0 + 8
@@ -260,7 +264,7 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
     const int64_t tok_base = int64_t(b) * sh.l * sh.nh + h;  // (b, 0, h) of a (b, l, nh) tensor
     {  // dx = dt·dX + D·dy in bf16; Σ_p x·dX per token; Σ x·dy for dD
       const float Dh = g.D ? g.D[h] : 0.f;
-      const int64_t ld = int64_t(sh.nh) * sh.p, base = int64_t(b) * sh.l * ld + h * sh.p + t.coord[3] * PT;
+      const int64_t ld = int64_t(sh.nh) * sh.p, base = int64_t(b) * sh.l * ld + sl.tile * PT;
 #pragma unroll
       for (int j = 0; j < PT / BASE; ++j)
 #pragma unroll
@@ -274,7 +278,7 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
             *reinterpret_cast<bf16_2*>(g.dx + base + r * ld + col) =
                 __floats2bfloat162_rn(dts[k & 1] * v.x + Dh * dyv.x, dts[k & 1] * v.y + Dh * dyv.y);
         }
-      add_token_sums(g.xdX, tok_base, sh.nh, row_dots(dX, x, s0), tok0 + s0, sh.l);
+      if (g.xdX) add_token_sums(g.xdX, tok_base, sh.nh, row_dots(dX, x, s0), tok0 + s0, sh.l);
     }
 
     rt_fl<BASE, NS> db;    // x_s · g, then dB_s
@@ -296,18 +300,18 @@ struct ssd_bwd_dxdb : Scan<NS, true, true, 2, BwdGlobals<NS>> {
     const float2 bdb = row_dots(db, in.b, s0);
     add_token_sums(g.dlam, tok_base, sh.nh, make_float2(-bdb.x, -bdb.y), tok0 + s0, sh.l);
     add_rows_paired(g.dB, (int64_t(b) * sh.l * sh.ng + t.coord[1]) * NS, int64_t(sh.ng) * NS, db, sc.db,
-                    head_of(sh, t, 1 - wg) >= 0, tok0, sh.l);
+                    slot_of(sh, t, 1 - wg).h >= 0, tok0, sh.l);
     warpgroup::sync(bar);  // every warp's wgmmas have read the old copy of g
     publish_state(sc.g[wg], s.g, bar);
   }
 
   __device__ static void store(state& s, scratch_block&, const globals& g, const lcsf::task& t) {
-    const int h = head_of(g.in.shape, t, lcsf::consumer_id());
-    if (h < 0) return;
-    if (t.coord[4] == 0) write_state<NS>(g.dh0, s.g, state_base<NS>(g.in.shape, t, h));  // the sequence's start
+    const Slot sl = slot_of(g.in.shape, t, lcsf::consumer_id());
+    if (sl.h < 0) return;
+    if (t.coord[3] == 0) write_state<NS>(g.dh0, s.g, state_base<NS>(g.in.shape, t, sl));  // the sequence's start
     if (g.dD) {
       const float sum = warp_sum(s.x_dy);
-      if (laneid() == 0) atomicAdd(g.dD + h, sum);
+      if (laneid() == 0) atomicAdd(g.dD + sl.h, sum);
     }
   }
 };

@@ -1,0 +1,192 @@
+"""tk::simple_gla on the CPU: its chunked reference against the token-by-token recurrence (values, the final state,
+every gradient), its input checks; and the matcher (patterns/_gated.py): the quadratic gated form in FLA's naive
+spelling and others, heads-first and tokens-first, replaced and equal to eager in reference mode, forward and
+gradients; near misses (an anti-causal decay, a decay over the wrong dim, an exclusive cumsum) left alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tk_inductor import config, rewrite
+from tk_inductor.ops import simple_gla as gla_ops
+
+OPTIONS = {"reference": True, "inner": "aot_eager"}
+
+
+def _inputs(b=2, l=37, h=3, dk=8, dv=6, seed=0, h0=False, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, l, h, dk, generator=g, dtype=dtype) for _ in range(2))
+    v = torch.randn(b, l, h, dv, generator=g, dtype=dtype)
+    gate = F.logsigmoid(torch.randn(b, l, h, generator=g, dtype=dtype) + 1)
+    state = torch.randn(b, h, dk, dv, generator=g, dtype=dtype) if h0 else None
+    return q, k, v, gate, state
+
+
+@pytest.mark.parametrize("l", [1, 5, 64, 130])
+def test_reference_is_the_recurrence(l):
+    q, k, v, g, h0 = _inputs(l=l, h0=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, h0)]
+    o, s = gla_ops.simple_gla_reference(*leaves[:4], 0.3, leaves[4], chunk_size=16)
+    want = [t.clone().requires_grad_() for t in (q, k, v, g, h0)]
+    o2, s2 = gla_ops.simple_gla_recurrence(*want[:4], 0.3, want[4])
+    torch.testing.assert_close(o, o2)
+    torch.testing.assert_close(s, s2)
+    go, gs = torch.randn_like(o), torch.randn_like(s)
+    for got, ref in zip(torch.autograd.grad((o, s), leaves, (go, gs)), torch.autograd.grad((o2, s2), want, (go, gs))):
+        torch.testing.assert_close(got, ref)
+
+
+def test_op_autograd_on_cpu():
+    q, k, v, g, h0 = _inputs(h0=True, dtype=torch.float32)
+    leaves = [t.requires_grad_() for t in (q, k, v, g, h0)]
+    o, s = torch.ops.tk.simple_gla(*leaves[:4], 0.5, leaves[4])
+    want = [t.detach().double().requires_grad_() for t in leaves]
+    o2, s2 = gla_ops.simple_gla_recurrence(*want[:4], 0.5, want[4])
+    torch.testing.assert_close(o.double(), o2, rtol=1e-4, atol=1e-4)
+    (o.sum() + s.square().sum()).backward()
+    (o2.sum() + s2.square().sum()).backward()
+    for got, ref in zip(leaves, want):
+        torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-3, atol=1e-3)
+
+
+def test_op_checks_its_inputs():
+    q, k, v, g, _ = _inputs(dtype=torch.float32)
+    with pytest.raises(ValueError, match="g must be"):
+        torch.ops.tk.simple_gla(q, k, v, g[:, :-1], 1.0)
+    with pytest.raises(ValueError, match="k .* must have q's shape"):
+        torch.ops.tk.simple_gla(q, k[..., :-1], v, g, 1.0)
+    with pytest.raises(ValueError, match="initial_state"):
+        torch.ops.tk.simple_gla(q, k, v, g, 1.0, torch.zeros(2, 3, 8, 8))
+
+
+# ---------------------------------------------------------------------------- the matcher
+
+def fla_naive_parallel(q, k, v, g, scale=0.25):
+    """FLA's naive_parallel_simple_gla: tokens-first inputs, heads-first math, (G_i − G_j).tril().exp().tril()."""
+    q, k, v, g = (t.transpose(1, 2) for t in (q, k, v, g))
+    A = q @ k.transpose(-1, -2) * scale
+    G = g.cumsum(-1)
+    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).tril().exp().tril()
+    return ((A * D) @ v).transpose(1, 2)
+
+
+def heads_first_segsum(q, k, v, g, scale=0.25):
+    """Heads-first (B, H, N, d) operands, the decay masked to -inf before the exp, einsum products."""
+    N = q.shape[2]
+    G = g.cumsum(-1)
+    upper = torch.triu(torch.ones(N, N, dtype=torch.bool, device=q.device), diagonal=1)
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    scores = torch.einsum("bhnd,bhmd->bhnm", q * scale, k)
+    return torch.einsum("bhnm,bhme->bhne", scores * D, v)
+
+
+def tokens_first_mask_after(q, k, v, g, scale=0.25):
+    """Tokens-first operands and output, exp(Δ) times a causal 0-1 mask."""
+    N = q.shape[1]
+    G = g.transpose(1, 2).cumsum(-1)
+    causal = torch.tril(torch.ones(N, N, device=q.device))
+    D = torch.exp(G[..., :, None] - G[..., None, :]) * causal
+    scores = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale
+    return torch.einsum("bhnm,bmhe->bnhe", D * scores, v)
+
+
+def run(fn, *inputs):
+    """(report, the op's scale arguments, compiled output) for fn compiled with the rewrite."""
+    cfg = config.current(OPTIONS)
+    seen = []
+
+    def backend(gm, example_inputs):
+        report, _ = rewrite.run(gm, cfg)
+        seen.append(report)
+        seen.extend(n.args[4] for n in gm.graph.nodes if n.target is torch.ops.tk.simple_gla.default)
+        return gm
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend)(*inputs)
+    return seen[0], seen[1:], out
+
+
+def _heads_first(q, k, v, g):
+    return [t.transpose(1, 2).detach().contiguous().requires_grad_() for t in (q, k, v, g)]
+
+
+@pytest.mark.parametrize("form", ["fla_naive_parallel", "heads_first_segsum", "tokens_first_mask_after"])
+def test_gated_forms_are_replaced_and_equal(form):
+    fn = globals()[form]
+    q, k, v, g, _ = _inputs(dtype=torch.float32)
+    inputs = [t.requires_grad_() for t in (q, k, v, g)]
+    if form == "heads_first_segsum":
+        inputs = _heads_first(*inputs)
+    report, scales, out = run(fn, *inputs)
+    assert report.replaced.get("linear_attention") == 1, report
+    assert scales == [pytest.approx(0.25)]
+    want = fn(*inputs)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    grad = torch.randn_like(out)
+    for got, ref in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(want, inputs, grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_operands_with_an_fp32_decay():
+    """bf16 q/k/v with an fp32 decay: eager's masked scores and output are fp32; the op's bf16 output is cast up."""
+    q, k, v, g, _ = _inputs(dtype=torch.float32)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+
+    def fn(q, k, v, g):
+        q, k, v, g = (t.transpose(1, 2) for t in (q, k, v, g))
+        G = g.cumsum(-1)
+        D = (G.unsqueeze(-1) - G.unsqueeze(-2)).tril().exp().tril()
+        return ((q @ k.transpose(-1, -2) * D) @ v.float()).transpose(1, 2)
+
+    report, _, out = run(fn, q, k, v, g)
+    assert report.replaced.get("linear_attention") == 1, report
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, fn(q, k, v, g), rtol=2e-2, atol=2e-2)
+
+
+def anti_causal(q, k, v, g):
+    q, k, v, g = (t.transpose(1, 2) for t in (q, k, v, g))
+    G = g.cumsum(-1)
+    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).triu().exp().triu()
+    return ((q @ k.transpose(-1, -2) * D) @ v).transpose(1, 2)
+
+
+def wrong_dim(q, k, v, g):
+    """The cumsum over the heads, the difference over the tokens (H == N here)."""
+    q, k, v, g = (t.transpose(1, 2) for t in (q, k, v, g))
+    G = g.cumsum(1)
+    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).tril().exp().tril()
+    return ((q @ k.transpose(-1, -2) * D) @ v).transpose(1, 2)
+
+
+def exclusive(q, k, v, g):
+    q, k, v, g = (t.transpose(1, 2) for t in (q, k, v, g))
+    G = g.cumsum(-1) - g
+    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).tril().exp().tril()
+    return ((q @ k.transpose(-1, -2) * D) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("near_miss", ["anti_causal", "wrong_dim", "exclusive"])
+def test_near_misses_are_not_replaced(near_miss):
+    fn = globals()[near_miss]
+    q, k, v, g, _ = _inputs(b=1, l=5, h=5, dtype=torch.float32)
+    report, scales, out = run(fn, q, k, v, g)
+    assert not scales, report
+    torch.testing.assert_close(out, fn(q, k, v, g))
+
+
+def test_dynamic_lengths():
+    """dynamic=True: one graph, replaced, serves every length (the scale a literal: Dynamo lifts a float argument of
+    the compiled function into a run-time value)."""
+    import tk_inductor
+
+    def fn(q, k, v, g):
+        return fla_naive_parallel(q, k, v, g, 0.25)
+
+    compiled = torch.compile(fn, backend="thunderkittens", dynamic=True, options={"reference": True})
+    torch._dynamo.reset()
+    for l in (19, 33):
+        q, k, v, g, _ = _inputs(l=l, dtype=torch.float32)
+        torch.testing.assert_close(compiled(q, k, v, g), fn(q, k, v, g), rtol=1e-4, atol=1e-5)
+    assert tk_inductor.report().replaced.get("linear_attention", 0) >= 1, tk_inductor.report()
