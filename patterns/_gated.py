@@ -73,6 +73,10 @@ def _make(out, q, k, v, g, scale, lay_q: str, lay_v: str, cfg: config.Config) ->
         reason = f"q/k/v dtypes differ ({sorted(map(str, dtypes))})"
     elif dtype(out) == torch.float32 and examples[2].dtype in (torch.bfloat16, torch.float16):
         output_dtypes = {0: examples[2].dtype}  # eager promoted the result (an fp32 decay): the op's output cast up
+    elif dtype(out) in (torch.bfloat16, torch.float16) and examples[2].dtype == torch.float32:
+        # autocast ran the products on fp32 operands in its dtype (the kernels round them to bf16 the same way): the
+        # op's fp32 output is cast down to it
+        output_dtypes = {0: torch.float32}
     elif dtype(out) != examples[2].dtype:
         reason = f"output dtype {dtype(out)} differs from the inputs' {examples[2].dtype}"
     elif examples[2].dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -145,6 +145,32 @@ def test_bf16_operands_with_an_fp32_decay():
     torch.testing.assert_close(out, fn(q, k, v, g), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("operands", ["bf16", "fp32"])
+@pytest.mark.parametrize("form", ["fla_naive_parallel", "tokens_first_mask_after"])
+def test_under_autocast(form, operands):
+    """torch.autocast(bf16): the products run in bf16, the cumsum (and so the decay matrix) in fp32; q/k/v bf16 (from
+    the model's projections) or fp32 (autocast casts them for the products); replaced, in eager's output dtype."""
+    fn = globals()[form]
+    q, k, v, g, _ = _inputs(dtype=torch.float32)
+    if operands == "bf16":
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+    inputs = [t.requires_grad_() for t in (q, k, v, g)]
+
+    def amp(*a):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fn(*a)
+
+    report, _, out = run(amp, *inputs)
+    assert report.replaced.get("linear_attention") == 1, report
+    want = amp(*inputs)
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want.float(), rtol=3e-2, atol=3e-2)
+    grad = torch.randn_like(out)
+    for got, ref in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(want, inputs, grad)):
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got.float(), ref.float(), rtol=5e-2, atol=5e-2)
+
+
 def anti_causal(q, k, v, g):
     q, k, v, g = (t.transpose(1, 2) for t in (q, k, v, g))
     G = g.cumsum(-1)
