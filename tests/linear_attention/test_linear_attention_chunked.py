@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tk_inductor import config, rewrite
+from dynamo_tracing import rewritten
 
 try:  # FLA's naive spelling uses einops (the test extra)
     import einops
@@ -76,18 +76,7 @@ def tokens_first_by_hand(q, k, v, scale=0.5, chunk=8, scale_inter=None):
 
 def run(fn, *inputs):
     """(report, the op's (feature_map, ..., scale) arguments, compiled output) for fn compiled with the rewrite."""
-    cfg = config.current(OPTIONS)
-    seen = []
-
-    def backend(gm, example_inputs):
-        report, _ = rewrite.run(gm, cfg)
-        seen.append(report)
-        seen.extend(n.args[3:] for n in gm.graph.nodes if n.target is torch.ops.tk.linear_attention.default)
-        return gm
-
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend)(*inputs)
-    return seen[0], seen[1:], out
+    return rewritten(fn, inputs, OPTIONS, torch.ops.tk.linear_attention.default, lambda n: n.args[3:])
 
 
 def check_replaced_and_equal(fn, inputs, feature_map="identity", scale=0.25):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tk_inductor import config, rewrite
+from dynamo_tracing import rewritten
 from tk_inductor.ops import simple_gla as gla_ops
 
 OPTIONS = {"reference": True, "inner": "aot_eager"}
@@ -93,18 +93,7 @@ def tokens_first_mask_after(q, k, v, g, scale=0.25):
 
 def run(fn, *inputs):
     """(report, the op's scale arguments, compiled output) for fn compiled with the rewrite."""
-    cfg = config.current(OPTIONS)
-    seen = []
-
-    def backend(gm, example_inputs):
-        report, _ = rewrite.run(gm, cfg)
-        seen.append(report)
-        seen.extend(n.args[4] for n in gm.graph.nodes if n.target is torch.ops.tk.simple_gla.default)
-        return gm
-
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend)(*inputs)
-    return seen[0], seen[1:], out
+    return rewritten(fn, inputs, OPTIONS, torch.ops.tk.simple_gla.default, lambda n: n.args[4])
 
 
 def _heads_first(q, k, v, g):

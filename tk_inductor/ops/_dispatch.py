@@ -57,6 +57,13 @@ def check(condition: bool, message, error: type[Exception] = ValueError) -> None
         raise error(message() if callable(message) else message)
 
 
+def check_grad(op: str, name: str, grad, shape, what: str) -> None:
+    """A backward op's incoming gradient `name`: a tensor of `shape`, the shape of `what` (for the message)."""
+    shape = tuple(shape)
+    check(isinstance(grad, torch.Tensor) and tuple(grad.shape) == shape,
+          lambda: f"{op}: {name} must have {what} {shape}, got {tuple(getattr(grad, 'shape', ()))}")
+
+
 def check_flags(op: str, **flags) -> None:
     """The ops' flags are `bool?` in their schemas, so that None reaches them (a `bool` argument turns None into
     False on the way in): None is a TypeError here, never a silent False."""

@@ -212,9 +212,7 @@ def linear_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     output (the kernel's denominator gradient needs do·o over whole rows)."""
     _dispatch.check_flags("tk::linear_attention_backward", normalize=normalize)
     _validate(q, k, v, feature_map, q_weight, k_weight, scale, eps)
-    _dispatch.check(isinstance(grad_o, torch.Tensor) and grad_o.shape == v.shape,
-                    lambda: f"tk::linear_attention_backward: grad_o must have v's shape {tuple(v.shape)}, got "
-                            f"{tuple(getattr(grad_o, 'shape', ()))}")
+    _dispatch.check_grad("tk::linear_attention_backward", "grad_o", grad_o, v.shape, "v's shape")
     if q.numel() == 0 or v.numel() == 0:
         dw = [q.new_zeros(0) if w is None else torch.zeros_like(w) for w in (q_weight, k_weight)]
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dw[0], dw[1]

@@ -117,12 +117,8 @@ def simple_gla_backward(grad_o: torch.Tensor, grad_state: torch.Tensor, q: torch
     _validate(q, k, v, g, scale, initial_state)
     b, l, h, dk = q.shape
     state_shape = (b, h, dk, v.shape[3])
-    _dispatch.check(isinstance(grad_o, torch.Tensor) and grad_o.shape == v.shape,
-                    lambda: f"tk::simple_gla_backward: grad_o must have v's shape {tuple(v.shape)}, got "
-                            f"{tuple(getattr(grad_o, 'shape', ()))}")
-    _dispatch.check(isinstance(grad_state, torch.Tensor) and tuple(grad_state.shape) == state_shape,
-                    lambda: f"tk::simple_gla_backward: grad_state must have the state's shape {state_shape}, got "
-                            f"{tuple(getattr(grad_state, 'shape', ()))}")
+    _dispatch.check_grad("tk::simple_gla_backward", "grad_o", grad_o, v.shape, "v's shape")
+    _dispatch.check_grad("tk::simple_gla_backward", "grad_state", grad_state, state_shape, "the state's shape")
     if _ssd.BACKWARD_KERNEL_VALIDATED and _on_kernel(q, k, v, g, initial_state) \
             and _dispatch.use_kernel(KERNEL_FAMILY, grad_o, grad_state) and _dispatch.has_kernel("simple_gla_backward"):
         return _dispatch.kernel("simple_gla_backward")(grad_o, grad_state, q, k, v, g, scale, initial_state)

@@ -214,12 +214,8 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
     _validate(x, dt, A, B, C, D, initial_state, chunk_size)
     b, l, nh, p = x.shape
     state_shape = (b, nh, p, B.shape[3])
-    _dispatch.check(isinstance(grad_y, torch.Tensor) and grad_y.shape == x.shape,
-                    lambda: f"tk::ssd_backward: grad_y must have x's shape {tuple(x.shape)}, got "
-                            f"{tuple(getattr(grad_y, 'shape', ()))}")
-    _dispatch.check(isinstance(grad_state, torch.Tensor) and tuple(grad_state.shape) == state_shape,
-                    lambda: f"tk::ssd_backward: grad_state must have the state's shape {state_shape}, got "
-                            f"{tuple(getattr(grad_state, 'shape', ()))}")
+    _dispatch.check_grad("tk::ssd_backward", "grad_y", grad_y, x.shape, "x's shape")
+    _dispatch.check_grad("tk::ssd_backward", "grad_state", grad_state, state_shape, "the state's shape")
     if BACKWARD_KERNEL_VALIDATED and x.dtype != torch.float64 and kernel_supports(B.shape[-1], x.shape[-1]) is None \
             and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
             and _dispatch.has_kernel("ssd_backward"):
