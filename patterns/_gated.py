@@ -29,7 +29,7 @@ def match(node, cfg: config.Config, causal, scores, layouts, lay) -> Match | Non
     """node = M v with M the decayed scores: the simple GLA op's match, or None. causal(x), scores(A) and lay(template,
     layout) are patterns/linear_attention.py's `_causal`, `_scores` and `_lay`; layouts its LAYOUTS."""
     c = contraction(node, inline=False)
-    if c is None or c.scale != 1.0:
+    if c is None:
         return None
     for lay_v in layouts:
         b = unify(c, [("m", "bhnm"), ("v", lay("bhme", lay_v))], lay("bhne", lay_v))
@@ -55,7 +55,7 @@ def match(node, cfg: config.Config, causal, scores, layouts, lay) -> Match | Non
         q, k, v = (through_upcasts(t) for t in (q, k, v))
         if not shapes_eq(_bhn(q, lay_q), _bhn(v, lay_v)) or not shapes_eq(_bhn(q, lay_q), shape(g)):
             return None
-        return _make(node, q, k, v, g, factor * scale, lay_q, lay_v, cfg)
+        return _make(node, q, k, v, g, c.scale * factor * scale, lay_q, lay_v, cfg)
     return None
 
 

@@ -91,6 +91,16 @@ def tokens_first_mask_after(q, k, v, g, scale=0.25):
     return torch.einsum("bhnm,bmhe->bnhe", D * scores, v)
 
 
+def scale_on_the_output(q, k, v, g, scale=0.25):
+    """Heads-first math on tokens-first operands, the scale applied to the output, the causal mask by where()."""
+    N = q.shape[1]
+    G = g.transpose(1, 2).cumsum(-1)
+    causal = torch.tril(torch.ones(N, N, dtype=torch.bool, device=q.device))
+    D = torch.where(causal, (G[..., :, None] - G[..., None, :]).exp(), 0.0)
+    A = torch.einsum("bnhd,bmhd->bhnm", q, k)
+    return torch.einsum("bhnm,bmhe->bnhe", A * D, v) * scale
+
+
 def run(fn, *inputs):
     """(report, the op's scale arguments, compiled output) for fn compiled with the rewrite."""
     return rewritten(fn, inputs, OPTIONS, torch.ops.tk.simple_gla.default, lambda n: n.args[4])
@@ -100,7 +110,8 @@ def _heads_first(q, k, v, g):
     return [t.transpose(1, 2).detach().contiguous().requires_grad_() for t in (q, k, v, g)]
 
 
-@pytest.mark.parametrize("form", ["fla_naive_parallel", "heads_first_segsum", "tokens_first_mask_after"])
+@pytest.mark.parametrize("form", ["fla_naive_parallel", "heads_first_segsum", "tokens_first_mask_after",
+                                  "scale_on_the_output"])
 def test_gated_forms_are_replaced_and_equal(form):
     fn = globals()[form]
     q, k, v, g, _ = _inputs(dtype=torch.float32)
@@ -109,7 +120,8 @@ def test_gated_forms_are_replaced_and_equal(form):
         inputs = _heads_first(*inputs)
     report, scales, out = run(fn, *inputs)
     assert report.replaced.get("linear_attention") == 1, report
-    assert scales == [pytest.approx(0.25)]
+    # (a scale on the output stays a multiply after the op)
+    assert scales == [pytest.approx(1.0 if form == "scale_on_the_output" else 0.25)]
     want = fn(*inputs)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     grad = torch.randn_like(out)
@@ -205,3 +217,41 @@ def test_dynamic_lengths():
         q, k, v, g, _ = _inputs(l=l, dtype=torch.float32)
         torch.testing.assert_close(compiled(q, k, v, g), fn(q, k, v, g), rtol=1e-4, atol=1e-5)
     assert tk_inductor.report().replaced.get("linear_attention", 0) >= 1, tk_inductor.report()
+
+
+def test_a_gated_model_trains_through_the_public_api():
+    """torch.compile(backend="thunderkittens") in reference mode: the layer's forward and its parameters' gradients
+    equal eager's (the op's autograd traced by AOTAutograd)."""
+    import tk_inductor
+
+    class Layer(torch.nn.Module):
+        def __init__(self, d=16, h=2, dk=8, dv=8):
+            super().__init__()
+            self.h, self.dk, self.dv = h, dk, dv
+            self.qk = torch.nn.Linear(d, 2 * h * dk, bias=False)
+            self.v = torch.nn.Linear(d, h * dv, bias=False)
+            self.gate = torch.nn.Linear(d, h)
+            self.out = torch.nn.Linear(h * dv, d, bias=False)
+
+        def forward(self, x):
+            B, N, _ = x.shape
+            q, k = self.qk(x).view(B, N, 2, self.h, self.dk).unbind(2)
+            v = self.v(x).view(B, N, self.h, self.dv)
+            g = F.logsigmoid(self.gate(x))
+            return self.out(fla_naive_parallel(q, k, v, g, self.dk**-0.5).reshape(B, N, -1))
+
+    torch.manual_seed(0)
+    model = Layer()
+    x = torch.randn(2, 24, 16)
+    compiled = torch.compile(model, backend="thunderkittens", options={"reference": True})
+    torch._dynamo.reset()
+    out = compiled(x)
+    assert tk_inductor.report().replaced.get("linear_attention", 0) >= 1, tk_inductor.report()
+    out.square().sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = model(x)
+    want.square().sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-5)
