@@ -81,8 +81,11 @@ def _make(out, q, k, v, g, scale, lay_q: str, lay_v: str, cfg: config.Config) ->
         reason = f"output dtype {dtype(out)} differs from the inputs' {examples[2].dtype}"
     elif examples[2].dtype not in (torch.float32, torch.bfloat16, torch.float16):
         reason = f"dtype {examples[2].dtype}"
-    elif examples[0].device.type == "cuda" and not cfg.reference:
-        reason = _ops.kernel_supports(shape(q)[-1], shape(v)[-1])
+    if reason is None and examples[0].device.type == "cuda" and not cfg.reference:
+        if examples[2].dtype == torch.float32 and dtype(out) == torch.float32:
+            reason = "fp32 q/k/v (the kernels compute with bf16 products; an fp32 model keeps its precision)"
+        else:
+            reason = _ops.kernel_supports(shape(q)[-1], shape(v)[-1])
     return Match(
         family=FAMILY,
         outputs=[out, None],

@@ -1,5 +1,5 @@
 """What this torch's Dynamo does with library calls that the matchers read through, and compiling with the rewrite
-alone (shared by the tests)."""
+alone, graphs given fake CUDA example values (shared by the tests)."""
 from __future__ import annotations
 
 import functools
@@ -42,3 +42,24 @@ def rewritten(fn, inputs, options: dict, target, pick):
     torch._dynamo.reset()
     out = torch.compile(fn, backend=backend)(*inputs)
     return reports[0], picked, out
+
+
+def to_fake_cuda(graph) -> None:
+    """Every tensor example value becomes a fake CUDA tensor of the same shape, strides, dtype and requires_grad."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+
+    def convert(v):
+        if isinstance(v, torch.Tensor):
+            with mode:
+                t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="cuda")
+            return t.requires_grad_(v.requires_grad) if v.is_floating_point() else t
+        if isinstance(v, (tuple, list)):
+            return type(v)(convert(x) for x in v)
+        return v
+
+    for node in graph.nodes:
+        for key in ("example_value", "val"):
+            if key in node.meta:
+                node.meta[key] = convert(node.meta[key])

@@ -9,9 +9,10 @@ import importlib
 import pytest
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tk_inductor import config
+
+from dynamo_tracing import to_fake_cuda
 
 from models_linear import TinyLM
 
@@ -32,30 +33,11 @@ def _capture(module: torch.nn.Module, *inputs) -> list[fx.GraphModule]:
     return graphs
 
 
-def _to_cuda(graph: fx.Graph) -> None:
-    """Every tensor example value becomes a fake CUDA tensor of the same shape, strides, dtype and requires_grad."""
-    mode = FakeTensorMode()
-
-    def convert(v):
-        if isinstance(v, torch.Tensor):
-            with mode:
-                t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="cuda")
-            return t.requires_grad_(v.requires_grad) if v.is_floating_point() else t
-        if isinstance(v, (tuple, list)):
-            return type(v)(convert(x) for x in v)
-        return v
-
-    for node in graph.nodes:
-        for key in ("example_value", "val"):
-            if key in node.meta:
-                node.meta[key] = convert(node.meta[key])
-
-
 def _matches_on_cuda(graphs) -> dict[str, list]:
     cfg = config.current({"reference": False})
     found = {family: [] for family in FAMILIES}
     for gm in graphs:
-        _to_cuda(gm.graph)
+        to_fake_cuda(gm.graph)
         for family in FAMILIES:
             matcher = importlib.import_module(f"tk_inductor.patterns.{family}")
             found[family] += list(matcher.find(gm.graph, cfg))
