@@ -46,7 +46,7 @@ def match(node, cfg: config.Config, causal, scores, layouts, lay) -> Match | Non
             g = strip(decay_matrix(D, causal))
         except NoMatch:
             continue
-        sc = scores(A)
+        sc = scores(strip(causal(A) or A))  # (scores masked causal too: D masks them anyway)
         if sc is None or not shapes_eq(shape(g), shape(M)[:3]) or not shapes_eq(shape(A), shape(M)):
             continue
         q, k, scale, lay_q = sc

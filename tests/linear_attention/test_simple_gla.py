@@ -101,6 +101,14 @@ def scale_on_the_output(q, k, v, g, scale=0.25):
     return torch.einsum("bhnm,bmhe->bnhe", A * D, v) * scale
 
 
+def scores_masked_too(q, k, v, g, scale=0.25):
+    """The scores made causal as well as decayed (redundant: the decay matrix is causal)."""
+    q, k, v, g = (t.transpose(1, 2) for t in (q, k, v, g))
+    G = g.cumsum(-1)
+    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).tril().exp().tril()
+    return (((q @ k.transpose(-1, -2) * scale).tril() * D) @ v).transpose(1, 2)
+
+
 def run(fn, *inputs):
     """(report, the op's scale arguments, compiled output) for fn compiled with the rewrite."""
     return rewritten(fn, inputs, OPTIONS, torch.ops.tk.simple_gla.default, lambda n: n.args[4])
@@ -111,7 +119,7 @@ def _heads_first(q, k, v, g):
 
 
 @pytest.mark.parametrize("form", ["fla_naive_parallel", "heads_first_segsum", "tokens_first_mask_after",
-                                  "scale_on_the_output"])
+                                  "scale_on_the_output", "scores_masked_too"])
 def test_gated_forms_are_replaced_and_equal(form):
     fn = globals()[form]
     q, k, v, g, _ = _inputs(dtype=torch.float32)
