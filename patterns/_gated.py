@@ -4,7 +4,7 @@
 
 FLA's `naive_parallel_simple_gla` spelling (`(G[..., :, None] − G[..., None, :]).tril().exp().tril()`), the segsum
 spellings that mask with -inf before the exp, and exp(Δ) made causal after it by tril / masked_fill / a causal 0-1
-mask / where (patterns/_decay.py reads D). q/k and v heads-first (B, H, N, d) or tokens-first (B, N, H, d), the
+mask / where (patterns/_decay.py reads D); scores masked causal as well are read. q/k and v heads-first (B, H, N, d) or tokens-first (B, N, H, d), the
 scores (B, H, N, N) and g (B, H, N). The op takes everything tokens-first (FLA's layout): heads-first operands are
 handed over transposed and its output goes back transposed. Hooked into patterns/linear_attention.py (family
 `linear_attention`), whose score and mask readers it is given.
