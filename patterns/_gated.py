@@ -20,25 +20,17 @@ from tk_inductor.rewrite import Match, Transpose, example
 
 from ._decay import NoMatch, decay_matrix
 from ._fx import dtype, is_tensor, kind, needs_grad, rank, scaled, shape, shapes_eq, strip, through_upcasts
-from ._index import contraction, unify
+from ._index import heads_first
 
 FAMILY = "linear_attention"
 
 
-def match(node, cfg: config.Config, causal, scores, layouts, lay) -> Match | None:
-    """node = M v with M the decayed scores: the simple GLA op's match, or None. causal(x), scores(A) and lay(template,
-    layout) are patterns/linear_attention.py's `_causal`, `_scores` and `_lay`; layouts its LAYOUTS."""
-    c = contraction(node, inline=False)
-    if c is None:
-        return None
-    for lay_v in layouts:
-        b = unify(c, [("m", "bhnm"), ("v", lay("bhme", lay_v))], lay("bhne", lay_v))
-        if b is not None:
-            break
-    else:
-        return None
-    M, factor = scaled(b["m"])
-    M, v = strip(M), b["v"]
+def match(out, M, v, lay_v: str, factor: float, cfg: config.Config, causal, scores) -> Match | None:
+    """out = factor · M v (v and out in lay_v; patterns/linear_attention.py `_times_v`) with M the decayed scores: the
+    simple GLA op's match, or None. causal(x) and scores(A) are patterns/linear_attention.py's `_causal` and
+    `_scores`."""
+    M, f = scaled(M)
+    M = strip(M)
     if kind(M) != "mul" or not (is_tensor(M.args[0]) and is_tensor(M.args[1])) or rank(v) != 4:
         return None
     for A, D in ((M.args[0], M.args[1]), (M.args[1], M.args[0])):
@@ -53,16 +45,11 @@ def match(node, cfg: config.Config, causal, scores, layouts, lay) -> Match | Non
         # operands upcast to fp32 for the product (FLA's naive forms) go in at their own precision, which the kernels
         # compute in anyway; the op's output is then cast up to the result's dtype
         q, k, v = (through_upcasts(t) for t in (q, k, v))
-        if not shapes_eq(_bhn(q, lay_q), _bhn(v, lay_v)) or not shapes_eq(_bhn(q, lay_q), shape(g)):
+        bhn = heads_first(shape(q), lay_q)[:3]
+        if not shapes_eq(bhn, heads_first(shape(v), lay_v)[:3]) or not shapes_eq(bhn, shape(g)):
             return None
-        return _make(node, q, k, v, g, c.scale * factor * scale, lay_q, lay_v, cfg)
+        return _make(out, q, k, v, g, factor * f * scale, lay_q, lay_v, cfg)
     return None
-
-
-def _bhn(t, lay: str):
-    """(batch, heads, tokens) of a 4-d tensor in `lay`."""
-    s = shape(t)
-    return (s[0], s[1], s[2]) if lay == "bhnd" else (s[0], s[2], s[1])
 
 
 def _make(out, q, k, v, g, scale, lay_q: str, lay_v: str, cfg: config.Config) -> Match:

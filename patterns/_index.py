@@ -280,3 +280,9 @@ def unify(c: Contraction, template: list[tuple[str, str]], out: str, bound: dict
         if ok:
             return bindings
     return None
+
+
+def heads_first(sizes, layout: str):
+    """Sizes of a (B, H, N, ...) tensor held in `layout`, "bhnd" (heads first) or "bnhd" (tokens first), in heads-first
+    order (None stays None)."""
+    return None if sizes is None else tuple(sizes) if layout == "bhnd" else (sizes[0], sizes[2], sizes[1], *sizes[3:])

@@ -46,7 +46,7 @@ from ._fx import (arg, close, dtype, eq, evaluate_constant, is_tensor, kind, nee
                   shapes_eq, strip)
 from ._chunked import chunked_form
 from ._gated import match as gated
-from ._index import LETTERS, Contraction, contraction, peel_to, unify
+from ._index import LETTERS, Contraction, contraction, heads_first, peel_to, unify
 from ._mask import triangle
 
 FAMILY = "linear_attention"
@@ -289,18 +289,23 @@ def _taylor_scores(A):
     return s
 
 
-def _numerator_quadratic(node):
-    """o = M v with M causal-masked scores: (M, A, v, the layout of v and o)."""
+def _times_v(node):
+    """node = M v over the keys (matmul or einsum; M the (B, H, N, M) scores): (M, v, the layout of v and node, the
+    product's scalar factor), or None."""
     c = contraction(node, inline=False)
-    if c is None or c.scale != 1.0:  # (M·s) v with M's row sum as denominator: not the op
-        return None
-    for lay in LAYOUTS:
+    for lay in LAYOUTS if c is not None else ():
         b = unify(c, [("m", "bhnm"), ("v", _lay("bhme", lay))], _lay("bhne", lay))
         if b is not None:
-            break
-    else:
+            return b["m"], b["v"], lay, c.scale
+    return None
+
+
+def _numerator_quadratic(node):
+    """o = M v with M causal-masked scores: (M, A, v, the layout of v and o)."""
+    mv = _times_v(node)
+    if mv is None or mv[3] != 1.0:  # (M·s) v with M's row sum as denominator: not the op
         return None
-    M, v = b["m"], b["v"]
+    M, v, lay, _ = mv
     A = _causal(M)
     if shape(v) is None or len(shape(v)) != 4:
         return None
@@ -434,15 +439,11 @@ def _normaliser(o, M, fq, fk, scale, lay_o: str = "bhnd", lay_q: str = "bhnd"):
     return o, None
 
 
-def _heads_first(sizes, lay: str):
-    return None if sizes is None else tuple(sizes) if lay == "bhnd" else (sizes[0], sizes[2], sizes[1], *sizes[3:])
-
-
 def _match(node, cfg: config.Config) -> Match | None:
-    if kind(node) in ("matmul", "einsum"):
-        gla = gated(node, cfg, _causal, _scores, LAYOUTS, _lay)
-        if gla is not None:
-            return gla
+    mv = _times_v(node) if kind(node) in ("matmul", "einsum") else None
+    gla = gated(node, *mv, cfg, _causal, _scores) if mv is not None else None
+    if gla is not None:
+        return gla
     if kind(node) == "add":
         parts = chunked_form(node, _causal)
         if parts is None:
@@ -480,7 +481,7 @@ def _match(node, cfg: config.Config) -> Match | None:
         if not shapes_eq(shape(fq), shape(fk)) or rank(fq) != 4:
             return None
         fm, fq_x, fk_x, qw, kw, scale = _pair(fq, fk, total)
-    if not shapes_eq(_heads_first(shape(v), lay_v)[:3], _heads_first(shape(fq_x), lay_q)[:3]):
+    if not shapes_eq(heads_first(shape(v), lay_v)[:3], heads_first(shape(fq_x), lay_q)[:3]):
         return None
     out, eps = _normaliser(node, M, fq, fk, total, lay_v, lay_q)
     return _make(out, fm, fq_x, fk_x, v, qw, kw, scale, eps, cfg, lay_q, lay_v)
@@ -516,7 +517,7 @@ def _make(out, fm, q, k, v, qw, kw, scale, eps, cfg: config.Config, lay_q: str =
         reason = f"output dtype {dtype(out)} differs from the inputs' {examples[2].dtype}"
     elif examples[2].dtype not in (torch.float32, torch.bfloat16, torch.float16):
         reason = f"dtype {examples[2].dtype}"
-    elif not shapes_eq(_heads_first(shape(q), lay_q)[:3], _heads_first(shape(v), lay_v)[:3]) \
+    elif not shapes_eq(heads_first(shape(q), lay_q)[:3], heads_first(shape(v), lay_v)[:3]) \
             or not shapes_eq(shape(out), shape(v)):
         reason = "q/k/v shapes disagree"
     elif fm == "hedgehog" and (len(shape(qw)) not in (2, 3) or not eq(shape(qw)[-1], shape(kw)[-1])):
