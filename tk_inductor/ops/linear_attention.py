@@ -243,20 +243,11 @@ def _weight_grad(x, dz, w):
 
 
 def _reference_grads(grad_o, q, k, v, feature_map, q_weight, k_weight, scale, normalize, eps):
-    """The reference's gradients, (dq, dk, dv, dq_weight, dk_weight): torch.func.vjp, not torch.autograd, as a
-    custom op's body runs below the autograd dispatch key (and torch.compile traces it whole)."""
-    weights = (q_weight, k_weight)
-
-    def forward(q_, k_, v_, *ws):
-        ws = list(ws)
-        full = [ws.pop(0) if w is not None else None for w in weights]
-        return linear_attention_reference(q_, k_, v_, feature_map, *full, scale, normalize, eps)
-
-    o, vjp = torch.func.vjp(forward, q, k, v, *(w for w in weights if w is not None))
-    grads = [g.contiguous() for g in vjp(grad_o.to(o.dtype))]
-    dq, dk, dv, rest = grads[0], grads[1], grads[2], grads[3:]
-    dw = [rest.pop(0) if w is not None else q.new_empty(0) for w in weights]
-    return dq, dk, dv, dw[0], dw[1]
+    """The reference's gradients, (dq, dk, dv, dq_weight, dk_weight), weight gradients empty without weights."""
+    grads = _dispatch.reference_vjp(
+        lambda q_, k_, v_, wq, wk: linear_attention_reference(q_, k_, v_, feature_map, wq, wk, scale, normalize, eps),
+        (q, k, v, q_weight, k_weight), (grad_o,))
+    return tuple(q.new_empty(0) if t is None else t for t in grads)
 
 
 @linear_attention_backward.register_fake

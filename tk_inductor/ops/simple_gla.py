@@ -81,9 +81,9 @@ def simple_gla_recurrence(q, k, v, g, scale: float, initial_state=None):
     return o.to(v.dtype), S
 
 
-def _on_kernel(q, k, v, g, initial_state) -> bool:
+def _on_kernel(q, k, v, g, *others) -> bool:
     return (v.dtype != torch.float64 and kernel_supports(q.shape[-1], v.shape[-1]) is None
-            and _dispatch.use_kernel(KERNEL_FAMILY, q, k, v, g, initial_state))
+            and _dispatch.use_kernel(KERNEL_FAMILY, q, k, v, g, *others))
 
 
 # ---------------------------------------------------------------------------- the ops
@@ -119,22 +119,17 @@ def simple_gla_backward(grad_o: torch.Tensor, grad_state: torch.Tensor, q: torch
     state_shape = (b, h, dk, v.shape[3])
     _dispatch.check_grad("tk::simple_gla_backward", "grad_o", grad_o, v.shape, "v's shape")
     _dispatch.check_grad("tk::simple_gla_backward", "grad_state", grad_state, state_shape, "the state's shape")
-    if _ssd.BACKWARD_KERNEL_VALIDATED and _on_kernel(q, k, v, g, initial_state) \
-            and _dispatch.use_kernel(KERNEL_FAMILY, grad_o, grad_state) and _dispatch.has_kernel("simple_gla_backward"):
+    if _ssd.BACKWARD_KERNEL_VALIDATED and _on_kernel(q, k, v, g, initial_state, grad_o, grad_state) \
+            and _dispatch.has_kernel("simple_gla_backward"):
         return _dispatch.kernel("simple_gla_backward")(grad_o, grad_state, q, k, v, g, scale, initial_state)
     return _reference_grads(grad_o, grad_state, q, k, v, g, scale, initial_state)
 
 
 def _reference_grads(grad_o, grad_state, q, k, v, g, scale, initial_state):
-    """The reference's gradients by torch.func.vjp (a custom op's body runs below the autograd dispatch key)."""
-    inputs = (q, k, v, g) + ((initial_state,) if initial_state is not None else ())
-
-    def forward(*tensors):
-        return simple_gla_reference(*tensors[:4], scale, tensors[4] if len(tensors) > 4 else None)
-
-    (o, state), vjp = torch.func.vjp(forward, *inputs)
-    grads = [t.contiguous() for t in vjp((grad_o.to(o.dtype), grad_state.to(state.dtype)))]
-    return (*grads[:4], grads[4] if initial_state is not None else q.new_empty(0))
+    """The reference's gradients, (dq, dk, dv, dg, dinitial_state), dinitial_state empty without an initial state."""
+    grads = _dispatch.reference_vjp(lambda *t: simple_gla_reference(*t[:4], scale, t[4]), (q, k, v, g, initial_state),
+                                    (grad_o, grad_state))
+    return tuple(q.new_empty(0) if t is None else t for t in grads)
 
 
 @simple_gla_backward.register_fake

@@ -135,8 +135,7 @@ def chunked_scan(X, a, B, C, h0=None, chunk_size: int = 64):
 def ssd_reference(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     """Chunked SSD in fp32 (differentiable; the backward reference is its autograd)."""
     b, l, nh, p = x.shape
-    ng, n = B.shape[2], B.shape[3]
-    heads_per_group = nh // ng
+    heads_per_group = nh // B.shape[2]
     acc = _acc(x)
     x32, dt32 = x.to(acc), dt.to(acc)
     Bh = B.to(acc).repeat_interleave(heads_per_group, dim=2)
@@ -224,20 +223,10 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
 
 
 def _reference_grads(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size):
-    """The reference's gradients, (dx, ddt, dA, dB, dC, dD, dinitial_state): torch.func.vjp, not torch.autograd, as
-    a custom op's body runs below the autograd dispatch key (and torch.compile traces it whole)."""
-    inputs = (x, dt, A, B, C, D, initial_state)
-    present = [i for i, t in enumerate(inputs) if t is not None]
-
-    def forward(*tensors):
-        full = list(inputs)
-        for i, t in zip(present, tensors):
-            full[i] = t
-        return ssd_reference(*full, chunk_size)
-
-    (y, state), vjp = torch.func.vjp(forward, *(inputs[i] for i in present))
-    grads = list(vjp((grad_y.to(y.dtype), grad_state.to(state.dtype))))
-    return tuple(grads.pop(0).contiguous() if t is not None else x.new_empty(0) for t in inputs)
+    """The reference's gradients, (dx, ddt, dA, dB, dC, dD, dinitial_state), absent ones empty."""
+    grads = _dispatch.reference_vjp(lambda *t: ssd_reference(*t, chunk_size), (x, dt, A, B, C, D, initial_state),
+                                    (grad_y, grad_state))
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 @ssd_backward.register_fake
