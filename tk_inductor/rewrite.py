@@ -287,33 +287,17 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
         call = graph.call_function(m.target, (), {})
     call.args = _materialize_casts(graph, tuple(m.args), call)
     call.kwargs = _materialize_casts(graph, dict(m.kwargs), call)
+    examples = [example(o) if o is not None else None for o in m.outputs]
+    values = [_op_value(e, m, i) for i, e in enumerate(examples)]  # the op's outputs
     if len(m.outputs) == 1 and not _returns_tuple(m.target):
         out = m.outputs[0]
         call.meta.update(_carried_meta(out))
-        result = call
-        if m.output_transposed:
-            if isinstance(example(out), torch.Tensor):
-                call.meta["example_value"] = example(out).transpose(1, 2).contiguous()
-            with graph.inserting_after(call):
-                result = graph.call_method("transpose", (call, 1, 2))
-            result.meta.update(_carried_meta(out))
-        if 0 in m.output_dtypes and isinstance(example(out), torch.Tensor):
-            for node in {call, result}:  # the op's output (and its transposed view) in the op's dtype
-                node.meta["example_value"] = node.meta["example_value"].to(m.output_dtypes[0])
-            with graph.inserting_after(result):
-                result = graph.call_method("to", (result, example(out).dtype))
-            result.meta.update(_carried_meta(out))
+        result = _back_to(graph, call, out, values[0], m, 0)
         out.replace_all_uses_with(result)
         remap[out] = result
         return present
-    examples = [example(o) if o is not None else None for o in m.outputs]
-    ops = []  # the op's outputs: the first in the op's layout where it is transposed back, each in the op's dtype
-    for i, e in enumerate(examples):
-        if isinstance(e, torch.Tensor) and i == 0 and m.output_transposed:
-            e = e.transpose(1, 2).contiguous()
-        ops.append(e.to(m.output_dtypes[i]) if i in m.output_dtypes and isinstance(e, torch.Tensor) else e)
     if all(e is not None for e in examples):
-        call.meta["example_value"] = tuple(ops)
+        call.meta["example_value"] = tuple(values)
     anchor = call
     for i, out in enumerate(m.outputs):
         if out is None:
@@ -321,22 +305,38 @@ def _replace(graph: fx.Graph, m: Match, remap: dict[fx.Node, fx.Node]) -> list[f
         with graph.inserting_after(anchor):
             item = graph.call_function(operator.getitem, (call, i))
         item.meta.update(_carried_meta(out))
-        anchor = item
-        if isinstance(ops[i], torch.Tensor):
-            item.meta["example_value"] = ops[i]
-        if i == 0 and m.output_transposed:
-            with graph.inserting_after(anchor):
-                anchor = graph.call_method("transpose", (item, 1, 2))
-            anchor.meta.update(_carried_meta(out))
-            if isinstance(ops[i], torch.Tensor):
-                anchor.meta["example_value"] = ops[i].transpose(1, 2)
-        if i in m.output_dtypes:
-            with graph.inserting_after(anchor):
-                anchor = graph.call_method("to", (anchor, example(out).dtype))
-            anchor.meta.update(_carried_meta(out))
+        anchor = _back_to(graph, item, out, values[i], m, i)
         out.replace_all_uses_with(anchor)
         remap[out] = anchor
     return present
+
+
+def _op_value(replaced, m: Match, i: int):
+    """The example value of the op's output i, from the replaced output's: in the op's layout (the first output, where
+    it is transposed back) and dtype."""
+    if not isinstance(replaced, torch.Tensor):
+        return replaced
+    if i == 0 and m.output_transposed:
+        replaced = replaced.transpose(1, 2).contiguous()
+    return replaced.to(m.output_dtypes[i]) if i in m.output_dtypes else replaced
+
+
+def _back_to(graph: fx.Graph, node: fx.Node, out: fx.Node, value, m: Match, i: int) -> fx.Node:
+    """`node`, the op's output i (example `value`), made what `out` was: dims 1 and 2 swapped back and cast to out's
+    dtype where the match says so; the last node inserted (or node)."""
+    if isinstance(value, torch.Tensor):
+        node.meta["example_value"] = value
+    if i == 0 and m.output_transposed:
+        with graph.inserting_after(node):
+            node = graph.call_method("transpose", (node, 1, 2))
+        node.meta.update(_carried_meta(out))
+        if isinstance(value, torch.Tensor):
+            node.meta["example_value"] = value.transpose(1, 2)
+    if i in m.output_dtypes and isinstance(example(out), torch.Tensor):
+        with graph.inserting_after(node):
+            node = graph.call_method("to", (node, example(out).dtype))
+        node.meta.update(_carried_meta(out))
+    return node
 
 
 def _resolve(m: Match, remap: dict[fx.Node, fx.Node]) -> bool:
