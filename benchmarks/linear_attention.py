@@ -158,7 +158,8 @@ def run_plain(quick: bool = False, cases=None, fla_kernels=("chunk", "fused_chun
     return rows
 
 
-SIMPLE_GLA_CASES = ((8, 16, 4096, 128, 128), (2, 16, 16384, 128, 128), (16, 16, 4096, 64, 64))
+# the last: key dim 256 as FLA's layers use it, which the op runs as two blocks of 128 (ops/_state_parts.py)
+SIMPLE_GLA_CASES = ((8, 16, 4096, 128, 128), (2, 16, 16384, 128, 128), (16, 16, 4096, 64, 64), (8, 8, 4096, 256, 256))
 
 
 def run_simple_gla(quick: bool = False, cases=None, fla_kernels=("chunk", "parallel", "fused_chunk")) -> list[Row]:

@@ -5,7 +5,8 @@ and torch.compile default of the chunked fp32 reference (tk_inductor/ops/ssd.py,
 torch path), in one run.
 
 Shapes (DESIGN §5): Mamba-2 2.7B heads (nh 80, p 64, n 128, ng 1) at 65536 tokens, l 1024, 4096 and 16384, plus
-Mamba2-370M's (nh 32) at l 4096 and the e2e Mamba2's layer (b1 l4096 nh32); bf16 x, B, C, fp32 dt, A, D; final
+Mamba2-370M's (nh 32) at l 4096 and the e2e Mamba2's layer (b1 l4096 nh32), and state size 256 and head dim 32,
+which the op runs as parts of what the kernels hold (PARTS_CASES); bf16 x, B, C, fp32 dt, A, D; final
 state returned. The forward rows of "ours" note its TFLOPS of chunk math (per head and 64-token chunk, the four
 products C·Bᵀ, (L∘C·Bᵀ)·X, C·hᵀ and the state update: 2·64·(64n + 64p + 2np) flops) and its fraction of the floor,
 max(bytes / copy bandwidth, flops / bf16 matmul peak), both measured in the same run; bytes are x and y in bf16, B and
@@ -38,10 +39,13 @@ def cases(quick: bool = False):
         yield 4, 16384, 80, 64, 128
         yield 16, 4096, 32, 64, 128
         yield 1, 4096, 32, 64, 128  # the e2e Mamba2's layer (1 x 4096 tokens: 16 tasks of two heads)
+        yield from PARTS_CASES
 
 
-# forward+backward: 65536 tokens in long and in very long sequences, the e2e layer
-TRAIN_CASES = ((16, 4096, 80, 64, 128), (4, 16384, 80, 64, 128), (1, 4096, 32, 64, 128))
+# sizes the kernels run in parts (ops/_state_parts.py): state size 256 (two blocks of 128), head dim 32 (padded to 64)
+PARTS_CASES = ((8, 4096, 64, 64, 256), (8, 4096, 128, 32, 128))
+# forward+backward: 65536 tokens in long and in very long sequences, the e2e layer, the sizes run in parts
+TRAIN_CASES = ((16, 4096, 80, 64, 128), (4, 16384, 80, 64, 128), (1, 4096, 32, 64, 128), *PARTS_CASES)
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -64,8 +68,11 @@ def run(quick: bool = False) -> list[Row]:
         x, dt, A, B, C, D = inputs(b, l, nh, p, n)
         ref = ssd_ops.ssd_reference(x, dt, A, B, C, D, None, 64)[0].float()
 
+        # the raw op where the kernels take the sizes whole (no Python op around them), else the op, which runs parts
+        op = torch.ops.tk_cuda.ssd if (n, p) not in [(c[4], c[3]) for c in PARTS_CASES] else torch.ops.tk.ssd
+
         def ours():
-            return torch.ops.tk_cuda.ssd(x, dt, A, B, C, D, None, 64)[0]
+            return op(x, dt, A, B, C, D, None, 64)[0]
 
         impls = {
             "ours": ours,

@@ -1,4 +1,4 @@
-"""Shared by the layernorm and rotary GPU tests: dtypes, their norm-wise tolerances, and the NaN poisoning.
+"""Shared by the GPU tests: dtypes, their norm-wise tolerances, the NaN poisoning, and a record of raw kernel calls.
 
 Outputs are poisoned before each kernel call: NaN-filled blocks of the outputs' sizes are freed into the caching
 allocator right before the op allocates, so elements a kernel fails to write show up as NaN (and rel_err rejects
@@ -21,3 +21,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert not torch.isnan(a).any(), "NaN in kernel output (unwritten or invalid)"
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def record_raw_calls(monkeypatch) -> list[str]:
+    """The names of the raw `tk_cuda::` ops the `tk::` ops call from now on (a test's proof that the kernels ran,
+    not the reference a `tk::` op falls back to)."""
+    from tk_inductor.ops import _dispatch
+
+    calls, kernel = [], _dispatch.kernel
+
+    def recording(name):
+        op = kernel(name)
+
+        def call(*args):
+            calls.append(name)
+            return op(*args)
+        return call
+    monkeypatch.setattr(_dispatch, "kernel", recording)
+    return calls

@@ -484,12 +484,11 @@ def ssd_dd(got, want, ctx):
 
 
 def ssd_case(rng):
-    from tk_inductor.ops import ssd as ops
-
     b, l = pick(rng, 1, 2, 3), size(rng, 2100)
     ng = pick(rng, 1, 1, 2, 4)
     nh = ng * pick(rng, 1, 2, 3, 8)
-    p, n = pick(rng, 64, 64, 128, 192), pick(rng, *ops.KERNEL_STATE_SIZES)
+    # the kernels' own sizes, and (through tk::ssd, in parts: ops/_state_parts.py) others
+    p, n = pick(rng, 64, 64, 128, 192, 32, 96), pick(rng, 16, 32, 64, 128, 128, 48, 256)
     x_dtype = pick(rng, torch.bfloat16, torch.bfloat16, torch.float16, torch.float32)
     dt_dtype = pick(rng, torch.float32, x_dtype)
     with_d, with_h0 = rng.random() < 0.6, rng.random() < 0.4

@@ -180,11 +180,13 @@ def test_under_autocast(form, operands):
         torch.testing.assert_close(got.float(), ref.float(), rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("dtype,dk,kept", [(torch.bfloat16, 64, None), (torch.float16, 128, None),
-                                           (torch.float32, 64, "fp32 q/k/v"), (torch.bfloat16, 256, "key head dim 256")])
-def test_kernel_checks_on_cuda_graphs(dtype, dk, kept):
-    """The matcher's CUDA branch (fake CUDA example values, reference mode off): 16-bit operands and the kernels' key
-    dims are replaced; fp32 models keep their precision; other key dims are kept with the reason."""
+@pytest.mark.parametrize("dtype,dk,dv,kept", [(torch.bfloat16, 64, 64, None), (torch.float16, 128, 64, None),
+                                              (torch.float32, 64, 64, "fp32 q/k/v"), (torch.bfloat16, 256, 64, None),
+                                              (torch.bfloat16, 64, 80, "value head dim 80")])
+def test_kernel_checks_on_cuda_graphs(dtype, dk, dv, kept):
+    """The matcher's CUDA branch (fake CUDA example values, reference mode off): 16-bit operands are replaced, at
+    key dims the kernels hold and at larger ones (run in parts); fp32 models keep their precision; a value dim the
+    kernels cannot pad to theirs is kept with the reason."""
     from dynamo_tracing import to_fake_cuda
     from tk_inductor import config
     from tk_inductor.patterns import linear_attention
@@ -195,7 +197,7 @@ def test_kernel_checks_on_cuda_graphs(dtype, dk, kept):
         graphs.append(gm)
         return gm
 
-    q, k, v, g, _ = _inputs(b=1, l=8, h=2, dk=dk, dv=64, dtype=torch.float32)
+    q, k, v, g, _ = _inputs(b=1, l=8, h=2, dk=dk, dv=dv, dtype=torch.float32)
     torch._dynamo.reset()
     torch.compile(fla_naive_parallel, backend=capture)(*(t.to(dtype) for t in (q, k, v, g)))
     to_fake_cuda(graphs[0].graph)

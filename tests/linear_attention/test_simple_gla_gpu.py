@@ -2,7 +2,7 @@
 tk_cuda::simple_gla and tk_cuda::simple_gla_backward and through tk::simple_gla's autograd: odd lengths (chunk
 tails), key dims 16 to 128, value dims 64 to 256 (one to four 64-wide tiles, so tasks pair tiles of one head or leave
 a warpgroup idle), grids shorter than the SMs (split sequences) and longer (persistent blocks), initial and final
-states, scales, bf16/fp16/fp32 inputs."""
+states, scales, bf16/fp16/fp32 inputs; key dims above 128 and value dims padded to 64, run in parts through the op."""
 from __future__ import annotations
 
 import pytest
@@ -132,6 +132,22 @@ def test_simple_gla_backward_options(ops, dv, h0, grad_state):
 @pytest.mark.parametrize("b,h", [(1, 2), (3, 100)], ids=["split", "persistent"])
 def test_simple_gla_backward_grids(ops, b, h):
     check_backward(ops, *inputs(b, 2373, h, 128, 128, h0=True, seed=b), seed=b)
+
+
+@pytest.mark.parametrize("dk,dv", [(256, 64), (256, 128), (512, 64), (96, 96), (128, 32)])
+@pytest.mark.parametrize("l", [65, 1000])
+def test_simple_gla_state_in_parts(ops, monkeypatch, l, dk, dv):
+    """tk::simple_gla and its backward at key dims above 128 (FLA's layers use 256 and more) and value dims that are
+    not multiples of 64: the kernels run on blocks of the key dims and a zero-padded value dim
+    (ops/_state_parts.py)."""
+    from kernel_checks import record_raw_calls
+
+    calls = record_raw_calls(monkeypatch)
+    q, k, v, g, h0 = inputs(2, l, 3, dk, dv, h0=True, seed=l + dk + dv)
+    check(torch.ops.tk, q, k, v, g, h0)
+    check_backward(torch.ops.tk, q, k, v, g, h0, seed=l)
+    parts = len(gla_ops._state_parts.blocks(dk))
+    assert calls == ["simple_gla"] * parts + ["simple_gla_backward"] * parts
 
 
 def test_simple_gla_backward_through_the_op(ops):

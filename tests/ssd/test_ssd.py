@@ -526,8 +526,8 @@ def test_hf_mamba2_dynamic_lengths():
 def test_kernel_supports_names_what_the_ssd_kernel_does_not_compute():
     from tk_inductor.ops import ssd as ssd_ops
 
-    assert "state size 48" in ssd_ops.kernel_supports(48, 64)
-    assert "state size 256" in ssd_ops.kernel_supports(256, 64)
     assert ssd_ops.kernel_supports(16, 64) is None and ssd_ops.kernel_supports(32, 64) is None
-    assert "head dim 48" in ssd_ops.kernel_supports(128, 48)
     assert ssd_ops.kernel_supports(64, 128) is None
+    assert ssd_ops.kernel_supports(48, 64) is None and ssd_ops.kernel_supports(256, 32) is None  # in parts
+    assert "head dim 48" in ssd_ops.kernel_supports(128, 48)
+    assert "head dim 16" in ssd_ops.kernel_supports(128, 16)

@@ -1,7 +1,8 @@
 """The SSD forward kernel (csrc/kernels/ssd/ssd.cu) against the fp32 chunked reference, through the raw op
 tk_cuda::ssd, on random inputs: odd lengths (chunk tails), one and many chunks, state sizes 16, 32, 64 and 128, head dims
 64 and 128 (one and two head-dim tiles), grouped B/C, with and without D and an initial state, bf16 and fp32 x,
-and HF Mamba2's layout (sequence axis innermost). Outputs are poisoned before each call."""
+and HF Mamba2's layout (sequence axis innermost); the backward kernel the same way; other state sizes and head dims
+through tk::ssd, which runs them in parts. Outputs are poisoned before each call."""
 from __future__ import annotations
 
 import pytest
@@ -212,6 +213,21 @@ def test_ssd_backward_hf_layout_and_many_blocks(ops):
     x, dt, A, B, C, D, h0 = inputs(1, 333, 8, 1, 64, 128, layout="channels", seed=8)
     check_backward(ops, x.float(), dt, A, B, C, D, h0)
     check_backward(ops, *inputs(2, 1024, 32, 1, 64, 128, seed=9))
+
+
+@pytest.mark.parametrize("n,p", [(256, 64), (192, 32), (48, 96), (8, 64), (256, 128)])
+@pytest.mark.parametrize("l", [65, 1000])
+def test_ssd_state_in_parts(ops, monkeypatch, l, n, p):
+    """tk::ssd and tk::ssd_backward at state sizes and head dims the kernels do not hold: the kernels run on blocks of
+    the state's columns and on a zero-padded head dim (ops/_state_parts.py), and the sum is the whole scan."""
+    from kernel_checks import record_raw_calls
+
+    calls = record_raw_calls(monkeypatch)
+    x, dt, A, B, C, D, h0 = inputs(1, l, 6, 2, p, n, h0=True, seed=l + n + p)
+    check(torch.ops.tk, x, dt, A, B, C, D, h0)
+    check_backward(torch.ops.tk, x, dt, A, B, C, D, h0, seed=l)
+    parts = len(ssd_ops._state_parts.blocks(n))
+    assert calls == ["ssd"] * parts + ["ssd_backward"] * parts
 
 
 def test_ssd_backward_through_the_op(ops, monkeypatch):

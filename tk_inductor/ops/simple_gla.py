@@ -13,7 +13,8 @@ Returns (o, final_state): o (b, l, h, dv) contiguous in v's dtype, final_state =
 This is the Mamba-2 SSD without its input scaling (ops/ssd.py: the SSD is simple GLA with k·dt for k and dt·A for g,
 one group per head), so both run the same chunked scan: the reference is `ssd.chunked_scan` with X = v, a = g, B = k,
 C = q, and the CUDA kernels are the SSD's (csrc/kernels/ssd) without A, which read g as the log decay and v unscaled.
-Their limits are the SSD's: dk (the state size) 16, 32, 64 or 128, dv (the head dim) a multiple of 64. With dv 64
+Their limits are the SSD's: dk (the state size) 16, 32, 64 or 128, dv (the head dim) a multiple of 64; larger dk run
+as blocks of at most 128 key dims whose outputs add, and dv a multiple of 32 is padded (_state_parts.py). With dv 64
 only one of a task's two warpgroups has work (a task pairs the 64-wide head-dim tiles of one group, here one head).
 Autograd: `tk::simple_gla_backward` returns (dq, dk, dv, dg, dinitial_state), dinitial_state empty without an
 initial state; the CUDA kernels are the SSD's backward, with dg = da, the log decay's gradient.
@@ -22,19 +23,26 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch
+from . import _dispatch, _state_parts
 from . import ssd as _ssd
+from ._state_parts import Axes
 
 KERNEL_FAMILY = "ssd"  # the library whose kernels it runs
 
 
 def kernel_supports(dk, dv) -> str | None:
     """None if the CUDA kernels compute these head dims, else why not (also used by the matcher)."""
-    if dk not in _ssd.KERNEL_STATE_SIZES:
-        return f"key head dim {dk} (the simple GLA kernel takes {' or '.join(map(str, _ssd.KERNEL_STATE_SIZES))})"
-    if not isinstance(dv, int) or dv <= 0 or dv % _ssd.KERNEL_P_TILE:
-        return f"value head dim {dv} (the simple GLA kernel takes multiples of {_ssd.KERNEL_P_TILE})"
-    return None
+    return _state_parts.supports(dk, dv, n_name="key head dim", p_name="value head dim")
+
+
+# How the raw ops split when the state runs in parts (_state_parts.py); the states are (b, h, dk, dv).
+FORWARD_PARTS = _state_parts.Plan(
+    cut={0: Axes(n=-1), 1: Axes(n=-1), 2: Axes(p=-1), 5: Axes(n=-2, p=-1)},
+    outs=(("sum", Axes(p=-1)), ("cat", Axes(n=-2, p=-1))))
+BACKWARD_PARTS = _state_parts.Plan(
+    cut={0: Axes(p=-1), 1: Axes(n=-2, p=-1), 2: Axes(n=-1), 3: Axes(n=-1), 4: Axes(p=-1), 7: Axes(n=-2, p=-1)},
+    outs=(("cat", Axes(n=-1)), ("cat", Axes(n=-1)), ("sum", Axes(p=-1)), ("sum", Axes()),
+          ("cat", Axes(n=-2, p=-1))))
 
 
 def _validate(q, k, v, g, scale, initial_state) -> None:
@@ -98,7 +106,8 @@ def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     _validate(q, k, v, g, scale, initial_state)
     if _on_kernel(q, k, v, g, initial_state):
-        return _dispatch.kernel("simple_gla")(q, k, v, g, scale, initial_state)
+        return _state_parts.run(_dispatch.kernel("simple_gla"), (q, k, v, g, scale, initial_state), q.shape[-1],
+                                v.shape[-1], FORWARD_PARTS)
     return simple_gla_reference(q, k, v, g, scale, initial_state)
 
 
@@ -121,7 +130,9 @@ def simple_gla_backward(grad_o: torch.Tensor, grad_state: torch.Tensor, q: torch
     _dispatch.check_grad("tk::simple_gla_backward", "grad_state", grad_state, state_shape, "the state's shape")
     if _ssd.BACKWARD_KERNEL_VALIDATED and _on_kernel(q, k, v, g, initial_state, grad_o, grad_state) \
             and _dispatch.has_kernel("simple_gla_backward"):
-        return _dispatch.kernel("simple_gla_backward")(grad_o, grad_state, q, k, v, g, scale, initial_state)
+        return _state_parts.run(_dispatch.kernel("simple_gla_backward"),
+                                (grad_o, grad_state, q, k, v, g, scale, initial_state), q.shape[-1], v.shape[-1],
+                                BACKWARD_PARTS)
     return _reference_grads(grad_o, grad_state, q, k, v, g, scale, initial_state)
 
 

@@ -27,25 +27,33 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch
+from . import _dispatch, _state_parts
+from ._state_parts import Axes
 
 FAMILY = "ssd"
 
-# The CUDA kernels (csrc/kernels/ssd/ssd.cu, ssd_backward.cu): state size n 16, 32, 64 or 128, head dim p a multiple of 64;
-# bf16 tensor-core products with fp32 states (inputs in other dtypes are converted by its binding).
-KERNEL_STATE_SIZES, KERNEL_P_TILE = (16, 32, 64, 128), 64
+# The CUDA kernels (csrc/kernels/ssd/ssd.cu, ssd_backward.cu) compute with bf16 tensor-core products and fp32 states
+# (inputs in other dtypes are converted by their binding). They hold state sizes n 16, 32, 64 or 128 and head dims p
+# that are multiples of 64; the op runs other n, and p a multiple of 32, as parts of those (_state_parts.py).
 # The backward kernels (csrc/kernels/ssd/ssd_backward.cu) are validated on the GPU by tests/test_ssd_gpu.py.
 # False: the backward op and the matcher fall back to the reference (while a changed kernel awaits its GPU run).
 BACKWARD_KERNEL_VALIDATED = True
 
 
 def kernel_supports(n, p) -> str | None:
-    """None if the CUDA kernel computes this state size and head dim, else why not (also used by the matcher)."""
-    if n not in KERNEL_STATE_SIZES:
-        return f"state size {n} (the SSD kernel takes {' or '.join(map(str, KERNEL_STATE_SIZES))})"
-    if not isinstance(p, int) or p <= 0 or p % KERNEL_P_TILE:
-        return f"head dim {p} (the SSD kernel takes multiples of {KERNEL_P_TILE})"
-    return None
+    """None if the CUDA kernels compute this state size and head dim, else why not (also used by the matcher)."""
+    return _state_parts.supports(n, p)
+
+
+# How the raw ops' arguments and outputs split when the state runs in parts (_state_parts.py): D·x goes to one part.
+FORWARD_PARTS = _state_parts.Plan(
+    cut={0: Axes(p=-1), 3: Axes(n=-1), 4: Axes(n=-1), 6: Axes(n=-1, p=-2)}, once=(5,),
+    outs=(("sum", Axes(p=-1)), ("cat", Axes(n=-1, p=-2))))
+BACKWARD_PARTS = _state_parts.Plan(
+    cut={0: Axes(p=-1), 1: Axes(n=-1, p=-2), 2: Axes(p=-1), 5: Axes(n=-1), 6: Axes(n=-1), 8: Axes(n=-1, p=-2)},
+    once=(7,),
+    outs=(("sum", Axes(p=-1)), ("sum", Axes()), ("sum", Axes()), ("cat", Axes(n=-1)), ("cat", Axes(n=-1)),
+          ("first", Axes()), ("cat", Axes(n=-1, p=-2))))
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -193,7 +201,8 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
     _validate(x, dt, A, B, C, D, initial_state, chunk_size)
     if x.dtype != torch.float64 and kernel_supports(B.shape[-1], x.shape[-1]) is None \
             and _dispatch.use_kernel(FAMILY, x, dt, A, B, C, D, initial_state):
-        return _dispatch.kernel("ssd")(x, dt, A, B, C, D, initial_state, chunk_size)
+        return _state_parts.run(_dispatch.kernel("ssd"), (x, dt, A, B, C, D, initial_state, chunk_size),
+                                B.shape[-1], x.shape[-1], FORWARD_PARTS)
     return ssd_reference(x, dt, A, B, C, D, initial_state, chunk_size)
 
 
@@ -218,7 +227,9 @@ def ssd_backward(grad_y: torch.Tensor, grad_state: torch.Tensor, x: torch.Tensor
     if BACKWARD_KERNEL_VALIDATED and x.dtype != torch.float64 and kernel_supports(B.shape[-1], x.shape[-1]) is None \
             and _dispatch.use_kernel(FAMILY, grad_y, x, dt, A, B, C, D, initial_state) \
             and _dispatch.has_kernel("ssd_backward"):
-        return _dispatch.kernel("ssd_backward")(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
+        return _state_parts.run(_dispatch.kernel("ssd_backward"),
+                                (grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size),
+                                B.shape[-1], x.shape[-1], BACKWARD_PARTS)
     return _reference_grads(grad_y, grad_state, x, dt, A, B, C, D, initial_state, chunk_size)
 
 

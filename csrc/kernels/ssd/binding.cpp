@@ -1,9 +1,9 @@
 // Registers the SSD kernels as the raw ops tk_cuda::ssd and tk_cuda::ssd_backward, with the schemas of the
 // user-facing tk:: ops, and simple GLA on the same kernels (tk_cuda::simple_gla, tk_cuda::simple_gla_backward; the
-// scan without A). tk_inductor/ops/ssd.py and simple_gla.py call them only for what their `kernel_supports` accepts
-// (state size n = dk 16, 32, 64 or 128, head dim p = dv a multiple of 64); the checks here guard direct calls. The
-// kernel takes one layout (ssd.h): inputs in other dtypes or strides (HF Mamba2 hands over fp32 x and B/C with the
-// sequence axis innermost) are converted here first.
+// scan without A). They take state sizes n = dk of 16, 32, 64 or 128 and head dims p = dv that are multiples of 64;
+// tk_inductor/ops/ssd.py and simple_gla.py run other sizes as parts of those (ops/_state_parts.py), and the checks
+// here guard direct calls. The kernel takes one layout (ssd.h): inputs in other dtypes or strides (HF Mamba2 hands
+// over fp32 x and B/C with the sequence axis innermost) are converted here first.
 #include "binding/stable.h"
 
 #include <optional>
