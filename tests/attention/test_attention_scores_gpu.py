@@ -82,7 +82,7 @@ def test_forward_backward(ops, case):
 
 @pytest.mark.parametrize("window, cap", [(300, 0.0), (0, 20.0), (64, 20.0)])
 def test_negative_scale(ops, window, cap):
-    """scale <= 0 runs the serial forward kernel (without a cap) or the ping-pong one (capped scores)."""
+    """scale <= 0: folded into q by the binding (without a cap), or taken by the capped kernels as it is."""
     q, k, v = make_inputs(2, 4, 2, 500, 500, 128, torch.bfloat16, seed=5)
     o, lse = ops.attention(q, k, v, True, -0.1, window, cap)
     o_ref, lse_ref = reference(q, k, v, True, -0.1, window, cap)

@@ -1,6 +1,6 @@
 """GPU tests of the kernels for head dims above 128 (the D = 192 and 256 forward kernels and the D = 256 backward,
 zero-filled past the head dim: Gemma's 256, 192): prefill and decode shapes, causal, full, sliding window, softcap,
-the serial kernel (scale <= 0), padding and packed sequences through tk::attention_varlen, forward and backward,
+scales <= 0 (folded into q), padding and packed sequences through tk::attention_varlen, forward and backward,
 against the fp32 reference. Skipped without CUDA.
 """
 from __future__ import annotations
@@ -58,9 +58,12 @@ def test_forward(ops, case):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_serial_kernel(ops, causal):
-    q, k, v = make_inputs(2, 4, 2, 777, 777, 256, torch.bfloat16, layout="bnhd", seed=5)
-    o, lse = ops.attention(q, k, v, causal, -0.05)  # scale <= 0: the serial kernel, O stored from registers
+@pytest.mark.parametrize("D", [256, 232])
+def test_scale_folded_into_q(ops, causal, D):
+    """scale <= 0: the binding folds it into q for the ping-pong kernels (at D = 256 O is stored from registers, at
+    232 only the columns below D)."""
+    q, k, v = make_inputs(2, 4, 2, 777, 777, D, torch.bfloat16, layout="bnhd", seed=5)
+    o, lse = ops.attention(q, k, v, causal, -0.05)
     o_ref, lse_ref = reference(q, k, v, causal, -0.05)
     assert rel_err(o, o_ref) < OUT_TOL
     torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)

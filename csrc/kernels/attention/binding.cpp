@@ -117,6 +117,21 @@ std::tuple<Tensor, Tensor> attention(const Tensor& q_in, const Tensor& k_in, con
     STD_TORCH_CHECK(err == nullptr, "tk_cuda::attention: ", err ? err : "");
     return {o, lse};
   }
+  // The forward kernels keep each row's max on raw scores, which needs scale > 0. Without a softcap another scale is
+  // folded into q exactly: s·(q·k) = |s|·((−q)·k) for s < 0, and (s·q)·k with scale 1 for s = 0 or NaN (zeros, or
+  // NaNs, where s·(q·k) gives them). The backward takes the original q and scale: the result and lse are the same.
+  Tensor q_fwd = q;
+  if (!(sc.scale > 0.f) && !(sc.softcap > 0.f)) {
+    if (sc.scale < 0.f) {
+      q_fwd = binding::call("aten::neg", "", q);
+      sc.scale = -sc.scale;
+    } else {
+      Tensor s = torch::stable::new_empty(q, binding::Sizes{}, ScalarType::Float);
+      torch::stable::fill_(s, scale);
+      q_fwd = binding::call("aten::mul", "Tensor", q, s);
+      sc.scale = 1.f;
+    }
+  }
   // The dynamic schedule under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static one there,
   // 0.89-1.0x without a mask). Its task counter comes from the stream-ordered allocator, so launches on several
   // streams never share one; zeroed by a memset node rather than at::zeros' fill kernel: less host time per call.
@@ -124,7 +139,7 @@ std::tuple<Tensor, Tensor> attention(const Tensor& q_in, const Tensor& k_in, con
   if (causal)
     STD_TORCH_CHECK(cudaMemsetAsync(data<int>(next_task), 0, sizeof(int), stream) == cudaSuccess,
                     "tk_cuda::attention: cannot zero the task counter");
-  const char* err = tk_attn::attention_forward(dt, view(q), view(k), view(v), o.data_ptr(), data<float>(lse), sc,
+  const char* err = tk_attn::attention_forward(dt, view(q_fwd), view(k), view(v), o.data_ptr(), data<float>(lse), sc,
                                                binding::num_sms(q), causal ? data<int>(next_task) : nullptr, stream);
   STD_TORCH_CHECK(err == nullptr, "tk_cuda::attention: ", err ? err : "");
   return {o, lse};

@@ -4,7 +4,7 @@
 // (exp2 domain, fp32 max and sum) in registers. Persistent grid; tasks are
 // (batch*head, query block) in an L2-friendly, heavy-first order.
 //
-// This header: the configurations, shared memory, task order and the producer both forward kernels share
+// This header: the configurations, shared memory, task order and the producer the forward kernels share
 // (forward_kernels.cuh: the kernels; forward_launch.cuh: their launch).
 #pragma once
 #include <climits>
@@ -20,21 +20,19 @@
 namespace tk_attn {
 namespace {
 
-// One forward configuration: head dim, consumer warpgroups (64 query rows
-// each), key tile, ring stages, and the consumer schedule: PP = ping-pong (turn barriers between the warpgroups and
-// intra-warpgroup overlap, see attention_fwd_pp_kernel), with O leaving (OSTAGE) through shared memory and a TMA
-// store per 64-column panel (full 128-byte lines, clipped at N by the TMA unit; 4-byte stores from registers fill
-// only half of each 32-byte sector and hold the warpgroup in the store queue at the end of every task); false = the
-// serial schedule. Registers: the launch grants 65536 / THREADS each; setmaxnreg moves the producer's share to the
-// consumers.
-// XTASK (ping-pong): a warpgroup issues the next task's first QK^T before it finishes the current task (normalises
-// and stores O), so the tensor cores are not idle while both warpgroups do their epilogues. OSTAGE false (ping-pong):
-// O is stored from registers, for a head dim whose K/V rings leave no shared memory for the stage.
-template <int D_, int NC_, int BN_, int STAGES_, bool PP_, bool XTASK_ = false, bool OSTAGE_ = true>
+// One forward configuration: head dim, consumer warpgroups (64 query rows each), key tile and ring stages. The
+// consumers run the ping-pong schedule (turn barriers between the warpgroups and intra-warpgroup overlap, see
+// attention_fwd_pp_kernel), with O leaving (OSTAGE) through shared memory and a TMA store per 64-column panel (full
+// 128-byte lines, clipped at N by the TMA unit; 4-byte stores from registers fill only half of each 32-byte sector and
+// hold the warpgroup in the store queue at the end of every task). Registers: the launch grants 65536 / THREADS each;
+// setmaxnreg moves the producer's share to the consumers.
+// XTASK: a warpgroup issues the next task's first QK^T before it finishes the current task (normalises and stores
+// O), so the tensor cores are not idle while both warpgroups do their epilogues. OSTAGE false: O is stored from
+// registers, for a head dim whose K/V rings leave no shared memory for the stage.
+template <int D_, int NC_, int BN_, int STAGES_, bool XTASK_ = false, bool OSTAGE_ = true>
 struct FwdCfg {
   static constexpr int D = D_, NC = NC_, BN = BN_, STAGES = STAGES_;
-  static constexpr bool PP = PP_, XTASK = XTASK_, OSTAGE = PP_ && OSTAGE_;
-  static_assert(PP || !XTASK, "XTASK belongs to the ping-pong schedule");
+  static constexpr bool XTASK = XTASK_, OSTAGE = OSTAGE_;
   static_assert(NC == 2 || NC == 3, "2 or 3 consumer warpgroups");
   static constexpr int REG_PROD = NC == 2 ? 24 : 32;
   static constexpr int REG_CONS = NC == 2 ? 240 : 160;
@@ -51,7 +49,7 @@ struct Fwd {
   static_assert(BN % 16 == 0 && BN <= 256, "key tile");
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
-  static constexpr int O_BYTES = C::OSTAGE ? BM * D * 2 : 0;  // the O stage (ping-pong)
+  static constexpr int O_BYTES = C::OSTAGE ? BM * D * 2 : 0;  // the O stage
   static constexpr int SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 1024 /*align*/ + 256 /*barriers*/;
   static_assert(SMEM <= 232448, "shared memory per block");
   static_assert(2 + 4 * STAGES <= 31, "barriers fit their 256 bytes, less the task slot");
@@ -59,12 +57,11 @@ struct Fwd {
   static constexpr int O_REGS = D / 2;
 };
 
-// Shared memory of a forward block: Q, the K and V rings (64-column panels, 128-byte swizzle) and the mbarriers.
-// SPLIT_EMPTY: K and V stages are released separately (the ping-pong kernels); else one empty barrier per stage
-// serves both (v_empty == k_empty).
-template <class K_, bool SPLIT_EMPTY>
+// Shared memory of a forward block: Q, the K and V rings (64-column panels, 128-byte swizzle), the O stage and the
+// mbarriers. K and V stages are released separately.
+template <class K_>
 struct FwdSmem {
-  uint8_t *sQ, *sK, *sV, *sO;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice, [PANELS][BM][64] (ping-pong)
+  uint8_t *sQ, *sK, *sV, *sO;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice, [PANELS][BM][64] (OSTAGE)
   tk::semaphore *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
   // dynamic schedule: the task the producer hands the consumers with q_full (the barriers' last 8 bytes)
   __device__ __forceinline__ volatile int* task() const { return reinterpret_cast<volatile int*>(q_full + 31); }
@@ -78,7 +75,7 @@ struct FwdSmem {
     k_full = q_full + 2;
     v_full = k_full + K_::STAGES;
     k_empty = v_full + K_::STAGES;
-    v_empty = SPLIT_EMPTY ? k_empty + K_::STAGES : k_empty;
+    v_empty = k_empty + K_::STAGES;
   }
   // Thread 0 initialises the barriers; then the block syncs.
   __device__ __forceinline__ void init() const {
@@ -89,7 +86,7 @@ struct FwdSmem {
         tk::init_semaphore(k_full[s], 1);
         tk::init_semaphore(v_full[s], 1);
         tk::init_semaphore(k_empty[s], K_::NC * 4);
-        if (SPLIT_EMPTY) tk::init_semaphore(v_empty[s], K_::NC * 4);
+        tk::init_semaphore(v_empty[s], K_::NC * 4);
       }
       tk::fence_semaphore_init();
     }
@@ -164,14 +161,12 @@ __device__ __forceinline__ unsigned consumer_step(const Smem& sm, int t, int ti)
   return unsigned(*sm.task() - t);
 }
 
-// The producer warpgroup of both forward kernels. Thread 0 walks the block's tasks in the consumers' order,
-// loads each task's Q tile and streams its K/V tiles through the ring. SPLIT_KV (ping-pong): K and V stages
-// are released separately and K_{j+1} goes before V_j, as the consumers' round j+1 waits for both; else K_j
-// and V_j share a stage and its empty barrier.
-template <class K_, bool DYN, bool SPLIT_KV>
-__device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, const FwdParams& p,
-                                             const CUtensorMap* qmap, const CUtensorMap* kmap,
-                                             const CUtensorMap* vmap, int tid) {
+// The producer warpgroup of the forward kernels. Thread 0 walks the block's tasks in the consumers' order, loads each
+// task's Q tile and streams its K/V tiles through the rings. K and V stages are released separately and K_{j+1} goes
+// before V_j, as the consumers' round j+1 waits for both.
+template <class K_, bool DYN>
+__device__ __forceinline__ void fwd_producer(const FwdSmem<K_>& sm, const FwdParams& p, const CUtensorMap* qmap,
+                                             const CUtensorMap* kmap, const CUtensorMap* vmap, int tid) {
   constexpr int BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM, PANELS = K_::PANELS;
   tk::warpgroup::decrease_registers<K_::C::REG_PROD>();
   if (tid != 0) return;
@@ -198,26 +193,17 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_, SPLIT_KV>& sm, co
       for (int pn = 0; pn < PANELS; ++pn)
         tk::tma::load_async(ring + s * K_::KV_BYTES + pn * BN * 128, map, full[s], pn * 64, (kb.x + j) * BN, hk, b);
     };
-    if constexpr (SPLIT_KV) {
-      auto load = [&](tk::semaphore* empty, tk::semaphore* full, uint8_t* ring, const CUtensorMap* map, int pos, int j) {
-        const int s = pos % STAGES;
-        tk::wait(empty[s], ((pos / STAGES) & 1) ^ 1);
-        issue(full, ring, map, s, j);
-      };
-      load(sm.k_empty, sm.k_full, sm.sK, kmap, it, 0);
-      for (int j = 0; j < nblk; ++j) {
-        if (j + 1 < nblk) load(sm.k_empty, sm.k_full, sm.sK, kmap, it + j + 1, j + 1);
-        load(sm.v_empty, sm.v_full, sm.sV, vmap, it + j, j);
-      }
-      it += nblk;
-    } else {
-      for (int j = 0; j < nblk; ++j, ++it) {
-        const int s = it % STAGES;
-        tk::wait(sm.k_empty[s], ((it / STAGES) & 1) ^ 1);
-        issue(sm.k_full, sm.sK, kmap, s, j);
-        issue(sm.v_full, sm.sV, vmap, s, j);
-      }
+    auto load = [&](tk::semaphore* empty, tk::semaphore* full, uint8_t* ring, const CUtensorMap* map, int pos, int j) {
+      const int s = pos % STAGES;
+      tk::wait(empty[s], ((pos / STAGES) & 1) ^ 1);
+      issue(full, ring, map, s, j);
+    };
+    load(sm.k_empty, sm.k_full, sm.sK, kmap, it, 0);
+    for (int j = 0; j < nblk; ++j) {
+      if (j + 1 < nblk) load(sm.k_empty, sm.k_full, sm.sK, kmap, it + j + 1, j + 1);
+      load(sm.v_empty, sm.v_full, sm.sV, vmap, it + j, j);
     }
+    it += nblk;
   }
   if constexpr (DYN) {  // no task left: once the consumers are done with the last Q, say so
     tk::wait(*sm.q_empty, (ti & 1) ^ 1);

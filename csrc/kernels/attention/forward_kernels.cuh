@@ -1,5 +1,5 @@
-// The attention forward kernels (the serial schedule, run where scale <= 0, and the ping-pong one) on the pieces of
-// forward.cuh; forward_launch.cuh launches them.
+// The attention forward kernels (the ping-pong schedule) on the pieces of forward.cuh; forward_launch.cuh launches
+// them.
 #pragma once
 #include "forward.cuh"
 
@@ -33,144 +33,6 @@ __device__ __forceinline__ void store_rows(const FwdParams& p, const float (&o)[
   }
 }
 
-// Serial schedule: each consumer runs QK^T -> softmax -> PV in
-// turn; only the other consumers' work overlaps it.
-template <typename T, typename Cfg, bool DYN>
-__global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
-    attention_fwd_kernel(const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
-                         const __grid_constant__ CUtensorMap vmap, const FwdParams p) {
-  using K_ = Fwd<T, Cfg>;
-  constexpr int D = K_::D, BN = K_::BN, STAGES = K_::STAGES, BM = K_::BM;
-  extern __shared__ uint8_t smem_raw[];
-  const FwdSmem<K_, false> sm(smem_raw);
-  uint8_t *sQ = sm.sQ, *sK = sm.sK, *sV = sm.sV;
-  tk::semaphore *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
-  tk::semaphore* kv_empty = sm.k_empty;
-  const int wg = threadIdx.x / 128;
-  const int tid = threadIdx.x % 128;
-  sm.init();
-
-  if (wg == 0) {  // ---------------- producer ----------------
-    fwd_producer<K_, DYN>(sm, p, &qmap, &kmap, &vmap, tid);
-    return;
-  }
-
-  // ---------------- consumers ----------------
-  tk::warpgroup::increase_registers<Cfg::REG_CONS>();
-  const int c = tk::warp_uniform(wg - 1);  // uniform: the descriptors below stay in uniform registers
-  const int warp = tid / 32, lane = tid % 32;
-  const int row_in = 16 * warp + lane / 4;  // this thread's first row inside the warpgroup's 64
-  const int col_in = 2 * (lane % 4);        // first column inside each 8-column chunk
-  const uint32_t sQ_u = tk::smem_addr(sQ) + c * 64 * 128;
-  const uint32_t sK_u = tk::smem_addr(sK), sV_u = tk::smem_addr(sV);
-
-  int it = 0, ti = 0;
-  for (int t = blockIdx.x; t < p.tasks; t += DYN ? consumer_step(sm, t, ti + 1) : gridDim.x, ++ti) {
-    int bh, qb;
-    decode_task(p, t, bh, qb);
-    const int m0 = qb * BM;
-    const int r0 = m0 + 64 * c + row_in;  // global rows r0 and r0 + 8
-    const int b = bh / p.Hq, h = bh % p.Hq;
-    const int2 keys = key_blocks<BN>(p, b, m0, BM);
-    const int nblk = keys.y - keys.x;
-    const int2 rk[2] = {row_keys(p, b, r0), row_keys(p, b, r0 + 8)};
-    // the keys every row of this warpgroup may see (row_bounds are nondecreasing): blocks inside need no mask
-    const int lo_max = row_bounds(p, b, m0 + 64 * c + 63).x, hi_min = row_bounds(p, b, m0 + 64 * c).y;
-
-    float o[K_::O_REGS];
-#pragma unroll
-    for (int i = 0; i < K_::O_REGS; ++i) o[i] = 0.f;
-    float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
-
-    tk::wait(*q_full, ti & 1);
-    for (int j = 0; j < nblk; ++j, ++it) {
-      const int s = it % STAGES;
-      const uint32_t ph = (it / STAGES) & 1;
-      float sc[K_::S_REGS];
-      tk::wait(k_full[s], ph);
-      const uint64_t qa = desc_kmajor(sQ_u), kb = desc_kmajor(sK_u + s * K_::KV_BYTES);
-      tk::warpgroup::mma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t da = kmajor_step(qa, kk, BM);
-        const uint64_t db = kmajor_step(kb, kk, BN);
-        tk::warpgroup::mma_ss<T, 0, 0>(sc, da, db, kk > 0);
-      }
-      tk::warpgroup::mma_commit();
-      tk::warpgroup::mma_async_wait<0>();
-      tk::warpgroup::hold(sc);
-      if (j == nblk - 1) {  // Q is no longer read by this warp for this task
-        __syncwarp();
-        if (lane == 0) tk::arrive(*q_empty);
-      }
-
-      // Scores to the log2 domain; mask the keys outside each row's (row_keys).
-      const int n0 = (keys.x + j) * BN;
-      const bool need_mask = n0 + BN - 1 > hi_min || n0 < lo_max || (p.causal && n0 + BN - 1 > m0 + 64 * c) ||
-                             m0 + 64 * c + 63 - n0 >= p.window;
-#pragma unroll
-      for (int ch = 0; ch < BN / 8; ++ch) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = sc[4 * ch + e] * p.scale_log2;
-          if (need_mask) {
-            const int col = n0 + 8 * ch + col_in + (e & 1);
-            if (col < rk[e >> 1].x || col > rk[e >> 1].y) x = -INFINITY;
-          }
-          sc[4 * ch + e] = x;
-        }
-      }
-      float alpha[2], ms[2];
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        float m = mx[h2];
-#pragma unroll
-        for (int ch = 0; ch < BN / 8; ++ch) m = fmaxf(m, fmaxf(sc[4 * ch + 2 * h2], sc[4 * ch + 2 * h2 + 1]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        ms[h2] = m == -INFINITY ? 0.f : m;  // a row whose window has not started: P = 0, not NaN
-        alpha[h2] = exp2f(mx[h2] - ms[h2]);  // first block: exp2(-inf) = 0
-        mx[h2] = m;
-        sum[h2] *= alpha[h2];
-      }
-#pragma unroll
-      for (int ch = 0; ch < BN / 8; ++ch) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pe = exp2f(sc[4 * ch + e] - ms[e >> 1]);
-          sc[4 * ch + e] = pe;
-          sum[e >> 1] += pe;
-        }
-      }
-#pragma unroll
-      for (int ch = 0; ch < D / 8; ++ch) {
-        o[4 * ch + 0] *= alpha[0];
-        o[4 * ch + 1] *= alpha[0];
-        o[4 * ch + 2] *= alpha[1];
-        o[4 * ch + 3] *= alpha[1];
-      }
-
-      uint32_t pa[BN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<T>(pa[kk], sc, kk);
-      tk::wait(v_full[s], ph);
-      const uint64_t vb = desc_mnmajor(sV_u + s * K_::KV_BYTES, BN * 128);
-      tk::warpgroup::mma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) tk::warpgroup::mma_rs<T, 1>(o, pa[kk], mnmajor_step(vb, kk), 1);
-      tk::warpgroup::mma_commit();
-      tk::warpgroup::mma_async_wait<0>();
-      tk::warpgroup::hold(o);
-      tk::warpgroup::hold(pa);
-      __syncwarp();
-      if (lane == 0) tk::arrive(kv_empty[s]);
-    }
-
-    // Finish (the max is kept on scores already in the log2 domain)
-    store_rows<T, D>(p, o, mx, sum, b, h, bh, r0, col_in, lane);
-  }
-}
-
 // ---- ping-pong schedule --------------------------------------------------
 // Each consumer warpgroup issues its GEMMs in "rounds": round 0 = S_0 = Q K_0^T,
 // round j+1 = S_{j+1} = Q K_{j+1}^T together with O += P_j V_j, last round =
@@ -179,7 +41,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
 // their softmax (inter-warpgroup overlap); inside a warpgroup the softmax of
 // S_{j+1} runs while PV_j is still in flight (intra-warpgroup overlap).
 // The max is kept on raw scores and folded into one FFMA per element, which
-// needs scale > 0 (the launcher sends other scales to the serial kernel).
+// needs scale > 0 (the binding folds other scales into q: binding.cpp, attention).
 // CAP: the scores are softcapped first (cap_out * tanh(cap_in * s)), and the max is kept on the capped scores
 // (then the exponent's factor is log2 e > 0 whatever the scale). DROP: dropout (dropout.cuh) zeroes the dropped
 // probabilities after the row sums have taken them, and finish scales O by 1 / (1 - p).
@@ -296,7 +158,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   // K and V stages are released separately: K as soon as its QK^T is done,
   // so the next K can land while V is still read by PV.
-  const FwdSmem<K_, true> sm(smem_raw);
+  const FwdSmem<K_> sm(smem_raw);
   uint8_t *sQ = sm.sQ, *sK = sm.sK, *sV = sm.sV;
   tk::semaphore *q_full = sm.q_full, *q_empty = sm.q_empty, *k_full = sm.k_full, *v_full = sm.v_full;
   tk::semaphore *k_empty = sm.k_empty, *v_empty = sm.v_empty;

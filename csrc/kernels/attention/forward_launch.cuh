@@ -12,8 +12,7 @@ template <typename T, typename Cfg, bool DYN, bool CAP, bool DROP = false>
 const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse, const Scores& sc,
                        int num_sms, int* next_task, cudaStream_t stream) {
   using K_ = Fwd<T, Cfg>;
-  static_assert(Cfg::PP || !(CAP || DROP), "softcapped scores and dropout run on the ping-pong kernels");
-  CUtensorMap qm, km, vm, om{};  // om: ping-pong only
+  CUtensorMap qm, km, vm, om{};  // om: OSTAGE only
   if (const char* e = make_map(&qm, dt, q, K_::BM)) return e;
   if (const char* e = make_map(&km, dt, k, K_::BN)) return e;
   if (const char* e = make_map(&vm, dt, v, K_::BN)) return e;
@@ -36,34 +35,25 @@ const char* launch_fwd(DType dt, const View4& q, const View4& k, const View4& v,
   p.o = o;
   p.lse = lse;
   p.next_task = next_task;
-  auto kern = [] {
-    if constexpr (Cfg::PP)
-      return attention_fwd_pp_kernel<T, Cfg, DYN, CAP, DROP>;
-    else
-      return attention_fwd_kernel<T, Cfg, DYN>;
-  }();
+  const auto kern = attention_fwd_pp_kernel<T, Cfg, DYN, CAP, DROP>;
   // Per device, so set on every launch (cheap).
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, K_::SMEM) != cudaSuccess)
     return "cudaFuncSetAttribute failed for the attention forward kernel";
   const int grid = std::min(p.tasks, num_sms);
-  if constexpr (Cfg::PP)
-    kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, om, p);
-  else
-    kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, p);
+  kern<<<grid, K_::THREADS, K_::SMEM, stream>>>(qm, km, vm, om, p);
   return cudaGetLastError() == cudaSuccess ? nullptr : "attention forward launch failed";
 }
 
 // The configurations the forward runs, per head dim (measured on the H200 against cuDNN: benchmarks/RESULTS.md).
 // Ping-pong consumers (O stored by TMA but at D = 256), and at D = 128 without a mask also the next task's first scores
-// under the current one's finish (XTASK; under a mask it spilled and ran 4% slower). Serial serves scale <= 0, which
-// the ping-pong kernels' max-on-raw-scores trick cannot.
+// under the current one's finish (XTASK; under a mask it spilled and ran 4% slower). They need scale > 0 (the max is
+// kept on raw scores): the binding folds other scales into q.
 template <int D>
 struct FwdConfigs;
 template <>
 struct FwdConfigs<128> {
-  using Serial = FwdCfg<128, 2, 128, 2, false>;
-  using Causal = FwdCfg<128, 2, 128, 2, true>;
-  using Full = FwdCfg<128, 2, 128, 2, true, true>;
+  using Causal = FwdCfg<128, 2, 128, 2>;
+  using Full = FwdCfg<128, 2, 128, 2, true>;
   using DropoutCausal = Causal;  // the dropout kernels (DROP): the generator's registers fit beside Causal's
   using DropoutFull = Causal;
 };
@@ -72,33 +62,30 @@ struct FwdConfigs<128> {
 // the stage or 32-key tiles with three stages; XTASK spilled at D = 256 and ran no faster at D = 192.
 template <>
 struct FwdConfigs<256> {
-  using Serial = FwdCfg<256, 2, 80, 2, false>;
-  using Causal = FwdCfg<256, 2, 80, 2, true, false, false>;
+  using Causal = FwdCfg<256, 2, 80, 2, false, false>;
   using Full = Causal;
 };
 template <>
 struct FwdConfigs<192> {
-  using Serial = FwdCfg<192, 2, 80, 2, false>;
-  using Causal = FwdCfg<192, 2, 80, 2, true>;
+  using Causal = FwdCfg<192, 2, 80, 2>;
   using Full = Causal;
 };
 template <>
 struct FwdConfigs<64> {
-  using Serial = FwdCfg<64, 3, 128, 4, false>;
-  using Causal = FwdCfg<64, 3, 128, 4, true>;
+  using Causal = FwdCfg<64, 3, 128, 4>;
   using Full = Causal;
   // Dropout: three consumers at 160 registers spilled 192 bytes a thread; two at 240 ran 1.22-1.26x faster on the
   // H200, and XTASK 1.03-1.04x more without a mask (0.97-0.98x under the causal one, as without dropout).
-  using DropoutCausal = FwdCfg<64, 2, 128, 4, true>;
-  using DropoutFull = FwdCfg<64, 2, 128, 4, true, true>;
+  using DropoutCausal = FwdCfg<64, 2, 128, 4>;
+  using DropoutFull = FwdCfg<64, 2, 128, 4, true>;
 };
 
 }  // namespace
 
 // The launcher of one (dtype, head dim, mask), instantiated in forward_<dtype>_d<head dim>_<causal|full>.cu: the mask's
 // configuration, on the dynamic schedule under a causal mask (its tasks differ in length; H200: 1.03-1.25x the static
-// one there) and the static one without (equal tasks: 0.89-1.0x as dynamic); the serial configuration for scale <= 0
-// without a cap.
+// one there) and the static one without (equal tasks: 0.89-1.0x as dynamic). scale > 0 or a softcap (binding.cpp
+// folds other scales into q).
 template <typename T, int D, bool CAUSAL>
 const char* forward_config(DType dt, const View4& q, const View4& k, const View4& v, void* o, float* lse,
                            const Scores& sc, int num_sms, int* next_task, cudaStream_t stream) {
@@ -106,15 +93,10 @@ const char* forward_config(DType dt, const View4& q, const View4& k, const View4
   if (sc.causal != CAUSAL) return "the forward was dispatched to the other mask's kernels";
   if (CAUSAL && next_task == nullptr) return "the causal forward needs its task counter";
   const bool cap = sc.softcap > 0.f;
-  const auto run = [&](auto cfg) {
-    using Cfg = decltype(cfg);
-    if constexpr (Cfg::PP) {
-      if (cap) return launch_fwd<T, Cfg, CAUSAL, true>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
-    }
-    return launch_fwd<T, Cfg, CAUSAL, false>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
-  };
-  if (!(sc.scale > 0.f) && !cap) return run(typename Cs::Serial{});
-  return run(std::conditional_t<CAUSAL, typename Cs::Causal, typename Cs::Full>{});
+  if (!(sc.scale > 0.f) && !cap) return "the forward kernels take scale > 0 (or a softcap): fold the scale into q";
+  using Cfg = std::conditional_t<CAUSAL, typename Cs::Causal, typename Cs::Full>;
+  if (cap) return launch_fwd<T, Cfg, CAUSAL, true>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
+  return launch_fwd<T, Cfg, CAUSAL, false>(dt, q, k, v, o, lse, sc, num_sms, next_task, stream);
 }
 
 // The dropout kernels of one (dtype, head dim <= 128), instantiated in forward_dropout_<dtype>_d<head dim>.cu: the
