@@ -121,8 +121,10 @@ class _Finder:
         (qs, ks, vs) = shapes
         if not eq(ks[-1], qs[-1]):
             raise Keep(f"q and k head dims differ ({qs[-1]} vs {ks[-1]})")
-        if not eq(vs[-1], qs[-1]):
-            raise Keep(f"value head dim {vs[-1]} differs from the query/key head dim {qs[-1]}")
+        # a value head dim other than q/k's (MLA: DeepSeek's 192 / 128) runs zero-padded to the larger one
+        own_value_dim = not eq(vs[-1], qs[-1])
+        if own_value_dim and (number(vs[-1]) is None or number(qs[-1]) is None):
+            raise Keep(f"value head dim {vs[-1]} differs from the query/key head dim {qs[-1]}, not as constants")
         # k and v lengths the graph cannot prove equal (two KV-cache inputs, each with its own size symbol) are equal
         # wherever the graph runs: the original attention raises otherwise, and so does the op.
         if known(ks[-2] != vs[-2]):
@@ -140,7 +142,8 @@ class _Finder:
         if not (scale > 0 and math.isfinite(scale)):
             raise Keep(f"scale {scale} is not a positive finite number")
         if exs[0].device.type == "cuda" and not self.reference:
-            why = attention_ops.kernel_supports(dtype, number(qs[-1]), needs_grad(qo.node, ko.node, vo.node),
+            why = attention_ops.kernel_supports(dtype, max(number(qs[-1]), number(vs[-1])) if own_value_dim
+                                                else number(qs[-1]), needs_grad(qo.node, ko.node, vo.node),
                                                 dropout_p > 0)
             if why is not None:
                 raise Keep(why)
@@ -153,7 +156,7 @@ class _Finder:
         heads = "4d" if len(qs) == 4 and (mixed or not qo.merged) else ("merged" if qo.merged else "none")
         args = (qo.arg(), ko.arg(), vo.arg(), bool(kind.causal), float(scale), int(kind.window), float(softcap))
         if heads == "merged":
-            back = self._merged_back(out, qs)
+            back = self._merged_back(out, qs[:-1] + [vs[-1]])
             if back is not None:
                 heads, out = "4d", back
         # The op's o is a transposed view of a (B, N, H, D) buffer; a later `.view` of the eager
@@ -164,6 +167,9 @@ class _Finder:
             raise Keep("dropout on softcapped scores (the kernels' dropout takes no softcap)")
         if dropout_p and mask is not None:
             raise Keep("dropout with a mask handed into the graph (tk::attention_masked takes no dropout)")
+        if (mask is not None or varlen) and own_value_dim:
+            raise Keep(f"value head dim {vs[-1]} differs from the query/key head dim {qs[-1]} under a mask known only "
+                       "at run time (its ops take one head dim)")
         if (mask is not None or varlen) and (heads != "4d" or any(transposed) or contiguous):
             raise Keep("the mask's values are known only at run time and the layout needs an adapter")
         # dropout's (seed, offset) pair is drawn in the adapters (tk::philox_seed)

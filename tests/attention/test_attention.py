@@ -132,7 +132,7 @@ def test_backward_gradients_take_the_inputs_layout(layout):
     (lambda q, k, v: (q, torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1)), ValueError,
      "multiple of key/value heads"),
     (lambda q, k, v: (q, k[..., :4], v[..., :4]), ValueError, "head dim"),
-    (lambda q, k, v: (q, k, v[:, :, :2]), ValueError, "same shape"),
+    (lambda q, k, v: (q, k, v[:, :, :2]), ValueError, r"same \(B, H, M\)"),
     (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch"),
     (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), ValueError, "empty"),
 ])

@@ -1,7 +1,7 @@
 """GPU tests of the kernels for head dims above 128 (the D = 192 and 256 forward kernels and the D = 256 backward,
 zero-filled past the head dim: Gemma's 256, 192): prefill and decode shapes, causal, full, sliding window, softcap,
 scales <= 0 (folded into q), padding and packed sequences through tk::attention_varlen, forward and backward,
-against the fp32 reference. Skipped without CUDA.
+against the fp32 reference; a value head dim other than q/k's (MLA) through tk::attention. Skipped without CUDA.
 """
 from __future__ import annotations
 
@@ -162,3 +162,34 @@ def test_hf_gemma2_generate_with_the_kernels(cache):
     assert torch.equal(got.sequences, want.sequences)
     graphs = tk_inductor.report().graphs
     assert graphs and all(g.replaced.get("attention", 0) == 2 for g in graphs), graphs
+
+
+@pytest.mark.parametrize("D, Dv", [(192, 128), (96, 64), (64, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_value_head_dim(ops, monkeypatch, D, Dv, causal):
+    """Multi-head latent attention's head dims (DeepSeek: q/k 192, v 128) through tk::attention, which runs the
+    kernels on q/k and v zero-padded to the larger: forward and backward, GQA, the (B, N, H, D) layout, odd lengths."""
+    from kernel_checks import record_raw_calls
+
+    calls = record_raw_calls(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(D + Dv)
+    B, Hq, Hkv, N = 2, 8, 4, 777
+
+    def heads(h, d):  # (B, H, N, d) views of (B, N, H, d) buffers, as HF's projections give them
+        return torch.randn(B, N, h, d, device="cuda", generator=g).bfloat16().transpose(1, 2).detach().requires_grad_()
+
+    q, k, v = heads(Hq, D), heads(Hkv, D), heads(Hkv, Dv)
+    scale = D ** -0.5
+    o, lse = torch.ops.tk.attention(q, k, v, causal, scale)
+    assert o.shape == (B, Hq, N, Dv) and o.transpose(1, 2).is_contiguous() and not o.isnan().any()
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = reference(qr, kr, vr, causal, scale)
+    assert rel_err(o, o_ref) < OUT_TOL
+    torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    o_ref.backward(do.float())
+    for name, got, like, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), (qr.grad, kr.grad, vr.grad)):
+        assert got.shape == like.shape and not got.isnan().any()
+        assert rel_err(got, ref) < GRAD_TOL, f"{name}: relative error {rel_err(got, ref):.3e}"
+    assert calls == ["attention", "attention_backward"]

@@ -110,6 +110,18 @@ def _mamba2():
     return transformers.Mamba2ForCausalLM(cfg)
 
 
+def _deepseek_v3():  # multi-head latent attention: q/k head dim 24 (16 + 8 rotary), v head dim 16
+    if not hasattr(transformers, "DeepseekV3Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V3")
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_group=1, topk_group=1, max_position_embeddings=128,
+    )
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
 def _padding_mask(batch: int, length: int) -> torch.Tensor:
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[1, length - 4:] = 0  # the second sequence is right-padded
@@ -138,6 +150,7 @@ CASES = {
     "bert-padding": Case(_bert, ("attention", "layernorm"), attention_count=2, padding_mask=True),
     "gpt-neox": Case(_neox, ("attention", "rotary", "layernorm"), attention_count=2),
     "mamba2": Case(_mamba2, ("ssd", "layernorm")),
+    "deepseek-v3": Case(_deepseek_v3, ("attention", "layernorm"), attention_count=2),
 }
 
 

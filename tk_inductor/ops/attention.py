@@ -3,7 +3,8 @@
 Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops with the same schemas):
 
     tk::attention(q, k, v, causal, scale, window=0, softcap=0., dropout_p=0., rng=None) -> (o, lse)
-        q (B, Hq, N, D), k and v (B, Hkv, M, D), Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq/Hkv),
+        q and k (B, Hq, N, D), (B, Hkv, M, D), v (B, Hkv, M, Dv) (Dv may differ from D: MLA's 192 / 128, run by the
+        kernels zero-padded to the larger), Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq/Hkv),
         as `repeat_interleave` / SDPA `enable_gqa=True`), any strides with stride(-1) == 1.
         s = scale · q kᵀ; with softcap > 0, s = softcap · tanh(s / softcap) (Gemma-2's score capping);
         masked to key j <= query i when `causal` (top-left aligned, SDPA `is_causal=True`, also for N != M: every
@@ -12,8 +13,8 @@ Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops 
         Qwen2; FlashAttention's window_size=(window - 1, 0)). A row left with no key (only when N > M + window - 1)
         gets o = 0 and lse = +inf, as SDPA's safe softmax gives (and the backward's P = 0);
         lse = logsumexp(s) over keys, fp32 (B, Hq, N) contiguous, natural log;
-        o = softmax(s) v in q's dtype, shape (B, Hq, N, D), a view of a (B, N, Hq, D) contiguous buffer
-        (what FlashAttention returns: the usual `o.transpose(1, 2).reshape(B, N, Hq * D)` is then free).
+        o = softmax(s) v in q's dtype, shape (B, Hq, N, Dv), a view of a (B, N, Hq, Dv) contiguous buffer
+        (what FlashAttention returns: the usual `o.transpose(1, 2).reshape(B, N, Hq * Dv)` is then free).
         With dropout_p > 0 (training), o = (softmax(s) ∘ keep / (1 - dropout_p)) v, keep the Philox mask of
         `rng`, a CPU int64 (seed, offset) pair (philox.draw_seed, or the graph's tk::philox_seed): a pure function of
         the pair and the element (philox.attention_keep_mask, bit-identical to the kernels), so the backward
@@ -97,10 +98,16 @@ def _validate_scores(causal, window, softcap, op: str, dropout_p=0.0, rng=None) 
                   f"got {rng!r}")
 
 
-def _validate(q, k, v, scale, op: str = "tk::attention") -> None:
+def _validate(q, k, v, scale, op: str = "tk::attention", own_value_dim: bool = False) -> None:
+    """own_value_dim: v's head dim may differ from q's and k's (tk::attention; its masked and variable-length
+    siblings take one head dim)."""
     check = _dispatch.check
     _dispatch.check_operands(op, "B, H, N, D", q=q, k=k, v=v)
-    check(k.shape == v.shape, lambda: f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if own_value_dim:
+        check(k.shape[:3] == v.shape[:3],
+              lambda: f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same (B, H, M)")
+    else:
+        check(k.shape == v.shape, lambda: f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     B, Hq, _, D = q.shape
     check(k.shape[0] == B, lambda: f"{op}: batch of k/v ({k.shape[0]}) differs from q's ({B})")
     check(k.shape[3] == D, lambda: f"{op}: head dim of k/v ({k.shape[3]}) differs from q's ({D})")
@@ -114,15 +121,16 @@ def _validate(q, k, v, scale, op: str = "tk::attention") -> None:
           TypeError if not isinstance(scale, (int, float)) else ValueError)
 
 
-def _validate_backward(grad_o, q, k, v, o, lse, scale) -> None:
+def _validate_backward(grad_o, q, k, v, o, lse, scale, own_value_dim: bool = False) -> None:
     op = "tk::attention_backward"
-    _validate(q, k, v, scale, op)
+    _validate(q, k, v, scale, op, own_value_dim)
     check = _dispatch.check
     for name, t in (("grad_o", grad_o), ("o", o), ("lse", lse)):
         check(isinstance(t, torch.Tensor), lambda: f"{op}: {name} must be a tensor, got {type(t).__name__}", TypeError)
         check(t.device == q.device, lambda: f"{op}: {name} is on {t.device}, q on {q.device}")
+    o_shape = q.shape[:3] + v.shape[3:]
     for name, t in (("grad_o", grad_o), ("o", o)):
-        check(t.shape == q.shape, lambda: f"{op}: {name} shape {tuple(t.shape)} must equal q's {tuple(q.shape)}")
+        check(t.shape == o_shape, lambda: f"{op}: {name} shape {tuple(t.shape)} must be (B, Hq, N, Dv) = {tuple(o_shape)}")
         check(t.dtype == q.dtype, lambda: f"{op}: {name} dtype {t.dtype} differs from q's {q.dtype}", TypeError)
     check(lse.shape == q.shape[:3],
           lambda: f"{op}: lse shape {tuple(lse.shape)} must be (B, Hq, N) = {tuple(q.shape[:3])}")
@@ -175,9 +183,10 @@ def _as_grads(q, k, v, dq, dk, dv):
     return tuple(out)
 
 
-def _empty_out(q: torch.Tensor) -> torch.Tensor:
+def _empty_out(q: torch.Tensor, d: int | None = None) -> torch.Tensor:
+    """o for q: a (B, H, N, d) view of a (B, N, H, d) buffer, d q's head dim by default (else v's)."""
     B, H, N, D = q.shape
-    return q.new_empty(B, N, H, D).transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) buffer
+    return q.new_empty(B, N, H, D if d is None else d).transpose(1, 2)
 
 
 def _lse(s: torch.Tensor) -> torch.Tensor:
@@ -220,7 +229,7 @@ def attention_reference(q, k, v, causal: bool, scale: float, window: int = 0, so
     group = q.shape[1] // k.shape[1]
     vf = v.to(s.dtype).repeat_interleave(group, dim=1) if group > 1 else v.to(s.dtype)
     p = _drop(_probs(s), _keep(s, dropout_p, rng, head0), dropout_p)
-    o = _empty_out(q)
+    o = _empty_out(q, v.shape[-1])
     o.copy_(torch.matmul(p, vf))
     return o, lse.to(torch.float32).contiguous()
 
@@ -232,7 +241,7 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
     forward's mask again (philox): dV takes the dropped P, dP is dropped the same way."""
     s, dcap = _scores(q, k, causal, scale, mask, window, softcap)
     acc = s.dtype
-    B, Hkv, M, D = k.shape
+    B, Hkv, M, _ = k.shape
     group = q.shape[1] // Hkv
     p = _probs(s, lse)
     do = grad_o.to(acc)
@@ -248,8 +257,8 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
     dq = torch.matmul(ds, kf)
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
     if group > 1:  # sum the query heads of each group onto their kv head
-        dk = dk.view(B, Hkv, group, M, D).sum(2)
-        dv = dv.view(B, Hkv, group, M, D).sum(2)
+        dk = dk.view(B, Hkv, group, M, k.shape[-1]).sum(2)
+        dv = dv.view(B, Hkv, group, M, v.shape[-1]).sum(2)
     return _as_grads(q, k, v, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
 
 
@@ -259,8 +268,8 @@ def _kernel_ok(*tensors, backward: bool = False, scale: float = 1.0, softcap: fl
                dropout_p: float = 0.0) -> bool:
     """Whether the kernels run these operands (q first) and score function: dtype, head dim, and with dropout also
     scale > 0 and no softcap."""
-    q = tensors[0]
-    return (kernel_supports(q.dtype, q.shape[-1], backward, dropout_p > 0) is None
+    q, v = tensors[0], tensors[2]
+    return (kernel_supports(q.dtype, max(q.shape[-1], v.shape[-1]), backward, dropout_p > 0) is None
             and (dropout_p == 0 or (scale > 0 and softcap == 0)) and _dispatch.use_kernel(FAMILY, *tensors))
 
 
@@ -270,7 +279,10 @@ def direct_kernel_ok(*tensors, backward: bool = False, scale: float = 1.0, softc
     values): the kernel takes the operands as they are, no empty-input shortcut and no copy of a strided row."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return _kernel_ok(*tensors, backward=backward, scale=scale, softcap=softcap, dropout_p=dropout_p) and all(
+    # the raw ops take one head dim: the Python op pads q/k and v to a common one (_padded)
+    same_dims = statically_known_true(tensors[0].shape[-1] == tensors[2].shape[-1])
+    return same_dims and _kernel_ok(*tensors, backward=backward, scale=scale, softcap=softcap,
+                                    dropout_p=dropout_p) and all(
         t.dim() < 4 or (statically_known_true(t.stride(-1) == 1) and statically_known_true(t.numel() > 0))
         for t in tensors)
 
@@ -280,6 +292,14 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def _padded(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors zero-padded to their largest head dim. The kernels take one head dim for q, k and v; zero columns
+    of q and k leave the scores as they are (the scale is given), zero columns of v give zero columns of o (sliced
+    off) and of dv, and zero columns of o and grad_o leave the backward's rowsum(grad_o ∘ o) as it is."""
+    d = max(t.shape[-1] for t in tensors)
+    return [t if t.shape[-1] == d else torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in tensors]
+
+
 @torch.library.custom_op("tk::attention", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, bool? causal, float scale, int window=0, "
                                 "float softcap=0., float dropout_p=0., Tensor? rng=None) -> (Tensor o, Tensor lse)")
@@ -287,22 +307,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
               softcap: float = 0.0, dropout_p: float = 0.0, rng: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     _dispatch.check_flags("tk::attention", causal=causal)
-    _validate(q, k, v, scale)
+    _validate(q, k, v, scale, own_value_dim=True)
     _validate_scores(causal, window, softcap, "tk::attention", dropout_p, rng)
-    if q.numel() == 0:
-        return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
+    if q.numel() == 0 or v.shape[-1] == 0:
+        return _empty_out(q, v.shape[-1]), q.new_zeros(q.shape[:3], dtype=torch.float32)
     if _kernel_ok(q, k, v, scale=scale, softcap=softcap, dropout_p=dropout_p):
         q, k, v = map(_last_dim_unit, (q, k, v))
-        return _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, dropout_p, rng)
+        if q.shape[-1] == v.shape[-1]:
+            return _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, dropout_p, rng)
+        o, lse = _dispatch.kernel("attention")(*_padded(q, k, v), causal, scale, window, softcap, dropout_p, rng)
+        return _empty_out(q, v.shape[-1]).copy_(o[..., :v.shape[-1]]), lse
     return attention_reference(q, k, v, causal, scale, window, softcap, None, dropout_p, rng)
 
 
 @attention.register_fake
 def _attention_fake(q, k, v, causal, scale, window=0, softcap=0.0, dropout_p=0.0, rng=None):
     _dispatch.check_flags("tk::attention", causal=causal)
-    _validate(q, k, v, scale)
+    _validate(q, k, v, scale, own_value_dim=True)
     _validate_scores(causal, window, softcap, "tk::attention", dropout_p, rng)
-    return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _empty_out(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tk::attention_backward", mutates_args=(),
@@ -314,14 +337,19 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                        dropout_p: float = 0.0, rng: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _dispatch.check_flags("tk::attention_backward", causal=causal)
-    _validate_backward(grad_o, q, k, v, o, lse, scale)
+    _validate_backward(grad_o, q, k, v, o, lse, scale, own_value_dim=True)
     _validate_scores(causal, window, softcap, "tk::attention_backward", dropout_p, rng)
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
     if _kernel_ok(q, k, v, grad_o, o, lse, backward=True, scale=scale, softcap=softcap, dropout_p=dropout_p):
         grad_o, q, k, v, o = map(_last_dim_unit, (grad_o, q, k, v, o))
-        return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale, window,
-                                                      softcap, dropout_p, rng)
+        if q.shape[-1] == v.shape[-1]:
+            return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale, window,
+                                                          softcap, dropout_p, rng)
+        gp, qp, kp, vp, op = _padded(grad_o, q, k, v, o)
+        dq, dk, dv = _dispatch.kernel("attention_backward")(gp, qp, kp, vp, op, lse.contiguous(), causal, scale,
+                                                            window, softcap, dropout_p, rng)
+        return _as_grads(q, k, v, dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]])
     return attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, None, window, softcap, dropout_p,
                                         rng)
 
@@ -329,7 +357,7 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 @attention_backward.register_fake
 def _attention_backward_fake(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.0, dropout_p=0.0, rng=None):
     _dispatch.check_flags("tk::attention_backward", causal=causal)
-    _validate_backward(grad_o, q, k, v, o, lse, scale)
+    _validate_backward(grad_o, q, k, v, o, lse, scale, own_value_dim=True)
     _validate_scores(causal, window, softcap, "tk::attention_backward", dropout_p, rng)
     return grad_like(q), grad_like(k), grad_like(v)
 
