@@ -65,6 +65,21 @@ class Sel:
     b: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class Abs:
+    """|arg| of an affine form: only compared (|a| <= c is a <= c and -a <= c: a two-sided band)."""
+
+    arg: Aff
+
+
+@dataclasses.dataclass(frozen=True)
+class Neg:
+    """The complement of a Pred that is no Pred itself (the complement of a band is a union): negated again, or what
+    masked_fill and where hide or select against."""
+
+    pred: Pred
+
+
 TRUE, FALSE = Pred(), Pred(false=True)
 
 
@@ -127,6 +142,13 @@ def _not(p: Pred) -> Pred:
     raise Keep("mask negates an intersection (a union of regions)")
 
 
+def complement(p: Pred) -> Pred | Neg:
+    """not p: a Pred where one is, else Neg(p) (a union of half-planes)."""
+    if len(p.planes) > 1 and not p.pads and not p.false:
+        return Neg(p)
+    return _not(p)
+
+
 def _or(p: Pred, q: Pred) -> Pred:
     if p.pads or q.pads:
         if p == q or q.false:
@@ -146,6 +168,8 @@ def _or(p: Pred, q: Pred) -> Pred:
 def _as_pred(v) -> Pred:
     if isinstance(v, Pred):
         return v
+    if isinstance(v, Neg):
+        raise Keep("mask is a union of regions (what a band hides)")
     if isinstance(v, Aff) and not v.coefs:
         return TRUE if v.c else FALSE
     if isinstance(v, Sel):
@@ -191,6 +215,10 @@ def _shift(v, fn):
         return Pred(out.planes, pads=frozenset((lit[0], lit[1], *(_form(fn, f) for f in lit[2:])) for lit in v.pads))
     if isinstance(v, Gather):
         return Gather(v.node, _form(fn, v.row), _form(fn, v.col))
+    if isinstance(v, Abs):
+        return Abs(_shift(v.arg, fn))
+    if isinstance(v, Neg):
+        return Neg(_shift(v.pred, fn))
     if isinstance(v, Sel):
         return _simplify(Sel(_shift(v.pred, fn), v.a, v.b))
     raise TypeError(v)
@@ -265,7 +293,18 @@ def run_axis(node) -> int:
     return id(node)
 
 
+_FLIPPED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "ne"}
+
+
 def _compare(op: str, x, y) -> Pred:
+    if isinstance(x, Abs) or isinstance(y, Abs):
+        if not isinstance(x, Abs):
+            x, y, op = y, x, _FLIPPED[op]
+        if not isinstance(y, Aff) or op in ("eq", "ne"):
+            raise Keep(f"mask compares an absolute value by {op} or with another absolute value")
+        if op in ("ge", "gt"):  # |a| >= y is not |a| < y
+            return complement(_compare("lt" if op == "ge" else "le", x, y))
+        return _and(_compare(op, x.arg, y), _compare(op, _linear("mul", x.arg, Aff((), -1)), y))
     if isinstance(x, Gather) or isinstance(y, Gather):
         if op == "eq" and isinstance(x, Gather) and isinstance(y, Gather) and x.node is y.node and x.row == y.row:
             return Pred(pads=frozenset({("same", x.node, x.row, *sorted((x.col, y.col)))}))

@@ -25,8 +25,9 @@ import torch.fx as fx
 
 from tk_inductor.rewrite import example
 
-from ._affine import (Aff, _and, _as_pred, _as_sel, _coefs, _compare, _drop_unit_axes, FALSE, Gather, _is_int, _linear,
-                      nonnegative, _not, _or, _plane, Pred, _remap, run_axis, Sel, _shift, _simplify, TRUE)
+from ._affine import (Abs, Aff, _and, _as_pred, _as_sel, _coefs, _compare, complement, _drop_unit_axes, FALSE, Gather,
+                      _is_int, _linear, Neg, nonnegative, _not, _or, _plane, Pred, _remap, run_axis, Sel, _shift,
+                      _simplify, TRUE)
 from ._fx import arg as _arg
 from ._fx import Keep, eq, number, rank, shape
 from ._fx import name as _name
@@ -83,7 +84,10 @@ class _MaskEval:
         v = _drop_unit_axes(v, shape(node) or ())
         if isinstance(example(node), torch.Tensor):
             dtype = example(node).dtype
-            if dtype == torch.bool and not isinstance(v, Pred):
+            if isinstance(v, Neg):
+                if dtype != torch.bool:
+                    v = Sel(v.pred, 0, 1)
+            elif dtype == torch.bool and not isinstance(v, Pred):
                 v = _as_pred(v)
             elif dtype != torch.bool and isinstance(v, Pred):
                 v = _simplify(Sel(v, 1, 0))
@@ -150,6 +154,12 @@ class _MaskEval:
     def _op_neg(self, node):
         return _linear("mul", self(node.args[0]), Aff((), -1))
 
+    def _op_abs(self, node):
+        v = self(node.args[0])
+        if not isinstance(v, Aff):
+            raise Keep("mask takes the absolute value of something other than an index expression")
+        return Aff((), abs(v.c)) if not v.coefs else Abs(v)
+
     def _cmp(self, node, op):
         return _compare(op, self(node.args[0]), self(node.args[1]))
 
@@ -178,13 +188,17 @@ class _MaskEval:
         return _or(_as_pred(self(node.args[0])), _as_pred(self(node.args[1])))
 
     def _op_not(self, node):
-        return _not(_as_pred(self(node.args[0])))
+        v = self(node.args[0])
+        return v.pred if isinstance(v, Neg) else complement(_as_pred(v))
 
     def _op_where(self, node):
         if len(node.args) + len(node.kwargs) < 3:
             raise Keep("mask uses one-argument where")
-        cond = _as_pred(self(_arg(node, 0, "condition")))
+        cond = self(_arg(node, 0, "condition"))
         a, b = self(_arg(node, 1, "input")), self(_arg(node, 2, "other"))
+        if isinstance(cond, Neg):  # where(not p, a, b) = where(p, b, a)
+            cond, a, b = cond.pred, b, a
+        cond = _as_pred(cond)
         if isinstance(a, Aff) and isinstance(b, Aff) and not a.coefs and not b.coefs:
             return _simplify(Sel(cond, a.c, b.c))
         if isinstance(a, Pred) and isinstance(b, Aff) and not b.coefs and not b.c:
@@ -193,10 +207,17 @@ class _MaskEval:
 
     def _op_masked_fill(self, node):
         x = self(node.args[0])
-        p = _as_pred(self(_arg(node, 1, "mask")))
+        m = self(_arg(node, 1, "mask"))
         v = self(_arg(node, 2, "value"))
         if not (isinstance(v, Aff) and not v.coefs):
             raise Keep("mask fill value is not a constant")
+        if isinstance(m, Neg):  # filled outside m.pred: what is left is m.pred
+            if isinstance(x, Aff) and not x.coefs:
+                return _simplify(Sel(m.pred, x.c, v.c))
+            if isinstance(x, Pred) and not v.c:
+                return _and(x, m.pred)
+            raise Keep("mask fills a non-constant tensor")
+        p = _as_pred(m)
         if isinstance(x, Aff) and not x.coefs:
             return _simplify(Sel(p, v.c, x.c))
         if isinstance(x, Pred) and not v.c:  # a bool mask with more positions cleared
@@ -434,7 +455,8 @@ def _on_box(planes, sizes: dict) -> set | None:
 
 class MaskKind(NamedTuple):
     """What a proven mask allows: `causal` (key j <= query i, top-left) or everything, and within causal a sliding
-    `window` > 0 (also j > i - window, as transformers' sliding-window masks), 0 for none; with `pad` = (mask node,
+    `window` > 0 (also j > i - window, as transformers' sliding-window masks), 0 for none; without causal a window is
+    two-sided (|i - j| < window, transformers' bidirectional sliding window); with `pad` = (mask node,
     offset) only the keys j where the run-time (B or 1, M') bool `mask[b, offset + j]` holds (a padding mask), with
     `segments` (a (B or 1, N) node of packed-sequence ids) only the keys of the query's sequence, and
     `uniform_empty` when a padded mask's fill is finite (a row with no visible key then averages v, as in eager)."""
@@ -494,6 +516,10 @@ def _planes_kind(allowed: Pred, score_shape: tuple) -> MaskKind:
         (coefs, c), = rest
         if coefs == anti and c >= 0:  # j - i + c >= 0: j > i - (c + 1)
             return MaskKind(True, c + 1)
+    if len(planes) == 2 and {co for co, _ in planes} == {diagonal, anti}:
+        (_, c1), (_, c2) = planes
+        if c1 == c2 and c1 >= 0:  # |i - j| <= c: a two-sided window (transformers' bidirectional sliding window)
+            return MaskKind(False, c1 + 1)
     if (diagonal, 0) in planes and any(co == anti for co, _ in planes):
         raise Keep("sliding-window mask in an unsupported form")
     raise Keep("the mask is not a plain causal mask")

@@ -58,7 +58,7 @@ from tk_inductor.ops import attention_varlen as varlen_ops
 from tk_inductor.rewrite import Match, example
 
 from ._fx import arg as _arg
-from ._affine import Aff, Pred, _and, _as_pred, _not
+from ._affine import Aff, Neg, Pred, _and, _as_pred, _not
 from ._fx import _CASTS, in_place, Keep, eq, known, mutated_after, needs_grad, number, rank, shape
 from ._fx import name as _name
 from ._mask import _additive_allowed, _fill_finite, _fill_ok, _mask_kind, _MaskEval, MaskKind, RunTimeRuns
@@ -162,7 +162,10 @@ class _Finder:
         # The op's o is a transposed view of a (B, N, H, D) buffer; a later `.view` of the eager
         # (contiguous) result may not be expressible on it, so those users get a contiguous copy.
         contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
-        varlen = kind.pad is not None or kind.segments is not None
+        # padding, packed sequences and a two-sided window run on interval tables (tk::attention_varlen)
+        varlen = kind.pad is not None or kind.segments is not None or bool(kind.window and not kind.causal)
+        if kind.window and not kind.causal and not known(qs[-2] <= ks[-2] + kind.window - 1):
+            raise Keep("a two-sided window with rows that may see no key (more queries than keys + window - 1)")
         if dropout_p and softcap:
             raise Keep("dropout on softcapped scores (the kernels' dropout takes no softcap)")
         if dropout_p and mask is not None:
@@ -453,11 +456,16 @@ class _Finder:
         return fv.c if isinstance(fv, Aff) and not fv.coefs else None
 
     def _hidden_complement(self, hidden) -> Pred:
-        """The allowed set of masked_fill's hidden set; `~allowed` is read as `allowed` (a sliding window's hidden
-        set is a union, which the analysis of intersections of half-planes cannot hold)."""
+        """The allowed set of masked_fill's hidden set; `~allowed` is read as `allowed`, and a band's hidden set
+        (|i - j| > w, a union, which the analysis of intersections of half-planes holds as its complement) as the
+        band."""
         if isinstance(hidden, fx.Node) and _name(hidden) == "not" and len(hidden.args) == 1:
             return self._bool_mask(hidden.args[0])
-        return _not(self._bool_mask(hidden))
+        try:
+            v = self.masks(hidden)
+            return v.pred if isinstance(v, Neg) else _not(_as_pred(v))
+        except Keep as e:
+            raise Keep(f"mask is not provably causal: {e}") from None
 
     def _bool_mask(self, x) -> Pred:
         try:

@@ -36,9 +36,9 @@ def ops():
 
 def reference(q, k, v, causal, scale, window=0, softcap=0.0, keep=None, segments=None):
     """fp32 attention with GQA by repeating K/V, a top-left causal mask (row i sees keys j <= i), a sliding window
-    (also i - j < window), softcapped scores, a key-padding mask (B, M) (True: visible) and packed-sequence ids
-    (B, N) (a query sees the keys of its own id); returns (o, lse), o = 0 and lse = -inf on rows without a visible
-    key."""
+    (also i - j < window; without causal a two-sided one, |i - j| < window), softcapped scores, a key-padding mask
+    (B, M) (True: visible) and packed-sequence ids (B, N) (a query sees the keys of its own id); returns (o, lse),
+    o = 0 and lse = -inf on rows without a visible key."""
     qf, kf, vf = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
     kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
@@ -52,7 +52,7 @@ def reference(q, k, v, causal, scale, window=0, softcap=0.0, keep=None, segments
     if causal:
         allowed &= j <= i
     if window:
-        allowed &= i - j < window
+        allowed &= (i - j < window) if causal else ((i - j).abs() < window)
     if keep is not None:
         allowed = allowed & keep.bool()[:, None, None, :]
     if segments is not None:

@@ -345,6 +345,38 @@ def test_mask_proofs(fn, expect):
     assert P._mask_kind(P._as_pred(P._MaskEval()(node)), (5, 7)) == P.MaskKind(expect)
 
 
+def _band(i, j):
+    return i[:, None] - j[None, :]
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: _band(torch.arange(9), torch.arange(9)).abs() <= 2,  # transformers' bidirectional sliding window
+    lambda x: torch.abs(_band(torch.arange(9), torch.arange(9))) < 3,
+    lambda x: abs(_band(torch.arange(9), torch.arange(9))) <= 2,
+    lambda x: 2 >= (torch.arange(9)[None, :] - torch.arange(9)[:, None]).abs(),
+    lambda x: ~(_band(torch.arange(9), torch.arange(9)).abs() > 2),
+    lambda x: torch.zeros(9, 9).masked_fill(_band(torch.arange(9), torch.arange(9)).abs() > 2, -math.inf) == 0,
+    lambda x: torch.where(_band(torch.arange(9), torch.arange(9)).abs() > 2, -math.inf, 0.0) == 0,
+    lambda x: torch.ones(9, 9, dtype=torch.bool).tril(2) & torch.ones(9, 9, dtype=torch.bool).triu(-2),
+])
+def test_two_sided_window_proofs(fn):
+    """|i - j| <= 2 in the spellings the prover models: a non-causal window of 3 (each query sees two keys on each
+    side)."""
+    node = _mask_graph(fn, (1,))
+    assert P._mask_kind(P._as_pred(P._MaskEval()(node)), (9, 9)) == P.MaskKind(False, 3)
+
+
+@pytest.mark.parametrize("fn, why", [
+    (lambda x: (_band(torch.arange(9), torch.arange(9)) - 1).abs() <= 2, "not a plain causal"),  # off-centre
+    (lambda x: _band(torch.arange(9), torch.arange(9)).abs() == 2, "absolute value by eq"),
+    (lambda x: _band(torch.arange(9), torch.arange(9)).abs() > 2, "union of regions"),  # everything but the band
+])
+def test_two_sided_window_refusals(fn, why):
+    node = _mask_graph(fn, (1,))
+    with pytest.raises(P.Keep, match=why):
+        P._mask_kind(P._as_pred(P._MaskEval()(node)), (9, 9))
+
+
 @pytest.mark.parametrize("fn, why", [
     (lambda x: torch.ones(5, 7, dtype=torch.bool).tril(1), "diagonal offset"),
     (lambda x: torch.arange(5)[:, None] * 2 >= torch.arange(7), "not a plain causal"),
@@ -363,7 +395,7 @@ def _random_mask_fn(rng):
     """A random boolean mask spelled with the ops the prover models, and its concrete evaluation."""
     N, M = rng.randint(1, 9), rng.randint(1, 9)
     a, b, c = rng.randint(-2, 2), rng.randint(-2, 2), rng.randint(-2, 2)
-    kind = rng.randrange(6)
+    kind = rng.randrange(7)
 
     def fn(x):
         i = torch.arange(N)[:, None] + a
@@ -378,6 +410,8 @@ def _random_mask_fn(rng):
             m = torch.ones(N, M).triu(c + 1) == 0
         elif kind == 4:
             m = (j <= i) & (j > i - 3 + c)
+        elif kind == 5:
+            m = (i - j).abs() <= c + 2
         else:
             m = ~(j > i + c) & (torch.zeros(N, M) == 0)
         return m.view(1, 1, N, M).expand(2, 1, N, M)
@@ -408,7 +442,7 @@ def test_mask_prover_is_sound_on_random_masks():
         proven += 1
         expected = (j <= i) if kind.causal else torch.ones(N, M, dtype=torch.bool)
         if kind.window:
-            expected = expected & (i - j < kind.window)
+            expected = expected & ((i - j < kind.window) if kind.causal else ((i - j).abs() < kind.window))
         assert torch.equal(concrete, expected), (N, M, kind, concrete)
     assert proven >= 15  # most random spellings of causal/all-visible masks are proven, not refused
 

@@ -161,3 +161,62 @@ def test_softcap_without_a_mask():
 def test_kept_score_forms(fn, why):
     reasons = _kept(Fn(fn), *_inputs())
     assert why in reasons[0], reasons
+
+
+# ---------------------------------------------------------------------------- two-sided windows (encoders)
+
+def _two_sided_sdpa(q, k, v):  # transformers' bidirectional sliding window (ModernBERT's local attention), as SDPA
+    N = q.shape[-2]
+    band = (torch.arange(N)[:, None] - torch.arange(N)[None, :]).abs() <= 2
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=0.25)
+
+
+def _two_sided_eager(q, k, v):  # eager attention with the finite fill of transformers' eager masks
+    N = q.shape[-2]
+    band = (torch.arange(N)[None, :] - torch.arange(N)[:, None]).abs() <= 2
+    s = (q @ k.transpose(-1, -2)) * 0.25 + torch.where(band, 0.0, torch.finfo(torch.float32).min)
+    return s.softmax(-1) @ v
+
+
+def _two_sided_masked_fill(q, k, v):
+    N = q.shape[-2]
+    hidden = torch.abs(torch.arange(N)[:, None] - torch.arange(N)[None, :]) > 2
+    return (q @ k.transpose(-1, -2) * 0.25).masked_fill(hidden, float("-inf")).softmax(-1) @ v
+
+
+def _varlen_args(model, *inputs):
+    """As _replaced_args, for the matches that run on interval tables: the varlen adapter's (causal, scale, window)."""
+    from tk_inductor.ops import attention_varlen as AV
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        rewrite.run(gm, Config(reference=True))
+        seen["args"] = [n.args for n in gm.graph.nodes if n.target is AV.attention_varlen_adapter]
+        return gm
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend)(*inputs)
+    torch.testing.assert_close(out, model(*inputs), rtol=1e-5, atol=1e-5)
+    (args,) = seen["args"]
+    return args[3], args[4], args[5]
+
+
+@pytest.mark.parametrize("fn", [_two_sided_sdpa, _two_sided_eager, _two_sided_masked_fill])
+def test_two_sided_windows_are_replaced(fn):
+    """A two-sided window (each query sees the keys within 2 of it) runs on interval tables: tk::attention_varlen
+    with causal=False and window 3; outputs and gradients equal eager's."""
+    from attention_helpers import _check
+
+    assert _varlen_args(Fn(fn), *_inputs()) == (False, 0.25, 3)
+    _check(Fn(fn), *_inputs())
+
+
+def test_two_sided_window_with_rows_past_the_keys_is_kept():
+    def cross(q, k, v):  # 8 queries on 4 keys: rows from 7 on see no key within 2
+        band = (torch.arange(8)[:, None] - torch.arange(4)[None, :]).abs() <= 2
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=0.25)
+
+    q, k, v = _inputs()
+    reasons = _kept(Fn(cross), q, k[:, :, :4], v[:, :, :4])
+    assert "two-sided window with rows that may see no key" in reasons[0], reasons

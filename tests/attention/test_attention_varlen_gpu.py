@@ -4,7 +4,8 @@ dense mask. Skipped without CUDA.
 
 The entries of each case cover left padding (rows before the first key see nothing under a causal mask: o = 0),
 right padding, both, none, an entry without keys and ranges that start or end inside a key block and a query tile;
-packed sequences of random lengths (some shorter than a tile, some longer than several), alone and under padding.
+packed sequences of random lengths (some shorter than a tile, some longer than several), alone and under padding;
+two-sided windows (encoders), alone, under padding and over packed sequences.
 """
 from __future__ import annotations
 
@@ -96,6 +97,37 @@ def test_forward_backward(ops, case, masks):
     torch.testing.assert_close(lse[seen], lse_ref[seen], atol=2e-3, rtol=1e-4)
     grads = torch.autograd.grad(o_ref, (qr, kr, vr), do.float())
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        assert rel_err(got, want) < GRAD_TOL, f"{name}: relative error {rel_err(got, want):.3e}"
+
+
+@pytest.mark.parametrize("masks", ["none", "keep", "segments"])
+@pytest.mark.parametrize("N, D, window, dtype", [(1000, 64, 65, torch.bfloat16), (333, 128, 17, torch.float16),
+                                                  (129, 96, 200, torch.bfloat16), (2100, 128, 129, torch.bfloat16)])
+def test_two_sided_window(ops, monkeypatch, masks, N, D, window, dtype):
+    """Encoders' two-sided windows (|i - j| < window: ModernBERT's local attention) run on the interval tables, alone
+    (tables built from the batch), under padding and over packed sequences, forward and backward."""
+    from kernel_checks import record_raw_calls
+
+    calls = record_raw_calls(monkeypatch)
+    B, Hq, Hkv = 6, 4, 2
+    q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, Hq, Hkv, N, N, D, dtype, layout="bnhd",
+                                                                 seed=N + window))
+    keep = keep_of(B, N, seed=N) if masks == "keep" else None
+    segments = segments_of(B, N, seed=N) if masks == "segments" else None
+    scale = 1.0 / math.sqrt(D)
+    o, lse = torch.ops.tk.attention_varlen(q, k, v, keep, segments, False, scale, window)
+    do = torch.randn_like(o)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    torch.cuda.synchronize()
+    assert calls == ["attention", "attention_backward"]
+    assert not any(torch.isnan(t).any() for t in (o, dq, dk, dv))
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = reference(qr, kr, vr, False, scale, window, keep=keep, segments=segments)
+    assert rel_err(o, o_ref) < OUT_TOL
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isinf(lse) & (lse > 0), ~seen), "rows without keys: lse +inf"
+    torch.testing.assert_close(lse[seen], lse_ref[seen], atol=2e-3, rtol=1e-4)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), torch.autograd.grad(o_ref, (qr, kr, vr), do.float())):
         assert rel_err(got, want) < GRAD_TOL, f"{name}: relative error {rel_err(got, want):.3e}"
 
 

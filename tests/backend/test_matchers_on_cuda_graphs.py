@@ -57,13 +57,35 @@ def _mamba2():
     return transformers.Mamba2ForCausalLM(cfg).bfloat16()
 
 
+def _modernbert():  # global attention and a two-sided window (interval tables: tk::attention_varlen)
+    cfg = transformers.ModernBertConfig(vocab_size=96, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        cls_token_id=1, sep_token_id=2, global_attn_every_n_layers=2,
+                                        local_attention=32, max_position_embeddings=256)
+    return transformers.ModernBertModel(cfg).bfloat16()
+
+
+def _deepseek_v3():  # multi-head latent attention: q/k head dim 96 (64 + 32 rotary), v head dim 64
+    cfg = transformers.DeepseekV3Config(vocab_size=96, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=2, intermediate_size=256, moe_intermediate_size=64,
+                                        n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
+                                        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=32,
+                                        qk_nope_head_dim=64, v_head_dim=64, n_group=1, topk_group=1,
+                                        max_position_embeddings=256)
+    return transformers.DeepseekV3ForCausalLM(cfg).bfloat16()
+
+
 @pytest.mark.parametrize("name, model, families", [
     ("llama", _llama, {"attention", "rotary", "layernorm"}),
     ("mamba2", _mamba2, {"ssd", "layernorm"}),
     ("based", lambda: TinyLM(vocab=64, d_model=64, layers=1, heads=2, feature_dim=16, head_dim=64,
                              feature_map="based", form="based").bfloat16(), {"linear_attention"}),
+    ("modernbert", _modernbert, {"attention", "layernorm"}),
+    ("deepseek-v3", _deepseek_v3, {"attention", "layernorm"}),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_matchers_run_their_cuda_branches(name, model, families):
+    if not hasattr(transformers, {"modernbert": "ModernBertConfig", "deepseek-v3": "DeepseekV3Config"}.get(name, "AutoConfig")):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
     with torch.no_grad():
         found = _matches_on_cuda(_capture(model(), torch.randint(0, 64, (1, 128))))
     for family in families:
@@ -73,3 +95,5 @@ def test_matchers_run_their_cuda_branches(name, model, families):
             assert m.reason is None or isinstance(m.reason, str), (family, m.reason)
     replaced = {family for family, ms in found.items() if any(m.reason is None for m in ms)}
     assert families <= replaced, {f: [m.reason for m in found[f]] for f in families}
+    if name in ("modernbert", "deepseek-v3"):  # every layer: the two-sided window, MLA's two head dims
+        assert all(m.reason is None for m in found["attention"]), [m.reason for m in found["attention"]]

@@ -122,6 +122,18 @@ def _deepseek_v3():  # multi-head latent attention: q/k head dim 24 (16 + 8 rota
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
+def _modernbert():  # an encoder: global attention and a two-sided window (local attention 8: 4 keys each side)
+    if not hasattr(transformers, "ModernBertConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no ModernBERT")
+    cfg = transformers.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, global_attn_every_n_layers=2,
+        local_attention=8, max_position_embeddings=128, attention_dropout=0.0, embedding_dropout=0.0,
+        mlp_dropout=0.0,
+    )
+    return transformers.ModernBertModel(cfg)
+
+
 def _padding_mask(batch: int, length: int) -> torch.Tensor:
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[1, length - 4:] = 0  # the second sequence is right-padded
@@ -151,6 +163,8 @@ CASES = {
     "gpt-neox": Case(_neox, ("attention", "rotary", "layernorm"), attention_count=2),
     "mamba2": Case(_mamba2, ("ssd", "layernorm")),
     "deepseek-v3": Case(_deepseek_v3, ("attention", "layernorm"), attention_count=2),
+    "modernbert": Case(_modernbert, ("attention", "layernorm"), attention_count=2),
+    "modernbert-padding": Case(_modernbert, ("attention", "layernorm"), attention_count=2, padding_mask=True),
 }
 
 

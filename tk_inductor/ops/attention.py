@@ -84,11 +84,12 @@ def kernel_supports(dtype: torch.dtype, head_dim, backward: bool = False, dropou
 
 # ---------------------------------------------------------------------------- validation
 
-def _validate_scores(causal, window, softcap, op: str, dropout_p=0.0, rng=None) -> None:
+def _validate_scores(causal, window, softcap, op: str, dropout_p=0.0, rng=None, two_sided: bool = False) -> None:
+    """two_sided: a window without causal is allowed (tk::attention_varlen's two-sided window)."""
     check = _dispatch.check
     check(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
           lambda: f"{op}: window must be an int >= 0 (0: none), got {window!r}", TypeError)
-    check(window == 0 or causal, lambda: f"{op}: a sliding window (window={window}) needs causal=True")
+    check(window == 0 or causal or two_sided, lambda: f"{op}: a sliding window (window={window}) needs causal=True")
     check(isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0,
           lambda: f"{op}: softcap must be a finite number >= 0 (0: none), got {softcap!r}")
     check(isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1,

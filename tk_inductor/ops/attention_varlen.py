@@ -5,8 +5,10 @@ Semantics (the kernels of csrc/kernels/attention read the mask as intervals: eac
 
     tk::attention_varlen(q, k, v, keep, segments, causal, scale, window=0, softcap=0., uniform_empty=False,
                          dropout_p=0., rng=None) -> (o, lse)
-        q, k, v, causal, scale, window, softcap, dropout_p, rng as tk::attention (the same dropout mask), and two
-        optional run-time masks:
+        q, k, v, causal, scale, window, softcap, dropout_p, rng as tk::attention (the same dropout mask), except
+        that a window is also taken without causal: a two-sided window, query i sees keys j with |i - j| < window
+        (the window - 1 keys on each side: transformers' bidirectional sliding window, ModernBERT's local attention);
+        and two optional run-time masks:
         keep (B, M) of any dtype: key j of entry b is visible only where keep[b, j] is nonzero (1 = token,
             0 = padding, left, right or anywhere);
         segments (B, N) integer ids, N == M (self-attention over packed sequences): query i sees key j only when
@@ -67,12 +69,15 @@ def visible_span(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 class Intervals:
     """The kernels' interval tables for (keep, segments) over N queries and M keys: `row_keys` (B, N, 2), the keys
     [x, y] each query may see, and `key_rows` (B, M, 2), the queries each key may be seen by (before the causal and
-    window rules; both nondecreasing, as the kernels need); with keep, per entry on the host, whether the tables
-    describe it exactly (`exact`, no holes in keep) and whether some row sees no key (`empty`)."""
+    window rules, which the kernels apply; a two-sided window, which they do not, is in the tables; both
+    nondecreasing, as the kernels need); with keep, per entry on the host, whether the tables describe it exactly
+    (`exact`, no holes in keep) and whether some row sees no key (`empty`). B and device: those of the batch, for a
+    call without keep and segments (a two-sided window alone)."""
 
-    def __init__(self, keep, segments, N: int, M: int, causal: bool, window: int):
-        device = (keep if keep is not None else segments).device
-        B = (keep if keep is not None else segments).shape[0]
+    def __init__(self, keep, segments, N: int, M: int, causal: bool, window: int, B: int = 0, device=None):
+        if keep is not None or segments is not None:
+            device = (keep if keep is not None else segments).device
+            B = (keep if keep is not None else segments).shape[0]
         lo_q = torch.zeros(B, N, dtype=torch.long, device=device)
         hi_q = torch.full((B, N), M - 1, dtype=torch.long, device=device)
         lo_k = torch.zeros(B, M, dtype=torch.long, device=device)
@@ -80,6 +85,10 @@ class Intervals:
         if segments is not None:  # N == M: a query's keys and a key's queries are its run
             first, end = _runs(segments)
             lo_q, hi_q, lo_k, hi_k = first, end - 1, first, end - 1
+        if window and not causal:  # two-sided: query i and key j within window - 1 of each other
+            rows, keys = torch.arange(N, device=device), torch.arange(M, device=device)
+            lo_q, hi_q = torch.maximum(lo_q, rows - window + 1), torch.minimum(hi_q, rows + window - 1)
+            lo_k, hi_k = torch.maximum(lo_k, keys - window + 1), torch.minimum(hi_k, keys + window - 1)
         self.exact = self.empty = None
         if keep is not None:
             count, start, stop = visible_span(keep != 0)
@@ -90,7 +99,7 @@ class Intervals:
             lo_k = torch.where(before, 0, torch.where(after, N, lo_k))
             hi_k = torch.where(before, -1, torch.where(after, N - 1, hi_k))
             rows = torch.arange(N, device=device)
-            lo = torch.maximum(lo_q, rows - window + 1) if window else lo_q
+            lo = torch.maximum(lo_q, rows - window + 1) if window and causal else lo_q
             hi = torch.minimum(hi_q, rows) if causal else hi_q
             exact = count == stop - start
             empty = (lo > hi).any(-1)
@@ -133,9 +142,12 @@ def _geometry(t: torch.Tensor | None) -> tuple:
                                  t.stride(), t.dtype, t._version)
 
 
-def intervals(keep, segments, N: int, M: int, causal: bool, window: int) -> Intervals:
+def intervals(keep, segments, N: int, M: int, causal: bool, window: int, q: torch.Tensor | None = None) -> Intervals:
     """The Intervals of (keep, segments), cached on the first given tensor (or the one it views) with both tensors'
-    geometry and versions and the mask's causal and window (they decide which rows are empty)."""
+    geometry and versions and the mask's causal and window (they decide which rows are empty); a two-sided window
+    alone builds its tables for q's batch (cheap: no value check)."""
+    if keep is None and segments is None:
+        return Intervals(None, None, N, M, causal, window, q.shape[0], q.device)
     primary = keep if keep is not None else segments
     owner = primary._base if primary._base is not None else primary
     key = (_geometry(keep), _geometry(segments), N, M, causal, window)
@@ -159,6 +171,9 @@ def _dense_mask(q, k, keep, segments, causal: bool, window: int, uniform_empty: 
         allowed = allowed & (first[:, :, None] == first[:, None, :])[:, None]
     if causal:
         allowed = allowed & causal_allowed(N, M, window, q.device)
+    elif window:  # two-sided
+        i, j = torch.arange(N, device=q.device)[:, None], torch.arange(M, device=q.device)[None, :]
+        allowed = allowed & ((i - j).abs() < window)
     if not uniform_empty:
         return allowed
     return torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill(
@@ -208,6 +223,11 @@ def _validate_masks(q, k, keep, segments, op: str) -> None:
     check(segments is None or N == M, lambda: f"{op}: segments need as many queries as keys, got N {N}, M {M}")
 
 
+def _kernel_window(causal: bool, window: int) -> int:
+    """The window the kernels apply (a causal one); a two-sided window is in the interval tables."""
+    return window if causal else 0
+
+
 def _reference_entries(tensors, keep, segments, causal: bool, scale: float, window: int, softcap: float,
                        uniform_empty: bool, dropout_p: float, backward: bool = False) -> tuple[Intervals | None, list[int]]:
     """(the kernel's tables, the batch entries the reference must compute), or (None, every entry): the kernel
@@ -217,7 +237,7 @@ def _reference_entries(tensors, keep, segments, causal: bool, scale: float, wind
     if (not _kernel_ok(*tensors, backward=backward, scale=scale, softcap=softcap, dropout_p=dropout_p)
             or (keep is not None and torch.cuda.is_current_stream_capturing())):
         return None, everything
-    tables = intervals(keep, segments, q.shape[2], k.shape[2], causal, window)
+    tables = intervals(keep, segments, q.shape[2], k.shape[2], causal, window, q)
     if keep is None:
         return tables, []
     return tables, [b for b in everything if not tables.exact[b] or (uniform_empty and tables.empty[b])]
@@ -233,7 +253,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
                      rng: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     _validate(q, k, v, scale, OP)
     _validate_masks(q, k, keep, segments, OP)
-    _validate_scores(causal, window, softcap, OP, dropout_p, rng)
+    _validate_scores(causal, window, softcap, OP, dropout_p, rng, two_sided=True)
     if q.numel() == 0:
         return _empty_out(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
     tables, ref = _reference_entries((q, k, v), keep, segments, causal, scale, window, softcap, uniform_empty,
@@ -244,8 +264,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
                                           dropout_p, rng)
     q, k, v = map(_last_dim_unit, (q, k, v))
     varlen_paths["kernel"] += 1
-    o, lse = _dispatch.kernel("attention")(q, k, v, causal, scale, window, softcap, dropout_p, rng,
-                                           row_keys=tables.row_keys)
+    o, lse = _dispatch.kernel("attention")(q, k, v, causal, scale, _kernel_window(causal, window), softcap,
+                                           dropout_p, rng, row_keys=tables.row_keys)
     for b in ref:
         e = slice(b, b + 1)
         varlen_paths["reference entries"] += 1
@@ -260,7 +280,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
 def _(q, k, v, keep, segments, causal, scale, window=0, softcap=0.0, uniform_empty=False, dropout_p=0.0, rng=None):
     _validate(q, k, v, scale, OP)
     _validate_masks(q, k, keep, segments, OP)
-    _validate_scores(causal, window, softcap, OP, dropout_p, rng)
+    _validate_scores(causal, window, softcap, OP, dropout_p, rng, two_sided=True)
     return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -277,7 +297,7 @@ def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     op = OP + "_backward"
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     _validate_masks(q, k, keep, segments, op)
-    _validate_scores(causal, window, softcap, op, dropout_p, rng)
+    _validate_scores(causal, window, softcap, op, dropout_p, rng, two_sided=True)
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
     # the forward's masks: their tables are cached, so the same entries take the reference as there
@@ -287,8 +307,9 @@ def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
         return attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal, scale, window, softcap,
                                                    uniform_empty, dropout_p, rng)
     ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
-    dq, dk, dv = _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), causal, scale, window, softcap,
-                                                         dropout_p, rng, key_rows=tables.key_rows)
+    dq, dk, dv = _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), causal, scale,
+                                                         _kernel_window(causal, window), softcap, dropout_p, rng,
+                                                         key_rows=tables.key_rows)
     for b in ref:
         e = slice(b, b + 1)
         grads = attention_varlen_backward_reference(grad_o[e], q[e], k[e], v[e], keep[e],
