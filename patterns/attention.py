@@ -66,6 +66,7 @@ from ._varlen import _from_graph_input
 from ._products import (_MATMULS, _dropout_p, _is_product, _operands, _path_to, _same_scores, _softmax_dim_ok,
                         _softmax_dtype)
 from ._qkv import _Operand, _peel, _positive_const
+from . import _sinks
 
 FAMILY = "attention"
 log = logging.getLogger("tk_inductor")
@@ -80,20 +81,20 @@ class _Finder:
     # ------------------------------------------------------------------ shared checks and the match
     def _match(self, out: fx.Node, qo: _Operand, ko: _Operand, vo: _Operand, kind: MaskKind, scale: float,
                keep: str | None = None, mixed: bool = False, mask: fx.Node | None = None,
-               softcap: float = 0.0, sdpa_split_kv: bool = False, dropout_p: float = 0.0) -> Match:
+               softcap: float = 0.0, sdpa_split_kv: bool = False, dropout_p: float = 0.0, sink=None) -> Match:
         exs = [example(o.node) for o in (qo, ko, vo)]
         device = exs[0].device if isinstance(exs[0], torch.Tensor) else None
         m = Match(FAMILY, [out], needs_grad=needs_grad(qo.node, ko.node, vo.node), device=device, reason=keep)
         if keep is None:
             try:
                 m.target, m.args, m.outputs = self._call(out, qo, ko, vo, kind, scale, mixed, mask, softcap,
-                                                         sdpa_split_kv, dropout_p)
+                                                         sdpa_split_kv, dropout_p, sink)
             except Keep as e:
                 m.reason = str(e)
         return m
 
     def _call(self, out, qo, ko, vo, kind: MaskKind, scale, mixed=False, mask=None, softcap=0.0, sdpa_split_kv=False,
-              dropout_p=0.0):
+              dropout_p=0.0, sink=None):
         exs = [example(o.node) for o in (qo, ko, vo)]
         if not all(isinstance(e, torch.Tensor) for e in exs):
             raise Keep("q/k/v example values are missing")
@@ -176,6 +177,10 @@ class _Finder:
         if (mask is not None or varlen) and (heads != "4d" or any(transposed) or contiguous):
             raise Keep("the mask's values are known only at run time and the layout needs an adapter")
         # dropout's (seed, offset) pair is drawn in the adapters (tk::philox_seed)
+        if sink is not None:
+            if mask is not None or varlen or heads != "4d":
+                raise Keep("attention sinks under a mask read at run time, or on 3-D heads")
+            return attention_ops.attention_sink_adapter, args + (sink, transposed, contiguous, dropout_p), [out]
         if varlen:  # padding / packed sequences: their values are read at run time (tk::attention_varlen)
             pad = kind.pad or (None, 0)
             return (varlen_ops.attention_varlen_adapter,
@@ -266,15 +271,24 @@ class _Finder:
 
     # ------------------------------------------------------------------ eager
     def eager(self, qk: fx.Node) -> Match | None:
-        softmax_path = _path_to(qk, lambda u, prev: _name(u) == "softmax", depth=10)
-        if softmax_path is None:
-            return None
+        is_softmax = lambda u, prev: _name(u) == "softmax"  # noqa: E731
+        softmax_path, sink, dropped = _path_to(qk, is_softmax, depth=10), None, []
+        if softmax_path is None:  # attention sinks: the scores and one more logit per row, its column dropped after
+            to_cat = _path_to(qk, _sinks.is_sink_cat, depth=8)
+            rest = to_cat and _path_to(to_cat[-1], is_softmax, depth=4)
+            if not rest:
+                return None
+            softmax_path, sink = to_cat + rest[1:], _sinks.sink_operand(to_cat[-1])
         sm = softmax_path[-1]
+        if sink is not None:
+            dropped = [u for u in sm.users if _sinks.drops_sink(u, sm)]
+            if len(dropped) != 1:
+                return None
 
         def is_pv(u, prev):
             return _is_product(u, "pv") and _operands(u)[0] is prev
 
-        pv_path = _path_to(sm, is_pv, depth=6)
+        pv_path = _path_to(dropped[0] if dropped else sm, is_pv, depth=6)
         if pv_path is None:
             return None
         pv = pv_path[-1]
@@ -296,14 +310,18 @@ class _Finder:
             mixed = False
         ko.want_t = want_t
         try:
-            for n in [qk] + chain + [sm] + after:
+            # the row max a stable softmax subtracts reads its scores too
+            shifts = [m for a, b in zip([qk] + chain, chain) for m in (_sinks.is_row_max_shift(b, a) or ())]
+            for n in [qk] + chain + [sm] + dropped + after:
                 if any(in_place(u) for u in n.users):
                     raise Keep(f"`{n.name}` is modified in place")
             for n in (qo.node, ko.node, vo.node):
                 if mutated_after(n, qk):
                     raise Keep(f"`{n.name}` is modified in place after the attention reads it")
-            for n in [qk] + chain + [sm] + after:
-                if len(n.users) != 1:
+            if any(u not in shifts and u not in chain for n in shifts for u in n.users):
+                raise Keep("the scores' row max is also used elsewhere")
+            for n in [qk] + chain + [sm] + dropped + after:
+                if len([u for u in n.users if u not in shifts]) != 1:
                     raise Keep(f"the attention weights (`{n.name}`) are also used elsewhere "
                                 "(e.g. output_attentions)")
             if not _softmax_dim_ok(sm):
@@ -325,7 +343,7 @@ class _Finder:
         except Keep as e:
             return self._match(pv, qo, ko, vo, MaskKind(False), 1.0, keep=str(e))
         return self._match(pv, qo, ko, vo, kind, scale, mixed=mixed, mask=runtime_mask, softcap=softcap,
-                           dropout_p=drops[0] if drops else 0.0)
+                           dropout_p=drops[0] if drops else 0.0, sink=sink)
 
     def _cast_ok(self, n: fx.Node, q_dtype) -> None:
         dt = example(n).dtype
@@ -341,6 +359,7 @@ class _Finder:
         fills = set()  # whether each proven mask's fill is finite
         softcap, capping = 0.0, None  # capping: None, "tanh" (its multiply is next), "done"
         masks, added = 0, None  # masks proven so far; the last one added to the scores (fx node) while none follow
+        sunk = False  # past the attention sinks' cat
         runs = None  # a RunTimeRuns raised while proving an added mask (its values are read at run time)
         scores = shape(qk) or ()
         prev = qk
@@ -411,6 +430,14 @@ class _Finder:
                 allowed = add_mask(p if keeps else _not(p))  # each mask must be provable
                 fills.add(math.isfinite(fv))
                 masks += 1
+            elif name == "cat" and _sinks.is_sink_cat(n, prev):
+                if capping == "tanh":
+                    raise Keep("tanh of the scores without a multiplication by the cap (softcapping)")
+                sunk = True  # the scores are one column wider from here: only the row-max shift may follow
+                prev = n
+                continue
+            elif name == "sub" and _sinks.is_row_max_shift(n, prev):
+                pass  # softmax(s - rowmax(s)) = softmax(s)
             elif name == "tanh":
                 if capping is not None:
                     raise Keep("tanh is applied to the scores twice")
@@ -421,7 +448,9 @@ class _Finder:
                 raise Keep(f"a tensor is combined with the scores by `{n.name}` (bias)")
             else:
                 raise Keep(f"`{n.name}` ({name or n.target}) between the score product and the softmax")
-            if not _same_scores(shape(n) or (), scores):
+            if sunk and name not in ("sub", "contiguous", "clone", *_CASTS):
+                raise Keep(f"`{n.name}` ({name}) after the attention sinks' logits are concatenated")
+            if not sunk and not _same_scores(shape(n) or (), scores):
                 raise Keep(f"`{n.name}` broadcasts the scores to a larger shape")
             prev = n
         if capping == "tanh":

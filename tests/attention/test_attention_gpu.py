@@ -333,3 +333,35 @@ def test_compiled_graphs_call_the_kernels_directly(amp):
     assert out.dtype == eager.dtype and rel_err(out, eager) < OUT_TOL
     for got, want in zip(grads, ref):
         assert got.dtype == want.dtype and rel_err(got, want) < GRAD_TOL
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_gradient_and_sinks(ops, monkeypatch, D, causal):
+    """The backward with lse's gradient (grad_lse: delta - grad_lse in the pre kernel), through gpt-oss's attention
+    sinks (o·σ(lse − sink), attention_sink_adapter): forward and every gradient, the sinks' included, against the
+    fp32 softmax over the concatenated logits."""
+    from kernel_checks import record_raw_calls
+    from tk_inductor.ops.attention import attention_sink_adapter
+
+    calls = record_raw_calls(monkeypatch)
+    B, Hq, Hkv, N = 2, 8, 2, 1000
+    q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, Hq, Hkv, N, N, D, torch.bfloat16, seed=D))
+    sink = torch.randn(Hq, device="cuda", requires_grad=True)
+    scale = D ** -0.5
+    out = attention_sink_adapter(q, k, v, causal, scale, 0, 0.0, sink.reshape(1, -1, 1, 1), (False, False, False))
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, sink), do)
+    assert calls == ["attention", "attention_backward"]
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    sr = sink.detach().clone().requires_grad_()
+    kf, vf = kr.repeat_interleave(Hq // Hkv, 1), vr.repeat_interleave(Hq // Hkv, 1)
+    s = qr @ kf.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(N, N, dtype=torch.bool, device="cuda").tril(), float("-inf"))
+    logits = torch.cat([s, sr.reshape(1, -1, 1, 1).expand(B, Hq, N, 1)], -1)
+    want = logits.softmax(-1)[..., :-1] @ vf
+    assert rel_err(out, want) < OUT_TOL
+    refs = torch.autograd.grad(want, (qr, kr, vr, sr), do.float())
+    for name, got, ref in zip(("dq", "dk", "dv", "dsink"), grads, refs):
+        assert rel_err(got, ref) < GRAD_TOL, f"{name}: relative error {rel_err(got, ref):.3e}"

@@ -62,11 +62,11 @@ class RawStandIns:
         self.dims.append(q.shape[-1])
         return A.attention_reference(q, k, v, causal, scale, window, softcap, None, dropout_p, rng)
 
-    def attention_backward(self, grad_o, q, k, v, o, lse, causal, scale, window, softcap, dropout_p, rng):
+    def attention_backward(self, grad_o, q, k, v, o, lse, causal, scale, window, softcap, dropout_p, rng, grad_lse):
         assert q.shape[-1] == v.shape[-1] == o.shape[-1] == grad_o.shape[-1]
         self.dims.append(q.shape[-1])
         return A.attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, None, window, softcap,
-                                              dropout_p, rng)
+                                              dropout_p, rng, grad_lse=grad_lse)
 
 
 @pytest.mark.parametrize("D, Dv", [(192, 128), (64, 96)])

@@ -110,13 +110,14 @@ def _mamba2():
     return transformers.Mamba2ForCausalLM(cfg)
 
 
-def _deepseek_v3():  # multi-head latent attention: q/k head dim 24 (16 + 8 rotary), v head dim 16
+def _deepseek_v3():  # multi-head latent attention: q/k head dim 24 (16 + 8 rotary), v head dim 16; dense layers
+    # (the experts' routing reads values on the host, which torch 2.11's AOTAutograd cannot trace)
     if not hasattr(transformers, "DeepseekV3Config"):
         pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V3")
     cfg = transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=128, moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
-        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16, n_group=1, topk_group=1, max_position_embeddings=128,
     )
     return transformers.DeepseekV3ForCausalLM(cfg)
@@ -132,6 +133,20 @@ def _modernbert():  # an encoder: global attention and a two-sided window (local
         mlp_dropout=0.0,
     )
     return transformers.ModernBertModel(cfg)
+
+
+def _gpt_oss():  # attention sinks (eager only), a sliding window on alternate layers, mixture of experts
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no gpt-oss")
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 12):
+        pytest.skip("torch 2.11's AOTAutograd cannot trace gpt-oss's experts (aten._local_scalar_dense, aot_eager "
+                    "alike): the graph breaks make the attention weights a graph output, kept for that reason")
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+        max_position_embeddings=128,
+    )
+    return transformers.GptOssForCausalLM(cfg)
 
 
 def _padding_mask(batch: int, length: int) -> torch.Tensor:
@@ -164,6 +179,7 @@ CASES = {
     "mamba2": Case(_mamba2, ("ssd", "layernorm")),
     "deepseek-v3": Case(_deepseek_v3, ("attention", "layernorm"), attention_count=2),
     "modernbert": Case(_modernbert, ("attention", "layernorm"), attention_count=2),
+    "gpt-oss": Case(_gpt_oss, ("attention", "layernorm"), attention_count=2),
     "modernbert-padding": Case(_modernbert, ("attention", "layernorm"), attention_count=2, padding_mask=True),
 }
 

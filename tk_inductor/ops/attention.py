@@ -20,8 +20,8 @@ Semantics (the CUDA kernels in csrc/kernels/attention implement `tk_cuda::` ops 
         the pair and the element (philox.attention_keep_mask, bit-identical to the kernels), so the backward
         regenerates it. lse stays that of the undropped scores.
 
-    tk::attention_backward(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0., dropout_p=0., rng=None)
-        -> (dq, dk, dv)
+    tk::attention_backward(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0., dropout_p=0., rng=None,
+                           grad_lse=None) -> (dq, dk, dv)
         shapes and dtypes of q, k, v, each laid out as `grad_like` its input: (B, N, H, D) memory order when the
         input's heads lie inside its sequence dim (HF's transposed projections: the projections' backward then reads
         the gradient without a copy), contiguous otherwise; dk/dv summed over the query heads of each GQA group.
@@ -33,7 +33,8 @@ inputs, kernels built, not reference mode) *and* the kernel covers the inputs (b
 reference below, on any device and any float dtype. The matcher (patterns/attention.py) only routes supported shapes
 to the op in kernel mode, so the reference fallback there is for direct calls and reference mode.
 
-`lse` is an auxiliary output for the backward and is not differentiable (autograd marks it so).
+`lse` is differentiable too (d lse / d s = P, so its gradient enters the backward as rowsum(grad_o ∘ o) - grad_lse):
+attention sinks (gpt-oss) rescale o by a function of lse.
 
 The ops on masks whose values are known only at run time live beside this one: `tk::attention_masked`
 (attention_masked.py) and `tk::attention_varlen` (attention_varlen.py).
@@ -236,10 +237,12 @@ def attention_reference(q, k, v, causal: bool, scale: float, window: int = 0, so
 
 
 def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: float, mask=None, window: int = 0,
-                                 softcap: float = 0.0, dropout_p: float = 0.0, rng=None, head0: int = 0):
+                                 softcap: float = 0.0, dropout_p: float = 0.0, rng=None, head0: int = 0,
+                                 grad_lse=None):
     """(dq, dk, dv) in `grad_like` layouts, from the forward's o and lse (None: P = softmax(s), see `_probs`); dk/dv
     summed over each GQA group. `mask`: see `_scores`; rows with every key hidden get no gradient. With dropout the
-    forward's mask again (philox): dV takes the dropped P, dP is dropped the same way."""
+    forward's mask again (philox): dV takes the dropped P, dP is dropped the same way. grad_lse: the gradient of
+    lse as well (d lse / d s = P: it enters as rowsum(grad_o * o) - grad_lse)."""
     s, dcap = _scores(q, k, causal, scale, mask, window, softcap)
     acc = s.dtype
     B, Hkv, M, _ = k.shape
@@ -252,6 +255,8 @@ def attention_backward_reference(grad_o, q, k, v, o, lse, causal: bool, scale: f
     dv = torch.matmul(_drop(p, keep, dropout_p).transpose(-1, -2), do)
     dp = _drop(torch.matmul(do, vf.transpose(-1, -2)), keep, dropout_p)
     delta = (do * o.to(acc)).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(acc).unsqueeze(-1)
     ds = p * (dp - delta) * scale
     if dcap is not None:
         ds = ds * dcap
@@ -331,32 +336,36 @@ def _attention_fake(q, k, v, causal, scale, window=0, softcap=0.0, dropout_p=0.0
 
 @torch.library.custom_op("tk::attention_backward", mutates_args=(),
                          schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool? causal, "
-                                "float scale, int window=0, float softcap=0., float dropout_p=0., Tensor? rng=None) "
-                                "-> (Tensor dq, Tensor dk, Tensor dv)")
+                                "float scale, int window=0, float softcap=0., float dropout_p=0., Tensor? rng=None, "
+                                "Tensor? grad_lse=None) -> (Tensor dq, Tensor dk, Tensor dv)")
 def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
-                       dropout_p: float = 0.0, rng: torch.Tensor | None = None
+                       dropout_p: float = 0.0, rng: torch.Tensor | None = None, grad_lse: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale, own_value_dim=True)
+    _dispatch.check(grad_lse is None or (isinstance(grad_lse, torch.Tensor) and grad_lse.shape == lse.shape),
+                    lambda: f"tk::attention_backward: grad_lse must have lse's shape {tuple(lse.shape)}")
     _validate_scores(causal, window, softcap, "tk::attention_backward", dropout_p, rng)
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
     if _kernel_ok(q, k, v, grad_o, o, lse, backward=True, scale=scale, softcap=softcap, dropout_p=dropout_p):
         grad_o, q, k, v, o = map(_last_dim_unit, (grad_o, q, k, v, o))
+        g_lse = None if grad_lse is None else grad_lse.float().contiguous()
         if q.shape[-1] == v.shape[-1]:
             return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale, window,
-                                                          softcap, dropout_p, rng)
+                                                          softcap, dropout_p, rng, g_lse)
         gp, qp, kp, vp, op = _padded(grad_o, q, k, v, o)
         dq, dk, dv = _dispatch.kernel("attention_backward")(gp, qp, kp, vp, op, lse.contiguous(), causal, scale,
-                                                            window, softcap, dropout_p, rng)
+                                                            window, softcap, dropout_p, rng, g_lse)
         return _as_grads(q, k, v, dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]])
     return attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, None, window, softcap, dropout_p,
-                                        rng)
+                                        rng, grad_lse=grad_lse)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.0, dropout_p=0.0, rng=None):
+def _attention_backward_fake(grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.0, dropout_p=0.0, rng=None,
+                             grad_lse=None):
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale, own_value_dim=True)
     _validate_scores(causal, window, softcap, "tk::attention_backward", dropout_p, rng)
@@ -368,15 +377,17 @@ def _setup_context(ctx, inputs, output):
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, rng)
     ctx.causal, ctx.scale, ctx.window, ctx.softcap, ctx.dropout_p = causal, scale, window, softcap, dropout_p
-    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # lse's gradient is None where lse is unused (no zeros to read)
 
 
-def _backward(ctx, grad_o, _grad_lse):
+def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse, rng = ctx.saved_tensors
-    if grad_o is None:
+    if grad_o is None and grad_lse is None:
         return (None,) * 9
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
     dq, dk, dv = torch.ops.tk.attention_backward(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window,
-                                                 ctx.softcap, ctx.dropout_p, rng)
+                                                 ctx.softcap, ctx.dropout_p, rng, grad_lse)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -402,6 +413,21 @@ def attention_adapter(q, k, v, causal: bool, scale: float, window: int, softcap:
     elif heads == "merged":
         o = o.flatten(0, 1)
     return o.contiguous() if contiguous else o
+
+
+def attention_sink_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, sink,
+                           transposed: tuple, contiguous: bool = False, dropout_p: float = 0.0):
+    """Attention with sinks (gpt-oss): softmax over the scores and one more logit per row, `sink` (broadcasting to
+    (B, H, N, 1)), whose column is dropped. That is o·σ(lse − sink) with tk::attention's o and lse, differentiable in
+    q, k, v (through the op's backward, lse's gradient included) and in the sinks. 4-D heads; `transposed` and
+    `contiguous` as attention_adapter's. With dropout, the dropped probabilities are the sink-normalised ones, as
+    eager drops them: the same factor."""
+    q, k, v = (t.transpose(-1, -2) if tr else t for t, tr in zip((q, k, v), transposed))
+    rng = torch.ops.tk.philox_seed() if dropout_p > 0 else None
+    o, lse = torch.ops.tk.attention(q, k, v, causal, scale, window, softcap, dropout_p, rng)
+    kept = torch.sigmoid(lse - sink.to(lse.dtype).squeeze(-1))  # the share of the softmax's mass on the keys
+    out = (o * kept.unsqueeze(-1)).to(o.dtype)
+    return out.contiguous() if contiguous else out
 
 
 from . import attention_masked, attention_varlen  # noqa: E402,F401  (register their ops)

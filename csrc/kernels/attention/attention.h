@@ -48,6 +48,8 @@ struct Scores {
   const int* row_keys = nullptr;  // device, (B, N, 2); null: every key
   const int* key_rows = nullptr;  // device, (B, M, 2); null: every query
   DropoutArgs dropout = {};
+  // backward: the gradient of lse, device (B, Hq, N) fp32; null: none (lse d/ds = P, so it enters as delta - grad_lse)
+  const float* lse_grad = nullptr;
 };
 
 // Why `sc` is not a score function the kernels take, or nullptr.

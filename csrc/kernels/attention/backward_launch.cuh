@@ -17,14 +17,15 @@ __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return _
 template <>
 __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
 
-// Per padded (bh, row): delta = rowsum(dO * O), lse2 = lse * log2e, and the
+// Per padded (bh, row): delta = rowsum(dO * O) - dlse (the gradient of lse, when given: d lse / d s = P, so
+// dS = P * (dP - delta + dlse)), lse2 = lse * log2e, and the
 // row of dq_accum zeroed (one pass instead of a separate fill). D / 8 lanes
 // per row with 16-byte loads (o and dO rows are 16-byte aligned: tma_ready in
 // the binding); lanes past the head dim o.D <= D read nothing. Rows in [N, Npad) get delta 0 and lse2 +inf so the
 // main kernel needs no bounds. delta and lse2 go to their stats_slot (StatsPairs).
 template <typename T, int D>
-__global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, float* lse2, float* delta,
-                                         float* dq_accum, int Npad) {
+__global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, const float* dlse, float* lse2,
+                                         float* delta, float* dq_accum, int Npad) {
   constexpr int LPR = D / 8;  // lanes per row: a power of two dividing 32
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t w = t / LPR;
@@ -56,7 +57,7 @@ __global__ void attention_bwd_pre_kernel(View4 dout, View4 o, const float* lse, 
   if (live && l == 0) {
     const int64_t bh = w / Npad;
     const int64_t slot = w - row + stats_slot(row);  // Npad is a multiple of 32
-    delta[slot] = row < o.S ? acc : 0.f;
+    delta[slot] = row < o.S ? acc - (dlse != nullptr ? dlse[bh * o.S + row] : 0.f) : 0.f;
     lse2[slot] = row < o.S ? lse[bh * o.S + row] * 1.4426950408889634f : INFINITY;
   }
 }
@@ -133,7 +134,7 @@ const char* launch_bwd(DType dt, const View4& dout, const View4& q, const View4&
     const int64_t lanes = BH * Npad * (D / 8);
     const int threads = 256;
     attention_bwd_pre_kernel<T, D><<<static_cast<unsigned>((lanes + threads - 1) / threads), threads, 0, stream>>>(
-        dout, o, lse, lse2, delta, dq_accum, Npad);
+        dout, o, lse, sc.lse_grad, lse2, delta, dq_accum, Npad);
   }
   CUtensorMap qm, km, vm, dom;
   if (const char* e = make_map(&qm, dt, q, BM)) return e;

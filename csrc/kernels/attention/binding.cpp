@@ -1,7 +1,7 @@
 // Registers tk_cuda::attention and tk_cuda::attention_backward (the schemas of the tk:: ops in
 // tk_inductor/ops/attention.py, with window 0 and softcap 0 for none, the interval tables of padding masks and
-// packed sequences that tk::attention_varlen builds: row_keys for the forward, key_rows for the backward, and the
-// dropout probability with its (seed, offset) pair). Checks inputs, allocates outputs and scratch, and calls the
+// packed sequences that tk::attention_varlen builds: row_keys for the forward, key_rows for the backward, the
+// dropout probability with its (seed, offset) pair, and the backward's optional gradient of lse). Checks inputs, allocates outputs and scratch, and calls the
 // torch-free launchers on the current stream.
 #include "binding/stable.h"
 
@@ -151,10 +151,20 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(const Tensor& grad_o, cons
                                                                   bool causal, double scale, int64_t window,
                                                                   double softcap,
                                                                   double dropout_p, const OptTensor& rng,
+                                                                  const OptTensor& grad_lse,
                                                                   const OptTensor& key_rows) {
   const DType dt = check_inputs(q_in, k_in, v_in, tk_attn::kMaxBackwardHeadDim);
   tk_attn::Scores sc = scores(causal, scale, window, softcap, dropout_p, rng, q_in.size(3));
   sc.key_rows = intervals(key_rows, q_in, k_in.size(2), "key_rows");
+  if (grad_lse.has_value()) {
+    const Tensor& g = *grad_lse;
+    STD_TORCH_CHECK(g.scalar_type() == ScalarType::Float && g.dim() == 3 && g.size(0) == q_in.size(0) &&
+                        g.size(1) == q_in.size(1) && g.size(2) == q_in.size(2) && g.is_contiguous() &&
+                        binding::same_device(g, q_in),
+                    "tk_cuda::attention_backward: grad_lse must be a contiguous float32 (B, Hq, N) tensor on q's "
+                    "device, got ", shape_str(g));
+    sc.lse_grad = data<float>(g);
+  }
   STD_TORCH_CHECK(binding::same_sizes(grad_o, q_in) && binding::same_sizes(o_in, q_in),
                   "tk_cuda::attention_backward: grad_o and o must have q's shape ", shape_str(q_in));
   STD_TORCH_CHECK(grad_o.scalar_type() == q_in.scalar_type() && o_in.scalar_type() == q_in.scalar_type(),
@@ -194,8 +204,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(tk_cuda, m) {
       "float dropout_p=0., Tensor? rng=None, Tensor? row_keys=None) -> (Tensor o, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
-      "int window=0, float softcap=0., float dropout_p=0., Tensor? rng=None, Tensor? key_rows=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window=0, float softcap=0., float dropout_p=0., Tensor? rng=None, Tensor? grad_lse=None, "
+      "Tensor? key_rows=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tk_cuda, CUDA, m) {
