@@ -75,6 +75,13 @@ def _deepseek_v3():  # multi-head latent attention: q/k head dim 96 (64 + 32 rot
     return transformers.DeepseekV3ForCausalLM(cfg).bfloat16()
 
 
+def _gpt_oss():  # attention sinks, a sliding window on alternate layers
+    cfg = transformers.GptOssConfig(vocab_size=96, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=64, intermediate_size=256, num_local_experts=2,
+                                    num_experts_per_tok=1, sliding_window=32, max_position_embeddings=256)
+    return transformers.GptOssForCausalLM(cfg).bfloat16()
+
+
 @pytest.mark.parametrize("name, model, families", [
     ("llama", _llama, {"attention", "rotary", "layernorm"}),
     ("mamba2", _mamba2, {"ssd", "layernorm"}),
@@ -82,9 +89,11 @@ def _deepseek_v3():  # multi-head latent attention: q/k head dim 96 (64 + 32 rot
                              feature_map="based", form="based").bfloat16(), {"linear_attention"}),
     ("modernbert", _modernbert, {"attention", "layernorm"}),
     ("deepseek-v3", _deepseek_v3, {"attention", "layernorm"}),
+    ("gpt-oss", _gpt_oss, {"attention", "layernorm"}),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_matchers_run_their_cuda_branches(name, model, families):
-    if not hasattr(transformers, {"modernbert": "ModernBertConfig", "deepseek-v3": "DeepseekV3Config"}.get(name, "AutoConfig")):
+    if not hasattr(transformers, {"modernbert": "ModernBertConfig", "deepseek-v3": "DeepseekV3Config",
+                                  "gpt-oss": "GptOssConfig"}.get(name, "AutoConfig")):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     with torch.no_grad():
         found = _matches_on_cuda(_capture(model(), torch.randint(0, 64, (1, 128))))
@@ -95,5 +104,5 @@ def test_matchers_run_their_cuda_branches(name, model, families):
             assert m.reason is None or isinstance(m.reason, str), (family, m.reason)
     replaced = {family for family, ms in found.items() if any(m.reason is None for m in ms)}
     assert families <= replaced, {f: [m.reason for m in found[f]] for f in families}
-    if name in ("modernbert", "deepseek-v3"):  # every layer: the two-sided window, MLA's two head dims
+    if name in ("modernbert", "deepseek-v3", "gpt-oss"):  # every layer: a two-sided window, MLA, sinks
         assert all(m.reason is None for m in found["attention"]), [m.reason for m in found["attention"]]
