@@ -465,45 +465,6 @@ def run_decode() -> list[Row]:
     return rows
 
 
-MLA_CASES = [(65536 // N, 16, N, 192, 128, causal) for N in (2048, 8192) for causal in (True, False)]
-
-
-def run_mla(backward: bool = True) -> list[Row]:
-    """Multi-head latent attention's head dims (DeepSeek-V2/V3, Kimi-K2: q/k 192, v 128), bf16, 65536 tokens: ours
-    through tk::attention (the kernels on q/k and v zero-padded to 192, the output sliced) against each SDPA backend
-    that takes two head dims, forward and forward+backward (TFLOPS of the unpadded math)."""
-    from torch.nn.attention import SDPBackend
-
-    from tk_inductor import build
-
-    build.load("attention")
-    baselines = {n: _sdpa(b) for n, b in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-                                          ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
-    rows: list[Row] = []
-    for B, H, N, D, Dv, causal in MLA_CASES:
-        name = f"B{B} H{H} N{N} D{D}/{Dv} {'causal' if causal else 'full'}"
-        progress(name)
-        scale = 1.0 / math.sqrt(D)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        v, do = (torch.randn(B, H, N, Dv, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        fns = {"ours": lambda q, k, v: torch.ops.tk.attention(q, k, v, causal, scale)[0],
-               **{n: (lambda q, k, v, f=f: f(q, k, v, causal, scale)) for n, f in baselines.items()}}
-        # the fp32 reference on the first batch entry (the whole batch's scores would take tens of GB)
-        want = torch.ops.tk.attention(q[:1].float(), k[:1].float(), v[:1].float(), causal, scale)[0]
-        try:
-            check_close(f"attention {name}", fns["ours"](q, k, v)[:1], want)
-        except AssertionError as exc:
-            rows.append(Row("attention", f"{name} fwd", "ours", None, note=f"wrong output: {exc}"))
-            del fns["ours"]
-        del want
-        flops = 2.0 * B * H * N * N * (D + Dv) * (0.5 if causal else 1.0)
-        rows += _timed_fwd_bwd(name, fns, (q, k, v, do), flops, N, backward)
-        del q, k, v, do
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="N in {2048, 4096} only")
@@ -512,6 +473,8 @@ def main(argv=None) -> int:
     p.add_argument("--varlen", action="store_true", help="key-padding masks and packed sequences instead")
     p.add_argument("--decode", action="store_true", help="one decode step against a KV cache instead")
     p.add_argument("--mla", action="store_true", help="q/k head dim 192 with v head dim 128 (DeepSeek's MLA) instead")
+    p.add_argument("--sinks-bands", action="store_true",
+                   help="attention sinks (gpt-oss) and two-sided windows (ModernBERT) instead")
     p.add_argument("--dims", default="128,64", help="comma-separated head dims (default: 128,64; H = 2048 // D)")
     p.add_argument("--dropout", type=float, default=0.0, help="attention dropout probability for the main cases")
     args = p.parse_args(argv)
@@ -522,7 +485,11 @@ def main(argv=None) -> int:
     elif args.decode:
         print(decode_summary(run_decode()))
     elif args.mla:
+        from .attention_features import run_mla
         print(table(run_mla(backward=not args.forward_only)))
+    elif args.sinks_bands:
+        from .attention_features import run_sinks_and_bands
+        print(scores_summary(run_sinks_and_bands(backward=not args.forward_only)))
     else:
         dims = tuple(int(d) for d in args.dims.split(","))
         print(summary(run(quick=args.quick, backward=not args.forward_only, dims=dims, dropout=args.dropout)))
