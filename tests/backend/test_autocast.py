@@ -66,6 +66,39 @@ def _mamba2():
     return transformers.Mamba2ForCausalLM(cfg)
 
 
+def _needs(config_name: str, min_torch=(2, 11)):
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < min_torch:
+        pytest.skip(f"torch {torch.__version__}: see tests/backend/test_models.py")
+
+
+def _deepseek_v3():  # MLA: q/k head dim 24, v head dim 16 (dense layers)
+    _needs("DeepseekV3Config")
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=128)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def _gpt_oss():  # attention sinks, a window on alternate layers
+    _needs("GptOssConfig", (2, 12))
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, intermediate_size=128, num_local_experts=2,
+                                    num_experts_per_tok=1, sliding_window=8, max_position_embeddings=128)
+    return transformers.GptOssForCausalLM(cfg)
+
+
+def _modernbert():  # an encoder with a two-sided window (masked LM logits over the vocabulary)
+    _needs("ModernBertConfig")
+    cfg = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        cls_token_id=1, sep_token_id=2, global_attn_every_n_layers=2,
+                                        local_attention=8, max_position_embeddings=128)
+    return transformers.ModernBertForMaskedLM(cfg)
+
+
 # model -> the families replaced in one precision, with their counts (2 layers; rotary: at least, q and k of a
 # layer share a launch where both results are cast for attention)
 MODELS = {
@@ -78,6 +111,9 @@ MODELS = {
     "mistral": (_mistral, {"attention": 2, "layernorm": 5, "rotary": 2}),
     # the SSD in fp32 under autocast's bf16 einsums; the gated norms (MambaRMSNormGated) with their gate
     "mamba2": (_mamba2, {"ssd": 2, "layernorm": 5}),
+    "deepseek-v3": (_deepseek_v3, {"attention": 2}),
+    "gpt-oss": (_gpt_oss, {"attention": 2}),
+    "modernbert": (_modernbert, {"attention": 2}),
 }
 
 
@@ -141,9 +177,11 @@ def test_same_families_as_in_fp32(name):
     assert counts[0] == counts[1], counts
 
 
-def test_dynamic_true_replaces_every_family():
+@pytest.mark.parametrize("name", ["llama-sdpa", "deepseek-v3", "gpt-oss", "modernbert"])
+def test_dynamic_true_replaces_every_family(name):
+    build, expected = MODELS[name]
     torch.manual_seed(0)
-    model = _llama("sdpa").train()
+    model = build().train()
     tk_inductor.reset()
     compiled = torch.compile(model, backend="thunderkittens", options=OPTS, dynamic=True)
     for length in (16, 24):
@@ -152,7 +190,7 @@ def test_dynamic_true_replaces_every_family():
         ref_logits, ref_loss, ref_grads = _step(model, model, ids, torch.bfloat16)
         assert _rel(loss, ref_loss) < 1e-2
     replaced = _replaced(tk_inductor.report())
-    assert {"attention", "layernorm", "rotary"} <= set(replaced), str(tk_inductor.report())
+    assert set(expected) <= set(replaced), str(tk_inductor.report())
     assert len(tk_inductor.report().graphs) == 1  # a second length recompiles nothing
 
 
