@@ -117,6 +117,17 @@ def _timed_fwd_bwd(name: str, fns: dict, tensors, flops: float, n: int, backward
     return rows
 
 
+def _checked_fwd_bwd(name: str, fns: dict, got, ref, tensors, flops: float, n: int, backward: bool) -> list[Row]:
+    """_timed_fwd_bwd after ours' output `got` matched `ref`; a wrong one gets a row saying so and is not timed."""
+    rows = []
+    try:
+        check_close(f"attention {name}", got, ref)
+    except AssertionError as exc:
+        rows.append(Row("attention", f"{name} fwd", "ours", None, note=f"wrong output: {exc}"))
+        fns = {impl: f for impl, f in fns.items() if impl != "ours"}
+    return rows + _timed_fwd_bwd(name, fns, tensors, flops, n, backward)
+
+
 def run(quick: bool = False, backward: bool = True, dims=(128, 64), dropout: float = 0.0) -> list[Row]:
     from torch.nn.attention import SDPBackend
 
@@ -265,14 +276,9 @@ def run_scores(backward: bool = True) -> list[Row]:
                     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=True)
 
             fns["sdpa+mask"] = sdpa_mask
-        ref = fns["flex"](q, k, v)
-        try:
-            check_close(f"attention {name}", fns["ours"](q, k, v), ref)
-        except AssertionError as exc:
-            rows.append(Row("attention", f"{name} fwd", "ours", None, note=f"wrong output: {exc}"))
-            del fns["ours"]
         flops = 4.0 * B * Hq * _visible(N, window) * D
-        rows += _timed_fwd_bwd(name, fns, (q, k, v, do), flops, N, backward)
+        rows += _checked_fwd_bwd(name, fns, fns["ours"](q, k, v), fns["flex"](q, k, v), (q, k, v, do), flops, N,
+                                 backward)
         del q, k, v, do, block_mask
         torch.cuda.empty_cache()
     return rows
