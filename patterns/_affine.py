@@ -73,6 +73,16 @@ class Abs:
 
 
 @dataclasses.dataclass(frozen=True)
+class FloorDiv:
+    """arg // by (a positive int) of an affine form: only compared for equality with another, as chunked attention's
+    masks compare chunk ids (i // C == j // C: the literal ("block", C, i's form, j's form), which the mask's box
+    decides)."""
+
+    arg: Aff
+    by: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Neg:
     """The complement of a Pred that is no Pred itself (the complement of a band is a union): negated again, or what
     masked_fill and where hide or select against."""
@@ -217,6 +227,8 @@ def _shift(v, fn):
         return Gather(v.node, _form(fn, v.row), _form(fn, v.col))
     if isinstance(v, Abs):
         return Abs(_shift(v.arg, fn))
+    if isinstance(v, FloorDiv):
+        return FloorDiv(_shift(v.arg, fn), v.by)
     if isinstance(v, Neg):
         return Neg(_shift(v.pred, fn))
     if isinstance(v, Sel):
@@ -297,6 +309,11 @@ _FLIPPED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq", "ne": "n
 
 
 def _compare(op: str, x, y) -> Pred:
+    if isinstance(x, FloorDiv) or isinstance(y, FloorDiv):
+        if not (isinstance(x, FloorDiv) and isinstance(y, FloorDiv) and x.by == y.by and op == "eq"):
+            raise Keep("mask compares a floor division other than two chunk ids for equality")
+        forms = [(a.coefs, a.c) for a in (x.arg, y.arg)]
+        return Pred(pads=frozenset({("block", x.by, *forms)}))
     if isinstance(x, Abs) or isinstance(y, Abs):
         if not isinstance(x, Abs):
             x, y, op = y, x, _FLIPPED[op]

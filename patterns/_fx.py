@@ -86,6 +86,7 @@ _NAMES: dict[Any, str] = {
     torch.Tensor.select: "select", torch.clamp: "clamp", torch.Tensor.clamp: "clamp", torch.clip: "clamp",
     torch.Tensor.clip: "clamp", torch.clamp_min: "clamp_min", torch.Tensor.clamp_min: "clamp_min",
     abs: "abs", operator.abs: "abs", torch.abs: "abs", torch.Tensor.abs: "abs",
+    operator.floordiv: "floordiv", torch.floor_divide: "floordiv", torch.Tensor.floor_divide: "floordiv",
 }
 _METHOD_NAMES = {"__and__": "and", "logical_and": "and", "__or__": "or", "logical_or": "or", "logical_not": "not",
                  "__invert__": "not", "bitwise_not": "not", "truediv": "div", "true_divide": "div", "divide": "div",
@@ -94,7 +95,8 @@ _METHOD_NAMES = {"__and__": "and", "logical_and": "and", "__or__": "or", "logica
                  # operators on tensors recorded as method calls (e.g. `a == b` in transformers 5.17's packed mask)
                  "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
                  "__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div", "__neg__": "neg",
-                 "__pow__": "pow", "__matmul__": "matmul", "__abs__": "abs"}
+                 "__pow__": "pow", "__matmul__": "matmul", "__abs__": "abs",
+                 "__floordiv__": "floordiv"}
 # `kind`: the coarsening, and the names it gives at all (the computations the contraction readers know)
 _COARSE = {"view": "reshape", "bmm": "matmul", "not": "invert"}
 _KINDS = frozenset({"matmul", "mul", "div", "add", "sub", "neg", "pow", "invert", "getitem", "einsum", "exp", "cumsum",

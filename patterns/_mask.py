@@ -26,7 +26,7 @@ import torch.fx as fx
 from tk_inductor.rewrite import example
 
 from ._affine import (Abs, Aff, _and, _as_pred, _as_sel, _coefs, _compare, complement, _drop_unit_axes, FALSE, Gather,
-                      _is_int, _linear, Neg, nonnegative, _not, _or, _plane, Pred, _remap, run_axis, Sel, _shift,
+                      FloorDiv, _is_int, _linear, Neg, nonnegative, _not, _or, _plane, Pred, _remap, run_axis, Sel, _shift,
                       _simplify, TRUE)
 from ._fx import arg as _arg
 from ._fx import Keep, eq, number, rank, shape
@@ -153,6 +153,12 @@ class _MaskEval:
 
     def _op_neg(self, node):
         return _linear("mul", self(node.args[0]), Aff((), -1))
+
+    def _op_floordiv(self, node):
+        x, by = self(node.args[0]), number(node.args[1])
+        if not isinstance(x, Aff) or not isinstance(by, int) or isinstance(by, bool) or by <= 0:
+            raise Keep("mask uses a floor division other than of an index expression by a positive int")
+        return Aff((), x.c // by) if not x.coefs else FloorDiv(x, by)
 
     def _op_abs(self, node):
         v = self(node.args[0])
@@ -459,13 +465,16 @@ class MaskKind(NamedTuple):
     two-sided (|i - j| < window, transformers' bidirectional sliding window); with `pad` = (mask node,
     offset) only the keys j where the run-time (B or 1, M') bool `mask[b, offset + j]` holds (a padding mask), with
     `segments` (a (B or 1, N) node of packed-sequence ids) only the keys of the query's sequence, and
-    `uniform_empty` when a padded mask's fill is finite (a row with no visible key then averages v, as in eager)."""
+    `uniform_empty` when a padded mask's fill is finite (a row with no visible key then averages v, as in eager), and
+    with `chunk` > 0 only the keys of the query's chunk of positions (i // chunk == j // chunk: Llama-4's chunked
+    attention)."""
 
     causal: bool
     window: int = 0
     pad: tuple | None = None
     segments: Any = None
     uniform_empty: bool = False
+    chunk: int = 0
 
 
 class RunTimeRuns(Keep):
@@ -480,9 +489,9 @@ def _mask_kind(allowed: Pred, score_shape: tuple, finite: bool | None = None) ->
     past the box is plain causal; run-time literals become `pad` and `segments`, and `finite` says the hidden entries
     were filled with a finite value (True), -inf (False) or are a bool mask's (None). Raises Keep for any other
     set."""
-    pad, segments = literals(allowed, score_shape)
+    pad, segments, chunk = literals(allowed, score_shape)
     kind = _planes_kind(Pred(allowed.planes, allowed.false), score_shape)
-    return kind._replace(pad=pad, segments=segments, uniform_empty=bool(pad is not None and finite))
+    return kind._replace(pad=pad, segments=segments, uniform_empty=bool(pad is not None and finite), chunk=chunk)
 
 
 def _planes_kind(allowed: Pred, score_shape: tuple) -> MaskKind:

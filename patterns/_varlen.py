@@ -90,12 +90,37 @@ def batch_read(row, node, B) -> bool:
     return (row == (((-4, 1),), 0) and (eq(n, B) or eq(n, 1))) or (row == ((), 0) and (eq(B, 1) or eq(n, 1)))
 
 
+def _one_block(chunk: int, forms, score_shape: tuple) -> bool:
+    """Whether every form (coefs, c) over the scores' box takes its values inside one chunk [k·chunk, (k + 1)·chunk),
+    the same for all: chunk ids compared there are always equal (Llama-4's chunked attention on a sequence no longer
+    than a chunk)."""
+    blocks = set()
+    for coefs, c in forms:
+        lo = hi = c
+        for axis, k in coefs:
+            size = number(score_shape[axis]) if -len(score_shape) <= axis < 0 else None
+            if not isinstance(size, int) or not isinstance(c, int):
+                return False
+            lo, hi = lo + min(0, k * (size - 1)), hi + max(0, k * (size - 1))
+        blocks |= {lo // chunk, hi // chunk}
+    return len(blocks) == 1
+
+
 def literals(allowed: Pred, score_shape: tuple) -> tuple:
-    """(pad, segments) of the allowed set's run-time literals (MaskKind): the padding mask read at [batch, offset +
-    key] inside its columns; the sequence ids compared at [batch, query] and [batch, key] over the whole sequence."""
+    """(pad, segments, chunk) of the allowed set's literals (MaskKind): the padding mask read at [batch, offset +
+    key] inside its columns; the sequence ids compared at [batch, query] and [batch, key] over the whole sequence;
+    the chunk size C of chunked attention's i // C == j // C (0: none, or equal everywhere on the box)."""
     pad = segments = None
+    chunk = 0
     runs = {lit[1] for lit in allowed.pads if lit[0] == "runs"}
-    for lit in (lit for lit in allowed.pads if lit[0] != "runs"):
+    for lit in (lit for lit in allowed.pads if lit[0] == "block"):
+        if _one_block(lit[1], lit[2:], score_shape):
+            continue  # the chunk ids compared are equal everywhere on the box
+        if chunk or len(score_shape) < 2 or not eq(score_shape[-2], score_shape[-1]) \
+                or sorted(lit[2:]) != [(((-2, 1),), 0), (((-1, 1),), 0)]:
+            raise Keep(f"chunked attention (chunks of {lit[1]}) other than i // C == j // C over one sequence")
+        chunk = lit[1]
+    for lit in (lit for lit in allowed.pads if lit[0] not in ("runs", "block")):
         if pad is not None and lit[0] == "keep" or segments is not None and lit[0] == "same":
             raise Keep("the mask combines several padding masks or sequence-id tensors")
         if len(score_shape) != 4:
@@ -119,4 +144,6 @@ def literals(allowed: Pred, score_shape: tuple) -> tuple:
             segments = node
     if runs and (segments is None or runs != {run_axis(_segment_positions(segments))}):
         raise Keep("position ids are compared without the packed-sequence ids made from them")
-    return pad, segments
+    if chunk and segments is not None:
+        raise Keep("chunked attention over packed sequences")
+    return pad, segments, chunk

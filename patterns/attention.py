@@ -164,7 +164,8 @@ class _Finder:
         # (contiguous) result may not be expressible on it, so those users get a contiguous copy.
         contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
         # padding, packed sequences and a two-sided window run on interval tables (tk::attention_varlen)
-        varlen = kind.pad is not None or kind.segments is not None or bool(kind.window and not kind.causal)
+        varlen = (kind.pad is not None or kind.segments is not None or bool(kind.window and not kind.causal)
+                  or bool(kind.chunk))
         if kind.window and not kind.causal and not known(qs[-2] <= ks[-2] + kind.window - 1):
             raise Keep("a two-sided window with rows that may see no key (more queries than keys + window - 1)")
         if dropout_p and softcap:
@@ -184,7 +185,7 @@ class _Finder:
         if varlen:  # padding / packed sequences: their values are read at run time (tk::attention_varlen)
             pad = kind.pad or (None, 0)
             return (varlen_ops.attention_varlen_adapter,
-                    args + pad + (kind.segments, kind.uniform_empty, dropout_p), [out])
+                    args + pad + (kind.segments, kind.uniform_empty, dropout_p, kind.chunk), [out])
         if dropout_p:
             return attention_ops.attention_adapter, args + (transposed, heads, contiguous, dropout_p), [out]
         if mask is not None:  # values known only at run time: the op checks them (tk::attention_masked)
@@ -563,7 +564,7 @@ def output_mask_kinds(graph: fx.Graph) -> dict[int, str]:
             continue
         try:
             kind = finder._sdpa_mask(node, shape(node) or ())
-            if kind.window or kind.pad is not None or kind.segments is not None:
+            if kind.window or kind.pad is not None or kind.segments is not None or kind.chunk:
                 continue  # tk::attention_masked runs causal or all-visible masks only
             kinds[i] = "causal" if kind.causal else "full"
         except Keep:

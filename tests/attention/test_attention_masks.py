@@ -366,6 +366,30 @@ def test_two_sided_window_proofs(fn):
     assert P._mask_kind(P._as_pred(P._MaskEval()(node)), (9, 9)) == P.MaskKind(False, 3)
 
 
+def _chunked(n, chunk):  # transformers' chunked_causal_mask_function (Llama-4), without left padding
+    left = torch.zeros(2, dtype=torch.long)
+    i, j = torch.arange(n)[None, :, None], torch.arange(n)[None, None, :]
+    same = (j - left[:, None, None]) // chunk == (i - left[:, None, None]) // chunk
+    return (same & (j <= i))[:, None]
+
+
+@pytest.mark.parametrize("chunk, kind", [(16, P.MaskKind(True)), (9, P.MaskKind(True)), (4, P.MaskKind(True, chunk=4)),
+                                         (3, P.MaskKind(True, chunk=3))])
+def test_chunked_attention_proofs(chunk, kind):
+    """i // C == j // C under a causal mask: plain causal where every position lies in one chunk, else the chunk."""
+    node = _mask_graph(lambda x: _chunked(9, chunk), (1,))
+    assert P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, 9, 9)) == kind
+
+
+def test_chunked_attention_refusals():
+    node = _mask_graph(lambda x: (torch.arange(9)[:, None] + 1) // 4 == torch.arange(9)[None, :] // 4, (1,))
+    with pytest.raises(P.Keep, match="chunked attention"):
+        P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, 9, 9))
+    node = _mask_graph(lambda x: torch.arange(9)[:, None] // 4 != torch.arange(9)[None, :] // 4, (1,))
+    with pytest.raises(P.Keep):
+        P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, 9, 9))
+
+
 @pytest.mark.parametrize("fn, why", [
     (lambda x: (_band(torch.arange(9), torch.arange(9)) - 1).abs() <= 2, "not a plain causal"),  # off-centre
     (lambda x: _band(torch.arange(9), torch.arange(9)).abs() == 2, "absolute value by eq"),

@@ -220,3 +220,32 @@ def test_two_sided_window_with_rows_past_the_keys_is_kept():
     q, k, v = _inputs()
     reasons = _kept(Fn(cross), q, k[:, :, :4], v[:, :, :4])
     assert "two-sided window with rows that may see no key" in reasons[0], reasons
+
+
+# ---------------------------------------------------------------------------- chunked attention (Llama-4)
+
+def _chunked_sdpa(q, k, v):
+    N = q.shape[-2]
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    mask = (j <= i) & (i // 3 == j // 3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+
+
+def test_chunked_attention_is_replaced():
+    """Chunks of 3 over 8 positions run as packed sequences of the chunks (tk::attention_varlen's segments, built by
+    the adapter): forward and gradients equal eager's."""
+    from attention_helpers import _check
+    from tk_inductor.ops import attention_varlen as AV
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        rewrite.run(gm, Config(reference=True))
+        seen["args"] = [n.args for n in gm.graph.nodes if n.target is AV.attention_varlen_adapter]
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(Fn(_chunked_sdpa), backend=backend)(*_inputs())
+    (args,) = seen["args"]
+    assert args[3] is True and args[-1] == 3  # causal, chunk 3
+    _check(Fn(_chunked_sdpa), *_inputs())

@@ -149,6 +149,18 @@ def _gpt_oss():  # attention sinks (eager only), a sliding window on alternate l
     return transformers.GptOssForCausalLM(cfg)
 
 
+def _llama4():  # chunked attention (chunks of 8 over the test's 24 tokens) on one layer, no rotary on the other
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Llama-4")
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, intermediate_size_mlp=128, attention_chunk_size=8, num_local_experts=1,
+        interleave_moe_layer_step=1, moe_layers=[], no_rope_layers=[1, 0],
+        layer_types=["chunked_attention", "full_attention"], max_position_embeddings=128,
+    )
+    return transformers.Llama4ForCausalLM(cfg)
+
+
 def _padding_mask(batch: int, length: int) -> torch.Tensor:
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[1, length - 4:] = 0  # the second sequence is right-padded
@@ -180,6 +192,7 @@ CASES = {
     "deepseek-v3": Case(_deepseek_v3, ("attention", "layernorm"), attention_count=2),
     "modernbert": Case(_modernbert, ("attention", "layernorm"), attention_count=2),
     "gpt-oss": Case(_gpt_oss, ("attention", "layernorm"), attention_count=2),
+    "llama4-chunked": Case(_llama4, ("attention", "layernorm"), attention_count=2),
     "modernbert-padding": Case(_modernbert, ("attention", "layernorm"), attention_count=2, padding_mask=True),
 }
 
