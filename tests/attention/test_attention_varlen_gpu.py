@@ -131,6 +131,26 @@ def test_two_sided_window(ops, monkeypatch, masks, N, D, window, dtype):
         assert rel_err(got, want) < GRAD_TOL, f"{name}: relative error {rel_err(got, want):.3e}"
 
 
+@pytest.mark.parametrize("N, chunk", [(2100, 512), (1000, 333)])
+def test_chunked_attention(ops, N, chunk):
+    """Llama-4's chunked attention through the adapter the matcher calls: the chunks of positions as packed
+    sequences (segments = i // chunk), causal, forward and backward."""
+    from tk_inductor.ops.attention_varlen import attention_varlen_adapter
+
+    B, Hq, Hkv, D = 2, 8, 2, 128
+    q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, Hq, Hkv, N, N, D, torch.bfloat16, seed=N))
+    scale = D ** -0.5
+    o = attention_varlen_adapter(q, k, v, True, scale, 0, 0.0, None, 0, None, False, 0.0, chunk)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    segments = (torch.arange(N, device="cuda") // chunk)[None].expand(B, N)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, _ = reference(qr, kr, vr, True, scale, segments=segments)
+    assert rel_err(o, o_ref) < OUT_TOL
+    for name, got, want in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(o_ref, (qr, kr, vr), do.float())):
+        assert rel_err(got, want) < GRAD_TOL, f"{name}: relative error {rel_err(got, want):.3e}"
+
+
 def test_uniform_empty_rows_average_v(ops):
     """uniform_empty (an eager model's finite fill): left-padded rows get the mean of v over every key, exactly as
     softmax over equal scores, through the reference for those entries; the other entries run the kernel."""
