@@ -6,7 +6,9 @@ The anchor is `x * cos + rot(x) * sin` (either operand order in each product and
 * NeoX / Llama `rotate_half`: `cat((-x[..., h:], x[..., :h]), dim=-1)` with h = d/2 (slices written
   with `...` or full leading slices, `torch.chunk(x, 2, -1)` halves, `-t` or `torch.neg`);
 * GPT-J `rotate_every_two` / Cohere interleaved: `stack((-x[..., 1::2], x[..., ::2]), dim=-1)
-  .flatten(-2)` (or `torch.flatten(t, -2)` / `start_dim=`).
+  .flatten(-2)` (or `torch.flatten(t, -2)` / `start_dim=`);
+* and, as its own anchor, gpt-oss's halves with half-width tables: `cat((x1·c − x2·s, x2·c + x1·s), -1)` (NeoX's
+  rotation with cos = cat(c, c), sin = cat(s, s), which `rotary_ops.rotary_half_tables` builds).
 
 Partial rotary (GPT-NeoX `rotary_ndims`, Phi, GPT-J `rotary_dim`): when x is `X[..., :r]` and the
 sum is concatenated with `X[..., r:]` (`cat([rot_part, X[..., r:]], -1)`), the op takes X whole and
@@ -210,6 +212,45 @@ def _anchor(node: fx.Node):
     return None
 
 
+def _product(node: Any, a: Any) -> Any:
+    """node = a * t or t * a -> t (None otherwise)."""
+    m = _binary(node, _MUL, "mul")
+    if m is None:
+        return None
+    return m[1] if m[0] is a else m[0] if m[1] is a else None
+
+
+def _anchor_halves(node: fx.Node):
+    """cat((x1·c − x2·s, x2·c + x1·s), -1), x1 and x2 the halves of x (gpt-oss's `_apply_rotary_emb` with half-width
+    tables c, s: NeoX's rotation with cat(c, c) and cat(s, s)) -> (x, c, s)."""
+    if not _is(node, _CAT, "cat"):
+        return None
+    parts, dim = node.args[0], _arg(node, 1, "dim", 0)
+    tn = _tensor(node)
+    if tn is None or not isinstance(parts, (list, tuple)) or len(parts) != 2 or not _dim_is_last(dim, tn.dim()):
+        return None
+    first, second = _binary(parts[0], {operator.sub, torch.sub}, "sub"), _binary(parts[1], _ADD, "add")
+    if first is None or second is None:
+        return None
+    plus, minus = first  # x1·c − x2·s
+    for x1 in (plus.args if isinstance(plus, fx.Node) else ()):
+        lo = _half_of(x1)
+        if lo is None or lo[1] != "lo":
+            continue
+        x, c = lo[0], _product(plus, x1)
+        for x2 in (minus.args if isinstance(minus, fx.Node) else ()):
+            if _half_of(x2) != (x, "hi"):
+                continue
+            s = _product(minus, x2)
+            if not isinstance(c, fx.Node) or not isinstance(s, fx.Node):
+                continue
+            cos_term = [t for t in second if _product(t, x2) is c]  # x2·c
+            sin_term = [t for t in second if _product(t, x1) is s]  # x1·s
+            if cos_term and sin_term and cos_term[0] is not sin_term[0]:
+                return x, c, s
+    return None
+
+
 def _partial_output(add: fx.Node, x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """x = X[..., :r] and cat([add, X[..., r:]], -1) uses the sum -> (X, cat)."""
     s = _last_slice(x)
@@ -233,7 +274,9 @@ def _partial_output(add: fx.Node, x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-def _reason(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor | None, interleaved: bool):
+def _reason(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor | None, interleaved: bool,
+            half: bool = False):
+    """half: cos/sin hold each pair's angle once (gpt-oss's half-width tables), doubled for the op."""
     if cos is None or sin is None or out is None:
         return "no example values", None
     if cos.requires_grad or sin.requires_grad:
@@ -249,10 +292,10 @@ def _reason(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
         return "cos and sin have different shapes", None
     if not 1 <= x.dim() <= 4 or cos.dim() > x.dim():
         return f"rank {x.dim()} input or cos of higher rank", None
-    rd = cos.shape[-1]
+    rd = cos.shape[-1] * (2 if half else 1)
     target = tuple(x.shape[:-1]) + (rd,)
     try:
-        ok = torch.broadcast_shapes(tuple(cos.shape), target) == target
+        ok = torch.broadcast_shapes(tuple(cos.shape[:-1]) + (rd,), target) == target
     except RuntimeError:
         ok = False
     if not ok:
@@ -314,19 +357,24 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
     cfg = cfg or config.current()
     singles = []
     for node in list(graph.nodes):
-        found = _anchor(node)
+        found, half = _anchor(node), False
         if found is None:
-            continue
+            halves = _anchor_halves(node)
+            if halves is None:
+                continue
+            found, half = (*halves, False), True
         x, cos, sin, interleaved = found
         out = node
-        partial = _partial_output(node, x)
+        partial = _partial_output(node, x) if not half else None
         if partial is not None:
             x, out = partial
         tx, tc, ts, to = _tensor(x), _tensor(cos), _tensor(sin), _tensor(out)
         if tx is None:
             continue
-        reason, flags = _reason(tx, tc, ts, to, interleaved)
-        if reason is None and partial is None and tc.shape[-1] != tx.shape[-1]:
+        reason, flags = _reason(tx, tc, ts, to, interleaved, half)
+        if reason is None and half and tc.shape[-1] * 2 != tx.shape[-1]:
+            reason = "half-width cos/sin of a partial rotation"
+        if reason is None and not half and partial is None and tc.shape[-1] != tx.shape[-1]:
             reason = "cos/sin cover fewer channels than x, without a pass-through concatenation"
         out_dtype = None
         if reason is None and (fused := fused_cast(out, rotary_ops.DTYPES)) is not None:
@@ -335,11 +383,11 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
             dtype = out_dtype or to.dtype
             if not rotary_ops.kernel_supports(tx.dtype, tc.dtype, dtype):
                 reason = f"no kernel for x {tx.dtype}, cos/sin {tc.dtype}, output {dtype}"
-        singles.append((x, cos, sin, interleaved, flags or set(), out, reason, tx, out_dtype))
+        singles.append((x, cos, sin, interleaved, flags or set(), out, reason, tx, out_dtype, half))
 
     # q and k of one layer share cos/sin: one launch for both.
     used = set()
-    for i, (x, cos, sin, inter, flags, out, reason, tx, out_dtype) in enumerate(singles):
+    for i, (x, cos, sin, inter, flags, out, reason, tx, out_dtype, half) in enumerate(singles):
         if i in used:
             continue
         used.add(i)
@@ -347,7 +395,8 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
         if reason is None:
             for j in range(i + 1, len(singles)):
                 y = singles[j]
-                if j in used or y[6] is not None or y[3] != inter or not (flags & y[4]) or y[8] != out_dtype:
+                if j in used or y[6] is not None or y[3] != inter or not (flags & y[4]) or y[8] != out_dtype \
+                        or y[9] != half:
                     continue
                 if not (_same_value(y[1], cos) and _same_value(y[2], sin)):
                     continue
@@ -368,7 +417,7 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
         yield Match(
             family=FAMILY,
             outputs=[out, k_out],
-            target=torch.ops.tk.rotary.default,
+            target=rotary_ops.rotary_half_tables if half else torch.ops.tk.rotary.default,
             args=(x, k, cos, sin, inter, False, contiguous, out_dtype),
             reason=reason,
             needs_grad=needs_grad,

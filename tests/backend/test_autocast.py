@@ -112,7 +112,7 @@ MODELS = {
     # the SSD in fp32 under autocast's bf16 einsums; the gated norms (MambaRMSNormGated) with their gate
     "mamba2": (_mamba2, {"ssd": 2, "layernorm": 5}),
     "deepseek-v3": (_deepseek_v3, {"attention": 2}),
-    "gpt-oss": (_gpt_oss, {"attention": 2}),
+    "gpt-oss": (_gpt_oss, {"attention": 2, "rotary": 2}),
     "modernbert": (_modernbert, {"attention": 2}),
 }
 

@@ -89,7 +89,7 @@ def _gpt_oss():  # attention sinks, a sliding window on alternate layers
                              feature_map="based", form="based").bfloat16(), {"linear_attention"}),
     ("modernbert", _modernbert, {"attention", "layernorm"}),
     ("deepseek-v3", _deepseek_v3, {"attention", "layernorm"}),
-    ("gpt-oss", _gpt_oss, {"attention", "layernorm"}),
+    ("gpt-oss", _gpt_oss, {"attention", "rotary", "layernorm"}),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_matchers_run_their_cuda_branches(name, model, families):
     if not hasattr(transformers, {"modernbert": "ModernBertConfig", "deepseek-v3": "DeepseekV3Config",

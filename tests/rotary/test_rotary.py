@@ -368,3 +368,53 @@ def test_not_matched_lookalikes():
         torch.testing.assert_close(compiled(m)(*args), m(*args))
         rep = tk_inductor.report()
         assert not rep.replaced.get("rotary") and not any(f == "rotary" for f, _ in rep.kept), str(rep)
+
+
+class HalfTablesRope(nn.Module):
+    """gpt-oss's `_apply_rotary_emb`: the halves of q and k by chunk (or slices), half-width tables (each pair's
+    angle once), cat((x1·c − x2·s, x2·c + x1·s))."""
+
+    def __init__(self, slices=False, swapped=False):
+        super().__init__()
+        self.slices, self.swapped = slices, swapped
+
+    def rope(self, x, c, s):
+        if self.slices:
+            h = x.shape[-1] // 2
+            x1, x2 = x[..., :h], x[..., h:]
+        else:
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+        if self.swapped:  # operands and terms in the other order
+            return torch.cat((c * x1 - s * x2, s * x1 + c * x2), dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    def forward(self, q, k, cos, sin):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return self.rope(q, c, s), self.rope(k, c, s)
+
+
+@pytest.mark.parametrize("slices, swapped", [(False, False), (True, True)])
+def test_matches_half_width_tables(slices, swapped):
+    """gpt-oss's spelling is NeoX's rotation with the tables doubled (rotary_half_tables): q and k in one launch."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 6, 16, requires_grad=True)
+    k = torch.randn(2, 2, 6, 16, requires_grad=True)
+    cos, sin = tables(2, 6, 16, False)
+    _check(HalfTablesRope(slices, swapped), (q, k, cos[..., :8].contiguous(), sin[..., :8].contiguous()), (q, k), 1)
+
+
+class HalfTablesWrongSign(nn.Module):
+    def forward(self, q, cos, sin):
+        x1, x2 = torch.chunk(q, 2, dim=-1)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return torch.cat((x1 * c + x2 * s, x2 * c - x1 * s), dim=-1)  # rotation by the negative angle
+
+
+def test_half_width_tables_lookalike_not_matched():
+    q = torch.randn(2, 3, 5, 16)
+    cos, sin = tables(2, 5, 8, False)
+    tk_inductor.reset()
+    torch._dynamo.reset()
+    m = HalfTablesWrongSign()
+    torch.testing.assert_close(compiled(m)(q, cos, sin), m(q, cos, sin))
+    assert not tk_inductor.report().replaced.get("rotary"), str(tk_inductor.report())

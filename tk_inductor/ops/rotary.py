@@ -192,3 +192,10 @@ def _backward(ctx, dq, dk):
 
 
 rotary.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rotary_half_tables(q, k, cos, sin, interleaved: bool, backward: bool, contiguous: bool, out_dtype=None):
+    """tk::rotary with half-width tables, each pair's angle once (gpt-oss's rotary: cos and sin of d / 2 channels
+    applied to the two halves): NeoX's rotation with cat(cos, cos) and cat(sin, sin)."""
+    return torch.ops.tk.rotary(q, k, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1), interleaved, backward,
+                               contiguous, out_dtype)
