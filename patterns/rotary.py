@@ -8,7 +8,10 @@ The anchor is `x * cos + rot(x) * sin` (either operand order in each product and
 * GPT-J `rotate_every_two` / Cohere interleaved: `stack((-x[..., 1::2], x[..., ::2]), dim=-1)
   .flatten(-2)` (or `torch.flatten(t, -2)` / `start_dim=`);
 * and, as its own anchor, gpt-oss's halves with half-width tables: `cat((x1·c − x2·s, x2·c + x1·s), -1)` (NeoX's
-  rotation with cos = cat(c, c), sin = cat(s, s), which `rotary_ops.rotary_half_tables` builds).
+  rotation with cos = cat(c, c), sin = cat(s, s), which `rotary_ops.rotary_half_tables` builds);
+* and the complex spelling (Meta's llama, torchtitan, HF Llama-4): `view_as_real(view_as_complex(x.float()
+  .reshape(..., -1, 2)) * f).flatten(-2)`, GPT-J's interleaved rotation with cos, sin = f's real and imaginary parts
+  repeated per pair (`rotary_ops.rotary_complex_tables`).
 
 Partial rotary (GPT-NeoX `rotary_ndims`, Phi, GPT-J `rotary_dim`): when x is `X[..., :r]` and the
 sum is concatenated with `X[..., r:]` (`cat([rot_part, X[..., r:]], -1)`), the op takes X whole and
@@ -251,6 +254,35 @@ def _anchor_halves(node: fx.Node):
     return None
 
 
+def _anchor_complex(node: fx.Node):
+    """view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * f).flatten(-2): the complex spelling (Meta's
+    llama, torchtitan, HF Llama-4), GPT-J's interleaved rotation with f = cos + i·sin per pair -> (x, f)."""
+    if not _is(node, {torch.flatten}, "flatten"):
+        return None
+    real, tn = node.args[0], _tensor(node)
+    tr = _tensor(real)
+    if tr is None or tn is None or not _is(real, {torch.view_as_real}) or tr.shape[-1] != 2:
+        return None
+    if not (_dim_is_last(_arg(node, 1, "start_dim", 0), tr.dim(), 1) and _dim_is_last(_arg(node, 2, "end_dim", -1), tr.dim())):
+        return None
+    product = _binary(real.args[0], _MUL, "mul")
+    if product is None:
+        return None
+    for cx, freqs in (product, product[::-1]):
+        if not _is(cx, {torch.view_as_complex}) or not isinstance(freqs, fx.Node):
+            continue
+        pairs = cx.args[0]
+        if not (_is(pairs, {torch.reshape}, "reshape") or _is(pairs, set(), "view")):
+            continue
+        x = pairs.args[0]
+        tx, tp = _tensor(x), _tensor(pairs)
+        if tx is None or tp is None or tp.dim() != tx.dim() + 1 or tuple(tp.shape[:-2]) != tuple(tx.shape[:-1]) \
+                or tp.shape[-1] != 2:
+            continue
+        return upcast_source(x), freqs
+    return None
+
+
 def _partial_output(add: fx.Node, x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """x = X[..., :r] and cat([add, X[..., r:]], -1) uses the sum -> (X, cat)."""
     s = _last_slice(x)
@@ -357,12 +389,15 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
     cfg = cfg or config.current()
     singles = []
     for node in list(graph.nodes):
-        found, half = _anchor(node), False
+        # tables: "full" (cos/sin over the rotary dims), "half" (each pair's angle once), "complex" (cos + i·sin)
+        found, tables = _anchor(node), "full"
+        if found is None and (halves := _anchor_halves(node)) is not None:
+            found, tables = (*halves, False), "half"
+        if found is None and (cx := _anchor_complex(node)) is not None:
+            found, tables = (cx[0], cx[1], cx[1], True), "complex"
         if found is None:
-            halves = _anchor_halves(node)
-            if halves is None:
-                continue
-            found, half = (*halves, False), True
+            continue
+        half = tables != "full"
         x, cos, sin, interleaved = found
         out = node
         partial = _partial_output(node, x) if not half else None
@@ -371,6 +406,12 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
         tx, tc, ts, to = _tensor(x), _tensor(cos), _tensor(sin), _tensor(out)
         if tx is None:
             continue
+        if tables == "complex":  # the real and imaginary parts are the tables
+            if tc is None or tc.dtype != torch.complex64 or tc.requires_grad:
+                reason, flags = f"complex rotary factors of dtype {getattr(tc, 'dtype', None)}, or learned", None
+                singles.append((x, cos, sin, interleaved, set(), out, reason, tx, None, tables))
+                continue
+            tc = ts = torch.view_as_real(tc)[..., 0]
         reason, flags = _reason(tx, tc, ts, to, interleaved, half)
         if reason is None and half and tc.shape[-1] * 2 != tx.shape[-1]:
             reason = "half-width cos/sin of a partial rotation"
@@ -383,11 +424,11 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
             dtype = out_dtype or to.dtype
             if not rotary_ops.kernel_supports(tx.dtype, tc.dtype, dtype):
                 reason = f"no kernel for x {tx.dtype}, cos/sin {tc.dtype}, output {dtype}"
-        singles.append((x, cos, sin, interleaved, flags or set(), out, reason, tx, out_dtype, half))
+        singles.append((x, cos, sin, interleaved, flags or set(), out, reason, tx, out_dtype, tables))
 
     # q and k of one layer share cos/sin: one launch for both.
     used = set()
-    for i, (x, cos, sin, inter, flags, out, reason, tx, out_dtype, half) in enumerate(singles):
+    for i, (x, cos, sin, inter, flags, out, reason, tx, out_dtype, tables) in enumerate(singles):
         if i in used:
             continue
         used.add(i)
@@ -396,7 +437,7 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
             for j in range(i + 1, len(singles)):
                 y = singles[j]
                 if j in used or y[6] is not None or y[3] != inter or not (flags & y[4]) or y[8] != out_dtype \
-                        or y[9] != half:
+                        or y[9] != tables:
                     continue
                 if not (_same_value(y[1], cos) and _same_value(y[2], sin)):
                     continue
@@ -417,8 +458,10 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
         yield Match(
             family=FAMILY,
             outputs=[out, k_out],
-            target=rotary_ops.rotary_half_tables if half else torch.ops.tk.rotary.default,
-            args=(x, k, cos, sin, inter, False, contiguous, out_dtype),
+            target={"full": torch.ops.tk.rotary.default, "half": rotary_ops.rotary_half_tables,
+                    "complex": rotary_ops.rotary_complex_tables}[tables],
+            args=(x, k, cos, sin, inter, False, contiguous, out_dtype) if tables != "complex"
+            else (x, k, cos, inter, False, contiguous, out_dtype),
             reason=reason,
             needs_grad=needs_grad,
             has_backward_kernel=True,

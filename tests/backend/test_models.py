@@ -192,7 +192,7 @@ CASES = {
     "deepseek-v3": Case(_deepseek_v3, ("attention", "layernorm"), attention_count=2),
     "modernbert": Case(_modernbert, ("attention", "layernorm"), attention_count=2),
     "gpt-oss": Case(_gpt_oss, ("attention", "rotary", "layernorm"), attention_count=2),
-    "llama4-chunked": Case(_llama4, ("attention", "layernorm"), attention_count=2),
+    "llama4-chunked": Case(_llama4, ("attention", "rotary", "layernorm"), attention_count=2),
     "modernbert-padding": Case(_modernbert, ("attention", "layernorm"), attention_count=2, padding_mask=True),
 }
 

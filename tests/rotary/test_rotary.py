@@ -418,3 +418,57 @@ def test_half_width_tables_lookalike_not_matched():
     m = HalfTablesWrongSign()
     torch.testing.assert_close(compiled(m)(q, cos, sin), m(q, cos, sin))
     assert not tk_inductor.report().replaced.get("rotary"), str(tk_inductor.report())
+
+
+class ComplexRope(nn.Module):
+    """torchtitan's / Meta's llama `apply_rotary_emb`: consecutive pairs as complex numbers times freqs_cis (one
+    complex factor per pair and position), back to real, cast to x's dtype."""
+
+    def forward(self, xq, xk, freqs_cis):
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+        f = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+        xq_out = torch.view_as_real(xq_ * f).flatten(3)
+        xk_out = torch.view_as_real(xk_ * f).flatten(3)
+        return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def _freqs_cis(N, D, theta=10000.0):
+    freqs = 1.0 / theta ** (torch.arange(0, D, 2).float() / D)
+    return torch.polar(torch.ones(N, D // 2), torch.outer(torch.arange(N).float(), freqs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_complex_spelling(dtype):
+    """(B, N, H, D) q and k as torchtitan lays them out: GPT-J's interleaved rotation with the real and imaginary parts
+    repeated per pair (rotary_complex_tables), q and k in one launch, the cast back fused."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 4, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 6, 2, 16, dtype=dtype, requires_grad=True)
+    freqs = _freqs_cis(6, 16)
+    m = ComplexRope()
+    tk_inductor.reset()
+    torch._dynamo.reset()
+    out, ref = compiled(m)(q, k, freqs), m(q, k, freqs)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for a, b in zip(out, ref):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+    w = [torch.linspace(-1, 1, o.numel()).reshape(o.shape).to(dtype) for o in ref]
+    ga = torch.autograd.grad(sum((o * x).sum() for o, x in zip(out, w)), (q, k))
+    gb = torch.autograd.grad(sum((o * x).sum() for o, x in zip(ref, w)), (q, k))
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, **tol)
+    assert tk_inductor.report().replaced.get("rotary") == 1, str(tk_inductor.report())
+
+
+def test_complex_spelling_with_learned_factors_is_kept():
+    q, k = torch.randn(2, 6, 4, 16), torch.randn(2, 6, 2, 16)
+    freqs = _freqs_cis(6, 16).requires_grad_()
+    tk_inductor.reset()
+    torch._dynamo.reset()
+    m = ComplexRope()
+    out = compiled(m)(q, k, freqs)
+    torch.testing.assert_close(out, m(q, k, freqs))
+    assert not tk_inductor.report().replaced.get("rotary")
+    assert any("learned" in why for f, why in tk_inductor.report().kept if f == "rotary"), str(tk_inductor.report())

@@ -199,3 +199,11 @@ def rotary_half_tables(q, k, cos, sin, interleaved: bool, backward: bool, contig
     applied to the two halves): NeoX's rotation with cat(cos, cos) and cat(sin, sin)."""
     return torch.ops.tk.rotary(q, k, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1), interleaved, backward,
                                contiguous, out_dtype)
+
+
+def rotary_complex_tables(q, k, freqs, interleaved: bool, backward: bool, contiguous: bool, out_dtype=None):
+    """tk::rotary for the complex spelling (x's consecutive pairs as complex numbers times freqs = cos + i·sin, one
+    per pair: Meta's llama, torchtitan, HF Llama-4): GPT-J's interleaved rotation with each part repeated per pair."""
+    parts = torch.view_as_real(freqs)
+    cos, sin = (parts[..., i].repeat_interleave(2, dim=-1) for i in (0, 1))
+    return torch.ops.tk.rotary(q, k, cos, sin, interleaved, backward, contiguous, out_dtype)
