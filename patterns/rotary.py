@@ -143,13 +143,21 @@ def _negated(node: Any) -> Any:
 
 # ---------------------------------------------------------------------------- rot(x)
 
-def _rotate_half(node: Any) -> fx.Node | None:
-    """cat((-x_hi, x_lo), -1) -> x."""
+def _cat_pair(node: Any) -> tuple[Any, Any] | None:
+    """node = cat((a, b), -1) -> (a, b)."""
     if not _is(node, _CAT, "cat"):
         return None
     parts, dim = node.args[0], _arg(node, 1, "dim", 0)
     tn = _tensor(node)
     if tn is None or not isinstance(parts, (list, tuple)) or len(parts) != 2 or not _dim_is_last(dim, tn.dim()):
+        return None
+    return parts[0], parts[1]
+
+
+def _rotate_half(node: Any) -> fx.Node | None:
+    """cat((-x_hi, x_lo), -1) -> x."""
+    parts = _cat_pair(node)
+    if parts is None:
         return None
     hi = _half_of(_negated(parts[0]))
     lo = _half_of(parts[1])
@@ -226,11 +234,8 @@ def _product(node: Any, a: Any) -> Any:
 def _anchor_halves(node: fx.Node):
     """cat((x1·c − x2·s, x2·c + x1·s), -1), x1 and x2 the halves of x (gpt-oss's `_apply_rotary_emb` with half-width
     tables c, s: NeoX's rotation with cat(c, c) and cat(s, s)) -> (x, c, s)."""
-    if not _is(node, _CAT, "cat"):
-        return None
-    parts, dim = node.args[0], _arg(node, 1, "dim", 0)
-    tn = _tensor(node)
-    if tn is None or not isinstance(parts, (list, tuple)) or len(parts) != 2 or not _dim_is_last(dim, tn.dim()):
+    parts = _cat_pair(node)
+    if parts is None:
         return None
     first, second = _binary(parts[0], {operator.sub, torch.sub}, "sub"), _binary(parts[1], _ADD, "add")
     if first is None or second is None:

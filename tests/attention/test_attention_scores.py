@@ -184,8 +184,8 @@ def _two_sided_masked_fill(q, k, v):
     return (q @ k.transpose(-1, -2) * 0.25).masked_fill(hidden, float("-inf")).softmax(-1) @ v
 
 
-def _varlen_args(model, *inputs):
-    """As _replaced_args, for the matches that run on interval tables: the varlen adapter's (causal, scale, window)."""
+def _varlen_call(model, *inputs):
+    """As _replaced_args, for the matches that run on interval tables: the varlen adapter's arguments."""
     from tk_inductor.ops import attention_varlen as AV
 
     seen = {}
@@ -199,6 +199,12 @@ def _varlen_args(model, *inputs):
     out = torch.compile(model, backend=backend)(*inputs)
     torch.testing.assert_close(out, model(*inputs), rtol=1e-5, atol=1e-5)
     (args,) = seen["args"]
+    return args
+
+
+def _varlen_args(model, *inputs):
+    """The varlen adapter's (causal, scale, window)."""
+    args = _varlen_call(model, *inputs)
     return args[3], args[4], args[5]
 
 
@@ -235,17 +241,7 @@ def test_chunked_attention_is_replaced():
     """Chunks of 3 over 8 positions run as packed sequences of the chunks (tk::attention_varlen's segments, built by
     the adapter): forward and gradients equal eager's."""
     from attention_helpers import _check
-    from tk_inductor.ops import attention_varlen as AV
 
-    seen = {}
-
-    def backend(gm, example_inputs):
-        rewrite.run(gm, Config(reference=True))
-        seen["args"] = [n.args for n in gm.graph.nodes if n.target is AV.attention_varlen_adapter]
-        return gm
-
-    torch._dynamo.reset()
-    torch.compile(Fn(_chunked_sdpa), backend=backend)(*_inputs())
-    (args,) = seen["args"]
+    args = _varlen_call(Fn(_chunked_sdpa), *_inputs())
     assert args[3] is True and args[-1] == 3  # causal, chunk 3
     _check(Fn(_chunked_sdpa), *_inputs())
