@@ -310,25 +310,40 @@ def attention_case(rng):
     D, dtype = pick(rng, *ops.KERNEL_HEAD_DIMS), pick(rng, *ops.KERNEL_DTYPES)
     causal, scale = rng.random() < 0.5, rng.uniform(0.5, 1.5) / math.sqrt(D)
     lay = [pick(rng, *LAYOUTS) for _ in range(3)]
-    q = randn((B, Hkv * ratio, N, D), dtype, 1.0, lay[0])
-    k, v = randn((B, Hkv, M, D), dtype, 1.0, lay[1]), randn((B, Hkv, M, D), dtype, 1.0, lay[2])
     masked = rng.random() < 0.2  # tk::attention_masked with a mask the run-time check proves causal / all-visible
+    # MLA: v's own head dim (tk::attention pads q/k and v to the larger, a kernel head dim as both are)
+    Dv = pick(rng, *ops.KERNEL_HEAD_DIMS) if not masked and rng.random() < 0.25 else D
+    q = randn((B, Hkv * ratio, N, D), dtype, 1.0, lay[0])
+    k, v = randn((B, Hkv, M, D), dtype, 1.0, lay[1]), randn((B, Hkv, M, Dv), dtype, 1.0, lay[2])
     # a window leaves rows past M + window - 1 with no key (N > M): those rows are NaN in the kernel and reference alike
     window = pick(rng, 1, 17, 128, 200, size(rng)) if causal and N <= M and not masked and rng.random() < 0.3 else 0
     cap = pick(rng, 1.0, 5.0, 30.0) if not masked and rng.random() < 0.3 else 0.0
-    desc = (f"B{B} Hq{Hkv * ratio} Hkv{Hkv} N{N} M{M} D{D} {dtype} causal={causal} window={window} softcap={cap} "
-            f"masked={masked} layouts {lay}")
+    # a two-sided window (encoders; tk::attention_varlen's tables) or gpt-oss's sinks (o·σ(lse − sink), lse's gradient)
+    band = pick(rng, 1, 17, 128, size(rng)) if not causal and not masked and N == M and Dv == D \
+        and rng.random() < 0.2 else 0
+    sinks = not masked and not band and rng.random() < 0.2
+    desc = (f"B{B} Hq{Hkv * ratio} Hkv{Hkv} N{N} M{M} D{D} Dv{Dv} {dtype} causal={causal} window={window} "
+            f"softcap={cap} masked={masked} two-sided={band} sinks={sinks} layouts {lay}")
+    grad_inputs, grad_names, outputs = [0, 1, 2], ["dq", "dk", "dv"], [0]
     if masked:
         mask = torch.ones(N, M, dtype=torch.bool, device="cuda")
         mask = mask.tril() if causal else mask
         op = lambda q, k, v, mask, s: torch.ops.tk.attention_masked(q, k, v, mask, s)  # noqa: E731
         args = [q, k, v, mask, scale]
+    elif band:
+        op = lambda q, k, v, s, w, cap: torch.ops.tk.attention_varlen(q, k, v, None, None, False, s, w, cap)  # noqa: E731
+        args = [q, k, v, scale, band, cap]
+    elif sinks:
+        def op(q, k, v, c, s, w, cap, sink):
+            return (ops.attention_sink_adapter(q, k, v, c, s, w, cap, sink, (False, False, False)),)
+        args = [q, k, v, causal, scale, window, cap, torch.randn(1, Hkv * ratio, 1, 1, device="cuda")]
+        grad_inputs, grad_names = [0, 1, 2, 7], ["dq", "dk", "dv", "dsink"]
     else:
         op = lambda q, k, v, c, s, w, cap: torch.ops.tk.attention(q, k, v, c, s, w, cap)  # noqa: E731
         args = [q, k, v, causal, scale, window, cap]
-    return dict(desc=desc, op=op, args=args, outputs=[0], grad_inputs=[0, 1, 2], tol=TOL["attention"],
-                grad_names=["dq", "dk", "dv"], out_tol={1: 5e-4},
-                backward_kernel=ops.kernel_supports(dtype, D, backward=True) is None,  # none above D 128
+    return dict(desc=desc, op=op, args=args, outputs=outputs, grad_inputs=grad_inputs, tol=TOL["attention"],
+                grad_names=grad_names, out_tol={1: 5e-4},
+                backward_kernel=ops.kernel_supports(dtype, max(D, Dv), backward=True) is None,
                 unchecked=(1,) if masked else ())  # the masked op's reference (SDPA with the mask) has no lse
 
 
