@@ -44,9 +44,11 @@ class Plan:
 
 
 def supports(n, p, n_name: str = "state size", p_name: str = "head dim") -> str | None:
-    """None if the kernels run state size n and head dim p (directly or in parts), else why not."""
+    """None if the kernels run state size n and head dim p (directly or in parts), else why not. A symbolic size
+    (dynamic=True) is specialised to its value, as a comparison with the kernels' sizes would."""
+    n, p = (int(v) if isinstance(v, torch.SymInt) else v for v in (n, p))
     if not isinstance(n, int) or n <= 0:
-        return f"{n_name} {n} (not a static size)"
+        return f"{n_name} {n}"
     if not isinstance(p, int) or p <= 0 or p % P_MULTIPLE:
         return f"{p_name} {p} (the SSD kernels take multiples of {P_MULTIPLE})"
     return None
