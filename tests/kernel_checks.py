@@ -33,9 +33,9 @@ def record_raw_calls(monkeypatch) -> list[str]:
     def recording(name):
         op = kernel(name)
 
-        def call(*args):
+        def call(*args, **kwargs):
             calls.append(name)
-            return op(*args)
+            return op(*args, **kwargs)
         return call
     monkeypatch.setattr(_dispatch, "kernel", recording)
     return calls
