@@ -21,6 +21,7 @@ def run_mla(backward: bool = True) -> list[Row]:
     that takes two head dims, forward and forward+backward (TFLOPS of the unpadded math)."""
     from torch.nn.attention import SDPBackend
 
+    import tk_inductor.ops.attention  # noqa: F401  (registers tk::attention)
     from tk_inductor import build
 
     build.load("attention")
