@@ -253,6 +253,13 @@ class _Finder:
             scale = float(scale) * qo.scale * ko.scale
             if rank(q) not in (3, 4):
                 raise Keep(f"SDPA inputs of rank {rank(q)} (the op takes 4-D)")
+            sq, sv = shape(q) or (), shape(v) or ()
+            ex = example(q)
+            if sq and sv and not eq(sq[-1], sv[-1]) and isinstance(ex, torch.Tensor) and ex.device.type == "cuda" \
+                    and not self.reference:
+                # H200: cuDNN ran 192 / 128 at 1.1-1.5x our padded kernels forward, 1.5-2x forward+backward
+                raise Keep("a value head dim other than q/k's under SDPA, whose cuDNN backend runs it natively "
+                           "(faster than the kernels on zero-padded heads)")
         except Keep as e:
             return self._match(node, qo, ko, vo, MaskKind(False), 1.0, keep=str(e))
         # SDPA's own split-KV path: no mask and the K/V heads as they are (enable_gqa), where cuDNN/flash run a decode
