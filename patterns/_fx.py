@@ -86,6 +86,7 @@ _NAMES: dict[Any, str] = {
     torch.Tensor.select: "select", torch.clamp: "clamp", torch.Tensor.clamp: "clamp", torch.clip: "clamp",
     torch.Tensor.clip: "clamp", torch.clamp_min: "clamp_min", torch.Tensor.clamp_min: "clamp_min",
     abs: "abs", operator.abs: "abs", torch.abs: "abs", torch.Tensor.abs: "abs",
+    torch.amax: "amax", torch.Tensor.amax: "amax", torch.max: "max", torch.Tensor.max: "max",
     operator.floordiv: "floordiv", torch.floor_divide: "floordiv", torch.Tensor.floor_divide: "floordiv",
 }
 _METHOD_NAMES = {"__and__": "and", "logical_and": "and", "__or__": "or", "logical_or": "or", "logical_not": "not",

@@ -36,13 +36,11 @@ def row_max(n: fx.Node, of: fx.Node) -> list[fx.Node] | None:
     None."""
     chain = [n]
     if name(n) == "getitem" and n.args[1] == 0 and isinstance(n.args[0], fx.Node):
-        chain.append(n.args[0])
         n = n.args[0]
-        if (n.op == "call_method" and n.target == "max") or getattr(n.target, "__name__", None) == "max":
-            pass
-        else:
+        chain.append(n)
+        if name(n) != "max":
             return None
-    elif not (getattr(n.target, "__name__", None) == "amax" or (n.op == "call_method" and n.target == "amax")):
+    elif name(n) != "amax":
         return None
     if not n.args or n.args[0] is not of or not _last_dim(of, arg(n, 1, "dim")) or not number(arg(n, 2, "keepdim")):
         return None

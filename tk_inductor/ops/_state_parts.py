@@ -101,7 +101,7 @@ def run(raw, args: tuple, n: int, p: int, plan: Plan):
         if how == "first" or _absent(got[0]):
             out = got[0]
         elif how == "sum":
-            total = got[0].float() if got[0].dtype in (torch.bfloat16, torch.float16) else got[0].clone()
+            total = got[0].float()  # the first block's own output (fp32 already: added into in place)
             for g in got[1:]:
                 total += g
             out = total.to(got[0].dtype)
