@@ -113,6 +113,9 @@ def check_and_time(op: str, case: str, impls: dict[str, Callable[[], torch.Tenso
     does not fit is a row with the reason instead of a number."""
     rows = []
     for impl, fn in impls.items():
+        if impl in SKIPPED:
+            rows.append(Row(op, case, impl, None, note="skipped (--skip)"))
+            continue
         try:
             check_close(f"{impl} {case}", fn(), ref, tol)
             ms = median_ms(fn)
@@ -197,13 +200,21 @@ def with_attr(obj, name: str, value, fn: Callable[[], object]):
         setattr(obj, name, old)
 
 
+# Implementations check_and_time leaves out (`--skip`): a baseline that takes minutes to compile or autotune.
+SKIPPED: set[str] = set()
+
+
 def op_main(prog: str, doc: str, run: Callable[[bool], list[Row]], argv=None, quick_help: str = "one shape") -> int:
-    """`python -m benchmarks.<op> [--quick]`: run one op's benchmark and print its table."""
+    """`python -m benchmarks.<op> [--quick] [--skip NAME,...]`: run one op's benchmark and print its table."""
     import argparse
 
     p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=quick_help)
-    print(table(run(p.parse_args(argv).quick)))
+    p.add_argument("--skip", default="", metavar="NAME,...",
+                   help="implementations to leave out, e.g. torch.compile (their rows say skipped)")
+    args = p.parse_args(argv)
+    SKIPPED.update(name for name in args.skip.split(",") if name)
+    print(table(run(args.quick)))
     return 0
 
 
