@@ -183,12 +183,15 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   if (c == NC - 1) S::Turn::pass(c);  // warpgroup 0 takes the first turn
 
   // A task's place and extent for this warpgroup. Its key blocks are counted from the first one the producer
-  // streams (key_blocks' lo); block r needs a mask when r < lead (left of some row's first key) or r >= free (the key
-  // tail or the causal diagonal).
+  // streams (key_blocks' lo). The warpgroup computes only the blocks its own 64 rows can see, [skip, nb): it releases
+  // the others with empty turns, so a small window (or a band) costs about the blocks it touches, not the tile's.
+  // Block r needs a mask when r < lead (left of some row's first key) or r >= free (the key tail or the causal
+  // diagonal).
   struct Task {
     int bh, b, m0, r0, lo;
     int nblk;  // key blocks the producer streams
-    int nb;    // this warpgroup's own blocks (causal: its 64 rows end before the tile's), at least one
+    int skip;  // leading blocks before this warpgroup's first row's first key (fewer than nb)
+    int nb;    // blocks up to its last row's last key, at least one
     int lead, free;
   };
   auto task_of = [&](int t) {
@@ -200,25 +203,44 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     k.b = k.bh / p.Hq;
     const int2 kb = key_blocks<BN>(p, k.b, k.m0, BM);
     const int a = k.m0 + 64 * c;  // this warpgroup's first row
+    // the keys of its first and last rows (both bounds are nondecreasing along the rows)
+    const int2 first = row_keys(p, k.b, a), last = row_keys(p, k.b, a + 63);
     k.lo = kb.x;
     k.nblk = kb.y - kb.x;
-    k.nb = p.causal ? max(1, (min(kb.y * BN, a + 64) + BN - 1) / BN - kb.x) : k.nblk;
-    // blocks starting before the last row's first key (its window's or its row_bounds'), and blocks inside every
-    // row's keys (up to the first row's last key, and the first row itself under a causal mask)
-    k.lead = max(0, (max(a + 64 - p.window, row_bounds(p, k.b, a + 63).x) + BN - 1) / BN - kb.x);
-    const int hi_min = row_bounds(p, k.b, a).y;
-    k.free = (p.causal ? min(hi_min, a) + 1 : hi_min + 1) / BN - kb.x;
+    k.nb = min(max(1, (last.y + BN) / BN - kb.x), k.nblk);
+    k.skip = min(max(0, first.x / BN - kb.x), k.nb - 1);
+    k.lead = max(0, (last.x + BN - 1) / BN - kb.x);
+    k.free = (first.y + 1) / BN - kb.x;
     return k;
   };
-
   int it = 0;  // key blocks consumed so far: the ring's phases
   float o[K_::O_REGS];
   float mx[2], sum[2], alpha[2];
   float sc[K_::S_REGS];
   uint32_t pa[BN / 16][4];
 
-  // Round 0 of a task whose Q arrives with q_full's phase ti: S_0 issued on this warpgroup's turn ...
-  auto round0_issue = [&](int ti) {
+  // A block this warpgroup does not compute: its stages released once they have landed, and its (empty) turn taken,
+  // so every warpgroup runs nblk + 1 turns per task.
+  auto pass_block = [&](int pos) {
+    const int s = pos % STAGES;
+    tk::wait(k_full[s], (pos / STAGES) & 1);
+    tk::warp::arrive(k_empty[s]);
+    tk::wait(v_full[s], (pos / STAGES) & 1);
+    tk::warp::arrive(v_empty[s]);
+    S::Turn::wait(c);
+    S::Turn::pass(c);
+  };
+  // Round 0 of a task whose Q arrives with q_full's phase ti: the leading blocks passed, and the task's blocks
+  // counted from the first computed one from here on; S_0 issued on this warpgroup's turn ...
+  auto round0_issue = [&](Task& k, int ti) {
+    for (int j = 0; j < k.skip; ++j) pass_block(it + j);
+    it += k.skip;
+    k.lo += k.skip;
+    k.nblk -= k.skip;
+    k.nb -= k.skip;
+    k.lead = max(0, k.lead - k.skip);
+    k.free -= k.skip;
+    k.skip = 0;
     tk::wait(*q_full, ti & 1);
     const int s = it % STAGES;
     tk::wait(k_full[s], (it / STAGES) & 1);
@@ -288,18 +310,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       S::hold(pa);
       tk::warp::arrive(v_empty[s]);
     }
-    // Blocks fully masked for this warpgroup (causal): release their stages
-    // once they have landed, and keep taking (empty) turns so every warpgroup
-    // runs nblk + 1 rounds per task.
-    for (int j = k.nb; j < k.nblk; ++j) {
-      const int pos = it + j, s = pos % STAGES;
-      tk::wait(k_full[s], (pos / STAGES) & 1);
-      tk::warp::arrive(k_empty[s]);
-      tk::wait(v_full[s], (pos / STAGES) & 1);
-      tk::warp::arrive(v_empty[s]);
-      S::Turn::wait(c);
-      S::Turn::pass(c);
-    }
+    // The blocks past this warpgroup's last key (the causal diagonal, a band's end).
+    for (int j = k.nb; j < k.nblk; ++j) pass_block(it + j);
     it += k.nblk;
   };
   // Finish: normalise, write O in (B, N, Hq, D) through the O stage and the natural-log LSE. Without branches (with
@@ -343,8 +355,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   if constexpr (!Cfg::XTASK) {
     int ti = 0;
     for (int t = blockIdx.x; t < p.tasks; t += DYN ? consumer_step(sm, t, ti + 1) : gridDim.x, ++ti) {
-      const Task k = task_of(t);
-      round0_issue(ti);
+      Task k = task_of(t);
+      round0_issue(k, ti);
       round0_finish(k);
       rounds(k);
       finish(k);
@@ -354,7 +366,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     // while both warpgroups normalise and store O (the turn order is the same as above).
     int t = blockIdx.x, ti = 0;
     Task k = task_of(t);
-    round0_issue(ti);
+    round0_issue(k, ti);
     round0_finish(k);
     while (true) {
       rounds(k);
@@ -363,8 +375,8 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
         finish(k);
         break;
       }
-      const Task kn = task_of(tn);
-      round0_issue(ti + 1);
+      Task kn = task_of(tn);
+      round0_issue(kn, ti + 1);
       finish(k);
       round0_finish(kn);
       k = kn;
