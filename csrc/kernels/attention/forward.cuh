@@ -50,29 +50,38 @@ struct Fwd {
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
   static constexpr int O_BYTES = C::OSTAGE ? BM * D * 2 : 0;  // the O stage
-  static constexpr int SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 1024 /*align*/ + 256 /*barriers*/;
+  static constexpr int REST = 2 * STAGES * KV_BYTES + O_BYTES + 1024 /*align*/ + 256 /*barriers*/;
+  // Q slots: two where shared memory holds them (D <= 128), so the producer loads the next task's Q while this one
+  // runs and a task with few key blocks (a small window, a short sequence) does not wait for its Q at the start.
+  static constexpr int QBUF = 2 * Q_BYTES + REST <= 232448 ? 2 : 1;
+  static constexpr int SMEM = QBUF * Q_BYTES + REST;
   static_assert(SMEM <= 232448, "shared memory per block");
-  static_assert(2 + 4 * STAGES <= 31, "barriers fit their 256 bytes, less the task slot");
+  static_assert(2 * QBUF + 4 * STAGES <= 31, "barriers fit their 256 bytes, less the task slots");
   static constexpr int S_REGS = BN / 2;  // 64 x BN fp32 accumulator per thread
   static constexpr int O_REGS = D / 2;
 };
 
-// Shared memory of a forward block: Q, the K and V rings (64-column panels, 128-byte swizzle), the O stage and the
-// mbarriers. K and V stages are released separately.
+// Shared memory of a forward block: the Q slots, the K and V rings (64-column panels, 128-byte swizzle), the O stage
+// and the mbarriers. K and V stages are released separately. Task ti's Q is in slot q_slot(ti) with its phase
+// q_phase(ti) on q_full / q_empty of that slot.
 template <class K_>
 struct FwdSmem {
-  uint8_t *sQ, *sK, *sV, *sO;  // [PANELS][BM][64], [STAGES][PANELS][BN][64] twice, [PANELS][BM][64] (OSTAGE)
-  tk::semaphore *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
-  // dynamic schedule: the task the producer hands the consumers with q_full (the barriers' last 8 bytes)
-  __device__ __forceinline__ volatile int* task() const { return reinterpret_cast<volatile int*>(q_full + 31); }
+  uint8_t *sQ, *sK, *sV, *sO;  // [QBUF][PANELS][BM][64], [STAGES][PANELS][BN][64] twice, [PANELS][BM][64] (OSTAGE)
+  tk::semaphore *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;  // q_*: one per Q slot
+  // dynamic schedule: the task the producer hands the consumers with a slot's q_full (the barriers' last 8 bytes)
+  __device__ __forceinline__ volatile int* task(int slot) const {
+    return reinterpret_cast<volatile int*>(q_full + 31) + slot;
+  }
+  static __device__ __forceinline__ int q_slot(int ti) { return ti % K_::QBUF; }
+  static __device__ __forceinline__ int q_phase(int ti) { return (ti / K_::QBUF) & 1; }
   __device__ __forceinline__ explicit FwdSmem(uint8_t* raw) {
     sQ = tk::align_shared<1024>(raw);
-    sK = sQ + K_::Q_BYTES;
+    sK = sQ + K_::QBUF * K_::Q_BYTES;
     sV = sK + K_::STAGES * K_::KV_BYTES;
     sO = sV + K_::STAGES * K_::KV_BYTES;
     q_full = reinterpret_cast<tk::semaphore*>(sO + K_::O_BYTES);
-    q_empty = q_full + 1;
-    k_full = q_full + 2;
+    q_empty = q_full + K_::QBUF;
+    k_full = q_empty + K_::QBUF;
     v_full = k_full + K_::STAGES;
     k_empty = v_full + K_::STAGES;
     v_empty = k_empty + K_::STAGES;
@@ -80,8 +89,10 @@ struct FwdSmem {
   // Thread 0 initialises the barriers; then the block syncs.
   __device__ __forceinline__ void init() const {
     if (threadIdx.x == 0) {
-      tk::init_semaphore(*q_full, 1);
-      tk::init_semaphore(*q_empty, K_::NC * 4);  // one arrival per consumer warp
+      for (int s = 0; s < K_::QBUF; ++s) {
+        tk::init_semaphore(q_full[s], 1);
+        tk::init_semaphore(q_empty[s], K_::NC * 4);  // one arrival per consumer warp
+      }
       for (int s = 0; s < K_::STAGES; ++s) {
         tk::init_semaphore(k_full[s], 1);
         tk::init_semaphore(v_full[s], 1);
@@ -153,12 +164,12 @@ __device__ __forceinline__ void decode_task(const FwdParams& p, int t, int& bh, 
 __device__ __forceinline__ unsigned dynamic_step(const FwdParams& p, int t) {
   return unsigned(int(gridDim.x) + atomicAdd(p.next_task, 1) - t);
 }
-// The dynamic consumers' step from task t to the next one, which the producer hands over with q_full's phase ti
-// (the first task is blockIdx.x either way).
+// The dynamic consumers' step from task t to the next one, task ti of the block, which the producer hands over with
+// its Q slot's q_full (the first task is blockIdx.x either way).
 template <class Smem>
 __device__ __forceinline__ unsigned consumer_step(const Smem& sm, int t, int ti) {
-  tk::wait(*sm.q_full, ti & 1);
-  return unsigned(*sm.task() - t);
+  tk::wait(sm.q_full[Smem::q_slot(ti)], Smem::q_phase(ti));
+  return unsigned(*sm.task(Smem::q_slot(ti)) - t);
 }
 
 // The producer warpgroup of the forward kernels. Thread 0 walks the block's tasks in the consumers' order, loads each
@@ -179,11 +190,13 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_>& sm, const FwdPar
     decode_task(p, t, bh, qb);
     const int b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
     const int m0 = qb * BM;
-    tk::wait(*sm.q_empty, (ti & 1) ^ 1);
-    if constexpr (DYN) *sm.task() = t;
-    tk::expect_bytes(*sm.q_full, K_::Q_BYTES);
+    const int qs = sm.q_slot(ti);
+    tk::wait(sm.q_empty[qs], sm.q_phase(ti) ^ 1);
+    if constexpr (DYN) *sm.task(qs) = t;
+    tk::expect_bytes(sm.q_full[qs], K_::Q_BYTES);
+    uint8_t* sQ = sm.sQ + qs * K_::Q_BYTES;
 #pragma unroll
-    for (int pn = 0; pn < PANELS; ++pn) tk::tma::load_async(sm.sQ + pn * BM * 128, qmap, *sm.q_full, pn * 64, m0, h, b);
+    for (int pn = 0; pn < PANELS; ++pn) tk::tma::load_async(sQ + pn * BM * 128, qmap, sm.q_full[qs], pn * 64, m0, h, b);
     const int2 kb = key_blocks<BN>(p, b, m0, BM);
     const int nblk = kb.y - kb.x;
     // Key block kb.x + j of K or V into stage s.
@@ -206,9 +219,10 @@ __device__ __forceinline__ void fwd_producer(const FwdSmem<K_>& sm, const FwdPar
     it += nblk;
   }
   if constexpr (DYN) {  // no task left: once the consumers are done with the last Q, say so
-    tk::wait(*sm.q_empty, (ti & 1) ^ 1);
-    *sm.task() = p.tasks;
-    tk::arrive(*sm.q_full);
+    const int qs = sm.q_slot(ti);
+    tk::wait(sm.q_empty[qs], sm.q_phase(ti) ^ 1);
+    *sm.task(qs) = p.tasks;
+    tk::arrive(sm.q_full[qs]);
   }
 }
 

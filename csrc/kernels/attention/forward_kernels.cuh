@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
   // diagonal).
   struct Task {
     int bh, b, m0, r0, lo;
+    int qs;    // its Q slot
     int nblk;  // key blocks the producer streams
     int skip;  // leading blocks before this warpgroup's first row's first key (fewer than nb)
     int nb;    // blocks up to its last row's last key, at least one
@@ -230,9 +231,10 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     S::Turn::wait(c);
     S::Turn::pass(c);
   };
-  // Round 0 of a task whose Q arrives with q_full's phase ti: the leading blocks passed, and the task's blocks
+  // Round 0 of the block's task ti (its Q slot and phase from ti): the leading blocks passed, and the task's blocks
   // counted from the first computed one from here on; S_0 issued on this warpgroup's turn ...
   auto round0_issue = [&](Task& k, int ti) {
+    k.qs = sm.q_slot(ti);
     for (int j = 0; j < k.skip; ++j) pass_block(it + j);
     it += k.skip;
     k.lo += k.skip;
@@ -241,12 +243,12 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     k.lead = max(0, k.lead - k.skip);
     k.free -= k.skip;
     k.skip = 0;
-    tk::wait(*q_full, ti & 1);
+    tk::wait(q_full[k.qs], sm.q_phase(ti));
     const int s = it % STAGES;
     tk::wait(k_full[s], (it / STAGES) & 1);
     S::Turn::take(c, [&] {
       tk::warpgroup::mma_fence();
-      S::issue_qk(sc, sQ_u, sK_u + s * K_::KV_BYTES);
+      S::issue_qk(sc, sQ_u + k.qs * K_::Q_BYTES, sK_u + s * K_::KV_BYTES);
     });
   };
   // ... and, once it is done, its softmax starts the task's statistics; O starts at zero.
@@ -275,7 +277,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
       tk::wait(v_full[s], (pos / STAGES) & 1);
       S::Turn::take(c, [&] {
         tk::warpgroup::mma_fence();
-        S::issue_qk(sc, sQ_u, sK_u + s1 * K_::KV_BYTES);
+        S::issue_qk(sc, sQ_u + k.qs * K_::Q_BYTES, sK_u + s1 * K_::KV_BYTES);
         S::issue_pv(o, pa, sV_u + s * K_::KV_BYTES);
       });
       tk::warpgroup::mma_async_wait<1>();
@@ -295,7 +297,7 @@ __global__ void __launch_bounds__(Fwd<T, Cfg>::THREADS, 1)
     for (int j = first; j < split; ++j) round(j, std::false_type{});
     for (int j = split; j < k.nb - 1; ++j) round(j, std::true_type{});
     __syncwarp();
-    if (lane == 0) tk::arrive(*q_empty);  // this warpgroup's last QK^T is done
+    if (lane == 0) tk::arrive(q_empty[k.qs]);  // this warpgroup's last QK^T is done: the slot may take a later Q
     // Last round: PV_{nb-1}.
     {
       const int pos = it + k.nb - 1;
