@@ -209,7 +209,7 @@ def _simplify(v):
 
 def _shift(v, fn):
     """Rewrite every linear form (coefs, c) of a value with fn(coefs_dict, c) -> (coefs_dict, c) (a run offset, see
-    `run_axis`, is no axis of the index and stays as it is)."""
+    `run_axis`, or a left-padding count is no axis of the index and stays as it is)."""
     if isinstance(v, Aff):
         coefs, c = fn({a: k for a, k in v.coefs if a < 0}, v.c)
         return Aff(_coefs({**coefs, **{a: k for a, k in v.coefs if a > 0}}), c)
@@ -237,8 +237,8 @@ def _shift(v, fn):
 
 
 def _form(fn, f):
-    coefs, c = fn(dict(f[0]), f[1])
-    return _coefs(coefs), c
+    coefs, c = fn({a: k for a, k in f[0] if a < 0}, f[1])
+    return _coefs({**coefs, **{a: k for a, k in f[0] if a > 0}}), c
 
 
 def _drop_unit_axes(v, shape):

@@ -31,7 +31,8 @@ from ._affine import (Abs, Aff, _and, _as_pred, _as_sel, _coefs, _compare, compl
 from ._fx import arg as _arg
 from ._fx import Keep, eq, number, rank, shape
 from ._fx import name as _name
-from ._varlen import _input_of, literals, _padding_source, _position_source, _segment_source
+from ._varlen import _input_of, leftpad_axis, leftpad_source, literals, _padding_source, _position_source, \
+    _segment_source
 
 
 _NEG_BIG = torch.finfo(torch.float16).min  # fill values at or below this vanish in softmax
@@ -291,6 +292,8 @@ class _MaskEval:
             raise Keep("mask indexes a tuple")
         index = index if isinstance(index, tuple) else (index,)
         advanced = bool(index) and all(isinstance(i, fx.Node) and isinstance(example(i), torch.Tensor) for i in index)
+        if advanced and leftpad_source(src) is not None:
+            return self._leftpad_read(src, index)
         if advanced and (_padding_source(src) or _segment_source(src) or _position_source(src)):
             try:
                 self(src)  # values the analysis knows (in-graph position ids, say) are read as they are
@@ -365,6 +368,15 @@ class _MaskEval:
         if row not in ((((-4, 1),), 0), ((), 0)) or len(col) != 1 or col[0][1] != 1:
             raise Keep("position ids are not read at [batch, query or key]")
         return Aff(_coefs({col[0][0]: 1, run_axis(_input_of(src)): 1}), c)
+
+    def _leftpad_read(self, src, index):
+        """left_padding[batch] of a padding mask's left-padding count (`leftpad_source`): the Aff of its pseudo-axis,
+        which chunk ids compare (patterns/_varlen.py literals)."""
+        iv = self(index[0]) if len(index) == 1 else None
+        one = eq(example(src).shape[0], 1)  # one batch entry: its index is 0 whatever the form
+        if not isinstance(iv, Aff) or iv.c != 0 or not (iv.coefs == ((-4, 1),) or (iv.coefs == () and one)):
+            raise Keep("a left-padding count is read at other than the batch index")
+        return Aff(((leftpad_axis(leftpad_source(src)), 1),))
 
     def _advanced(self, v, ins, outs, index):
         """x[i0, i1, ...] with integer index tensors for every dim: substitute the indices' values."""
@@ -467,7 +479,8 @@ class MaskKind(NamedTuple):
     `segments` (a (B or 1, N) node of packed-sequence ids) only the keys of the query's sequence, and
     `uniform_empty` when a padded mask's fill is finite (a row with no visible key then averages v, as in eager), and
     with `chunk` > 0 only the keys of the query's chunk of positions (i // chunk == j // chunk: Llama-4's chunked
-    attention)."""
+    attention), counted from each row's first unpadded key with `chunk_from_pad` ((i - L_b) // chunk, L_b the
+    number of leading False entries of `pad`'s row b, as HF's mask under left padding)."""
 
     causal: bool
     window: int = 0
@@ -475,6 +488,7 @@ class MaskKind(NamedTuple):
     segments: Any = None
     uniform_empty: bool = False
     chunk: int = 0
+    chunk_from_pad: bool = False
 
 
 class RunTimeRuns(Keep):
@@ -489,9 +503,10 @@ def _mask_kind(allowed: Pred, score_shape: tuple, finite: bool | None = None) ->
     past the box is plain causal; run-time literals become `pad` and `segments`, and `finite` says the hidden entries
     were filled with a finite value (True), -inf (False) or are a bool mask's (None). Raises Keep for any other
     set."""
-    pad, segments, chunk = literals(allowed, score_shape)
+    pad, segments, chunk, from_pad = literals(allowed, score_shape)
     kind = _planes_kind(Pred(allowed.planes, allowed.false), score_shape)
-    return kind._replace(pad=pad, segments=segments, uniform_empty=bool(pad is not None and finite), chunk=chunk)
+    return kind._replace(pad=pad, segments=segments, uniform_empty=bool(pad is not None and finite), chunk=chunk,
+                         chunk_from_pad=from_pad)
 
 
 def _planes_kind(allowed: Pred, score_shape: tuple) -> MaskKind:

@@ -6,6 +6,10 @@ become.
 * Packed-sequence ids: a 2-D integer cumsum along the sequence of a bool tensor (HF's `find_packed_sequence_indices`,
   `(diff(position_ids) != 1).cumsum(-1)`), so nondecreasing with each id one contiguous run; read at [batch, query]
   and [batch, key] and compared for equality: the literal ("same", ids, row, col, col2).
+* A left-padding count: the number of leading False entries of a padding mask's rows,
+  `(mask.cumsum(-1) == 0).sum(-1)`, read at [batch] (HF's Llama-4 mask counts its chunks from each row's first token).
+  Its read is the Aff L_b of the pseudo-axis `leftpad_axis(mask)`, which only chunk ids may use:
+  (j - L_b) // C == (i - L_b) // C.
 * Position ids: a 2-D integer graph input. With packed sequences HF evaluates its causal and window rules on
   pos[b, query] and pos[b, key]; within one sequence the positions rise by exactly 1 (that is how the ids were made),
   so pos[b, x] = x + R with R one unknown offset per sequence (`run_axis`), which cancels between the two reads. Such
@@ -84,6 +88,30 @@ def _padding_source(node) -> bool:
     return isinstance(ex, torch.Tensor) and ex.dtype == torch.bool and ex.dim() == 2 and _from_graph_input(node)
 
 
+def leftpad_source(node) -> fx.Node | None:
+    """The padding mask (see _padding_source) whose per-row count of leading False entries `node` is, HF's
+    `(mask.cumsum(-1) == zeros_like(mask)).sum(-1)`, or None."""
+    if not isinstance(node, fx.Node) or _name(node) != "sum" or len(node.args) != 1 \
+            or number(node.kwargs.get("dim")) not in (1, -1) or node.kwargs.get("keepdim", False):
+        return None
+    cmp = node.args[0]
+    if _name(cmp) != "eq" or len(cmp.args) != 2:
+        return None
+    total, zero = cmp.args if _name(cmp.args[0]) == "cumsum" else cmp.args[::-1]
+    if _name(total) != "cumsum" or number(_arg(total, 1, "dim")) not in (1, -1):
+        return None
+    mask = total.args[0]
+    zero_like = _name(zero) == "zeros_like" and zero.args[0] is mask
+    if not (zero_like or number(zero) == 0) or not _padding_source(mask):
+        return None
+    return mask
+
+
+def leftpad_axis(mask) -> int:
+    """The pseudo-axis (positive; the index's axes are negative) of the left-padding count of padding mask `mask`."""
+    return id(mask)
+
+
 def batch_read(row, node, B) -> bool:
     """Whether a run-time (B or 1, n) tensor is read at the scores' batch index (or at 0 where there is one entry)."""
     n = example(node).shape[0]
@@ -107,19 +135,25 @@ def _one_block(chunk: int, forms, score_shape: tuple) -> bool:
 
 
 def literals(allowed: Pred, score_shape: tuple) -> tuple:
-    """(pad, segments, chunk) of the allowed set's literals (MaskKind): the padding mask read at [batch, offset +
-    key] inside its columns; the sequence ids compared at [batch, query] and [batch, key] over the whole sequence;
-    the chunk size C of chunked attention's i // C == j // C (0: none, or equal everywhere on the box)."""
+    """(pad, segments, chunk, chunk_from_pad) of the allowed set's literals (MaskKind): the padding mask read at
+    [batch, offset + key] inside its columns; the sequence ids compared at [batch, query] and [batch, key] over the
+    whole sequence; the chunk size C of chunked attention's i // C == j // C (0: none, or equal everywhere on the box),
+    and whether its positions count from each row's first unpadded key, (i - L_b) // C with L_b the padding mask's
+    left padding (offset 0)."""
     pad = segments = None
-    chunk = 0
+    chunk, chunk_axis = 0, None
     runs = {lit[1] for lit in allowed.pads if lit[0] == "runs"}
     for lit in (lit for lit in allowed.pads if lit[0] == "block"):
         if _one_block(lit[1], lit[2:], score_shape):
             continue  # the chunk ids compared are equal everywhere on the box
-        if chunk or len(score_shape) < 2 or not eq(score_shape[-2], score_shape[-1]) \
-                or sorted(lit[2:]) != [(((-2, 1),), 0), (((-1, 1),), 0)]:
+        shifts = {axis for form in lit[2:] for axis, _ in form[0] if axis > 0}
+        axis = next(iter(shifts), None)
+        plain = tuple(((a, k),) for a, k in ((-2, 1), (-1, 1)))
+        want = [(co + (((axis, -1),) if axis is not None else ()), 0) for co in plain]
+        if chunk or len(score_shape) < 2 or not eq(score_shape[-2], score_shape[-1]) or len(shifts) > 1 \
+                or sorted(lit[2:]) != want:
             raise Keep(f"chunked attention (chunks of {lit[1]}) other than i // C == j // C over one sequence")
-        chunk = lit[1]
+        chunk, chunk_axis = lit[1], axis
     for lit in (lit for lit in allowed.pads if lit[0] not in ("runs", "block")):
         if pad is not None and lit[0] == "keep" or segments is not None and lit[0] == "same":
             raise Keep("the mask combines several padding masks or sequence-id tensors")
@@ -146,4 +180,6 @@ def literals(allowed: Pred, score_shape: tuple) -> tuple:
         raise Keep("position ids are compared without the packed-sequence ids made from them")
     if chunk and segments is not None:
         raise Keep("chunked attention over packed sequences")
-    return pad, segments, chunk
+    if chunk_axis is not None and (pad is None or pad[1] != 0 or leftpad_axis(pad[0]) != chunk_axis):
+        raise Keep("chunks counted from the left padding of a mask other than the padding mask read at [batch, key]")
+    return pad, segments, chunk, chunk_axis is not None

@@ -185,7 +185,8 @@ class _Finder:
         if varlen:  # padding / packed sequences: their values are read at run time (tk::attention_varlen)
             pad = kind.pad or (None, 0)
             return (varlen_ops.attention_varlen_adapter,
-                    args + pad + (kind.segments, kind.uniform_empty, dropout_p, kind.chunk), [out])
+                    args + pad + (kind.segments, kind.uniform_empty, dropout_p, kind.chunk, kind.chunk_from_pad),
+                    [out])
         if dropout_p:
             return attention_ops.attention_adapter, args + (transposed, heads, contiguous, dropout_p), [out]
         if mask is not None:  # values known only at run time: the op checks them (tk::attention_masked)

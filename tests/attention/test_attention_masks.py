@@ -381,6 +381,70 @@ def test_chunked_attention_proofs(chunk, kind):
     assert P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, 9, 9)) == kind
 
 
+def _chunked_left(pad, chunk, left_of=None, at_batch=True):  # HF's chunked mask under left padding (Llama-4)
+    n = pad.shape[1]
+    src = pad if left_of is None else left_of
+    left = (src.cumsum(dim=-1) == torch.zeros_like(src)).sum(dim=-1)
+    b = torch.arange(2)[:, None, None, None]
+    i, j = torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
+    lb = left[b] if at_batch else left[torch.zeros_like(b)] + 0 * b
+    return ((j - lb) // chunk == (i - lb) // chunk) & (j <= i) & pad[b, j]
+
+
+def _mask_graph_of(fn, *inputs):
+    """The node computing fn's result, and the graph's placeholders, in the Dynamo graph of fn(*inputs)."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["out"] = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+        seen["gm"] = gm
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    return seen["out"]
+
+
+def test_chunked_attention_counted_from_the_left_padding():
+    """(j - L_b) // C == (i - L_b) // C with L_b the padding mask's leading-False count (HF's Llama-4 mask under left
+    padding): chunks of 3 counted from each row's first token, the padding mask read at [batch, key]."""
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[1, :4] = False
+    node = _mask_graph_of(lambda m: _chunked_left(m, 3), pad)
+    kind = P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, 9, 9))
+    assert (kind.causal, kind.window, kind.chunk, kind.chunk_from_pad, kind.segments) == (True, 0, 3, True, None)
+    assert kind.pad is not None and kind.pad[1] == 0
+
+
+@pytest.mark.parametrize("variant, why", [
+    ("other_mask", "left padding of a mask other than"),  # the count of another run-time mask
+    ("shifted", "left-padding count is read at other than the batch index"),
+])
+def test_chunked_attention_left_padding_refusals(variant, why):
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    other = torch.ones(2, 9, dtype=torch.bool)
+    if variant == "other_mask":
+        node = _mask_graph_of(lambda m, o: _chunked_left(m, 3, left_of=o), pad, other)
+    else:
+        node = _mask_graph_of(lambda m: _chunked_left(m, 3, at_batch=False), pad)
+    with pytest.raises(P.Keep, match=why):
+        P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, 9, 9))
+
+
+def test_left_padding_count_outside_chunk_ids_is_kept():
+    """The count compared directly with an index (not as chunk ids) is not modelled: kept, never misread."""
+    pad = torch.ones(2, 9, dtype=torch.bool)
+
+    def fn(m):
+        left = (m.cumsum(dim=-1) == torch.zeros_like(m)).sum(dim=-1)
+        b, j = torch.arange(2)[:, None, None, None], torch.arange(9)[None, None, None, :]
+        return (j >= left[b]) & (j <= torch.arange(9)[None, None, :, None])
+
+    node = _mask_graph_of(fn, pad)
+    with pytest.raises(P.Keep):
+        P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, 9, 9))
+
+
 def test_chunked_attention_refusals():
     node = _mask_graph(lambda x: (torch.arange(9)[:, None] + 1) // 4 == torch.arange(9)[None, :] // 4, (1,))
     with pytest.raises(P.Keep, match="chunked attention"):

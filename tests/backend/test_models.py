@@ -269,6 +269,22 @@ def test_llama_left_padding_through_inductor():
     assert tk_inductor.report().replaced.get("attention") == 2, str(tk_inductor.report())
 
 
+def test_llama4_chunked_attention_under_left_padding():
+    """Llama-4's chunks count from each row's first token under left padding (HF's mask subtracts the padding mask's
+    leading-zero count): both layers are replaced, and a training step equals eager with chunk boundaries that differ
+    per row."""
+    _skip_missing(("attention",))
+    torch.manual_seed(0)
+    model = _llama4().train()
+    ids = torch.randint(0, VOCAB, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[1, :11] = 0
+    compiled = torch.compile(model, backend="thunderkittens", options={"reference": True, "inner": "aot_eager"})
+    _assert_equal_to_eager(model, compiled, ids, mask)
+    assert tk_inductor.report().replaced.get("attention") == 2, str(tk_inductor.report())
+
+
 def test_llama_through_inductor_and_new_sequence_length():
     """Real Inductor on the rewritten graph; a second length recompiles with dynamic shapes."""
     _skip_missing(("attention", "rotary", "layernorm"))
