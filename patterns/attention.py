@@ -178,15 +178,18 @@ class _Finder:
         if (mask is not None or varlen) and (heads != "4d" or any(transposed) or contiguous):
             raise Keep("the mask's values are known only at run time and the layout needs an adapter")
         # dropout's (seed, offset) pair is drawn in the adapters (tk::philox_seed)
-        if sink is not None:
-            if mask is not None or varlen or heads != "4d":
-                raise Keep("attention sinks under a mask read at run time, or on 3-D heads")
-            return attention_ops.attention_sink_adapter, args + (sink, transposed, contiguous, dropout_p), [out]
+        if sink is not None and (mask is not None or heads != "4d"):
+            raise Keep("attention sinks under a mask handed into the graph, or on 3-D heads")
         if varlen:  # padding / packed sequences: their values are read at run time (tk::attention_varlen)
             pad = kind.pad or (None, 0)
+            # With sinks a row that sees no key puts all its mass on the sink (o = 0) whatever the fill: so the
+            # kernels' empty rows, not the finite fill's uniform average.
+            uniform_empty = kind.uniform_empty and sink is None
             return (varlen_ops.attention_varlen_adapter,
-                    args + pad + (kind.segments, kind.uniform_empty, dropout_p, kind.chunk, kind.chunk_from_pad),
+                    args + pad + (kind.segments, uniform_empty, dropout_p, kind.chunk, kind.chunk_from_pad, sink),
                     [out])
+        if sink is not None:
+            return attention_ops.attention_sink_adapter, args + (sink, transposed, contiguous, dropout_p), [out]
         if dropout_p:
             return attention_ops.attention_adapter, args + (transposed, heads, contiguous, dropout_p), [out]
         if mask is not None:  # values known only at run time: the op checks them (tk::attention_masked)

@@ -246,3 +246,34 @@ def test_hf_models_with_the_kernels(batch):
     net.train()
     labels = ids.masked_fill(inputs["attention_mask"] == 0, -100) if "attention_mask" in inputs else ids
     assert trains_like_eager(net, compiled, **inputs, labels=labels) == 2, str(tk_inductor.report())
+
+
+@pytest.mark.parametrize("N, D, window", [(1000, 64, 0), (333, 64, 128), (517, 128, 0)])
+def test_sinks_under_padding(ops, N, D, window):
+    """Attention sinks (gpt-oss) over a padded batch: tk::attention_varlen's o rescaled by σ(lse − sink), lse's
+    gradient through the varlen backward kernel; against the dense fp32 softmax over [scores, sink] with the sink's
+    column dropped. Rows that see no key (left padding, the empty entry) put all their mass on the sink: o = 0."""
+    from tk_inductor.ops.attention_varlen import attention_varlen_adapter
+
+    B, Hq, Hkv = 5, 8, 2
+    q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, Hq, Hkv, N, N, D, torch.bfloat16, seed=N + D))
+    sink = torch.randn(1, Hq, 1, 1, device="cuda", requires_grad=True)
+    keep = keep_of(B, N, seed=N)
+    scale = D ** -0.5
+    o = attention_varlen_adapter(q, k, v, True, scale, window, 0.0, keep, 0, None, False, 0.0, 0, False, sink)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, sink), do)
+    assert not any(torch.isnan(t).any() for t in (o, *grads))
+
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    sr = sink.detach().clone().requires_grad_()
+    kf, vf = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (kr, vr))
+    s = (qr @ kf.transpose(-1, -2)) * scale
+    i, j = torch.arange(N, device="cuda")[:, None], torch.arange(N, device="cuda")[None, :]
+    allowed = (j <= i) & ((i - j < window) if window else True) & keep[:, None, None, :]
+    s = torch.cat([s.masked_fill(~allowed, float("-inf")), sr.expand(B, Hq, N, 1)], -1)
+    o_ref = torch.softmax(s, -1)[..., :-1] @ vf
+    assert rel_err(o, o_ref) < OUT_TOL
+    refs = torch.autograd.grad(o_ref, (qr, kr, vr, sr), do.float())
+    for name, got, want in zip(("dq", "dk", "dv", "dsink"), grads, refs):
+        assert rel_err(got, want) < GRAD_TOL, f"{name}: relative error {rel_err(got, want):.3e}"

@@ -28,6 +28,7 @@ import torch
 from tk_inductor import build, config
 from tk_inductor.ops import _dispatch
 from tk_inductor.ops import layernorm as ln_ops
+from tk_inductor.ops import ssd as _ssd_ops  # noqa: F401  (registers tk::ssd)
 
 pytestmark = pytest.mark.gpu
 
@@ -142,10 +143,11 @@ def delta_error(family: str, case: dict, got, want_args, douts) -> dict:
     q, k, v = (t.detach().float().requires_grad_() for t in want_args[:3])
     if family == "attention":
         from tk_inductor.ops.attention import _scores, attention_reference
-        causal = want_args[3] if isinstance(want_args[3], bool) else bool((~want_args[3]).any())
-        scale = want_args[4]
-        window, cap = (want_args[5], want_args[6]) if len(want_args) > 5 else (0, 0.0)
-        o, lse = attention_reference(q, k, v, causal, scale, window, cap)
+        sc = case["scores"]
+        causal, scale, window, cap, mask = sc["causal"], sc["scale"], sc["window"], sc["cap"], sc.get("mask")
+        o, lse = attention_reference(q, k, v, causal, scale, window, cap, mask)
+        if sc.get("sink") is not None:  # the kernel's o and do are o·σ(lse − sink)'s factors: its Δ error is do·δ(o·σ)
+            o = o * torch.sigmoid(lse.detach() - sc["sink"].squeeze(-1)).unsqueeze(-1)
         prod = douts[0].float() * (got[0].float() - o.detach())
         dq, dk = torch.autograd.grad((-prod.sum(-1) * lse).sum(), (q, k))
         # plus the fp32 sums of Δ and of dP = do·v (all there is where o is exact, as at one key, where the two
@@ -156,7 +158,7 @@ def delta_error(family: str, case: dict, got, want_args, douts) -> dict:
         group = q.shape[1] // Hkv
         with torch.no_grad():
             bound = D * 2 ** -23 * (douts[0].float() * o).abs().sum(-1)
-            s = _scores(q, k, causal, scale, None, window, cap)[0]
+            s = _scores(q, k, causal, scale, mask, window, cap)[0]
             p = torch.exp(s - lse.unsqueeze(-1)) * (abs(scale) * bound).unsqueeze(-1)
             dq_bound = p @ k.abs().repeat_interleave(group, dim=1)
             dk_bound = (p.transpose(-1, -2) @ q.abs()).view(B, Hkv, group, M, D).sum(2)
@@ -325,23 +327,28 @@ def attention_case(rng):
     desc = (f"B{B} Hq{Hkv * ratio} Hkv{Hkv} N{N} M{M} D{D} Dv{Dv} {dtype} causal={causal} window={window} "
             f"softcap={cap} masked={masked} two-sided={band} sinks={sinks} layouts {lay}")
     grad_inputs, grad_names, outputs = [0, 1, 2], ["dq", "dk", "dv"], [0]
+    scores = dict(causal=causal, scale=scale, window=window, cap=cap)  # for delta_error's reference
     if masked:
         mask = torch.ones(N, M, dtype=torch.bool, device="cuda")
         mask = mask.tril() if causal else mask
         op = lambda q, k, v, mask, s: torch.ops.tk.attention_masked(q, k, v, mask, s)  # noqa: E731
         args = [q, k, v, mask, scale]
+        scores.update(cap=0.0, window=0)
     elif band:
         op = lambda q, k, v, s, w, cap: torch.ops.tk.attention_varlen(q, k, v, None, None, False, s, w, cap)  # noqa: E731
         args = [q, k, v, scale, band, cap]
+        i = torch.arange(N, device="cuda")
+        scores.update(causal=False, window=0, mask=(i[:, None] - i[None, :]).abs() < band)
     elif sinks:
         def op(q, k, v, c, s, w, cap, sink):
             return (ops.attention_sink_adapter(q, k, v, c, s, w, cap, sink, (False, False, False)),)
         args = [q, k, v, causal, scale, window, cap, torch.randn(1, Hkv * ratio, 1, 1, device="cuda")]
+        scores.update(sink=args[-1])
         grad_inputs, grad_names = [0, 1, 2, 7], ["dq", "dk", "dv", "dsink"]
     else:
         op = lambda q, k, v, c, s, w, cap: torch.ops.tk.attention(q, k, v, c, s, w, cap)  # noqa: E731
         args = [q, k, v, causal, scale, window, cap]
-    return dict(desc=desc, op=op, args=args, outputs=outputs, grad_inputs=grad_inputs, tol=TOL["attention"],
+    return dict(desc=desc, op=op, args=args, outputs=outputs, grad_inputs=grad_inputs, tol=TOL["attention"], scores=scores,
                 grad_names=grad_names, out_tol={1: 5e-4},
                 backward_kernel=ops.kernel_supports(dtype, max(D, Dv), backward=True) is None,
                 unchecked=(1,) if masked else ())  # the masked op's reference (SDPA with the mask) has no lse

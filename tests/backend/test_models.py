@@ -194,6 +194,7 @@ CASES = {
     "gpt-oss": Case(_gpt_oss, ("attention", "rotary", "layernorm"), attention_count=2),
     "llama4-chunked": Case(_llama4, ("attention", "rotary", "layernorm"), attention_count=2),
     "modernbert-padding": Case(_modernbert, ("attention", "layernorm"), attention_count=2, padding_mask=True),
+    "gpt-oss-padding": Case(_gpt_oss, ("attention", "rotary", "layernorm"), attention_count=2, padding_mask=True),
 }
 
 
@@ -269,13 +270,15 @@ def test_llama_left_padding_through_inductor():
     assert tk_inductor.report().replaced.get("attention") == 2, str(tk_inductor.report())
 
 
-def test_llama4_chunked_attention_under_left_padding():
-    """Llama-4's chunks count from each row's first token under left padding (HF's mask subtracts the padding mask's
-    leading-zero count): both layers are replaced, and a training step equals eager with chunk boundaries that differ
-    per row."""
+@pytest.mark.parametrize("build", [_llama4, _gpt_oss], ids=["llama4-chunked", "gpt-oss"])
+def test_left_padding_with_chunks_or_sinks(build):
+    """Under left padding (batched generation's prefill, fine-tuning on left-padded batches) both layers are replaced
+    and a training step equals eager: Llama-4's chunks count from each row's first token (HF's mask subtracts the
+    padding mask's leading-zero count: chunk boundaries differ per row); gpt-oss's sinks rescale tk::attention_varlen's
+    o by its lse (rows that see no key: o = 0, all the mass on the sink)."""
     _skip_missing(("attention",))
     torch.manual_seed(0)
-    model = _llama4().train()
+    model = build().train()
     ids = torch.randint(0, VOCAB, (2, 24))
     mask = torch.ones(2, 24, dtype=torch.long)
     mask[0, :5] = 0

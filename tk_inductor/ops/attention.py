@@ -424,10 +424,15 @@ def attention_sink_adapter(q, k, v, causal: bool, scale: float, window: int, sof
     eager drops them: the same factor."""
     q, k, v = (t.transpose(-1, -2) if tr else t for t, tr in zip((q, k, v), transposed))
     rng = torch.ops.tk.philox_seed() if dropout_p > 0 else None
-    o, lse = torch.ops.tk.attention(q, k, v, causal, scale, window, softcap, dropout_p, rng)
-    kept = torch.sigmoid(lse - sink.to(lse.dtype).squeeze(-1))  # the share of the softmax's mass on the keys
-    out = (o * kept.unsqueeze(-1)).to(o.dtype)
+    out = sink_rescale(*torch.ops.tk.attention(q, k, v, causal, scale, window, softcap, dropout_p, rng), sink)
     return out.contiguous() if contiguous else out
+
+
+def sink_rescale(o, lse, sink):
+    """o·σ(lse − sink): attention's o and lse with one more logit per row, `sink` (broadcasting to (B, H, N, 1)),
+    in the softmax's denominator. A row that sees no key (lse = +inf) keeps o = 0: the sink takes all its mass."""
+    kept = torch.sigmoid(lse - sink.to(lse.dtype).squeeze(-1))  # the share of the softmax's mass on the keys
+    return (o * kept.unsqueeze(-1)).to(o.dtype)
 
 
 from . import attention_masked, attention_varlen  # noqa: E402,F401  (register their ops)

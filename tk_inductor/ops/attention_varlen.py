@@ -36,7 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _dispatch
 from .attention import (_as_grads, _empty_out, _kernel_ok, _last_dim_unit, _validate, _validate_backward,
                         _validate_scores, attention_backward_reference, attention_reference, causal_allowed,
-                        grad_like)
+                        grad_like, sink_rescale)
 
 OP = "tk::attention_varlen"
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # keep or segments (or its base) -> {key: Intervals}
@@ -197,12 +197,14 @@ def attention_varlen_reference(q, k, v, keep, segments, causal: bool, scale: flo
 
 def attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal: bool, scale: float,
                                         window: int = 0, softcap: float = 0.0, uniform_empty: bool = False,
-                                        dropout_p: float = 0.0, rng=None, entry0: int = 0):
-    """(dq, dk, dv) of the op in fp32 (P recomputed), one batch entry at a time, in `grad_like` layouts."""
+                                        dropout_p: float = 0.0, rng=None, entry0: int = 0, grad_lse=None):
+    """(dq, dk, dv) of the op in fp32 (P recomputed), one batch entry at a time, in `grad_like` layouts; grad_lse as
+    tk::attention_backward's."""
     mask = _dense_mask(q, k, keep, segments, causal, window, uniform_empty)
     H = q.shape[1]
     grads = [attention_backward_reference(grad_o[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], o[b:b + 1], None,
-                                          False, scale, mask[b:b + 1], 0, softcap, dropout_p, rng, (entry0 + b) * H)
+                                          False, scale, mask[b:b + 1], 0, softcap, dropout_p, rng, (entry0 + b) * H,
+                                          None if grad_lse is None else grad_lse[b:b + 1])
              for b in range(q.shape[0])]
     return _as_grads(q, k, v, *(torch.cat(g) for g in zip(*grads)))
 
@@ -287,15 +289,18 @@ def _(q, k, v, keep, segments, causal, scale, window=0, softcap=0.0, uniform_emp
 @torch.library.custom_op(OP + "_backward", mutates_args=(),
                          schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor? segments, "
                                 "Tensor o, Tensor lse, bool causal, float scale, int window=0, float softcap=0., "
-                                "bool uniform_empty=False, float dropout_p=0., Tensor? rng=None) "
-                                "-> (Tensor dq, Tensor dk, Tensor dv)")
+                                "bool uniform_empty=False, float dropout_p=0., Tensor? rng=None, "
+                                "Tensor? grad_lse=None) -> (Tensor dq, Tensor dk, Tensor dv)")
 def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               keep: torch.Tensor | None, segments: torch.Tensor | None, o: torch.Tensor,
                               lse: torch.Tensor, causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
                               uniform_empty: bool = False, dropout_p: float = 0.0,
-                              rng: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              rng: torch.Tensor | None = None, grad_lse: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     op = OP + "_backward"
     _validate_backward(grad_o, q, k, v, o, lse, scale)
+    _dispatch.check(grad_lse is None or (isinstance(grad_lse, torch.Tensor) and grad_lse.shape == lse.shape),
+                    lambda: f"{op}: grad_lse must have lse's shape {tuple(lse.shape)}")
     _validate_masks(q, k, keep, segments, op)
     _validate_scores(causal, window, softcap, op, dropout_p, rng, two_sided=True)
     if q.numel() == 0 or k.numel() == 0:
@@ -305,16 +310,18 @@ def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
                                      uniform_empty, dropout_p, backward=True)
     if tables is None:
         return attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal, scale, window, softcap,
-                                                   uniform_empty, dropout_p, rng)
+                                                   uniform_empty, dropout_p, rng, grad_lse=grad_lse)
     ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
+    g_lse = None if grad_lse is None else grad_lse.float().contiguous()
     dq, dk, dv = _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), causal, scale,
                                                          _kernel_window(causal, window), softcap, dropout_p, rng,
-                                                         key_rows=tables.key_rows)
+                                                         g_lse, key_rows=tables.key_rows)
     for b in ref:
         e = slice(b, b + 1)
         grads = attention_varlen_backward_reference(grad_o[e], q[e], k[e], v[e], keep[e],
                                                     None if segments is None else segments[e], o[e], causal, scale,
-                                                    window, softcap, uniform_empty, dropout_p, rng, b)
+                                                    window, softcap, uniform_empty, dropout_p, rng, b,
+                                                    None if grad_lse is None else grad_lse[e])
         for dst, g in zip((dq, dk, dv), grads):
             dst[e].copy_(g)
     return dq, dk, dv
@@ -322,7 +329,7 @@ def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
 
 @attention_varlen_backward.register_fake
 def _(grad_o, q, k, v, keep, segments, o, lse, causal, scale, window=0, softcap=0.0, uniform_empty=False, dropout_p=0.0,
-      rng=None):
+      rng=None, grad_lse=None):
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     return grad_like(q), grad_like(k), grad_like(v)
 
@@ -332,14 +339,17 @@ def _setup_context(ctx, inputs, output):
     o, lse = output
     ctx.save_for_backward(q, k, v, keep, segments, o, lse, rng)
     ctx.args = (causal, scale, window, softcap, uniform_empty, dropout_p)
-    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # lse's gradient is None where lse is unused (attention sinks use it)
 
 
-def _backward(ctx, grad_o, _grad_lse):
+def _backward(ctx, grad_o, grad_lse):
     q, k, v, keep, segments, o, lse, rng = ctx.saved_tensors
-    if grad_o is None:
+    if grad_o is None and grad_lse is None:
         return (None,) * 12
-    dq, dk, dv = torch.ops.tk.attention_varlen_backward(grad_o, q, k, v, keep, segments, o, lse, *ctx.args, rng)
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.tk.attention_varlen_backward(grad_o, q, k, v, keep, segments, o, lse, *ctx.args, rng,
+                                                        grad_lse)
     return (dq, dk, dv) + (None,) * 9
 
 
@@ -348,12 +358,13 @@ attention_varlen.register_autograd(_backward, setup_context=_setup_context)
 
 def attention_varlen_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, mask, offset: int,
                              segments, uniform_empty: bool, dropout_p: float = 0.0, chunk: int = 0,
-                             chunk_from_pad: bool = False):
+                             chunk_from_pad: bool = False, sink=None):
     """tk::attention_varlen's o: keep = the key columns [offset, offset + M) of a (B or 1, M') padding mask or None,
     segments = (B or 1, N) packed-sequence ids or None (one row: every batch entry's), or with chunk > 0 the chunks of
     positions, i // chunk (Llama-4's chunked attention: its sequence ids), with chunk_from_pad counted from each row's
     first unpadded position, (i - L_b) // chunk with L_b the mask's leading False count (HF's mask under left
-    padding); dropout_p > 0: the (seed, offset) pair is drawn by a tk::philox_seed node, as in attention_adapter."""
+    padding); dropout_p > 0: the (seed, offset) pair is drawn by a tk::philox_seed node, as in attention_adapter;
+    `sink`: attention sinks (gpt-oss), o rescaled by σ(lse − sink) as attention_sink_adapter does."""
     B, M = q.shape[0], k.shape[2]
     _dispatch.check(mask is None or mask.shape[1] >= offset + M,
                     lambda: f"attention: the padding mask has {mask.shape[1]} columns, the keys need {offset + M}")
@@ -366,5 +377,6 @@ def attention_varlen_adapter(q, k, v, causal: bool, scale: float, window: int, s
     if segments is not None:
         segments = segments.expand(B, segments.shape[1])
     rng = torch.ops.tk.philox_seed() if dropout_p > 0 else None
-    return torch.ops.tk.attention_varlen(q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty,
-                                         dropout_p, rng)[0]
+    o, lse = torch.ops.tk.attention_varlen(q, k, v, keep, segments, causal, scale, window, softcap, uniform_empty,
+                                           dropout_p, rng)
+    return o if sink is None else sink_rescale(o, lse, sink)
