@@ -55,6 +55,7 @@ import torch.fx as fx
 from tk_inductor import config
 from tk_inductor.ops import attention as attention_ops
 from tk_inductor.ops import attention_varlen as varlen_ops
+from tk_inductor.ops import attention_masked as masked_ops
 from tk_inductor.rewrite import Match, example
 
 from ._fx import arg as _arg
@@ -178,8 +179,8 @@ class _Finder:
         if (mask is not None or varlen) and (heads != "4d" or any(transposed) or contiguous):
             raise Keep("the mask's values are known only at run time and the layout needs an adapter")
         # dropout's (seed, offset) pair is drawn in the adapters (tk::philox_seed)
-        if sink is not None and (mask is not None or heads != "4d"):
-            raise Keep("attention sinks under a mask handed into the graph, or on 3-D heads")
+        if sink is not None and heads != "4d":
+            raise Keep("attention sinks on 3-D heads")
         if varlen:  # padding / packed sequences: their values are read at run time (tk::attention_varlen)
             pad = kind.pad or (None, 0)
             # With sinks a row that sees no key puts all its mass on the sink (o = 0) whatever the fill: so the
@@ -188,7 +189,7 @@ class _Finder:
             return (varlen_ops.attention_varlen_adapter,
                     args + pad + (kind.segments, uniform_empty, dropout_p, kind.chunk, kind.chunk_from_pad, sink),
                     [out])
-        if sink is not None:
+        if sink is not None and mask is None:
             return attention_ops.attention_sink_adapter, args + (sink, transposed, contiguous, dropout_p), [out]
         if dropout_p:
             return attention_ops.attention_adapter, args + (transposed, heads, contiguous, dropout_p), [out]
@@ -196,6 +197,8 @@ class _Finder:
             if getattr(example(mask), "requires_grad", False):
                 raise Keep("the mask/bias requires grad (a learned bias)")
             args = (qo.arg(), ko.arg(), vo.arg(), mask, float(scale), float(softcap))
+            if sink is not None:
+                return masked_ops.attention_masked_sink_adapter, args + (sink,), [out]
             return torch.ops.tk.attention_masked.default, args, [out, None]
         if heads == "4d" and not any(transposed) and not contiguous:
             return torch.ops.tk.attention.default, args, [out, None]

@@ -264,12 +264,13 @@ def test_hf_llama_prompt_lookup_decoding():
                                   prompt_lookup_num_tokens=3)
 
 
-@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+@pytest.mark.parametrize("model", ["mistral", "gemma2", "gpt-oss"])
 def test_hf_sliding_window_decode_steps_replaced(model):
     """generate() of sliding-window models with a dynamic cache and dynamic shapes: a decode step's window is bounded
     at the cache's symbolic length (Mistral, SDPA), and Gemma-2's sliding cache keeps the last window of keys, so its
     eager attention's additive mask bounds the keys at a symbolic offset. Each row is one run of keys, read at run
-    time in inference (tk::attention_masked): every step's attention is replaced, and the tokens are eager's."""
+    time in inference (tk::attention_masked): every step's attention is replaced, and the tokens are eager's.
+    gpt-oss adds its sinks: tk::attention_masked's o and lse, rescaled."""
     import transformers
 
     common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -277,6 +278,11 @@ def test_hf_sliding_window_decode_steps_replaced(model):
     torch.manual_seed(0)
     if model == "mistral":
         net = transformers.MistralForCausalLM(transformers.MistralConfig(**common, attn_implementation="sdpa"))
+    elif model == "gpt-oss":
+        if not hasattr(transformers, "GptOssConfig") or tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 12):
+            pytest.skip("gpt-oss needs transformers with it and torch >= 2.12 (torch 2.11 cannot trace its experts)")
+        net = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **common, num_local_experts=2, num_experts_per_tok=1))
     else:
         net = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             **common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16,

@@ -169,3 +169,134 @@ def test_sdpa_lse_is_unchanged_by_the_sinks_math():
     right = s.softmax(-1) * torch.sigmoid(s.logsumexp(-1, keepdim=True) - c)
     torch.testing.assert_close(left, right)
     assert math.isclose(float((left.sum(-1) + torch.cat([s, c], -1).softmax(-1)[:, -1]).mean()), 1.0)
+
+
+def _masked_reference(q, k, v, scale, allowed):
+    """(o, lse) of softmax attention under a bool (N, M) or (B, 1, N, M) mask, GQA by repeating k and v."""
+    group = q.shape[1] // k.shape[1]
+    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return s.softmax(-1).nan_to_num(0.0) @ v.repeat_interleave(group, 1), s.logsumexp(-1)
+
+
+@pytest.mark.parametrize("kind", ["causal", "arbitrary"])
+def test_masked_op_lse_and_its_gradient(kind):
+    """tk::attention_masked with with_lse: lse equals logsumexp over the visible scores on the kernel path's kinds
+    (causal) and on the fallback's (any other mask: the reference formulas), and lse's gradient reaches q and k."""
+    q, k, v = _qkv(2, 4, 2, 7, 7, 8, grad=True)
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril()
+    if kind == "arbitrary":
+        allowed = allowed & (torch.arange(7)[None, :] != 2)
+    o, lse = torch.ops.tk.attention_masked(q, k, v, allowed, 0.3, 0.0, True)
+    ref_o, ref_lse = _masked_reference(q, k, v, 0.3, allowed)
+    torch.testing.assert_close(o, ref_o, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+    g_o, g_lse = torch.randn_like(o), torch.randn_like(lse)
+    got = torch.autograd.grad((o, lse), (q, k, v), (g_o, g_lse))
+    want = torch.autograd.grad((ref_o, ref_lse), (q, k, v), (g_o, g_lse.double()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_varlen_op_lse_gradient():
+    """tk::attention_varlen's lse is differentiable: its gradient (through the backward's grad_lse) matches the
+    dense reference's under a padding mask, rows without keys included (lse +inf, no gradient)."""
+    q, k, v = _qkv(2, 4, 2, 9, 9, 8, grad=True)
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[1, :4] = False  # left padding: the first rows see no key under the causal mask
+    o, lse = torch.ops.tk.attention_varlen(q, k, v, keep, None, True, 0.3)
+    allowed = torch.ones(9, 9, dtype=torch.bool).tril() & keep[:, None, None, :]
+    ref_o, ref_lse = _masked_reference(q, k, v, 0.3, allowed)
+    seen = ref_lse.isfinite()
+    torch.testing.assert_close(o, ref_o, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(lse.double()[seen], ref_lse[seen], rtol=1e-6, atol=1e-6)
+    g_lse = torch.randn_like(lse).masked_fill(~seen, 0.0)
+    got = torch.autograd.grad(lse, (q, k), g_lse)
+    want = torch.autograd.grad(ref_lse.masked_fill(~seen, 0.0), (q, k), g_lse.double())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class MaskedSinkAttention(SinkAttention):
+    """gpt-oss's eager attention with its additive mask handed in (a decode step's, as transformers passes it)."""
+
+    def forward(self, q, k, v, mask):
+        B, H, N, D = q.shape
+        k, v = (t.repeat_interleave(self.heads // self.kv_heads, 1) for t in (k, v))
+        s = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + mask
+        logits = torch.cat([s, self.sinks.reshape(1, -1, 1, 1).expand(B, -1, N, -1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        w = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+        return torch.matmul(w, v)
+
+
+@pytest.mark.parametrize("kind", ["causal", "arbitrary"])
+def test_sinks_under_a_mask_handed_in(kind):
+    """Sinks under a mask the graph takes as an input run as tk::attention_masked's o and lse rescaled, forward and
+    gradients (q, k, v and the sinks) equal to eager: a causal mask (the kernel path's kind) and another (the
+    fallback's reference formulas)."""
+    from attention_helpers import _compile
+
+    allowed = torch.ones(8, 8, dtype=torch.bool).tril()
+    if kind == "arbitrary":
+        allowed = allowed & (torch.arange(8)[None, :] != 1) | torch.eye(8, dtype=torch.bool)
+    mask = torch.zeros(8, 8).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    model = MaskedSinkAttention()
+    qkv = [x.requires_grad_() for x in _inputs(Hq=4, Hkv=2)]
+    out = _compile(model)(*qkv, mask)
+    assert tk_inductor.report().replaced == {"attention": 1}, str(tk_inductor.report())
+    ref = model(*qkv, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn_like(ref)
+    leaves = [*qkv, model.sinks]
+    for a, b in zip(torch.autograd.grad((out * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["causal", "runs"])
+def test_masked_kernel_paths_pass_lse_gradient(monkeypatch, kind):
+    """tk::attention_masked's kernel paths (the raw kernels stood in for by the reference) hand lse's gradient to the
+    raw backward: a causal mask through tk::attention, a mask of one run of keys per row through the interval
+    tables (row_keys forward, key_rows backward); sinks on top equal the cat-softmax reference."""
+    seen = []
+
+    def dense(table, n, m, by_rows):  # an interval table as a (B, 1, n, m) bool mask
+        x, y = table[..., 0], table[..., 1]
+        idx = torch.arange(m if by_rows else n)
+        inside = (idx >= x[..., None]) & (idx <= y[..., None])
+        return (inside if by_rows else inside.transpose(-1, -2))[:, None]
+
+    class Raw:
+        def attention(self, q, k, v, causal, scale, window=0, softcap=0.0, dropout_p=0.0, rng=None, row_keys=None):
+            mask = None if row_keys is None else dense(row_keys, q.shape[2], k.shape[2], True)
+            return A.attention_reference(q, k, v, causal, scale, window, softcap, mask, dropout_p, rng)
+
+        def attention_backward(self, grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.0, dropout_p=0.0,
+                               rng=None, grad_lse=None, key_rows=None):
+            seen.append(grad_lse)
+            mask = None if key_rows is None else dense(key_rows, q.shape[2], k.shape[2], False)
+            return A.attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, mask, window, softcap,
+                                                  dropout_p, rng, grad_lse=grad_lse)
+
+    monkeypatch.setattr(_dispatch, "use_kernel", lambda family, *tensors: True)
+    monkeypatch.setattr(_dispatch, "kernel", lambda name: getattr(Raw(), name))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # no CUDA here
+    from tk_inductor.ops.attention_masked import attention_masked_sink_adapter
+
+    q, k, v = (t.bfloat16().requires_grad_() for t in _qkv(2, 4, 2, 9, 9, 64, dtype=torch.float32))
+    allowed = torch.ones(9, 9, dtype=torch.bool).tril()
+    if kind == "runs":  # each row one run of keys, not a kernel kind: the interval tables
+        allowed = allowed & (torch.arange(9)[None, :] >= torch.arange(9)[:, None] // 2)
+    sink = torch.randn(4, requires_grad=True)
+    out = attention_masked_sink_adapter(q, k, v, allowed, 0.125, 0.0, sink.reshape(1, -1, 1, 1))
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, sink), g)
+    assert len(seen) == 1 and seen[0] is not None
+
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    s = (qf @ kf.repeat_interleave(2, 1).transpose(-1, -2)) * 0.125
+    logits = torch.cat([s.masked_fill(~allowed, float("-inf")), sink.reshape(1, -1, 1, 1).expand(2, 4, 9, 1)], -1)
+    want_out = logits.softmax(-1)[..., :-1] @ vf.repeat_interleave(2, 1)
+    torch.testing.assert_close(out.float(), want_out, rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, torch.autograd.grad(want_out, (qf, kf, vf, sink), g.float())):
+        torch.testing.assert_close(a.float(), b, rtol=5e-2, atol=5e-2)

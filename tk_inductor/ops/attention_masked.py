@@ -1,14 +1,16 @@
 """`tk::attention_masked`: softmax attention under a mask whose values the compiler cannot see.
 
-tk::attention_masked(q, k, v, mask, scale, softcap=0.) -> (o, lse)
+tk::attention_masked(q, k, v, mask, scale, softcap=0., with_lse=False) -> (o, lse)
     SDPA with `attn_mask=mask` (bool, True = attend, or additive float, broadcast to (B, Hq, N, M)), the scores
     softcapped first when softcap > 0, for a mask whose values the compiler cannot see: one handed into the
     graph, as after DDP's graph splitting, FSDP's graph breaks or a per-layer `torch.compile`. At run time
     `mask_kind` checks the values once per mask tensor (one device-to-host copy, cached per tensor and version);
     a causal, causal sliding-window or all-visible mask runs the kernel, any other mask runs SDPA with the mask,
     exactly as the original graph did (with a softcap, which SDPA lacks, the reference formulas); then `lse` is
-    not computed (zeros) and the backward uses the reference formulas in fp32, one batch entry at a time. While a
-    CUDA graph is being captured the check cannot run, so the SDPA path is taken.
+    not computed (zeros) unless `with_lse` (the reference formulas then give o and lse, one batch entry at a time:
+    attention sinks need it), and the backward uses the reference formulas in fp32, one batch entry at a time.
+    While a CUDA graph is being captured the check cannot run, so the SDPA path is taken. lse is differentiable
+    (its gradient enters the backward as tk::attention_backward's grad_lse).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from . import _dispatch
 from . import attention_varlen as _varlen
 from .attention import (_as_grads, _empty_out, _kernel_ok, _last_dim_unit, _validate, _validate_backward,
                         _validate_scores, attention, attention_backward, attention_backward_reference,
-                        attention_reference, grad_like)
+                        attention_reference, grad_like, sink_rescale)
 
 
 NEG_BIG = torch.finfo(torch.float16).min  # additive values at or below this vanish in softmax (as the matcher's)
@@ -199,10 +201,10 @@ def _kind_args(kind: str | int) -> tuple[bool, int]:
 
 
 @torch.library.custom_op("tk::attention_masked", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap=0.) "
-                                "-> (Tensor o, Tensor lse)")
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap=0., "
+                                "bool with_lse=False) -> (Tensor o, Tensor lse)")
 def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                     softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     softcap: float = 0.0, with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     _validate(q, k, v, scale, "tk::attention_masked")
     _validate_mask(q, k, mask, "tk::attention_masked")
     _validate_scores(False, 0, softcap, "tk::attention_masked")
@@ -218,17 +220,20 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         causal, window = _kind_args(kind)
         return attention(q, k, v, causal, scale, window, softcap)
     o = _empty_out(q)
-    if softcap:  # SDPA has no softcap: the reference formulas, one batch entry at a time to bound the memory
+    if softcap or with_lse:  # SDPA has no softcap nor lse: the reference formulas, one batch entry at a time
         full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        o.copy_(torch.cat([attention_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], False, scale, 0, softcap,
-                                               full[b:b + 1])[0] for b in range(q.shape[0])]))
+        entries = [attention_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], False, scale, 0, softcap, full[b:b + 1])
+                   for b in range(q.shape[0])]
+        o.copy_(torch.cat([e[0] for e in entries]))
+        if with_lse:
+            return o, torch.cat([e[1] for e in entries])
     else:
         o.copy_(_masked_sdpa(q, k, v, mask, scale))
     return o, q.new_zeros(q.shape[:3], dtype=torch.float32)  # lse is not computed on this path
 
 
 @attention_masked.register_fake
-def _(q, k, v, mask, scale, softcap=0.0):
+def _(q, k, v, mask, scale, softcap=0.0, with_lse=False):
     _validate(q, k, v, scale, "tk::attention_masked")
     _validate_mask(q, k, mask, "tk::attention_masked")
     _validate_scores(False, 0, softcap, "tk::attention_masked")
@@ -237,10 +242,12 @@ def _(q, k, v, mask, scale, softcap=0.0):
 
 @torch.library.custom_op("tk::attention_masked_backward", mutates_args=(),
                          schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor mask, Tensor o, Tensor lse, "
-                                "float scale, float softcap=0.) -> (Tensor dq, Tensor dk, Tensor dv)")
+                                "float scale, float softcap=0., Tensor? grad_lse=None) "
+                                "-> (Tensor dq, Tensor dk, Tensor dv)")
 def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               mask: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float,
-                              softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              softcap: float = 0.0, grad_lse: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     _validate_mask(q, k, mask, "tk::attention_masked_backward")
     _validate_scores(False, 0, softcap, "tk::attention_masked_backward")
@@ -252,39 +259,53 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     kind = _masked_path(q, k, v, mask, backward=True)
     if isinstance(kind, _varlen.Intervals):
         ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
-        return _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), False, scale, 0, softcap,
-                                                      key_rows=kind.key_rows)
+        g_lse = None if grad_lse is None else grad_lse.float().contiguous()
+        return _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), False, scale, 0, softcap, 0.0, None,
+                                                      g_lse, key_rows=kind.key_rows)
     if kind is not None:
         causal, window = _kind_args(kind)
-        return attention_backward(grad_o, q, k, v, o, lse, causal, scale, window, softcap)
+        return attention_backward(grad_o, q, k, v, o, lse, causal, scale, window, softcap, grad_lse=grad_lse)
     # SDPA's gradients for any mask from the reference formulas, one batch entry at a time to bound the memory
     # (this path runs only for masks the kernels do not take; its lse was not computed)
     full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     per_batch = [attention_backward_reference(grad_o[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], o[b:b + 1], None,
-                                              False, scale, full[b:b + 1], 0, softcap) for b in range(q.shape[0])]
+                                              False, scale, full[b:b + 1], 0, softcap,
+                                              grad_lse=None if grad_lse is None else grad_lse[b:b + 1])
+                 for b in range(q.shape[0])]
     return _as_grads(q, k, v, *(torch.cat(g) for g in zip(*per_batch)))
 
 
 @attention_masked_backward.register_fake
-def _(grad_o, q, k, v, mask, o, lse, scale, softcap=0.0):
+def _(grad_o, q, k, v, mask, o, lse, scale, softcap=0.0, grad_lse=None):
     _validate_backward(grad_o, q, k, v, o, lse, scale)
     return grad_like(q), grad_like(k), grad_like(v)
 
 
 def _masked_setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, softcap = inputs
+    q, k, v, mask, scale, softcap, with_lse = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, mask, o, lse)
     ctx.scale, ctx.softcap = scale, softcap
-    ctx.mark_non_differentiable(lse)
+    if not with_lse:  # zeros on the SDPA path: no gradient to take
+        ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
 
 
-def _masked_backward(ctx, grad_o, _grad_lse):
+def _masked_backward(ctx, grad_o, grad_lse):
     q, k, v, mask, o, lse = ctx.saved_tensors
+    if grad_o is None and grad_lse is None:
+        return (None,) * 7
     if grad_o is None:
-        return None, None, None, None, None, None
-    dq, dk, dv = torch.ops.tk.attention_masked_backward(grad_o, q, k, v, mask, o, lse, ctx.scale, ctx.softcap)
-    return dq, dk, dv, None, None, None
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.tk.attention_masked_backward(grad_o, q, k, v, mask, o, lse, ctx.scale, ctx.softcap,
+                                                        grad_lse)
+    return dq, dk, dv, None, None, None, None
 
 
 attention_masked.register_autograd(_masked_backward, setup_context=_masked_setup_context)
+
+
+def attention_masked_sink_adapter(q, k, v, mask, scale: float, softcap: float, sink):
+    """Attention sinks (gpt-oss) under a mask handed into the graph (a decode step's, against a KV cache):
+    tk::attention_masked's o and lse, rescaled by σ(lse − sink) as attention_sink_adapter does."""
+    return sink_rescale(*torch.ops.tk.attention_masked(q, k, v, mask, scale, softcap, True), sink)
