@@ -133,3 +133,19 @@ def test_opcheck():
     q, k, v = (t.float().requires_grad_() for t in _qkv())
     torch.library.opcheck(torch.ops.tk.attention_varlen.default,
                           (q, k, v, _keep(), _segments(), True, 0.3, 0, 0.0, False))
+
+
+def test_window_tables_are_built_once_per_geometry():
+    """A two-sided window alone has tables that depend on the geometry only: one build per (B, N, M, window), shared
+    by the layers, the backward and later steps; a few geometries are kept."""
+    q = torch.zeros(2, 1, 10, 8)
+    first = AV.intervals(None, None, 10, 10, False, 3, q)
+    assert AV.intervals(None, None, 10, 10, False, 3, q) is first
+    other = AV.intervals(None, None, 10, 10, False, 4, q)
+    assert other is not first
+    i = torch.arange(10)
+    want = torch.stack(((i - 2).clamp(min=0), (i + 2).clamp(max=9)), -1).expand(2, 10, 2)
+    assert torch.equal(first.row_keys, want.to(torch.int32)) and torch.equal(first.key_rows, want.to(torch.int32))
+    for w in range(5, 5 + 2 * AV._WINDOW_TABLES_KEPT):
+        AV.intervals(None, None, 10, 10, False, w, q)
+    assert len(AV._window_tables) <= AV._WINDOW_TABLES_KEPT

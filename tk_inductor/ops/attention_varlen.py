@@ -142,12 +142,26 @@ def _geometry(t: torch.Tensor | None) -> tuple:
                                  t.stride(), t.dtype, t._version)
 
 
+# The tables of a two-sided window alone, a function of the geometry only: (B, N, M, causal, window, device) ->
+# Intervals, the last few kept, so that the layers of a step, their backward and later steps build them once (a
+# dozen small device ops each time otherwise: at ModernBERT's sizes the call's host time).
+_window_tables: dict = {}
+_WINDOW_TABLES_KEPT = 8
+
+
 def intervals(keep, segments, N: int, M: int, causal: bool, window: int, q: torch.Tensor | None = None) -> Intervals:
     """The Intervals of (keep, segments), cached on the first given tensor (or the one it views) with both tensors'
     geometry and versions and the mask's causal and window (they decide which rows are empty); a two-sided window
-    alone builds its tables for q's batch (cheap: no value check)."""
+    alone: its tables for q's batch, cached by geometry (no value check)."""
     if keep is None and segments is None:
-        return Intervals(None, None, N, M, causal, window, q.shape[0], q.device)
+        key = (q.shape[0], N, M, causal, window, q.device)
+        tables = _window_tables.get(key)
+        if tables is None:
+            while len(_window_tables) >= _WINDOW_TABLES_KEPT:
+                _window_tables.pop(next(iter(_window_tables)))
+            varlen_paths["table builds"] += 1
+            tables = _window_tables[key] = Intervals(None, None, N, M, causal, window, q.shape[0], q.device)
+        return tables
     primary = keep if keep is not None else segments
     owner = primary._base if primary._base is not None else primary
     key = (_geometry(keep), _geometry(segments), N, M, causal, window)
