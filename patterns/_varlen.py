@@ -91,8 +91,8 @@ def _padding_source(node) -> bool:
 def leftpad_source(node) -> fx.Node | None:
     """The padding mask (see _padding_source) whose per-row count of leading False entries `node` is, HF's
     `(mask.cumsum(-1) == zeros_like(mask)).sum(-1)`, or None."""
-    if not isinstance(node, fx.Node) or _name(node) != "sum" or len(node.args) != 1 \
-            or number(node.kwargs.get("dim")) not in (1, -1) or node.kwargs.get("keepdim", False):
+    if not isinstance(node, fx.Node) or _name(node) != "sum" or not node.args \
+            or number(_arg(node, 1, "dim")) not in (1, -1) or number(_arg(node, 2, "keepdim", False)):
         return None
     cmp = node.args[0]
     if _name(cmp) != "eq" or len(cmp.args) != 2:
@@ -148,8 +148,8 @@ def literals(allowed: Pred, score_shape: tuple) -> tuple:
             continue  # the chunk ids compared are equal everywhere on the box
         shifts = {axis for form in lit[2:] for axis, _ in form[0] if axis > 0}
         axis = next(iter(shifts), None)
-        plain = tuple(((a, k),) for a, k in ((-2, 1), (-1, 1)))
-        want = [(co + (((axis, -1),) if axis is not None else ()), 0) for co in plain]
+        shift = ((axis, -1),) if axis is not None else ()  # (i - L_b) // C: the left-padding count's pseudo-axis
+        want = [(((-2, 1),) + shift, 0), (((-1, 1),) + shift, 0)]
         if chunk or len(score_shape) < 2 or not eq(score_shape[-2], score_shape[-1]) or len(shifts) > 1 \
                 or sorted(lit[2:]) != want:
             raise Keep(f"chunked attention (chunks of {lit[1]}) other than i // C == j // C over one sequence")

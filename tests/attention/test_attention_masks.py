@@ -381,10 +381,10 @@ def test_chunked_attention_proofs(chunk, kind):
     assert P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, 9, 9)) == kind
 
 
-def _chunked_left(pad, chunk, left_of=None, at_batch=True):  # HF's chunked mask under left padding (Llama-4)
+def _chunked_left(pad, chunk, left_of=None, at_batch=True, positional=False):  # HF's chunked mask, left padding
     n = pad.shape[1]
     src = pad if left_of is None else left_of
-    left = (src.cumsum(dim=-1) == torch.zeros_like(src)).sum(dim=-1)
+    left = (src.cumsum(-1) == 0).sum(-1) if positional else (src.cumsum(dim=-1) == torch.zeros_like(src)).sum(dim=-1)
     b = torch.arange(2)[:, None, None, None]
     i, j = torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
     lb = left[b] if at_batch else left[torch.zeros_like(b)] + 0 * b
@@ -405,12 +405,14 @@ def _mask_graph_of(fn, *inputs):
     return seen["out"]
 
 
-def test_chunked_attention_counted_from_the_left_padding():
+@pytest.mark.parametrize("positional", [False, True])
+def test_chunked_attention_counted_from_the_left_padding(positional):
     """(j - L_b) // C == (i - L_b) // C with L_b the padding mask's leading-False count (HF's Llama-4 mask under left
-    padding): chunks of 3 counted from each row's first token, the padding mask read at [batch, key]."""
+    padding, or the same count spelled with positional dims and a literal 0): chunks of 3 counted from each row's
+    first token, the padding mask read at [batch, key]."""
     pad = torch.ones(2, 9, dtype=torch.bool)
     pad[1, :4] = False
-    node = _mask_graph_of(lambda m: _chunked_left(m, 3), pad)
+    node = _mask_graph_of(lambda m: _chunked_left(m, 3, positional=positional), pad)
     kind = P._mask_kind(P._as_pred(P._MaskEval()(node)), (2, 4, 9, 9))
     assert (kind.causal, kind.window, kind.chunk, kind.chunk_from_pad, kind.segments) == (True, 0, 3, True, None)
     assert kind.pad is not None and kind.pad[1] == 0

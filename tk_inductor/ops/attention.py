@@ -293,6 +293,13 @@ def direct_kernel_ok(*tensors, backward: bool = False, scale: float = 1.0, softc
         for t in tensors)
 
 
+def lse_grad(grad_lse, lse: torch.Tensor, op: str) -> torch.Tensor | None:
+    """lse's gradient checked against lse's shape, as the raw backward takes it (fp32 contiguous), or None."""
+    _dispatch.check(grad_lse is None or (isinstance(grad_lse, torch.Tensor) and grad_lse.shape == lse.shape),
+                    lambda: f"{op}: grad_lse must have lse's shape {tuple(lse.shape)}")
+    return None if grad_lse is None else grad_lse.float().contiguous()
+
+
 def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
     # The kernels read rows with TMA: any strides, but the head dim must be packed.
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
@@ -344,14 +351,12 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _dispatch.check_flags("tk::attention_backward", causal=causal)
     _validate_backward(grad_o, q, k, v, o, lse, scale, own_value_dim=True)
-    _dispatch.check(grad_lse is None or (isinstance(grad_lse, torch.Tensor) and grad_lse.shape == lse.shape),
-                    lambda: f"tk::attention_backward: grad_lse must have lse's shape {tuple(lse.shape)}")
+    g_lse = lse_grad(grad_lse, lse, "tk::attention_backward")
     _validate_scores(causal, window, softcap, "tk::attention_backward", dropout_p, rng)
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return tuple(grad_like(t).zero_() for t in (q, k, v))
     if _kernel_ok(q, k, v, grad_o, o, lse, backward=True, scale=scale, softcap=softcap, dropout_p=dropout_p):
         grad_o, q, k, v, o = map(_last_dim_unit, (grad_o, q, k, v, o))
-        g_lse = None if grad_lse is None else grad_lse.float().contiguous()
         if q.shape[-1] == v.shape[-1]:
             return _dispatch.kernel("attention_backward")(grad_o, q, k, v, o, lse.contiguous(), causal, scale, window,
                                                           softcap, dropout_p, rng, g_lse)

@@ -24,7 +24,7 @@ from . import _dispatch
 from . import attention_varlen as _varlen
 from .attention import (_as_grads, _empty_out, _kernel_ok, _last_dim_unit, _validate, _validate_backward,
                         _validate_scores, attention, attention_backward, attention_backward_reference,
-                        attention_reference, grad_like, sink_rescale)
+                        attention_reference, grad_like, lse_grad, sink_rescale)
 
 
 NEG_BIG = torch.finfo(torch.float16).min  # additive values at or below this vanish in softmax (as the matcher's)
@@ -249,6 +249,7 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
                               softcap: float = 0.0, grad_lse: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _validate_backward(grad_o, q, k, v, o, lse, scale)
+    g_lse = lse_grad(grad_lse, lse, "tk::attention_masked_backward")
     _validate_mask(q, k, mask, "tk::attention_masked_backward")
     _validate_scores(False, 0, softcap, "tk::attention_masked_backward")
     if q.numel() == 0 or k.numel() == 0:
@@ -259,7 +260,6 @@ def attention_masked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     kind = _masked_path(q, k, v, mask, backward=True)
     if isinstance(kind, _varlen.Intervals):
         ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
-        g_lse = None if grad_lse is None else grad_lse.float().contiguous()
         return _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), False, scale, 0, softcap, 0.0, None,
                                                       g_lse, key_rows=kind.key_rows)
     if kind is not None:

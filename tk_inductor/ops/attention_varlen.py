@@ -36,7 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _dispatch
 from .attention import (_as_grads, _empty_out, _kernel_ok, _last_dim_unit, _validate, _validate_backward,
                         _validate_scores, attention_backward_reference, attention_reference, causal_allowed,
-                        grad_like, sink_rescale)
+                        grad_like, lse_grad, sink_rescale)
 
 OP = "tk::attention_varlen"
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # keep or segments (or its base) -> {key: Intervals}
@@ -313,8 +313,7 @@ def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     op = OP + "_backward"
     _validate_backward(grad_o, q, k, v, o, lse, scale)
-    _dispatch.check(grad_lse is None or (isinstance(grad_lse, torch.Tensor) and grad_lse.shape == lse.shape),
-                    lambda: f"{op}: grad_lse must have lse's shape {tuple(lse.shape)}")
+    g_lse = lse_grad(grad_lse, lse, op)
     _validate_masks(q, k, keep, segments, op)
     _validate_scores(causal, window, softcap, op, dropout_p, rng, two_sided=True)
     if q.numel() == 0 or k.numel() == 0:
@@ -326,7 +325,6 @@ def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
         return attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal, scale, window, softcap,
                                                    uniform_empty, dropout_p, rng, grad_lse=grad_lse)
     ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
-    g_lse = None if grad_lse is None else grad_lse.float().contiguous()
     dq, dk, dv = _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), causal, scale,
                                                          _kernel_window(causal, window), softcap, dropout_p, rng,
                                                          g_lse, key_rows=tables.key_rows)
