@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small subset of cases")
     p.add_argument("--e2e", action="store_true", help="also whole models (eager / torch.compile / thunderkittens)")
     p.add_argument("--models", default=None, help="comma-separated e2e models (default: all)")
-    p.add_argument("--modes", default=None, help="comma-separated e2e modes: eager,torch.compile,thunderkittens (default: all)")
+    p.add_argument("--modes", default=None, help="comma-separated e2e modes: eager,torch.compile,thunderkittens, and mamba_ssm for mamba2 (HF's fast path; default: all)")
     p.add_argument("--precisions", default=None,
                    help="comma-separated e2e training recipes: bf16 (bf16 parameters), amp-bf16, amp-fp16 (fp32 parameters "
                         "under autocast; fp16 with a GradScaler) (default: bf16)")

@@ -28,6 +28,15 @@ import torch
 from .common import Row, median_ms_events, progress
 
 MODES = ("eager", "torch.compile", "thunderkittens")
+# HF Mamba2's own fast path: the eager model with mamba_ssm's kernels (its Triton SSD and fused training path) and
+# causal_conv1d importable, as a Mamba user with both installed runs it. Neither is on the device: mamba_ssm's
+# `ops/triton` and `utils`, causal_conv1d's Python package and its extension built for the device's torch go in the
+# ignored folder .mamba/ (never committed; benchmarks/ssd.py `mamba_ssm_scan`). The other modes run without them, as
+# HF's torch path, the one the backend matches (with mamba_ssm importable HF calls its kernels, which the backend
+# leaves as they are).
+HF_KERNELS = "mamba_ssm"
+HF_KERNELS_MODELS = ("mamba2",)
+MAMBA_DIR = Path(__file__).resolve().parent.parent / ".mamba"
 
 
 def _llama(attn: str, quick: bool):
@@ -140,7 +149,7 @@ def _logits(out):
 
 
 def _compile(model, mode: str):
-    if mode == "eager":
+    if mode in ("eager", HF_KERNELS):
         return model
     if mode == "torch.compile":
         # With the torch work-arounds our backend applies (tk_inductor._compat), so the ratio measures our kernels,
@@ -262,9 +271,9 @@ def run(quick: bool = False, models: list[str] | None = None, modes: list[str] |
         timeout_s: float = 1200.0, on_rows: Callable[[list[Row]], None] | None = None,
         precisions: list[str] | None = None) -> list[Row]:
     """Every (model, precision, mode) in its own process; on_rows gets each one's rows as they finish."""
-    unknown = set(modes or ()) - set(MODES)
+    unknown = set(modes or ()) - set(MODES) - {HF_KERNELS}
     if unknown:
-        raise ValueError(f"unknown e2e modes {sorted(unknown)}; choose from {MODES}")
+        raise ValueError(f"unknown e2e modes {sorted(unknown)}; choose from {MODES + (HF_KERNELS,)}")
     unknown = set(models or ()) - set(MODELS)
     if unknown:
         raise ValueError(f"unknown e2e models {sorted(unknown)}; choose from {tuple(MODELS)}")
@@ -274,7 +283,9 @@ def run(quick: bool = False, models: list[str] | None = None, modes: list[str] |
     rows = []
     for name in models or list(MODELS):
         for precision in precisions or ["bf16"]:
-            for mode in modes or MODES:
+            for mode in modes or MODES + ((HF_KERNELS,) if name in HF_KERNELS_MODELS else ()):
+                if mode == HF_KERNELS and name not in HF_KERNELS_MODELS:
+                    continue
                 part = _bench_in_child(name, mode, quick, timeout_s, precision)
                 rows += part
                 if on_rows is not None:
@@ -294,8 +305,29 @@ def _child_main(argv: list[str]) -> int:
         with open(sink, "a") as f:
             f.write(json.dumps(dataclasses.asdict(row)) + "\n")
 
+    missing = _hf_kernels_path(mode == HF_KERNELS)
+    if missing:
+        for phase in ("forward", "train"):
+            write(Row("e2e", case_name(name, phase, args.precision), mode, None, note=missing))
+        return 0
     bench_model(name, quick=args.quick, modes=(mode,), on_row=write, precision=args.precision)
     return 0
+
+
+def _hf_kernels_path(wanted: bool) -> str | None:
+    """Puts .mamba/ on sys.path for HF's fast path, or takes it off for the other modes (HF decides at import which
+    path it takes); the reason HF's fast path cannot run, or None."""
+    folder = str(MAMBA_DIR)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != folder]
+    if not wanted:
+        return None
+    sys.path.insert(0, folder)
+    try:
+        import causal_conv1d  # noqa: F401  (mamba_ssm's fused training path calls its CUDA functions)
+        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined  # noqa: F401
+    except ImportError as exc:
+        return f"missing: {exc.name} not importable (HF's fast path needs mamba_ssm and causal_conv1d in .mamba/)"
+    return None
 
 
 if __name__ == "__main__":

@@ -88,6 +88,26 @@ def test_e2e_child_crash_is_reported_for_each_phase(monkeypatch):
         ("mamba2 1x4096 train", "eager", None, "exited with status 3")]
 
 
+def test_e2e_hf_fast_path_without_its_packages_is_reported_missing(monkeypatch, tmp_path):
+    """HF Mamba2's fast path (mode mamba_ssm) needs mamba_ssm and causal_conv1d in .mamba/: without them each phase
+    gets a row saying what is missing, and no model is built; the other modes run with .mamba/ off sys.path."""
+    import json
+    import sys
+
+    from benchmarks import e2e
+
+    monkeypatch.setattr(e2e, "MAMBA_DIR", tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)] + sys.path)
+    monkeypatch.setattr(e2e, "bench_model", lambda *a, **k: pytest.fail("no model without HF's kernels"))
+    sink = tmp_path / "rows.jsonl"
+    assert e2e._child_main(["--child", "mamba2", e2e.HF_KERNELS, str(sink), "--quick"]) == 0
+    rows = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [(r["case"], r["impl"], r["ms"]) for r in rows] == [
+        ("mamba2 1x4096 forward", "mamba_ssm", None), ("mamba2 1x4096 train", "mamba_ssm", None)]
+    assert all(r["note"].startswith("missing: ") for r in rows)
+    assert e2e._hf_kernels_path(False) is None and str(tmp_path) not in sys.path
+
+
 def test_e2e_rejects_unknown_models_and_modes():
     from benchmarks import e2e
 
