@@ -135,3 +135,39 @@ def test_hf_generate_with_the_kernels(cache, padded):
         assert all(g.replaced.get("attention", 0) == 2 for g in graphs), graphs
     if cache == "static":  # its masks (the prefill's padded rows see no key; one run of keys per row) run the kernels
         assert A.masked_paths.get("sdpa", 0) == 0 and A.masked_paths.get("intervals", 0) > 0, dict(A.masked_paths)
+
+
+@pytest.mark.parametrize("N, M, kind", [(1, 1000, "causal"), (5, 333, "runs"), (300, 300, "causal"), (64, 517, "runs"),
+                                        (16, 700, "window")])
+def test_sinks_under_a_mask_handed_in(ops, N, M, kind):
+    """gpt-oss's sinks under a mask handed into the graph (a decode step's against a cache): tk::attention_masked's
+    o and lse on the kernels (causal, or a sliding cache's window: tk::attention at the cache's offset; one run of keys
+    per row: the interval tables), rescaled by σ(lse − sink), lse's gradient through the raw backward; against the fp32 softmax over
+    [scores, sink] with the sink's column dropped, forward and every gradient."""
+    B, Hq, Hkv, D = 2, 8, 2, 64
+    q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, Hq, Hkv, N, M, D, torch.bfloat16, seed=N + M))
+    sink = torch.randn(1, Hq, 1, 1, device="cuda", requires_grad=True)
+    i = torch.arange(N, device="cuda")[:, None] + (M - N)  # the queries are the cache's last N positions
+    j = torch.arange(M, device="cuda")[None, :]
+    allowed = j <= i
+    if kind == "window":
+        allowed = allowed & (j > i - 40)
+    if kind == "runs":  # each row one run of keys, not a kernel kind
+        allowed = allowed & (j >= i // 2)
+    scale = D ** -0.5
+    A.masked_paths.clear()
+    o = A.attention_masked_sink_adapter(q, k, v, allowed, scale, 0.0, sink)
+    assert A.masked_paths.get("sdpa", 0) == 0 and A.masked_paths.get("reference", 0) == 0, dict(A.masked_paths)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, sink), do)
+
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    sr = sink.detach().clone().requires_grad_()
+    kf, vf = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (kr, vr))
+    s = (qr @ kf.transpose(-1, -2)) * scale
+    s = torch.cat([s.masked_fill(~allowed, float("-inf")), sr.expand(B, Hq, N, 1)], -1)
+    o_ref = torch.softmax(s, -1)[..., :-1] @ vf
+    assert rel_err(o, o_ref) < OUT_TOL
+    refs = torch.autograd.grad(o_ref, (qr, kr, vr, sr), do.float())
+    for name, got, want in zip(("dq", "dk", "dv", "dsink"), grads, refs):
+        assert rel_err(got, want) < GRAD_TOL, f"{name}: relative error {rel_err(got, want):.3e}"
