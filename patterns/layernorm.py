@@ -63,6 +63,10 @@ _RSQRT = {torch.rsqrt}
 _MEAN = {torch.mean}
 _POW = {torch.pow, operator.pow}
 _SQUARE = {torch.square}
+_SUB = {operator.sub, torch.sub}
+_DIV = {operator.truediv, torch.div}
+_SQRT = {torch.sqrt}
+_VAR = {torch.var}
 
 
 def _number(x: Any) -> float | None:
@@ -223,6 +227,56 @@ def _written_rms(mul: fx.Node) -> _Norm | None:
             continue
         out, weight, _ = _affine_after(mul, h, bias_ok=False)
         return _Norm(h, out, weight, None, eps, True)
+    return None
+
+
+def _last_dim_mean(node: Any, of: Any) -> bool:
+    """node = mean(of, -1, keepdim=True) (`torch.mean` / `Tensor.mean`, no dtype)."""
+    t = _tensor(of)
+    return (_is(node, _MEAN, "mean") and node.args[0] is of and t is not None
+            and _last_dim(_arg(node, 1, "dim"), t.dim()) and _arg(node, 2, "keepdim", False) is True
+            and _arg(node, 3, "dtype") is None)
+
+
+def _centred(node: Any) -> fx.Node | None:
+    """node = a - mean(a, -1, keepdim=True) -> a."""
+    if not _is(node, _SUB, "sub") or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    a, m = node.args
+    return a if isinstance(a, fx.Node) and _last_dim_mean(m, a) else None
+
+
+def _biased_variance(node: Any, a: fx.Node) -> bool:
+    """node = the biased variance of a over the last dim, kept: mean((a - mean(a))², -1, keepdim=True), or
+    `var(a, -1, keepdim=True)` with `unbiased=False` / `correction=0` given by keyword."""
+    if _is(node, _MEAN, "mean"):
+        sq = _square_of(node.args[0])
+        return sq is not None and _centred(sq) is a and _last_dim_mean(node, node.args[0])
+    if not _is(node, _VAR, "var") or node.args[0] is not a or len(node.args) > 2:
+        return False
+    t, kw = _tensor(a), node.kwargs
+    biased = kw.get("unbiased", True) is False or kw.get("correction", 1) == 0
+    return (t is not None and biased and kw.get("keepdim") is True
+            and _last_dim(node.args[1] if len(node.args) == 2 else kw.get("dim"), t.dim()))
+
+
+def _written_layer_norm(node: fx.Node) -> _Norm | None:
+    """`(a - mean) * rsqrt(var + eps)` or `(a - mean) / sqrt(var + eps)`, var the biased variance of a (Cohere's
+    CohereLayerNorm, hand-written LayerNorms), then optional cast, weight and bias; a is h with its casts."""
+    if _is(node, _MUL, "mul"):
+        pairs = [(c, r.args[0]) for c, r in (node.args, node.args[::-1]) if _is(r, _RSQRT, "rsqrt")]
+    elif _is(node, _DIV, "div") and _is(node.args[1], _SQRT, "sqrt") and not node.kwargs:
+        pairs = [(node.args[0], node.args[1].args[0])]
+    else:
+        return None
+    for c, inner in pairs:
+        a = _centred(c)
+        added = _scalar_add(inner) if a is not None else None
+        if added is None or not _biased_variance(added[0], a):
+            continue
+        h = _strip_casts(a)
+        out, weight, bias = _affine_after(node, h, bias_ok=True)
+        return _Norm(h, out, weight, bias, added[1], False)
     return None
 
 
@@ -399,7 +453,7 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
         if found is not None:
             norm, shape = found
         else:
-            norm = _written_rms(node)
+            norm = _written_rms(node) or _written_layer_norm(node)
         if norm is None:
             continue
         if not isinstance(norm.h, fx.Node):

@@ -40,7 +40,7 @@ from tk_inductor import config
 from tk_inductor.ops import rotary as rotary_ops
 from tk_inductor.rewrite import Match
 
-from ._fx import arg as _arg, fused_cast, is_call as _is, tensor as _tensor, upcast_source
+from ._fx import arg as _arg, cast_dtype, fused_cast, is_call as _is, tensor as _tensor, upcast_source
 
 FAMILY = "rotary"
 
@@ -203,8 +203,19 @@ def _rotation(node: Any) -> tuple[fx.Node, bool] | None:
 
 # ---------------------------------------------------------------------------- the anchor
 
+def _exact_float(node: Any) -> Any:
+    """`node` with a cast to fp32 that changes no value stripped (from fp32, fp16 or bf16: ERNIE 4.5 writes
+    `q.float() * cos + rotate_half(q).float() * sin`); other nodes as they are. The anchor's dtype is checked
+    against x's promoted with cos's (`_reason`), so a cast that changes the result's dtype keeps the match."""
+    if cast_dtype(node) == torch.float32:
+        src = _tensor(node.args[0])
+        if src is not None and src.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return node.args[0]
+    return node
+
+
 def _anchor(node: fx.Node):
-    """x*cos + rot(x)*sin -> (x, cos, sin, interleaved)."""
+    """x*cos + rot(x)*sin -> (x, cos, sin, interleaved); x and rot(x) may each be cast to fp32 first."""
     terms = _binary(node, _ADD, "add")
     if terms is None:
         return None
@@ -213,12 +224,12 @@ def _anchor(node: fx.Node):
         if pm is None or rm is None:
             continue
         for r, sin in (rm, rm[::-1]):
-            found = _rotation(r)
+            found = _rotation(_exact_float(r))
             if found is None or not isinstance(sin, fx.Node):
                 continue
             x, interleaved = found
             for a, cos in (pm, pm[::-1]):
-                if a is x and isinstance(cos, fx.Node):
+                if (a is x or _exact_float(a) is x) and isinstance(cos, fx.Node):
                     return x, cos, sin, interleaved
     return None
 
@@ -423,7 +434,12 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterable[Match]:
         if reason is None and not half and partial is None and tc.shape[-1] != tx.shape[-1]:
             reason = "cos/sin cover fewer channels than x, without a pass-through concatenation"
         out_dtype = None
-        if reason is None and (fused := fused_cast(out, rotary_ops.DTYPES)) is not None:
+        if reason is None and (src := upcast_source(x)) is not x and _tensor(src) is not None:
+            # x an exact upcast of 16-bit values (Cohere's q.float()): the kernel reads those and computes in fp32 as
+            # well, so it reads them directly and writes the upcast's result dtype
+            x, tx, out_dtype = src, _tensor(src), to.dtype
+        if reason is None and (fused := fused_cast(out, rotary_ops.DTYPES)) is not None \
+                and fused[1].itemsize < to.itemsize:  # a narrowing cast (a widening one is left to the reader)
             out, out_dtype = fused
         if reason is None and tx.device.type == "cuda" and not cfg.reference:
             dtype = out_dtype or to.dtype

@@ -12,7 +12,9 @@ import json
 import os
 from typing import Iterator
 
-FAMILIES = ("attention", "linear_attention", "ssd", "layernorm", "rotary")
+# Also the order the rewrite runs the matchers in: rotary's anchor, x·cos + rot(x)·sin, before the norms, which would
+# otherwise read that sum as a residual add in front of a norm that follows the rotation (HunYuan's q/k norms).
+FAMILIES = ("attention", "linear_attention", "ssd", "rotary", "layernorm")
 
 
 _TRUE = ("1", "true", "yes", "on")

@@ -99,6 +99,16 @@ def _modernbert():  # an encoder with a two-sided window (masked LM logits over 
     return transformers.ModernBertForMaskedLM(cfg)
 
 
+def _tiny(config: str, model: str):  # Cohere, ERNIE 4.5, HunYuan: their norm and rotary spellings (test_models)
+    def build():
+        _needs(config)
+        cfg = getattr(transformers, config)(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                            head_dim=64, max_position_embeddings=128, pad_token_id=0)
+        return getattr(transformers, model)(cfg)
+    return build
+
+
 # model -> the families replaced in one precision, with their counts (2 layers; rotary: at least, q and k of a
 # layer share a launch where both results are cast for attention)
 MODELS = {
@@ -114,6 +124,10 @@ MODELS = {
     "deepseek-v3": (_deepseek_v3, {"attention": 2}),
     "gpt-oss": (_gpt_oss, {"attention": 2, "rotary": 2}),
     "modernbert": (_modernbert, {"attention": 2}),
+    "cohere": (_tiny("CohereConfig", "CohereForCausalLM"), {"attention": 2, "layernorm": 3, "rotary": 2}),
+    "ernie4_5": (_tiny("Ernie4_5Config", "Ernie4_5ForCausalLM"), {"attention": 2, "layernorm": 5, "rotary": 2}),
+    "hunyuan": (_tiny("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM"),
+                {"attention": 2, "layernorm": 9, "rotary": 2}),
 }
 
 

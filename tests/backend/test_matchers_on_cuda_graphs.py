@@ -82,6 +82,17 @@ def _gpt_oss():  # attention sinks, a sliding window on alternate layers
     return transformers.GptOssForCausalLM(cfg).bfloat16()
 
 
+def _tiny(config: str, model: str):  # Cohere, ERNIE 4.5, HunYuan: their norm and rotary spellings (test_models)
+    def build():
+        if not hasattr(transformers, config):
+            pytest.skip(f"transformers {transformers.__version__} has no {config}")
+        cfg = getattr(transformers, config)(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=64, pad_token_id=0,
+                                            max_position_embeddings=128, attn_implementation="sdpa")
+        return getattr(transformers, model)(cfg).bfloat16()
+    return build
+
+
 @pytest.mark.parametrize("name, model, families", [
     ("llama", _llama, {"attention", "rotary", "layernorm"}),
     ("mamba2", _mamba2, {"ssd", "layernorm"}),
@@ -90,6 +101,9 @@ def _gpt_oss():  # attention sinks, a sliding window on alternate layers
     ("modernbert", _modernbert, {"attention", "layernorm"}),
     ("deepseek-v3", _deepseek_v3, {"layernorm"}),  # MLA under SDPA stays with cuDNN
     ("gpt-oss", _gpt_oss, {"attention", "rotary", "layernorm"}),
+    ("cohere", _tiny("CohereConfig", "CohereForCausalLM"), {"attention", "rotary", "layernorm"}),
+    ("ernie4_5", _tiny("Ernie4_5Config", "Ernie4_5ForCausalLM"), {"attention", "rotary", "layernorm"}),
+    ("hunyuan", _tiny("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM"), {"attention", "rotary", "layernorm"}),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_matchers_run_their_cuda_branches(name, model, families):
     if not hasattr(transformers, {"modernbert": "ModernBertConfig", "deepseek-v3": "DeepseekV3Config",

@@ -161,6 +161,25 @@ def _llama4():  # chunked attention (chunks of 8 over the test's 24 tokens) on o
     return transformers.Llama4ForCausalLM(cfg)
 
 
+def _tiny(config: str, model: str, **extra):
+    """A two-layer model of transformers' `config` / `model` classes (skipped where this transformers lacks them)."""
+    if not hasattr(transformers, config):
+        pytest.skip(f"transformers {transformers.__version__} has no {config}")
+    cfg = getattr(transformers, config)(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=128, pad_token_id=0, attn_implementation="sdpa",
+        **extra)
+    return getattr(transformers, model)(cfg)
+
+
+# Cohere: CohereLayerNorm written out (mean, biased variance, rsqrt, weight in fp32), GPT-J's interleaved rotary on
+# q.float(); ERNIE 4.5: the interleaved rotary on q.float() with rotate_half(q).float(); HunYuan: q/k RMSNorms after
+# the rotary (whose sum the norm must not take for a residual add).
+_cohere = lambda: _tiny("CohereConfig", "CohereForCausalLM")
+_ernie = lambda: _tiny("Ernie4_5Config", "Ernie4_5ForCausalLM")
+_hunyuan = lambda: _tiny("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM")
+
+
 def _padding_mask(batch: int, length: int) -> torch.Tensor:
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[1, length - 4:] = 0  # the second sequence is right-padded
@@ -195,6 +214,9 @@ CASES = {
     "llama4-chunked": Case(_llama4, ("attention", "rotary", "layernorm"), attention_count=2),
     "modernbert-padding": Case(_modernbert, ("attention", "layernorm"), attention_count=2, padding_mask=True),
     "gpt-oss-padding": Case(_gpt_oss, ("attention", "rotary", "layernorm"), attention_count=2, padding_mask=True),
+    "cohere": Case(_cohere, ("attention", "rotary", "layernorm"), attention_count=2),
+    "ernie4_5": Case(_ernie, ("attention", "rotary", "layernorm"), attention_count=2),
+    "hunyuan": Case(_hunyuan, ("attention", "rotary", "layernorm"), attention_count=2),
 }
 
 

@@ -324,6 +324,42 @@ def test_matches_t5_rmsnorm_and_functional_without_weight():
     _check_model(FunctionalRMS(weight=False), (torch.randn(4, 64, requires_grad=True), torch.randn(4, 64)), 1)
 
 
+class WrittenLN(nn.Module):
+    """LayerNorm written out: Cohere's CohereLayerNorm (mean, the biased variance of the centred rows, rsqrt, an fp32
+    weight), `var(unbiased=False)` with a bias, and `(x - mean) / sqrt(var + eps)`."""
+
+    def __init__(self, form, H=64):
+        super().__init__()
+        self.form, self.weight = form, nn.Parameter(torch.randn(H))
+        self.bias = nn.Parameter(torch.randn(H)) if form != "cohere" else None
+
+    def forward(self, x, r):
+        h = x + r
+        a = h.to(torch.float32)
+        mean = a.mean(-1, keepdim=True)
+        if self.form == "cohere":
+            var = (a - mean).pow(2).mean(-1, keepdim=True)
+            return (self.weight.to(torch.float32) * ((a - mean) * torch.rsqrt(var + 1e-5))).to(h.dtype), h
+        if self.form == "var":
+            var = a.var(-1, keepdim=True, unbiased=False)
+            return (a - mean) * torch.rsqrt(var + 1e-5) * self.weight + self.bias, h
+        var = torch.square(a - mean).mean(dim=-1, keepdim=True)
+        return self.weight * ((a - mean) / torch.sqrt(var + 1e-6)) + self.bias, h
+
+
+@pytest.mark.parametrize("form", ["cohere", "var", "sqrt"])
+def test_matches_written_layernorm(form):
+    torch.manual_seed(0)
+    x, r = torch.randn(3, 64, requires_grad=True), torch.randn(3, 64, requires_grad=True)
+    _check_model(WrittenLN(form), (x, r), 1)
+
+
+class UnbiasedLN(nn.Module):
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        return (x - mean) * torch.rsqrt(x.var(-1, keepdim=True) + 1e-5)  # the unbiased variance: not LayerNorm
+
+
 def test_training_dropout_uses_the_philox_stream():
     torch.manual_seed(0)
     m = ResidualLN(p=0.25)
@@ -439,9 +475,10 @@ def test_kept_with_reason(module, x, reason):
     assert any(f == "layernorm" and reason in r for f, r in rep.kept), str(rep)
 
 
-def test_not_matched_other_statistics():
+@pytest.mark.parametrize("module", [MeanOverRows, UnbiasedLN])
+def test_not_matched_other_statistics(module):
     tk_inductor.reset()
-    m = MeanOverRows()
+    m = module()
     x = torch.randn(4, 64)
     torch.testing.assert_close(compiled(m)(x), m(x))
     rep = tk_inductor.report()
