@@ -9,6 +9,9 @@ The norm (the anchor), then what feeds it:
   `var = a.pow(2).mean(-1, keepdim=True)` (or `a * a`, `torch.square`, `torch.mean`),
   `a * torch.rsqrt(var + eps)` (or h times it: T5), an optional cast back
   (`.to(dtype)` / `.type_as`), then an optional `weight * ...` in either order.
+* LayerNorm written out (Cohere's CohereLayerNorm, hand-written ones): `c = a - a.mean(-1, keepdim=True)`, then
+  `c * rsqrt(var + eps)` or `c / sqrt(var + eps)` with var the biased variance (`c.pow(2).mean(-1, keepdim=True)`
+  or `a.var(-1, keepdim=True, unbiased=False)`), a = h or its cast; then weight and bias as for the functional form.
 * What feeds h: `h = residual + dropout(x)` (either operand order, `operator.add`, `torch.add`,
   `Tensor.add`; GPT-2's `attn_output + residual`, BERT's `LayerNorm(dropout(dense(x)) + input)`,
   Llama's `residual + hidden_states`), `h = dropout(x)`, or a plain input. Dropout is

@@ -1,7 +1,8 @@
 """Matcher for rotary position embeddings on the Dynamo (torch-IR) graph -> `tk::rotary`.
 
 The anchor is `x * cos + rot(x) * sin` (either operand order in each product and in the sum,
-`operator`/`torch`/method spellings), where rot is recognised structurally on the same x:
+`operator`/`torch`/method spellings, x and rot(x) each possibly cast to fp32 first: ERNIE 4.5's
+`q.float() * cos + rotate_half(q).float() * sin`), where rot is recognised structurally on the same x:
 
 * NeoX / Llama `rotate_half`: `cat((-x[..., h:], x[..., :h]), dim=-1)` with h = d/2 (slices written
   with `...` or full leading slices, `torch.chunk(x, 2, -1)` halves, `-t` or `torch.neg`);
@@ -22,7 +23,9 @@ Two matches with the same cos, sin and variant (q and k of one layer) become one
 Dtypes: cos/sin may have another dtype than x (fp32 tables on bf16 activations, as HF computes them
 under autocast): the result is promoted, as in eager. When the result's only use is a cast to
 another dtype (autocast's cast in front of attention, made explicit by tk_inductor/autocast.py),
-the op writes that dtype directly: the same single rounding of the fp32 result.
+the op writes that dtype directly: the same single rounding of the fp32 result (narrowing casts only: a
+widening one is left to its reader). An x that is an exact upcast of 16-bit values (Cohere's `q.float()`) is read
+as those values: the kernel computes in fp32 either way.
 
 Kept, with the reason: cos/sin that require grad (learned tables), outputs whose layout is neither
 x's nor contiguous, cos/sin that do not broadcast to x's rotary part, odd rotary dims, and (kernel
