@@ -552,6 +552,10 @@ def find(graph: fx.Graph, cfg: config.Config | None = None) -> Iterator[Match]:
                 m = finder.eager(node)
                 if m is not None:
                     yield m
+            elif name == "baddbmm" and _path_to(node, lambda u, _: _name(u) == "softmax", 4) is not None:
+                # scores = bias + alpha·q kᵀ: BLOOM's ALiBi position biases (beta 1), which the kernels do not add
+                yield Match(FAMILY, [node], reason="the scores are a `baddbmm` adding its input to q kᵀ (an additive "
+                                                   "bias, such as BLOOM's ALiBi position biases)")
         except Exception as exc:  # noqa: BLE001 - an odd graph must not stop the other families' rewrites
             log.debug("tk_inductor: attention matcher failed on %s", node.format_node(), exc_info=True)
             yield Match(FAMILY, [node], reason=f"matcher could not analyse `{node.name}` ({type(exc).__name__}: {exc})")

@@ -267,6 +267,17 @@ def test_hf_gpt2_reorder_and_upcast_attn():
     _check(model, torch.randint(0, 64, (2, 10)), replaced=2, grad=True)
 
 
+def test_hf_bloom_alibi_kept_with_its_reason():
+    """BLOOM's scores are `alibi.baddbmm(q, kᵀ, beta=1, alpha=scale)`: ALiBi position biases added to the scores,
+    which the kernels do not add. Kept, and the report says so."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=64, n_layer=2, n_head=4)).eval()
+    reasons = _kept(Fn(lambda i: model(i).logits), torch.randint(0, 64, (2, 9)))
+    assert len(reasons) == 2 and all("ALiBi" in r for r in reasons), reasons
+
+
 def test_scores_viewed_to_other_heads_kept():
     def fn(q, k, v):  # 3-D scores viewed to (H, B) while q was (B, H): not the same pairing
         B, H, N, D = q.shape
