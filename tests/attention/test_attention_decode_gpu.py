@@ -17,7 +17,7 @@ import torch
 import tk_inductor.ops.attention_masked as A  # registers the tk:: ops
 from test_attention_gpu import (GRAD_TOL, OUT_TOL, check_forward, make_inputs, ops, poison, reference,  # noqa: F401
                                 rel_err, replays_in_cuda_graph)
-from test_attention_varlen_gpu import keep_of
+from test_attention_varlen_gpu import check_sinks, keep_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -141,9 +141,9 @@ def test_hf_generate_with_the_kernels(cache, padded):
                                         (16, 700, "window")])
 def test_sinks_under_a_mask_handed_in(ops, N, M, kind):
     """gpt-oss's sinks under a mask handed into the graph (a decode step's against a cache): tk::attention_masked's
-    o and lse on the kernels (causal, or a sliding cache's window: tk::attention at the cache's offset; one run of keys
-    per row: the interval tables), rescaled by σ(lse − sink), lse's gradient through the raw backward; against the fp32 softmax over
-    [scores, sink] with the sink's column dropped, forward and every gradient."""
+    o and lse on the kernels (causal, or a sliding cache's window: tk::attention at the cache's offset; one run of
+    keys per row: the interval tables), rescaled by σ(lse − sink), lse's gradient through the raw backward; forward
+    and every gradient against the fp32 softmax over [scores, sink] (check_sinks)."""
     B, Hq, Hkv, D = 2, 8, 2, 64
     q, k, v = (t.detach().requires_grad_() for t in make_inputs(B, Hq, Hkv, N, M, D, torch.bfloat16, seed=N + M))
     sink = torch.randn(1, Hq, 1, 1, device="cuda", requires_grad=True)
@@ -158,16 +158,4 @@ def test_sinks_under_a_mask_handed_in(ops, N, M, kind):
     A.masked_paths.clear()
     o = A.attention_masked_sink_adapter(q, k, v, allowed, scale, 0.0, sink)
     assert A.masked_paths.get("sdpa", 0) == 0 and A.masked_paths.get("reference", 0) == 0, dict(A.masked_paths)
-    do = torch.randn_like(o)
-    grads = torch.autograd.grad(o, (q, k, v, sink), do)
-
-    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
-    sr = sink.detach().clone().requires_grad_()
-    kf, vf = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (kr, vr))
-    s = (qr @ kf.transpose(-1, -2)) * scale
-    s = torch.cat([s.masked_fill(~allowed, float("-inf")), sr.expand(B, Hq, N, 1)], -1)
-    o_ref = torch.softmax(s, -1)[..., :-1] @ vf
-    assert rel_err(o, o_ref) < OUT_TOL
-    refs = torch.autograd.grad(o_ref, (qr, kr, vr, sr), do.float())
-    for name, got, want in zip(("dq", "dk", "dv", "dsink"), grads, refs):
-        assert rel_err(got, want) < GRAD_TOL, f"{name}: relative error {rel_err(got, want):.3e}"
+    check_sinks(o, q, k, v, sink, allowed, scale)

@@ -261,16 +261,22 @@ def test_sinks_under_padding(ops, N, D, window):
     keep = keep_of(B, N, seed=N)
     scale = D ** -0.5
     o = attention_varlen_adapter(q, k, v, True, scale, window, 0.0, keep, 0, None, False, 0.0, 0, False, sink)
+    i, j = torch.arange(N, device="cuda")[:, None], torch.arange(N, device="cuda")[None, :]
+    allowed = (j <= i) & ((i - j < window) if window else True) & keep[:, None, None, :]
+    check_sinks(o, q, k, v, sink, allowed, scale)
+
+
+def check_sinks(o, q, k, v, sink, allowed, scale):
+    """o and the gradients of (q, k, v, sink) against the fp32 softmax over [scores, sink] under the bool mask
+    `allowed` (broadcast to the scores), the sink's column dropped; no NaN anywhere."""
+    B, Hq, N, _ = q.shape
     do = torch.randn_like(o)
     grads = torch.autograd.grad(o, (q, k, v, sink), do)
     assert not any(torch.isnan(t).any() for t in (o, *grads))
-
     qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
     sr = sink.detach().clone().requires_grad_()
-    kf, vf = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (kr, vr))
+    kf, vf = (t.repeat_interleave(Hq // k.shape[1], dim=1) for t in (kr, vr))
     s = (qr @ kf.transpose(-1, -2)) * scale
-    i, j = torch.arange(N, device="cuda")[:, None], torch.arange(N, device="cuda")[None, :]
-    allowed = (j <= i) & ((i - j < window) if window else True) & keep[:, None, None, :]
     s = torch.cat([s.masked_fill(~allowed, float("-inf")), sr.expand(B, Hq, N, 1)], -1)
     o_ref = torch.softmax(s, -1)[..., :-1] @ vf
     assert rel_err(o, o_ref) < OUT_TOL
