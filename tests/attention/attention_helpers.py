@@ -160,3 +160,34 @@ def _check(model, *inputs, replaced=1, grad=True, tol=1e-5, kept=0):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     return report
+
+
+def stand_in_kernels(monkeypatch, seen_grad_lse: list | None = None):
+    """The raw CUDA kernels stood in for by the fp32 reference with their conventions (interval tables as masks,
+    rows without keys: o = 0, lse = +inf, no gradient), so that the ops' kernel paths run on a CPU. seen_grad_lse
+    collects the backward's grad_lse arguments."""
+    from tk_inductor.ops import _dispatch
+    from tk_inductor.ops import attention as A
+
+    def dense(table, n, m, by_rows):  # an interval table as a (B, 1, n, m) bool mask
+        x, y = table[..., 0], table[..., 1]
+        idx = torch.arange(m if by_rows else n)
+        inside = (idx >= x[..., None]) & (idx <= y[..., None])
+        return (inside if by_rows else inside.transpose(-1, -2))[:, None]
+
+    class Raw:
+        def attention(self, q, k, v, causal, scale, window=0, softcap=0.0, dropout_p=0.0, rng=None, row_keys=None):
+            mask = None if row_keys is None else dense(row_keys, q.shape[2], k.shape[2], True)
+            return A.attention_reference(q, k, v, causal, scale, window, softcap, mask, dropout_p, rng)
+
+        def attention_backward(self, grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.0, dropout_p=0.0,
+                               rng=None, grad_lse=None, key_rows=None):
+            if seen_grad_lse is not None:
+                seen_grad_lse.append(grad_lse)
+            mask = None if key_rows is None else dense(key_rows, q.shape[2], k.shape[2], False)
+            return A.attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, mask, window, softcap,
+                                                  dropout_p, rng, grad_lse=grad_lse)
+
+    monkeypatch.setattr(_dispatch, "use_kernel", lambda family, *tensors: True)
+    monkeypatch.setattr(_dispatch, "kernel", lambda name: getattr(Raw(), name))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # no CUDA here

@@ -12,10 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tk_inductor
-from tk_inductor.ops import _dispatch
 from tk_inductor.ops import attention as A
 
-from attention_helpers import _check, _kept, _qkv, _inputs, Fn
+from attention_helpers import _check, _kept, _qkv, _inputs, Fn, stand_in_kernels
 
 
 def _cat_reference(q, k, v, scale, sink, causal=True):
@@ -65,26 +64,13 @@ def test_sink_adapter_is_the_cat_softmax(causal):
 def test_kernel_path_passes_lse_gradient(monkeypatch):
     """With the kernels (stood in for by the reference), the backward op hands lse's gradient to the raw op."""
     seen = []
-
-    class Raw:
-        def attention(self, q, k, v, causal, scale, window, softcap, dropout_p, rng):
-            return A.attention_reference(q, k, v, causal, scale, window, softcap, None, dropout_p, rng)
-
-        def attention_backward(self, grad_o, q, k, v, o, lse, causal, scale, window, softcap, dropout_p, rng,
-                               grad_lse):
-            seen.append(grad_lse)
-            assert grad_lse is None or (grad_lse.dtype == torch.float32 and grad_lse.is_contiguous())
-            return A.attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, None, window, softcap,
-                                                  dropout_p, rng, grad_lse=grad_lse)
-
-    monkeypatch.setattr(_dispatch, "use_kernel", lambda family, *tensors: True)
-    monkeypatch.setattr(_dispatch, "kernel", lambda name: getattr(Raw(), name))
+    stand_in_kernels(monkeypatch, seen)
     q, k, v = (t.bfloat16().requires_grad_() for t in _qkv(1, 4, 2, 33, 33, 64, dtype=torch.float32))
     sink = torch.randn(4, requires_grad=True)
     out = A.attention_sink_adapter(q, k, v, True, 0.125, 0, 0.0, sink.reshape(1, -1, 1, 1), (False, False, False))
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v, sink), g)
-    assert len(seen) == 1 and seen[0] is not None
+    assert len(seen) == 1 and seen[0] is not None and seen[0].dtype == torch.float32 and seen[0].is_contiguous()
     want_out = _cat_reference(*(t.detach().float().requires_grad_() for t in (q, k, v)), 0.125, sink.detach())
     torch.testing.assert_close(out.float(), want_out, rtol=2e-2, atol=2e-2)
     assert all(t is not None and t.isfinite().all() for t in got)
@@ -259,28 +245,7 @@ def test_masked_kernel_paths_pass_lse_gradient(monkeypatch, kind):
     raw backward: a causal mask through tk::attention, a mask of one run of keys per row through the interval
     tables (row_keys forward, key_rows backward); sinks on top equal the cat-softmax reference."""
     seen = []
-
-    def dense(table, n, m, by_rows):  # an interval table as a (B, 1, n, m) bool mask
-        x, y = table[..., 0], table[..., 1]
-        idx = torch.arange(m if by_rows else n)
-        inside = (idx >= x[..., None]) & (idx <= y[..., None])
-        return (inside if by_rows else inside.transpose(-1, -2))[:, None]
-
-    class Raw:
-        def attention(self, q, k, v, causal, scale, window=0, softcap=0.0, dropout_p=0.0, rng=None, row_keys=None):
-            mask = None if row_keys is None else dense(row_keys, q.shape[2], k.shape[2], True)
-            return A.attention_reference(q, k, v, causal, scale, window, softcap, mask, dropout_p, rng)
-
-        def attention_backward(self, grad_o, q, k, v, o, lse, causal, scale, window=0, softcap=0.0, dropout_p=0.0,
-                               rng=None, grad_lse=None, key_rows=None):
-            seen.append(grad_lse)
-            mask = None if key_rows is None else dense(key_rows, q.shape[2], k.shape[2], False)
-            return A.attention_backward_reference(grad_o, q, k, v, o, lse, causal, scale, mask, window, softcap,
-                                                  dropout_p, rng, grad_lse=grad_lse)
-
-    monkeypatch.setattr(_dispatch, "use_kernel", lambda family, *tensors: True)
-    monkeypatch.setattr(_dispatch, "kernel", lambda name: getattr(Raw(), name))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # no CUDA here
+    stand_in_kernels(monkeypatch, seen)
     from tk_inductor.ops.attention_masked import attention_masked_sink_adapter
 
     q, k, v = (t.bfloat16().requires_grad_() for t in _qkv(2, 4, 2, 9, 9, 64, dtype=torch.float32))

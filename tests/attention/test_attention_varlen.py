@@ -79,6 +79,42 @@ def test_uniform_empty_is_eager_with_a_finite_fill():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_uniform_empty_rows_on_the_kernel_path(monkeypatch, softcap, with_lse):
+    """uniform_empty on the kernel path (the raw kernels stood in for by the reference, with their conventions): the
+    kernel runs every entry whose tables are exact, and only the rows that see no key are recomputed over every key;
+    o, lse's use and every gradient equal the eager model's finite fill. The entry with holes runs the reference."""
+    from attention_helpers import stand_in_kernels
+
+    stand_in_kernels(monkeypatch)
+    q, k, v = (t.bfloat16().requires_grad_() for t in _qkv(N=9, M=9, D=64))  # what the kernels take
+    keep = _keep()
+    keep[0, 0] = False  # entry 0: left-padded by one and right-padded: row 0 sees no key
+    before = dict(AV.varlen_paths)
+    o, lse = torch.ops.tk.attention_varlen(q, k, v, keep, None, True, 0.3, 0, softcap, True)
+    assert AV.varlen_paths["reference entries"] - before["reference entries"] == 1  # entry 2 (holes)
+    assert AV.varlen_paths["uniform rows"] - before["uniform rows"] == 1 + 3  # entry 0 row 0, entry 1 rows 0..2
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    fill = torch.where(_dense(keep, None, 9, 9, True), 0.0, torch.finfo(torch.float32).min)
+    s = qf @ _rep(kf).transpose(-1, -2) * 0.3
+    s = softcap * torch.tanh(s / softcap) if softcap else s
+    want_lse = torch.logsumexp(s + fill, -1)
+    want = torch.softmax(s + fill, -1) @ _rep(vf)
+    torch.testing.assert_close(o.float(), want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, want_lse)
+    g = torch.randn_like(o)
+    # lse's gradient on the rows that see no key is left out: their lse is the fill itself, where eager's logsumexp
+    # gradient is a rounding artifact (exp(s - lse) = 1 for every key, not 1/M)
+    g_lse = torch.randn_like(lse).masked_fill(fill.amax(-1).expand_as(lse) < 0, 0.0)
+    outs, wants = ((o, lse), (want, want_lse)) if with_lse else ((o,), (want,))
+    gs = (g, g_lse) if with_lse else (g,)
+    got = torch.autograd.grad(outs, (q, k, v), gs)
+    ref = torch.autograd.grad(wants, (qf, kf, vf), tuple(t.float() for t in gs))
+    for a, b in zip(got, ref):  # bf16 operands: relative error over the whole gradient
+        assert ((a.float() - b).norm() / b.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("masks", ["keep", "segments", "both", "none"])
 @pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 3), (False, 3)])
 def test_interval_tables(masks, causal, window):

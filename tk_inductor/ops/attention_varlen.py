@@ -23,9 +23,10 @@ Semantics (the kernels of csrc/kernels/attention read the mask as intervals: eac
 Run time: the masks become two interval tables on the device (`Intervals`, cached on the tensors and their
 versions, so the layers of a step and the backward share one build). A padding mask costs one device-to-host copy
 per keep tensor, which says which entries the intervals describe exactly; the kernel runs every entry, and the
-entries it cannot describe -- a keep with holes between its first and last visible key, or rows with no key under
-`uniform_empty` -- are recomputed by the fp32 reference, one entry at a time (forward and backward). Segments alone
-need no copy. While a CUDA graph is being captured the copy cannot run, so a padded call takes the reference for
+entries it cannot describe (a keep with holes between its first and last visible key) are recomputed by the fp32
+reference, one entry at a time (forward and backward). Under `uniform_empty` the rows that see no key (left padding)
+are recomputed alone, over every key (the kernel gives them no keys; their backward, lse +inf there, adds nothing):
+one more copy, of those rows' indices. Segments alone need no copy. While a CUDA graph is being captured the copy cannot run, so a padded call takes the reference for
 every entry.
 """
 from __future__ import annotations
@@ -40,7 +41,8 @@ from .attention import (_as_grads, _empty_out, _kernel_ok, _last_dim_unit, _vali
 
 OP = "tk::attention_varlen"
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # keep or segments (or its base) -> {key: Intervals}
-varlen_paths: dict[str, int] = {"kernel": 0, "reference entries": 0, "table builds": 0, "value checks": 0}
+varlen_paths: dict[str, int] = {"kernel": 0, "reference entries": 0, "uniform rows": 0, "table builds": 0,
+                                "value checks": 0}
 
 
 def _runs(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +91,7 @@ class Intervals:
             rows, keys = torch.arange(N, device=device), torch.arange(M, device=device)
             lo_q, hi_q = torch.maximum(lo_q, rows - window + 1), torch.minimum(hi_q, rows + window - 1)
             lo_k, hi_k = torch.maximum(lo_k, keys - window + 1), torch.minimum(hi_k, keys + window - 1)
-        self.exact = self.empty = None
+        self.exact = self.empty = self.empty_rows = None
         if keep is not None:
             count, start, stop = visible_span(keep != 0)
             pos = torch.arange(M, device=device)
@@ -102,8 +104,8 @@ class Intervals:
             lo = torch.maximum(lo_q, rows - window + 1) if window and causal else lo_q
             hi = torch.minimum(hi_q, rows) if causal else hi_q
             exact = count == stop - start
-            empty = (lo > hi).any(-1)
-            host = torch.stack((exact, empty), -1).tolist()  # the one wait for the device
+            self.empty_rows = lo > hi  # (B, N): the rows that see no key
+            host = torch.stack((exact, self.empty_rows.any(-1)), -1).tolist()  # the one wait for the device
             varlen_paths["value checks"] += 1
             self.exact = [bool(e) for e, _ in host]
             self.empty = [bool(m) for _, m in host]
@@ -131,7 +133,7 @@ def row_intervals(first: torch.Tensor, last: torch.Tensor, M: int) -> Intervals:
     first_f, last_f = fill_empty_rows(first, last, M)
     lo_k = torch.searchsorted(last_f.contiguous(), keys)  # the first row whose interval ends at or after j
     hi_k = torch.searchsorted(first_f.contiguous(), keys, right=True) - 1  # the last row whose interval starts by j
-    t.exact = t.empty = None
+    t.exact = t.empty = t.empty_rows = None
     t.row_keys = torch.stack((first, last), -1).to(torch.int32).contiguous()
     t.key_rows = torch.stack((lo_k, hi_k), -1).to(torch.int32).contiguous()
     return t
@@ -256,7 +258,25 @@ def _reference_entries(tensors, keep, segments, causal: bool, scale: float, wind
     tables = intervals(keep, segments, q.shape[2], k.shape[2], causal, window, q)
     if keep is None:
         return tables, []
-    return tables, [b for b in everything if not tables.exact[b] or (uniform_empty and tables.empty[b])]
+    # rows without keys under `uniform_empty` are the kernel's too (`_uniform_rows`), except under dropout, whose
+    # stream the row-restricted reference would not reproduce
+    return tables, [b for b in everything
+                    if not tables.exact[b] or (uniform_empty and dropout_p > 0 and tables.empty[b])]
+
+
+def _uniform_rows(tables: Intervals | None, ref: list[int], uniform_empty: bool) -> list[tuple[int, torch.Tensor]]:
+    """(entry, its rows without keys) that the kernel ran but `uniform_empty` gives the mean of v over every key
+    (an eager model's finite fill: all scores equal): those rows are recomputed by the reference over every key, which
+    is exact, as each row's attention is independent of the others'. One wait for the device (the row indices)."""
+    if not uniform_empty or tables is None or tables.empty is None:
+        return []
+    entries = [b for b, e in enumerate(tables.empty) if e and b not in ref]
+    return [(b, tables.empty_rows[b].nonzero().flatten()) for b in entries]
+
+
+def _uniform_mask(rows: torch.Tensor, M: int) -> torch.Tensor:
+    """The eager additive mask of rows that see no key: every score at the fill (softmax uniform over all M keys)."""
+    return torch.full((1, 1, rows.numel(), M), torch.finfo(torch.float32).min, device=rows.device)
 
 
 @torch.library.custom_op(OP, mutates_args=(),
@@ -289,6 +309,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
                                             causal, scale, window, softcap, uniform_empty, dropout_p, rng, b)
         o[e].copy_(ob)
         lse[e].copy_(lb)
+    for b, rows in _uniform_rows(tables, ref, uniform_empty):
+        varlen_paths["uniform rows"] += rows.numel()
+        e = slice(b, b + 1)
+        ob, lb = attention_reference(q[e][:, :, rows], k[e], v[e], False, scale, 0, softcap,
+                                     _uniform_mask(rows, k.shape[2]))
+        o[e, :, rows] = ob.to(o.dtype)
+        lse[e, :, rows] = lb
     return o, lse
 
 
@@ -325,9 +352,21 @@ def attention_varlen_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
         return attention_varlen_backward_reference(grad_o, q, k, v, keep, segments, o, causal, scale, window, softcap,
                                                    uniform_empty, dropout_p, rng, grad_lse=grad_lse)
     ins = tuple(map(_last_dim_unit, (grad_o, q, k, v, o)))
+    uniform = _uniform_rows(tables, ref, uniform_empty)
+    if uniform:  # the kernel's convention for rows without keys (P = 0: they add nothing); recomputed below
+        lse = lse.masked_fill(tables.empty_rows[:, None, :], float("inf"))
     dq, dk, dv = _dispatch.kernel("attention_backward")(*ins, lse.contiguous(), causal, scale,
                                                          _kernel_window(causal, window), softcap, dropout_p, rng,
                                                          g_lse, key_rows=tables.key_rows)
+    for b, rows in uniform:
+        e = slice(b, b + 1)
+        gq, gk, gv = attention_backward_reference(grad_o[e][:, :, rows], q[e][:, :, rows], k[e], v[e],
+                                                  o[e][:, :, rows], None, False, scale, _uniform_mask(rows, k.shape[2]),
+                                                  0, softcap, grad_lse=None if grad_lse is None
+                                                  else grad_lse[e][:, :, rows])
+        dq[e, :, rows] = gq.to(dq.dtype)
+        dk[e] += gk.to(dk.dtype)
+        dv[e] += gv.to(dv.dtype)
     for b in ref:
         e = slice(b, b + 1)
         grads = attention_varlen_backward_reference(grad_o[e], q[e], k[e], v[e], keep[e],
