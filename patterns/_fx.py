@@ -377,10 +377,42 @@ def fused_cast(out: fx.Node, dtypes) -> tuple[fx.Node, torch.dtype] | None:
 
 # ---------------------------------------------------------------------------- in-place writes
 
+_OPERATOR_FUNCTIONS = {getattr(operator, n) for n in dir(operator) if not n.startswith("_")
+                       and callable(getattr(operator, n))}
+_OPERATOR_WRITES = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                    operator.ilshift, operator.irshift, operator.imatmul}
+
+
 def in_place(node: fx.Node) -> bool:
-    """Whether the call is an in-place op (`x.add_(...)`, `index_copy_`): a name ending in one underscore."""
+    """Whether the call writes its first argument in place: an op whose name ends in one underscore (`x.add_(...)`,
+    `index_copy_`) or an item assignment (`x[idx] = v`, which Dynamo records as `operator.setitem`)."""
+    if node.op == "call_function" and node.target in _OPERATOR_FUNCTIONS:  # `and_`, `or_` write nothing
+        return node.target in _OPERATOR_WRITES
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def storage_of(node: Any) -> int | None:
+    """An id of the storage behind the node's example tensor (shared by its views and aliases), or None."""
+    t = tensor(node)
+    if t is None:
+        return None
+    try:
+        return torch._C._storage_id(t)
+    except (RuntimeError, TypeError, AttributeError):
+        return None
+
+
+def writes_by_storage(graph: fx.Graph) -> dict[int, fx.Node]:
+    """storage id -> the first node of the graph that writes that storage in place (through any view of it)."""
+    writes: dict[int, fx.Node] = {}
+    for n in graph.nodes:
+        if n.op in ("call_function", "call_method") and n.args and isinstance(n.args[0], fx.Node) and in_place(n):
+            sid = storage_of(n.args[0])
+            if sid is not None:
+                writes.setdefault(sid, n)
+    return writes
 
 
 def mutated_after(operand: fx.Node, reader: fx.Node) -> bool:

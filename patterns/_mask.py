@@ -29,7 +29,7 @@ from ._affine import (Abs, Aff, _and, _as_pred, _as_sel, _coefs, _compare, compl
                       FloorDiv, _is_int, _linear, Neg, nonnegative, _not, _or, _plane, Pred, _remap, run_axis, Sel, _shift,
                       _simplify, TRUE)
 from ._fx import arg as _arg
-from ._fx import Keep, eq, number, rank, shape
+from ._fx import Keep, eq, number, rank, shape, storage_of, writes_by_storage
 from ._fx import name as _name
 from ._varlen import _input_of, leftpad_axis, leftpad_source, literals, _padding_source, _position_source, \
     _segment_source
@@ -45,6 +45,7 @@ class _MaskEval:
 
     def __init__(self):
         self.memo: dict[fx.Node, Any] = {}
+        self.writes: dict[fx.Graph, dict[int, fx.Node]] = {}
 
     def __call__(self, x):
         if not isinstance(x, fx.Node):
@@ -64,6 +65,14 @@ class _MaskEval:
         return v
 
     def _eval(self, node: fx.Node):
+        # A tensor written in place (`mask[...] = 0`, `masked_fill_`, through any view of it) holds other values
+        # than the op that made it: its value is not the node's.
+        writes = self.writes.get(node.graph)
+        if writes is None:
+            writes = self.writes[node.graph] = writes_by_storage(node.graph)
+        writer = writes.get(storage_of(node)) if writes else None
+        if writer is not None:
+            raise Keep(f"`{node.name}` is written in place (`{writer.name}`), which the mask analysis does not model")
         n = number(node)
         if n is not None and not isinstance(example(node), torch.Tensor):
             return Aff((), n)  # a SymInt/SymFloat with a fixed value

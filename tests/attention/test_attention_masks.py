@@ -65,6 +65,42 @@ def test_graph_input_mask_checked_at_run_time(form, kind):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _written_zeros(N):  # zeros, then the second half of the keys hidden in place
+    mask = torch.zeros(N, N)
+    mask[:, N // 2:] = torch.finfo(torch.float32).min
+    return mask
+
+
+def _written_tril(N):  # causal, then the first two keys hidden in place through a view
+    mask = torch.ones(N, N, dtype=torch.bool).tril()
+    mask[:, :2].fill_(False)
+    return mask
+
+
+def _written_full(N):  # the finite fill, then HF's older causal masks: masked_fill_ of the allowed part to 0
+    mask = torch.full((N, N), torch.finfo(torch.float32).min)
+    idx = torch.arange(N)
+    mask.masked_fill_(idx[None, :] <= idx[:, None], 0.0)
+    return mask
+
+
+@pytest.mark.parametrize("build", [_written_zeros, _written_tril, _written_full])
+@pytest.mark.parametrize("form", ["sdpa", "eager"])
+def test_mask_written_in_place_kept(build, form):
+    """A mask the graph writes in place holds other values than the op that made it (zeros, ones.tril(), a full
+    fill): kept with the reason, never proven from the op that made it."""
+    def fn(q, k, v):
+        mask = build(q.shape[2])
+        if form == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        fill = torch.finfo(torch.float32).min
+        bias = mask if mask.dtype != torch.bool else torch.zeros(mask.shape).masked_fill(~mask, fill)
+        return (q @ k.transpose(-1, -2) * 0.25 + bias).softmax(-1) @ v
+
+    reasons = _kept(Fn(fn), *_inputs())
+    assert any("written in place" in r for r in reasons), reasons
+
+
 def test_learned_bias_input_kept():
     bias = torch.randn(4, 8, 8, requires_grad=True)
     assert "requires grad" in _kept(Fn(_eager_added_mask), *_inputs(), bias)[0]
