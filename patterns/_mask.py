@@ -489,7 +489,8 @@ class MaskKind(NamedTuple):
     `uniform_empty` when a padded mask's fill is finite (a row with no visible key then averages v, as in eager), and
     with `chunk` > 0 only the keys of the query's chunk of positions (i // chunk == j // chunk: Llama-4's chunked
     attention), counted from each row's first unpadded key with `chunk_from_pad` ((i - L_b) // chunk, L_b the
-    number of leading False entries of `pad`'s row b, as HF's mask under left padding)."""
+    number of leading False entries of `pad`'s row b, as HF's mask under left padding); `blocks`: the lengths of
+    static blocks of positions that see only each other (`static_blocks`)."""
 
     causal: bool
     window: int = 0
@@ -498,6 +499,7 @@ class MaskKind(NamedTuple):
     uniform_empty: bool = False
     chunk: int = 0
     chunk_from_pad: bool = False
+    blocks: tuple = ()
 
 
 class RunTimeRuns(Keep):

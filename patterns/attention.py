@@ -25,7 +25,10 @@ arange comparisons, `where`, `masked_fill` (`~allowed` read through its negation
 `sdpa_mask`/`eager_mask`. On the scores' box, {j <= i} is causal (top-left, as the op), {i - w < j <= i} a sliding
 window of w (transformers' `sliding_window_overlay`), everything all-visible. HF's padding `attention_mask` and its
 packed-sequence ids (from position ids that restart) are run-time data: such masks go to `tk::attention_varlen`,
-which reads their values at run time (with a finite fill, rows without keys average v, as eager computes).
+which reads their values at run time (with a finite fill, rows without keys average v, as eager computes). A tensor
+written in place is not the op that made it: such a mask is kept, except one case read before the prover
+(patterns/_blocks.py): a full fill with diagonal blocks that tile the sequence written visible (Pixtral's images packed in
+one sequence), which runs as packed sequences with static ids (SDPA's mask).
 
 A mask that *is* a graph input (as after DDP's graph splitting, FSDP2's graph breaks or a per-layer compile) goes to
 `tk::attention_masked`: the op checks its values once per mask tensor and runs the kernel for a causal,
@@ -62,6 +65,7 @@ from ._fx import arg as _arg
 from ._affine import Aff, Neg, Pred, _and, _as_pred, _not
 from ._fx import _CASTS, in_place, Keep, eq, known, mutated_after, needs_grad, number, rank, shape
 from ._fx import name as _name
+from ._blocks import static_blocks
 from ._mask import _additive_allowed, _fill_finite, _fill_ok, _mask_kind, _MaskEval, MaskKind, RunTimeRuns
 from ._varlen import _from_graph_input
 from ._products import (_MATMULS, _dropout_p, _is_product, _operands, _path_to, _same_scores, _softmax_dim_ok,
@@ -166,7 +170,7 @@ class _Finder:
         contiguous = any(_name(u) in ("view", "view_as") for u in out.users)
         # padding, packed sequences and a two-sided window run on interval tables (tk::attention_varlen)
         varlen = (kind.pad is not None or kind.segments is not None or bool(kind.window and not kind.causal)
-                  or bool(kind.chunk))
+                  or bool(kind.chunk) or bool(kind.blocks))
         if kind.window and not kind.causal and not known(qs[-2] <= ks[-2] + kind.window - 1):
             raise Keep("a two-sided window with rows that may see no key (more queries than keys + window - 1)")
         if dropout_p and softcap:
@@ -187,7 +191,8 @@ class _Finder:
             # kernels' empty rows, not the finite fill's uniform average.
             uniform_empty = kind.uniform_empty and sink is None
             return (varlen_ops.attention_varlen_adapter,
-                    args + pad + (kind.segments, uniform_empty, dropout_p, kind.chunk, kind.chunk_from_pad, sink),
+                    args + pad + (kind.segments, uniform_empty, dropout_p, kind.chunk, kind.chunk_from_pad, sink,
+                                  kind.blocks),
                     [out])
         if sink is not None and mask is None:
             return attention_ops.attention_sink_adapter, args + (sink, transposed, contiguous, dropout_p), [out]
@@ -276,6 +281,9 @@ class _Finder:
                            dropout_p=float(dropout_p))
 
     def _sdpa_mask(self, mask: fx.Node, score_shape: tuple) -> MaskKind:
+        blocks = static_blocks(mask, number(score_shape[-1])) if eq(score_shape[-1], score_shape[-2]) else None
+        if blocks:  # image blocks packed in one sequence: static packed-sequence ids (tk::attention_varlen)
+            return MaskKind(False, blocks=blocks)
         try:
             v = self.masks(mask)
         except Keep as e:

@@ -13,7 +13,7 @@ import tk_inductor
 from tk_inductor.ops import attention_masked as A
 from tk_inductor.patterns import attention as P
 
-from attention_helpers import OPTS, _qkv, _compile, _kept, _inputs, Fn, _kernel_built
+from attention_helpers import OPTS, _check, _qkv, _compile, _kept, _inputs, Fn, _kernel_built
 
 # ---------------------------------------------------------------------------- masks known only at run time
 
@@ -99,6 +99,56 @@ def test_mask_written_in_place_kept(build, form):
 
     reasons = _kept(Fn(fn), *_inputs())
     assert any("written in place" in r for r in reasons), reasons
+
+
+def _blocks_mask(N, blocks, bool_mask=False, gap=False):
+    """Pixtral's block mask: a full fill, then each block of positions written visible in place."""
+    mask = torch.full((N, N), False) if bool_mask else torch.full((N, N), torch.finfo(torch.float32).min)
+    start = 0
+    for n in blocks:
+        if not (gap and start):  # gap: the second block left hidden
+            mask[start:start + n, start:start + n] = True if bool_mask else 0
+        start += n
+    return mask[None, None].expand(2, 1, -1, -1)
+
+
+@pytest.mark.parametrize("bool_mask", [False, True])
+def test_static_blocks_written_in_place_are_packed_sequences(bool_mask):
+    """Images packed in one sequence (Pixtral): a block-diagonal mask written in place from a full fill runs as
+    packed sequences with static ids (tk::attention_varlen), forward and backward equal to eager."""
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_blocks_mask(q.shape[2], (3, 4, 1), bool_mask))
+
+    q, k, v = (t.requires_grad_() for t in _inputs())
+    _check(Fn(fn), q, k, v, replaced=1, grad=True)
+
+
+@pytest.mark.parametrize("gap", [True, False])
+def test_static_blocks_that_do_not_tile_kept(gap):
+    """Blocks that leave a position hidden, or writes that are not a block of the diagonal, are kept."""
+    def fn(q, k, v):
+        if gap:
+            mask = _blocks_mask(q.shape[2], (3, 4, 1), gap=True)
+        else:
+            mask = torch.full((8, 8), torch.finfo(torch.float32).min)
+            mask[0:4, 0:4] = 0
+            mask[4:8, 0:8] = 0  # the last rows see every key
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    reasons = _kept(Fn(fn), *_inputs())
+    assert any("written in place" in r for r in reasons), reasons
+
+
+def test_hf_pixtral_images_in_one_sequence():
+    """HF Pixtral's vision encoder on several images: their patches in one sequence under a block mask."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.PixtralVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=64, patch_size=16, head_dim=16,
+                                           attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.PixtralVisionModel(cfg).train()
+    imgs, sizes = torch.randn(3, 3, 64, 64), torch.tensor([[64, 32], [32, 64], [48, 48]])
+    _check(Fn(lambda x: model(x, image_sizes=sizes).last_hidden_state), imgs, replaced=2, grad=True)
 
 
 def test_learned_bias_input_kept():

@@ -243,5 +243,5 @@ def test_chunked_attention_is_replaced():
     from attention_helpers import _check
 
     args = _varlen_call(Fn(_chunked_sdpa), *_inputs())
-    assert args[3] is True and args[-3:] == (3, False, None)  # causal, chunk 3 from position 0, no sinks
+    assert args[3] is True and args[-4:] == (3, False, None, ())  # causal, chunk 3 from position 0, no sinks, blocks
     _check(Fn(_chunked_sdpa), *_inputs())

@@ -82,6 +82,20 @@ def _gpt_oss():  # attention sinks, a sliding window on alternate layers
     return transformers.GptOssForCausalLM(cfg).bfloat16()
 
 
+def test_pixtral_image_blocks_on_cuda():
+    """Pixtral's images packed in one sequence (a block mask written in place) go to tk::attention_varlen in kernel
+    mode: static packed-sequence ids, head dim 64."""
+    cfg = transformers.PixtralVisionConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                           num_attention_heads=4, image_size=64, patch_size=16, head_dim=64,
+                                           attn_implementation="sdpa")
+    model = transformers.PixtralVisionModel(cfg).bfloat16()
+    imgs, sizes = torch.randn(3, 3, 64, 64, dtype=torch.bfloat16), torch.tensor([[64, 32], [32, 64], [48, 48]])
+    with torch.no_grad():
+        found = _matches_on_cuda(_capture(model, imgs, sizes))
+    assert [m.reason for m in found["attention"]] == [None], [m.reason for m in found["attention"]]
+    assert found["attention"][0].args[-1] == (8, 8, 9)  # the images' patch counts
+
+
 def _tiny(config: str, model: str):  # Cohere, ERNIE 4.5, HunYuan: their norm and rotary spellings (test_models)
     def build():
         if not hasattr(transformers, config):

@@ -409,13 +409,14 @@ attention_varlen.register_autograd(_backward, setup_context=_setup_context)
 
 def attention_varlen_adapter(q, k, v, causal: bool, scale: float, window: int, softcap: float, mask, offset: int,
                              segments, uniform_empty: bool, dropout_p: float = 0.0, chunk: int = 0,
-                             chunk_from_pad: bool = False, sink=None):
+                             chunk_from_pad: bool = False, sink=None, blocks: tuple = ()):
     """tk::attention_varlen's o: keep = the key columns [offset, offset + M) of a (B or 1, M') padding mask or None,
     segments = (B or 1, N) packed-sequence ids or None (one row: every batch entry's), or with chunk > 0 the chunks of
     positions, i // chunk (Llama-4's chunked attention: its sequence ids), with chunk_from_pad counted from each row's
     first unpadded position, (i - L_b) // chunk with L_b the mask's leading False count (HF's mask under left
     padding); dropout_p > 0: the (seed, offset) pair is drawn by a tk::philox_seed node, as in attention_adapter;
-    `sink`: attention sinks (gpt-oss), o rescaled by σ(lse − sink) as attention_sink_adapter does."""
+    `sink`: attention sinks (gpt-oss), o rescaled by σ(lse − sink) as attention_sink_adapter does; `blocks`: static
+    block lengths, each block of positions a sequence of its own (Pixtral's images packed in one sequence)."""
     B, M = q.shape[0], k.shape[2]
     _dispatch.check(mask is None or mask.shape[1] >= offset + M,
                     lambda: f"attention: the padding mask has {mask.shape[1]} columns, the keys need {offset + M}")
@@ -425,6 +426,8 @@ def attention_varlen_adapter(q, k, v, causal: bool, scale: float, window: int, s
         if chunk_from_pad:
             pos = pos - (mask.cumsum(-1) == 0).sum(-1, keepdim=True)
         segments = torch.div(pos, chunk, rounding_mode="floor")
+    if blocks:
+        segments = torch.tensor([i for i, n in enumerate(blocks) for _ in range(n)], device=q.device)[None]
     if segments is not None:
         segments = segments.expand(B, segments.shape[1])
     rng = torch.ops.tk.philox_seed() if dropout_p > 0 else None
