@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from typing import Any
 
 import torch
@@ -404,14 +405,23 @@ def storage_of(node: Any) -> int | None:
         return None
 
 
+_writes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> (its node count, writes)
+
+
 def writes_by_storage(graph: fx.Graph) -> dict[int, fx.Node]:
-    """storage id -> the first node of the graph that writes that storage in place (through any view of it)."""
+    """storage id -> the first node of the graph that writes that storage in place (through any view of it); kept
+    per graph until its node count changes (the matchers ask once per mask)."""
+    count = len(graph.nodes)
+    cached = _writes.get(graph)
+    if cached is not None and cached[0] == count:
+        return cached[1]
     writes: dict[int, fx.Node] = {}
     for n in graph.nodes:
         if n.op in ("call_function", "call_method") and n.args and isinstance(n.args[0], fx.Node) and in_place(n):
             sid = storage_of(n.args[0])
             if sid is not None:
                 writes.setdefault(sid, n)
+    _writes[graph] = (count, writes)
     return writes
 
 

@@ -45,7 +45,6 @@ class _MaskEval:
 
     def __init__(self):
         self.memo: dict[fx.Node, Any] = {}
-        self.writes: dict[fx.Graph, dict[int, fx.Node]] = {}
 
     def __call__(self, x):
         if not isinstance(x, fx.Node):
@@ -67,9 +66,7 @@ class _MaskEval:
     def _eval(self, node: fx.Node):
         # A tensor written in place (`mask[...] = 0`, `masked_fill_`, through any view of it) holds other values
         # than the op that made it: its value is not the node's.
-        writes = self.writes.get(node.graph)
-        if writes is None:
-            writes = self.writes[node.graph] = writes_by_storage(node.graph)
+        writes = writes_by_storage(node.graph)
         writer = writes.get(storage_of(node)) if writes else None
         if writer is not None:
             raise Keep(f"`{node.name}` is written in place (`{writer.name}`), which the mask analysis does not model")
