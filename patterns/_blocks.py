@@ -13,7 +13,7 @@ import torch.fx as fx
 from tk_inductor.rewrite import example
 
 from ._fx import arg as _arg
-from ._fx import in_place, name as _name, number, shape, storage_of
+from ._fx import name as _name, number, shape, storage_of, writes_by_storage
 from ._mask import _NEG_BIG
 
 _UNIT_VIEWS = ("getitem", "expand", "unsqueeze", "view", "reshape")
@@ -39,9 +39,7 @@ def static_blocks(mask: fx.Node, N) -> tuple[int, ...] | None:
     fill = number(raw) if additive else None
     if (additive and (fill is None or not (fill == -math.inf or fill <= _NEG_BIG))) or (not additive and raw is not False):
         return None
-    sid, blocks = storage_of(base), []
-    writers = [w for w in base.graph.nodes if w.op in ("call_function", "call_method") and w.args
-               and isinstance(w.args[0], fx.Node) and in_place(w) and storage_of(w.args[0]) == sid]
+    blocks, writers = [], writes_by_storage(base.graph).get(storage_of(base))
     if not writers or any(w.args[0] is not base or w.target is not operator.setitem for w in writers):
         return None  # every write to its storage is an item assignment of the full tensor itself
     for u in base.users:

@@ -408,19 +408,19 @@ def storage_of(node: Any) -> int | None:
 _writes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> (its node count, writes)
 
 
-def writes_by_storage(graph: fx.Graph) -> dict[int, fx.Node]:
-    """storage id -> the first node of the graph that writes that storage in place (through any view of it); kept
-    per graph until its node count changes (the matchers ask once per mask)."""
+def writes_by_storage(graph: fx.Graph) -> dict[int, list[fx.Node]]:
+    """storage id -> the nodes of the graph that write that storage in place (through any view of it), in graph
+    order; kept per graph until its node count changes (the matchers ask once per mask)."""
     count = len(graph.nodes)
     cached = _writes.get(graph)
     if cached is not None and cached[0] == count:
         return cached[1]
-    writes: dict[int, fx.Node] = {}
+    writes: dict[int, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.op in ("call_function", "call_method") and n.args and isinstance(n.args[0], fx.Node) and in_place(n):
             sid = storage_of(n.args[0])
             if sid is not None:
-                writes.setdefault(sid, n)
+                writes.setdefault(sid, []).append(n)
     _writes[graph] = (count, writes)
     return writes
 

@@ -66,10 +66,10 @@ class _MaskEval:
     def _eval(self, node: fx.Node):
         # A tensor written in place (`mask[...] = 0`, `masked_fill_`, through any view of it) holds other values
         # than the op that made it: its value is not the node's.
-        writes = writes_by_storage(node.graph)
-        writer = writes.get(storage_of(node)) if writes else None
-        if writer is not None:
-            raise Keep(f"`{node.name}` is written in place (`{writer.name}`), which the mask analysis does not model")
+        writers = writes_by_storage(node.graph).get(storage_of(node))
+        if writers:
+            raise Keep(f"`{node.name}` is written in place (`{writers[0].name}`), which the mask analysis does not "
+                       "model")
         n = number(node)
         if n is not None and not isinstance(example(node), torch.Tensor):
             return Aff((), n)  # a SymInt/SymFloat with a fixed value

@@ -137,6 +137,14 @@ def _scalar_add(node: Any) -> tuple[fx.Node, float | fx.Node] | None:
     return None
 
 
+def _last_dim_mean(node: Any, of: Any) -> bool:
+    """node = mean(of, -1, keepdim=True) (`torch.mean` / `Tensor.mean`, no dtype)."""
+    t = _tensor(of)
+    return (_is(node, _MEAN, "mean") and node.args[0] is of and t is not None
+            and _last_dim(_arg(node, 1, "dim"), t.dim()) and _arg(node, 2, "keepdim", False) is True
+            and _arg(node, 3, "dtype") is None)
+
+
 def _rms_rsqrt(node: Any) -> tuple[fx.Node, float] | None:
     """rsqrt(mean(a², -1, keepdim=True) + eps) -> (a, eps), a with its casts stripped."""
     if not _is(node, _RSQRT, "rsqrt"):
@@ -145,17 +153,10 @@ def _rms_rsqrt(node: Any) -> tuple[fx.Node, float] | None:
     if inner is None:
         return None
     mean, eps = inner
-    if not _is(mean, _MEAN, "mean"):
+    if not _is(mean, _MEAN, "mean") or not _last_dim_mean(mean, mean.args[0]):
         return None
     a = _square_of(mean.args[0])
-    ta = _tensor(a)
-    if a is None or ta is None:
-        return None
-    if not _last_dim(_arg(mean, 1, "dim"), ta.dim()) or _arg(mean, 2, "keepdim", False) is not True:
-        return None
-    if _arg(mean, 3, "dtype") is not None:
-        return None
-    return _strip_casts(a), eps
+    return (_strip_casts(a), eps) if a is not None and _tensor(a) is not None else None
 
 
 def _mul_operands(node: Any) -> tuple[Any, Any] | None:
@@ -231,14 +232,6 @@ def _written_rms(mul: fx.Node) -> _Norm | None:
         out, weight, _ = _affine_after(mul, h, bias_ok=False)
         return _Norm(h, out, weight, None, eps, True)
     return None
-
-
-def _last_dim_mean(node: Any, of: Any) -> bool:
-    """node = mean(of, -1, keepdim=True) (`torch.mean` / `Tensor.mean`, no dtype)."""
-    t = _tensor(of)
-    return (_is(node, _MEAN, "mean") and node.args[0] is of and t is not None
-            and _last_dim(_arg(node, 1, "dim"), t.dim()) and _arg(node, 2, "keepdim", False) is True
-            and _arg(node, 3, "dtype") is None)
 
 
 def _centred(node: Any) -> fx.Node | None:

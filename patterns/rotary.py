@@ -210,11 +210,9 @@ def _exact_float(node: Any) -> Any:
     """`node` with a cast to fp32 that changes no value stripped (from fp32, fp16 or bf16: ERNIE 4.5 writes
     `q.float() * cos + rotate_half(q).float() * sin`); other nodes as they are. The anchor's dtype is checked
     against x's promoted with cos's (`_reason`), so a cast that changes the result's dtype keeps the match."""
-    if cast_dtype(node) == torch.float32:
-        src = _tensor(node.args[0])
-        if src is not None and src.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            return node.args[0]
-    return node
+    if cast_dtype(node) == torch.float32 and getattr(_tensor(node.args[0]), "dtype", None) == torch.float32:
+        return node.args[0]  # a cast that changes nothing
+    return upcast_source(node)
 
 
 def _anchor(node: fx.Node):

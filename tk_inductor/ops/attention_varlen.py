@@ -91,7 +91,7 @@ class Intervals:
             rows, keys = torch.arange(N, device=device), torch.arange(M, device=device)
             lo_q, hi_q = torch.maximum(lo_q, rows - window + 1), torch.minimum(hi_q, rows + window - 1)
             lo_k, hi_k = torch.maximum(lo_k, keys - window + 1), torch.minimum(hi_k, keys + window - 1)
-        self.exact = self.empty = self.empty_rows = None
+        self.exact = self.empty = self.empty_rows = self._rows_by_entry = None
         if keep is not None:
             count, start, stop = visible_span(keep != 0)
             pos = torch.arange(M, device=device)
@@ -105,12 +105,21 @@ class Intervals:
             hi = torch.minimum(hi_q, rows) if causal else hi_q
             exact = count == stop - start
             self.empty_rows = lo > hi  # (B, N): the rows that see no key
-            host = torch.stack((exact, self.empty_rows.any(-1)), -1).tolist()  # the one wait for the device
+            host = torch.stack((exact, self.empty_rows.sum(-1)), -1).tolist()  # the one wait for the device
             varlen_paths["value checks"] += 1
             self.exact = [bool(e) for e, _ in host]
             self.empty = [bool(m) for _, m in host]
+            self._empty_counts = [int(m) for _, m in host]
         self.row_keys = torch.stack((lo_q, hi_q), -1).to(torch.int32).contiguous()
         self.key_rows = torch.stack((lo_k, hi_k), -1).to(torch.int32).contiguous()
+
+    def rows_without_keys(self) -> dict[int, torch.Tensor]:
+        """entry -> the indices of its rows that see no key, for the entries that have some: one wait for the device
+        the first time (the layers of a step and their backward share the tables)."""
+        if self._rows_by_entry is None:
+            rows = self.empty_rows.nonzero()[:, 1].split([c for c in self._empty_counts if c])
+            self._rows_by_entry = dict(zip([b for b, c in enumerate(self._empty_counts) if c], rows))
+        return self._rows_by_entry
 
 
 def fill_empty_rows(first: torch.Tensor, last: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +142,7 @@ def row_intervals(first: torch.Tensor, last: torch.Tensor, M: int) -> Intervals:
     first_f, last_f = fill_empty_rows(first, last, M)
     lo_k = torch.searchsorted(last_f.contiguous(), keys)  # the first row whose interval ends at or after j
     hi_k = torch.searchsorted(first_f.contiguous(), keys, right=True) - 1  # the last row whose interval starts by j
-    t.exact = t.empty = t.empty_rows = None
+    t.exact = t.empty = t.empty_rows = t._rows_by_entry = None
     t.row_keys = torch.stack((first, last), -1).to(torch.int32).contiguous()
     t.key_rows = torch.stack((lo_k, hi_k), -1).to(torch.int32).contiguous()
     return t
@@ -267,11 +276,10 @@ def _reference_entries(tensors, keep, segments, causal: bool, scale: float, wind
 def _uniform_rows(tables: Intervals | None, ref: list[int], uniform_empty: bool) -> list[tuple[int, torch.Tensor]]:
     """(entry, its rows without keys) that the kernel ran but `uniform_empty` gives the mean of v over every key
     (an eager model's finite fill: all scores equal): those rows are recomputed by the reference over every key, which
-    is exact, as each row's attention is independent of the others'. One wait for the device (the row indices)."""
-    if not uniform_empty or tables is None or tables.empty is None:
+    is exact, as each row's attention is independent of the others'."""
+    if not uniform_empty or tables is None or tables.empty is None or not any(tables.empty):
         return []
-    entries = [b for b, e in enumerate(tables.empty) if e and b not in ref]
-    return [(b, tables.empty_rows[b].nonzero().flatten()) for b in entries]
+    return [(b, rows) for b, rows in tables.rows_without_keys().items() if b not in ref]
 
 
 def _uniform_mask(rows: torch.Tensor, M: int) -> torch.Tensor:
